@@ -1,0 +1,57 @@
+"""Metric events: the one format every rank reports in.
+
+A rank emits one event per training step (plus a few lifecycle events). In a
+local simulation events travel to the parent through a multiprocessing queue;
+from a remote host they travel as one JSON object per line on stdout, behind
+``METRIC_PREFIX``, and the launcher parses them back. The same dicts feed
+``trainer.history``, the CSV and W&B loggers and the live dashboard. They never
+travel over the training process group, so byte counts and timings stay clean.
+
+Event kinds (the ``"event"`` key):
+
+- ``"step"``: one per (rank, step) with ``rank``, ``step``, ``train_loss``,
+  ``lr``, ``comm_bytes`` (cumulative), ``samples`` (cumulative), ``wall_s``;
+  eval steps add ``val_loss`` and ``val_global_loss``.
+- ``"start"``: a rank is ready (``rank``, ``max_steps``, ``host``).
+- ``"done"``: a rank finished (``rank``, ``step``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+METRIC_PREFIX = "@@exogym-event "
+
+STEP_KEYS = ("rank", "step", "train_loss", "lr", "comm_bytes", "samples", "wall_s")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them readable
+    return value
+
+
+def encode_event(event: dict[str, Any]) -> str:
+    """Return ``event`` as one line: the prefix, then compact JSON."""
+    clean = {k: _jsonable(v) for k, v in event.items()}
+    return METRIC_PREFIX + json.dumps(clean, separators=(",", ":"))
+
+
+def decode_line(line: str) -> dict[str, Any] | None:
+    """Parse a line written by :func:`encode_event`; ``None`` for any other line."""
+    line = line.rstrip("\r\n")
+    start = line.find(METRIC_PREFIX)
+    if start < 0:
+        return None
+    try:
+        event = json.loads(line[start + len(METRIC_PREFIX):])
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(event, dict):
+        return None
+    for key, value in event.items():
+        if value in ("nan", "inf", "-inf"):
+            event[key] = float(value)
+    return event
