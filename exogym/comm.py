@@ -1,0 +1,265 @@
+"""Collectives for training traffic, with byte counters.
+
+Every byte a strategy sends goes through this module, so the counters here are
+the ground truth for ``comm_bytes``. A rank "sends" the payload it passes to a
+collective: ``numel * element_size`` of its tensor (for ``all_gather``, of its
+own contribution). Protocol overhead is not counted.
+
+Three things happen here so that strategies need not care:
+
+- **Staging.** gloo works on CPU tensors; a tensor on MPS (or on CUDA when the
+  process group is gloo) is copied to the CPU, reduced, and copied back. For an
+  asynchronous call the copy back happens in the returned handle's ``wait()``,
+  never before the collective has finished.
+- **Bucketing.** :func:`all_reduce_tensors` flattens many small tensors into a
+  few flat buffers, so a model with hundreds of tensors costs a few calls.
+- **Precision.** ``dtype=`` makes values travel in a narrower type (bf16, fp16);
+  bytes are counted in that type while the model keeps its own precision.
+
+When no process group is initialised (a strategy used outside a trainer) the
+collectives act as a world of one: nothing moves and nothing is counted.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_reduce_tensors",
+    "comm_bytes",
+    "comm_calls",
+    "reset_counters",
+    "resolve_dtype",
+]
+
+BUCKET_BYTES = 32 * 1024 * 1024
+
+_bytes_sent = 0
+_calls = 0
+_backend_by_group: dict[object, str] = {}
+
+
+def comm_bytes() -> int:
+    """Payload bytes this process has passed to counted collectives so far."""
+    return _bytes_sent
+
+
+def comm_calls() -> int:
+    """Number of counted collective calls so far."""
+    return _calls
+
+
+def reset_counters() -> None:
+    """Zero the byte and call counters (a rank does this before training)."""
+    global _bytes_sent, _calls
+    _bytes_sent = 0
+    _calls = 0
+
+
+def _count(nbytes: int) -> None:
+    global _bytes_sent, _calls
+    _bytes_sent += int(nbytes)
+    _calls += 1
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _backend(group) -> str:
+    key = group if group is not None else "__world__"
+    backend = _backend_by_group.get(key)
+    if backend is None:
+        backend = str(dist.get_backend(group))
+        _backend_by_group[key] = backend
+    return backend
+
+
+def _needs_staging(tensor: torch.Tensor, group) -> bool:
+    if tensor.device.type == "cpu":
+        return False
+    if tensor.device.type == "mps":
+        return True
+    return _backend(group) == "gloo"
+
+
+class _StagedWork:
+    """Handle for an async collective on a staged copy; ``wait()`` copies back."""
+
+    def __init__(self, work, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+        self._work = work
+        self._pairs = pairs
+        self._done = False
+
+    def wait(self, timeout=None) -> bool:
+        if not self._done:
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout)
+            for target, staged in self._pairs:
+                target.copy_(staged)
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()
+
+
+class _DoneWork:
+    """Handle returned when there is nothing to wait for (a world of one)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def all_reduce(tensor: torch.Tensor, op=None, group=None, async_op: bool = False):
+    """All-reduce ``tensor`` in place (default op: SUM); counts its payload bytes."""
+    if op is None:
+        op = dist.ReduceOp.SUM
+    if not _active():
+        return _DoneWork() if async_op else None
+    _count(tensor.numel() * tensor.element_size())
+    if _needs_staging(tensor, group):
+        staged = tensor.detach().to("cpu")
+        work = dist.all_reduce(staged, op=op, group=group, async_op=async_op)
+        handle = _StagedWork(work if async_op else _DoneWork(), [(tensor, staged)])
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
+    """Broadcast ``tensor`` from global rank ``src`` in place; counts its payload bytes."""
+    if not _active():
+        return _DoneWork() if async_op else None
+    _count(tensor.numel() * tensor.element_size())
+    if _needs_staging(tensor, group):
+        staged = tensor.detach().to("cpu")
+        work = dist.broadcast(staged, src=src, group=group, async_op=async_op)
+        handle = _StagedWork(work if async_op else _DoneWork(), [(tensor, staged)])
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None, async_op: bool = False
+):
+    """Gather every rank's ``tensor`` into ``tensor_list``; counts this rank's payload."""
+    if not _active():
+        tensor_list[0].copy_(tensor)
+        return _DoneWork() if async_op else None
+    _count(tensor.numel() * tensor.element_size())
+    if _needs_staging(tensor, group):
+        staged_in = tensor.detach().to("cpu")
+        staged_out = [torch.empty_like(t, device="cpu") for t in tensor_list]
+        work = dist.all_gather(staged_out, staged_in, group=group, async_op=async_op)
+        handle = _StagedWork(
+            work if async_op else _DoneWork(), list(zip(tensor_list, staged_out))
+        )
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """Turn ``'bfloat16'``/``torch.bfloat16``/``None`` into a dtype (None keeps each tensor's)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(
+            f"comm_dtype must be one of 'float32', 'bfloat16', 'float16', got {dtype!r}"
+        ) from None
+
+
+def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Group tensor indices by (device, dtype) into runs of at most ``bucket_bytes``."""
+    by_key: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_key.setdefault((t.device, t.dtype), []).append(i)
+    buckets: list[list[int]] = []
+    for indices in by_key.values():
+        current: list[int] = []
+        size = 0
+        for i in indices:
+            nbytes = tensors[i].numel() * tensors[i].element_size()
+            if current and size + nbytes > bucket_bytes:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += nbytes
+        if current:
+            buckets.append(current)
+    return buckets
+
+
+def all_reduce_tensors(
+    tensors: Iterable[torch.Tensor],
+    op=None,
+    group=None,
+    average: bool = False,
+    dtype: str | torch.dtype | None = None,
+    world_size: int | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> None:
+    """All-reduce many tensors in place with a few bucketed calls.
+
+    Args:
+        tensors: tensors to reduce in place (any mix of shapes; grouped by device and dtype).
+        op: reduce op, SUM by default.
+        group: process group, the world by default.
+        average: divide the sum by the number of ranks in ``group`` (or ``world_size``).
+        dtype: type the values travel in (e.g. ``'bfloat16'``); bytes are counted in it.
+        world_size: divisor for ``average`` when it differs from the group size
+            (e.g. only some ranks contributed non-zero values).
+        bucket_bytes: largest flat buffer per call.
+    """
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors or not _active():
+        return
+    wire_dtype = resolve_dtype(dtype)
+    if average and world_size is None:
+        world_size = dist.get_world_size(group)
+    for bucket in _buckets(tensors, bucket_bytes):
+        members = [tensors[i] for i in bucket]
+        flat = torch.cat([t.reshape(-1) for t in members])
+        if wire_dtype is not None and flat.dtype != wire_dtype:
+            flat = flat.to(wire_dtype)
+        all_reduce(flat, op=op, group=group)
+        if average:
+            flat = flat.to(members[0].dtype) if flat.dtype != members[0].dtype else flat
+            flat.div_(world_size)
+        offset = 0
+        for t in members:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n

@@ -1,0 +1,211 @@
+"""Data for one rank: shards, endless minibatch streams, the validation subset.
+
+A dataset given to the trainer is sharded across ranks with a
+``DistributedSampler`` (reshuffled every epoch via ``set_epoch``). A factory
+``f(rank, num_nodes, is_train) -> Dataset`` builds each rank's own dataset
+instead (no sampler, shuffled per rank). The stream keeps its position
+(epoch, minibatches taken) so a checkpoint can resume exactly where it was.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+DatasetOrFactory = Any  # a Dataset, or f(rank, num_nodes, is_train) -> Dataset
+
+def is_factory(obj: Any) -> bool:
+    """True for a dataset factory: a callable that is not itself a dataset."""
+    return callable(obj) and not isinstance(obj, Dataset)
+
+def build_dataset(source: DatasetOrFactory, rank: int, num_nodes: int, is_train: bool):
+    """The dataset this rank reads: ``source`` itself, or what the factory returns."""
+    if not is_factory(source):
+        return source
+    dataset = source(rank, num_nodes, is_train)
+    if dataset is None:
+        kind = "train" if is_train else "validation"
+        raise ValueError(f"the {kind} dataset factory returned None for rank {rank}")
+    return dataset
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    if hasattr(batch, "to") and callable(batch.to):
+        return batch.to(device)
+    return batch
+
+def batch_size_of(batch: Any) -> int:
+    """Number of samples in a batch: the leading size of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, dict):
+        for value in batch.values():
+            return batch_size_of(value)
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_size_of(batch[0])
+    return 1
+
+def shard_length(dataset: Dataset, num_nodes: int) -> int:
+    """Samples each rank sees per epoch under a DistributedSampler (it pads evenly)."""
+    return math.ceil(len(dataset) / num_nodes)
+
+class MinibatchStream:
+    """An endless, resumable stream of minibatches for one rank.
+
+    Args:
+        dataset: this rank's dataset (the shared one when ``shard`` is True).
+        minibatch_size: samples per minibatch.
+        rank, num_nodes: this rank and the number of ranks.
+        shard: split ``dataset`` across ranks with a DistributedSampler.
+        shuffle: reshuffle every epoch (seeded, so every run sees the same order).
+        seed: the run's seed.
+        dataloader_kwargs: extra DataLoader arguments (``collate_fn``, ``num_workers``, ...).
+    """
+
+    def __init__(self, dataset: Dataset, minibatch_size: int, rank: int, num_nodes: int,
+                 shard: bool, shuffle: bool, seed: int,
+                 dataloader_kwargs: dict[str, Any] | None = None):
+        self.dataset = dataset
+        self.minibatch_size = minibatch_size
+        self.rank = rank
+        self.num_nodes = num_nodes
+        self.shard = shard
+        self.shuffle = shuffle
+        self.seed = seed
+        self.loader_kwargs = dict(dataloader_kwargs or {})
+        self.iterable = isinstance(dataset, IterableDataset)
+        self.epoch = 0
+        self.taken = 0  # minibatches taken in the current epoch
+        self._iter: Iterator | None = None
+
+    def batches_per_epoch(self) -> int | None:
+        """Minibatches in one epoch of this rank's data (None for an iterable dataset)."""
+        if self.iterable:
+            return None
+        n = shard_length(self.dataset, self.num_nodes) if self.shard else len(self.dataset)
+        return math.ceil(n / self.minibatch_size)
+
+    def _indices(self, epoch: int) -> list[int]:
+        if self.shard:
+            sampler = DistributedSampler(self.dataset, num_replicas=self.num_nodes, rank=self.rank,
+                                         shuffle=self.shuffle, seed=self.seed)
+            sampler.set_epoch(epoch)
+            return list(sampler)
+        if self.shuffle:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 7919 + epoch)
+            return torch.randperm(len(self.dataset), generator=gen).tolist()
+        return list(range(len(self.dataset)))
+
+    def _start_epoch(self) -> None:
+        if self.iterable:
+            loader = DataLoader(self.dataset, batch_size=self.minibatch_size,
+                                **_with_generator(self.loader_kwargs, self.seed + self.epoch))
+            it = iter(loader)
+            for _ in range(self.taken):
+                next(it)
+        else:
+            indices = self._indices(self.epoch)[self.taken * self.minibatch_size:]
+            loader = DataLoader(self.dataset, batch_size=self.minibatch_size, sampler=indices,
+                                **_with_generator(self.loader_kwargs, self.seed + self.epoch))
+            it = iter(loader)
+        self._iter = it
+
+    def __iter__(self) -> "MinibatchStream":
+        return self
+
+    def __next__(self) -> Any:
+        for _ in range(2):
+            if self._iter is None:
+                self._start_epoch()
+            try:
+                batch = next(self._iter)
+            except StopIteration:
+                self._iter = None
+                self.epoch += 1
+                self.taken = 0
+                continue
+            self.taken += 1
+            return batch
+        raise ValueError(
+            f"rank {self.rank}'s training data is empty: no minibatch in a whole epoch"
+        )
+
+    def state(self) -> dict[str, int]:
+        """Position to resume from."""
+        return {"epoch": self.epoch, "taken": self.taken}
+
+    def restore(self, state: dict[str, int]) -> None:
+        """Continue from a position returned by :meth:`state`."""
+        self.epoch = int(state["epoch"])
+        self.taken = int(state["taken"])
+        self._iter = None
+
+def validation_subset(dataset: Dataset, val_size: int, seed: int) -> list[int]:
+    """A fixed random subset of ``val_size`` indices, the same at every evaluation."""
+    if isinstance(dataset, IterableDataset):
+        raise TypeError("the validation dataset must support len() and indexing")
+    n = len(dataset)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(n, generator=gen)[: min(val_size, n)].tolist()
+
+def _with_generator(kwargs: dict[str, Any], seed: int) -> dict[str, Any]:
+    # A DataLoader draws its workers' base seed from the global RNG unless it has a
+    # generator of its own; giving it one keeps the training RNG (dropout, ...)
+    # independent of how often loaders are created, so a resumed run matches.
+    if "generator" in kwargs:
+        return kwargs
+    return {**kwargs, "generator": torch.Generator().manual_seed(seed)}
+
+
+def eval_loader(dataset: Dataset, indices: list[int], minibatch_size: int,
+                dataloader_kwargs: dict[str, Any] | None = None) -> DataLoader:
+    """A DataLoader over ``indices`` of ``dataset`` in order."""
+    kwargs = {k: v for k, v in (dataloader_kwargs or {}).items() if k != "shuffle"}
+    return DataLoader(dataset, batch_size=minibatch_size, sampler=indices,
+                      **_with_generator(kwargs, 0))
+
+def dirichlet_partition(labels, num_clients: int, alpha: float, seed: int = 0) -> list[list[int]]:
+    """Split sample indices across clients with label skew drawn from Dirichlet(alpha).
+
+    Smaller ``alpha`` gives each client fewer classes (more non-IID); large alpha
+    approaches an even split. Every index lands with exactly one client.
+
+    Args:
+        labels: one class label per sample (sequence or tensor of ints).
+        num_clients: number of parts.
+        alpha: Dirichlet concentration (> 0).
+        seed: seed of the draw.
+    """
+    if num_clients < 1:
+        raise ValueError(f"num_clients must be >= 1, got {num_clients}")
+    if not alpha > 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    labels = torch.as_tensor(labels).reshape(-1)
+    gen = torch.Generator().manual_seed(seed)
+    parts: list[list[int]] = [[] for _ in range(num_clients)]
+    concentration = torch.full((num_clients,), float(alpha))
+    dirichlet = torch.distributions.Dirichlet(concentration)
+    for cls in torch.unique(labels).tolist():
+        idx = torch.nonzero(labels == cls).reshape(-1)
+        idx = idx[torch.randperm(len(idx), generator=gen)]
+        # torch.distributions has no generator argument: seed the draw explicitly.
+        state = torch.random.get_rng_state()
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        share = dirichlet.sample()
+        torch.random.set_rng_state(state)
+        cuts = (torch.cumsum(share, 0) * len(idx)).round().long().tolist()[:-1]
+        for client, chunk in enumerate(torch.tensor_split(idx, cuts)):
+            parts[client].extend(chunk.tolist())
+    return parts
+

@@ -1,0 +1,142 @@
+"""What a person sees during and after a run: a progress bar, then a summary table.
+
+On a terminal, a rich progress bar follows the slowest rank with the mean
+training loss and the learning rate. Elsewhere (CI, pipes, log files) a plain
+line is printed every ``log_interval`` steps instead. At the end a short table
+gives the final losses, steps per second and bytes sent per node.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def summarize(history: list[dict[str, Any]], num_nodes: int, wall_s: float) -> dict[str, Any]:
+    """Final figures of a run from its history."""
+    last: dict[int, dict[str, Any]] = {}
+    last_eval: dict[str, Any] | None = None
+    for row in history:
+        last[row["rank"]] = row
+        if "val_loss" in row and row["rank"] == 0:
+            last_eval = row
+    steps = max((r["step"] for r in last.values()), default=0)
+    train_wall = max((r.get("wall_s", 0.0) for r in last.values()), default=0.0)
+    summary: dict[str, Any] = {
+        "steps": steps,
+        "num_nodes": num_nodes,
+        "final_train_loss": (sum(r["train_loss"] for r in last.values()) / len(last)
+                             if last else None),
+        "steps_per_s": steps / train_wall if train_wall > 0 else None,
+        "bytes_per_node": (sum(r["comm_bytes"] for r in last.values()) / len(last)
+                           if last else 0),
+        "wall_s": wall_s,
+    }
+    if last_eval is not None:
+        summary["final_val_loss"] = last_eval["val_loss"]
+        summary["final_val_global_loss"] = last_eval.get("val_global_loss")
+    return summary
+
+
+class RunReporter:
+    """Shows a run's progress from its events and prints the final summary.
+
+    Args:
+        num_nodes: ranks in the run.
+        show: print anything at all.
+        log_interval: steps between plain log lines when not on a terminal.
+        console: where to print (default: standard error).
+    """
+
+    def __init__(self, num_nodes: int, show: bool = True, log_interval: int = 10,
+                 console: Console | None = None):
+        self.num_nodes = num_nodes
+        self.show = show
+        self.log_interval = log_interval
+        self.console = console or Console(stderr=True)
+        self.latest: dict[int, dict[str, Any]] = {}
+        self.total: int | None = None
+        self.progress: Progress | None = None
+        self.task = None
+        self.printed_step = 0
+        self.interactive = self.console.is_terminal and sys.stderr.isatty()
+
+    def _start_bar(self) -> None:
+        self.progress = Progress(
+            TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("lr {task.fields[lr]}"),
+            TimeElapsedColumn(), console=self.console, transient=False,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=self.total, loss="-", lr="-")
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """Feed one metric event."""
+        if not self.show:
+            return
+        kind = event.get("event")
+        if kind == "start" and self.total is None:
+            self.total = event.get("max_steps")
+            if self.interactive:
+                self._start_bar()
+            return
+        if kind != "step":
+            return
+        self.latest[event["rank"]] = event
+        if len(self.latest) < self.num_nodes:
+            return
+        step = min(e["step"] for e in self.latest.values())
+        loss = sum(e["train_loss"] for e in self.latest.values()) / len(self.latest)
+        lr = self.latest.get(0, event)["lr"]
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+        elif step > self.printed_step and (step % self.log_interval == 0 or step == self.total):
+            self.printed_step = step
+            extra = ""
+            if "val_global_loss" in event:
+                extra = f" val_loss {event['val_global_loss']:.4f}"
+            self.console.print(
+                f"step {step}/{self.total} loss {loss:.4f} lr {lr:.2e}"
+                f" sent {human_bytes(event['comm_bytes'])}{extra}", highlight=False)
+
+    def close(self) -> None:
+        """Stop the progress bar (idempotent)."""
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def finish(self, summary: dict[str, Any], title: str = "run summary") -> None:
+        """Stop the bar and print the summary table."""
+        self.close()
+        if not self.show:
+            return
+        table = Table(title=title)
+        for column in ("nodes", "steps", "train loss", "val loss (avg model)", "steps/s",
+                       "sent per node", "wall"):
+            table.add_column(column, justify="right")
+
+        def fmt(value: Any, spec: str) -> str:
+            return "-" if value is None else format(value, spec)
+
+        table.add_row(
+            str(summary["num_nodes"]), str(summary["steps"]),
+            fmt(summary.get("final_train_loss"), ".4f"),
+            fmt(summary.get("final_val_global_loss"), ".4f"),
+            fmt(summary.get("steps_per_s"), ".1f"),
+            human_bytes(summary.get("bytes_per_node") or 0),
+            f"{summary['wall_s']:.1f} s",
+        )
+        self.console.print(table)

@@ -1,0 +1,105 @@
+"""Strategies that optimize locally, then communicate: the composition kit.
+
+``CommunicateOptimizeStrategy`` runs the inner optimizer step, then hands the
+model to each of its ``CommunicationModule``s in order. DiLoCo, FedAvg and
+SPARTA are all built this way, and a new strategy can be composed from their
+modules (e.g. sparse averaging every step plus a DiLoCo round every H steps).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import torch
+
+from .optim import OptimSpec
+from .strategy import Strategy
+
+
+def averaged_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors a model average covers: trainable parameters, then float buffers."""
+    tensors = [p.data for p in model.parameters() if p.requires_grad]
+    tensors += [b for b in model.buffers() if b.is_floating_point()]
+    return tensors
+
+
+class CommunicationModule(ABC):
+    """One communication step of a composed strategy.
+
+    ``strategy`` is set to the owning strategy, so a module can read shared
+    settings (e.g. ``strategy.seed``, ``strategy.optim``).
+    """
+
+    strategy: Strategy | None = None
+
+    def __init__(self, **kwargs: Any):
+        if kwargs:
+            from exogym._args import init_arg_names, unknown_args_error
+
+            raise unknown_args_error(type(self).__name__, kwargs, init_arg_names(type(self)))
+
+    @abstractmethod
+    def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int,
+                    local_step: int) -> None:
+        """Communicate after the inner step numbered ``local_step`` (0-based)."""
+
+    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        """Prepare per-rank state (called once the rank's model exists)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint (default: none)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s result."""
+
+
+class CommunicateOptimizeStrategy(Strategy):
+    """Inner optimizer step, then each communication module in turn.
+
+    Args:
+        communication_modules: modules run after every inner step, in order.
+        optim_spec: the inner optimizer (default AdamW).
+        max_norm: gradient clipping before the inner step.
+        **kwargs: the schedule and optimizer arguments of :class:`Strategy`.
+    """
+
+    def __init__(
+        self,
+        communication_modules: Sequence[CommunicationModule],
+        optim_spec: OptimSpec | str | None = None,
+        max_norm: float | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(optim_spec=optim_spec, max_norm=max_norm, **kwargs)
+        self.communication_modules = list(communication_modules)
+        for module in self.communication_modules:
+            if not isinstance(module, CommunicationModule):
+                raise TypeError(f"communication_modules must be CommunicationModule, got {module!r}")
+            module.strategy = self
+
+    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        super()._init_node(model, rank, num_nodes)
+        for module in self.communication_modules:
+            module._init_node(model, rank, num_nodes)
+
+    def step(self) -> None:
+        self.clip_grads()
+        self.optim.step()
+        self._communicate()
+        super().step()
+
+    def _communicate(self) -> None:
+        for module in self.communication_modules:
+            module.communicate(self.model, self.rank, self.num_nodes, self.local_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["modules"] = [m.state_dict() for m in self.communication_modules]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for module, module_state in zip(self.communication_modules, state.get("modules", [])):
+            module.load_state_dict(module_state)

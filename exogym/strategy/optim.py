@@ -1,0 +1,126 @@
+"""OptimSpec: an optimizer class and its arguments, built later on a model.
+
+A strategy is configured before any rank exists, so it holds a recipe rather
+than an optimizer; each rank builds the optimizer on its own model copy.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "sgd": torch.optim.SGD,
+    "rmsprop": torch.optim.RMSprop,
+    "adagrad": torch.optim.Adagrad,
+    "adamax": torch.optim.Adamax,
+    "nadam": torch.optim.NAdam,
+    "radam": torch.optim.RAdam,
+}
+
+
+def _accepted_kwargs(cls: type) -> set[str] | None:
+    """Keyword names ``cls(params, ...)`` accepts, or None if it takes ``**kwargs``."""
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return {name for name in params if name not in ("self", "params")}
+
+
+class OptimSpec:
+    """A recipe for an optimizer: the class plus its keyword arguments.
+
+    Args:
+        cls: a ``torch.optim.Optimizer`` subclass (default AdamW), or a name such
+            as ``'adam'``, ``'adamw'``, ``'sgd'``.
+        **kwargs: arguments for the optimizer (``lr``, ``weight_decay``, ...);
+            checked against the optimizer's signature now, not on first use.
+    """
+
+    def __init__(self, cls: type[torch.optim.Optimizer] | str = torch.optim.AdamW, **kwargs: Any):
+        if isinstance(cls, str):
+            cls = optimizer_class(cls)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise TypeError(f"OptimSpec needs a torch.optim.Optimizer subclass, got {cls!r}")
+        accepted = _accepted_kwargs(cls)
+        if accepted is not None:
+            unknown = sorted(set(kwargs) - accepted)
+            if unknown:
+                raise TypeError(
+                    f"{cls.__name__} got unknown argument(s) {', '.join(unknown)}; "
+                    f"accepted: {', '.join(sorted(accepted))}"
+                )
+        self.cls = cls
+        self.kwargs = dict(kwargs)
+
+    @classmethod
+    def from_string(cls, name: str, **kwargs: Any) -> "OptimSpec":
+        """Build a spec from an optimizer name (``'adam'``, ``'adamw'``, ``'sgd'``, ...)."""
+        return cls(optimizer_class(name), **kwargs)
+
+    def with_overrides(self, **kwargs: Any) -> "OptimSpec":
+        """A copy with some arguments replaced (e.g. ``lr``)."""
+        return OptimSpec(self.cls, **{**self.kwargs, **kwargs})
+
+    def build(self, model_or_params) -> torch.optim.Optimizer:
+        """Create the optimizer over the trainable parameters of a model (or a param list)."""
+        if isinstance(model_or_params, torch.nn.Module):
+            params = [p for p in model_or_params.parameters() if p.requires_grad]
+        else:
+            params = list(model_or_params)
+        if not params:
+            raise ValueError("the model has no trainable parameters (none has requires_grad=True)")
+        return self.cls(params, **self.kwargs)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        return f"OptimSpec({self.cls.__name__}{', ' + args if args else ''})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OptimSpec) and (self.cls, self.kwargs) == (other.cls, other.kwargs)
+
+    def __config__(self) -> dict[str, Any]:
+        return {"optimizer": self.cls.__name__, **{k: _plain(v) for k, v in self.kwargs.items()}}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return repr(value)
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The optimizer class for a name such as ``'adamw'``; a clear error lists the names."""
+    try:
+        return OPTIMIZERS[name.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown optimizer {name!r}; use one of {', '.join(sorted(OPTIMIZERS))} "
+            "or pass an OptimSpec(torch.optim.X, ...)"
+        ) from None
+
+
+def ensure_optim_spec(
+    spec: OptimSpec | str | type | None, default: OptimSpec | None = None, **kwargs: Any
+) -> OptimSpec | None:
+    """Normalise ``spec`` (a spec, a name, an optimizer class, or None for ``default``)."""
+    if spec is None:
+        return default
+    if isinstance(spec, OptimSpec):
+        return spec.with_overrides(**kwargs) if kwargs else spec
+    if isinstance(spec, str):
+        return OptimSpec.from_string(spec, **kwargs)
+    if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
+        return OptimSpec(spec, **kwargs)
+    raise TypeError(
+        f"expected an OptimSpec, an optimizer name or an optimizer class, got {spec!r}"
+    )

@@ -1,0 +1,288 @@
+"""Strategy: how one rank turns its gradients into a model update.
+
+A strategy sees its rank's model, the rank, the number of ranks and the
+collectives of :mod:`exogym.comm`; it never sees the trainer. The base class
+owns what every strategy shares: the (inner) optimizer built from an
+``OptimSpec`` or a name, the learning-rate schedule, gradient clipping and the
+step counter. ``SimpleReduceStrategy`` (AllReduce / DDP) lives here too.
+
+Writing a strategy takes a few lines::
+
+    class MyStrategy(Strategy):
+        def step(self):
+            ...                 # look at self.model's grads, call all_reduce(...)
+            self.optim.step()
+            super().step()      # advances the schedule and local_step
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
+from exogym import comm
+from exogym._args import init_arg_names, unknown_args_error
+
+from .optim import OptimSpec, ensure_optim_spec
+
+SCHEDULERS = ("lambda_cosine", "cosine", "constant")
+_SCHEDULE_KEYS = ("warmup_steps", "cosine_anneal", "min_lr_factor", "max_steps")
+
+
+def lr_factor(
+    step: int,
+    total_steps: int,
+    warmup_steps: int = 0,
+    cosine: bool = False,
+    min_lr_factor: float = 0.1,
+) -> float:
+    """Multiplier of the base learning rate for the optimizer step numbered ``step`` (0-based).
+
+    Linear warmup over ``warmup_steps`` starts at ``1/warmup_steps`` (never at 0),
+    then the factor stays 1, or follows a half cosine down to ``min_lr_factor``
+    at ``total_steps``.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if not cosine:
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr_factor + (1.0 - min_lr_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Strategy(ABC):
+    """Base class of every training strategy.
+
+    Args:
+        optim_spec: the (inner) optimizer: an ``OptimSpec``, a name (``'adamw'``,
+            ``'adam'``, ``'sgd'``, ...) or an optimizer class. Default AdamW.
+        inner_optim: the same, under the name DiLoCo users know; give one of the two.
+        lr: learning rate; overrides the one in ``optim_spec``.
+        lr_scheduler: ``'lambda_cosine'`` (warmup, then cosine if ``cosine_anneal``),
+            ``'cosine'`` (warmup then cosine), ``'constant'`` (warmup then flat), or a
+            ``torch.optim.lr_scheduler`` class built with ``lr_scheduler_kwargs``.
+        lr_scheduler_kwargs: arguments of the schedule (the keys below, or those of
+            a scheduler class).
+        warmup_steps: linear warmup length in steps (the first step runs at lr/warmup).
+        cosine_anneal: anneal with a cosine after warmup (``'lambda_cosine'``).
+        min_lr_factor: the cosine ends at ``lr * min_lr_factor`` (default 0.1).
+        max_steps: steps the schedule spans (default: the run's ``max_steps``).
+        max_norm: clip the gradient norm to this value before the optimizer step.
+    """
+
+    #: True when every rank provably holds the same model after every step, so
+    #: evaluating "the average model" needs no communication (AllReduce).
+    keeps_ranks_identical: bool = False
+
+    def __init__(
+        self,
+        optim_spec: OptimSpec | str | type | None = None,
+        inner_optim: OptimSpec | str | type | None = None,
+        lr: float | None = None,
+        lr_scheduler: str | type | None = None,
+        lr_scheduler_kwargs: dict[str, Any] | None = None,
+        warmup_steps: int | None = None,
+        cosine_anneal: bool | None = None,
+        min_lr_factor: float | None = None,
+        max_steps: int | None = None,
+        max_norm: float | None = None,
+        **kwargs: Any,
+    ):
+        if kwargs:
+            raise unknown_args_error(type(self).__name__, kwargs, init_arg_names(type(self)))
+        if optim_spec is not None and inner_optim is not None:
+            raise TypeError(
+                f"{type(self).__name__}: give the inner optimizer as optim_spec= or "
+                "inner_optim=, not both"
+            )
+        spec = optim_spec if optim_spec is not None else inner_optim
+        if spec is not None or not hasattr(self, "optim_spec"):
+            # A subclass may have set self.optim_spec before calling us.
+            self.optim_spec = ensure_optim_spec(spec)
+        if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):
+            raise ValueError(f"lr must be a positive number, got {lr!r}")
+        self.lr = lr
+        self.max_norm = max_norm
+        self.lr_scheduler = lr_scheduler
+        self.lr_scheduler_kwargs = dict(lr_scheduler_kwargs or {})
+        self._schedule = self._schedule_settings(
+            warmup_steps=warmup_steps,
+            cosine_anneal=cosine_anneal,
+            min_lr_factor=min_lr_factor,
+            max_steps=max_steps,
+        )
+        self.scheduler = None
+        self.lr_callbacks: list[Callable[[float], None]] = []
+        self.max_steps: int = max_steps or 1  # the run's length; set by the trainer
+        self.seed: int = 0  # shared by all ranks; set by the trainer
+        self.local_step = 0
+
+    # -- configuration -------------------------------------------------------------
+
+    def _schedule_settings(self, **direct: Any) -> dict[str, Any]:
+        name = self.lr_scheduler
+        if name is not None and not isinstance(name, type) and name not in SCHEDULERS:
+            raise ValueError(
+                f"lr_scheduler must be one of {', '.join(SCHEDULERS)}, a torch scheduler "
+                f"class, or None; got {name!r}"
+            )
+        settings = {k: v for k, v in direct.items() if v is not None}
+        if not isinstance(name, type):
+            extra = set(self.lr_scheduler_kwargs) - set(_SCHEDULE_KEYS)
+            if extra:
+                raise unknown_args_error("lr_scheduler_kwargs", extra, _SCHEDULE_KEYS)
+            settings = {**self.lr_scheduler_kwargs, **settings}
+        warmup = settings.get("warmup_steps", 0)
+        if not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup!r}")
+        floor = settings.get("min_lr_factor", 0.1)
+        if not 0.0 <= float(floor) <= 1.0:
+            raise ValueError(f"min_lr_factor must be within [0, 1], got {floor!r}")
+        if self.max_norm is not None and not self.max_norm > 0:
+            raise ValueError(f"max_norm must be positive, got {self.max_norm!r}")
+        return settings
+
+    # -- set-up on a rank ----------------------------------------------------------
+
+    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+        """Attach the strategy to this rank's model; builds optimizer and schedule."""
+        self.model = model
+        self.rank = rank
+        self.num_nodes = num_nodes
+        self.local_step = 0
+        self.optim = self._build_optimizer()
+        self._setup_scheduler()
+
+    def _inner_spec(self) -> OptimSpec:
+        spec = ensure_optim_spec(self.optim_spec, OptimSpec(torch.optim.AdamW))
+        if self.lr is not None:
+            spec = spec.with_overrides(lr=self.lr)
+        return spec
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        return self._inner_spec().build(self.model)
+
+    def _setup_scheduler(self) -> None:
+        name = self.lr_scheduler
+        if name is None and not self._schedule.get("warmup_steps"):
+            self.scheduler = None
+            return
+        if isinstance(name, type):
+            if not issubclass(name, LRScheduler):
+                raise TypeError(f"lr_scheduler class must be a torch LRScheduler, got {name!r}")
+            self.scheduler = name(self.optim, **self.lr_scheduler_kwargs)
+            return
+        settings = self._schedule
+        cosine = name == "cosine" or (
+            name == "lambda_cosine" and bool(settings.get("cosine_anneal", False))
+        )
+
+        def factor(step: int) -> float:
+            total = settings.get("max_steps") or self.max_steps
+            total = min(total, self.max_steps) if self.max_steps else total
+            return lr_factor(
+                step,
+                total,
+                warmup_steps=settings.get("warmup_steps", 0),
+                cosine=cosine,
+                min_lr_factor=settings.get("min_lr_factor", 0.1),
+            )
+
+        self.scheduler = LambdaLR(self.optim, factor)
+
+    # -- the step ------------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        """Clear every parameter's gradient before the next forward/backward."""
+        self.model.zero_grad(set_to_none=True)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters that require grad: the only ones a strategy communicates."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def clip_grads(self) -> None:
+        """Clip the gradient norm to ``max_norm`` when it is set."""
+        if self.max_norm:
+            torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.max_norm)
+
+    @property
+    def current_lr(self) -> float:
+        """Learning rate the next optimizer step uses (first parameter group)."""
+        return float(self.optim.param_groups[0]["lr"])
+
+    @abstractmethod
+    def step(self) -> None:
+        """Update the model from the current gradients; subclasses call ``super().step()``."""
+        if self.scheduler is not None:
+            self.scheduler.step()
+            if self.lr_callbacks:
+                lr = self.scheduler.get_last_lr()[0]
+                for callback in self.lr_callbacks:
+                    callback(lr)
+        self.local_step += 1
+
+    # -- checkpoints ---------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue this rank's strategy after a restart."""
+        return {
+            "local_step": self.local_step,
+            "optim": self.optim.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (after ``_init_node``)."""
+        self.local_step = state["local_step"]
+        self.optim.load_state_dict(state["optim"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def __config__(self) -> dict[str, Any]:
+        """Plain settings for logs and run configs."""
+        config: dict[str, Any] = {"strategy": type(self).__name__}
+        spec = ensure_optim_spec(self.optim_spec, OptimSpec(torch.optim.AdamW))
+        config["optim"] = spec.__config__()
+        for key in ("lr", "max_norm", "H", "island_size", "client_sampling", "comm_dtype"):
+            value = getattr(self, key, None)
+            if value is not None:
+                config[key] = value if isinstance(value, (int, float, str, bool)) else repr(value)
+        if self.lr_scheduler is not None:
+            sched = self.lr_scheduler
+            config["lr_scheduler"] = sched if isinstance(sched, str) else sched.__name__
+            config.update({k: v for k, v in self._schedule.items()})
+        return config
+
+
+class SimpleReduceStrategy(Strategy):
+    """AllReduce (DDP): average gradients every step, clip, then step the optimizer.
+
+    All gradients travel in one bucketed all-reduce per step, ``4 * P`` bytes per
+    rank for ``P`` float32 trainable parameters.
+
+    Args:
+        optim_spec: the optimizer (default AdamW); see :class:`Strategy` for the rest.
+        max_norm: gradient clipping, applied to the averaged gradient.
+    """
+
+    keeps_ranks_identical = True
+
+    def __init__(self, optim_spec: OptimSpec | str | None = None, max_norm: float | None = None,
+                 **kwargs: Any):
+        super().__init__(optim_spec=optim_spec, max_norm=max_norm, **kwargs)
+
+    def step(self) -> None:
+        params = self.trainable_parameters()
+        if self.num_nodes > 1:
+            for p in params:
+                if p.grad is None:  # unused this step here, maybe not elsewhere
+                    p.grad = torch.zeros_like(p)
+            comm.all_reduce_tensors([p.grad for p in params], average=True)
+        self.clip_grads()
+        self.optim.step()
+        super().step()

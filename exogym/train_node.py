@@ -1,0 +1,321 @@
+"""TrainNode: one rank's training loop.
+
+The same loop runs in a local simulation and on a real host: it takes a batch,
+runs forward and backward (accumulating gradients over minibatches), lets the
+strategy step (which is where ranks talk), and reports a metric event. It also
+evaluates, measures how correlated the ranks' models are, and writes and
+resumes checkpoints. Evaluation and metrics travel over a separate "side"
+process group, never over the training one, so byte counts stay exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from exogym import comm
+from exogym.checkpoint import CheckpointError, list_steps, load_checkpoint, save_checkpoint
+from exogym.checkpoint import checkpoint_path
+from exogym.data import (
+    MinibatchStream,
+    batch_size_of,
+    build_dataset,
+    eval_loader,
+    is_factory,
+    to_device,
+    validation_subset,
+)
+from exogym.spec import RunSpec
+from exogym.strategy.communicate_optimize_strategy import averaged_tensors
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": np.random.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class TrainNode:
+    """One rank of a run: its model copy, data shard, strategy and loop.
+
+    Args:
+        spec: the run (validated; ``minibatch_size`` already an int).
+        rank: this rank.
+        device: the device it trains on.
+        emit: where metric events go (a queue in simulation, stdout on a host).
+        side_group: a process group for evaluation and metrics traffic (uncounted);
+            None when there is a single rank.
+        checkpoint_root: folder for this run's checkpoints.
+    """
+
+    def __init__(self, spec: RunSpec, rank: int, device: torch.device, emit: Emit,
+                 side_group=None, checkpoint_root: str | Path | None = None):
+        self.spec = spec
+        self.rank = rank
+        self.num_nodes = spec.num_nodes
+        self.device = device
+        self.emit = emit
+        self.side_group = side_group
+        self.checkpoint_root = Path(checkpoint_root or Path(spec.save_dir) / (spec.run_name or "run"))
+        _seed_everything(spec.seed + rank)
+
+        self.model = copy.deepcopy(spec.model).to(device)
+        self.model.train()
+        if spec.broadcast_init and self.num_nodes > 1:
+            self._broadcast_initial_state()
+
+        train_data = build_dataset(spec.train_dataset, rank, self.num_nodes, True)
+        self.train_stream = MinibatchStream(
+            train_data, spec.minibatch_size, rank, self.num_nodes,
+            shard=not is_factory(spec.train_dataset), shuffle=spec.shuffle, seed=spec.seed,
+            dataloader_kwargs=spec.dataloader_kwargs,
+        )
+        self.max_steps = self._agree_on_max_steps()
+
+        self.val_loader = self.val_shard_loader = None
+        if spec.val_size > 0:
+            val_data = build_dataset(spec.val_dataset, rank, self.num_nodes, False)
+            subset = validation_subset(val_data, spec.val_size, spec.seed)
+            self.val_loader = eval_loader(val_data, subset, spec.minibatch_size,
+                                          spec.dataloader_kwargs)
+            self.val_shard_loader = eval_loader(val_data, subset[rank::self.num_nodes],
+                                                spec.minibatch_size, spec.dataloader_kwargs)
+        self._avg_model: torch.nn.Module | None = None
+
+        self.strategy = copy.deepcopy(spec.strategy)
+        self.strategy.max_steps = self.max_steps
+        self.strategy.seed = spec.seed
+        self.strategy._init_node(self.model, rank, self.num_nodes)
+
+        self.step = 0
+        self.samples = 0
+        self.autocast = (
+            torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+            if spec.autocast else nullcontext()
+        )
+
+    # -- agreement between ranks (side group, uncounted) ------------------------------
+
+    def _side_reduce(self, values: list[float], op) -> list[float]:
+        if self.side_group is None:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=self.side_group)
+        return t.tolist()
+
+    def _broadcast_initial_state(self) -> None:
+        tensors = [p.data for p in self.model.parameters()] + list(self.model.buffers())
+        for t in tensors:
+            staged = t.detach().cpu()
+            dist.broadcast(staged, src=0, group=self.side_group)
+            t.copy_(staged)
+
+    def _agree_on_max_steps(self) -> int:
+        if self.spec.max_steps is not None:
+            return self.spec.max_steps
+        per_epoch = self.train_stream.batches_per_epoch()
+        if per_epoch is None:
+            raise ValueError("max_steps is required when the training dataset is iterable "
+                             "(it has no length to count epochs by)")
+        steps = max(1, self.spec.num_epochs * per_epoch // self.spec.accumulation_steps)
+        # Ranks with different factory-built datasets must still stop together.
+        return int(self._side_reduce([steps], dist.ReduceOp.MIN)[0])
+
+    # -- one step -------------------------------------------------------------------
+
+    def _loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        with self.autocast:
+            loss = model(batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(f"model.forward(batch) must return a scalar loss tensor, got {shape}")
+        return loss.reshape(())
+
+    def train_step(self) -> dict[str, Any]:
+        """Run one optimizer step (with accumulation) and return its metric event."""
+        accumulation = self.spec.accumulation_steps
+        self.strategy.zero_grad()
+        total = torch.zeros((), device=self.device)
+        for _ in range(accumulation):
+            batch = to_device(next(self.train_stream), self.device)
+            loss = self._loss(self.model, batch)
+            (loss / accumulation).backward()
+            total += loss.detach().float()
+            self.samples += batch_size_of(batch)
+        lr = self.strategy.current_lr
+        self.strategy.step()
+        self.step += 1
+        return {
+            "event": "step",
+            "rank": self.rank,
+            "step": self.step,
+            "train_loss": float(total) / accumulation,
+            "lr": lr,
+            "comm_bytes": comm.comm_bytes(),
+            "samples": self.samples,
+        }
+
+    # -- evaluation -----------------------------------------------------------------
+
+    @torch.no_grad()
+    def _eval_loss(self, model: torch.nn.Module, loader) -> tuple[float, int]:
+        was_training = model.training
+        model.eval()
+        total, count = 0.0, 0
+        try:
+            for batch in loader:
+                batch = to_device(batch, self.device)
+                n = batch_size_of(batch)
+                total += float(self._loss(model, batch)) * n
+                count += n
+        finally:
+            model.train(was_training)
+        return total, count
+
+    def _average_model(self) -> torch.nn.Module:
+        if self._avg_model is None:
+            self._avg_model = copy.deepcopy(self.model)
+        mine = averaged_tensors(self.model)
+        target = averaged_tensors(self._avg_model)
+        flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in mine])
+        dist.all_reduce(flat, group=self.side_group)
+        flat /= self.num_nodes
+        offset = 0
+        for t in target:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
+        return self._avg_model
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss of this rank's model and of the average of all ranks' models."""
+        total, count = self._eval_loss(self.model, self.val_loader)
+        local = total / max(count, 1)
+        if self.num_nodes == 1 or self.strategy.keeps_ranks_identical:
+            return {"val_loss": local, "val_global_loss": local}
+        # Every rank scores the average model on its slice of the validation set.
+        total, count = self._eval_loss(self._average_model(), self.val_shard_loader)
+        total, count = self._side_reduce([total, count], dist.ReduceOp.SUM)
+        return {"val_loss": local, "val_global_loss": total / max(count, 1)}
+
+    def correlation(self) -> float:
+        """Mean pairwise Pearson correlation of the ranks' trainable parameters."""
+        if self.num_nodes == 1:
+            return 1.0
+        flat = torch.cat([p.detach().reshape(-1).float().cpu()
+                          for p in self.model.parameters() if p.requires_grad])
+        gathered = [torch.empty_like(flat) for _ in range(self.num_nodes)]
+        dist.all_gather(gathered, flat, group=self.side_group)
+        corr = torch.corrcoef(torch.stack(gathered))
+        mask = ~torch.eye(self.num_nodes, dtype=torch.bool)
+        return float(corr[mask].mean())
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue this rank exactly where it is."""
+        return {
+            "step": self.step,
+            "samples": self.samples,
+            "comm_bytes": comm.comm_bytes(),
+            "model": self.model.state_dict(),
+            "strategy": self.strategy.state_dict(),
+            "data": self.train_stream.state(),
+            "rng": _rng_state(self.device),
+            "num_nodes": self.num_nodes,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s result."""
+        if state.get("num_nodes", self.num_nodes) != self.num_nodes:
+            raise ValueError(f"checkpoint was written by a run of {state['num_nodes']} ranks; "
+                             f"this run has {self.num_nodes}")
+        self.model.load_state_dict(state["model"])
+        self.strategy.load_state_dict(state["strategy"])
+        self.train_stream.restore(state["data"])
+        _set_rng_state(state["rng"], self.device)
+        self.step = state["step"]
+        self.samples = state["samples"]
+        comm.reset_counters()
+        comm._count(state["comm_bytes"])
+
+    def _newest_valid(self, root: Path, below: int) -> tuple[int, dict | None]:
+        for step in reversed(list_steps(root, self.rank)):
+            if step > below:
+                continue
+            try:
+                return step, load_checkpoint(checkpoint_path(root, self.rank, step))
+            except CheckpointError as exc:
+                print(f"rank {self.rank}: skipping checkpoint: {exc}", flush=True)
+        return 0, None
+
+    def resume(self, source: str) -> int:
+        """Load the newest checkpoint every rank has whole; return its step (0: none)."""
+        root = self.checkpoint_root if source == "auto" else Path(source)
+        if source != "auto" and not root.is_dir():
+            raise FileNotFoundError(f"resume_from={source!r} is not a checkpoint folder")
+        bound = 1 << 60
+        while True:
+            step, state = self._newest_valid(root, bound)
+            low, high = self._side_reduce([step, -step], dist.ReduceOp.MIN)
+            agreed, highest = int(low), int(-high)
+            if agreed == highest:
+                break
+            bound = agreed
+        if agreed == 0 or state is None:
+            return 0
+        self.load_state_dict(state)
+        return agreed
+
+    # -- the loop -------------------------------------------------------------------
+
+    def train(self) -> dict[str, torch.Tensor]:
+        """Train to ``max_steps`` and return this rank's final model state (on the CPU)."""
+        spec = self.spec
+        if spec.resume_from:
+            resumed = self.resume(spec.resume_from)
+            if resumed:
+                print(f"rank {self.rank}: resumed from step {resumed}", flush=True)
+        self.emit({"event": "start", "rank": self.rank, "max_steps": self.max_steps,
+                   "step": self.step})
+        start = time.perf_counter()
+        while self.step < self.max_steps:
+            event = self.train_step()
+            if self.val_loader is not None and (
+                self.step % spec.val_interval == 0 or self.step == self.max_steps
+            ):
+                event.update(self.evaluate())
+            if spec.correlation_interval and self.step % spec.correlation_interval == 0:
+                event["correlation"] = self.correlation()
+            if spec.checkpoint_interval and self.step % spec.checkpoint_interval == 0:
+                save_checkpoint(self.state_dict(), self.checkpoint_root, self.rank, self.step,
+                                keep=spec.keep_checkpoints)
+            event["wall_s"] = time.perf_counter() - start
+            self.emit(event)
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}

@@ -1,0 +1,358 @@
+"""Trainer: simulate K-node training on this machine, K ranks as K processes.
+
+``fit`` validates every argument, then starts one process per rank. Each runs
+:func:`exogym.rank.run_rank` — the same function a real host runs — joined to
+the others by ``torch.distributed`` over a TCP store that the parent opens on a
+port the operating system picks (so parallel fits never collide). Ranks report
+metric events through a queue; the parent shows progress, keeps the history,
+and finally averages the ranks' models into the one it returns.
+
+Processes come from a fork server that has imported torch once, so starting K
+ranks costs milliseconds rather than K imports of torch. If any rank fails, the
+others are stopped at once and the failing rank's traceback is raised.
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import os
+import queue as queue_lib
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from exogym._args import unknown_args_error
+from exogym.averaging import average_state_dicts
+from exogym.devices import loopback_interface
+from exogym.io import atomic_torch_save
+from exogym.logger import Logger, make_logger
+from exogym.report import RunReporter, summarize
+from exogym.spec import RunSpec, make_run_spec
+from exogym.strategy.strategy import Strategy
+
+FIT_ARGS = (
+    "num_epochs", "strategy", "num_nodes", "max_steps", "device", "devices", "batch_size",
+    "minibatch_size", "gradient_accumulation", "max_memory_usage", "shuffle", "val_size",
+    "val_interval", "autocast", "checkpoint_interval", "keep_checkpoints", "resume_from",
+    "correlation_interval", "save_dir", "dataloader_kwargs", "seed", "run_name", "logger",
+    "log_dir", "log_interval", "wandb_project", "num_threads", "progress", "timeout_s",
+)
+
+
+class RankFailedError(RuntimeError):
+    """A rank of the run failed; ``rank`` names it and the message holds its traceback."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(message)
+        self.rank = rank
+
+
+def _interactive_main() -> bool:
+    main = sys.modules.get("__main__")
+    return main is not None and not getattr(main, "__file__", None)
+
+
+def _mp_context():
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["__main__", "exogym.rank", "exogym.trainer"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _open_store(start_port: int | None) -> dist.TCPStore:
+    """A TCP store on 127.0.0.1: on ``start_port`` or the next free port, or one the OS picks."""
+    if start_port is None:
+        return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    last_error: Exception | None = None
+    for port in range(start_port, min(start_port + 100, 65536)):
+        try:
+            return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        except (RuntimeError, OSError) as exc:  # port taken: try the next
+            last_error = exc
+    raise RuntimeError(f"no free port in {start_port}..{start_port + 99}: {last_error}")
+
+
+def _watch_parent(parent_pid: int) -> None:
+    # A rank must not outlive the process that started it (e.g. killed with SIGKILL).
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+
+
+def _local_rank_entry(payload: Any, rank: int, port: int, events, result_dir: str,
+                      parent_pid: int) -> None:
+    """Body of one simulated rank's process."""
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    try:
+        if isinstance(payload, bytes):
+            import cloudpickle
+
+            payload = cloudpickle.loads(payload)
+        spec: RunSpec = payload
+        iface = loopback_interface()
+        if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
+        from exogym.rank import Rendezvous, run_rank
+
+        state = run_rank(spec, rank, Rendezvous("127.0.0.1", port, store_on_rank0=False),
+                         events.put)
+        path = atomic_torch_save(state, Path(result_dir) / f"rank{rank}.pt")
+        events.put({"event": "result", "rank": rank, "path": str(path)})
+        code = 0
+    except BaseException:
+        events.put({"event": "error", "rank": rank, "traceback": traceback.format_exc()})
+        code = 1
+    events.close()
+    events.join_thread()
+    os._exit(code)
+
+
+class Trainer:
+    """Trains a model with a distributed strategy on K simulated nodes.
+
+    Args:
+        model: an ``nn.Module`` whose ``forward(batch)`` returns a scalar loss.
+        train_dataset: a Dataset (sharded across ranks) or a factory
+            ``f(rank, num_nodes, is_train) -> Dataset``.
+        val_dataset: the same for validation (may be None with ``val_size=0``).
+        start_port: first port to try for the ranks' rendezvous (default: any free port).
+        device: default device for ``fit`` (``'cpu'``, ``'cuda'``, ``'mps'``; None: best).
+        devices: default CUDA indices for ``fit``.
+
+    After ``fit``, ``history`` holds one dict per (rank, step).
+    """
+
+    def __init__(self, model: torch.nn.Module, train_dataset: Any, val_dataset: Any = None,
+                 start_port: int | None = None, device: str | None = None,
+                 devices: list[int] | None = None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if start_port is not None and not (isinstance(start_port, int) and 0 < start_port < 65536):
+            raise ValueError(f"start_port must be a port number 1..65535, got {start_port!r}")
+        self.model = model
+        self.train_dataset = train_dataset
+        self.val_dataset = val_dataset
+        self.start_port = start_port
+        self.device = device
+        self.devices = devices
+        self.history: list[dict[str, Any]] = []
+        self.summary: dict[str, Any] = {}
+        self.log_dir: Path | None = None
+
+    def fit(
+        self,
+        num_epochs: int = 1,
+        strategy: Strategy | None = None,
+        num_nodes: int = 1,
+        max_steps: int | None = None,
+        device: str | None = None,
+        devices: list[int] | None = None,
+        batch_size: int = 16,
+        minibatch_size: int | str | None = None,
+        gradient_accumulation: int | None = None,
+        max_memory_usage: float = 0.8,
+        shuffle: bool = True,
+        val_size: int = 64,
+        val_interval: int = 100,
+        autocast: bool = False,
+        checkpoint_interval: int | None = None,
+        keep_checkpoints: int = 3,
+        resume_from: str | None = None,
+        correlation_interval: int | None = None,
+        save_dir: str = "./checkpoints",
+        dataloader_kwargs: dict[str, Any] | None = None,
+        seed: int = 42,
+        run_name: str | None = None,
+        logger: Logger | str | None = "csv",
+        log_dir: str = "logs",
+        log_interval: int = 10,
+        wandb_project: str | None = None,
+        num_threads: int | None = None,
+        progress: bool = True,
+        timeout_s: float = 1800.0,
+        **unknown: Any,
+    ) -> torch.nn.Module:
+        """Train and return the average of the ranks' final models.
+
+        Args:
+            num_epochs: epochs over each rank's shard, when ``max_steps`` is not given.
+            strategy: how ranks train and communicate (e.g. ``DiLoCoStrategy(H=100)``).
+            num_nodes: number of simulated ranks K.
+            max_steps: optimizer steps per rank (overrides ``num_epochs``).
+            device, devices: where ranks train; rank r uses ``devices[r % len(devices)]``.
+            batch_size: samples per rank per optimizer step.
+            minibatch_size: samples per forward pass (gradients accumulate up to
+                ``batch_size``); ``'auto'`` picks the largest that fits in
+                ``max_memory_usage`` of the device's memory (or RAM).
+            gradient_accumulation: minibatches per step, instead of ``minibatch_size``.
+            shuffle: reshuffle the training shards every epoch.
+            val_size: validation samples per evaluation (0: no evaluation).
+            val_interval: evaluate every this many steps (and after the last).
+            autocast: run forward passes in bfloat16 autocast.
+            checkpoint_interval: write a checkpoint every this many steps.
+            keep_checkpoints: newest checkpoints kept per rank.
+            resume_from: ``'auto'`` (the newest complete checkpoint of this run) or a folder.
+            correlation_interval: log the ranks' mean pairwise parameter correlation.
+            save_dir: checkpoint folder (``save_dir/run_name``).
+            dataloader_kwargs: extra DataLoader arguments (``collate_fn``, ``num_workers``).
+            seed: seed shared by all ranks (data order, strategy randomness).
+            run_name: name of the run (log and checkpoint folders).
+            logger: ``'csv'`` (default), ``'wandb'``, None, or a Logger.
+            log_dir: folder of the CSV logs.
+            log_interval: steps between plain progress lines when not on a terminal.
+            wandb_project: log to this W&B project.
+            num_threads: compute threads per rank (default: cores // num_nodes).
+            progress: show the progress bar and summary table.
+            timeout_s: how long a collective may wait for a peer.
+        """
+        if unknown:
+            raise unknown_args_error("fit()", unknown, FIT_ARGS)
+        if strategy is None:
+            raise TypeError("fit() needs strategy=, e.g. SimpleReduceStrategy() or "
+                            "DiLoCoStrategy(H=100)")
+        spec = make_run_spec(
+            self.model, self.train_dataset, self.val_dataset,
+            strategy=strategy, num_nodes=num_nodes, num_epochs=num_epochs, max_steps=max_steps,
+            batch_size=batch_size, minibatch_size=minibatch_size,
+            gradient_accumulation=gradient_accumulation, shuffle=shuffle, val_size=val_size,
+            val_interval=val_interval, autocast=autocast,
+            device=device if device is not None else self.device,
+            devices=devices if devices is not None else self.devices,
+            seed=seed, num_threads=num_threads, dataloader_kwargs=dataloader_kwargs,
+            save_dir=save_dir, checkpoint_interval=checkpoint_interval,
+            keep_checkpoints=keep_checkpoints, resume_from=resume_from,
+            correlation_interval=correlation_interval, run_name=run_name,
+            log_interval=log_interval, timeout_s=timeout_s,
+        )
+        if spec.minibatch_size == "auto":
+            from exogym.memory import probe_minibatch
+
+            spec.minibatch_size, _ = probe_minibatch(spec, max_memory_usage)
+        run_logger = make_logger(logger, log_dir, run_name, wandb_project)
+        return self._fit_spec(spec, run_logger, progress)
+
+    def _fit_spec(self, spec: RunSpec, run_logger: Logger | None,
+                  progress: bool) -> torch.nn.Module:
+        reporter = RunReporter(spec.num_nodes, show=progress, log_interval=spec.log_interval)
+        self.history = []
+
+        def on_event(event: dict[str, Any]) -> None:
+            if event.get("event") == "step":
+                self.history.append({k: v for k, v in event.items() if k != "event"})
+            reporter.on_event(event)
+            if run_logger is not None:
+                run_logger.log_event(event)
+
+        if run_logger is not None:
+            run_logger.start(spec.config())
+            self.log_dir = getattr(run_logger, "run_dir", None)
+        started = time.perf_counter()
+        failed = True
+        try:
+            states = self._execute(spec, on_event)
+            failed = False
+        finally:
+            reporter.close()
+            self.history.sort(key=lambda r: (r["step"], r["rank"]))
+            self.summary = summarize(self.history, spec.num_nodes, time.perf_counter() - started)
+            if run_logger is not None:
+                run_logger.finish(self.summary, failed=failed)
+        reporter.finish(self.summary)
+        final = copy.deepcopy(self.model)
+        final.load_state_dict(average_state_dicts(states))
+        return final
+
+    def _execute(self, spec: RunSpec,
+                 on_event: Callable[[dict[str, Any]], None]) -> list[dict[str, torch.Tensor]]:
+        """Run every rank as a local process; return their final states in rank order."""
+        ctx = _mp_context()
+        store = _open_store(self.start_port)
+        events = ctx.Queue()
+        payload: Any = spec
+        if _interactive_main():
+            import cloudpickle  # classes defined in a notebook travel by value
+
+            payload = cloudpickle.dumps(spec)
+        with tempfile.TemporaryDirectory(prefix="exogym-") as result_dir:
+            procs = [
+                ctx.Process(target=_local_rank_entry, name=f"exogym-rank{rank}",
+                            args=(payload, rank, store.port, events, result_dir, os.getpid()))
+                for rank in range(spec.num_nodes)
+            ]
+            try:
+                for p in procs:
+                    p.start()
+                paths = self._collect(procs, events, on_event)
+                return [torch.load(paths[r], map_location="cpu", weights_only=True)
+                        for r in range(spec.num_nodes)]
+            finally:
+                _stop(procs)
+                events.close()
+                del store
+
+    @staticmethod
+    def _collect(procs, events, on_event) -> dict[int, str]:
+        paths: dict[int, str] = {}
+        n = len(procs)
+        while len(paths) < n:
+            try:
+                event = events.get(timeout=0.2)
+            except queue_lib.Empty:
+                for rank, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and rank not in paths:
+                        # It may have reported its error just before exiting.
+                        try:
+                            event = events.get(timeout=1.0)
+                        except queue_lib.Empty:
+                            raise RankFailedError(
+                                rank, f"rank {rank} died with exit code {p.exitcode} before "
+                                "reporting an error (killed, out of memory, or it could not "
+                                "unpickle the model/dataset: classes must be importable from "
+                                "a module or the main script)") from None
+                        break
+                else:
+                    continue
+            kind = event.get("event")
+            if kind == "error":
+                raise RankFailedError(
+                    event["rank"], f"rank {event['rank']} failed:\n{event['traceback']}")
+            if kind == "result":
+                paths[event["rank"]] = event["path"]
+            else:
+                on_event(event)
+        return paths
+
+
+def _stop(procs, grace_s: float = 3.0) -> None:
+    """Stop any rank still running: SIGTERM, then SIGKILL after ``grace_s``."""
+    alive = [p for p in procs if p.pid is not None and p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=5)
+
+
+class LocalTrainer(Trainer):
+    """The simulation on this machine (the same as :class:`Trainer`)."""

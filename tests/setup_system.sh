@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs the system packages the test suite uses: sshd for the launcher's
+# tests, espeak-ng for synthesized speech, iproute2 for network namespaces.
+# Does nothing for packages already present; uses sudo when not root.
+set -euo pipefail
+need=()
+command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need+=(openssh-server)
+command -v ssh-keygen >/dev/null 2>&1 || need+=(openssh-client)
+command -v espeak-ng >/dev/null 2>&1 || need+=(espeak-ng)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v tmux >/dev/null 2>&1 || need+=(tmux)
+if [ ${#need[@]} -eq 0 ]; then
+  exit 0
+fi
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then sudo="sudo"; else
+    echo "tests/setup_system.sh: need root or sudo to install: ${need[*]}" >&2; exit 1
+  fi
+fi
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
