@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def unknown_args_error(owner: str, unknown: Iterable[str], accepted: Iterable[str]) -> TypeError:

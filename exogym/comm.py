@@ -22,7 +22,7 @@ collectives act as a world of one: nothing moves and nothing is counted.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist

@@ -10,7 +10,8 @@ instead (no sampler, shuffled per rank). The stream keeps its position
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
@@ -121,7 +122,7 @@ class MinibatchStream:
             it = iter(loader)
         self._iter = it
 
-    def __iter__(self) -> "MinibatchStream":
+    def __iter__(self) -> MinibatchStream:
         return self
 
     def __next__(self) -> Any:

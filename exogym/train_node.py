@@ -13,17 +13,23 @@ from __future__ import annotations
 import copy
 import random
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from exogym import comm
-from exogym.checkpoint import CheckpointError, list_steps, load_checkpoint, save_checkpoint
-from exogym.checkpoint import checkpoint_path
+from exogym.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    list_steps,
+    load_checkpoint,
+    save_checkpoint,
+)
 from exogym.data import (
     MinibatchStream,
     batch_size_of,

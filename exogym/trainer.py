@@ -19,13 +19,13 @@ import multiprocessing as mp
 import os
 import queue as queue_lib
 import signal
-import sys
 import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,9 +56,34 @@ class RankFailedError(RuntimeError):
         self.rank = rank
 
 
-def _interactive_main() -> bool:
-    main = sys.modules.get("__main__")
-    return main is not None and not getattr(main, "__file__", None)
+class _Portable:
+    """Carries the run spec to a rank process.
+
+    Pickled with cloudpickle, so a model, dataset or strategy class defined in
+    a notebook or inside a function travels by value, while tensors still go
+    through shared memory (torch's multiprocessing reducers) instead of being
+    copied into the pickle.
+    """
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __reduce__(self):
+        import copyreg
+        import io
+        import pickle
+        from collections import ChainMap
+        from multiprocessing.reduction import ForkingPickler
+
+        import cloudpickle
+
+        class _Pickler(cloudpickle.CloudPickler):
+            dispatch_table = ChainMap(ForkingPickler._extra_reducers,
+                                      cloudpickle.CloudPickler.dispatch_table, copyreg.dispatch_table)
+
+        buffer = io.BytesIO()
+        _Pickler(buffer).dump(self.obj)
+        return pickle.loads, (buffer.getvalue(),)
 
 
 def _mp_context():
@@ -98,10 +123,6 @@ def _local_rank_entry(payload: Any, rank: int, port: int, events, result_dir: st
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     try:
-        if isinstance(payload, bytes):
-            import cloudpickle
-
-            payload = cloudpickle.loads(payload)
         spec: RunSpec = payload
         iface = loopback_interface()
         if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -282,11 +303,7 @@ class Trainer:
         ctx = _mp_context()
         store = _open_store(self.start_port)
         events = ctx.Queue()
-        payload: Any = spec
-        if _interactive_main():
-            import cloudpickle  # classes defined in a notebook travel by value
-
-            payload = cloudpickle.dumps(spec)
+        payload = _Portable(spec)
         with tempfile.TemporaryDirectory(prefix="exogym-") as result_dir:
             procs = [
                 ctx.Process(target=_local_rank_entry, name=f"exogym-rank{rank}",

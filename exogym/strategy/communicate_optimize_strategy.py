@@ -9,7 +9,8 @@ modules (e.g. sparse averaging every step plus a DiLoCo round every H steps).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

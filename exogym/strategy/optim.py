@@ -61,11 +61,11 @@ class OptimSpec:
         self.kwargs = dict(kwargs)
 
     @classmethod
-    def from_string(cls, name: str, **kwargs: Any) -> "OptimSpec":
+    def from_string(cls, name: str, **kwargs: Any) -> OptimSpec:
         """Build a spec from an optimizer name (``'adam'``, ``'adamw'``, ``'sgd'``, ...)."""
         return cls(optimizer_class(name), **kwargs)
 
-    def with_overrides(self, **kwargs: Any) -> "OptimSpec":
+    def with_overrides(self, **kwargs: Any) -> OptimSpec:
         """A copy with some arguments replaced (e.g. ``lr``)."""
         return OptimSpec(self.cls, **{**self.kwargs, **kwargs})
 

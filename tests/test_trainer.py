@@ -1,0 +1,323 @@
+"""Trainer behaviour a user relies on: history, errors, logs, processes, data."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+from toys import TinyNet, tiny_model, toy_dataset
+
+from exogym import LocalTrainer, RankFailedError, Trainer
+from exogym.averaging import average_state_dicts
+from exogym.logger import CSVLogger, WandbLogger
+from exogym.strategy import DiLoCoStrategy, FedAvgStrategy, OptimSpec, SimpleReduceStrategy
+from exogym.strategy.strategy import lr_factor
+
+QUIET = dict(logger=None, progress=False)
+
+
+def test_history_has_one_row_per_rank_and_step_with_every_key():
+    ds = toy_dataset()
+    trainer = Trainer(tiny_model(), ds, ds)
+    trainer.fit(strategy=DiLoCoStrategy(H=2), num_nodes=2, max_steps=4, batch_size=8,
+                val_size=8, val_interval=2, **QUIET)
+    assert [(r["rank"], r["step"]) for r in trainer.history] == [
+        (rank, step) for step in range(1, 5) for rank in range(2)]
+    for row in trainer.history:
+        for key in ("rank", "step", "train_loss", "lr", "comm_bytes", "samples", "wall_s"):
+            assert key in row
+        assert row["samples"] == 8 * row["step"]
+        assert ("val_loss" in row) == (row["step"] % 2 == 0)
+        if "val_loss" in row:
+            assert "val_global_loss" in row
+
+
+def test_val_size_smaller_than_batch_size_works():
+    ds = toy_dataset()
+    trainer = Trainer(tiny_model(), ds, ds)
+    trainer.fit(strategy=SimpleReduceStrategy(), num_nodes=2, max_steps=2, batch_size=32,
+                val_size=5, val_interval=1, **QUIET)
+    assert all("val_loss" in r for r in trainer.history)
+
+
+def test_average_state_dicts_keeps_every_dtype():
+    states = [{"w": torch.tensor([1.0, 3.0]), "n": torch.tensor(3), "half": torch.tensor([1.0],
+              dtype=torch.float16), "flag": torch.tensor(True)},
+              {"w": torch.tensor([3.0, 5.0]), "n": torch.tensor(6), "half": torch.tensor([2.0],
+               dtype=torch.float16), "flag": torch.tensor(False)}]
+    avg = average_state_dicts(states)
+    assert torch.equal(avg["w"], torch.tensor([2.0, 4.0]))
+    assert avg["n"].dtype == torch.int64 and int(avg["n"]) == 4  # 4.5 rounds to even
+    assert avg["half"].dtype == torch.float16
+    assert bool(avg["flag"]) is True
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_nodes=0), "num_nodes must be an integer >= 1"),
+    (dict(minibatch_size=5), "minibatch_size=5 must divide batch_size=16"),
+    (dict(minibatch_size=4, gradient_accumulation=3), "disagree with batch_size"),
+    (dict(device="cuda"), "no CUDA GPU is available"),
+    (dict(device="tpu"), "device must be"),
+    (dict(val_size=-1), "val_size must be an integer >= 0"),
+    (dict(max_steps=0), "max_steps must be an integer >= 1"),
+    (dict(dataloader_kwargs={"shuffle": True}), "dataloader_kwargs may not set"),
+    (dict(logger="tensorboard"), "logger must be None"),
+])
+def test_bad_fit_values_fail_before_any_process_starts(kwargs, message):
+    ds = toy_dataset()
+    args = dict(strategy=SimpleReduceStrategy(), num_nodes=2, max_steps=2, batch_size=16,
+                progress=False)
+    args.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=message):
+        Trainer(tiny_model(), ds, ds).fit(**args)
+
+
+def test_unknown_fit_argument_is_named_with_the_accepted_ones():
+    ds = toy_dataset()
+    with pytest.raises(TypeError) as err:
+        Trainer(tiny_model(), ds, ds).fit(strategy=SimpleReduceStrategy(), num_node=2)
+    assert "'num_node' (did you mean 'num_nodes'?)" in str(err.value)
+    assert "Accepted:" in str(err.value) and "batch_size" in str(err.value)
+
+
+def test_unknown_strategy_argument_is_named_with_the_accepted_ones():
+    with pytest.raises(TypeError) as err:
+        DiLoCoStrategy(H=10, outer_lrr=0.5)
+    assert "outer_lrr" in str(err.value) and "outer_lr" in str(err.value)
+    with pytest.raises(TypeError, match="p_sparta"):
+        SimpleReduceStrategy(p_sparta=0.1)
+    with pytest.raises(TypeError, match="betas"):
+        OptimSpec(torch.optim.SGD, betas=(0.9, 0.99))
+    with pytest.raises(ValueError, match="unknown optimizer 'adamx'"):
+        DiLoCoStrategy(inner_optim="adamx")
+    with pytest.raises(ValueError, match="lr_scheduler must be one of"):
+        SimpleReduceStrategy(lr_scheduler="linear")
+
+
+def test_strategy_is_required():
+    ds = toy_dataset()
+    with pytest.raises(TypeError, match="needs strategy="):
+        Trainer(tiny_model(), ds, ds).fit(num_nodes=2)
+
+
+class Explodes(TinyNet):
+    calls = 0
+
+    def forward(self, batch):
+        import torch.distributed as dist
+
+        self.calls += 1
+        if dist.get_rank() == 1 and self.calls > 3:
+            raise RuntimeError("rank one blew up")
+        return super().forward(batch)
+
+
+def _children_of_forkserver() -> list[int]:
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if server is None:
+        return []
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == server:
+                kids.append(int(entry.name))
+    return kids
+
+
+def test_a_failing_rank_ends_the_fit_with_its_traceback_and_leaves_no_process():
+    ds = toy_dataset()
+    torch.manual_seed(0)
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as err:
+        Trainer(Explodes(), ds, ds).fit(strategy=DiLoCoStrategy(H=2), num_nodes=3,
+                                        max_steps=50, batch_size=8, val_size=0, **QUIET)
+    assert err.value.rank == 1
+    assert "rank one blew up" in str(err.value) and "Traceback" in str(err.value)
+    assert time.monotonic() - started < 30
+    assert _children_of_forkserver() == []
+
+
+def test_two_fits_in_parallel_never_collide():
+    ds = toy_dataset()
+    results = {}
+
+    def run(name):
+        trainer = Trainer(tiny_model(), ds, ds)
+        trainer.fit(strategy=SimpleReduceStrategy(), num_nodes=2, max_steps=3, batch_size=8,
+                    val_size=0, **QUIET)
+        results[name] = trainer.history
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2 and all(len(h) == 6 for h in results.values())
+
+
+def test_start_port_is_used_when_free():
+    ds = toy_dataset()
+    Trainer(tiny_model(), ds, ds, start_port=29731).fit(
+        strategy=SimpleReduceStrategy(), num_nodes=2, max_steps=1, val_size=0, **QUIET)
+
+
+def test_dataset_factory_builds_each_ranks_own_data():
+    seen = []
+
+    def factory(rank, num_nodes, is_train):
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(40, 8, generator=g)
+        return TensorDataset(x, (x[:, 0] > 0).long() + (rank if is_train else 0) % 3)
+
+    trainer = Trainer(tiny_model(), factory, factory)
+    trainer.fit(strategy=FedAvgStrategy(H=2), num_nodes=2, num_epochs=1, batch_size=8,
+                val_size=16, val_interval=5, **QUIET)
+    seen = {r["rank"]: r["step"] for r in trainer.history}
+    assert seen == {0: 5, 1: 5}  # 40 samples / 8 per step, one epoch
+
+
+def test_model_is_back_in_train_mode_after_every_eval():
+    class MustTrain(TinyNet):
+        def forward(self, batch):
+            if torch.is_grad_enabled():
+                assert self.training, "training step ran in eval mode"
+            return super().forward(batch)
+
+    ds = toy_dataset()
+    torch.manual_seed(0)
+    Trainer(MustTrain(), ds, ds).fit(strategy=DiLoCoStrategy(H=2), num_nodes=2, max_steps=4,
+                                     batch_size=8, val_size=8, val_interval=1, **QUIET)
+
+
+def test_autocast_runs_forward_in_bfloat16_on_cpu():
+    class DtypeCheck(TinyNet):
+        def forward(self, batch):
+            x, y = batch
+            h = self.fc1(x)
+            if torch.is_grad_enabled():
+                assert h.dtype == torch.bfloat16
+            return super().forward(batch)
+
+    ds = toy_dataset()
+    torch.manual_seed(0)
+    Trainer(DtypeCheck(), ds, ds).fit(strategy=SimpleReduceStrategy(), num_nodes=1,
+                                      max_steps=2, batch_size=8, autocast=True, val_size=0,
+                                      device="cpu", **QUIET)
+
+
+def test_non_scalar_loss_gets_a_clear_error():
+    class Vector(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Linear(8, 3)
+
+        def forward(self, batch):
+            return self.w(batch[0]).sum(dim=1)
+
+    ds = toy_dataset()
+    with pytest.raises(RankFailedError, match="must return a scalar loss tensor"):
+        Trainer(Vector(), ds, ds).fit(strategy=SimpleReduceStrategy(), num_nodes=1,
+                                      max_steps=1, batch_size=8, val_size=0, **QUIET)
+
+
+def test_csv_logger_makes_a_new_folder_per_run_and_saves_the_config(in_tmp):
+    ds = toy_dataset()
+    for _ in range(2):
+        Trainer(tiny_model(), ds, ds).fit(strategy=DiLoCoStrategy(H=2), num_nodes=2,
+                                          max_steps=4, batch_size=8, val_size=8,
+                                          val_interval=2, run_name="demo", progress=False)
+    runs = sorted(p.name for p in (in_tmp / "logs").iterdir())
+    assert runs == ["demo", "demo-2"]
+    config = json.loads((in_tmp / "logs" / "demo" / "config.json").read_text())
+    assert config["num_nodes"] == 2 and config["strategy"]["strategy"] == "DiLoCoStrategy"
+    history = (in_tmp / "logs" / "demo-2" / "history.csv").read_text().splitlines()
+    assert len(history) == 1 + 8
+    validation = (in_tmp / "logs" / "demo" / "validation.csv").read_text().splitlines()
+    assert validation[0].startswith("step,local_loss") and len(validation) == 3
+
+
+def test_csv_logger_direct_use_writes_summary(tmp_path):
+    logger = CSVLogger(log_dir=tmp_path, run_name="x")
+    logger.start({"num_nodes": 1})
+    logger.log_event({"event": "step", "rank": 0, "step": 1, "train_loss": 1.0, "lr": 0.1,
+                      "comm_bytes": 0, "samples": 4, "wall_s": 0.1})
+    logger.finish({"steps": 1})
+    assert json.loads((tmp_path / "x" / "summary.json").read_text())["steps"] == 1
+
+
+def test_wandb_logger_names_the_extra_when_wandb_is_missing(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(ImportError, match=r"exogym\[wandb\]"):
+        WandbLogger(project="p")
+
+
+def test_minibatch_auto_picks_the_largest_that_fits_and_trains():
+    from exogym.memory import probe_minibatch
+    from exogym.spec import make_run_spec
+
+    ds = toy_dataset()
+    common = dict(strategy=SimpleReduceStrategy(), num_nodes=2, num_epochs=1, max_steps=2,
+                  batch_size=16, minibatch_size="auto", gradient_accumulation=None,
+                  shuffle=True, val_size=0, val_interval=1, autocast=False, device="cpu",
+                  devices=None, seed=0, num_threads=None, dataloader_kwargs=None,
+                  save_dir="ckpt", checkpoint_interval=None, keep_checkpoints=1,
+                  resume_from=None, correlation_interval=None, run_name=None, log_interval=1,
+                  timeout_s=60)
+    spec = make_run_spec(tiny_model(), ds, ds, **common)
+    size, peaks = probe_minibatch(spec, max_memory_usage=0.5)
+    assert size == 16 and peaks[16] > 0
+    with pytest.raises(ValueError, match="even a minibatch of 1"):
+        probe_minibatch(spec, max_memory_usage=1e-9)
+    trainer = Trainer(tiny_model(), ds, ds)
+    trainer.fit(strategy=SimpleReduceStrategy(), num_nodes=2, max_steps=2, batch_size=16,
+                minibatch_size="auto", val_size=0, **QUIET)
+    assert trainer.history[-1]["samples"] == 32
+
+
+def test_threads_per_rank_default_to_cores_shared():
+    from exogym.devices import default_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert default_threads(1) == cores
+    assert default_threads(cores * 4) == 1
+
+
+def test_num_threads_reaches_the_rank():
+    class ThreadSpy(TinyNet):
+        def forward(self, batch):
+            assert torch.get_num_threads() == 1
+            return super().forward(batch)
+
+    ds = toy_dataset()
+    torch.manual_seed(0)
+    LocalTrainer(ThreadSpy(), ds, ds).fit(strategy=SimpleReduceStrategy(), num_nodes=1,
+                                          max_steps=1, num_threads=1, val_size=0, **QUIET)
+
+
+def test_lr_factor_warmup_and_cosine_shape():
+    assert lr_factor(0, 100, warmup_steps=10) == pytest.approx(0.1)
+    assert lr_factor(9, 100, warmup_steps=10) == pytest.approx(1.0)
+    assert lr_factor(100, 100, warmup_steps=10, cosine=True, min_lr_factor=0.2) == pytest.approx(0.2)
+    assert lr_factor(55, 100, warmup_steps=10, cosine=True, min_lr_factor=0.0) == pytest.approx(0.5)

@@ -1,0 +1,66 @@
+"""Small models and datasets shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+
+class TinyNet(nn.Module):
+    """A two-layer classifier whose forward(batch) returns the loss."""
+
+    def __init__(self, d_in: int = 8, hidden: int = 16, classes: int = 3):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.fc2(torch.tanh(self.fc1(x))), y)
+
+
+class BNNet(nn.Module):
+    """A classifier with BatchNorm, so it has float and integer buffers."""
+
+    def __init__(self, d_in: int = 8, classes: int = 3):
+        super().__init__()
+        self.fc = nn.Linear(d_in, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.out = nn.Linear(16, classes)
+
+    def forward(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.out(torch.relu(self.bn(self.fc(x)))), y)
+
+
+def toy_dataset(n: int = 256, d_in: int = 8, classes: int = 3, seed: int = 0) -> TensorDataset:
+    """A learnable classification set: labels from a fixed random linear map."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g)
+    w = torch.randn(d_in, classes, generator=g)
+    y = (x @ w).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+def tiny_model(seed: int = 0, cls=TinyNet) -> nn.Module:
+    torch.manual_seed(seed)
+    return cls()
+
+
+def trainable_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def assert_models_close(a: nn.Module, b: nn.Module, atol: float = 1e-5) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.allclose(sa[k].float(), sb[k].float(), atol=atol), (
+            k, (sa[k].float() - sb[k].float()).abs().max().item())
+
+
+def assert_models_differ(a: nn.Module, b: nn.Module, atol: float = 1e-4) -> None:
+    diffs = [(pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters())]
+    assert max(diffs) > atol, diffs
