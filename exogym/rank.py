@@ -4,12 +4,20 @@ Simulation and a real multi-host run differ only in how the process group is
 joined (``Rendezvous``) and how the ``RunSpec`` arrived. Everything after
 that — threads, device, seeding, the training loop, the final state — is this
 function, so a strategy that runs in simulation runs unchanged across hosts.
+
+On real hosts a rank also watches its peers: every rank bumps a heartbeat
+counter in the rendezvous store, so when training fails (a peer's connection
+dropped) the survivors can say which rank was lost, and a peer that goes
+silent ends the run even if a collective would otherwise wait for it.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,12 +39,133 @@ class Rendezvous:
         addr: address of the store (the master).
         port: its port.
         store_on_rank0: rank 0 hosts the store (multi-host); otherwise the store
-            already exists, hosted by the parent of a local simulation.
+            already exists (hosted by a local simulation's parent, or torchrun's agent).
+        watch_peers: run the heartbeat watch (multi-host runs).
     """
 
     addr: str
     port: int
     store_on_rank0: bool = True
+    watch_peers: bool = False
+
+
+class LostRankError(RuntimeError):
+    """Training stopped because another rank failed or disappeared."""
+
+    def __init__(self, lost: list[int], message: str):
+        super().__init__(message)
+        self.lost = lost
+
+
+class PeerWatch:
+    """Heartbeats through the rendezvous store, to name a lost rank.
+
+    Args:
+        rendezvous: the store's address.
+        rank, world_size: this rank and the number of ranks.
+        interval_s: seconds between heartbeats.
+        silent_after_s: a peer whose heartbeat has not moved for this long is lost.
+        on_lost: called from the watch thread with the lost ranks (e.g. to exit).
+    """
+
+    def __init__(self, rendezvous: Rendezvous, rank: int, world_size: int,
+                 interval_s: float = 0.5, silent_after_s: float = 20.0,
+                 on_lost: Callable[[list[int], str], None] | None = None):
+        self.store = dist.TCPStore(rendezvous.addr, rendezvous.port, is_master=False,
+                                   timeout=datetime.timedelta(seconds=10))
+        self.rank = rank
+        self.world_size = world_size
+        self.interval_s = interval_s
+        self.silent_after_s = silent_after_s
+        self.on_lost = on_lost
+        self.beats = 0
+        self.seen: dict[int, tuple[str, float]] = {}
+        self.store_lost = False
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="exogym-peer-watch", daemon=True)
+        self._thread.start()
+
+    def _key(self, kind: str, rank: int) -> str:
+        return f"exogym/{kind}/{rank}"
+
+    def _poll(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.beats += 1
+            self.store.set(self._key("beat", self.rank), str(self.beats))
+            for peer in range(self.world_size):
+                if peer == self.rank:
+                    continue
+                key = self._key("beat", peer)
+                value = self.store.get(key).decode() if self.store.check([key]) else ""
+                if peer not in self.seen or self.seen[peer][0] != value:
+                    self.seen[peer] = (value, now)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._poll()
+            except Exception:  # noqa: BLE001 - the store itself is gone
+                self.store_lost = True
+            lost = self.silent()
+            if lost and self.on_lost is not None and not self._stop.is_set():
+                self.on_lost(lost, self.describe(lost))
+                return
+
+    def silent(self, after_s: float | None = None) -> list[int]:
+        """Peers whose heartbeat has not moved for ``after_s`` seconds (rank 0 if the store died)."""
+        after_s = self.silent_after_s if after_s is None else after_s
+        if self.store_lost and self.rank != 0:
+            return [0]
+        now = time.monotonic()
+        with self._lock:
+            return sorted(p for p, (_, t) in self.seen.items() if now - t > after_s)
+
+    def failed(self) -> dict[int, str]:
+        """Peers that reported their own failure, with their one-line reason."""
+        out = {}
+        for peer in range(self.world_size):
+            key = self._key("failed", peer)
+            try:
+                if peer != self.rank and self.store.check([key]):
+                    out[peer] = self.store.get(key).decode()
+            except Exception:  # noqa: BLE001
+                break
+        return out
+
+    def report_failure(self, reason: str) -> None:
+        """Tell the peers this rank failed, and why (best effort)."""
+        try:
+            self.store.set(self._key("failed", self.rank), reason[:500])
+        except Exception:  # noqa: BLE001
+            pass
+
+    def diagnose(self, wait_s: float = 6.0) -> tuple[list[int], str]:
+        """After a collective failed: which ranks were lost, waiting briefly to see."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            failed = self.failed()
+            if failed:
+                ranks = sorted(failed)
+                return ranks, "; ".join(f"rank {r} failed: {failed[r]}" for r in ranks)
+            lost = self.silent(after_s=min(self.silent_after_s, 2.5))
+            if lost or time.monotonic() > deadline:
+                return lost, self.describe(lost)
+            time.sleep(self.interval_s)
+
+    def describe(self, lost: list[int]) -> str:
+        """A sentence naming the lost ranks."""
+        if not lost:
+            return "a peer connection failed, but every rank still answers"
+        if self.store_lost and lost == [0]:
+            return "lost rank 0: the rendezvous store it hosts stopped answering"
+        return "lost rank " + ", ".join(map(str, lost)) + ": it stopped sending heartbeats"
+
+    def stop(self) -> None:
+        """Stop the heartbeat thread."""
+        self._stop.set()
+        self._thread.join(timeout=2 * self.interval_s + 1)
 
 
 def init_process_groups(spec: RunSpec, rank: int, rendezvous: Rendezvous,
@@ -48,7 +177,7 @@ def init_process_groups(spec: RunSpec, rank: int, rendezvous: Rendezvous,
         is_master=rendezvous.store_on_rank0 and rank == 0,
         timeout=timeout, wait_for_workers=False,
     )
-    backend = backend_for(spec.device_type, spec.devices, spec.num_nodes)
+    backend = spec.backend or backend_for(spec.device_type, spec.devices, spec.num_nodes)
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         kwargs["device_id"] = device
@@ -60,9 +189,41 @@ def init_process_groups(spec: RunSpec, rank: int, rendezvous: Rendezvous,
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
+def average_across_ranks(state: dict[str, torch.Tensor], side_group) -> dict[str, torch.Tensor]:
+    """Every rank gets the average of all ranks' states (over the side group, uncounted)."""
+    if side_group is None:
+        return state
+    world = dist.get_world_size(side_group)
+    out = {}
+    for key, tensor in state.items():
+        if tensor.dtype == torch.bool:
+            out[key] = tensor
+            continue
+        total = tensor.to(torch.float64)
+        dist.all_reduce(total, group=side_group)
+        mean = total / world
+        out[key] = mean.to(tensor.dtype) if tensor.is_floating_point() else mean.round().to(tensor.dtype)
+    return out
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    """True for an error raised by a collective because a peer's connection failed."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("gloo", "Connection reset", "Connection closed", "NCCL"))
+
+
+def _exit_lost(lost: list[int], message: str) -> None:
+    print(f"exogym: {message}; stopping this rank", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
 def run_rank(spec: RunSpec, rank: int, rendezvous: Rendezvous,
              emit: Callable[[dict[str, Any]], None],
-             checkpoint_root: str | None = None) -> dict[str, torch.Tensor]:
+             checkpoint_root: str | None = None,
+             average_final: bool = False) -> dict[str, torch.Tensor]:
     """Train rank ``rank`` of ``spec`` to the end; returns its final model state (CPU).
 
     Args:
@@ -71,22 +232,48 @@ def run_rank(spec: RunSpec, rank: int, rendezvous: Rendezvous,
         rendezvous: where the ranks meet.
         emit: receives every metric event of this rank.
         checkpoint_root: folder for checkpoints (default ``save_dir/run_name``).
+        average_final: return the average of all ranks' final states instead of
+            this rank's own (multi-host runs, where no parent sees every state).
+
+    Raises:
+        LostRankError: another rank failed or disappeared (multi-host runs).
     """
-    torch.set_num_threads(spec.num_threads)
-    os.environ.setdefault("OMP_NUM_THREADS", str(spec.num_threads))
+    threads = spec.threads_per_rank()
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     device = rank_device(spec.device_type, spec.devices, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     side_group = init_process_groups(spec, rank, rendezvous, device)
+    watch = None
+    if rendezvous.watch_peers and spec.num_nodes > 1:
+        watch = PeerWatch(rendezvous, rank, spec.num_nodes, on_lost=_exit_lost)
     try:
         comm.reset_counters()
         node = TrainNode(spec, rank, device, emit, side_group=side_group,
                          checkpoint_root=checkpoint_root)
-        state = node.train()
-        if side_group is not None:
-            dist.barrier(group=side_group)  # nobody leaves while a peer still needs it
+        try:
+            state = node.train()
+            if average_final:
+                state = average_across_ranks(state, side_group)
+            if side_group is not None:
+                dist.barrier(group=side_group)  # nobody leaves while a peer still needs it
+        except Exception as exc:
+            if watch is None:
+                raise
+            if not _is_comm_error(exc):
+                # Our own failure: tell the peers what happened, keep our traceback.
+                watch.report_failure(f"{type(exc).__name__}: {exc}".splitlines()[0])
+                raise
+            lost, message = watch.diagnose()
+            lost = [r for r in lost if r != rank]
+            if not lost:
+                raise
+            raise LostRankError(lost, f"rank {rank}: {message}") from exc
         emit({"event": "done", "rank": rank, "step": node.step,
               "comm_bytes": comm.comm_bytes(), "comm_calls": comm.comm_calls()})
         return state
     finally:
+        if watch is not None:
+            watch.stop()
         dist.destroy_process_group()

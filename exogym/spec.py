@@ -39,7 +39,7 @@ class RunSpec:
     device_type: str
     devices: list[int] | None
     seed: int
-    num_threads: int
+    num_threads: int | None
     dataloader_kwargs: dict[str, Any] = field(default_factory=dict)
     save_dir: str = "./checkpoints"
     checkpoint_interval: int | None = None
@@ -50,6 +50,12 @@ class RunSpec:
     log_interval: int = 10
     broadcast_init: bool = False
     timeout_s: float = 1800.0
+    ranks_per_machine: int | None = None
+    backend: str | None = None  # None: nccl when every rank has its own GPU, else gloo
+
+    def threads_per_rank(self) -> int:
+        """``num_threads``, or this machine's cores shared by the ranks it runs."""
+        return self.num_threads or default_threads(self.ranks_per_machine or self.num_nodes)
 
     @property
     def accumulation_steps(self) -> int:
@@ -219,7 +225,7 @@ def make_run_spec(
         device_type=device_type,
         devices=device_ids,
         seed=seed,
-        num_threads=num_threads or default_threads(num_nodes),
+        num_threads=num_threads,
         dataloader_kwargs=dict(dataloader_kwargs or {}),
         save_dir=str(save_dir),
         checkpoint_interval=checkpoint_interval,

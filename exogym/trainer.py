@@ -263,8 +263,13 @@ class Trainer:
             from exogym.memory import probe_minibatch
 
             spec.minibatch_size, _ = probe_minibatch(spec, max_memory_usage)
+        self._prepare_spec(spec)
         run_logger = make_logger(logger, log_dir, run_name, wandb_project)
         return self._fit_spec(spec, run_logger, progress)
+
+    def _prepare_spec(self, spec: RunSpec) -> None:
+        """Adjust the spec for where it runs: here, every rank shares this machine."""
+        spec.ranks_per_machine = spec.num_nodes
 
     def _fit_spec(self, spec: RunSpec, run_logger: Logger | None,
                   progress: bool) -> torch.nn.Module:

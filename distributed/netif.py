@@ -1,0 +1,71 @@
+"""Which network interface reaches an address: what gloo must bind to.
+
+gloo picks an interface from ``GLOO_SOCKET_IFNAME``; a wrong guess (a Docker
+bridge, a VPN) is the classic cause of a multi-host job that hangs at start.
+We ask the routing table which interface the master is reached through.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import shutil
+import socket
+import subprocess
+
+
+def _route_get(address: str) -> str | None:
+    ip = shutil.which("ip")
+    if ip:
+        try:
+            out = subprocess.run([ip, "-o", "route", "get", address], capture_output=True,
+                                 text=True, timeout=5).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            out = ""
+        match = re.search(r"\bdev\s+(\S+)", out)
+        if match:
+            return match.group(1)
+    route = shutil.which("route")
+    if route:  # macOS / BSD
+        try:
+            out = subprocess.run([route, "-n", "get", address], capture_output=True, text=True,
+                                 timeout=5).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            out = ""
+        match = re.search(r"interface:\s*(\S+)", out)
+        if match:
+            return match.group(1)
+    return None
+
+
+def resolve_address(host: str) -> str:
+    """The IPv4 address of ``host`` (a name or an address)."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return socket.gethostbyname(host)
+
+
+def interface_for(host: str) -> str | None:
+    """Name of the local interface that routes to ``host``, or None if unknown."""
+    address = resolve_address(host)
+    if ipaddress.ip_address(address).is_loopback:
+        names = [name for _, name in socket.if_nameindex()]
+        return next((n for n in ("lo", "lo0") if n in names), None)
+    return _route_get(address)
+
+
+def is_local_address(host: str) -> bool:
+    """True when ``host`` names this machine (loopback or one of its addresses)."""
+    try:
+        address = resolve_address(host)
+    except OSError:
+        return False
+    if ipaddress.ip_address(address).is_loopback:
+        return True
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((address, 0))  # only an address of ours can be bound
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,235 @@
+"""Profiles: named training runs in ``config.ini``, the same file on every host.
+
+A profile is a section ``[distributed:NAME]``. ``base_profile = OTHER`` inherits
+OTHER's keys. Keys are flat; each goes to whoever accepts it:
+
+- ``task`` (a built-in name or ``package.module:function``) and the task's own
+  arguments (e.g. ``hidden``, ``text_file``, ``n_layer``);
+- ``strategy`` (``ddp``, ``diloco``, ``fedavg``, ``sparta``, ``demo``,
+  ``sparta_diloco`` or ``package.module:Class``) and its arguments
+  (``lr``, ``H``, ``inner_optim``, ``outer_lr``, ``p_sparta``, ...);
+- the run: ``num_nodes``, ``batch_size``, ``max_steps``, ``device``,
+  ``checkpoint_interval``, ``output_dir``, ``seed``, ``val_size``, ...
+
+A key no one accepts is an error that names it and lists the accepted ones,
+so a typo never silently trains with a default.
+"""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import difflib
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SECTION_PREFIX = "distributed:"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config.ini"
+
+PROFILE_KEYS = {"base_profile", "task", "strategy", "description", "output_dir"}
+RUN_KEYS = {
+    "num_nodes", "num_epochs", "max_steps", "batch_size", "minibatch_size",
+    "gradient_accumulation", "max_memory_usage", "shuffle", "val_size", "val_interval",
+    "autocast", "checkpoint_interval", "keep_checkpoints", "correlation_interval", "device",
+    "seed", "log_interval", "num_threads", "timeout_s",
+}
+
+STRATEGIES = {
+    "ddp": "SimpleReduceStrategy",
+    "allreduce": "SimpleReduceStrategy",
+    "diloco": "DiLoCoStrategy",
+    "fedavg": "FedAvgStrategy",
+    "sparta": "SPARTAStrategy",
+    "demo": "DeMoStrategy",
+    "sparta_diloco": "SPARTADiLoCoStrategy",
+}
+
+
+class ProfileError(ValueError):
+    """A profile or config file is wrong; the message lists every problem found."""
+
+
+def parse_value(text: str) -> Any:
+    """A config value as Python: numbers, booleans, None, lists, else the string."""
+    stripped = text.strip()
+    lowered = stripped.lower()
+    if lowered in ("true", "yes", "on"):
+        return True
+    if lowered in ("false", "no", "off"):
+        return False
+    if lowered in ("none", "null", ""):
+        return None
+    try:
+        return ast.literal_eval(stripped)
+    except (ValueError, SyntaxError):
+        return stripped
+
+
+def strategy_class(name: str) -> type:
+    """The strategy class a profile's ``strategy`` value names."""
+    import exogym.strategy as strategies
+
+    key = name.lower().replace("-", "_")
+    if key in STRATEGIES:
+        cls = getattr(strategies, STRATEGIES[key], None)
+        if cls is None:
+            raise ProfileError(f"strategy {name!r} is not available in this version of exogym")
+        return cls
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ProfileError(f"strategy {name!r} cannot be imported: {exc}") from exc
+        return cls
+    raise ProfileError(f"unknown strategy {name!r}: use one of {', '.join(sorted(STRATEGIES))} "
+                       "or 'package.module:StrategyClass'")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A resolved profile: its name and every key, inheritance applied.
+
+    Args:
+        name: the profile's name (the part after ``distributed:``).
+        values: all keys with parsed values (``base_profile`` resolved away).
+        source: the config file it came from.
+    """
+
+    name: str
+    values: dict[str, Any]
+    source: str = ""
+
+    @property
+    def task(self) -> str:
+        return str(self.values["task"])
+
+    @property
+    def strategy(self) -> str:
+        return str(self.values.get("strategy", "diloco"))
+
+    def with_overrides(self, overrides: dict[str, Any]) -> Profile:
+        """A copy with some keys replaced (``--set key=value``), re-validated."""
+        profile = Profile(self.name, {**self.values, **overrides}, self.source)
+        problems = profile.problems()
+        if problems:
+            raise ProfileError(f"profile {self.name!r}:\n  " + "\n  ".join(problems))
+        return profile
+
+    def split(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """(task kwargs, strategy kwargs, run kwargs), each key routed to its takers."""
+        from distributed.tasks import resolve_task, task_arg_names
+        from exogym._args import init_arg_names
+
+        task_args = task_arg_names(resolve_task(self.task))
+        strategy_args = init_arg_names(strategy_class(self.strategy))
+        task, strategy, run = {}, {}, {}
+        for key, value in self.values.items():
+            if key in PROFILE_KEYS:
+                continue
+            if key in RUN_KEYS:
+                run[key] = value
+            if key in strategy_args:
+                strategy[key] = value
+            taken = key in RUN_KEYS or key in strategy_args
+            if (task_args is None and not taken) or (task_args is not None and key in task_args):
+                task[key] = value
+        return task, strategy, run
+
+    def problems(self) -> list[str]:
+        """Every problem with this profile's keys (empty when it is valid)."""
+        from distributed.tasks import resolve_task, task_arg_names
+        from exogym._args import init_arg_names
+
+        if "task" not in self.values:
+            return ["no 'task' key: set task = digits | chargpt | whisper | module:function"]
+        try:
+            task_args = task_arg_names(resolve_task(self.task))
+            strategy_args = init_arg_names(strategy_class(self.strategy))
+        except (ValueError, ImportError) as exc:
+            return [str(exc)]
+        accepted = PROFILE_KEYS | RUN_KEYS | strategy_args | (task_args or set())
+        found = []
+        for key in self.values:
+            if task_args is not None and key not in accepted:
+                close = difflib.get_close_matches(key, accepted, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                found.append(f"unknown key {key!r}{hint}; accepted for task {self.task!r} and "
+                             f"strategy {self.strategy!r}: {', '.join(sorted(accepted))}")
+        return found
+
+    def summary(self) -> dict[str, Any]:
+        """Key settings for a table."""
+        keys = ("num_nodes", "batch_size", "max_steps", "lr", "H", "device")
+        return {"task": self.task, "strategy": self.strategy,
+                **{k: self.values[k] for k in keys if k in self.values}}
+
+
+class ProfileSet:
+    """All profiles of a config file.
+
+    Args:
+        path: the ``config.ini`` to read (default: the project's own).
+    """
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path is not None else DEFAULT_CONFIG
+        if not self.path.is_file():
+            raise ProfileError(f"config file {str(self.path)!r} does not exist")
+        parser = configparser.ConfigParser(interpolation=None)
+        parser.optionxform = str  # keep key case: H is not h
+        try:
+            parser.read(self.path, encoding="utf-8")
+        except configparser.Error as exc:
+            raise ProfileError(f"{self.path}: {exc}") from exc
+        self.raw: dict[str, dict[str, str]] = {}
+        for section in parser.sections():
+            if section.startswith(SECTION_PREFIX):
+                self.raw[section[len(SECTION_PREFIX):].strip()] = dict(parser[section])
+
+    def names(self) -> list[str]:
+        """Profile names in file order."""
+        return list(self.raw)
+
+    def _resolve(self, name: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
+        if name not in self.raw:
+            close = difflib.get_close_matches(name, self.raw, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            where = f" (base_profile of {chain[-1]!r})" if chain else ""
+            raise ProfileError(
+                f"no profile {name!r}{where} in {self.path}{hint}; sections are named "
+                f"[{SECTION_PREFIX}NAME] and the profiles are: {', '.join(self.raw) or 'none'}")
+        if name in chain:
+            raise ProfileError(f"base_profile cycle: {' -> '.join(chain + (name,))}")
+        own = {k: parse_value(v) for k, v in self.raw[name].items()}
+        base = own.pop("base_profile", None)
+        if base:
+            return {**self._resolve(str(base), chain + (name,)), **own}
+        return own
+
+    def get(self, name: str, overrides: dict[str, Any] | None = None) -> Profile:
+        """The profile ``name`` with inheritance and ``overrides`` applied, validated."""
+        profile = Profile(name, self._resolve(name), str(self.path))
+        problems = profile.problems()
+        if problems:
+            raise ProfileError(f"profile {name!r} in {self.path}:\n  " + "\n  ".join(problems))
+        return profile.with_overrides(overrides) if overrides else profile
+
+
+def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
+    """``['lr=0.01', 'H=50']`` -> ``{'lr': 0.01, 'H': 50}``; a clear error otherwise."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ProfileError(f"--set expects key=value, got {pair!r}")
+        out[key.strip()] = parse_value(value)
+    return out
+
+
+def load_profile(name: str, config: str | Path | None = None,
+                 overrides: dict[str, Any] | None = None) -> Profile:
+    """Read ``config`` and return profile ``name`` (with ``overrides``)."""
+    return ProfileSet(config).get(name, overrides)

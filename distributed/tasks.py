@@ -1,0 +1,287 @@
+"""Built-in training tasks: what a profile's ``task`` key names.
+
+A task is a function returning ``(model, train_dataset, val_dataset)``; its
+keyword arguments come from the profile. Every host builds the task itself
+from the same profile and seed, so nothing but the profile's name travels.
+Built in:
+
+- ``digits``: a small MLP classifier on scikit-learn's 8x8 digits (shipped
+  with scikit-learn, no download).
+- ``chargpt``: a small character-level GPT on a text file; by default on the
+  Python standard library's own source text, present on every install.
+- ``whisper``: Whisper fine-tuning (see ``distributed.whisper_task``).
+
+Any ``package.module:function`` with the same contract works too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset, TensorDataset
+
+TaskResult = tuple[nn.Module, Dataset, Dataset]
+
+
+# -- digits ------------------------------------------------------------------------
+
+
+class DigitsMLP(nn.Module):
+    """MLP for 8x8 digits; ``forward((x, y))`` returns the cross-entropy loss.
+
+    Args:
+        hidden: width of the two hidden layers.
+    """
+
+    def __init__(self, hidden: int = 128):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(hidden, 10),
+        )
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def forward(self, batch) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+
+def digits_datasets(val_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """scikit-learn's digits as float features in [0, 1] and labels, split train/validation."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ImportError("the digits task needs scikit-learn: pip install 'exogym[examples]'") from None
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_val = int(len(x) * val_fraction)
+    val, train = order[:n_val], order[n_val:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
+
+
+def digits_task(hidden: int = 128, val_fraction: float = 0.2, seed: int = 0) -> TaskResult:
+    """A digits classifier with its train and validation sets.
+
+    Args:
+        hidden: hidden layer width.
+        val_fraction: share of the 1797 images held out for validation.
+        seed: seed of the model's initial weights and of the split.
+    """
+    train, val = digits_datasets(val_fraction, seed)
+    torch.manual_seed(seed)
+    return DigitsMLP(hidden), train, val
+
+
+# -- chargpt -----------------------------------------------------------------------
+
+DEFAULT_CORPUS_MODULES = ("argparse", "textwrap", "difflib", "string", "shlex", "calendar",
+                          "configparser", "fractions", "statistics", "heapq")
+
+
+def default_corpus() -> str:
+    """Text present on every Python install: source files of the standard library."""
+    parts = []
+    for name in DEFAULT_CORPUS_MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin:
+            continue
+        parts.append(Path(spec.origin).read_text(encoding="utf-8"))
+    return "\n".join(parts)
+
+
+class CharDataset(Dataset):
+    """Windows of ``block_size`` characters and the same shifted by one.
+
+    Args:
+        data: the text encoded as a 1-D tensor of token ids.
+        block_size: context length.
+        stride: step between window starts.
+    """
+
+    def __init__(self, data: torch.Tensor, block_size: int, stride: int):
+        if len(data) <= block_size:
+            raise ValueError(f"text of {len(data)} characters is shorter than block_size={block_size}")
+        self.data = data
+        self.block_size = block_size
+        self.starts = range(0, len(data) - block_size - 1, stride)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int):
+        s = self.starts[i]
+        chunk = self.data[s:s + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class CharGPT(nn.Module):
+    """A small GPT over characters; ``forward((x, y))`` returns the next-character loss.
+
+    Args:
+        vocab_size: number of distinct characters.
+        block_size: context length.
+        n_layer, n_head, n_embd: depth, attention heads, width.
+    """
+
+    def __init__(self, vocab_size: int, block_size: int = 64, n_layer: int = 2, n_head: int = 4,
+                 n_embd: int = 128):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}")
+        self.block_size = block_size
+        self.tok = nn.Embedding(vocab_size, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.Sequential(*(Block(n_embd, n_head) for _ in range(n_layer)))
+        self.ln = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        return self.head(self.ln(self.blocks(x)))
+
+    def forward(self, batch) -> torch.Tensor:
+        x, y = batch
+        logits = self.logits(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def chargpt_task(text_file: str | None = None, block_size: int = 64, n_layer: int = 2,
+                 n_head: int = 4, n_embd: int = 128, stride: int | None = None,
+                 val_fraction: float = 0.1, seed: int = 0) -> TaskResult:
+    """A character-level GPT on a text file (default: standard-library source text).
+
+    Args:
+        text_file: UTF-8 text to train on; None for the built-in corpus.
+        block_size: context length.
+        n_layer, n_head, n_embd: model shape (n_layer=4, n_embd=256 is about 3M parameters).
+        stride: step between training windows (default block_size // 2).
+        val_fraction: the text's tail held out for validation.
+        seed: seed of the initial weights.
+    """
+    if text_file:
+        path = Path(text_file).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"chargpt text_file {str(path)!r} does not exist")
+        text = path.read_text(encoding="utf-8")
+    else:
+        text = default_corpus()
+    chars = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    split = int(len(data) * (1 - val_fraction))
+    stride = stride or max(1, block_size // 2)
+    train = CharDataset(data[:split], block_size, stride)
+    val = CharDataset(data[split:], block_size, block_size)
+    torch.manual_seed(seed)
+    model = CharGPT(len(chars), block_size, n_layer, n_head, n_embd)
+    model.corpus_sha256 = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return model, train, val
+
+
+# -- registry ----------------------------------------------------------------------
+
+
+def _whisper_task(**kwargs: Any) -> TaskResult:
+    try:
+        from distributed.whisper_task import build_whisper_task
+    except ImportError as exc:
+        raise ImportError(
+            "the whisper task needs the whisper extra: pip install 'exogym[whisper]' "
+            f"({exc})") from exc
+    return build_whisper_task(**kwargs)
+
+
+BUILTIN_TASKS: dict[str, Callable[..., TaskResult]] = {
+    "digits": digits_task,
+    "chargpt": chargpt_task,
+    "whisper": _whisper_task,
+}
+
+
+def resolve_task(name: str) -> Callable[..., TaskResult]:
+    """The task function for a built-in name or ``package.module:function``."""
+    if name in BUILTIN_TASKS:
+        return BUILTIN_TASKS[name]
+    if ":" not in name:
+        raise ValueError(f"unknown task {name!r}: use one of {', '.join(BUILTIN_TASKS)} "
+                         "or 'package.module:function'")
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"task {name!r}: cannot import module {module_name!r} ({exc})") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"task {name!r}: {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def task_arg_names(fn: Callable[..., Any]) -> set[str] | None:
+    """Keyword names a task function accepts; None when it takes ``**kwargs``."""
+    if fn is _whisper_task:
+        try:
+            from distributed.whisper_task import build_whisper_task
+        except ImportError:
+            return None
+        fn = build_whisper_task
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Trainable parameters of a model."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+

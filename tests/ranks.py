@@ -1,0 +1,56 @@
+"""Start real rank processes with the rank variables set, as a launcher would."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int, addr: str = "127.0.0.1", **extra: str) -> dict:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=addr,
+               MASTER_PORT=str(port), PYTHONPATH=str(ROOT), **extra)
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    return env
+
+
+def start_ranks(profile: str, world: int, overrides: list[str], log_dir: Path,
+                prefix: list[str] | None = None, addr: str = "127.0.0.1",
+                port: int | None = None) -> list[subprocess.Popen]:
+    """Start ``world`` worker processes for ``profile``; their output goes to log_dir."""
+    port = port or free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank in range(world):
+        args = [sys.executable, "-m", "distributed.worker", "--profile", profile, "--quiet"]
+        for pair in overrides:
+            args += ["--set", pair]
+        log = open(log_dir / f"rank{rank}.log", "wb")
+        procs.append(subprocess.Popen((prefix[rank] if prefix else []) + args, cwd=ROOT,
+                                      env=rank_env(rank, world, port, addr), stdout=log,
+                                      stderr=subprocess.STDOUT))
+        log.close()
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            codes.append(-9)
+    return codes

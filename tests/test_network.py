@@ -1,0 +1,97 @@
+"""Real ranks as separate processes joined over TCP: simulation equals reality."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from ranks import ROOT, free_port, rank_env, start_ranks, wait_all
+
+from distributed.network_trainer import rank_environment
+from distributed.profiles import parse_overrides
+from distributed.worker import run_profile
+
+COMMON = ["max_steps=40", "val_interval=20", "num_threads=1", "checkpoint_interval=None"]
+
+
+def simulate(profile, tmp_path, extra=()):
+    """The same profile as a local simulation; returns its final model state."""
+    out = tmp_path / "sim"
+    overrides = parse_overrides(COMMON + list(extra) + [f"output_dir={out}"])
+    run_profile(profile, overrides=overrides, progress=False, local=True)
+    return torch.load(out / "final_model.pt")
+
+
+def assert_states_close(a, b, atol=1e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), atol=atol), k
+
+
+@pytest.mark.parametrize("profile", ["digits-diloco", "digits-ddp"])
+def test_three_real_ranks_end_with_the_simulated_model(profile, tmp_path):
+    overrides = COMMON + ["num_nodes=3", f"output_dir={tmp_path / 'net'}"]
+    procs = start_ranks(profile, 3, overrides, tmp_path / "logs")
+    codes = wait_all(procs, timeout=240)
+    logs = {p: p.read_text() for p in (tmp_path / "logs").iterdir()}
+    assert codes == [0, 0, 0], logs
+    real = torch.load(tmp_path / "net" / "final_model.pt")
+    simulated = simulate(profile, tmp_path, ["num_nodes=3"])
+    assert_states_close(real, simulated)
+    assert "@@exogym-event" in logs[tmp_path / "logs" / "rank1.log"]
+
+
+def test_killing_one_rank_makes_the_others_exit_naming_it(tmp_path):
+    overrides = ["max_steps=100000", "num_threads=1", "num_nodes=3", "val_size=0",
+                 "checkpoint_interval=None", "strategy=ddp", f"output_dir={tmp_path / 'net'}"]
+    procs = start_ranks("digits-base", 3, overrides, tmp_path / "logs")
+    log2 = tmp_path / "logs" / "rank2.log"
+    deadline = time.monotonic() + 120
+    while '"step":5,' not in log2.read_text():
+        assert time.monotonic() < deadline, log2.read_text()
+        assert procs[2].poll() is None, log2.read_text()
+        time.sleep(0.2)
+    procs[2].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    codes = wait_all(procs[:2], timeout=60)
+    assert time.monotonic() - killed_at < 30
+    for rank, code in enumerate(codes):
+        text = (tmp_path / "logs" / f"rank{rank}.log").read_text()
+        assert code not in (0, -9), text
+        assert "lost rank 2" in text, text
+
+
+def test_partial_rank_variables_get_a_clear_error():
+    with pytest.raises(ValueError, match="MASTER_PORT missing"):
+        rank_environment({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"})
+    with pytest.raises(ValueError, match="RANK=3 must be in"):
+        rank_environment({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "1"})
+    assert rank_environment({}) is None
+
+
+def test_torchrun_starts_the_worker_and_it_trains(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
+        env.pop(key, None)
+    torchrun = shutil.which("torchrun") or ""
+    launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    result = subprocess.run(
+        launcher + ["--nnodes", "1", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "-m", "distributed.worker", "--profile", "digits-diloco",
+         "--quiet", "--set", "max_steps=30", "--set", "num_threads=1",
+         "--set", f"output_dir={tmp_path}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = (tmp_path / "summary.json").read_text()
+    assert '"steps": 30' in summary
+    assert (tmp_path / "final_model.pt").is_file()
+
+
+def test_rank_env_helper_clears_interface():
+    assert "GLOO_SOCKET_IFNAME" not in rank_env(0, 1, 1)

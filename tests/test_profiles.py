@@ -1,0 +1,121 @@
+"""Profiles in config.ini: inheritance, routing of keys, and every error message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from ranks import ROOT
+
+from distributed.profiles import ProfileError, ProfileSet, load_profile, parse_overrides
+from distributed.tasks import resolve_task
+
+
+def write(tmp_path, text):
+    path = tmp_path / "config.ini"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_profiles_cover_every_strategy_on_digits_and_chargpt_diloco():
+    profiles = ProfileSet()
+    strategies = {profiles.get(n).strategy for n in profiles.names()
+                  if profiles.get(n).task == "digits" and n != "digits-base"}
+    assert {"ddp", "diloco", "fedavg"} <= strategies
+    assert profiles.get("chargpt-diloco").strategy == "diloco"
+
+
+def test_base_profile_inheritance_and_key_routing(tmp_path):
+    path = write(tmp_path, """
+[distributed:base]
+task = digits
+hidden = 32
+lr = 0.01
+num_nodes = 2
+[distributed:child]
+base_profile = base
+strategy = diloco
+H = 5
+seed = 3
+""")
+    profile = load_profile("child", path)
+    task, strategy, run = profile.split()
+    assert task == {"hidden": 32, "seed": 3}
+    assert strategy == {"lr": 0.01, "H": 5}
+    assert run == {"num_nodes": 2, "seed": 3}
+
+
+def test_unknown_key_names_it_and_lists_the_accepted(tmp_path):
+    path = write(tmp_path, "[distributed:p]\ntask = digits\nstrategy = diloco\nouter_lrr = 1\n")
+    with pytest.raises(ProfileError) as err:
+        load_profile("p", path)
+    text = str(err.value)
+    assert "unknown key 'outer_lrr' (did you mean 'outer_lr'?)" in text
+    assert "accepted for task 'digits' and strategy 'diloco'" in text and "num_nodes" in text
+
+
+def test_unknown_profile_lists_the_profiles(tmp_path):
+    path = write(tmp_path, "[distributed:alpha]\ntask = digits\n[other]\nx = 1\n")
+    with pytest.raises(ProfileError, match=r"no profile 'alpah'.*did you mean 'alpha'.*alpha"):
+        load_profile("alpah", path)
+
+
+def test_base_profile_cycle_is_reported(tmp_path):
+    path = write(tmp_path, "[distributed:a]\nbase_profile = b\ntask = digits\n"
+                           "[distributed:b]\nbase_profile = a\n")
+    with pytest.raises(ProfileError, match="base_profile cycle: a -> b -> a"):
+        load_profile("a", path)
+
+
+def test_missing_task_unknown_strategy_and_unknown_task(tmp_path):
+    path = write(tmp_path, "[distributed:a]\nstrategy = diloco\n"
+                           "[distributed:b]\ntask = digits\nstrategy = magic\n"
+                           "[distributed:c]\ntask = nosuch\n")
+    with pytest.raises(ProfileError, match="no 'task' key"):
+        load_profile("a", path)
+    with pytest.raises(ProfileError, match="unknown strategy 'magic'"):
+        load_profile("b", path)
+    with pytest.raises(ProfileError, match="unknown task 'nosuch'"):
+        load_profile("c", path)
+
+
+def test_overrides_are_parsed_and_validated():
+    assert parse_overrides(["lr=0.5", "H=10", "autocast=true", "device=cpu"]) == {
+        "lr": 0.5, "H": 10, "autocast": True, "device": "cpu"}
+    with pytest.raises(ProfileError, match="key=value"):
+        parse_overrides(["lr"])
+    with pytest.raises(ProfileError, match="unknown key 'Hh'"):
+        load_profile("digits-diloco", overrides={"Hh": 3})
+
+
+def test_missing_config_file_is_reported(tmp_path):
+    with pytest.raises(ProfileError, match="does not exist"):
+        ProfileSet(tmp_path / "none.ini")
+
+
+def test_task_from_module_function(tmp_path, monkeypatch):
+    (tmp_path / "mytask.py").write_text(
+        "from distributed.tasks import digits_task\n"
+        "def build(width: int = 16):\n    return digits_task(hidden=width)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = write(tmp_path, "[distributed:m]\ntask = mytask:build\nstrategy = ddp\nwidth = 8\n")
+    profile = load_profile("m", path)
+    model, train, val = resolve_task(profile.task)(**profile.split()[0])
+    assert model.net[0].out_features == 8 and len(train) > len(val)
+
+
+def test_chargpt_task_uses_a_corpus_present_without_download():
+    model, train, val = resolve_task("chargpt")(n_layer=1, n_embd=32, n_head=2, block_size=16)
+    x, y = train[0]
+    assert x.shape == (16,) and (x[1:] == y[:-1]).all()
+    with torch.no_grad():
+        assert float(model((x[None], y[None]))) > 0 and len(val) > 10
+
+
+def test_worker_exits_2_with_a_readable_message_on_a_bad_profile():
+    result = subprocess.run([sys.executable, "-m", "distributed.worker", "--profile", "nope"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "no profile 'nope'" in result.stderr and "Traceback" not in result.stderr
