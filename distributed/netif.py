@@ -46,13 +46,33 @@ def resolve_address(host: str) -> str:
         return socket.gethostbyname(host)
 
 
+def _interface_owning(address: str) -> str | None:
+    ip = shutil.which("ip")
+    if not ip:
+        return None
+    try:
+        out = subprocess.run([ip, "-o", "addr", "show"], capture_output=True, text=True,
+                             timeout=5).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[3].split("/")[0] == address:
+            return fields[1].split("@")[0]
+    return None
+
+
 def interface_for(host: str) -> str | None:
-    """Name of the local interface that routes to ``host``, or None if unknown."""
+    """Name of the local interface that routes to ``host``, or None if unknown.
+
+    When ``host`` is this machine's own (non-loopback) address, that is the
+    interface holding it: the master must listen where its peers can reach it.
+    """
     address = resolve_address(host)
     if ipaddress.ip_address(address).is_loopback:
         names = [name for _, name in socket.if_nameindex()]
         return next((n for n in ("lo", "lo0") if n in names), None)
-    return _route_get(address)
+    return _interface_owning(address) or _route_get(address)
 
 
 def is_local_address(host: str) -> bool:

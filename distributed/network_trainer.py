@@ -132,7 +132,9 @@ class NetworkTrainer(Trainer):
         env = self.environment
         if env is None:
             return self._launch(spec, on_event)
-        choose_interface(env.master_addr)
+        iface = choose_interface(env.master_addr)
+        print(f"rank {env.rank}/{env.world_size}: master {env.master_addr}:{env.master_port}, "
+              f"interface {iface or 'chosen by gloo'}", file=sys.stderr, flush=True)
         if spec.device_type == "cuda" and spec.devices is not None:
             # Ranks on one machine take its GPUs by local rank, not by global rank.
             spec.devices = [spec.devices[env.local_rank % len(spec.devices)]]

@@ -95,3 +95,25 @@ def test_torchrun_starts_the_worker_and_it_trains(tmp_path):
 
 def test_rank_env_helper_clears_interface():
     assert "GLOO_SOCKET_IFNAME" not in rank_env(0, 1, 1)
+
+
+def test_ranks_in_network_namespaces_pick_their_interface_and_match_the_simulation(tmp_path):
+    from netns import namespaces, netns_available
+
+    reason = netns_available()
+    if reason:
+        pytest.skip(reason)
+    overrides = COMMON + ["num_nodes=3", f"output_dir={tmp_path / 'net'}"]
+    with namespaces(3) as (names, addresses):
+        prefix = [["ip", "netns", "exec", ns] for ns in names]
+        procs = start_ranks("digits-diloco", 3, overrides, tmp_path / "logs", prefix=prefix,
+                            addr=addresses[0])
+        codes = wait_all(procs, timeout=240)
+    logs = {p.name: p.read_text() for p in (tmp_path / "logs").iterdir()}
+    assert codes == [0, 0, 0], logs
+    for rank in range(3):  # each rank found its namespace's veth, not loopback
+        assert "interface vh" in logs[f"rank{rank}.log"], logs[f"rank{rank}.log"][-2000:]
+    assert_states_close(torch.load(tmp_path / "net" / "final_model.pt"),
+                        simulate("digits-diloco", tmp_path, ["num_nodes=3"]))
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(
+        "exo-") == 0
