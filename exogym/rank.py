@@ -206,6 +206,16 @@ def average_across_ranks(state: dict[str, torch.Tensor], side_group) -> dict[str
     return out
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory in bytes (0 where the OS does not say)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
 def _is_comm_error(exc: BaseException) -> bool:
     """True for an error raised by a collective because a peer's connection failed."""
     if isinstance(exc, getattr(dist, "DistError", ())):
@@ -271,7 +281,8 @@ def run_rank(spec: RunSpec, rank: int, rendezvous: Rendezvous,
                 raise
             raise LostRankError(lost, f"rank {rank}: {message}") from exc
         emit({"event": "done", "rank": rank, "step": node.step,
-              "comm_bytes": comm.comm_bytes(), "comm_calls": comm.comm_calls()})
+              "comm_bytes": comm.comm_bytes(), "comm_calls": comm.comm_calls(),
+              "peak_rss_bytes": peak_rss_bytes()})
         return state
     finally:
         if watch is not None:

@@ -172,6 +172,7 @@ class Trainer:
         self.devices = devices
         self.history: list[dict[str, Any]] = []
         self.summary: dict[str, Any] = {}
+        self.rank_stats: dict[int, dict[str, Any]] = {}
         self.log_dir: Path | None = None
 
     def fit(
@@ -276,9 +277,13 @@ class Trainer:
         reporter = RunReporter(spec.num_nodes, show=progress, log_interval=spec.log_interval)
         self.history = []
 
+        self.rank_stats = {}
+
         def on_event(event: dict[str, Any]) -> None:
             if event.get("event") == "step":
                 self.history.append({k: v for k, v in event.items() if k != "event"})
+            elif event.get("event") == "done":
+                self.rank_stats[event["rank"]] = event
             reporter.on_event(event)
             if run_logger is not None:
                 run_logger.log_event(event)
@@ -295,6 +300,9 @@ class Trainer:
             reporter.close()
             self.history.sort(key=lambda r: (r["step"], r["rank"]))
             self.summary = summarize(self.history, spec.num_nodes, time.perf_counter() - started)
+            peaks = [s.get("peak_rss_bytes", 0) for s in self.rank_stats.values()]
+            if peaks:
+                self.summary["peak_rss_bytes_per_rank"] = max(peaks)
             if run_logger is not None:
                 run_logger.finish(self.summary, failed=failed)
         reporter.finish(self.summary)

@@ -1,0 +1,95 @@
+"""Simulation speed: a fixed workload per strategy, timed end to end.
+
+Workload: an MLP 784-256-128-10 on 20,000 synthetic 28x28 samples, K=4 ranks,
+batch 32 per rank, 200 steps, evaluation of 64 samples every 100 steps. Each
+strategy runs in a fresh Python process, so the wall time includes importing
+torch, starting the ranks and collecting the final model.
+
+    python bench/sim_speed.py                 # all strategies
+    python bench/sim_speed.py --strategies ddp diloco
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_run(name: str, nodes: int, steps: int) -> dict:
+    """Body of the child process: train once and print the figures as JSON."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from exogym import Trainer
+    from exogym.strategy import DiLoCoStrategy, FedAvgStrategy, SimpleReduceStrategy
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(),
+                                     nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
+
+        def forward(self, batch):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(20000, 28, 28, generator=g),
+                         torch.randint(0, 10, (20000,), generator=g))
+    strategies = {
+        "ddp": lambda: SimpleReduceStrategy(),
+        "diloco": lambda: DiLoCoStrategy(H=20),
+        "fedavg": lambda: FedAvgStrategy(H=20),
+    }
+    torch.manual_seed(0)
+    trainer = Trainer(MLP(), data, data)
+    trainer.fit(strategy=strategies[name](), num_nodes=nodes, max_steps=steps, batch_size=32,
+                val_size=64, val_interval=100, logger=None, progress=False)
+    return {"steps_per_s": trainer.summary["steps_per_s"],
+            "peak_rss_mb": trainer.summary.get("peak_rss_bytes_per_rank", 0) / 2**20,
+            "bytes_per_node": trainer.summary["bytes_per_node"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategies", nargs="+", default=["ddp", "diloco", "fedavg"])
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(one_run(args.child, args.nodes, args.steps)))
+        return
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"simulation speed: MLP 784-256-128-10, K={args.nodes}, batch 32, "
+                        f"{args.steps} steps")
+    for col in ("strategy", "wall s (end to end)", "train steps/s", "peak RSS per rank",
+                "sent per node"):
+        table.add_column(col, justify="right")
+    for name in args.strategies:
+        start = time.perf_counter()
+        out = subprocess.run([sys.executable, __file__, "--child", name, "--nodes",
+                              str(args.nodes), "--steps", str(args.steps)], cwd=ROOT,
+                             capture_output=True, text=True, check=True)
+        wall = time.perf_counter() - start
+        figures = json.loads(out.stdout.strip().splitlines()[-1])
+        table.add_row(name, f"{wall:.2f}", f"{figures['steps_per_s']:.1f}",
+                      f"{figures['peak_rss_mb']:.0f} MiB",
+                      f"{figures['bytes_per_node'] / 2**20:.1f} MiB")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
