@@ -86,12 +86,26 @@ class _Portable:
         return pickle.loads, (buffer.getvalue(),)
 
 
+# Imported once by the fork server, so a rank starts with them loaded. Building
+# an optimizer imports torch._dynamo (seconds), so it is loaded here too.
+PRELOAD = ["__main__", "exogym.rank", "exogym.trainer", "torch._dynamo"]
+
+
 def _mp_context():
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["__main__", "exogym.rank", "exogym.trainer"])
+        ctx.set_forkserver_preload(PRELOAD)
         return ctx
     return mp.get_context("spawn")
+
+
+def warm_up_rank_server() -> None:
+    """Start the fork server now; it imports torch while the caller keeps working."""
+    from multiprocessing import forkserver
+
+    if "forkserver" in mp.get_all_start_methods():
+        _mp_context()
+        forkserver.ensure_running()
 
 
 def _open_store(start_port: int | None) -> dist.TCPStore:
@@ -171,6 +185,7 @@ class Trainer:
         self.device = device
         self.devices = devices
         self.history: list[dict[str, Any]] = []
+        warm_up_rank_server()
         self.summary: dict[str, Any] = {}
         self.rank_stats: dict[int, dict[str, Any]] = {}
         self.log_dir: Path | None = None
