@@ -4,7 +4,7 @@ One ``sshd -D`` process listens on several loopback addresses (127.0.0.2,
 127.0.0.3, ...) at one free port; each address plays a separate host. Its host
 key, the authorized user key, a second key that is *not* authorized, and its
 config live in a temporary directory. No ``AcceptEnv`` is configured, so tests
-prove that rank variables arrive without it. The fixture stops sshd by its PID.
+prove that rank variables arrive without it. ``serve_sshd`` stops sshd by its PID.
 
 Skipped, with the reason printed, when sshd or paramiko is not installed
 (``tests/setup_system.sh`` installs openssh-server).
@@ -95,9 +95,11 @@ def _wait_ready(proc: subprocess.Popen[bytes], addresses: tuple[str, ...], port:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="session")
-def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHD]:
-    """Start sshd on the test addresses for the whole session; stop it by PID after."""
+def serve_sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHD]:
+    """Start sshd on the test addresses, yield it, then stop it by PID.
+
+    Meant as the body of a session fixture: ``yield from serve_sshd(tmp_path_factory)``.
+    """
     pytest.importorskip("paramiko", reason="paramiko is not installed: pip install paramiko")
     binary = _sshd_binary()
     if binary is None:

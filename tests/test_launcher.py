@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 from rich.console import Console
+from sshd_fixture import SSHD, serve_sshd
 
 from distributed.hosts import HostSpec, load_hosts
 from distributed.launcher import (
@@ -124,6 +125,12 @@ RANK_SCRIPTS = {
 }
 
 
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHD]:
+    """One real sshd on 127.0.0.2-6 for every test here (see sshd_fixture)."""
+    yield from serve_sshd(tmp_path_factory)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -147,7 +154,7 @@ def project(tmp_path: Path) -> Path:
 class Run:
     """Builds launchers for one test: hosts, SSH settings and collectors."""
 
-    def __init__(self, sshd: Any, project: Path, tmp_path: Path) -> None:
+    def __init__(self, sshd: SSHD, project: Path, tmp_path: Path) -> None:
         self.sshd = sshd
         self.project = project
         self.run_dir = tmp_path / "run"
@@ -182,7 +189,7 @@ class Run:
 
 
 @pytest.fixture
-def run(sshd: Any, project: Path, tmp_path: Path) -> Run:
+def run(sshd: SSHD, project: Path, tmp_path: Path) -> Run:
     return Run(sshd, project, tmp_path)
 
 
@@ -728,7 +735,7 @@ def test_ssh_config_supplies_hostname_port_user_and_key(run, tmp_path):
 
 
 @pytest.fixture
-def agent(sshd: Any, tmp_path: Path) -> Iterator[str]:
+def agent(sshd: SSHD, tmp_path: Path) -> Iterator[str]:
     if shutil.which("ssh-agent") is None or shutil.which("ssh-add") is None:
         pytest.skip("ssh-agent is not installed (openssh-client)")
     sock = str(tmp_path / "agent.sock")
