@@ -23,6 +23,8 @@ With ``"action": "kill"`` the same file stops a rank's process group instead
 Runs on any Python 3.8+ with the standard library only.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import select
@@ -30,17 +32,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 #: Lines the launcher reads back from the supervisor start with this.
 MARK = "@@exogym-launch "
 
 
-def _say(payload):
+def _say(payload: dict[str, Any]) -> None:
     sys.stdout.write(MARK + json.dumps(payload) + "\n")
     sys.stdout.flush()
 
 
-def group_alive(pgid):
+def group_alive(pgid: int) -> bool:
     """Whether process group ``pgid`` has a member that is not a zombie.
 
     Zombies are left out: an orphan's zombie lasts until init reaps it, which
@@ -68,7 +72,7 @@ def group_alive(pgid):
     return False
 
 
-def stop_group(pgid, grace, reap=None):
+def stop_group(pgid: int, grace: float, reap: Callable[[], object] | None = None) -> None:
     """TERM process group ``pgid``, then KILL it if anything is left after ``grace`` s.
 
     ``reap`` is called while waiting, so a parent can collect its child's exit.
@@ -92,14 +96,15 @@ def stop_group(pgid, grace, reap=None):
         pass
 
 
-def main(message):
+def main(message: dict[str, Any]) -> None:
+    """Entry point called by the loader with the message read from stdin."""
     if message.get("action") == "kill":
         stop_group(int(message["pgid"]), float(message.get("grace", 5.0)))
         return
     supervise(message)
 
 
-def supervise(message):
+def supervise(message: dict[str, Any]) -> None:
     """Start the rank, watch it and the launcher, and report how it ended."""
     grace = float(message.get("grace", 5.0))
     env = dict(os.environ)
@@ -116,7 +121,7 @@ def supervise(message):
     message.clear()
     _say({"pgid": child.pid, "supervisor": os.getpid()})
 
-    def forward(signum, frame):
+    def forward(signum: int, frame: object) -> None:
         # a signal meant for the rank (an admin's TERM, a hangup): pass it on to its group
         try:
             os.killpg(child.pid, signum)

@@ -17,6 +17,8 @@ object on stdout. Actions:
 Runs on any Python 3.8+ with the standard library only.
 """
 
+from __future__ import annotations
+
 import hashlib
 import json
 import os
@@ -26,9 +28,12 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterable
+from typing import Any
 
 
-def hash_files(root, paths):
+def hash_files(root: str | os.PathLike[str],
+               paths: Iterable[str]) -> tuple[str, dict[str, str | None]]:
     """Hash ``paths`` (relative to ``root``) in sorted order.
 
     Returns ``(code_hash, per_file)``: a hex digest over every path and its
@@ -48,7 +53,7 @@ def hash_files(root, paths):
     return total.hexdigest(), per_file
 
 
-def project_version(root):
+def project_version(root: str | os.PathLike[str]) -> str | None:
     """``version`` of the ``[project]`` table of ``root/pyproject.toml``, or ``None``."""
     try:
         with open(os.path.join(root, "pyproject.toml"), encoding="utf-8") as f:
@@ -62,7 +67,7 @@ def project_version(root):
     return found.group(1) if found else None
 
 
-def torch_version():
+def torch_version() -> str | None:
     """The installed torch version, read from package metadata (no slow import)."""
     try:
         from importlib import metadata
@@ -72,14 +77,14 @@ def torch_version():
         return None
 
 
-def _address(host):
+def _address(host: str) -> str:
     try:
         return socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
     except OSError:
         return host
 
 
-def route_to(master):
+def route_to(master: str) -> dict[str, Any]:
     """The interface and source address this host uses to reach ``master``."""
     addr = _address(master)
     ip = shutil.which("ip") or next(
@@ -112,7 +117,7 @@ def route_to(master):
         return {"interface": None, "source": None, "how": f"none ({exc})"}
 
 
-def try_connect(host, port, timeout):
+def try_connect(host: str, port: int, timeout: float) -> dict[str, Any]:
     """Open (and close) a TCP connection; report how it went."""
     try:
         with socket.create_connection((host, port), timeout=timeout):
@@ -125,7 +130,8 @@ def try_connect(host, port, timeout):
         return {"ok": False, "error": exc.strerror or str(exc)}
 
 
-def probe(message):
+def probe(message: dict[str, Any]) -> dict[str, Any]:
+    """Everything pre-flight wants to know about this host, as one JSON-able dict."""
     root = os.getcwd()
     code_hash, per_file = hash_files(root, message.get("files", []))
     try:
@@ -150,7 +156,7 @@ def probe(message):
     return result
 
 
-def listen(message):
+def listen(message: dict[str, Any]) -> None:
     """Bind the master port on every address and hold it until stdin closes."""
     port = int(message["port"])
     family = socket.AF_INET6 if ":" in message.get("master", "") else socket.AF_INET
@@ -174,7 +180,8 @@ def listen(message):
     sock.close()
 
 
-def main(message):
+def main(message: dict[str, Any]) -> None:
+    """Entry point called by the loader with the message read from stdin."""
     if message.get("action") == "listen":
         listen(message)
     else:

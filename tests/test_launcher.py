@@ -629,6 +629,27 @@ def test_preflight_names_a_missing_python(run):
     assert problem.startswith("[127.0.0.2:1] python_env /nonexistent/bin/python was not found")
 
 
+def old_python() -> str | None:
+    """An interpreter older than the project supports, when this machine has one."""
+    check = "import sys; sys.exit(sys.version_info >= (3, 10))"
+    candidates = [shutil.which(name) for name in ("python3.8", "python3.9")]
+    candidates += sorted(str(p) for p in Path("~/.pyenv/versions").expanduser().glob(
+        "3.[89].*/bin/python"))
+    for found in filter(None, candidates):
+        if subprocess.run([found, "-c", check], capture_output=True,
+                          check=False).returncode == 0:
+            return found
+    return None
+
+
+@pytest.mark.skipif(old_python() is None, reason="no Python older than 3.10 on this machine")
+def test_preflight_names_a_python_that_is_too_old(run):
+    worker = run.worker("127.0.0.2", python_env=old_python())
+    problems = preflight_problems(run, run.hosts(workers=[worker]))
+    assert any(p.startswith(f"[127.0.0.2:1] python_env {old_python()} is Python 3.")
+               and "the project needs 3.10 or newer" in p for p in problems)
+
+
 def test_preflight_names_a_missing_project_path(run):
     worker = run.worker("127.0.0.3", project_path="/nonexistent/project")
     (problem,) = preflight_problems(run, run.hosts(workers=[worker]))
