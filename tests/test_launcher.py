@@ -39,6 +39,7 @@ from distributed.launcher import (
     PreflightError,
     RankProgram,
     is_this_machine,
+    launch,
 )
 from distributed.probe import hash_files
 from distributed.remote import rank_command, shell_path
@@ -174,15 +175,20 @@ class Run:
                 "ssh_key_path": str(self.sshd.key_path), "python_env": sys.executable,
                 "project_path": str(self.project), "master_port": self.port, **top}
 
-    def launcher(self, hosts: dict[str, Any], program: RankProgram, **kw: Any) -> Launcher:
+    def options(self, **kw: Any) -> dict[str, Any]:
+        """Launcher keyword arguments for the test sshd, short timeouts and collectors."""
         options: dict[str, Any] = {
             "run_dir": self.run_dir, "known_hosts_path": self.sshd.known_hosts,
-            "ssh_config_path": self.sshd.ssh_config, "allow_agent": False, "look_for_keys": False,
-            "connect_timeout": 3.0, "probe_timeout": 20.0, "grace_period": 2.0,
-            "project_root": self.project, "console": Console(file=self.out, width=220),
-            "on_output": self.lines.append, "on_event": self.events.append}
+            "ssh_config_path": self.sshd.ssh_config, "allow_agent": False,
+            "look_for_keys": False, "connect_timeout": 3.0, "probe_timeout": 20.0,
+            "grace_period": 2.0, "project_root": self.project,
+            "console": Console(file=self.out, width=220), "on_output": self.lines.append,
+            "on_event": self.events.append}
         options.update(kw)
-        return Launcher(hosts, program, **options)
+        return options
+
+    def launcher(self, hosts: dict[str, Any], program: RankProgram, **kw: Any) -> Launcher:
+        return Launcher(hosts, program, **self.options(**kw))
 
     def output_of(self, rank: int) -> list[str]:
         return [line.text for line in self.lines if line.rank == rank]
@@ -306,9 +312,8 @@ def test_three_ranks_get_their_variables_arguments_output_events_and_logs(run):
 
 def test_interface_and_device_of_a_host_reach_its_rank(run):
     hosts = run.hosts(workers=[run.worker("127.0.0.2", interface="lo", device="cpu")])
-    with run.launcher(hosts, RankProgram.from_script("show_env.py")) as launcher:
-        result = launcher.run()
-    assert result.ok, result.describe()
+    result = launch(hosts, RankProgram.from_script("show_env.py"), check=True, **run.options())
+    assert result.ok
     env1 = json.loads(next(t for t in run.output_of(1) if t.startswith("ENV "))[4:])
     env0 = json.loads(next(t for t in run.output_of(0) if t.startswith("ENV "))[4:])
     assert (env1["GLOO_SOCKET_IFNAME"], env1["EXOGYM_DEVICE"]) == ("lo", "cpu")
