@@ -550,7 +550,8 @@ class Launcher:
         self._report: PreflightReport | None = None
         self._synced = False
         self._interrupted: str | None = None
-        self._exits: queue.Queue[tuple[int, int | None] | None] = queue.Queue()
+        # SimpleQueue: its put() may be called from a signal handler
+        self._exits: queue.SimpleQueue[tuple[int, int | None] | None] = queue.SimpleQueue()
         self._callback_failed = False
 
     # ------------------------------------------------------------------ setup
@@ -827,7 +828,7 @@ class Launcher:
     def _attempt(self, restart: int) -> AttemptResult:
         """Start every rank, watch until all have ended, stop them all on a failure."""
         plans = self.plan(restart)
-        self._exits = queue.Queue()
+        self._exits = queue.SimpleQueue()
         runs = [_RankRun(self, plan, self._shells.get(plan.rank),
                          self.run_dir / f"rank{plan.rank}.log", restart) for plan in plans]
         self._say(f"starting {len(runs)} rank(s)" + (f" (restart {restart})" if restart else "")
