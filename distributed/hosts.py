@@ -1,0 +1,471 @@
+"""The hosts file: which machines run a multi-host job, and how to reach each one.
+
+A hosts file is JSON. The short form most users write::
+
+    {
+      "master": "192.168.1.100",
+      "workers": ["192.168.1.101", "192.168.1.102"],
+      "ssh_user": "alice",
+      "ssh_key_path": "~/.ssh/id_rsa",
+      "python_env": "/home/alice/venv/bin/python",
+      "project_path": "/home/alice/gym"
+    }
+
+Rank 0 runs on the master, ranks 1.. on the workers in the order listed.
+Optional ``master_port`` (default 29500) is the port of the training process
+group on the master. Every per-host key may also be given at the top level,
+where it is the default for every host. The master and any worker may be an
+object instead of an address, to override those defaults for that host::
+
+    {"host": "192.168.1.102", "ssh_port": 2222, "python_env": "/opt/py/bin/python",
+     "interface": "en0", "device": "mps"}
+
+``load_hosts`` validates the whole file and reports every problem at once in a
+single ``HostsFileError``, each line naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from distributed.atomic import write_atomic
+
+DEFAULT_MASTER_PORT = 29500
+
+#: Keys a host object accepts. All but ``host`` may also be top-level defaults.
+HOST_KEYS = (
+    "host",
+    "ssh_port",
+    "ssh_user",
+    "ssh_key_path",
+    "python_env",
+    "project_path",
+    "interface",
+    "device",
+)
+#: Keys the top level of a hosts file accepts.
+TOP_KEYS = ("master", "workers", "master_port") + tuple(k for k in HOST_KEYS if k != "host")
+
+_DEVICE_RE = re.compile(r"^(cpu|mps|auto|cuda(:\d+)?)$")
+_INTERFACE_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
+
+JsonPath = tuple  # a JSON path: keys (str) and list indices (int)
+
+
+class HostsFileError(ValueError):
+    """A hosts file that cannot be used, with every problem found in it.
+
+    Args:
+        problems: one self-contained message per problem, each naming the
+            field, the value found and what to do.
+        source: the file the problems were found in, if any.
+    """
+
+    def __init__(self, problems: list[str], source: str | None = None) -> None:
+        self.problems = list(problems)
+        self.source = source
+        where = f" {source}" if source else ""
+        count = len(self.problems)
+        header = f"invalid hosts file{where} ({count} problem{'s' if count != 1 else ''}):"
+        super().__init__("\n".join([header, *("  " + p for p in self.problems)]))
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One host of a job and how to reach it; its index in the job is its rank.
+
+    Args:
+        rank: the rank this host runs (0 is the master).
+        host: address or ``~/.ssh/config`` alias of the host.
+        ssh_port: SSH port, or ``None`` for ``~/.ssh/config``'s ``Port`` or 22.
+        ssh_user: login user, or ``None`` for ``~/.ssh/config``'s ``User`` or
+            the local user name.
+        ssh_key_path: private key file, or ``None`` for the agent, the
+            ``IdentityFile`` of ``~/.ssh/config`` and the default key files.
+        python_env: the Python interpreter on that host (path or command).
+        project_path: the checkout of this project on that host; ranks start there.
+        interface: network interface the rank must use for training traffic
+            (``GLOO_SOCKET_IFNAME``), or ``None`` to let the rank pick the one
+            that routes to the master.
+        device: torch device for the rank (``cpu``, ``cuda``, ``cuda:N``,
+            ``mps``, ``auto``), or ``None`` for the run's default.
+    """
+
+    rank: int
+    host: str
+    python_env: str
+    project_path: str
+    ssh_port: int | None = None
+    ssh_user: str | None = None
+    ssh_key_path: str | None = None
+    interface: str | None = None
+    device: str | None = None
+
+    @property
+    def label(self) -> str:
+        """``host`` or ``host:port`` when a port is given: how messages name this host."""
+        return self.host if self.ssh_port is None else f"{self.host}:{self.ssh_port}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The host as a hosts-file object (``rank`` left out: it is the position)."""
+        out: dict[str, Any] = {"host": self.host}
+        for key in HOST_KEYS[1:]:
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+@dataclass(frozen=True)
+class HostsConfig:
+    """A validated hosts file: every host of a job, ordered by rank.
+
+    Args:
+        hosts: the hosts, ``hosts[r]`` runs rank ``r``; the master is first.
+        master_port: port of the training process group on the master.
+        source: the file it was read from, if any.
+    """
+
+    hosts: tuple[HostSpec, ...]
+    master_port: int = DEFAULT_MASTER_PORT
+    source: str | None = None
+
+    @property
+    def master(self) -> HostSpec:
+        """The host that runs rank 0."""
+        return self.hosts[0]
+
+    @property
+    def workers(self) -> tuple[HostSpec, ...]:
+        """The hosts that run ranks 1 and up."""
+        return self.hosts[1:]
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks: one per host."""
+        return len(self.hosts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a hosts-file object that ``load_hosts`` reads back unchanged."""
+        return {
+            "master": self.master.to_dict(),
+            "workers": [w.to_dict() for w in self.workers],
+            "master_port": self.master_port,
+        }
+
+
+def load_hosts(source: str | os.PathLike[str] | Mapping[str, Any]) -> HostsConfig:
+    """Read and validate a hosts file (a path) or an already-parsed mapping.
+
+    Returns:
+        The ``HostsConfig``, hosts in rank order.
+
+    Raises:
+        HostsFileError: listing every problem found (unreadable file, invalid
+            JSON, missing or unknown keys, wrong types, bad ports, duplicates).
+    """
+    if isinstance(source, Mapping):
+        return _Validator(dict(source), lines={}, source=None).run()
+    path = Path(source).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        message = (f"hosts file: {str(path)!r} does not exist; create it from "
+                   "distributed_hosts.json.example")
+        raise HostsFileError([message], str(path)) from None
+    except OSError as exc:
+        raise HostsFileError([f"hosts file: cannot read {str(path)!r}: {exc.strerror}"],
+                             str(path)) from None
+    duplicates: list[tuple[str, list[str]]] = []
+    try:
+        data = json.loads(text, object_pairs_hook=_pairs_recording(duplicates))
+    except json.JSONDecodeError as exc:
+        message = (f"hosts file line {exc.lineno} column {exc.colno}: invalid JSON: {exc.msg}; "
+                   "check for a missing comma, quote or bracket there (or just before)")
+        raise HostsFileError([message], str(path)) from None
+    validator = _Validator(data, lines=_value_lines(text), source=str(path))
+    for where, keys in duplicates:
+        for key in keys:
+            validator.problem((), f'key "{key}" appears twice in {where}; keep one')
+    return validator.run()
+
+
+def save_hosts(config: HostsConfig, path: str | os.PathLike[str]) -> Path:
+    """Write ``config`` as a hosts file, atomically (temp file, then rename).
+
+    Returns:
+        The path written.
+    """
+    target = Path(path).expanduser()
+    text = json.dumps(config.to_dict(), indent=2) + "\n"
+    write_atomic(target, text)
+    return target
+
+
+# --------------------------------------------------------------------------- parsing helpers
+
+
+def _pairs_recording(duplicates: list[tuple[str, list[str]]]):
+    """An ``object_pairs_hook`` that notes keys given twice in one object."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        repeated: list[str] = []
+        for key, _ in pairs:
+            if key in seen and key not in repeated:
+                repeated.append(key)
+            seen.add(key)
+        if repeated:
+            where = "a host object" if "host" in seen else "the top level"
+            duplicates.append((where, repeated))
+        return dict(pairs)
+
+    return hook
+
+
+def _value_lines(text: str) -> dict[JsonPath, int]:
+    """Map each JSON path in ``text`` (already known to be valid JSON) to its line number."""
+    decoder = json.JSONDecoder()
+    lines: dict[JsonPath, int] = {}
+    ws = " \t\r\n"
+
+    def line_of(pos: int) -> int:
+        return text.count("\n", 0, pos) + 1
+
+    def skip(pos: int) -> int:
+        while pos < len(text) and text[pos] in ws:
+            pos += 1
+        return pos
+
+    def walk(pos: int, path: JsonPath) -> int:
+        pos = skip(pos)
+        lines[path] = line_of(pos)
+        if text[pos] == "{":
+            pos = skip(pos + 1)
+            if text[pos] == "}":
+                return pos + 1
+            while True:
+                key, pos = json.decoder.scanstring(text, skip(pos) + 1)
+                pos = skip(pos) + 1  # the colon
+                pos = skip(walk(pos, path + (key,)))
+                if text[pos] == "}":
+                    return pos + 1
+                pos += 1  # the comma
+        if text[pos] == "[":
+            pos = skip(pos + 1)
+            if text[pos] == "]":
+                return pos + 1
+            index = 0
+            while True:
+                pos = skip(walk(pos, path + (index,)))
+                index += 1
+                if text[pos] == "]":
+                    return pos + 1
+                pos += 1
+        _, end = decoder.raw_decode(text, pos)
+        return end
+
+    try:
+        walk(0, ())
+    except (IndexError, ValueError):
+        return lines  # line numbers are a courtesy; validation goes on without them
+    return lines
+
+
+def _show(value: Any) -> str:
+    """A value as it appears in JSON, for messages."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _field(path: JsonPath) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return f'"{out}"'
+
+
+class _Validator:
+    """Collects every problem of one hosts document, then builds the config."""
+
+    def __init__(self, data: Any, lines: dict[JsonPath, int], source: str | None) -> None:
+        self.data = data
+        self.lines = lines
+        self.source = source
+        self.problems: list[str] = []
+
+    def problem(self, path: JsonPath, text: str) -> None:
+        line = self.lines.get(path) if path else None  # line 1 of the top level says nothing
+        where = f" line {line}" if line is not None else ""
+        self.problems.append(f"hosts file{where}: {text}")
+
+    def run(self) -> HostsConfig:
+        config = self._check()
+        if self.problems:
+            raise HostsFileError(self.problems, self.source)
+        assert config is not None
+        return config
+
+    def _check(self) -> HostsConfig | None:
+        data = self.data
+        if not isinstance(data, dict):
+            kind = type(data).__name__
+            self.problem((), 'must be a JSON object like {"master": "10.0.0.1", "workers": '
+                         f'["10.0.0.2"], ...}}, got a {kind}: {_show(data)}')
+            return None
+        self._unknown_keys(data, (), TOP_KEYS, "the top level")
+        defaults = self._host_fields(data, ())
+
+        entries: list[tuple[JsonPath, Any]] = []
+        if "master" not in data:
+            self.problem((), 'missing "master": add "master": "<address of the host that runs '
+                         'rank 0>"')
+        else:
+            entries.append((("master",), data["master"]))
+        if "workers" not in data:
+            self.problem((), 'missing "workers": add "workers": ["<address>", ...] '
+                         "(an empty list runs a single rank on the master)")
+        elif not isinstance(data["workers"], list):
+            self.problem(("workers",), '"workers" must be a list of addresses, got '
+                         f"{_show(data['workers'])}")
+        else:
+            entries.extend((("workers", i), w) for i, w in enumerate(data["workers"]))
+
+        master_port = DEFAULT_MASTER_PORT
+        if "master_port" in data:
+            port = self._port(data, ("master_port",))
+            master_port = port if port is not None else master_port
+
+        hosts: list[dict[str, Any]] = []
+        for path, entry in entries:
+            fields = self._host_entry(entry, path)
+            if fields is not None:
+                hosts.append({**defaults, **fields, "_path": path})
+
+        for key in ("python_env", "project_path"):
+            if key in data:
+                continue  # an invalid top-level value is reported already
+            lacking = [_field(h["_path"]) for h in hosts if key not in h]
+            if lacking:
+                example = "/path/to/venv/bin/python" if key == "python_env" else "/path/to/checkout"
+                self.problem((), f'missing "{key}" for {", ".join(lacking)}: add "{key}": '
+                             f'"{example}" at the top level or on each of those hosts')
+
+        seen: dict[tuple[str, int], JsonPath] = {}
+        for h in hosts:
+            key = (h["host"].lower(), h.get("ssh_port") or 22)
+            if key in seen:
+                self.problem(h["_path"], f"{_field(h['_path'])} repeats host {_show(h['host'])} "
+                             f"(ssh port {key[1]}) already listed as {_field(seen[key])}: list "
+                             "each machine once; one rank runs per host")
+            else:
+                seen[key] = h["_path"]
+
+        if self.problems:
+            return None
+        specs = tuple(
+            HostSpec(rank=rank, **{k: v for k, v in h.items() if k != "_path"})
+            for rank, h in enumerate(hosts)
+        )
+        return HostsConfig(hosts=specs, master_port=master_port, source=self.source)
+
+    def _unknown_keys(self, obj: dict[str, Any], path: JsonPath, accepted: tuple[str, ...],
+                      where: str) -> None:
+        for key in obj:
+            if key in accepted:
+                continue
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hint = f' (did you mean "{close[0]}"?)' if close else ""
+            self.problem(path + (key,), f'unknown key "{key}" in {where}{hint}; accepted keys: '
+                         f"{', '.join(accepted)}")
+
+    def _host_entry(self, entry: Any, path: JsonPath) -> dict[str, Any] | None:
+        name = _field(path)
+        if isinstance(entry, str):
+            host = self._address(entry, path, name)
+            return None if host is None else {"host": host}
+        if isinstance(entry, dict):
+            self._unknown_keys(entry, path, HOST_KEYS, f"host object {name}")
+            fields = self._host_fields(entry, path)
+            if "host" not in entry:
+                self.problem(path, f'{name} has no "host": add "host": "<address>" to it')
+                return None
+            host = self._address(entry["host"], path + ("host",), _field(path + ("host",)))
+            if host is None:
+                return None
+            return {**fields, "host": host}
+        self.problem(path, f"{name} must be an address or an object with \"host\", got "
+                     f"{_show(entry)}")
+        return None
+
+    def _address(self, value: Any, path: JsonPath, name: str) -> str | None:
+        if not isinstance(value, str) or not value.strip():
+            self.problem(path, f"{name} must be a host address (IP or name), got {_show(value)}")
+            return None
+        value = value.strip()
+        if "@" in value:
+            user, _, host = value.rpartition("@")
+            self.problem(path, f"{name} is {_show(value)}: write the address alone and the user "
+                         f'separately: {{"host": "{host}", "ssh_user": "{user}"}}')
+            return None
+        if value.count(":") == 1:
+            host, _, port = value.partition(":")
+            self.problem(path, f"{name} is {_show(value)}: write the address alone and the SSH "
+                         f'port separately: {{"host": "{host}", "ssh_port": {port or 22}}}')
+            return None
+        if any(c.isspace() for c in value):
+            self.problem(path, f"{name} must be one host address without spaces, got "
+                         f"{_show(value)}")
+            return None
+        return value
+
+    def _host_fields(self, obj: dict[str, Any], path: JsonPath) -> dict[str, Any]:
+        """Check the optional per-host keys present in ``obj``; return the valid ones."""
+        out: dict[str, Any] = {}
+        if "ssh_port" in obj:
+            port = self._port(obj, path + ("ssh_port",))
+            if port is not None:
+                out["ssh_port"] = port
+        for key, what in (("ssh_user", "a user name"), ("ssh_key_path", "a key file path"),
+                          ("python_env", "the path of a Python interpreter"),
+                          ("project_path", "the path of the project checkout")):
+            if key in obj:
+                value = obj[key]
+                if isinstance(value, str) and value.strip():
+                    out[key] = value.strip()
+                else:
+                    self.problem(path + (key,), f"{_field(path + (key,))} must be {what} "
+                                 f"(a non-empty string), got {_show(value)}")
+        if "interface" in obj:
+            value = obj["interface"]
+            if isinstance(value, str) and _INTERFACE_RE.match(value):
+                out["interface"] = value
+            else:
+                self.problem(path + ("interface",), f"{_field(path + ('interface',))} must be a "
+                             f"network interface name such as eth0 or en0, got {_show(value)}")
+        if "device" in obj:
+            value = obj["device"]
+            if isinstance(value, str) and _DEVICE_RE.match(value):
+                out["device"] = value
+            else:
+                self.problem(path + ("device",), f"{_field(path + ('device',))} must be one of "
+                             f"cpu, cuda, cuda:N, mps, auto, got {_show(value)}")
+        return out
+
+    def _port(self, obj: dict[str, Any], path: JsonPath) -> int | None:
+        value = obj[path[-1]]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+            self.problem(path, f"{_field(path)} must be a port number 1..65535, got "
+                         f"{_show(value)}")
+            return None
+        return value

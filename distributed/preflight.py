@@ -1,0 +1,435 @@
+"""Pre-flight: check every host of a job, in parallel, before any rank starts.
+
+For each host: SSH reachable and authenticated (done by the launcher's
+connect step, whose errors arrive here), ``project_path`` and ``python_env``
+present, Python, torch and project versions, a hash of the project's code
+(equal to the master's), the network interface that routes to the master,
+and, for workers, a TCP connection to the master port while the master holds
+it open (which also proves the port is free there). The outcome is a
+``PreflightReport``: one row per host, shown as one table, and every problem
+as a line naming the host, what failed and the fix.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from distributed.hosts import HostsConfig, HostSpec
+from distributed.remote import (
+    NO_PROJECT_PATH,
+    NO_PYTHON,
+    PROBE_SOURCE,
+    Completed,
+    Shell,
+    Started,
+    probe_command,
+)
+from distributed.ssh import SSHConnectError
+
+#: The oldest Python a rank may run on (pyproject's requires-python).
+MIN_PYTHON = (3, 10)
+
+
+@dataclass
+class HostCheck:
+    """The pre-flight outcome for one host: a row of the table.
+
+    Args:
+        rank: the rank the host runs.
+        host: the host as the hosts file names it.
+        where: ``local`` or the SSH login (``user@host:port``).
+        ssh, python, project, versions, code, port, interface: what each
+            check found, as shown in the table (``-`` when not checked).
+        problems: what failed, each with its fix; empty when the host is ready.
+        notes: things worth knowing that do not stop the run.
+        probe: the raw probe result, when the probe ran.
+    """
+
+    rank: int
+    host: str
+    where: str
+    ssh: str = "-"
+    python: str = "-"
+    project: str = "-"
+    versions: str = "-"
+    code: str = "-"
+    port: str = "-"
+    interface: str = "-"
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    probe: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing on this host stops the run."""
+        return not self.problems
+
+    @property
+    def label(self) -> str:
+        """``[host:rank]``, the prefix used for this rank everywhere."""
+        return f"[{self.host}:{self.rank}]"
+
+
+@dataclass
+class PreflightReport:
+    """Every host's checks; the run may start only when ``ok``.
+
+    Args:
+        checks: one ``HostCheck`` per host, in rank order.
+        master_port: the port that was checked on the master.
+    """
+
+    checks: list[HostCheck]
+    master_port: int
+
+    @property
+    def ok(self) -> bool:
+        """True when every host passed."""
+        return all(c.ok for c in self.checks)
+
+    @property
+    def problems(self) -> list[str]:
+        """Every problem of every host, each prefixed with ``[host:rank]``."""
+        return [f"{c.label} {p}" for c in self.checks for p in c.problems]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (JSON-serialisable)."""
+        return {"ok": self.ok, "master_port": self.master_port,
+                "checks": [asdict(c) for c in self.checks]}
+
+    def table(self) -> Any:
+        """The report as one ``rich`` renderable: the table, then problems and notes."""
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(title=f"Pre-flight: {len(self.checks)} hosts, master port "
+                      f"{self.master_port}", title_justify="left")
+        for name in ("host", "rank", "ssh", "python", "project", "versions", "code", "port",
+                     "interface", "status"):
+            table.add_column(name, overflow="fold")
+        for c in self.checks:
+            status = Text("ok", style="green") if c.ok else Text(
+                f"FAILED ({len(c.problems)})", style="bold red")
+            table.add_row(c.host, str(c.rank), c.ssh, c.python, c.project, c.versions, c.code,
+                          c.port, c.interface, status)
+        parts: list[Any] = [table]
+        for i, problem in enumerate(self.problems, 1):
+            parts.append(Text(f"{i}. {problem}", style="red"))
+        for c in self.checks:
+            parts.extend(Text(f"note: {c.label} {n}", style="yellow") for n in c.notes)
+        return Group(*parts)
+
+    def render(self, console: Any = None) -> None:
+        """Print the table (to ``console``, a ``rich.console.Console``, or stdout)."""
+        from rich.console import Console
+
+        (console or Console()).print(self.table())
+
+    def __str__(self) -> str:
+        import io
+
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        Console(file=buffer, width=160, no_color=True, force_terminal=False).print(self.table())
+        return buffer.getvalue()
+
+
+class PreflightError(RuntimeError):
+    """Pre-flight found problems, so nothing was started.
+
+    Args:
+        report: the full report; ``report.problems`` lists what to fix.
+    """
+
+    def __init__(self, report: PreflightReport) -> None:
+        self.report = report
+        lines = report.problems
+        super().__init__(f"pre-flight failed on {sum(not c.ok for c in report.checks)} of "
+                         f"{len(report.checks)} hosts; nothing was started:\n"
+                         + "\n".join(f"  {p}" for p in lines))
+
+
+def _public_version(version: str | None) -> str | None:
+    """``2.3.0+cu121`` -> ``2.3.0``: builds for different hardware are the same torch."""
+    return None if version is None else version.split("+", 1)[0]
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+class _MasterPort:
+    """Holds the master port open for the duration of the checks."""
+
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+        self.started: Started | None = None
+
+    def hold_local(self, master_addr: str, port: int) -> str | None:
+        """Bind the port on this machine; an error text, or ``None`` when it is held."""
+        family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+            sock.listen(64)
+        except OSError as exc:
+            sock.close()
+            return exc.strerror or str(exc)
+        self.sock = sock
+        return None
+
+    def hold_remote(self, shell: Shell, host: HostSpec, master_addr: str, port: int,
+                    timeout: float) -> str | None:
+        """Bind the port on the master over SSH; an error text, ``None`` when held.
+
+        Raises:
+            OSError: when the check could not run at all (the master's probe
+                says why, e.g. a missing python_env).
+        """
+        import threading
+
+        started = shell.start(probe_command(host.project_path, host.python_env),
+                              {"code": PROBE_SOURCE, "action": "listen", "port": port,
+                               "master": master_addr})
+        self.started = started
+        answer: list[bytes] = []
+        reader = threading.Thread(target=lambda: answer.append(started.stdout.readline()),
+                                  daemon=True)
+        reader.start()
+        reader.join(timeout)
+        try:
+            reply = json.loads(answer[0]) if answer and answer[0] else None
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
+            raise OSError("the port check on the master gave no answer")
+        return None if reply.get("ok") else str(reply.get("error"))
+
+    def release(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        if self.started is not None:
+            self.started.close()
+
+
+def run_preflight(
+    config: HostsConfig,
+    shells: Mapping[int, Shell],
+    connect_errors: Mapping[int, SSHConnectError],
+    logins: Mapping[int, str],
+    *,
+    master_addr: str,
+    files: Sequence[str],
+    connect_timeout: float = 5.0,
+    probe_timeout: float = 60.0,
+    notes: Mapping[int, Sequence[str]] | None = None,
+) -> PreflightReport:
+    """Check every host; return the report (it never raises for a host's failure).
+
+    Args:
+        config: the hosts.
+        shells: for each rank whose host could be reached, where to run commands.
+        connect_errors: for each rank whose host could not be reached, why.
+        logins: how to name each rank's login in the table (``local`` or ``user@host:port``).
+        master_addr: the address workers connect to (``MASTER_ADDR``).
+        files: project files (relative paths) whose content every host must share.
+        connect_timeout: seconds for a worker's TCP connection to the master port.
+        probe_timeout: seconds for a host's probe to finish.
+        notes: extra notes per rank (e.g. host keys trusted on the way).
+    """
+    port = config.master_port
+    checks = [HostCheck(rank=h.rank, host=h.host, where=logins.get(h.rank, "-"))
+              for h in config.hosts]
+    for rank, error in connect_errors.items():
+        checks[rank].ssh = "FAILED"
+        checks[rank].problems.append(str(error))
+    for rank, shell in shells.items():
+        checks[rank].ssh = "local" if shell.is_local else "ok"
+    for rank, extra in (notes or {}).items():
+        checks[rank].notes.extend(extra)
+
+    master = config.master
+    held = _MasterPort()
+    port_held = False
+    try:
+        if 0 in shells:
+            try:
+                if shells[0].is_local:
+                    error = held.hold_local(master_addr, port)
+                else:
+                    error = held.hold_remote(shells[0], master, master_addr, port, probe_timeout)
+            except OSError as exc:
+                checks[0].port = "not checked"
+                checks[0].notes.append(f"the master port could not be checked: {exc}")
+            else:
+                if error is None:
+                    port_held = True
+                    checks[0].port = f"{port} free"
+                else:
+                    checks[0].port = f"{port} in use"
+                    checks[0].problems.append(
+                        f"master port {port} is not free on {master.host} ({error}): pick "
+                        f'another "master_port" in the hosts file, or stop what listens there '
+                        f"(`ss -ltnp 'sport = :{port}'` shows it)")
+
+        def probe_one(rank: int) -> tuple[int, Completed]:
+            host = config.hosts[rank]
+            message: dict[str, Any] = {"code": PROBE_SOURCE, "action": "probe",
+                                       "files": list(files), "master": master_addr}
+            if rank != 0 and port_held:
+                message["connect"] = [master_addr, port, connect_timeout]
+            command = probe_command(host.project_path, host.python_env)
+            return rank, shells[rank].run(command, message, timeout=probe_timeout)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(shells)))) as pool:
+            completed = dict(pool.map(probe_one, sorted(shells)))
+    finally:
+        held.release()
+
+    for rank, result in completed.items():
+        checks[rank].probe = _interpret(checks[rank], config.hosts[rank], result, probe_timeout)
+    _compare(config, checks, master_addr, port)
+    if 0 not in shells:
+        for c in checks[1:]:
+            if c.probe is not None:
+                c.notes.append("versions, code and the master port were not compared: the "
+                               "master could not be checked")
+    return PreflightReport(checks=checks, master_port=port)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def _interpret(check: HostCheck, host: HostSpec, result: Completed,
+               timeout: float) -> dict[str, Any] | None:
+    """Fill ``check`` from a probe's output; the parsed probe, or ``None`` when it failed."""
+    py = host.python_env
+    if result.returncode == NO_PROJECT_PATH:
+        check.project = "missing"
+        check.problems.append(
+            f"project_path {host.project_path} does not exist on this host: clone the project "
+            'there, run with sync=True (--sync) to copy it, or fix "project_path"')
+        return None
+    check.project = "ok"
+    if result.returncode == NO_PYTHON:
+        check.python = "missing"
+        check.problems.append(
+            f"python_env {py} was not found (or is not executable) on this host: create the "
+            'environment there (python3 -m venv ...; pip install ...) or fix "python_env"')
+        return None
+    if result.returncode is None:
+        check.python = "no answer"
+        why = _last_line(result.stderr)
+        check.problems.append(f"the pre-flight probe with {py} did not finish within "
+                              f"{timeout:g} s{f' ({why})' if why else ''}: is the host "
+                              "overloaded, or the connection dropping?")
+        return None
+    if result.returncode != 0:
+        check.python = "fails"
+        check.problems.append(
+            f"python_env {py} failed to run the probe (exit code {result.returncode}): "
+            f"{_last_line(result.stderr) or 'no error output'}; check that it is a working "
+            f"Python {'.'.join(map(str, MIN_PYTHON))}+")
+        return None
+    try:
+        found = json.loads(_last_line(result.stdout))
+    except ValueError:
+        check.python = "fails"
+        check.problems.append(f"the probe printed something unexpected with {py}: "
+                              f"{_last_line(result.stdout)[:200]!r}")
+        return None
+
+    check.python = found["python"]
+    version = tuple(int(p) for p in found["python"].split(".")[:2])
+    if version < MIN_PYTHON:
+        check.problems.append(
+            f"python_env {py} is Python {found['python']}; the project needs "
+            f"{'.'.join(map(str, MIN_PYTHON))} or newer: point \"python_env\" at a newer one")
+    check.versions = f"torch {found['torch'] or '-'} · project {found['project_version'] or '-'}"
+    if found["torch"] is None:
+        check.problems.append(f"torch is not installed for {py}: install it there "
+                              f"({py} -m pip install torch)")
+    check.code = found["code_hash"][:10]
+    route = found.get("route") or {}
+    interfaces = found.get("interfaces")
+    if host.interface:
+        check.interface = f"{host.interface} (set)"
+        if interfaces is not None and host.interface not in interfaces:
+            check.problems.append(
+                f'interface {host.interface} does not exist on this host; it has '
+                f'{", ".join(interfaces)}: fix "interface" for it in the hosts file, or remove '
+                "it to use the one that routes to the master")
+        elif route.get("interface") and route["interface"] != host.interface:
+            check.notes.append(f"the route to the master goes through {route['interface']}, "
+                               f"but {host.interface} is set")
+    elif route.get("interface"):
+        check.interface = f"{route['interface']} (route)"
+    elif route.get("source"):
+        check.interface = f"src {route['source']}"
+    else:
+        check.interface = "unknown"
+        check.notes.append(f"could not tell which interface routes to the master "
+                           f"({route.get('how', 'no route information')}); the rank will pick")
+    connect = found.get("connect")
+    if connect is not None:
+        check.port = "reachable" if connect["ok"] else f"{connect['error']}"
+    return found
+
+
+def _compare(config: HostsConfig, checks: list[HostCheck], master_addr: str, port: int) -> None:
+    """Hold every host's versions and code to the master's; check reachability of the port."""
+    reference = checks[0].probe
+    for check in checks[1:]:
+        found = check.probe
+        if found is None:
+            continue
+        connect = found.get("connect")
+        if connect is not None and not connect["ok"]:
+            hint = ""
+            if _is_loopback(master_addr) and not _is_loopback(config.hosts[check.rank].host):
+                hint = (f"; {master_addr} is a loopback address that only the master itself can "
+                        'reach: put the master\'s network address in "master"')
+            check.problems.append(
+                f"cannot reach the master port {master_addr}:{port} from this host "
+                f"({connect['error']}): let TCP port {port} through the master's firewall and "
+                f"check that this host can route to {master_addr}{hint}")
+        if reference is None:
+            continue
+        if found["torch"] and reference["torch"] and \
+                _public_version(found["torch"]) != _public_version(reference["torch"]):
+            check.problems.append(
+                f"torch {found['torch']} here but {reference['torch']} on the master: install "
+                f"the same version everywhere (pip install torch=="
+                f"{_public_version(reference['torch'])})")
+        if found["project_version"] != reference["project_version"]:
+            check.problems.append(
+                f"project version {found['project_version']} here but "
+                f"{reference['project_version']} on the master: update this host's checkout "
+                "(sync=True / --sync, or git pull)")
+        if found["code_hash"] != reference["code_hash"]:
+            differ = sorted(path for path, digest in found["files"].items()
+                            if reference["files"].get(path) != digest)
+            shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5
+                                             else "")
+            check.problems.append(
+                f"code differs from the master's (hash {found['code_hash'][:10]} vs "
+                f"{reference['code_hash'][:10]}) in {len(differ)} file"
+                f"{'s' if len(differ) != 1 else ''}: {shown}; sync the checkouts "
+                "(sync=True / --sync copies the master's tracked files, or git pull on each host)")
+        if found["python"].rsplit(".", 1)[0] != reference["python"].rsplit(".", 1)[0]:
+            check.notes.append(f"Python {found['python']} here, {reference['python']} on the "
+                               "master")

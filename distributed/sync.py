@@ -1,0 +1,145 @@
+"""Copy the project's tracked files to a host over SFTP, so every host runs the same code.
+
+The files are those ``git ls-files`` lists in the local checkout (the same
+list the pre-flight code hash covers a subset of). A file whose size and
+modification time already match on the host is skipped; every other file is
+written to a temporary name and renamed into place, so a reader never sees
+half a file and a host that shares the checkout with this machine is never
+truncated. Directories are created as needed.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import stat
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: Suffixes of the files whose content must match on every host (the code hash).
+CODE_SUFFIXES = (".py", ".pyi", ".ini", ".toml", ".cfg")
+
+_SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", "build", "dist", "runs",
+              "logs", "checkpoints", "outputs", ".mypy_cache", ".ruff_cache", ".pytest_cache"}
+
+
+def tracked_files(root: str | os.PathLike[str]) -> list[str]:
+    """Relative paths of the files ``git`` tracks under ``root``.
+
+    When ``root`` is not a git checkout (or git is missing), every file under
+    it except hidden directories, caches, virtual environments and run outputs.
+    """
+    root = Path(root)
+    try:
+        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached"],
+                             check=True, capture_output=True).stdout
+        files = [p for p in out.decode().split("\0") if p]
+        return sorted(p for p in files if (root / p).is_file())
+    except (OSError, subprocess.CalledProcessError):
+        pass  # not a checkout: fall back to walking the tree
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")
+                             and not (Path(dirpath, d, "pyvenv.cfg")).exists())
+        for name in filenames:
+            if not name.endswith((".pyc", ".pyo")):
+                found.append(Path(dirpath, name).relative_to(root).as_posix())
+    return sorted(found)
+
+
+def code_files(root: str | os.PathLike[str]) -> list[str]:
+    """The tracked files whose content every host must share (see ``CODE_SUFFIXES``)."""
+    return [p for p in tracked_files(root) if p.endswith(CODE_SUFFIXES)]
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What one host's sync did.
+
+    Args:
+        host: the host, as the hosts file names it.
+        copied: files written.
+        unchanged: files skipped because size and modification time matched.
+        bytes_copied: bytes written.
+    """
+
+    host: str
+    copied: int
+    unchanged: int
+    bytes_copied: int
+
+
+def _sftp_path(path: str) -> str:
+    """SFTP paths start in the login's home directory, where ``~/x`` is just ``x``."""
+    if path == "~":
+        return "."
+    return path.removeprefix("~/")
+
+
+def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remote_root: str,
+               files: Sequence[str]) -> SyncStats:
+    """Copy ``files`` (relative to ``local_root``) to ``remote_root`` on ``client``'s host.
+
+    Args:
+        client: a connected ``paramiko.SSHClient``.
+        host: the host's name, for the stats.
+        local_root: the local checkout.
+        remote_root: the host's ``project_path``.
+        files: relative paths to copy.
+    """
+    local_root = Path(local_root)
+    base = _sftp_path(remote_root)
+    copied = unchanged = sent = 0
+    made: set[str] = set()
+    sftp = client.open_sftp()
+    try:
+        _makedirs(sftp, base, made)
+        for rel in files:
+            source = local_root / rel
+            info = source.stat()
+            target = posixpath.join(base, rel)
+            try:
+                remote = sftp.stat(target)
+                if remote.st_size == info.st_size and int(remote.st_mtime or 0) == int(
+                        info.st_mtime):
+                    unchanged += 1
+                    continue
+            except FileNotFoundError:
+                pass  # not there yet
+            _makedirs(sftp, posixpath.dirname(target), made)
+            temp = f"{target}.exogym-sync.tmp"
+            sftp.put(str(source), temp)
+            sftp.chmod(temp, stat.S_IMODE(info.st_mode))
+            sftp.utime(temp, (info.st_atime, info.st_mtime))
+            try:
+                sftp.posix_rename(temp, target)
+            except OSError:  # a server without the posix-rename extension
+                try:
+                    sftp.remove(target)
+                except FileNotFoundError:
+                    pass  # nothing to replace
+                sftp.rename(temp, target)
+            copied += 1
+            sent += info.st_size
+    finally:
+        sftp.close()
+    return SyncStats(host=host, copied=copied, unchanged=unchanged, bytes_copied=sent)
+
+
+def _makedirs(sftp: Any, path: str, made: set[str]) -> None:
+    """``mkdir -p`` over SFTP, remembering what already exists."""
+    if not path or path in (".", "/") or path in made:
+        return
+    try:
+        if stat.S_ISDIR(sftp.stat(path).st_mode or 0):
+            made.add(path)
+            return
+        raise NotADirectoryError(f"{path} exists on the host and is not a directory")
+    except FileNotFoundError:
+        pass  # create it below, after its parent
+    _makedirs(sftp, posixpath.dirname(path), made)
+    sftp.mkdir(path)
+    made.add(path)

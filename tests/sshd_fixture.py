@@ -1,0 +1,160 @@
+"""A real sshd on loopback addresses for the launcher's tests.
+
+One ``sshd -D`` process listens on several loopback addresses (127.0.0.2,
+127.0.0.3, ...) at one free port; each address plays a separate host. Its host
+key, the authorized user key, a second key that is *not* authorized, and its
+config live in a temporary directory. No ``AcceptEnv`` is configured, so tests
+prove that rank variables arrive without it. ``serve_sshd`` stops sshd by its PID.
+
+Skipped, with the reason printed, when sshd or paramiko is not installed
+(``tests/setup_system.sh`` installs openssh-server).
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6")
+
+
+@dataclass(frozen=True)
+class SSHD:
+    """The running test server and the files a client needs to use it."""
+
+    addresses: tuple[str, ...]
+    port: int
+    user: str
+    key_path: Path
+    wrong_key_path: Path
+    host_public_key: str  # "ssh-ed25519 AAAA..."
+    known_hosts: Path  # lists the host key for every address
+    ssh_config: Path  # an empty client config
+    log_path: Path
+    pid: int
+
+    def known_hosts_line(self, address: str) -> str:
+        return f"[{address}]:{self.port} {self.host_public_key}\n"
+
+
+def _sshd_binary() -> str | None:
+    found = shutil.which("sshd")
+    if found:
+        return found
+    return "/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None
+
+
+def _free_port(addresses: tuple[str, ...]) -> int:
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind((addresses[0], 0))
+            port = probe.getsockname()[1]
+        ok = True
+        for address in addresses:
+            with socket.socket() as s:
+                try:
+                    s.bind((address, port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return port
+    raise RuntimeError("no port is free on every test address")
+
+
+def _keygen(path: Path) -> None:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "exogym-test",
+                    "-f", str(path)], check=True)
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], addresses: tuple[str, ...], port: int,
+                log: Path) -> None:
+    deadline = time.monotonic() + 15
+    pending = list(addresses)
+    while pending:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sshd exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"sshd did not answer on {pending}: {log.read_text()[-2000:]}")
+        try:
+            with socket.create_connection((pending[0], port), timeout=1) as s:
+                if s.recv(64).startswith(b"SSH-"):
+                    pending.pop(0)
+                    continue
+        except OSError:
+            pass
+        time.sleep(0.05)
+
+
+def serve_sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHD]:
+    """Start sshd on the test addresses, yield it, then stop it by PID.
+
+    Meant as the body of a session fixture: ``yield from serve_sshd(tmp_path_factory)``.
+    """
+    pytest.importorskip("paramiko", reason="paramiko is not installed: pip install paramiko")
+    binary = _sshd_binary()
+    if binary is None:
+        pytest.skip("sshd is not installed (tests/setup_system.sh installs openssh-server)")
+    if shutil.which("ssh-keygen") is None:
+        pytest.skip("ssh-keygen is not installed (tests/setup_system.sh installs openssh-client)")
+    if os.geteuid() == 0:
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation dir
+
+    home = tmp_path_factory.mktemp("sshd")
+    host_key, user_key, wrong_key = home / "host_key", home / "user_key", home / "wrong_key"
+    for key in (host_key, user_key, wrong_key):
+        _keygen(key)
+    authorized = home / "authorized_keys"
+    authorized.write_text((home / "user_key.pub").read_text())
+    port = _free_port(ADDRESSES)
+    config = home / "sshd_config"
+    config.write_text("\n".join([
+        *(f"ListenAddress {a}:{port}" for a in ADDRESSES),
+        f"HostKey {host_key}",
+        f"AuthorizedKeysFile {authorized}",
+        "PidFile none",
+        "StrictModes no",  # the files sit in a world-writable temp dir
+        "UsePAM no",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "PubkeyAuthentication yes",
+        "PermitRootLogin prohibit-password",
+        "UseDNS no",
+        "PrintMotd no",
+        "MaxStartups 200",
+        "MaxSessions 200",
+        "Subsystem sftp internal-sftp",
+        "LogLevel VERBOSE",
+        "",
+    ]))
+    log = home / "sshd.log"
+    proc = subprocess.Popen([binary, "-D", "-f", str(config), "-E", str(log)],
+                            stdin=subprocess.DEVNULL)
+    try:
+        _wait_ready(proc, ADDRESSES, port, log)
+        public = (home / "host_key.pub").read_text().split()
+        server = SSHD(
+            addresses=ADDRESSES, port=port, user=getpass.getuser(), key_path=user_key,
+            wrong_key_path=wrong_key, host_public_key=f"{public[0]} {public[1]}",
+            known_hosts=home / "known_hosts", ssh_config=home / "ssh_config", log_path=log,
+            pid=proc.pid,
+        )
+        server.known_hosts.write_text("".join(server.known_hosts_line(a) for a in ADDRESSES))
+        server.ssh_config.write_text("")
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

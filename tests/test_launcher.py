@@ -1,0 +1,885 @@
+"""The SSH launcher against a real sshd: launch, pre-flight, stop, secrets, restarts, sync.
+
+The ranks are small Python scripts written into a temporary project. Rank 0
+runs on this machine as 127.0.0.1 (no SSH); the other ranks log in over SSH
+to 127.0.0.2, 127.0.0.3, ... where the test sshd listens (see sshd_fixture).
+Processes are identified by the PIDs the ranks write, and looked up in /proc.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+from sshd_fixture import SSHD, serve_sshd
+
+from distributed.hosts import HostSpec, load_hosts
+from distributed.launcher import (
+    Launcher,
+    LaunchError,
+    LaunchResult,
+    OutputLine,
+    PreflightError,
+    RankProgram,
+    is_this_machine,
+    launch,
+)
+from distributed.probe import hash_files
+from distributed.remote import rank_command, shell_path
+from exogym.metrics import METRIC_PREFIX
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RANK_SCRIPTS = {
+    # prints its variables and arguments, one metric event and one stderr line
+    "show_env.py": """
+        import json, os, sys
+        keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "EXOGYM_RESTART", "EXOGYM_RUN_DIR", "EXTRA", "SSH_CONNECTION",
+                "GLOO_SOCKET_IFNAME", "EXOGYM_DEVICE"]
+        print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}))
+        print("ARGV " + json.dumps(sys.argv[1:]))
+        rank = int(os.environ["RANK"])
+        print(PREFIX + json.dumps({"event": "step", "rank": rank, "step": 1, "train_loss": 0.5}))
+        print("a line on stderr", file=sys.stderr)
+    """,
+    # writes its PIDs (and a child's) where the test finds them, then sleeps until stopped
+    "sleeper.py": """
+        import json, os, subprocess, sys, time
+        from pathlib import Path
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        run_dir = Path(os.environ["EXOGYM_RUN_DIR"])
+        pids = {"pid": os.getpid(), "supervisor": os.getppid(), "pgid": os.getpgid(0),
+                "child": child.pid}
+        tmp = run_dir / f"pids{os.environ['RANK']}.tmp"
+        tmp.write_text(json.dumps(pids))
+        tmp.rename(run_dir / f"pids{os.environ['RANK']}.json")
+        print("sleeping", flush=True)
+        time.sleep(120)
+    """,
+    # rank 1 fails with exit code 3 after a few lines; the others sleep
+    "fail_rank1.py": """
+        import os, sys, time
+        if os.environ["RANK"] == "1":
+            time.sleep(0.3)
+            for i in range(3):
+                print(f"boom {i}", flush=True)
+            sys.exit(3)
+        time.sleep(120)
+    """,
+    # proves it has the secrets without showing them (then shows one, to test redaction)
+    "secret.py": """
+        import hashlib, os, time
+        from pathlib import Path
+        run_dir = Path(os.environ["EXOGYM_RUN_DIR"])
+        for name in ("WANDB_API_KEY", "MY_TOKEN"):
+            value = os.environ.get(name, "")
+            print(name, hashlib.sha256(value.encode()).hexdigest(), flush=True)
+        print("careless:", os.environ.get("MY_TOKEN"), flush=True)
+        (run_dir / f"ready{os.environ['RANK']}").write_text("")
+        deadline = time.time() + 30
+        while not (run_dir / "release").exists() and time.time() < deadline:
+            time.sleep(0.05)
+    """,
+    # counts to 10, checkpointing each step; rank 2 dies at step 5 on the first start
+    "resume.py": """
+        import os, signal, sys, time
+        from pathlib import Path
+        rank, restart = int(os.environ["RANK"]), int(os.environ["EXOGYM_RESTART"])
+        ckpt = Path(os.environ["EXOGYM_RUN_DIR"]) / f"ckpt{rank}"
+        step = 0
+        if "--resume" in sys.argv:
+            step = int(ckpt.read_text())
+            print(f"resumed from step {step}", flush=True)
+        while step < 10:
+            step += 1
+            ckpt.write_text(str(step))
+            if rank == 2 and restart == 0 and step == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.02)
+        if restart == 0:
+            time.sleep(120)  # the first start never finishes: rank 2 dies
+        print(f"done at step {step} after restart {restart}", flush=True)
+    """,
+    "marker.py": """
+        import os
+        from pathlib import Path
+        (Path(os.environ["EXOGYM_RUN_DIR"]) / f"started{os.environ['RANK']}").write_text("")
+    """,
+}
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHD]:
+    """One real sshd on 127.0.0.2-6 for every test here (see sshd_fixture)."""
+    yield from serve_sshd(tmp_path_factory)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def write_project(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    for name, body in RANK_SCRIPTS.items():
+        text = textwrap.dedent(body).replace("PREFIX", repr(METRIC_PREFIX))
+        (path / name).write_text(text)
+    (path / "pyproject.toml").write_text('[project]\nname = "demo"\nversion = "1.2.3"\n')
+    return path
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    return write_project(tmp_path / "project")
+
+
+class Run:
+    """Builds launchers for one test: hosts, SSH settings and collectors."""
+
+    def __init__(self, sshd: SSHD, project: Path, tmp_path: Path) -> None:
+        self.sshd = sshd
+        self.project = project
+        self.run_dir = tmp_path / "run"
+        self.out = io.StringIO()
+        self.lines: list[OutputLine] = []
+        self.events: list[dict[str, Any]] = []
+        self.port = free_port()
+
+    def worker(self, address: str, **extra: Any) -> dict[str, Any]:
+        return {"host": address, "ssh_port": self.sshd.port, **extra}
+
+    def hosts(self, workers: list[Any] | None = None, master: Any = "127.0.0.1",
+              **top: Any) -> dict[str, Any]:
+        if workers is None:
+            workers = [self.worker("127.0.0.2"), self.worker("127.0.0.3")]
+        return {"master": master, "workers": workers, "ssh_user": self.sshd.user,
+                "ssh_key_path": str(self.sshd.key_path), "python_env": sys.executable,
+                "project_path": str(self.project), "master_port": self.port, **top}
+
+    def options(self, **kw: Any) -> dict[str, Any]:
+        """Launcher keyword arguments for the test sshd, short timeouts and collectors."""
+        options: dict[str, Any] = {
+            "run_dir": self.run_dir, "known_hosts_path": self.sshd.known_hosts,
+            "ssh_config_path": self.sshd.ssh_config, "allow_agent": False,
+            "look_for_keys": False, "connect_timeout": 3.0, "probe_timeout": 20.0,
+            "grace_period": 2.0, "project_root": self.project,
+            "console": Console(file=self.out, width=220), "on_output": self.lines.append,
+            "on_event": self.events.append}
+        options.update(kw)
+        return options
+
+    def launcher(self, hosts: dict[str, Any], program: RankProgram, **kw: Any) -> Launcher:
+        return Launcher(hosts, program, **self.options(**kw))
+
+    def output_of(self, rank: int) -> list[str]:
+        return [line.text for line in self.lines if line.rank == rank]
+
+
+@pytest.fixture
+def run(sshd: SSHD, project: Path, tmp_path: Path) -> Run:
+    return Run(sshd, project, tmp_path)
+
+
+def alive(pid: int) -> bool:
+    """True when ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+def group_members(pgids: set[int]) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()
+            if fields[0] != "Z" and int(fields[2]) in pgids:
+                members.append(int(entry))
+    return members
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def read_pids(run_dir: Path, ranks: range) -> dict[int, dict[str, int]]:
+    wait_for(lambda: all((run_dir / f"pids{r}.json").exists() for r in ranks), 20,
+             "every rank to write its PIDs")
+    return {r: json.loads((run_dir / f"pids{r}.json").read_text()) for r in ranks}
+
+
+def assert_nothing_left(pids: dict[int, dict[str, int]]) -> None:
+    every = [p for d in pids.values() for p in (d["pid"], d["supervisor"], d["child"])]
+    wait_for(lambda: not any(alive(p) for p in every), 5, f"processes {every} to end")
+    pgids = {d["pgid"] for d in pids.values()}
+    wait_for(lambda: not group_members(pgids), 5, f"process groups {pgids} to empty")
+
+
+class InBackground:
+    """Runs ``launcher.run()`` in a thread, so the test can act while ranks run."""
+
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+        self.result: LaunchResult | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self.launcher.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            self.error = exc
+
+    def join(self, timeout: float) -> LaunchResult:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the launcher did not return within {timeout} s"
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def test_three_ranks_get_their_variables_arguments_output_events_and_logs(run):
+    assert "AcceptEnv" not in (run.sshd.log_path.parent / "sshd_config").read_text()
+    tricky = ["two words", "it's", "$(touch INJECTED)", "a;b", ""]
+    launcher = run.launcher(run.hosts(), RankProgram.from_script("show_env.py", tricky),
+                            env={"EXTRA": "x y"})
+    with launcher:
+        result = launcher.run()
+
+    assert result.ok, result.describe()
+    assert [(r.rank, r.host, r.exit_code, r.reason) for r in result.ranks] == [
+        (0, "127.0.0.1", 0, "finished"), (1, "127.0.0.2", 0, "finished"),
+        (2, "127.0.0.3", 0, "finished")]
+    for rank in range(3):
+        out = run.output_of(rank)
+        env = json.loads(next(t for t in out if t.startswith("ENV "))[4:])
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "3"
+        assert env["LOCAL_RANK"] == "0" and env["EXOGYM_RESTART"] == "0"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == str(run.port)
+        assert env["EXOGYM_RUN_DIR"] == str(run.run_dir) and env["EXTRA"] == "x y"
+        # rank 0 ran here without SSH; the others came in through sshd
+        assert (env["SSH_CONNECTION"] is None) == (rank == 0)
+        assert json.loads(next(t for t in out if t.startswith("ARGV "))[5:]) == tricky
+    assert not (run.project / "INJECTED").exists()
+
+    assert sorted((e["rank"], e["host"], e["step"]) for e in run.events) == [
+        (0, "127.0.0.1", 1), (1, "127.0.0.2", 1), (2, "127.0.0.3", 1)]
+    assert not any(METRIC_PREFIX in line.text for line in run.lines)
+    stderr = [str(line) for line in run.lines if line.stream == "stderr"]
+    assert sorted(stderr) == [f"[127.0.0.{r + 1}:{r}] a line on stderr" for r in range(3)]
+
+    for rank in range(3):
+        log = (run.run_dir / f"rank{rank}.log").read_text()
+        assert "ENV {" in log and METRIC_PREFIX in log and "a line on stderr" in log
+        assert result.ranks[rank].log_path == run.run_dir / f"rank{rank}.log"
+    index = json.loads((run.run_dir / "launch.json").read_text())
+    assert [r["host"] for r in index["ranks"]] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    assert index["attempts"][0]["ok"] is True
+
+
+def test_interface_and_device_of_a_host_reach_its_rank(run):
+    hosts = run.hosts(workers=[run.worker("127.0.0.2", interface="lo", device="cpu")])
+    result = launch(hosts, RankProgram.from_script("show_env.py"), check=True, **run.options())
+    assert result.ok
+    env1 = json.loads(next(t for t in run.output_of(1) if t.startswith("ENV "))[4:])
+    env0 = json.loads(next(t for t in run.output_of(0) if t.startswith("ENV "))[4:])
+    assert (env1["GLOO_SOCKET_IFNAME"], env1["EXOGYM_DEVICE"]) == ("lo", "cpu")
+    assert (env0["GLOO_SOCKET_IFNAME"], env0["EXOGYM_DEVICE"]) == (None, None)
+
+
+def test_master_over_ssh_runs_rank_zero_remotely(run):
+    hosts = run.hosts(master=run.worker("127.0.0.2"), workers=[run.worker("127.0.0.3")])
+    with run.launcher(hosts, RankProgram.from_script("show_env.py")) as launcher:
+        assert not launcher.master_local
+        result = launcher.run()
+    assert result.ok, result.describe()
+    env0 = json.loads(next(t for t in run.output_of(0) if t.startswith("ENV "))[4:])
+    assert env0["SSH_CONNECTION"] is not None and env0["MASTER_ADDR"] == "127.0.0.2"
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+def test_killing_one_remote_rank_stops_all_others_and_leaves_nothing(run):
+    launcher = run.launcher(run.hosts(), RankProgram.from_script("sleeper.py"))
+    with launcher:
+        background = InBackground(launcher)
+        pids = read_pids(run.run_dir, range(3))
+        killed_at = time.monotonic()
+        os.kill(pids[2]["pid"], signal.SIGKILL)
+        result = background.join(timeout=30)
+        stopped_within = time.monotonic() - killed_at
+
+    assert stopped_within < 10
+    assert not result.ok
+    failed = result.first_failure
+    assert failed is not None and (failed.rank, failed.host) == (2, "127.0.0.3")
+    assert failed.exit_code == 128 + signal.SIGKILL
+    assert failed.reason == "killed by SIGKILL (exit code 137)"
+    assert [r.stopped for r in result.ranks] == [True, True, False]
+    message = result.describe()
+    assert message.startswith("rank 2 on 127.0.0.3 (127.0.0.3:2) failed: killed by SIGKILL")
+    assert "sleeping" in message
+    assert_nothing_left(pids)
+
+
+def test_a_dropped_ssh_connection_stops_the_job_and_names_the_rank(run):
+    launcher = run.launcher(run.hosts(), RankProgram.from_script("sleeper.py"))
+    with launcher:
+        background = InBackground(launcher)
+        pids = read_pids(run.run_dir, range(3))
+        stat = Path(f"/proc/{pids[1]['supervisor']}/stat").read_text()
+        session = int(stat[stat.rfind(")") + 2:].split()[1])  # the sshd serving rank 1
+        assert Path(f"/proc/{session}/cmdline").read_bytes().startswith(b"sshd")
+        os.kill(session, signal.SIGKILL)
+        result = background.join(timeout=30)
+    failed = result.first_failure
+    assert failed is not None and failed.label == "127.0.0.2:1"
+    assert failed.exit_code is None
+    assert failed.reason == (f"the SSH connection to {run.sshd.user}@127.0.0.2:{run.sshd.port} "
+                             "was lost")
+    assert result.ranks[0].stopped and result.ranks[2].stopped
+    assert_nothing_left(pids)  # rank 1's supervisor saw its stdin close and stopped it
+
+
+def test_rank_exit_code_and_last_lines_name_the_failure(run):
+    launcher = run.launcher(run.hosts(), RankProgram.from_script("fail_rank1.py"))
+    with launcher:
+        result = launcher.run()
+    failed = result.first_failure
+    assert failed is not None and failed.label == "127.0.0.2:1"
+    assert (failed.exit_code, failed.reason) == (3, "exited with code 3")
+    assert failed.last_lines == ("boom 0", "boom 1", "boom 2")
+    assert result.ranks[0].stopped and result.ranks[2].stopped
+    with pytest.raises(LaunchError) as caught:
+        result.raise_for_failure()
+    assert "rank 1 on 127.0.0.2 (127.0.0.2:1) failed: exited with code 3" in str(caught.value)
+    assert "boom 2" in str(caught.value)
+    assert caught.value.result is result
+
+
+DRIVER = """
+import json, signal, sys
+sys.path.insert(0, sys.argv[1])
+from distributed.launcher import Launcher, RankProgram
+hosts, options = json.loads(sys.argv[2]), json.loads(sys.argv[3])
+with Launcher(hosts, RankProgram.from_script("sleeper.py"), **options) as launcher:
+    result = launcher.run()
+restored = (signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+print("RESULT " + json.dumps({"interrupted": result.interrupted, "restored": restored,
+                              "stopped": [r.stopped for r in result.ranks]}), flush=True)
+sys.exit(130 if result.interrupted else 1)
+"""
+
+
+def start_driver(run: Run) -> subprocess.Popen[str]:
+    options = {"run_dir": str(run.run_dir), "known_hosts_path": str(run.sshd.known_hosts),
+                   "ssh_config_path": str(run.sshd.ssh_config), "allow_agent": False,
+                   "look_for_keys": False, "connect_timeout": 3.0, "grace_period": 2.0,
+                   "project_root": str(run.project)}
+    return subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(ROOT), json.dumps(run.hosts()), json.dumps(options)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+        start_new_session=True)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_the_launcher_stops_every_rank(run, signum):
+    driver = start_driver(run)
+    try:
+        pids = read_pids(run.run_dir, range(3))
+        driver.send_signal(signum)
+        out, _ = driver.communicate(timeout=20)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    assert driver.returncode == 130, out
+    result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+    assert result == {"interrupted": signal.Signals(signum).name, "restored": True,
+                      "stopped": [True] * 3}
+    assert_nothing_left(pids)
+
+
+def test_ranks_stop_themselves_when_the_launcher_is_killed(run):
+    driver = start_driver(run)
+    try:
+        pids = read_pids(run.run_dir, range(3))
+        driver.kill()  # no cleanup possible: the supervisors see their stdin close
+        driver.wait(timeout=5)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    assert_nothing_left(pids)
+
+
+def test_max_restarts_restarts_the_job_which_resumes_and_finishes(run):
+    hosts = run.hosts(master=run.worker("127.0.0.2"),
+                      workers=[run.worker("127.0.0.3"), run.worker("127.0.0.4")])
+    program = RankProgram.from_script("resume.py", resume_args=["--resume"])
+    with run.launcher(hosts, program, max_restarts=1) as launcher:
+        result = launcher.run()
+
+    assert result.ok, result.describe()
+    assert result.restarts == 1
+    first = result.attempts[0]
+    assert first.first_failure is not None and first.first_failure.rank == 2
+    assert first.first_failure.reason == "killed by SIGKILL (exit code 137)"
+    assert "resumed from step 5" in run.output_of(2)
+    for rank in range(3):
+        assert "done at step 10 after restart 1" in run.output_of(rank)
+    index = json.loads((run.run_dir / "launch.json").read_text())
+    assert [a["ok"] for a in index["attempts"]] == [False, True]
+    assert index["attempts"][0]["first_failure"] == "127.0.0.4:2"
+    log = (run.run_dir / "rank2.log").read_text()
+    assert "start 0" in log and "start 1" in log  # both starts in one log
+
+
+# --------------------------------------------------------------------------- secrets
+
+
+def test_secret_reaches_the_rank_but_no_command_line_log_or_index(run):
+    token, key = "tok-" + os.urandom(8).hex(), "key-" + os.urandom(8).hex()
+    launcher = run.launcher(run.hosts(), RankProgram.from_script("secret.py"),
+                            env={"WANDB_API_KEY": key}, secrets={"MY_TOKEN": token})
+    with launcher:
+        background = InBackground(launcher)
+        wait_for(lambda: all((run.run_dir / f"ready{r}").exists() for r in range(3)), 20,
+                 "every rank to read its secrets")
+        seen_in = []
+        for entry in os.listdir("/proc"):
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if token.encode() in cmdline or key.encode() in cmdline:
+                seen_in.append(entry)
+        (run.run_dir / "release").write_text("")
+        result = background.join(timeout=30)
+
+    assert result.ok, result.describe()
+    assert seen_in == []
+    for rank in range(3):
+        out = run.output_of(rank)
+        assert f"WANDB_API_KEY {hashlib.sha256(key.encode()).hexdigest()}" in out
+        assert f"MY_TOKEN {hashlib.sha256(token.encode()).hexdigest()}" in out
+        assert "careless: ***" in out
+    written = [p.read_text() for p in run.run_dir.iterdir() if p.is_file()]
+    assert written and not any(token in text or key in text for text in written)
+    shown = run.out.getvalue() + "".join(str(line) for line in run.lines)
+    assert token not in shown and key not in shown
+    plan = launcher.plan()[1]
+    assert set(plan.secret_names) == {"MY_TOKEN", "WANDB_API_KEY"}
+    assert "WANDB_API_KEY" not in plan.env_names and key not in plan.command
+
+
+# --------------------------------------------------------------------------- dry run
+
+
+def test_dry_run_prints_each_command_and_variable_names_and_starts_nothing(run):
+    silent = socket.socket()
+    silent.bind(("127.0.0.6", 0))
+    silent.listen(8)
+    silent.setblocking(False)
+    silent_port = silent.getsockname()[1]
+    hosts = run.hosts(workers=[
+        {"host": "127.0.0.6", "ssh_port": silent.getsockname()[1], "interface": "eth7"},
+        {"host": "127.0.0.5", "ssh_port": silent.getsockname()[1], "ssh_user": "bob"}])
+    launcher = run.launcher(hosts, RankProgram.from_profile("digits-diloco",
+                                                            overrides={"max_steps": 5}),
+                            secrets={"MY_TOKEN": "hush-hush-value"}, max_restarts=1)
+    plans = launcher.dry_run()
+    out = run.out.getvalue()
+
+    with pytest.raises(BlockingIOError):
+        silent.accept()  # nobody connected
+    silent.close()
+    assert not run.run_dir.exists()
+    assert "hush-hush-value" not in out
+    for plan in plans:
+        assert plan.command in out
+        assert f"rank {plan.rank} on {plan.host.host}" in out
+    assert f"over SSH as bob@127.0.0.5:{silent_port}" in out and "this machine, no SSH" in out
+    assert "eth7 (set in the hosts file)" in out
+    assert "GLOO_SOCKET_IFNAME" in plans[1].env_names
+    assert "secrets:   MY_TOKEN (over stdin" in out
+    assert "on restart adds: --resume" in out
+    assert f"port:      {run.port} on 127.0.0.1 (this rank listens)" in out
+    tokens = shlex.split(plans[2].command)
+    assert tokens[:2] == ["cd", str(run.project)]
+    assert tokens[-6:] == ["-m", "distributed.worker", "--profile", "digits-diloco", "--set",
+                           "max_steps=5"]
+    assert "RANK=2" in tokens and f"MASTER_PORT={run.port}" in tokens
+
+
+# --------------------------------------------------------------------------- pre-flight
+
+
+def preflight_problems(run: Run, hosts: dict[str, Any], **kw: Any) -> list[str]:
+    """Run the job expecting pre-flight to refuse it; its problems. Checks nothing started."""
+    launcher = run.launcher(hosts, RankProgram.from_script("marker.py"), **kw)
+    with launcher, pytest.raises(PreflightError) as caught:
+        launcher.run()
+    assert not run.run_dir.exists() or not list(run.run_dir.glob("started*"))
+    assert "nothing was started" in str(caught.value)
+    return caught.value.report.problems
+
+
+def fingerprint_of(public_key: str) -> str:
+    blob = base64.b64decode(public_key.split()[1])
+    return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
+
+
+def test_preflight_refuses_an_unknown_host_key_and_shows_its_fingerprint(run, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    (problem,) = preflight_problems(run, run.hosts(workers=[run.worker("127.0.0.2")]),
+                                    known_hosts_path=empty)
+    assert problem.startswith(f"[127.0.0.2:1] 127.0.0.2:{run.sshd.port}: unknown host key "
+                              f"(ssh-ed25519 {fingerprint_of(run.sshd.host_public_key)})")
+    assert "accept_new_host_keys=True" in problem and "--accept-new-host-keys" in problem
+    assert empty.read_text() == ""
+
+
+def test_accept_new_host_keys_records_the_key_once_then_plain_checks_pass(run, tmp_path):
+    known = tmp_path / "known_hosts"
+    known.write_text("# kept\n")
+    hosts = run.hosts()
+    with run.launcher(hosts, RankProgram.from_script("marker.py"), known_hosts_path=known,
+                      accept_new_host_keys=True) as launcher:
+        report = launcher.preflight()
+    assert report.ok
+    lines = known.read_text().splitlines()
+    assert lines[0] == "# kept"
+    assert sorted(lines[1:]) == sorted(run.sshd.known_hosts_line(a).strip()
+                                       for a in ("127.0.0.2", "127.0.0.3"))
+    assert any("trusted a new host key" in n for n in report.checks[1].notes)
+    with run.launcher(hosts, RankProgram.from_script("marker.py"),
+                      known_hosts_path=known) as launcher:
+        assert launcher.preflight().ok
+
+
+def test_a_changed_host_key_is_refused_even_when_accepting_new_keys(run, tmp_path):
+    other = (run.sshd.wrong_key_path.parent / "wrong_key.pub").read_text().split()
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.2]:{run.sshd.port} {other[0]} {other[1]}\n")
+    (problem,) = preflight_problems(run, run.hosts(workers=[run.worker("127.0.0.2")]),
+                                    known_hosts_path=known, accept_new_host_keys=True)
+    assert "HOST KEY CHANGED" in problem
+    assert f"ssh-keygen -R '[127.0.0.2]:{run.sshd.port}' -f {known}" in problem
+    assert known.read_text().count("\n") == 1
+
+
+def test_preflight_names_a_wrong_user_key(run):
+    worker = run.worker("127.0.0.2", ssh_key_path=str(run.sshd.wrong_key_path))
+    (problem,) = preflight_problems(run, run.hosts(workers=[worker]))
+    assert problem.startswith(f"[127.0.0.2:1] authentication failed for {run.sshd.user}@"
+                              f"127.0.0.2:{run.sshd.port} with key {run.sshd.wrong_key_path}")
+    assert "ssh-copy-id" in problem
+
+
+def test_preflight_never_prompts_for_a_key_passphrase(run, tmp_path):
+    locked = tmp_path / "locked_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "secret phrase", "-f",
+                    str(locked)], check=True)
+    worker = run.worker("127.0.0.2", ssh_key_path=str(locked))
+    (problem,) = preflight_problems(run, run.hosts(workers=[worker]))
+    assert problem.startswith(f"[127.0.0.2:1] {run.sshd.user}@127.0.0.2:{run.sshd.port}: the key "
+                              f"({locked}) is protected by a passphrase and no prompt is ever "
+                              "shown; load it into your agent with `ssh-add <key>`")
+
+
+def test_preflight_names_a_missing_key_file(run):
+    worker = run.worker("127.0.0.2", ssh_key_path="/nonexistent/id_ed25519")
+    (problem,) = preflight_problems(run, run.hosts(workers=[worker]))
+    assert "key file /nonexistent/id_ed25519 does not exist on this machine" in problem
+
+
+def test_preflight_names_a_missing_python(run):
+    worker = run.worker("127.0.0.2", python_env="/nonexistent/bin/python")
+    (problem,) = preflight_problems(run, run.hosts(workers=[worker]))
+    assert problem.startswith("[127.0.0.2:1] python_env /nonexistent/bin/python was not found")
+
+
+def old_python() -> str | None:
+    """An interpreter older than the project supports, when this machine has one."""
+    check = "import sys; sys.exit(sys.version_info >= (3, 10))"
+    candidates = [shutil.which(name) for name in ("python3.8", "python3.9")]
+    candidates += sorted(str(p) for p in Path("~/.pyenv/versions").expanduser().glob(
+        "3.[89].*/bin/python"))
+    for found in filter(None, candidates):
+        if subprocess.run([found, "-c", check], capture_output=True,
+                          check=False).returncode == 0:
+            return found
+    return None
+
+
+@pytest.mark.skipif(old_python() is None, reason="no Python older than 3.10 on this machine")
+def test_preflight_names_a_python_that_is_too_old(run):
+    worker = run.worker("127.0.0.2", python_env=old_python())
+    problems = preflight_problems(run, run.hosts(workers=[worker]))
+    assert any(p.startswith(f"[127.0.0.2:1] python_env {old_python()} is Python 3.")
+               and "the project needs 3.10 or newer" in p for p in problems)
+
+
+def test_preflight_names_a_missing_project_path(run):
+    worker = run.worker("127.0.0.3", project_path="/nonexistent/project")
+    (problem,) = preflight_problems(run, run.hosts(workers=[worker]))
+    assert problem.startswith("[127.0.0.3:1] project_path /nonexistent/project does not exist")
+    assert "sync=True" in problem
+
+
+def test_preflight_names_a_master_port_in_use(run):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", run.port))
+        taken.listen(1)
+        problems = preflight_problems(run, run.hosts())
+    assert problems == [
+        (f"[127.0.0.1:0] master port {run.port} is not free on 127.0.0.1 (Address already in "
+        f'use): pick another "master_port" in the hosts file, or stop what listens there '
+        f"(`ss -ltnp 'sport = :{run.port}'` shows it)")]
+
+
+def test_preflight_names_a_master_port_in_use_on_a_remote_master(run):
+    hosts = run.hosts(master=run.worker("127.0.0.2"), workers=[run.worker("127.0.0.3")])
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", run.port))
+        taken.listen(1)
+        (problem,) = preflight_problems(run, hosts)
+    assert problem.startswith(f"[127.0.0.2:0] master port {run.port} is not free on 127.0.0.2")
+
+
+def test_preflight_lists_the_files_whose_code_differs(run, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(run.project, copy)
+    (copy / "sleeper.py").write_text("print('changed')\n")
+    worker = run.worker("127.0.0.2", project_path=str(copy))
+    (problem,) = preflight_problems(run, run.hosts(workers=[worker]))
+    assert problem.startswith("[127.0.0.2:1] code differs from the master's (hash ")
+    assert "in 1 file: sleeper.py; sync the checkouts" in problem
+
+
+def test_preflight_names_a_refused_connection(run):
+    closed = free_port()
+    (problem,) = preflight_problems(
+        run, run.hosts(workers=[{"host": "127.0.0.6", "ssh_port": closed}]))
+    assert problem == (f"[127.0.0.6:1] connection refused by 127.0.0.6:{closed}: no SSH server "
+                       'listens there; start sshd on that host or fix "ssh_port" in the hosts '
+                       "file")
+
+
+def test_preflight_names_a_host_that_does_not_answer(run):
+    # a listener whose one-connection backlog is full drops every further SYN
+    with socket.socket() as full, socket.socket() as filler:
+        full.bind(("127.0.0.6", 0))
+        full.listen(0)
+        filler.connect(full.getsockname())
+        port = full.getsockname()[1]
+        started = time.monotonic()
+        (problem,) = preflight_problems(
+            run, run.hosts(workers=[{"host": "127.0.0.6", "ssh_port": port}]),
+            connect_timeout=1.0)
+    assert time.monotonic() - started < 10
+    assert problem.startswith(f"[127.0.0.6:1] no answer from 127.0.0.6:{port} within 1 s")
+
+
+def test_preflight_reports_every_host_at_once_in_one_table(run, tmp_path):
+    hosts = run.hosts(workers=[
+        run.worker("127.0.0.2", python_env="/nonexistent/bin/python"),
+        run.worker("127.0.0.3", project_path="/nonexistent/project"),
+        run.worker("127.0.0.4", interface="nope0"),
+        run.worker("127.0.0.5"),
+        {"host": "127.0.0.6", "ssh_port": free_port()},
+    ])
+    with run.launcher(hosts, RankProgram.from_script("marker.py")) as launcher:
+        report = launcher.preflight(raise_on_failure=False)
+    assert not report.ok
+    assert [c.ok for c in report.checks] == [True, False, False, False, True, False]
+    assert [c.ssh for c in report.checks] == ["local", "ok", "ok", "ok", "ok", "FAILED"]
+    assert report.checks[3].problems[0].startswith("interface nope0 does not exist on this host")
+    assert report.checks[4].port == "reachable" and report.checks[4].interface == "lo (route)"
+    assert report.checks[0].versions == "torch " + report.checks[4].probe["torch"] + \
+        " · project 1.2.3"
+    table = run.out.getvalue()
+    assert table.count("Pre-flight: 6 hosts") == 1
+    for c in report.checks:
+        assert c.host in table
+    assert table.count("FAILED") >= 4
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["ok"] is False and len(data["checks"]) == 6
+
+
+# --------------------------------------------------------------------------- ssh config, agent
+
+
+def test_ssh_config_supplies_hostname_port_user_and_key(run, tmp_path):
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host worker-a\n  HostName 127.0.0.3\n  Port {run.sshd.port}\n"
+                      f"  User {run.sshd.user}\n  IdentityFile {run.sshd.key_path}\n")
+    hosts = run.hosts(workers=["worker-a"])
+    del hosts["ssh_user"], hosts["ssh_key_path"]
+    with run.launcher(hosts, RankProgram.from_script("show_env.py"),
+                      ssh_config_path=config) as launcher:
+        assert launcher.plan()[1].login == f"{run.sshd.user}@127.0.0.3:{run.sshd.port}"
+        result = launcher.run()
+    assert result.ok, result.describe()
+    env = json.loads(next(t for t in run.output_of(1) if t.startswith("ENV "))[4:])
+    assert env["SSH_CONNECTION"].split()[2] == "127.0.0.3"
+
+
+@pytest.fixture
+def agent(sshd: SSHD, tmp_path: Path) -> Iterator[str]:
+    if shutil.which("ssh-agent") is None or shutil.which("ssh-add") is None:
+        pytest.skip("ssh-agent is not installed (openssh-client)")
+    sock = str(tmp_path / "agent.sock")
+    proc = subprocess.Popen(["ssh-agent", "-D", "-a", sock], stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: os.path.exists(sock), 5, "ssh-agent's socket")
+        subprocess.run(["ssh-add", "-q", str(sshd.key_path)], check=True,
+                       env={**os.environ, "SSH_AUTH_SOCK": sock}, capture_output=True)
+        yield sock
+    finally:
+        proc.terminate()
+        proc.wait(timeout=5)
+
+
+def test_agent_keys_log_in_without_any_key_file(run, agent, monkeypatch):
+    monkeypatch.setenv("SSH_AUTH_SOCK", agent)
+    hosts = run.hosts(workers=[run.worker("127.0.0.2")])
+    del hosts["ssh_key_path"]
+    with run.launcher(hosts, RankProgram.from_script("marker.py"), allow_agent=True) as launcher:
+        assert launcher.preflight().ok
+
+
+# --------------------------------------------------------------------------- sync
+
+
+def test_sync_copies_tracked_files_then_the_run_uses_them(run, tmp_path):
+    (run.project / "pkg").mkdir()
+    (run.project / "pkg" / "data.txt").write_text("payload\n")
+    (run.project / "tool.sh").write_text("#!/bin/sh\n")
+    (run.project / "tool.sh").chmod(0o755)
+    subprocess.run(["git", "init", "-q", str(run.project)], check=True)
+    subprocess.run(["git", "-C", str(run.project), "add", "."], check=True)
+    (run.project / "untracked.py").write_text("x = 1\n")
+    remote = tmp_path / "remote" / "checkout"
+    hosts = run.hosts(workers=[run.worker("127.0.0.2", project_path=str(remote))])
+
+    with run.launcher(hosts, RankProgram.from_script("show_env.py"), sync=True) as launcher:
+        result = launcher.run()
+        assert result.ok, result.describe()
+        again = launcher.sync()
+
+    tracked = subprocess.run(["git", "-C", str(run.project), "ls-files"], check=True,
+                             capture_output=True, text=True).stdout.split()
+    for rel in tracked:
+        assert (remote / rel).read_bytes() == (run.project / rel).read_bytes()
+    assert (remote / "tool.sh").stat().st_mode & 0o777 == 0o755
+    assert not (remote / "untracked.py").exists()
+    assert not list(remote.rglob("*.exogym-sync.tmp"))
+    assert [(s.copied, s.unchanged) for s in again] == [(0, len(tracked))]
+    assert "synced 127.0.0.2: " + f"{len(tracked)} file(s) copied" in run.out.getvalue()
+
+
+# --------------------------------------------------------------------------- without sshd
+
+
+def test_launcher_module_does_not_import_torch_or_paramiko():
+    code = ("import sys; import distributed.launcher; "
+            "print(sorted(m for m in ('torch', 'paramiko', 'rich') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_rank_command_quotes_every_piece_and_sets_variables_with_env():
+    command = rank_command("/srv/my gym", "/opt/py env/bin/python",
+                           {"RANK": "1", "NOTE": "it's $HOME"}, ["train.py", "--x", "a;b"])
+    tokens = shlex.split(command)
+    assert tokens[:3] == ["cd", "/srv/my gym", "&&"]
+    assert tokens[3:7] == ["exec", "env", "RANK=1", "NOTE=it's $HOME"]
+    assert tokens[7] == "/opt/py env/bin/python"
+    assert tokens[-3:] == ["train.py", "--x", "a;b"]
+
+
+def test_home_relative_paths_expand_on_the_host():
+    assert shell_path("~/gym") == '"$HOME"/gym'
+    assert shell_path("~/my gym") == "\"$HOME\"/'my gym'"
+    assert shell_path("/abs/path") == "/abs/path"
+    out = subprocess.run(["sh", "-c", f"echo {shell_path('~/x y')}"], check=True,
+                         capture_output=True, text=True,
+                         env={"HOME": "/home/u", "PATH": os.environ["PATH"]})
+    assert out.stdout.strip() == "/home/u/x y"
+
+
+def test_profile_program_passes_overrides_device_and_resume_flag():
+    program = RankProgram.from_profile("digits-diloco", config="config.ini",
+                                       overrides={"lr": 0.1, "compile": False})
+    host = HostSpec(rank=1, host="h", python_env="python3", project_path="/p", device="mps")
+    assert program.argv(host, restart=0) == [
+        "-m", "distributed.worker", "--profile", "digits-diloco", "--config", "config.ini",
+        "--set", "lr=0.1", "--set", "compile=false", "--set", "device=mps"]
+    assert program.argv(host, restart=1)[-1] == "--resume"
+    script = RankProgram.from_script("train.py", ["--epochs", "3"])
+    assert script.argv(host, restart=2) == ["train.py", "--epochs", "3"]
+    with pytest.raises(ValueError, match='each override must look like "key=value"'):
+        RankProgram.from_profile("x", overrides=["lr"])
+
+
+def test_caller_may_not_set_rank_variables_or_bad_names(run):
+    hosts = load_hosts({"master": "127.0.0.1", "workers": [], "python_env": sys.executable,
+                        "project_path": "/tmp"})
+    program = RankProgram.from_script("x.py")
+    with pytest.raises(ValueError, match="RANK is set by the launcher for each rank"):
+        Launcher(hosts, program, env={"RANK": "3"})
+    with pytest.raises(ValueError, match="'1BAD' is not a valid variable name"):
+        Launcher(hosts, program, env={"1BAD": "x"})
+    with pytest.raises(ValueError, match="NOT_SET_ANYWHERE has no value"):
+        Launcher(hosts, program, secret_names=["NOT_SET_ANYWHERE"])
+
+
+def test_this_machine_is_recognised_but_other_loopback_addresses_are_hosts():
+    assert is_this_machine("127.0.0.1") and is_this_machine("localhost")
+    assert not is_this_machine("127.0.0.2")
+    assert not is_this_machine("192.0.2.123")  # TEST-NET: nobody's address
+
+
+def test_code_hash_covers_names_and_contents(tmp_path):
+    (tmp_path / "a.py").write_text("x = 1\n")
+    first, files = hash_files(tmp_path, ["a.py", "missing.py"])
+    assert files["missing.py"] is None
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert hash_files(tmp_path, ["a.py", "missing.py"])[0] != first
