@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distributed.atomic import write_atomic
+from exogym.io import atomic_write_text
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -205,7 +205,7 @@ def save_hosts(config: HostsConfig, path: str | os.PathLike[str]) -> Path:
     """
     target = Path(path).expanduser()
     text = json.dumps(config.to_dict(), indent=2) + "\n"
-    write_atomic(target, text)
+    atomic_write_text(target, text)
     return target
 
 

@@ -60,7 +60,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distributed.atomic import write_atomic
 from distributed.bootstrap import MARK
 from distributed.hosts import HostsConfig, HostSpec, load_hosts
 from distributed.preflight import PreflightError, PreflightReport, run_preflight
@@ -76,6 +75,7 @@ from distributed.ssh import (
     resolve_target,
 )
 from distributed.sync import SyncStats, code_files, sync_files, tracked_files
+from exogym.io import atomic_write_text
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -916,7 +916,7 @@ class Launcher:
                            "duration_s": round(r.duration_s, 3)} for r in a.ranks],
             } for a in attempts],
         }
-        write_atomic(self.run_dir / "launch.json", json.dumps(index, indent=2) + "\n")
+        atomic_write_text(self.run_dir / "launch.json", json.dumps(index, indent=2) + "\n")
 
 
 class _RankRun:

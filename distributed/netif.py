@@ -74,18 +74,3 @@ def interface_for(host: str) -> str | None:
         return next((n for n in ("lo", "lo0") if n in names), None)
     return _interface_owning(address) or _route_get(address)
 
-
-def is_local_address(host: str) -> bool:
-    """True when ``host`` names this machine (loopback or one of its addresses)."""
-    try:
-        address = resolve_address(host)
-    except OSError:
-        return False
-    if ipaddress.ip_address(address).is_loopback:
-        return True
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind((address, 0))  # only an address of ours can be bound
-        return True
-    except OSError:
-        return False

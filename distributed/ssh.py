@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distributed.atomic import write_atomic
 from distributed.hosts import HostSpec
+from exogym.io import atomic_write_text
 
 if TYPE_CHECKING:
     import paramiko
@@ -174,7 +174,7 @@ def _record_host_key(options: SSHOptions, name: str, key: Any) -> None:
             return
         if text and not text.endswith("\n"):
             text += "\n"
-        write_atomic(path, text + line, mode=mode)
+        atomic_write_text(path, text + line, mode=mode)
 
 
 def _policy(options: SSHOptions, accepted: list[str], unknown: list[tuple[str, str]]) -> Any:
