@@ -104,6 +104,19 @@ def main(message: dict[str, Any]) -> None:
     supervise(message)
 
 
+def _die_with_parent() -> None:
+    """In the rank, before exec: on Linux, be killed if the supervisor dies (even by SIGKILL)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def supervise(message: dict[str, Any]) -> None:
     """Start the rank, watch it and the launcher, and report how it ended."""
     grace = float(message.get("grace", 5.0))
@@ -112,7 +125,7 @@ def supervise(message: dict[str, Any]) -> None:
     argv = [sys.executable] + sys.argv[1:]
     try:
         child = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
+                                 start_new_session=True, preexec_fn=_die_with_parent)
     except OSError as exc:
         sys.stderr.write(f"exogym: cannot start {' '.join(argv)}: {exc}\n")
         _say({"exit": 127})

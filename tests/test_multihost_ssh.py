@@ -1,0 +1,114 @@
+"""A real profile across three "hosts" over SSH equals its local simulation.
+
+Rank 0 runs on this machine (127.0.0.1); ranks 1 and 2 log in over SSH to the
+test sshd on 127.0.0.2 and 127.0.0.3 and run this checkout's worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from io import StringIO
+from pathlib import Path
+
+import pytest
+import torch
+from ranks import ROOT, free_port
+from rich.console import Console
+from sshd_fixture import serve_sshd
+
+from distributed.launcher import Launcher, RankProgram
+from distributed.profiles import parse_overrides
+from distributed.worker import run_profile
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    yield from serve_sshd(tmp_path_factory)
+
+
+def hosts(sshd):
+    worker = {"ssh_port": sshd.port}
+    return {"master": "127.0.0.1",
+            "workers": [{"host": "127.0.0.2", **worker}, {"host": "127.0.0.3", **worker}],
+            "ssh_user": sshd.user, "ssh_key_path": str(sshd.key_path),
+            "python_env": sys.executable, "project_path": str(ROOT), "master_port": free_port()}
+
+
+def launcher(sshd, program, tmp_path, **kw):
+    return Launcher(hosts(sshd), program, run_dir=tmp_path / "launch",
+                    known_hosts_path=sshd.known_hosts, ssh_config_path=sshd.ssh_config,
+                    allow_agent=False, look_for_keys=False, connect_timeout=5,
+                    grace_period=2, console=Console(file=StringIO(), width=200),
+                    on_output=lambda line: None, **kw)
+
+
+def test_three_host_diloco_over_ssh_equals_the_simulation(sshd, tmp_path):
+    settings = ["max_steps=40", "val_interval=20", "num_threads=1", "checkpoint_interval=None",
+                "num_nodes=3"]
+    events = []
+    program = RankProgram.from_profile("digits-diloco",
+                                       overrides=settings + [f"output_dir={tmp_path / 'net'}"])
+    with launcher(sshd, program, tmp_path, on_event=events.append) as job:
+        result = job.run()
+    assert result.ok, result.describe()
+    assert {e["rank"] for e in events if e.get("event") == "step"} == {0, 1, 2}
+    real = torch.load(tmp_path / "net" / "final_model.pt")
+    run_profile("digits-diloco", overrides=parse_overrides(
+        settings + [f"output_dir={tmp_path / 'sim'}"]), progress=False, local=True)
+    simulated = torch.load(tmp_path / "sim" / "final_model.pt")
+    for key in real:
+        assert torch.allclose(real[key].float(), simulated[key].float(), atol=1e-5), key
+
+
+def _worker_pid(rank: int, marker: str) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            environ = (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        argv = cmdline.split("\0")
+        # the rank itself (python -m distributed.worker ...), not its supervisor (python -c ...)
+        if argv[1:3] == ["-m", "distributed.worker"] and marker in cmdline \
+                and f"RANK={rank}" in environ:
+            return int(entry.name)
+    return None
+
+
+def test_max_restarts_finishes_the_run_from_the_checkpoint_after_a_killed_rank(sshd, tmp_path):
+    out = tmp_path / "net"
+    program = RankProgram.from_profile("digits-ddp", overrides=[
+        "max_steps=1000", "num_threads=1", "num_nodes=3", "val_size=0",
+        "checkpoint_interval=100", f"output_dir={out}"])
+    events = []
+    killed = threading.Event()
+
+    def on_event(event):
+        events.append(event)
+        if (not killed.is_set() and event.get("rank") == 2 and event.get("step", 0) >= 150
+                and event.get("event") == "step"):
+            pid = _worker_pid(2, str(out))
+            if pid:
+                killed.set()
+                os.kill(pid, signal.SIGKILL)
+
+    started = time.monotonic()
+    with launcher(sshd, program, tmp_path, on_event=on_event, max_restarts=1) as job:
+        result = job.run()
+    assert killed.is_set()
+    assert result.ok and result.restarts == 1, result.describe()
+    assert result.attempts[0].first_failure.rank == 2
+    resumed = [e for e in events if e.get("event") == "start" and e.get("step", 0) > 0]
+    assert {e["rank"] for e in resumed} == {0, 1, 2}
+    steps = {e["step"] for e in resumed}
+    logs = "\n".join(line for line in (tmp_path / "launch" / "rank2.log").read_text().splitlines()
+                     if "exogym-event" not in line)
+    assert len(steps) == 1, logs and steps.pop() in range(100, 1000, 100)
+    assert '"steps": 1000' in (out / "summary.json").read_text()
+    assert time.monotonic() - started < 300
