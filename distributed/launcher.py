@@ -75,7 +75,7 @@ from distributed.ssh import (
     resolve_target,
 )
 from distributed.sync import SyncStats, code_files, sync_files, tracked_files
-from exogym.io import atomic_write_text
+from exogym.io import atomic_write_bytes, atomic_write_text
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -596,6 +596,30 @@ class Launcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def fetch(self, rank: int, relative_path: str, local_path: str | os.PathLike[str]) -> Path:
+        """Copy a file a rank wrote (relative to its ``EXOGYM_RUN_DIR``) to ``local_path``.
+
+        Rank 0 on this machine is read directly; a remote rank's file comes over SFTP.
+        """
+        local_path = Path(local_path)
+        host = self.config.hosts[rank]
+        run_dir = Path(self.rank_run_dir)
+        if rank not in self.targets:
+            source = run_dir if run_dir.is_absolute() else Path(host.project_path) / run_dir
+            data = (source.expanduser() / relative_path).read_bytes()
+        else:
+            if rank not in self._shells:
+                errors = self.connect()
+                if rank in errors:
+                    raise errors[rank]
+            shell = self._shells[rank]
+            remote = run_dir if run_dir.is_absolute() else Path(host.project_path) / run_dir
+            with shell.client.open_sftp() as sftp:  # type: ignore[attr-defined]
+                with sftp.open(str(remote / relative_path), "rb") as f:
+                    data = f.read()
+        atomic_write_bytes(local_path, data)
+        return local_path
 
     def close(self) -> None:
         """Close every SSH connection."""

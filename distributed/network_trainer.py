@@ -99,14 +99,21 @@ class NetworkTrainer(Trainer):
         hosts_config: the hosts file (path, dict, or loaded config); only the
             driver needs it — a started rank reads its rank variables instead.
         model, train_dataset, val_dataset: as for :class:`exogym.Trainer`.
+        launcher_options: keyword arguments for :class:`distributed.launcher.Launcher`
+            in the driver (``accept_new_host_keys``, ``max_restarts``, ``sync``, ...).
         **trainer_kwargs: ``start_port``, ``device``, ``devices``.
     """
 
     def __init__(self, hosts_config: Any, model: torch.nn.Module, train_dataset: Any,
-                 val_dataset: Any = None, **trainer_kwargs: Any):
+                 val_dataset: Any = None, launcher_options: dict[str, Any] | None = None,
+                 **trainer_kwargs: Any):
+        self.environment = rank_environment()
+        if self.environment is not None and trainer_kwargs.get("device") is None:
+            # A host's "device" in the hosts file reaches its rank as EXOGYM_DEVICE.
+            trainer_kwargs["device"] = os.environ.get("EXOGYM_DEVICE") or None
         super().__init__(model, train_dataset, val_dataset, **trainer_kwargs)
         self.hosts_config = hosts_config
-        self.environment = rank_environment()
+        self.launcher_options = dict(launcher_options or {})
 
     def fit(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
         """Same arguments as :meth:`exogym.Trainer.fit`; ``num_nodes`` defaults to the world size."""
@@ -118,6 +125,10 @@ class NetworkTrainer(Trainer):
                                  "network run has one rank per started process")
             if env.rank != 0:
                 kwargs["logger"] = None  # rank 0 writes the run's logs
+        elif self.hosts_config is not None:
+            from distributed.hosts import load_hosts
+
+            kwargs.setdefault("num_nodes", load_hosts(self.hosts_config).world_size)
         return super().fit(*args, **kwargs)
 
     def _prepare_spec(self, spec: RunSpec) -> None:
@@ -154,13 +165,28 @@ class NetworkTrainer(Trainer):
     def _launch(self, spec: RunSpec,
                 on_event: Callable[[dict[str, Any]], None]) -> list[dict[str, torch.Tensor]]:
         """Driver: start this script on every host and return rank 0's final model."""
+        if self.hosts_config is None:
+            raise ValueError("NetworkTrainer needs a hosts file to launch from this process "
+                             "(or the rank variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+                             "to run as one rank)")
+        from distributed.hosts import load_hosts
+        from distributed.launcher import Launcher, RankProgram
+
+        config = load_hosts(self.hosts_config)
+        if spec.num_nodes not in (1, config.world_size):
+            raise ValueError(f"fit(num_nodes={spec.num_nodes}) but the hosts file lists "
+                             f"{config.world_size} hosts; one rank runs per host")
+        project_root = Path(__file__).resolve().parents[1]
+        script = Path(sys.argv[0]).resolve()
         try:
-            from distributed import launcher
-        except ImportError:
-            raise RuntimeError(
-                "NetworkTrainer.fit() was called without rank variables (RANK, WORLD_SIZE, "
-                "MASTER_ADDR, MASTER_PORT), so it would launch the run on every host, but the SSH "
-                "launcher is not available in this installation. Start each rank yourself "
-                "(e.g. with torchrun) or run `python -m distributed.worker` per host."
-            ) from None
-        return launcher.run_script_everywhere(self.hosts_config, sys.argv, spec, on_event)
+            script_arg = str(script.relative_to(project_root))
+        except ValueError:
+            script_arg = str(script)  # outside the checkout: the same path on every host
+        program = RankProgram.from_script(script_arg, sys.argv[1:])
+        options = {"on_event": on_event, **self.launcher_options}
+        with Launcher(config, program, **options) as job:
+            result = job.run()
+            result.raise_for_failure()
+            local = job.run_dir / FINAL_MODEL
+            job.fetch(0, FINAL_MODEL, local)
+        return [torch.load(local, map_location="cpu", weights_only=True)]

@@ -112,3 +112,36 @@ def test_max_restarts_finishes_the_run_from_the_checkpoint_after_a_killed_rank(s
     assert len(steps) == 1, logs and steps.pop() in range(100, 1000, 100)
     assert '"steps": 1000' in (out / "summary.json").read_text()
     assert time.monotonic() - started < 300
+
+
+def test_network_trainer_driver_runs_the_script_on_every_host_and_returns_the_model(
+        sshd, tmp_path):
+    import json
+    import subprocess
+
+    from exogym import LocalTrainer
+    from exogym.strategy import DiLoCoStrategy
+
+    hosts_file = tmp_path / "hosts.json"
+    hosts_file.write_text(json.dumps(hosts(sshd)))
+    options = {"known_hosts_path": str(sshd.known_hosts), "ssh_config_path": str(sshd.ssh_config),
+               "allow_agent": False, "look_for_keys": False, "run_dir": str(tmp_path / "run")}
+    env = dict(os.environ, EXOGYM_TEST_LAUNCHER_OPTIONS=json.dumps(options))
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    done = subprocess.run([sys.executable, "tests/scripts/network_fit.py", str(hosts_file),
+                           str(tmp_path / "final.pt")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    real = torch.load(tmp_path / "final.pt")
+
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    from network_fit import FIT
+
+    from distributed.tasks import digits_task
+
+    model, train, val = digits_task(seed=0)
+    simulated = LocalTrainer(model, train, val).fit(
+        strategy=DiLoCoStrategy(H=10, lr=0.003), num_nodes=3, **FIT).state_dict()
+    for key in real:
+        assert torch.allclose(real[key], simulated[key], atol=1e-5), key
