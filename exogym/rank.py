@@ -141,6 +141,23 @@ class PeerWatch:
         except Exception:  # noqa: BLE001
             pass
 
+    def report_stopping(self) -> None:
+        """Tell the peers this rank stops because of another's loss, so none blames it."""
+        try:
+            self.store.set(self._key("stopping", self.rank), "1")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _stopping(self) -> set[int]:
+        found = set()
+        for peer in range(self.world_size):
+            try:
+                if peer != self.rank and self.store.check([self._key("stopping", peer)]):
+                    found.add(peer)
+            except Exception:  # noqa: BLE001
+                break
+        return found
+
     def diagnose(self, wait_s: float = 6.0) -> tuple[list[int], str]:
         """After a collective failed: which ranks were lost, waiting briefly to see."""
         deadline = time.monotonic() + wait_s
@@ -149,7 +166,9 @@ class PeerWatch:
             if failed:
                 ranks = sorted(failed)
                 return ranks, "; ".join(f"rank {r} failed: {failed[r]}" for r in ranks)
-            lost = self.silent(after_s=min(self.silent_after_s, 2.5))
+            stopping = self._stopping()
+            lost = [r for r in self.silent(after_s=min(self.silent_after_s, 2.5))
+                    if r not in stopping]
             if lost or time.monotonic() > deadline:
                 return lost, self.describe(lost)
             time.sleep(self.interval_s)
@@ -277,6 +296,7 @@ def run_rank(spec: RunSpec, rank: int, rendezvous: Rendezvous,
                 raise
             lost, message = watch.diagnose()
             lost = [r for r in lost if r != rank]
+            watch.report_stopping()
             if not lost:
                 raise
             raise LostRankError(lost, f"rank {rank}: {message}") from exc

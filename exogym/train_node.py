@@ -190,16 +190,29 @@ class TrainNode:
     # -- evaluation -----------------------------------------------------------------
 
     @torch.no_grad()
-    def _eval_loss(self, model: torch.nn.Module, loader) -> tuple[float, int]:
+    def _eval_loss(self, model: torch.nn.Module, loader,
+                   sums: dict[str, list[float]] | None = None) -> tuple[float, int]:
+        """Summed loss and sample count over ``loader``.
+
+        A model with a ``metric_sums(batch) -> {name: (numerator, denominator)}``
+        method (e.g. word errors and reference words for a word error rate) gets
+        those summed into ``sums`` too.
+        """
         was_training = model.training
         model.eval()
         total, count = 0.0, 0
+        extra = getattr(model, "metric_sums", None) if sums is not None else None
         try:
             for batch in loader:
                 batch = to_device(batch, self.device)
                 n = batch_size_of(batch)
                 total += float(self._loss(model, batch)) * n
                 count += n
+                if extra is not None:
+                    for name, (num, den) in extra(batch).items():
+                        acc = sums.setdefault(name, [0.0, 0.0])
+                        acc[0] += float(num)
+                        acc[1] += float(den)
         finally:
             model.train(was_training)
         return total, count
@@ -221,14 +234,16 @@ class TrainNode:
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss of this rank's model and of the average of all ranks' models."""
-        total, count = self._eval_loss(self.model, self.val_loader)
+        sums: dict[str, list[float]] = {}
+        total, count = self._eval_loss(self.model, self.val_loader, sums)
         local = total / max(count, 1)
+        extra = {f"val_{name}": num / den for name, (num, den) in sums.items() if den}
         if self.num_nodes == 1 or self.strategy.keeps_ranks_identical:
-            return {"val_loss": local, "val_global_loss": local}
+            return {"val_loss": local, "val_global_loss": local, **extra}
         # Every rank scores the average model on its slice of the validation set.
         total, count = self._eval_loss(self._average_model(), self.val_shard_loader)
         total, count = self._side_reduce([total, count], dist.ReduceOp.SUM)
-        return {"val_loss": local, "val_global_loss": total / max(count, 1)}
+        return {"val_loss": local, "val_global_loss": total / max(count, 1), **extra}
 
     def correlation(self) -> float:
         """Mean pairwise Pearson correlation of the ranks' trainable parameters."""

@@ -321,3 +321,30 @@ def test_lr_factor_warmup_and_cosine_shape():
     assert lr_factor(9, 100, warmup_steps=10) == pytest.approx(1.0)
     assert lr_factor(100, 100, warmup_steps=10, cosine=True, min_lr_factor=0.2) == pytest.approx(0.2)
     assert lr_factor(55, 100, warmup_steps=10, cosine=True, min_lr_factor=0.0) == pytest.approx(0.5)
+
+
+def test_a_model_with_metric_sums_gets_them_logged_at_evaluation():
+    class Accuracy(TinyNet):
+        def metric_sums(self, batch):
+            x, y = batch
+            right = (self.fc2(torch.tanh(self.fc1(x))).argmax(1) == y).sum()
+            return {"accuracy": (right, len(y))}
+
+    ds = toy_dataset()
+    torch.manual_seed(0)
+    trainer = Trainer(Accuracy(), ds, ds)
+    trainer.fit(strategy=SimpleReduceStrategy(), num_nodes=2, max_steps=2, batch_size=8,
+                val_size=40, val_interval=1, **QUIET)
+    for row in trainer.history:
+        assert 0.0 <= row["val_accuracy"] <= 1.0
+        # 40 samples: the accuracy is a multiple of 1/40
+        assert abs(row["val_accuracy"] * 40 - round(row["val_accuracy"] * 40)) < 1e-9
+
+
+def test_torch_scheduler_class_is_honoured():
+    ds = toy_dataset()
+    trainer = Trainer(tiny_model(), ds, ds)
+    trainer.fit(strategy=SimpleReduceStrategy(lr=0.1, lr_scheduler=torch.optim.lr_scheduler.StepLR,
+                                              lr_scheduler_kwargs={"step_size": 2, "gamma": 0.5}),
+                num_nodes=1, max_steps=5, batch_size=8, val_size=0, **QUIET)
+    assert [round(r["lr"], 4) for r in trainer.history] == [0.1, 0.1, 0.05, 0.05, 0.025]
