@@ -244,6 +244,10 @@ def test_sparta_arguments_are_checked():
     with pytest.raises(ValueError, match="comm_dtype"):
         SPARTAStrategy(comm_dtype="int4")
     assert SPARTAStrategy(index_selector=PartitionedIndexSelector(0.2)).p_sparta == 0.2
+    with pytest.raises(TypeError, match="get_indices"):
+        type("MaskSelector", (RandomIndexSelector,), {"get_indices": lambda self, p, i: None})
+    adam = SPARTADiLoCoStrategy(inner_optim_spec="adam")
+    assert adam.optim_spec.cls is torch.optim.Adam
     assert SPARTAStrategy().p_sparta == 0.005
 
 
@@ -334,8 +338,12 @@ def test_demo_coefficients_are_averaged_over_the_ranks_that_sent_them():
 
 
 def test_demo_arguments_are_checked():
-    with pytest.raises(TypeError, match="takes no optim_spec"):
-        DeMoStrategy(optim_spec="adam")
+    with pytest.raises(TypeError, match="cannot honour betas"):
+        DeMoStrategy(optim_spec=OptimSpec(torch.optim.Adam, lr=0.01, betas=(0.8, 0.9)))
+    with pytest.warns(UserWarning, match="replaces SGD with DeMo"):
+        taken = DeMoStrategy(optim_spec=OptimSpec(torch.optim.SGD, lr=0.01, weight_decay=0.1))
+    assert (taken.lr, taken.weight_decay) == (0.01, 0.1)
+    assert (DeMoStrategy().lr, DeMoStrategy(lr=0.2).lr) == (1e-3, 0.2)
     with pytest.raises(TypeError, match="compression_top"):
         DeMoStrategy(compression_top_k=4)
     with pytest.raises(ValueError, match="compression_topk must be"):
@@ -409,3 +417,22 @@ def test_demo_keeps_what_it_did_not_send_in_the_momentum():
     full = d @ (0.5 * before + grad)
     full[full.abs().argmax()] = 0.0
     assert torch.allclose(after, full, atol=1e-6)
+
+
+def test_demo_payload_round_trips_every_wire_type_through_one_byte_buffer():
+    from exogym.strategy.demo import ChunkPlan, _pack, _unpack
+
+    values = [torch.randn(3, 5).to(torch.bfloat16), torch.randn(2, 4)]
+    plans = [ChunkPlan.for_shape((16, 16), 16, 4), ChunkPlan.for_shape((64, 64), 64, 4),
+             ChunkPlan.for_shape((300, 300), 300, 4)]
+    assert [p.index_bytes for p in plans] == [1, 2, 4]
+    indices = [torch.tensor([[0, 255]]), torch.tensor([[0, 4095]]), torch.tensor([[0, 89_999]])]
+    wires = [plan.pack_indices(idx) for plan, idx in zip(plans, indices)]
+    payload = [values[0], wires[0], values[1], wires[1], wires[2]]
+    buffer, layout = _pack(payload)
+    assert buffer.dtype == torch.uint8
+    assert buffer.numel() == 15 * 2 + 2 * 1 + 8 * 4 + 2 * 2 + 2 * 4
+    back = _unpack(buffer.clone(), layout, payload)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(back, payload))
+    for plan, wire, idx in zip(plans, back[1::2] + [back[4]], indices):
+        assert torch.equal(plan.unpack_indices(wire), idx)

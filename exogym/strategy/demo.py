@@ -44,6 +44,7 @@ Guarantees:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,7 @@ import torch.distributed as dist
 
 from exogym import comm
 
+from .optim import OptimSpec, ensure_optim_spec
 from .strategy import Strategy
 
 __all__ = ["DeMo", "DeMoStrategy", "ChunkPlan", "average_coefficients", "chunk_size", "dct_matrix"]
@@ -323,38 +325,54 @@ def _check_demo_args(lr: float, decay: float, topk: int, chunk: int, weight_deca
 class DeMoStrategy(Strategy):
     """DeMo as a strategy: clip, then one :class:`DeMo` step (which is where ranks talk).
 
-    DeMo is its own optimizer, so there is no ``optim_spec``; ``lr`` and the
-    schedule arguments act on it as on any inner optimizer.
+    DeMo is its own optimizer; ``lr`` and the schedule arguments act on it as on
+    any inner optimizer.
 
     Args:
         lr: learning rate, the size of each sign step (default 1e-3).
         compression_decay: momentum decay (0.999).
         compression_topk: DCT coefficients sent per chunk (32).
         compression_chunk: largest chunk size per dimension (64).
-        weight_decay: decoupled weight decay (0).
+        weight_decay: decoupled weight decay (default 0).
         max_norm: clip the local gradient norm before the step.
         comm_dtype: type the coefficient values travel in (``'float32'``).
+        optim_spec: accepted for code written against exo gym: its ``lr`` and
+            ``weight_decay`` are used when not given directly; its optimizer
+            class is replaced by DeMo (with a warning), and any other argument
+            in it is an error, since DeMo could not honour it.
+        inner_optim: the same as ``optim_spec``.
         **kwargs: the schedule arguments of ``Strategy`` (``lr_scheduler``,
             ``warmup_steps``, ``cosine_anneal``, ...).
     """
 
     def __init__(
         self,
-        lr: float = 1e-3,
+        lr: float | None = None,
         compression_decay: float = 0.999,
         compression_topk: int = 32,
         compression_chunk: int = 64,
-        weight_decay: float = 0.0,
+        weight_decay: float | None = None,
         max_norm: float | None = None,
         comm_dtype: str = "float32",
-        optim_spec: Any = None,
-        inner_optim: Any = None,
+        optim_spec: OptimSpec | str | type | None = None,
+        inner_optim: OptimSpec | str | type | None = None,
         **kwargs: Any,
     ):
-        if optim_spec is not None or inner_optim is not None:
-            raise TypeError(
-                "DeMoStrategy is its own optimizer (sign steps on synchronised DCT momentum) and "
-                "takes no optim_spec/inner_optim; set lr=, weight_decay= and compression_* instead")
+        if optim_spec is not None and inner_optim is not None:
+            raise TypeError("DeMoStrategy: give optim_spec= or inner_optim=, not both")
+        spec = ensure_optim_spec(optim_spec if optim_spec is not None else inner_optim)
+        if spec is not None:
+            extra = sorted(set(spec.kwargs) - {"lr", "weight_decay"})
+            if extra:
+                raise TypeError(
+                    f"DeMoStrategy is its own optimizer and cannot honour {', '.join(extra)} from "
+                    f"optim_spec={spec!r}; give lr=, weight_decay= and compression_* instead")
+            warnings.warn(f"DeMoStrategy replaces {spec.cls.__name__} with DeMo; only lr and "
+                          "weight_decay are taken from optim_spec", stacklevel=2)
+            lr = spec.kwargs.get("lr") if lr is None else lr
+            weight_decay = spec.kwargs.get("weight_decay") if weight_decay is None else weight_decay
+        lr = 1e-3 if lr is None else lr
+        weight_decay = 0.0 if weight_decay is None else weight_decay
         _check_demo_args(lr, compression_decay, compression_topk, compression_chunk, weight_decay)
         comm.resolve_dtype(comm_dtype)
         self.compression_decay = compression_decay

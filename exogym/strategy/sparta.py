@@ -107,6 +107,15 @@ class IndexSelector(ABC):
 
     name = "custom"
 
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if "get_indices" in cls.__dict__ and "indices" not in cls.__dict__:
+            raise TypeError(
+                f"{cls.__name__} defines get_indices(param, iteration), which returns a mask; "
+                "exogym selectors implement indices(seed, tensor_index, numel, round_index) "
+                "returning flat indices that every rank derives from the shared seed, so no "
+                "mask is ever sent")
+
     def __init__(self, p: float = 0.005):
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= float(p) <= 1.0:
             raise ValueError(f"p (the SPARTA fraction) must be a number within [0, 1], got {p!r}")

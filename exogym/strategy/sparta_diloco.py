@@ -11,7 +11,8 @@ ranks close between outer rounds, which lets ``H`` grow.
 On a step that ends with a DiLoCo round the SPARTA round is left out: averaging
 some entries does not change their mean over the ranks, which is all the
 DiLoCo round reads, and the round then overwrites every rank with the same
-parameters anyway. Skipping it changes no number and saves its bytes.
+parameters anyway. Skipping it saves its bytes and changes the result only by
+floating-point rounding (that of the values on the wire, with ``comm_dtype``).
 
 Bytes per rank: after local step ``s`` (1-based), a SPARTA round when
 ``s % sparta_interval == 0`` and ``s % H != 0`` (``element_size(comm_dtype)``
@@ -45,6 +46,7 @@ class SPARTADiLoCoStrategy(CommunicateOptimizeStrategy):
         sparta_interval: local steps between SPARTA rounds (default 1).
         index_selector: ``'random'``, ``'shuffled'``, ``'partitioned'`` or an ``IndexSelector``.
         comm_dtype: type both kinds of round send their values in (``'float32'``).
+        inner_optim_spec: alias of ``optim_spec`` (the name exo gym used here).
         **kwargs: inner optimizer, schedule and clipping arguments of ``Strategy``.
     """
 
@@ -61,10 +63,16 @@ class SPARTADiLoCoStrategy(CommunicateOptimizeStrategy):
         sparta_interval: int = 1,
         index_selector: str | IndexSelector = "random",
         comm_dtype: str = "float32",
+        inner_optim_spec: OptimSpec | str | None = None,
         **kwargs: Any,
     ):
         if outer_optim_spec is not None and outer_optim is not None:
             raise TypeError("SPARTADiLoCoStrategy: give outer_optim_spec= or outer_optim=, not both")
+        if inner_optim_spec is not None:
+            if optim_spec is not None:
+                raise TypeError("SPARTADiLoCoStrategy: give optim_spec= or inner_optim_spec=, "
+                                "not both")
+            optim_spec = inner_optim_spec
         selector = make_selector(index_selector, p_sparta)
         self.H = H
         self.p_sparta = selector.p
