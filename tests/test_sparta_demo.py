@@ -436,3 +436,30 @@ def test_demo_payload_round_trips_every_wire_type_through_one_byte_buffer():
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(back, payload))
     for plan, wire, idx in zip(plans, back[1::2] + [back[4]], indices):
         assert torch.equal(plan.unpack_indices(wire), idx)
+
+
+def test_demo_momentum_survives_a_checkpoint():
+    from exogym.strategy.demo import DeMo
+
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+
+    def train(model, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            model((x, y)).backward()
+            opt.step()
+
+    a = tiny_model()
+    opt_a = DeMo(a.parameters(), lr=0.01, compression_topk=2, compression_chunk=4)
+    train(a, opt_a, 3)
+    b = copy.deepcopy(a)
+    opt_b = DeMo(b.parameters(), lr=0.01, compression_topk=2, compression_chunk=4)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    train(a, opt_a, 3)
+    train(b, opt_b, 3)
+    assert_models_close(a, b, atol=0)
+    fresh = copy.deepcopy(b)
+    train(fresh, DeMo(fresh.parameters(), lr=0.01, compression_topk=2, compression_chunk=4), 1)
+    train(b, opt_b, 1)
+    assert_models_differ(fresh, b, atol=1e-6)  # the restored momentum mattered
