@@ -89,7 +89,7 @@ def plot(curves: dict[str, list[tuple[int, float, float]]], accuracy: dict[str, 
         ax.axhline(math.log(10), color="grey", linestyle="--", linewidth=1,
                    label="chance (ln 10)")
         ax.grid(alpha=0.3)
-        ax.legend()
+    by_step.legend()  # one legend: the right panel's lines are the same strategies
     fig.tight_layout()
     save_figure_atomically(fig, path)
     plt.close(fig)
