@@ -35,6 +35,30 @@ class BNNet(nn.Module):
         return F.cross_entropy(self.out(torch.relu(self.bn(self.fc(x)))), y)
 
 
+class TinyCNN(nn.Module):
+    """A small convolutional classifier of 6x6 one-channel images (4-D conv weights)."""
+
+    def __init__(self, classes: int = 3):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, kernel_size=3)
+        self.fc1 = nn.Linear(4 * 4 * 4, 16)
+        self.fc2 = nn.Linear(16, classes)
+
+    def forward(self, batch):
+        x, y = batch
+        h = torch.tanh(self.conv(x)).flatten(1)
+        return F.cross_entropy(self.fc2(torch.tanh(self.fc1(h))), y)
+
+
+def toy_images(n: int = 256, classes: int = 3, seed: int = 0) -> TensorDataset:
+    """Learnable 1x6x6 images: labels from a fixed random linear map of the pixels."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 6, 6, generator=g)
+    w = torch.randn(36, classes, generator=g)
+    y = (x.flatten(1) @ w).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
 def toy_dataset(n: int = 256, d_in: int = 8, classes: int = 3, seed: int = 0) -> TensorDataset:
     """A learnable classification set: labels from a fixed random linear map."""
     g = torch.Generator().manual_seed(seed)
