@@ -5,8 +5,8 @@ keyword arguments come from the profile. Every host builds the task itself
 from the same profile and seed, so nothing but the profile's name travels.
 Built in:
 
-- ``digits``: a small MLP classifier on scikit-learn's 8x8 digits (shipped
-  with scikit-learn, no download).
+- ``digits``: a small classifier on scikit-learn's 8x8 digits (shipped with
+  scikit-learn, no download).
 - ``chargpt``: a small character-level GPT on a text file; by default on the
   Python standard library's own source text, present on every install.
 - ``whisper``: Whisper fine-tuning (see ``distributed.whisper_task``).
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset
 
 TaskResult = tuple[nn.Module, Dataset, Dataset]
 
@@ -35,54 +35,24 @@ TaskResult = tuple[nn.Module, Dataset, Dataset]
 # -- digits ------------------------------------------------------------------------
 
 
-class DigitsMLP(nn.Module):
-    """MLP for 8x8 digits; ``forward((x, y))`` returns the cross-entropy loss.
+def digits_task(hidden: int = 128, model: str = "mlp", val_fraction: float = 0.2,
+                seed: int = 0) -> TaskResult:
+    """A digits classifier (``exogym.digits``) with its train and validation sets.
 
     Args:
-        hidden: width of the two hidden layers.
-    """
-
-    def __init__(self, hidden: int = 128):
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-            nn.Linear(hidden, 10),
-        )
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def forward(self, batch) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
-
-
-def digits_datasets(val_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    """scikit-learn's digits as float features in [0, 1] and labels, split train/validation."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        raise ImportError("the digits task needs scikit-learn: pip install 'exogym[examples]'") from None
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.long)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    n_val = int(len(x) * val_fraction)
-    val, train = order[:n_val], order[n_val:]
-    return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
-
-
-def digits_task(hidden: int = 128, val_fraction: float = 0.2, seed: int = 0) -> TaskResult:
-    """A digits classifier with its train and validation sets.
-
-    Args:
-        hidden: hidden layer width.
+        hidden: hidden layer width of the MLP (channels of the CNN's first layer).
+        model: ``'mlp'`` or ``'cnn'``.
         val_fraction: share of the 1797 images held out for validation.
         seed: seed of the model's initial weights and of the split.
     """
+    from exogym.digits import DigitsCNN, DigitsMLP, digits_datasets
+
+    if model not in ("mlp", "cnn"):
+        raise ValueError(f"digits model must be 'mlp' or 'cnn', got {model!r}")
     train, val = digits_datasets(val_fraction, seed)
     torch.manual_seed(seed)
-    return DigitsMLP(hidden), train, val
+    net = DigitsMLP(hidden) if model == "mlp" else DigitsCNN(hidden)
+    return net, train, val
 
 
 # -- chargpt -----------------------------------------------------------------------

@@ -69,6 +69,10 @@ class DigitsMLP(nn.Module):
         x, y = batch
         return F.cross_entropy(self.logits(x), y)
 
+    def metric_sums(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, tuple[int, int]]:
+        """Correct predictions and samples: the trainer logs ``val_accuracy``."""
+        return _accuracy_sums(self, batch)
+
 
 class DigitsCNN(nn.Module):
     """A small convolutional network for 8x8 digits; ``forward((x, y))`` returns the cross-entropy.
@@ -91,6 +95,15 @@ class DigitsCNN(nn.Module):
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(self.logits(x), y)
+
+    def metric_sums(self, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, tuple[int, int]]:
+        """Correct predictions and samples: the trainer logs ``val_accuracy``."""
+        return _accuracy_sums(self, batch)
+
+
+def _accuracy_sums(model: nn.Module, batch) -> dict[str, tuple[int, int]]:
+    x, y = batch
+    return {"accuracy": (int((model.logits(x).argmax(dim=1) == y).sum()), len(y))}
 
 
 @torch.no_grad()

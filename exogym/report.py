@@ -48,6 +48,9 @@ def summarize(history: list[dict[str, Any]], num_nodes: int, wall_s: float) -> d
     if last_eval is not None:
         summary["final_val_loss"] = last_eval["val_loss"]
         summary["final_val_global_loss"] = last_eval.get("val_global_loss")
+        for key, value in last_eval.items():  # extra metrics, e.g. val_accuracy, val_wer
+            if key.startswith("val_") and key not in ("val_loss", "val_global_loss"):
+                summary[f"final_{key}"] = value
     return summary
 
 

@@ -103,7 +103,7 @@ def test_task_from_module_function(tmp_path, monkeypatch):
     path = write(tmp_path, "[distributed:m]\ntask = mytask:build\nstrategy = ddp\nwidth = 8\n")
     profile = load_profile("m", path)
     model, train, val = resolve_task(profile.task)(**profile.split()[0])
-    assert model.net[0].out_features == 8 and len(train) > len(val)
+    assert model.fc1.out_features == 8 and len(train) > len(val)
 
 
 def test_chargpt_task_uses_a_corpus_present_without_download():
