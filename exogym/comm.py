@@ -122,22 +122,26 @@ class _DoneWork:
         return True
 
 
+def _in_place(collective, tensor: torch.Tensor, group, async_op: bool, **kwargs):
+    """Run an in-place collective on ``tensor``, through a CPU copy when gloo needs one."""
+    if not _needs_staging(tensor, group):
+        return collective(tensor, group=group, async_op=async_op, **kwargs)
+    staged = tensor.detach().to("cpu")
+    work = collective(staged, group=group, async_op=async_op, **kwargs)
+    handle = _StagedWork(work if async_op else _DoneWork(), [(tensor, staged)])
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
 def all_reduce(tensor: torch.Tensor, op=None, group=None, async_op: bool = False):
     """All-reduce ``tensor`` in place (default op: SUM); counts its payload bytes."""
-    if op is None:
-        op = dist.ReduceOp.SUM
     if not _active():
         return _DoneWork() if async_op else None
     _count(tensor.numel() * tensor.element_size())
-    if _needs_staging(tensor, group):
-        staged = tensor.detach().to("cpu")
-        work = dist.all_reduce(staged, op=op, group=group, async_op=async_op)
-        handle = _StagedWork(work if async_op else _DoneWork(), [(tensor, staged)])
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _in_place(dist.all_reduce, tensor, group, async_op,
+                     op=dist.ReduceOp.SUM if op is None else op)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
@@ -145,15 +149,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
     if not _active():
         return _DoneWork() if async_op else None
     _count(tensor.numel() * tensor.element_size())
-    if _needs_staging(tensor, group):
-        staged = tensor.detach().to("cpu")
-        work = dist.broadcast(staged, src=src, group=group, async_op=async_op)
-        handle = _StagedWork(work if async_op else _DoneWork(), [(tensor, staged)])
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _in_place(dist.broadcast, tensor, group, async_op, src=src)
 
 
 def all_gather(
