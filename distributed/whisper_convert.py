@@ -175,11 +175,14 @@ def read_ctranslate2_model(model_bin: str | os.PathLike) -> CTranslate2Model:
             f"{path}: {len(reader.data) - reader.pos} unexpected bytes after the last alias; "
             "the file is corrupt or not a CTranslate2 model."
         )
+    variables = _dequantize(raw_vars)
+    # Aliases are resolved after dequantizing, so an alias of a quantized weight gets the
+    # float weight (CTranslate2 aliases the weight's scale along with it).
     for alias, target in aliases.items():
-        if target not in raw_vars:
+        if target not in variables:
             raise CTranslate2FormatError(f"{path}: alias {alias!r} points to missing {target!r}.")
-        raw_vars[alias] = raw_vars[target]
-    return CTranslate2Model(spec, revision, version, _dequantize(raw_vars))
+        variables[alias] = variables[target]
+    return CTranslate2Model(spec, revision, version, variables)
 
 
 def _dequantize(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -679,6 +682,11 @@ def load_whisper(
         raise FileNotFoundError(
             f"{folder} is not a transformers Whisper checkpoint folder (no config.json). Pass a "
             f"folder written by save_pretrained, {TINY_EN!r} or {TINY_RANDOM!r}."
+        )
+    if not any((folder / n).is_file() for n in ("tokenizer.json", "vocab.json")):
+        raise FileNotFoundError(
+            f"{folder} has model weights but no tokenizer files (tokenizer.json or vocab.json); "
+            "save the processor into it too: processor.save_pretrained(folder)."
         )
     model = WhisperForConditionalGeneration.from_pretrained(folder, local_files_only=True,
                                                             dtype=torch.float32)

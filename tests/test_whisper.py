@@ -515,13 +515,14 @@ def test_ctranslate2_reader_resolves_aliases_and_dequantizes_int8(tmp_path):
         "lin/weight": quantized,
         "lin/weight_scale": scale,
         "decoder/num_heads": np.array(6, dtype=np.int16),
-    }, {"decoder/projection/weight": "decoder/embeddings/weight"})
+    }, {"decoder/projection/weight": "decoder/embeddings/weight", "tied/weight": "lin/weight"})
     model = read_ctranslate2_model(tmp_path / "model.bin")
     assert (model.spec, model.revision, model.binary_version) == ("WhisperSpec", 3, 6)
     assert torch.equal(model.variables["decoder/projection/weight"],
                        model.variables["decoder/embeddings/weight"])
     assert model.variables["decoder/embeddings/weight"].dtype == torch.float16
     assert torch.allclose(model.variables["lin/weight"], torch.from_numpy(weight), atol=0.01)
+    assert torch.equal(model.variables["tied/weight"], model.variables["lin/weight"])
     assert "lin/weight_scale" not in model.variables
     assert int(model.variables["decoder/num_heads"]) == 6
 
