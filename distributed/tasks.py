@@ -204,12 +204,15 @@ def chargpt_task(text_file: str | None = None, block_size: int = 64, n_layer: in
 
 def _whisper_task(**kwargs: Any) -> TaskResult:
     try:
-        from distributed.whisper_task import build_whisper_task
+        from distributed.whisper_task import build_whisper_task, collate_whisper_batch
     except ImportError as exc:
         raise ImportError(
             "the whisper task needs the whisper extra: pip install 'exogym[whisper]' "
             f"({exc})") from exc
-    return build_whisper_task(**kwargs)
+    model, train, val = build_whisper_task(**kwargs)
+    for dataset in (train, val):  # labels differ in length: the trainer must pad them
+        dataset.collate_fn = collate_whisper_batch
+    return model, train, val
 
 
 BUILTIN_TASKS: dict[str, Callable[..., TaskResult]] = {

@@ -119,6 +119,25 @@ class WhisperModelWrapper(nn.Module):
         """Greedy transcription of ``features``; see :func:`transcribe`."""
         return transcribe(self, features, **kwargs)
 
+    def metric_sums(self, batch: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+        """Word errors and reference words of ``batch``: the trainer logs ``val_wer``
+        next to the validation loss."""
+        from distributed.speech_data import normalize_words, word_edit_distance
+
+        if self.processor is None:
+            return {}
+        tokenizer = self.processor.tokenizer
+        labels = batch["labels"].clone()
+        labels[labels < 0] = tokenizer.pad_token_id
+        references = tokenizer.batch_decode(labels, skip_special_tokens=True)
+        hypotheses = transcribe(self, batch["input_features"], tokenizer=tokenizer)
+        errors = words = 0
+        for ref, hyp in zip(references, hypotheses):
+            ref_words = normalize_words(ref)
+            errors += word_edit_distance(ref_words, normalize_words(hyp))
+            words += len(ref_words)
+        return {"wer": (errors, words)}
+
     def save_merged(self, out_dir: str | os.PathLike) -> Path:
         """Save the full model (LoRA adapters merged in, if any) and the processor;
         see :func:`distributed.whisper_lora.merge_and_save`."""

@@ -84,7 +84,7 @@ class MinibatchStream:
         self.shard = shard
         self.shuffle = shuffle
         self.seed = seed
-        self.loader_kwargs = dict(dataloader_kwargs or {})
+        self.loader_kwargs = loader_kwargs(dataset, dataloader_kwargs)
         self.iterable = isinstance(dataset, IterableDataset)
         self.epoch = 0
         self.taken = 0  # minibatches taken in the current epoch
@@ -160,6 +160,19 @@ def validation_subset(dataset: Dataset, val_size: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randperm(n, generator=gen)[: min(val_size, n)].tolist()
 
+def loader_kwargs(dataset: Any, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """DataLoader arguments: ``kwargs``, plus the dataset's own ``collate_fn`` if it has one.
+
+    A dataset whose samples need a special collate (e.g. speech with labels of
+    different lengths) can carry it, so a profile needs no code to name it.
+    """
+    kwargs = dict(kwargs or {})
+    own = getattr(dataset, "collate_fn", None)
+    if "collate_fn" not in kwargs and callable(own):
+        kwargs["collate_fn"] = own
+    return kwargs
+
+
 def _with_generator(kwargs: dict[str, Any], seed: int) -> dict[str, Any]:
     # A DataLoader draws its workers' base seed from the global RNG unless it has a
     # generator of its own; giving it one keeps the training RNG (dropout, ...)
@@ -172,7 +185,7 @@ def _with_generator(kwargs: dict[str, Any], seed: int) -> dict[str, Any]:
 def eval_loader(dataset: Dataset, indices: list[int], minibatch_size: int,
                 dataloader_kwargs: dict[str, Any] | None = None) -> DataLoader:
     """A DataLoader over ``indices`` of ``dataset`` in order."""
-    kwargs = {k: v for k, v in (dataloader_kwargs or {}).items() if k != "shuffle"}
+    kwargs = {k: v for k, v in loader_kwargs(dataset, dataloader_kwargs).items() if k != "shuffle"}
     return DataLoader(dataset, batch_size=minibatch_size, sampler=indices,
                       **_with_generator(kwargs, 0))
 

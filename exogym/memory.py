@@ -18,7 +18,7 @@ import os
 import torch
 from torch.utils.data import DataLoader
 
-from exogym.data import build_dataset, to_device
+from exogym.data import build_dataset, loader_kwargs, to_device
 from exogym.devices import rank_device
 from exogym.spec import RunSpec, divisors
 
@@ -94,7 +94,8 @@ def probe_minibatch(spec: RunSpec, max_memory_usage: float) -> tuple[int, dict[i
                               for p in spec.model.parameters() if p.requires_grad)
     peaks: dict[int, int] = {}
     for size in sorted(divisors(spec.batch_size), reverse=True):
-        loader = DataLoader(dataset, batch_size=size, shuffle=False, **spec.dataloader_kwargs)
+        loader = DataLoader(dataset, batch_size=size, shuffle=False,
+                            **loader_kwargs(dataset, spec.dataloader_kwargs))
         batch = next(iter(loader))
         try:
             peak = measure_peak(spec.model, batch, device, spec.autocast) + optimizer_bytes
