@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -79,21 +78,3 @@ def publish_dir(tmp_dir: Path, target: str | os.PathLike, replace: bool) -> bool
             shutil.rmtree(old, ignore_errors=True)
     return True
 
-
-@contextlib.contextmanager
-def atomic_directory(target: str | os.PathLike, replace: bool = True) -> Iterator[Path]:
-    """Context manager yielding a temporary folder that becomes ``target`` on success.
-
-    On an exception the temporary folder is removed and ``target`` is untouched.
-
-    Args:
-        target: Final folder name.
-        replace: Whether an existing ``target`` is replaced (see :func:`publish_dir`).
-    """
-    tmp = new_temp_dir_beside(target)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publish_dir(tmp, target, replace=replace)

@@ -495,8 +495,8 @@ def speech_folder_key(sentences: Sequence[str], voices: Sequence[str],
 
 
 def synthesize_speech_folder(
-    sentences: Sequence[str] = DEFAULT_SENTENCES,
-    out_dir: str | os.PathLike = "speech",
+    sentences: Sequence[str],
+    out_dir: str | os.PathLike,
     voices: Sequence[str] = DEFAULT_VOICES,
     speeds: Sequence[int] = DEFAULT_SPEEDS,
     overwrite: bool = False,
@@ -510,7 +510,7 @@ def synthesize_speech_folder(
     same arguments, it is reused as is, so concurrent callers share one result.
 
     Args:
-        sentences: Texts to speak (non-empty).
+        sentences: Texts to speak (non-empty), e.g. :data:`DEFAULT_SENTENCES`.
         out_dir: Destination folder.
         voices: espeak-ng voice names, e.g. ``"en-us"``, ``"en-gb"``, ``"en-gb-x-rp"``.
         speeds: Words per minute (espeak-ng ``-s``; 80 to 450).
