@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from distributed.atomic_files import atomic_write_text, new_temp_dir_beside, publish_dir
+from exogym.io import atomic_write_text, new_temp_dir_beside, publish_dir
 
 if TYPE_CHECKING:
     from transformers import WhisperFeatureExtractor, WhisperProcessor

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from distributed.atomic_files import atomic_write_text, new_temp_dir_beside, publish_dir
+from exogym.io import atomic_write_text, new_temp_dir_beside, publish_dir
 
 if TYPE_CHECKING:
     from transformers import WhisperConfig, WhisperForConditionalGeneration, WhisperProcessor

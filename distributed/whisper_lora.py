@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from distributed.atomic_files import new_temp_dir_beside, publish_dir
 from distributed.whisper_wrapper import WhisperModelWrapper, unwrap_whisper
+from exogym.io import new_temp_dir_beside, publish_dir
 
 if TYPE_CHECKING:
     from transformers import WhisperProcessor

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -56,3 +57,47 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
     import torch
 
     return _atomic(path, lambda f: torch.save(obj, f))
+
+
+def new_temp_dir_beside(target: str | os.PathLike) -> Path:
+    """Create an empty temporary folder next to ``target`` (same filesystem, so renames work)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+
+
+def publish_dir(tmp_dir: Path, target: str | os.PathLike, replace: bool) -> bool:
+    """Move the finished folder ``tmp_dir`` to ``target`` with a rename.
+
+    Args:
+        tmp_dir: A complete folder made by :func:`new_temp_dir_beside`.
+        target: Final name.
+        replace: If ``target`` exists, swap it out (the old folder is deleted afterwards).
+            If false and ``target`` exists, ``tmp_dir`` is deleted and ``target`` is kept:
+            the first of several concurrent writers wins.
+
+    Returns:
+        True if ``tmp_dir`` became ``target``, False if an existing ``target`` was kept.
+    """
+    target = Path(target)
+    old: Path | None = None
+    if replace and target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+        os.rmdir(old)
+        try:
+            os.rename(target, old)
+        except FileNotFoundError:
+            old = None  # someone else removed it in between; nothing to swap out
+    try:
+        os.rename(tmp_dir, target)
+    except OSError:
+        # On POSIX, renaming onto a non-empty folder fails: another writer finished first.
+        if not target.is_dir():
+            raise
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        return False
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return True
+

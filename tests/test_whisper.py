@@ -20,7 +20,6 @@ import pytest
 import soundfile as sf
 import torch
 
-from distributed.atomic_files import new_temp_dir_beside, publish_dir
 from distributed.speech_data import (
     DEFAULT_SENTENCES,
     AudioFolderDataset,
@@ -44,6 +43,7 @@ from distributed.whisper_convert import (
 from distributed.whisper_lora import apply_lora, count_trainable, merge_and_save
 from distributed.whisper_task import build_whisper_task, evaluate_wer
 from distributed.whisper_wrapper import WhisperModelWrapper, transcribe
+from exogym.io import new_temp_dir_beside, publish_dir
 
 SOT = 50257  # <|startoftranscript|> of tiny.en's tokenizer
 NO_TIMESTAMPS = 50362
@@ -636,3 +636,27 @@ def test_build_whisper_task_with_lora_trains_only_adapters(tmp_path):
     assert count_trainable(wrapper) == adapter_count_from_shapes(base, 2, ("q_proj", "v_proj"))
     with pytest.raises(ValueError, match="num_sentences must be between 2 and"):
         build_whisper_task(checkpoint="tiny-random", num_sentences=1, cache_dir=tmp_path)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def test_lora_diloco_round_sends_4_bytes_per_adapter_parameter_and_logs_wer(tmp_path):
+    """The whisper task through the trainer: only adapters travel; WER is logged."""
+    from distributed.tasks import resolve_task
+    from exogym import Trainer
+    from exogym.strategy import DiLoCoStrategy
+
+    wrapper, train, val = resolve_task("whisper")(
+        checkpoint="tiny-random", num_sentences=4, val_fraction=0.5, lora_rank=2,
+        cache_dir=tmp_path, voices=("en-us",), speeds=(170,))
+    floats = sum(b.numel() for b in wrapper.buffers() if b.is_floating_point())
+    adapters = count_trainable(wrapper)
+    trainer = Trainer(wrapper, train, val)
+    trainer.fit(strategy=DiLoCoStrategy(inner_optim="adamw", lr=1e-3, H=1), num_nodes=2,
+                max_steps=2, batch_size=1, val_size=len(val), val_interval=2, logger=None,
+                progress=False)
+    last = [r for r in trainer.history if r["step"] == 2]
+    assert floats == 0  # Whisper has no float buffers: only the adapters travel
+    assert {r["comm_bytes"] for r in last} == {2 * 4 * adapters}
+    assert all(0.0 <= r["val_wer"] for r in last)
