@@ -45,8 +45,8 @@ def mean_loss(model: torch.nn.Module, dataset) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=24, help="optimizer steps per node")
-    parser.add_argument("--H", type=int, default=6, help="inner steps per DiLoCo round")
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per node")
+    parser.add_argument("--H", type=int, default=4, help="inner steps per DiLoCo round")
     parser.add_argument("--lr", type=float, default=3e-5, help="inner AdamW learning rate")
     parser.add_argument("--batch-size", type=int, default=8, help="utterances per node per step")
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tune")
@@ -55,7 +55,8 @@ def main() -> None:
     args = parser.parse_args()
 
     model, train, val = resolve_task("whisper")(checkpoint="tiny.en", lora_rank=args.lora_rank,
-                                                cache_dir=args.cache_dir, seed=0)
+                                                voices=("en-us",), cache_dir=args.cache_dir,
+                                                seed=0)
     print(f"{len(train)} training and {len(val)} held-out utterances; "
           f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable "
           "parameters")
