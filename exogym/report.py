@@ -9,7 +9,7 @@ gives the final losses, steps per second and bytes sent per node.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -49,6 +49,22 @@ def summarize(history: list[dict[str, Any]], num_nodes: int, wall_s: float) -> d
         summary["final_val_loss"] = last_eval["val_loss"]
         summary["final_val_global_loss"] = last_eval.get("val_global_loss")
     return summary
+
+
+@runtime_checkable
+class ProgressSink(Protocol):
+    """What ``Trainer.fit(progress=...)`` accepts besides True/False: any object that
+    takes the run's metric events and shows them (``RunReporter`` is one; a live
+    dashboard is another)."""
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """Receive one metric event (see ``exogym.metrics``)."""
+
+    def close(self) -> None:
+        """Stop any live display; called once the ranks have stopped, also on failure."""
+
+    def finish(self, summary: dict[str, Any], title: str = "run summary") -> None:
+        """Show the run's final figures (``summarize``'s dict); called after a success."""
 
 
 class RunReporter:
