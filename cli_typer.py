@@ -245,7 +245,12 @@ def compare(
     with reported_errors(ctx, debug):
         from rich.table import Table
 
-        from distributed.compare import plan_comparison, plot_comparison, run_comparison
+        from distributed.compare import (
+            check_plotting,
+            plan_comparison,
+            plot_comparison,
+            run_comparison,
+        )
         from distributed.dashboard import Dashboard
         from distributed.profiles import parse_overrides
         from exogym.report import human_bytes
@@ -254,6 +259,7 @@ def compare(
         names = [s.strip() for s in strategies.split(",") if s.strip()]
         plans = plan_comparison(profile, names, str(config) if config else None,
                                 parse_overrides(set_))
+        check_plotting()
         nodes = plans[0].values.get("num_nodes", 1)
         console.print(f"Comparing {', '.join(names)} on {profile} ({nodes} simulated nodes, "
                       f"{plans[0].values.get('max_steps', '?')} steps each).", markup=False)
@@ -268,13 +274,7 @@ def compare(
                           f" {human_bytes(result.bytes_per_node)} per node, "
                           f"{result.wall_s:.1f} s", markup=False)
 
-        from distributed.run import RunFailedError
-        try:
-            results = run_comparison(plans, progress=dashboard, on_result=done)
-        except RuntimeError as exc:
-            if type(exc).__name__ not in ("RankFailedError", "LostRankError"):
-                raise
-            raise RunFailedError(str(exc)) from exc
+        results = run_comparison(plans, progress=dashboard, on_result=done)
 
         ddp = next((r.bytes_per_node for r in results if r.strategy in ("ddp", "allreduce")),
                    None)

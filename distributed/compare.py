@@ -144,13 +144,22 @@ def run_comparison(plans: Sequence[Profile],
         progress: for each profile, what shows its run (a ``ProgressSink``, or
             True/False); default: nothing.
         on_result: called after each run, e.g. to print a row at once.
+
+    Raises:
+        RunFailedError: when a rank of a run fails (the runs before it are lost).
     """
+    from distributed.run import RunFailedError, brief_failure
     from distributed.worker import run_profile
+    from exogym.rank import LostRankError
+    from exogym.trainer import RankFailedError
 
     results = []
     for plan in plans:
         sink = progress(plan) if progress is not None else False
-        trainer = run_profile(plan, progress=sink, local=True)
+        try:
+            trainer = run_profile(plan, progress=sink, local=True)
+        except (RankFailedError, LostRankError) as exc:
+            raise RunFailedError(f"{plan.strategy}: {brief_failure(exc)}") from exc
         curve = [(row["step"], int(row["comm_bytes"]),
                   float(row.get("val_global_loss", row["val_loss"])))
                  for row in trainer.history if row["rank"] == 0 and "val_loss" in row]
@@ -161,6 +170,15 @@ def run_comparison(plans: Sequence[Profile],
     return results
 
 
+def check_plotting() -> None:
+    """Raise ``ImportError`` naming the extra when matplotlib is missing (call it before
+    spending minutes on runs whose plot could not be drawn)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ImportError("the comparison plot needs matplotlib: pip install 'exogym[examples]'")
+
+
 def plot_comparison(results: Sequence[StrategyResult], path: str | Path,
                     title: str | None = None) -> Path:
     """Draw validation loss against step and against bytes sent, one line per strategy,
@@ -169,11 +187,9 @@ def plot_comparison(results: Sequence[StrategyResult], path: str | Path,
     Raises:
         ImportError: when matplotlib is not installed (``pip install 'exogym[examples]'``).
     """
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError("the comparison plot needs matplotlib: pip install 'exogym[examples]'"
-                          ) from None
+    check_plotting()
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

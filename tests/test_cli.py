@@ -137,6 +137,13 @@ def test_compare_with_an_unknown_strategy_fails_before_any_run():
     assert "Comparing" not in result.output
 
 
+def test_compare_names_the_plot_extra_before_any_run_when_matplotlib_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    result = invoke("compare", "digits-diloco", "--strategies", "ddp,diloco")
+    assert_one_paragraph(result, 2, "pip install 'exogym[examples]'")
+    assert "Comparing" not in result.output
+
+
 @pytest.mark.parametrize("command, module", [
     (["whisper-convert"], "distributed.whisper_convert"),
     (["whisper-synthesize", "speech"], "distributed.speech_data"),
@@ -209,15 +216,26 @@ def test_local_run_trains_shows_plain_progress_and_writes_the_model(tmp_path):
     assert json.loads((out / "summary.json").read_text())["steps"] == 20
 
 
-def test_a_rank_failing_mid_run_exits_1_with_its_error(tmp_path):
+def broken_config(tmp_path: Path) -> Path:
     config = tmp_path / "config.ini"
     config.write_text("[distributed:broken]\ntask = faces_support:failing_task\n"
                       "strategy = ddp\nfail_at = 3\nnum_nodes = 2\nmax_steps = 10\n"
                       "val_size = 0\nbatch_size = 8\n")
-    result = invoke("distributed-train", "broken", "--config", config,
+    return config
+
+
+def test_a_rank_failing_mid_run_exits_1_with_its_error(tmp_path):
+    result = invoke("distributed-train", "broken", "--config", broken_config(tmp_path),
                     *sets(f"output_dir={tmp_path / 'out'}"))
     assert_one_paragraph(result, 1, "the run failed", "rank", "RuntimeError: boom at forward "
                          "call 3", "--debug")
+
+
+def test_compare_exits_1_naming_the_strategy_whose_run_failed(tmp_path):
+    result = invoke("compare", "broken", "--config", broken_config(tmp_path), "--strategies",
+                    "ddp,diloco", "--out", tmp_path / "c.png", *sets(f"output_dir={tmp_path}"))
+    assert_one_paragraph(result, 1, "the run failed: ddp:", "boom at forward call 3")
+    assert not (tmp_path / "c.png").exists()
 
 
 def test_compare_simulates_each_strategy_and_writes_a_table_and_a_plot(tmp_path):
