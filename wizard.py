@@ -419,12 +419,24 @@ class Wizard:
 
     # ------------------------------------------------------------------ files and run
 
+    @staticmethod
+    def _same_hosts(path: Path, config: HostsConfig) -> bool:
+        from distributed.hosts import HostsFileError, load_hosts
+
+        try:
+            return load_hosts(path).to_dict() == config.to_dict()
+        except HostsFileError:
+            return False
+
     def write_hosts(self, config: HostsConfig) -> Path:
         from distributed.setup_files import hosts_text, write_with_backup
 
         path = self.hosts_path
+        if path.exists() and self._same_hosts(path, config):
+            self.console.print(f"Using {path} as it is.")
+            return path
         text = hosts_text(config)
-        while path.exists() and path.read_text(encoding="utf-8") != text:
+        while path.exists() and not self._same_hosts(path, config):
             if self.ask.confirm(f"{path} exists with other hosts. Replace it (the old one is kept "
                                 f"as {path.name}.bak)?", default=self.ask.assume_yes):
                 break

@@ -115,7 +115,9 @@ def test_yes_without_hosts_writes_a_profile_and_runs_the_local_simulation(tmp_pa
 
 
 def test_yes_with_a_hosts_file_checks_every_host_and_uses_it(sshd, tmp_path):
-    (tmp_path / "distributed_hosts.json").write_text(json.dumps(sshd_hosts(sshd)))
+    hosts_file = tmp_path / "distributed_hosts.json"
+    hosts_file.write_text(json.dumps(sshd_hosts(sshd)))
+    written = hosts_file.read_text()
     config = project_config(tmp_path)
     done = subprocess.run(
         [sys.executable, WIZARD, "--yes", "--no-run", "--config", str(config),
@@ -128,6 +130,8 @@ def test_yes_with_a_hosts_file_checks_every_host_and_uses_it(sshd, tmp_path):
     assert "Estimates for 3 machines at 50 Mbit/s" in done.stdout
     assert load_profile("digits-diloco-3hosts", config).values["num_nodes"] == 3
     assert "--hosts distributed_hosts.json" in done.stdout
+    assert hosts_file.read_text() == written  # the user's file is used, not rewritten
+    assert not (tmp_path / "distributed_hosts.json.bak").exists()
 
 
 # --------------------------------------------------------------------------- in a terminal
