@@ -103,7 +103,9 @@ def profile_for_strategy(profile: Profile, strategy: str,
 def plan_comparison(name: str, strategies: Sequence[str], config: str | None = None,
                     overrides: Mapping[str, Any] | None = None,
                     output_root: str | Path | None = None) -> list[Profile]:
-    """One validated profile per strategy, each writing to its own output folder.
+    """One validated profile per strategy, each writing to its own output folder:
+    ``output_root/STRATEGY`` (default: the ``output_dir`` override, else the profile's
+    ``output_dir/compare``).
 
     Raises:
         ProfileError: for a bad profile, strategy or override, before anything runs.
@@ -127,8 +129,12 @@ def plan_comparison(name: str, strategies: Sequence[str], config: str | None = N
             hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise ProfileError(f"--set {', '.join(hints)}: no compared strategy, nor the task or the "
                            f"run, accepts {'it' if len(unused) == 1 else 'them'}")
-    root = Path(output_root) if output_root is not None else (
-        Path(str(base.values.get("output_dir") or Path("runs") / base.name)) / "compare")
+    if output_root is not None:
+        root = Path(output_root)
+    elif overrides.get("output_dir"):
+        root = Path(str(overrides["output_dir"]))
+    else:
+        root = Path(str(base.values.get("output_dir") or Path("runs") / base.name)) / "compare"
     return [Profile(p.name, {**p.values, "output_dir": str(root / s)}, p.source)
             for p, s in zip(plans, strategies)]
 

@@ -249,6 +249,8 @@ def test_compare_simulates_each_strategy_and_writes_a_table_and_a_plot(tmp_path)
     assert set(rows) == {"ddp", "diloco", "fedavg"}
     assert "100.00%" in rows["ddp"] and "20.00%" in rows["diloco"]  # H=5: a fifth of DDP
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for strategy in ("ddp", "diloco", "fedavg"):  # each run kept its own output folder
+        assert json.loads((tmp_path / "runs" / strategy / "summary.json").read_text())["steps"] == 20
     assert not list(out.parent.glob(".*.tmp"))  # written through a temporary file
 
 
