@@ -18,9 +18,12 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 DEFAULT_PROFILE = "digits-diloco"
 DEFAULT_STRATEGIES = "ddp,diloco,sparta,fedavg,demo"
@@ -51,7 +54,7 @@ AcceptNewHostKeys = Annotated[bool, typer.Option(
          "always refused).")]
 
 
-def make_console():
+def make_console() -> Console:
     """Standard output; when it is not a terminal (a log, a pipe), tables get room rather
     than 80 columns."""
     import os
