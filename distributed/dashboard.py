@@ -1,0 +1,327 @@
+"""The live dashboard: what a person watches while a run trains, here or across hosts.
+
+It consumes metric events (``exogym.metrics``: the dicts of ``trainer.history``
+and of the launcher's ``on_event``) and shows one row per rank — host, status,
+step, training loss, samples per second, bytes sent, seconds since the rank
+last reported — plus the run's totals. On a terminal the table redraws in
+place (``rich.live``); elsewhere (CI, pipes, log files) it prints plain log
+lines instead: a rank's start and end, and every ``log_every`` steps. At the
+end, a summary table: each rank's final figures and the run's.
+
+It is an ``exogym.report.ProgressSink``, so a local simulation feeds it with
+``Trainer.fit(progress=dashboard)``; for a multi-host run the launcher's
+``on_event`` and ``on_output`` feed it. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from exogym.report import human_bytes, summarize
+
+#: Status of a rank that has not reported yet.
+WAITING = "waiting"
+STATUS_STYLES = {WAITING: "dim", "started": "cyan", "training": "green", "done": "bold green",
+                 "failed": "bold red", "stopped": "yellow"}
+
+
+@dataclass
+class RankState:
+    """What the dashboard knows about one rank.
+
+    Args:
+        rank: the rank.
+        host: where it runs (``local`` in a simulation).
+        status: ``waiting``, ``started``, ``training``, ``done``, ``failed`` or ``stopped``.
+        step: its last reported step.
+        max_steps: the steps it will run, once it has said.
+        train_loss: training loss of its last step.
+        val_loss: its last validation loss (of the averaged model when known).
+        samples: samples it has trained on.
+        wall_s: seconds it has trained (its own clock).
+        comm_bytes: bytes it has sent through the collectives.
+        last_seen: this process's clock when it last reported, or None.
+        started_at: this process's clock at its start event, or None.
+    """
+
+    rank: int
+    host: str
+    status: str = WAITING
+    step: int = 0
+    max_steps: int | None = None
+    train_loss: float | None = None
+    val_loss: float | None = None
+    samples: int = 0
+    wall_s: float = 0.0
+    comm_bytes: int = 0
+    last_seen: float | None = None
+    started_at: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Samples per second since the rank started training."""
+        return self.samples / self.wall_s if self.wall_s > 0 else None
+
+    @property
+    def label(self) -> str:
+        """``[host:rank]``, as the launcher prefixes a rank's lines."""
+        return f"[{self.host}:{self.rank}]"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+class Dashboard:
+    """A run's live view and final summary, fed with metric events.
+
+    Args:
+        num_ranks: ranks expected (rows are shown for them before they report).
+        hosts: the host of each rank (a sequence in rank order or a mapping);
+            events carrying ``host`` override it. Default ``local``.
+        title: the table's title.
+        console: where to draw (default: standard output).
+        live: redraw in place (True) or print plain lines (False); default:
+            in place exactly when ``console`` is a terminal that can move the cursor.
+        log_every: steps between plain log lines per rank; default a tenth of
+            the run's steps.
+        refresh_per_second: redraws per second of the live table.
+        show_summary: print the summary table in ``finish`` (off when the caller
+            prints its own, e.g. a comparison of several runs).
+        clock: the time source (seconds), for "seconds since last report".
+    """
+
+    def __init__(self, num_ranks: int | None = None,
+                 hosts: Sequence[str] | Mapping[int, str] | None = None, *,
+                 title: str = "training", console: Console | None = None,
+                 live: bool | None = None, log_every: int | None = None,
+                 refresh_per_second: float = 4.0, show_summary: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.console = console or Console()
+        self.title = title
+        self.live_mode = (self.console.is_terminal and not self.console.is_dumb_terminal
+                          if live is None else bool(live))
+        self.log_every = log_every
+        self.refresh_per_second = refresh_per_second
+        self.show_summary = show_summary
+        self.clock = clock
+        self.history: list[dict[str, Any]] = []
+        self.ranks: dict[int, RankState] = {}
+        self._host_of = dict(enumerate(hosts)) if isinstance(hosts, Sequence) else dict(hosts or {})
+        for rank in range(num_ranks or 0):
+            self._state(rank)
+        for rank in self._host_of:
+            self._state(rank)
+        self._lock = threading.RLock()
+        self._live_lock = threading.Lock()
+        self._live: Live | None = None
+        self._closed = False
+        self._started: float | None = None  # the clock at the first event: the run's start
+
+    # ------------------------------------------------------------------ feeding
+
+    def _state(self, rank: int, host: str | None = None) -> RankState:
+        state = self.ranks.get(rank)
+        if state is None:
+            state = RankState(rank, host or self._host_of.get(rank, "local"))
+            self.ranks[rank] = state
+        elif host:
+            state.host = host
+        return state
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """Take one metric event (``start``, ``step``, ``done``; others are ignored)."""
+        kind = event.get("event", "step")
+        if "rank" not in event or kind not in ("start", "step", "done"):
+            return
+        with self._lock:
+            line = self._apply(kind, event)
+        self._ensure_live()
+        if line is not None:
+            self._log(line)
+
+    def _apply(self, kind: str, event: dict[str, Any]) -> str | None:
+        """Update the rank's state; the plain log line this event deserves, if any."""
+        now = self.clock()
+        if self._started is None:
+            self._started = now
+        state = self._state(int(event["rank"]), event.get("host"))
+        state.last_seen = now
+        if kind == "start":
+            state.status = "started"
+            state.started_at = now
+            state.max_steps = event.get("max_steps", state.max_steps)
+            state.step = int(event.get("step") or 0)
+            if self.log_every is None and state.max_steps:
+                self.log_every = max(1, int(state.max_steps) // 10)
+            resumed = f" from step {state.step}" if state.step else ""
+            steps = f", {state.max_steps} steps" if state.max_steps else ""
+            return f"{state.label} started{resumed}{steps}"
+        if kind == "done":
+            state.status = "done"
+            state.step = int(event.get("step", state.step))
+            state.comm_bytes = int(event.get("comm_bytes", state.comm_bytes))
+            return f"{state.label} done at step {state.step}, sent {human_bytes(state.comm_bytes)}"
+        self.history.append({k: v for k, v in event.items() if k != "event"})
+        state.status = "training"
+        state.step = int(event["step"])
+        state.train_loss = event.get("train_loss", state.train_loss)
+        state.samples = int(event.get("samples", state.samples))
+        state.wall_s = float(event.get("wall_s", state.wall_s))
+        state.comm_bytes = int(event.get("comm_bytes", state.comm_bytes))
+        val = event.get("val_global_loss", event.get("val_loss"))
+        if val is not None:
+            state.val_loss = val
+        every = self.log_every or 10
+        if state.step % every == 0 or state.step == state.max_steps or val is not None:
+            return self._step_line(state, val)
+        return None
+
+    def on_output(self, line: Any) -> None:
+        """Show a line a rank printed (a launcher ``OutputLine`` or text) above the table."""
+        self.console.print(str(line), markup=False, highlight=False, soft_wrap=True,
+                           style="dim" if getattr(line, "stream", "") == "stderr" else None)
+
+    def set_status(self, rank: int, status: str) -> None:
+        """Mark a rank's outcome (``done``, ``failed``, ``stopped``), e.g. from the launcher."""
+        line = None
+        with self._lock:
+            state = self._state(rank)
+            if state.status != status:
+                state.status = status
+                if status != "done":
+                    line = f"{state.label} {status} at step {state.step}"
+        if line is not None:
+            self._log(line)
+
+    # ------------------------------------------------------------------ drawing
+
+    def _step_line(self, state: RankState, val: float | None) -> str:
+        total = f"/{state.max_steps}" if state.max_steps else ""
+        parts = [f"{state.label} step {state.step}{total}",
+                 f"loss {_fmt(state.train_loss, '.4f')}"]
+        if val is not None:
+            parts.append(f"val {val:.4f}")
+        parts.append(f"{_fmt(state.samples_per_s, '.1f')} samples/s")
+        parts.append(f"sent {human_bytes(state.comm_bytes)}")
+        return " | ".join(parts)
+
+    def _log(self, text: str) -> None:
+        if not self.live_mode:
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    # Locking: the state lock is never held while printing or while starting or
+    # stopping the live display, because rich's refresh thread takes its own lock
+    # and then calls render(), which takes the state lock.
+
+    def _ensure_live(self) -> None:
+        if not self.live_mode or self._live is not None or self._closed:
+            return
+        with self._live_lock:
+            if self._live is None and not self._closed:
+                live = Live(console=self.console, get_renderable=self.render,
+                            refresh_per_second=self.refresh_per_second, transient=False,
+                            redirect_stdout=False, redirect_stderr=False)
+                live.start()
+                self._live = live
+
+    def start(self) -> None:
+        """Show the table now, before the first event (it also starts on the first event)."""
+        self._ensure_live()
+
+    def render(self) -> Table:
+        """The table as it stands: a row per rank and a totals row."""
+        with self._lock:
+            now = self.clock()
+            elapsed = 0.0 if self._started is None else now - self._started
+            table = Table(title=f"{self.title}  ({elapsed:.0f} s)",
+                          title_justify="left", expand=False)
+            for name in ("rank", "host", "status", "step", "loss", "val loss", "samples/s",
+                         "sent", "last report"):
+                table.add_column(name, justify="left" if name in ("host", "status") else "right",
+                                 no_wrap=True)
+            states = [self.ranks[r] for r in sorted(self.ranks)]
+            for s in states:
+                step = f"{s.step}/{s.max_steps}" if s.max_steps else str(s.step)
+                ago = "-" if s.last_seen is None else f"{now - s.last_seen:.1f} s ago"
+                table.add_row(str(s.rank), s.host, Text(s.status, STATUS_STYLES.get(s.status, "")),
+                              step, _fmt(s.train_loss, ".4f"), _fmt(s.val_loss, ".4f"),
+                              _fmt(s.samples_per_s, ".1f"), human_bytes(s.comm_bytes), ago)
+            if states:
+                reported = [s for s in states if s.train_loss is not None]
+                rates = [s.samples_per_s for s in states if s.samples_per_s is not None]
+                seen = [s.last_seen for s in states if s.last_seen is not None]
+                finished = sum(s.status == "done" for s in states)
+                steps = [s.step for s in states]
+                table.add_section()
+                table.add_row(
+                    "all", f"{len(states)} ranks", f"{finished}/{len(states)} done",
+                    f"{min(steps)}" if min(steps) == max(steps) else f"{min(steps)}-{max(steps)}",
+                    _fmt(sum(s.train_loss for s in reported) / len(reported) if reported
+                         else None, ".4f"),
+                    "", _fmt(sum(rates) if rates else None, ".1f"),
+                    human_bytes(sum(s.comm_bytes for s in states)),
+                    "-" if not seen else f"{now - max(seen):.1f} s ago", style="bold")
+            return table
+
+    # ------------------------------------------------------------------ the end
+
+    def close(self) -> None:
+        """Stop redrawing, leaving the last frame on screen (idempotent)."""
+        with self._live_lock:
+            self._closed = True
+            live, self._live = self._live, None
+        if live is not None:
+            live.stop()  # draws the final frame
+
+    def summary(self, wall_s: float | None = None) -> dict[str, Any]:
+        """The run's final figures from the events seen (``exogym.report.summarize``)."""
+        with self._lock:
+            if wall_s is None:
+                wall_s = 0.0 if self._started is None else self.clock() - self._started
+            return summarize(sorted(self.history, key=lambda r: (r["step"], r["rank"])),
+                             max(1, len(self.ranks)), wall_s)
+
+    def summary_table(self, summary: Mapping[str, Any], title: str = "run summary") -> Group:
+        """Each rank's final figures, then the run's (as ``exogym.report`` names them)."""
+        with self._lock:
+            ranks = Table(title=title, title_justify="left")
+            for name in ("rank", "host", "status", "steps", "train loss", "samples/s", "sent"):
+                ranks.add_column(name, justify="left" if name in ("host", "status") else "right")
+            for s in (self.ranks[r] for r in sorted(self.ranks)):
+                ranks.add_row(str(s.rank), s.host, s.status, str(s.step),
+                              _fmt(s.train_loss, ".4f"), _fmt(s.samples_per_s, ".1f"),
+                              human_bytes(s.comm_bytes))
+        run = Table(show_header=True)
+        for name in ("nodes", "steps", "train loss", "val loss (avg model)", "steps/s",
+                     "sent per node", "wall"):
+            run.add_column(name, justify="right")
+        val = summary.get("final_val_global_loss", summary.get("final_val_loss"))
+        run.add_row(str(summary.get("num_nodes", len(self.ranks))), str(summary.get("steps", 0)),
+                    _fmt(summary.get("final_train_loss"), ".4f"), _fmt(val, ".4f"),
+                    _fmt(summary.get("steps_per_s"), ".1f"),
+                    human_bytes(summary.get("bytes_per_node") or 0),
+                    f"{summary.get('wall_s', 0.0):.1f} s")
+        return Group(ranks, run)
+
+    def finish(self, summary: Mapping[str, Any] | None = None, title: str = "run summary") -> None:
+        """Stop redrawing and print the summary table (``summary``: default from the events)."""
+        self.close()
+        if self.show_summary:
+            self.console.print(self.summary_table(summary or self.summary(), title))
+
+    def __enter__(self) -> Dashboard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

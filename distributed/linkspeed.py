@@ -1,0 +1,135 @@
+"""Measure the link to a worker: a short TCP transfer from this machine to the host.
+
+Over SSH the worker starts a small receiver (standard library only, sent on
+stdin like the pre-flight probe) that listens on a port the system picks and
+counts what arrives; this machine connects to it and sends zeros for a
+second. The receiver's count over its own clock, first byte to last, is the
+bandwidth training traffic from here can expect (TCP, no SSH encryption).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from distributed.hosts import HostSpec
+from distributed.remote import probe_command
+from distributed.ssh import SSHOptions, connect, load_ssh_config, resolve_target
+
+RECEIVER_SOURCE = '''
+import json, socket, time
+
+def main(message):
+    server = socket.socket(socket.AF_INET6 if message.get("ipv6") else socket.AF_INET)
+    server.bind(("", 0))
+    server.listen(1)
+    server.settimeout(message["timeout"])
+    print(json.dumps({"port": server.getsockname()[1]}), flush=True)
+    conn, _ = server.accept()
+    conn.settimeout(message["timeout"])
+    total, first, last = 0, None, None
+    while True:
+        data = conn.recv(1 << 20)
+        if not data:
+            break
+        last = time.perf_counter()
+        if first is None:
+            first = last
+        total += len(data)
+    conn.close()
+    server.close()
+    print(json.dumps({"bytes": total, "seconds": (last - first) if first else 0.0}), flush=True)
+'''
+
+
+class LinkError(RuntimeError):
+    """The link could not be measured; the message says why."""
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    """One transfer to a host.
+
+    Args:
+        host: the host measured.
+        bytes: bytes the host received.
+        seconds: from its first byte to its last.
+    """
+
+    host: str
+    bytes: int
+    seconds: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Received bytes per second."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mbit_per_s(self) -> float:
+        """Megabits per second, as links are sold."""
+        return self.bytes_per_s * 8 / 1e6
+
+
+def _read_json_line(stream, timeout: float, what: str) -> dict:
+    line: list[bytes] = []
+    reader = threading.Thread(target=lambda: line.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    try:
+        answer = json.loads(line[0]) if line and line[0] else None
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise LinkError(f"the receiver on the host gave no {what}")
+    return answer
+
+
+def measure_link(host: HostSpec, options: SSHOptions | None = None, seconds: float = 1.0,
+                 timeout: float = 20.0) -> LinkMeasurement:
+    """Send zeros to ``host`` over TCP for ``seconds`` and return what it received.
+
+    Args:
+        host: a worker of the hosts file (reached over SSH to start the receiver).
+        options: SSH settings (known_hosts, config, keys).
+        seconds: how long to send.
+        timeout: how long any one step may take.
+
+    Raises:
+        LinkError: when the host cannot be reached or the transfer fails.
+    """
+    from distributed.remote import SSHShell
+    from distributed.ssh import SSHConnectError
+
+    options = options or SSHOptions()
+    target = resolve_target(host, options, load_ssh_config(options))
+    try:
+        client, _ = connect(target, options)
+    except SSHConnectError as exc:
+        raise LinkError(str(exc)) from exc
+    shell = SSHShell(client, target.label)
+    started = None
+    try:
+        started = shell.start(probe_command(host.project_path, host.python_env),
+                              {"code": RECEIVER_SOURCE, "timeout": timeout,
+                               "ipv6": ":" in target.hostname})
+        port = int(_read_json_line(started.stdout, timeout, "port")["port"])
+        chunk = bytes(256 * 1024)
+        try:
+            with socket.create_connection((target.hostname, port), timeout=timeout) as sock:
+                deadline = time.perf_counter() + seconds
+                while time.perf_counter() < deadline:
+                    sock.sendall(chunk)
+                sock.shutdown(socket.SHUT_WR)
+        except OSError as exc:
+            raise LinkError(f"cannot send to {target.hostname}:{port} ({exc}); a firewall on "
+                            "the host may block incoming connections") from exc
+        result = _read_json_line(started.stdout, timeout, "result")
+    finally:
+        if started is not None:
+            started.close()
+        shell.close()
+    return LinkMeasurement(host.host, int(result["bytes"]), float(result["seconds"]))

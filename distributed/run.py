@@ -1,0 +1,286 @@
+"""Start a training run the one way both faces do: validate, pre-flight, run, with the dashboard.
+
+``cli_typer.py distributed-train`` and ``wizard.py`` describe the run they
+want as a ``TrainRequest`` and call :func:`train` (or :func:`dry_run`). With
+a hosts file the profile runs across the hosts through the SSH launcher, one
+rank per host (profile mode: every host builds the task from the same
+``config.ini``); without one it runs as a local simulation of the same
+profile. Either way the live dashboard shows it.
+
+Errors are sorted for the faces: bad input raises before anything starts
+(``ProfileError``, ``HostsFileError``, ``PreflightError``, ``ValueError``,
+``FileNotFoundError``); a run that started and failed raises ``RunFailedError``.
+Torch is imported only when a local simulation starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from distributed.dashboard import Dashboard
+from distributed.hosts import HostsConfig, load_hosts
+from distributed.profiles import Profile, load_profile
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+#: Environment variables that supply SSH file locations when no option gives them.
+KNOWN_HOSTS_ENV = "EXOGYM_KNOWN_HOSTS"
+SSH_CONFIG_ENV = "EXOGYM_SSH_CONFIG"
+
+
+class RunFailedError(RuntimeError):
+    """The run started and did not finish; the message says which rank failed and how.
+
+    Args:
+        message: what happened, with the failing rank's last lines when known.
+        launch: the launcher's result for a multi-host run.
+    """
+
+    def __init__(self, message: str, launch: Any = None) -> None:
+        super().__init__(message)
+        self.launch = launch
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """A run, as a face asks for it.
+
+    Args:
+        profile: the profile's name (a ``[distributed:NAME]`` section).
+        config: the profiles file (default: the project's ``config.ini``).
+        overrides: profile keys to replace (parsed ``--set`` values).
+        hosts: a hosts file (path) or a loaded ``HostsConfig``; None for a
+            local simulation.
+        local: simulate locally even when ``hosts`` is given.
+        resume: continue from the newest complete checkpoint.
+        max_restarts: restarts of the whole job after a rank fails (multi-host).
+        sync: copy the project's tracked files to every host first.
+        accept_new_host_keys: trust hosts not yet in known_hosts (recorded once).
+        known_hosts: the known_hosts file (default ``$EXOGYM_KNOWN_HOSTS`` or ``~/.ssh/known_hosts``).
+        ssh_config: the SSH client config (default ``$EXOGYM_SSH_CONFIG`` or ``~/.ssh/config``).
+        run_dir: where the launcher writes the ranks' logs.
+        launcher_options: more ``Launcher`` keyword arguments (e.g. ``allow_agent``).
+    """
+
+    profile: str
+    config: str | None = None
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    hosts: str | os.PathLike[str] | HostsConfig | None = None
+    local: bool = False
+    resume: bool = False
+    max_restarts: int = 0
+    sync: bool = False
+    accept_new_host_keys: bool = False
+    known_hosts: str | None = None
+    ssh_config: str | None = None
+    run_dir: str | None = None
+    launcher_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def multi_host(self) -> bool:
+        """True when the run goes across the hosts of a hosts file."""
+        return self.hosts is not None and not self.local
+
+
+@dataclass
+class TrainOutcome:
+    """How a finished run went.
+
+    Args:
+        mode: ``local`` (simulation) or ``hosts``.
+        profile: the resolved profile that ran.
+        summary: final figures (``exogym.report.summarize``'s keys).
+        output_dir: where rank 0 (or the simulation) wrote the final model,
+            relative to its working directory (the master's ``project_path``).
+        message: one line for the person.
+        launch: the launcher's result for a multi-host run.
+    """
+
+    mode: str
+    profile: Profile
+    summary: dict[str, Any]
+    output_dir: Path
+    message: str
+    launch: Any = None
+
+
+def output_dir(profile: Profile) -> Path:
+    """Where a profile's run writes its final model and summary."""
+    return Path(str(profile.values.get("output_dir") or Path("runs") / profile.name))
+
+
+def resolve_profile(request: TrainRequest) -> Profile:
+    """The request's profile, inheritance and overrides applied, validated."""
+    return load_profile(request.profile, request.config, dict(request.overrides) or None)
+
+
+def hosts_config(request: TrainRequest) -> HostsConfig:
+    """The request's hosts, loaded and validated (``HostsFileError`` lists every problem)."""
+    if isinstance(request.hosts, HostsConfig):
+        return request.hosts
+    assert request.hosts is not None
+    return load_hosts(request.hosts)
+
+
+def config_for_hosts(config: str | None) -> str | None:
+    """The ``--config`` path as ranks see it: relative to their project directory.
+
+    A file inside this checkout is named relative to its root (each host has
+    its own checkout); a file elsewhere keeps its absolute path.
+    """
+    if config is None:
+        return None
+    path = Path(config).expanduser().resolve()
+    try:
+        return str(path.relative_to(PROJECT_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Console,
+                  dashboard: Dashboard | None = None) -> Any:
+    """A ``Launcher`` running the request's profile on every host (ranks print no progress
+    of their own: the dashboard shows their events)."""
+    from distributed.launcher import Launcher, RankProgram
+
+    program = RankProgram.from_profile(request.profile, config=config_for_hosts(request.config),
+                                       overrides=dict(request.overrides))
+    program = dataclasses.replace(program, args=program.args + ("--quiet",))
+    options: dict[str, Any] = {
+        "run_dir": request.run_dir, "max_restarts": request.max_restarts, "sync": request.sync,
+        "accept_new_host_keys": request.accept_new_host_keys, "console": console,
+    }
+    known_hosts = request.known_hosts or os.environ.get(KNOWN_HOSTS_ENV)
+    ssh_config = request.ssh_config or os.environ.get(SSH_CONFIG_ENV)
+    if known_hosts:
+        options["known_hosts_path"] = known_hosts
+    if ssh_config:
+        options["ssh_config_path"] = ssh_config
+    if dashboard is not None:
+        options["on_event"] = dashboard.on_event
+        options["on_output"] = dashboard.on_output
+    options.update(request.launcher_options)
+    return Launcher(config, program, **options)
+
+
+def worker_command(request: TrainRequest) -> str:
+    """The command that runs the request's profile as a local simulation by hand."""
+    args = ["python", "-m", "distributed.worker", "--profile", request.profile]
+    if request.config:
+        args += ["--config", request.config]
+    for key, value in request.overrides.items():
+        args += ["--set", f"{key}={value}"]
+    if request.resume:
+        args.append("--resume")
+    return shlex.join(args)
+
+
+def dry_run(request: TrainRequest, console: Console) -> Profile:
+    """Show what the request would run, where, and how; start nothing, connect to nothing."""
+    profile = resolve_profile(request)
+    if request.multi_host:
+        with make_launcher(request, hosts_config(request), console=console) as launcher:
+            launcher.dry_run()
+        return profile
+    console.print(f"Dry run: profile {profile.name} as a local simulation of "
+                  f"{profile.values.get('num_nodes', 1)} node(s); nothing is started.",
+                  markup=False, highlight=False, soft_wrap=True)
+    console.print(f"  command: {worker_command(request)}", markup=False, highlight=False,
+                  soft_wrap=True)
+    return profile
+
+
+def preflight(request: TrainRequest, console: Console, *, show: bool = True) -> Any:
+    """Check every host of the request (``PreflightReport``); raise nothing for a host's failure."""
+    with make_launcher(request, hosts_config(request), console=console) as launcher:
+        return launcher.preflight(raise_on_failure=False, show=show)
+
+
+def train(request: TrainRequest, console: Console | None = None, *,
+          live: bool | None = None) -> TrainOutcome:
+    """Run the request: across its hosts, or as a local simulation; with the dashboard.
+
+    Args:
+        request: what to run.
+        console: where tables, the dashboard and messages go (default: stdout).
+        live: force the dashboard's live table on or off (default: on a terminal).
+
+    Raises:
+        ProfileError, HostsFileError, ValueError, FileNotFoundError: bad input,
+            found before anything started.
+        PreflightError: a host failed pre-flight; nothing was started.
+        RunFailedError: the run started and did not finish.
+    """
+    console = console or Console()
+    profile = resolve_profile(request)
+    if request.multi_host:
+        return _train_hosts(request, profile, console, live)
+    return _train_local(request, profile, console, live)
+
+
+def _train_local(request: TrainRequest, profile: Profile, console: Console,
+                 live: bool | None) -> TrainOutcome:
+    from distributed.worker import run_profile
+    from exogym.rank import LostRankError
+    from exogym.trainer import RankFailedError
+
+    nodes = int(profile.values.get("num_nodes") or 1)
+    dashboard = Dashboard(nodes, title=f"{profile.name}: local simulation of {nodes} node(s)",
+                          console=console, live=live)
+    try:
+        trainer = run_profile(profile, resume=request.resume, progress=dashboard, local=True)
+    except (RankFailedError, LostRankError) as exc:
+        raise RunFailedError(brief_failure(exc)) from exc
+    finally:
+        dashboard.close()
+    out = output_dir(profile)
+    return TrainOutcome("local", profile, dict(trainer.summary), out,
+                        f"simulation finished; final model in {out / 'final_model.pt'}")
+
+
+def brief_failure(exc: BaseException) -> str:
+    """A rank's failure in one line: its first line and the traceback's last (the error)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else type(exc).__name__
+    return f"{lines[0].rstrip(':')}: {lines[-1]} (--debug shows the rank's traceback)"
+
+
+def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
+                 live: bool | None) -> TrainOutcome:
+    config = hosts_config(request)
+    dashboard = Dashboard(config.world_size, [h.host for h in config.hosts],
+                          title=f"{profile.name} on {config.world_size} host(s)",
+                          console=console, live=live)
+    with make_launcher(request, config, console=console, dashboard=dashboard) as launcher:
+        if request.sync:
+            launcher.sync()
+        launcher.preflight()  # shows the table; PreflightError when a host is not ready
+        started = time.monotonic()
+        try:
+            result = launcher.run()
+        finally:
+            dashboard.close()
+    for rank in result.ranks:
+        dashboard.set_status(rank.rank, "done" if rank.ok else
+                             "stopped" if rank.stopped else "failed")
+    if not result.ok:
+        dashboard.finish(dashboard.summary(time.monotonic() - started), title="run (failed)")
+        raise RunFailedError(result.describe(), result)
+    summary = dashboard.summary(time.monotonic() - started)
+    dashboard.finish(summary)
+    out = output_dir(profile)
+    where = out if out.is_absolute() else Path(config.master.project_path) / out
+    return TrainOutcome("hosts", profile, summary, out,
+                        f"all {config.world_size} ranks finished; final model in "
+                        f"{where / 'final_model.pt'} on {config.master.host}, logs in "
+                        f"{result.run_dir}", launch=result)
+

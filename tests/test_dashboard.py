@@ -1,0 +1,126 @@
+"""The live dashboard: plain lines off a terminal, a row per rank on one, and a real run's screen."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import sys
+
+import pytest
+from faces_support import plain
+from ranks import ROOT
+from rich.console import Console
+
+from distributed.dashboard import Dashboard
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def step(rank: int, n: int, **extra) -> dict:
+    return {"event": "step", "rank": rank, "step": n, "train_loss": 1.0 / n, "lr": 0.01,
+            "comm_bytes": 1024 * n, "samples": 32 * n, "wall_s": 0.01 * n, **extra}
+
+
+def feed_run(dashboard: Dashboard, ranks: int = 2, steps: int = 20) -> None:
+    for rank in range(ranks):
+        dashboard.on_event({"event": "start", "rank": rank, "max_steps": steps})
+    for n in range(1, steps + 1):
+        for rank in range(ranks):
+            extra = {"val_loss": 0.7, "val_global_loss": 0.5} if n == steps else {}
+            dashboard.on_event(step(rank, n, **extra))
+    for rank in range(ranks):
+        dashboard.on_event({"event": "done", "rank": rank, "step": steps,
+                            "comm_bytes": 1024 * steps})
+
+
+def test_off_a_terminal_it_prints_plain_lines_for_starts_every_tenth_step_and_ends():
+    out = io.StringIO()
+    dashboard = Dashboard(2, ["mac-a", "mac-b"], console=Console(file=out, width=120))
+    feed_run(dashboard)
+    dashboard.finish()
+    text = out.getvalue()
+    assert "\x1b" not in text  # no colours, no cursor movement
+    lines = text.splitlines()
+    assert "[mac-a:0] started, 20 steps" in lines
+    assert [line for line in lines if line.startswith("[mac-b:1] step")] == [
+        f"[mac-b:1] step {n}/20 | loss {1 / n:.4f} | "
+        + ("val 0.5000 | " if n == 20 else "")
+        + f"3200.0 samples/s | sent {1024 * n / 1024:.1f} KiB"
+        for n in range(2, 21, 2)]
+    assert "[mac-b:1] done at step 20, sent 20.0 KiB" in lines
+    assert "run summary" in text and "0.5000" in text  # the summary has the final val loss
+
+
+def test_the_table_has_a_row_per_rank_and_the_totals():
+    clock = Clock()
+    dashboard = Dashboard(3, ["a", "b", "c"], console=Console(file=io.StringIO()), live=False,
+                          clock=clock)
+    dashboard.on_event({"event": "start", "rank": 0, "max_steps": 50})
+    dashboard.on_event(step(0, 7))
+    clock.now += 2.5
+    dashboard.on_event(step(1, 5, host="b-renamed"))
+    clock.now += 1.0
+    out = io.StringIO()
+    Console(file=out, width=200).print(dashboard.render())
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[1:-1]]
+            for line in out.getvalue().splitlines() if line.startswith("│")}
+    assert rows["0"][:5] == ["0", "a", "training", "7/50", "0.1429"]
+    assert rows["0"][6:] == ["3200.0", "7.0 KiB", "3.5 s ago"]
+    assert rows["1"][1:4] == ["b-renamed", "training", "5"]
+    assert rows["1"][-1] == "1.0 s ago"
+    assert rows["2"][1:4] == ["c", "waiting", "0"] and rows["2"][-1] == "-"
+    assert rows["all"][1:4] == ["3 ranks", "0/3 done", "0-7"]
+    assert rows["all"][6:] == ["6400.0", "12.0 KiB", "1.0 s ago"]
+
+
+def test_launcher_outcomes_and_output_lines_show():
+    out = io.StringIO()
+    dashboard = Dashboard(2, console=Console(file=out, width=120))
+    dashboard.on_event(step(1, 3))
+    dashboard.set_status(1, "failed")
+    dashboard.on_output("[10.0.0.2:1] Traceback: boom")
+    assert "[local:1] failed at step 3" in out.getvalue()
+    assert "[10.0.0.2:1] Traceback: boom" in out.getvalue()
+    assert dashboard.ranks[1].status == "failed"
+
+
+def test_summary_comes_from_the_events_when_no_trainer_gives_one():
+    dashboard = Dashboard(2, console=Console(file=io.StringIO()), live=False)
+    feed_run(dashboard, steps=10)
+    summary = dashboard.summary(wall_s=4.0)
+    assert summary["steps"] == 10 and summary["num_nodes"] == 2
+    assert summary["final_val_global_loss"] == 0.5
+    assert summary["bytes_per_node"] == 10 * 1024 and summary["wall_s"] == 4.0
+
+
+def test_a_real_runs_screen_in_a_terminal_shows_a_row_per_rank_with_changing_steps(tmp_path):
+    pexpect = pytest.importorskip("pexpect", reason="pip install pexpect")
+    env = dict(os.environ, TERM="xterm-256color", COLUMNS="130", LINES="40",
+               PYTHONPATH=str(ROOT))
+    args = [str(ROOT / "cli_typer.py"), "distributed-train", "digits-ddp"]
+    for pair in ("max_steps=400", "num_nodes=2", "val_interval=200", "val_size=64",
+                 "num_threads=1", f"output_dir={tmp_path / 'out'}"):
+        args += ["--set", pair]
+    child = pexpect.spawn(sys.executable, args, cwd=str(ROOT), env=env, dimensions=(40, 130),
+                          timeout=240, encoding="utf-8", codec_errors="replace")
+    child.expect(pexpect.EOF)
+    child.close()
+    screen = plain(child.before)
+    assert child.exitstatus == 0, screen[-3000:]
+    assert "[local:0] step" not in screen  # a terminal gets the table, not log lines
+    steps = {0: set(), 1: set()}
+    for rank, done in re.findall(r"│\s+([01]) │ local\s+│ \w+\s+│\s+(\d+)/400", screen):
+        steps[int(rank)].add(int(done))
+    assert all(len(seen) >= 3 for seen in steps.values()), (steps, screen[-3000:])
+    assert all(max(seen) == 400 for seen in steps.values())
+    assert re.search(r"│\s+all │ 2 ranks\s+│ 2/2 done", screen)
+    assert "run summary" in screen

@@ -1,0 +1,592 @@
+"""Guided set-up: find or build a hosts file, choose a profile and a strategy, write the files, train.
+
+    python wizard.py                 # asks; uses ./distributed_hosts.json when there is one
+    python wizard.py --hosts my_hosts.json --config my.ini
+    python wizard.py --yes           # takes every default, asks nothing (scripts, CI)
+
+Every host is checked live (the launcher's pre-flight) as soon as it is
+known. For the profile's model and the link's bandwidth (typed, or measured
+with a one-second transfer to a worker) a table estimates the bytes each
+strategy sends per step and the speedup to expect, which is why DiLoCo is the
+default on slow links. The hosts file and a ``config.ini`` profile are written
+atomically, never replacing anything without asking and always keeping a
+``.bak`` of what changes. The run then starts through ``distributed.run``,
+exactly as ``cli_typer.py distributed-train`` starts it; with one machine it
+is a local simulation.
+
+A face only: the checks, the cost model, the file writing and the run live in
+``distributed/``.
+"""
+
+from __future__ import annotations
+
+import getpass
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from cli_typer import fail, make_console, reported_errors
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from distributed.hosts import HostsConfig
+    from distributed.preflight import PreflightReport
+    from distributed.profiles import Profile
+
+PROJECT_ROOT = Path(__file__).resolve().parent
+DEFAULT_HOSTS_FILE = "distributed_hosts.json"
+DEFAULT_PROFILE = "digits-diloco"
+DEFAULT_STRATEGY = "diloco"
+DEFAULT_MBIT = 100.0
+COMPARED = ("ddp", "diloco", "sparta", "fedavg", "demo")
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+
+class Asker:
+    """Asks questions with questionary; with ``assume_yes`` it answers each with its
+    default instead, and prints the question and that answer so a log shows them.
+
+    Args:
+        console: where ``assume_yes`` answers are shown.
+        assume_yes: take every default without asking.
+    """
+
+    def __init__(self, console: Console, assume_yes: bool) -> None:
+        self.console = console
+        self.assume_yes = assume_yes
+
+    def _took(self, message: str, answer: Any) -> None:
+        self.console.print(f"? {message} [bold]{answer}[/] (default)", highlight=False)
+
+    def text(self, message: str, default: str = "",
+             validate: Callable[[str], bool | str] | None = None) -> str:
+        """A line of text; ``validate`` returns True or the reason it is not accepted."""
+        if self.assume_yes:
+            self._took(message, default or "(empty)")
+            return default
+        import questionary
+
+        return questionary.text(message, default=default, validate=validate).unsafe_ask().strip()
+
+    def confirm(self, message: str, default: bool = True) -> bool:
+        """Yes or no."""
+        if self.assume_yes:
+            self._took(message, "yes" if default else "no")
+            return default
+        import questionary
+
+        return bool(questionary.confirm(message, default=default).unsafe_ask())
+
+    def select(self, message: str, choices: Sequence[tuple[str, Any, str | None]],
+               default: Any) -> Any:
+        """One of ``choices``: (title, value, why it is disabled or None)."""
+        if self.assume_yes:
+            self._took(message, next(t for t, v, _ in choices if v == default))
+            return default
+        import questionary
+
+        options = [questionary.Choice(title, value=value, disabled=why)
+                   for title, value, why in choices]
+        return questionary.select(message, choices=options, default=default).unsafe_ask()
+
+
+def _is_int(low: int, high: int) -> Callable[[str], bool | str]:
+    def check(text: str) -> bool | str:
+        if text.strip().isdigit() and low <= int(text) <= high:
+            return True
+        return f"a whole number from {low} to {high}"
+
+    return check
+
+
+def _is_positive_number(text: str) -> bool | str:
+    try:
+        return float(text) > 0 or "a number above 0"
+    except ValueError:
+        return "a number above 0, e.g. 100 or 2.5"
+
+
+def _default_key() -> str:
+    for name in ("id_ed25519", "id_ecdsa", "id_rsa"):
+        path = Path.home() / ".ssh" / name
+        if path.is_file():
+            return f"~/.ssh/{name}"
+    return ""
+
+
+def _this_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class Wizard:
+    """One guided set-up and run.
+
+    Args:
+        console: where everything is shown.
+        ask: how questions are answered.
+        hosts_path: the hosts file to use or write.
+        config_path: the profiles file to read and write.
+        profile, strategy: preselected answers (None: ask).
+        overrides: profile keys set on the command line.
+        bandwidth_mbit: the link bandwidth (None: ask or measure).
+        start: start the run once the files are written.
+        run_dir: where the launcher writes the ranks' logs (None: its default).
+        ssh: ``known_hosts``, ``ssh_config`` and ``accept_new_host_keys`` for the launcher.
+    """
+
+    def __init__(self, console: Console, ask: Asker, hosts_path: Path, config_path: Path,
+                 profile: str | None, strategy: str | None, overrides: dict[str, Any],
+                 bandwidth_mbit: float | None, start: bool, run_dir: Path | None,
+                 ssh: dict[str, Any]) -> None:
+        self.console = console
+        self.ask = ask
+        self.hosts_path = hosts_path
+        self.config_path = config_path
+        self.profile_name = profile
+        self.strategy = strategy
+        self.overrides = overrides
+        self.bandwidth_mbit = bandwidth_mbit
+        self.start = start
+        self.run_dir = run_dir
+        self.ssh = dict(ssh)
+
+    # ------------------------------------------------------------------ hosts
+
+    def request(self, hosts: Any = None, **fields: Any) -> Any:
+        from distributed.run import TrainRequest
+
+        return TrainRequest(profile=fields.pop("profile", DEFAULT_PROFILE), hosts=hosts,
+                            known_hosts=self.ssh.get("known_hosts"),
+                            ssh_config=self.ssh.get("ssh_config"),
+                            accept_new_host_keys=self.ssh.get("accept_new_host_keys", False),
+                            **fields)
+
+    def check(self, config: HostsConfig) -> PreflightReport:
+        """Pre-flight ``config``'s hosts, offering to trust host keys not yet known."""
+        from distributed.run import make_launcher
+
+        while True:
+            with make_launcher(self.request(config), config, console=self.console) as launcher:
+                errors = launcher.connect()
+                unknown = [e for e in errors.values() if e.kind == "unknown-host-key"]
+                if not unknown or self.ssh.get("accept_new_host_keys"):
+                    return launcher.preflight(raise_on_failure=False, show=False)
+            for error in unknown:
+                self.console.print(f"[yellow]{error.target.label} is not in known_hosts yet; its "
+                                   f"host key is {error.fingerprint}[/]")
+            if not self.ask.confirm("Trust these host keys and record them in known_hosts? "
+                                    "(compare the fingerprints with the hosts' own)",
+                                    default=False):
+                with make_launcher(self.request(config), config,
+                                   console=self.console) as launcher:
+                    return launcher.preflight(raise_on_failure=False, show=False)
+            self.ssh["accept_new_host_keys"] = True
+
+    def show_host_check(self, report: PreflightReport, host: str) -> bool:
+        """One line about ``host`` from ``report``; True when it is ready."""
+        check = next(c for c in report.checks if c.host == host)
+        if check.ok:
+            self.console.print(f"  [green]ok[/] {host}: ssh {check.ssh}, Python {check.python}, "
+                               f"{check.versions}, code {check.code}, port {check.port}",
+                               highlight=False)
+            return True
+        for problem in check.problems:
+            self.console.print(f"  [red]problem[/] {host}: {problem}", highlight=False)
+        return False
+
+    def existing_hosts(self) -> HostsConfig | None:
+        """The hosts file found, shown and checked; None to build one or simulate instead."""
+        from rich.table import Table
+
+        from distributed.hosts import HostsFileError, load_hosts
+
+        try:
+            config = load_hosts(self.hosts_path)
+        except HostsFileError as exc:
+            self.console.print(f"[red]{exc}[/]", highlight=False)
+            if self.ask.assume_yes:
+                fail(f"{self.hosts_path} is not a valid hosts file (see above); fix it, or run "
+                     "the wizard without --yes to build a new one", 2, False)
+            return None
+        table = Table(title=f"Hosts in {self.hosts_path}", title_justify="left")
+        for name in ("rank", "host", "ssh user", "python", "project"):
+            table.add_column(name)
+        for h in config.hosts:
+            table.add_row(str(h.rank), h.label, h.ssh_user or "-", h.python_env, h.project_path)
+        self.console.print(table)
+        if not self.ask.confirm(f"Use these {config.world_size} hosts?", default=True):
+            return None
+        self.console.print("Checking every host (pre-flight)...")
+        report = self.check(config)
+        report.render(self.console)
+        if not report.ok:
+            if self.ask.assume_yes:
+                fail(f"{sum(not c.ok for c in report.checks)} of {config.world_size} hosts are "
+                     "not ready (each problem above names the host and the fix); fix them and "
+                     "run again, or use cli_typer.py distributed-train --local to simulate",
+                     2, False)
+            if not self.ask.confirm("Continue anyway? (the run's own pre-flight will stop it "
+                                    "if the problems remain)", default=False):
+                return None
+        return config
+
+    def build_hosts(self) -> HostsConfig | None:
+        """Ask for the hosts, checking each as it is added; None for one machine."""
+        from distributed.hosts import HostsFileError, load_hosts
+
+        where = self.ask.select("Where should it train?", [
+            ("On this machine only: simulate the nodes here", "local", None),
+            ("On several machines, over SSH", "hosts", None)], default="local")
+        if where == "local":
+            return None
+        self.console.print("Settings every host shares (a host can differ later in the file):")
+        top: dict[str, Any] = {
+            "ssh_user": self.ask.text("SSH user on the workers:", getpass.getuser()),
+            "ssh_key_path": self.ask.text("SSH private key (empty: the SSH agent and "
+                                          "~/.ssh defaults):", _default_key()),
+            "ssh_port": int(self.ask.text("SSH port of the workers:", "22", _is_int(1, 65535))),
+            "python_env": self.ask.text("Python on every host (path to the interpreter):",
+                                        sys.executable),
+            "project_path": self.ask.text("This project's checkout on every host:",
+                                          str(PROJECT_ROOT)),
+        }
+        master = self.ask.text("Address of the master, which runs rank 0 (the workers must "
+                               "reach it):", _this_address())
+        port = int(self.ask.text("Training port on the master:", "29500", _is_int(1, 65535)))
+        mapping = {"master": master, "workers": [], "master_port": port,
+                   **{k: v for k, v in top.items() if v not in ("", None)}}
+        try:
+            config = load_hosts(mapping)
+        except HostsFileError as exc:
+            fail(str(exc), 2, False, exc)
+        self.console.print(f"Checking the master {master}...")
+        self.show_host_check(self.check(config), master)
+        while True:
+            number = len(mapping["workers"]) + 1
+            address = self.ask.text(f"Address of worker {number} (empty when done):", "")
+            if not address:
+                break
+            trial = {**mapping, "workers": [*mapping["workers"], address]}
+            try:
+                load_hosts(trial)
+            except HostsFileError as exc:
+                self.console.print(f"[red]{exc}[/]", highlight=False)
+                continue
+            self.console.print(f"Checking {address}...")
+            pair = load_hosts({**mapping, "workers": [address]})
+            if self.show_host_check(self.check(pair), address) or self.ask.confirm(
+                    f"Keep {address} anyway?", default=False):
+                mapping = trial
+        if not mapping["workers"]:
+            self.console.print("No workers: the run will be a simulation on this machine.")
+            return None
+        return load_hosts(mapping)
+
+    def hosts(self) -> HostsConfig | None:
+        """The hosts to train on, or None for a local simulation."""
+        if self.hosts_path.is_file():
+            found = self.existing_hosts()
+            if found is not None:
+                return found
+        else:
+            self.console.print(f"No hosts file at {self.hosts_path}.")
+        return self.build_hosts()
+
+    # ------------------------------------------------------------------ profile and strategy
+
+    def choose_profile(self) -> Profile:
+        from distributed.profiles import ProfileError, ProfileSet
+
+        profiles = ProfileSet(self.config_path)
+        choices = []
+        for name in profiles.names():
+            values = profiles.values(name)
+            why = None
+            try:
+                profiles.get(name)
+            except ProfileError as exc:
+                why = exc.args[0].splitlines()[-1].strip()
+            choices.append((f"{name}: {values.get('description') or values.get('task')}", name,
+                            why))
+        usable = [v for _, v, why in choices if why is None]
+        if not usable:
+            fail(f"no profile in {profiles.path} can run here (see `python cli_typer.py "
+                 "profiles`)", 2, False)
+        default = self.profile_name or (DEFAULT_PROFILE if DEFAULT_PROFILE in usable
+                                        else usable[0])
+        if default not in profiles.names():
+            profiles.get(default)  # raises the error that names the close ones
+        name = default if self.profile_name else self.ask.select(
+            "Which profile (task and settings) should train?", choices, default=default)
+        return profiles.get(name)
+
+    def bandwidth(self, hosts: HostsConfig | None) -> float:
+        """The link's bandwidth in Mbit/s: given, measured, or typed."""
+        if self.bandwidth_mbit is not None:
+            return self.bandwidth_mbit
+        choices = [("Type it (Mbit/s)", "type", None)]
+        if hosts is not None and hosts.workers:
+            worker = hosts.workers[0]
+            choices.insert(0, (f"Measure it: one second of TCP from here to {worker.host}",
+                               "measure", None))
+        how = self.ask.select("The link between the machines: how fast is it?", choices,
+                              default=choices[0][1])
+        if how == "measure":
+            from distributed.linkspeed import LinkError, measure_link
+            from distributed.ssh import SSHOptions
+
+            options = SSHOptions(
+                **{k: v for k, v in (("known_hosts_path", self.ssh.get("known_hosts")),
+                                     ("ssh_config_path", self.ssh.get("ssh_config"))) if v})
+            try:
+                measured = measure_link(hosts.workers[0], options)
+            except LinkError as exc:
+                self.console.print(f"[yellow]could not measure the link: {exc}[/]")
+            else:
+                self.console.print(f"Measured {measured.mbit_per_s:,.0f} Mbit/s to "
+                                   f"{measured.host} ({measured.bytes / 1e6:,.0f} MB in "
+                                   f"{measured.seconds:.2f} s).")
+                return measured.mbit_per_s
+        return float(self.ask.text("Bandwidth between the machines, in Mbit/s (Wi-Fi: ~100, "
+                                   "gigabit Ethernet: 1000):", f"{DEFAULT_MBIT:g}",
+                                   _is_positive_number))
+
+    def estimates(self, profile: Profile, nodes: int, mbit: float, simulated: bool) -> list[str]:
+        """Show each strategy's bytes per step and expected speedup; the usable strategies."""
+        from rich.table import Table
+
+        from distributed import speedup_model as sm
+        from distributed.compare import profile_for_strategy
+        from distributed.estimate import measure_model
+        from distributed.profiles import ProfileError
+        from exogym.report import human_bytes
+
+        self.console.print(f"Timing a step of {profile.name}'s model on this machine...")
+        try:
+            facts = measure_model(profile, ranks_here=nodes if simulated else 1)
+            compute = facts.compute_s_per_step
+            params = facts.num_params
+        except Exception as exc:  # noqa: BLE001 - the estimate is a help, not a requirement
+            self.console.print(f"[yellow]could not build the model to time it ({exc}); the "
+                               "table is skipped[/]")
+            return [s for s in COMPARED if self._usable(profile, s)]
+        self.console.print(f"{params:,} parameters; one step of {facts.batch_size} samples takes "
+                           f"{compute * 1000:.1f} ms here ({facts.threads} thread(s)). Estimates "
+                           f"for {nodes} machines at {mbit:g} Mbit/s:", highlight=False)
+        table = Table(title_justify="left")
+        for column in ("strategy", "what it sends", "sent per step", "comm per step",
+                       "speedup (vs 1 machine)"):
+            table.add_column(column, justify="left" if column in ("strategy", "what it sends")
+                             else "right")
+        usable = []
+        for name in COMPARED:
+            try:
+                values = profile_for_strategy(profile, name).values
+                usable.append(name)
+                note = ""
+            except ProfileError:
+                values = profile.values
+                note = " [dim](not available here)[/]"
+            p = sm.predict(name, params, nodes, compute, sm.mbit_to_bytes_per_s(mbit),
+                           **sm.relevant_settings(name, values))
+            table.add_row(name + note, sm.DESCRIPTIONS[name], human_bytes(p.wire_bytes),
+                          f"{p.comm_s * 1000:,.1f} ms", f"{p.speedup:.2f}x")
+        self.console.print(table)
+        self.console.print("DiLoCo is the default: it communicates once every H steps, so on a "
+                           "slow link its machines spend their time computing, not waiting.",
+                           highlight=False)
+        return usable
+
+    @staticmethod
+    def _usable(profile: Profile, strategy: str) -> bool:
+        from distributed.compare import profile_for_strategy
+        from distributed.profiles import ProfileError
+
+        try:
+            profile_for_strategy(profile, strategy)
+        except ProfileError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ files and run
+
+    @staticmethod
+    def _same_hosts(path: Path, config: HostsConfig) -> bool:
+        from distributed.hosts import HostsFileError, load_hosts
+
+        try:
+            return load_hosts(path).to_dict() == config.to_dict()
+        except HostsFileError:
+            return False
+
+    def write_hosts(self, config: HostsConfig) -> Path:
+        from distributed.setup_files import hosts_text, write_with_backup
+
+        path = self.hosts_path
+        if path.exists() and self._same_hosts(path, config):
+            self.console.print(f"Using {path} as it is.")
+            return path
+        text = hosts_text(config)
+        while path.exists() and not self._same_hosts(path, config):
+            if self.ask.confirm(f"{path} exists with other hosts. Replace it (the old one is kept "
+                                f"as {path.name}.bak)?", default=self.ask.assume_yes):
+                break
+            path = Path(self.ask.text("Write the hosts file where instead?",
+                                      str(path.with_name("distributed_hosts.new.json"))))
+        backup = write_with_backup(path, text)
+        self.console.print(f"Wrote {path}" + (f" (previous one in {backup})" if backup else ""))
+        return path
+
+    def write_profile(self, name: str, values: dict[str, Any]) -> str:
+        from distributed.profiles import ProfileSet
+        from distributed.setup_files import has_profile, with_profile, write_with_backup
+
+        path = self.config_path
+        while True:
+            text = path.read_text(encoding="utf-8") if path.exists() else ""
+            if not has_profile(text, name):
+                break
+            current = ProfileSet(path).values(name)
+            if current == values:
+                self.console.print(f"Profile {name} in {path} already has these settings.")
+                return name
+            if self.ask.confirm(f"Profile {name} already exists in {path}. Replace it (the file "
+                                f"is kept as {path.name}.bak)?", default=self.ask.assume_yes):
+                break
+            name = self.ask.text("Name of the new profile instead:", f"{name}-2")
+        backup = write_with_backup(path, with_profile(text, name, values))
+        self.console.print(f"Wrote profile [bold]{name}[/] to {path}"
+                           + (f" (previous file in {backup})" if backup else ""), highlight=False)
+        return name
+
+    def run(self) -> int:
+        from distributed import run
+        from distributed.compare import profile_for_strategy
+        from distributed.profiles import load_profile
+        from distributed.speedup_model import canonical
+
+        self.console.rule("exogym set-up")
+        hosts = self.hosts()
+        base = self.choose_profile()
+        if hosts is not None:
+            nodes = hosts.world_size
+        else:
+            nodes = int(self.ask.text("How many nodes to simulate?",
+                                      str(self.overrides.get("num_nodes",
+                                                             base.values.get("num_nodes", 2))),
+                                      _is_int(1, 64)))
+        mbit = self.bandwidth(hosts)
+        usable = self.estimates(base, nodes, mbit, simulated=hosts is None)
+        default = self.strategy or (DEFAULT_STRATEGY if DEFAULT_STRATEGY in usable
+                                    else usable[0])
+        strategy = default if self.strategy else self.ask.select(
+            "Which strategy?", [(s, s, None if s in usable else "not available here")
+                                for s in COMPARED], default=default)
+        steps = int(self.ask.text("Training steps:", str(self.overrides.get(
+            "max_steps", base.values.get("max_steps", 100))), _is_int(1, 10**9)))
+        overrides = {**self.overrides, "max_steps": steps, "num_nodes": nodes}
+        values = profile_for_strategy(base, strategy, overrides).values
+        where = f"{nodes}hosts" if hosts is not None else f"{nodes}nodes"
+        values["description"] = (f"{base.name} with {strategy} on {nodes} "
+                                 f"{'hosts' if hosts is not None else 'simulated nodes'} "
+                                 "(written by wizard.py)")
+        name = self.ask.text("Name of the profile to write:",
+                             f"{base.task}-{canonical(strategy).replace('_', '-')}-{where}",
+                             lambda t: bool(t.strip()) or "a name, e.g. my-run")
+        name = self.write_profile(name, values)
+        load_profile(name, self.config_path)  # what was written reads back as a valid profile
+
+        sync = False
+        hosts_file: Path | None = None
+        if hosts is not None:
+            hosts_file = self.write_hosts(hosts)
+            inside = self.config_path.resolve().is_relative_to(PROJECT_ROOT)
+            sync = self.ask.confirm("Copy this checkout's tracked files (with the new profile) "
+                                    "to the workers first?", default=inside)
+        command = ["python", "cli_typer.py", "distributed-train", name,
+                   "--config", str(self.config_path)]
+        if hosts_file is not None:
+            command += ["--hosts", str(hosts_file)]
+        if sync:
+            command.append("--sync")
+        self.console.print("The same run from the command line: [bold]"
+                           + " ".join(command) + "[/]", highlight=False)
+        if not self.start or not self.ask.confirm("Start training now?", default=True):
+            self.console.print("Not started; run the command above when ready.")
+            return 0
+        outcome = run.train(self.request(hosts_file, profile=name, config=str(self.config_path),
+                                         sync=sync,
+                                         run_dir=str(self.run_dir) if self.run_dir else None),
+                            self.console)
+        self.console.print(outcome.message, highlight=False)
+        return 0
+
+
+@app.command()
+def main(
+    ctx: typer.Context,
+    hosts: Annotated[Path | None, typer.Option(
+        "--hosts", "-H", dir_okay=False,
+        help=f"Hosts file to use, or to write (default ./{DEFAULT_HOSTS_FILE}).")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", dir_okay=False,
+        help="Profiles file to read and add the profile to (default: the project's "
+             "config.ini).")] = None,
+    profile: Annotated[str | None, typer.Option(
+        "--profile", "-p", help="Profile to start from (default: ask; digits-diloco).")] = None,
+    strategy: Annotated[str | None, typer.Option(
+        "--strategy", help="Strategy to use (default: ask; diloco).")] = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", "-s", metavar="KEY=VALUE", help="Override a profile key (repeatable).")
+    ] = None,
+    bandwidth_mbit: Annotated[float | None, typer.Option(
+        "--bandwidth-mbit", min=0.001,
+        help="Link bandwidth for the estimates, in Mbit/s (default: ask or measure).")] = None,
+    yes: Annotated[bool, typer.Option(
+        "--yes", "-y", help="Take every default and ask nothing (scripts, CI).")] = False,
+    start: Annotated[bool, typer.Option(
+        "--run/--no-run", help="Start training once the files are written.")] = True,
+    run_dir: Annotated[Path | None, typer.Option(
+        "--run-dir", file_okay=False, help="Where the ranks' logs go (hosts only).")] = None,
+    known_hosts: Annotated[str | None, typer.Option(
+        "--known-hosts", envvar="EXOGYM_KNOWN_HOSTS",
+        help="known_hosts file for host keys (default ~/.ssh/known_hosts).")] = None,
+    ssh_config: Annotated[str | None, typer.Option(
+        "--ssh-config", envvar="EXOGYM_SSH_CONFIG",
+        help="OpenSSH client config to honour (default ~/.ssh/config).")] = None,
+    accept_new_host_keys: Annotated[bool, typer.Option(
+        "--accept-new-host-keys", help="Trust hosts not yet in known_hosts without asking.")
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show the full traceback of an error."
+                                        )] = False,
+) -> None:
+    """Set up and start a training run, step by step."""
+    ctx.obj = {"debug": debug}
+    console = make_console()
+    if not yes and not (sys.stdin.isatty() and sys.stdout.isatty()):
+        fail("the wizard asks questions and needs a terminal; run it in one, or pass --yes to "
+             "take every default without asking (for scripts and CI)", 2, debug)
+    with reported_errors(ctx, debug):
+        from distributed.profiles import DEFAULT_CONFIG, parse_overrides
+
+        wizard = Wizard(
+            console, Asker(console, yes),
+            hosts_path=hosts or Path(DEFAULT_HOSTS_FILE), config_path=config or DEFAULT_CONFIG,
+            profile=profile, strategy=strategy, overrides=parse_overrides(set_),
+            bandwidth_mbit=bandwidth_mbit, start=start, run_dir=run_dir,
+            ssh={"known_hosts": known_hosts, "ssh_config": ssh_config,
+                 "accept_new_host_keys": accept_new_host_keys})
+        raise typer.Exit(wizard.run())
+
+
+if __name__ == "__main__":
+    app()
