@@ -360,34 +360,52 @@ class Trainer:
     @staticmethod
     def _collect(procs, events, on_event) -> dict[int, str]:
         paths: dict[int, str] = {}
+        errors: list[dict[str, Any]] = []
+        error_deadline = None
         n = len(procs)
         while len(paths) < n:
+            if errors and (time.monotonic() > error_deadline
+                           or all(p.exitcode is not None for p in procs)):
+                raise _root_cause(errors)
             try:
                 event = events.get(timeout=0.2)
             except queue_lib.Empty:
-                for rank, p in enumerate(procs):
-                    if p.exitcode not in (None, 0) and rank not in paths:
-                        # It may have reported its error just before exiting.
-                        try:
-                            event = events.get(timeout=1.0)
-                        except queue_lib.Empty:
-                            raise RankFailedError(
-                                rank, f"rank {rank} died with exit code {p.exitcode} before "
-                                "reporting an error (killed, out of memory, or it could not "
-                                "unpickle the model/dataset: classes must be importable from "
-                                "a module or the main script)") from None
-                        break
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in paths]
+                if dead and not errors:
+                    try:  # it may have reported its error just before exiting
+                        event = events.get(timeout=1.0)
+                    except queue_lib.Empty:
+                        rank = dead[0]
+                        raise RankFailedError(
+                            rank, f"rank {rank} died with exit code {procs[rank].exitcode} "
+                            "before reporting an error (killed, out of memory, or it could not "
+                            "unpickle the model/dataset: classes must be importable from a "
+                            "module or the main script)") from None
                 else:
                     continue
             kind = event.get("event")
             if kind == "error":
-                raise RankFailedError(
-                    event["rank"], f"rank {event['rank']} failed:\n{event['traceback']}")
-            if kind == "result":
+                # Peers of a failing rank fail too, with connection errors; wait briefly
+                # for every report so the rank that failed first is the one named.
+                errors.append(event)
+                error_deadline = error_deadline or time.monotonic() + 2.0
+            elif kind == "result":
                 paths[event["rank"]] = event["path"]
             else:
                 on_event(event)
         return paths
+
+
+_COMM_MARKERS = ("gloo", "Connection reset", "Connection closed", "DistBackendError",
+                 "DistNetworkError", "NCCL")
+
+
+def _root_cause(errors: list[dict[str, Any]]) -> RankFailedError:
+    """The error of the rank that failed on its own, not of a peer it took down."""
+    own = [e for e in errors if not any(m in e["traceback"] for m in _COMM_MARKERS)]
+    event = (own or errors)[0]
+    return RankFailedError(event["rank"], f"rank {event['rank']} failed:\n{event['traceback']}")
 
 
 def _stop(procs, grace_s: float = 3.0) -> None:
