@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import queue as queue_lib
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -91,21 +92,27 @@ class _Portable:
 PRELOAD = ["__main__", "exogym.rank", "exogym.trainer", "torch._dynamo"]
 
 
-def _mp_context():
+def _can_fork(spec: RunSpec) -> bool:
+    """Fork the ranks straight from this process: no re-import, so start-up is fastest.
+
+    Only where it is safe: Linux, CPU ranks (a forked child cannot use a CUDA or
+    MPS context of its parent), and one compute thread per rank (GNU OpenMP hangs
+    in a forked child that starts a thread pool its parent already used).
+    """
+    return (sys.platform.startswith("linux") and spec.device_type == "cpu"
+            and spec.threads_per_rank() == 1 and "fork" in mp.get_all_start_methods())
+
+
+def _mp_context(spec: RunSpec | None = None):
+    if spec is not None and _can_fork(spec):
+        import torch._dynamo  # noqa: F401 - every rank's first optimizer needs it: load it once
+
+        return mp.get_context("fork")
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         return ctx
     return mp.get_context("spawn")
-
-
-def warm_up_rank_server() -> None:
-    """Start the fork server now; it imports torch while the caller keeps working."""
-    from multiprocessing import forkserver
-
-    if "forkserver" in mp.get_all_start_methods():
-        _mp_context()
-        forkserver.ensure_running()
 
 
 def _open_store(start_port: int | None) -> dist.TCPStore:
@@ -134,10 +141,12 @@ def _watch_parent(parent_pid: int) -> None:
 def _local_rank_entry(payload: Any, rank: int, port: int, events, result_dir: str,
                       parent_pid: int) -> None:
     """Body of one simulated rank's process."""
+    # A forked rank may inherit a live display's stand-ins for stdout/stderr: write directly.
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     try:
-        spec: RunSpec = payload
+        spec: RunSpec = payload.obj if isinstance(payload, _Portable) else payload
         iface = loopback_interface()
         if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
@@ -185,7 +194,6 @@ class Trainer:
         self.device = device
         self.devices = devices
         self.history: list[dict[str, Any]] = []
-        warm_up_rank_server()
         self.summary: dict[str, Any] = {}
         self.rank_stats: dict[int, dict[str, Any]] = {}
         self.log_dir: Path | None = None
@@ -336,7 +344,7 @@ class Trainer:
     def _execute(self, spec: RunSpec,
                  on_event: Callable[[dict[str, Any]], None]) -> list[dict[str, torch.Tensor]]:
         """Run every rank as a local process; return their final states in rank order."""
-        ctx = _mp_context()
+        ctx = _mp_context(spec)
         store = _open_store(self.start_port)
         events = ctx.Queue()
         payload = _Portable(spec)

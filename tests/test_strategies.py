@@ -224,7 +224,10 @@ def test_custom_strategy_from_the_gym_readme_runs():
     ds = toy_dataset()
     start = tiny_model()
     trainer = Trainer(start, ds, ds)
-    trained = trainer.fit(strategy=QuantizationStrategy(sgd()), num_nodes=2, max_steps=2, **FIT)
+    # Two threads per rank: ranks start from the fork server, so the strategy class,
+    # defined inside this function, must travel by value.
+    trained = trainer.fit(strategy=QuantizationStrategy(sgd()), num_nodes=2, max_steps=2,
+                          num_threads=2, **FIT)
     assert_models_differ(trained, start)
     assert trainer.history[-1]["comm_bytes"] == 2 * 4 * sum(p.numel() for p in start.parameters())
 

@@ -155,12 +155,11 @@ class Explodes(TinyNet):
         return super().forward(batch)
 
 
-def _children_of_forkserver() -> list[int]:
+def _rank_processes() -> list[int]:
+    """Live children of this process or of the fork server (where ranks come from)."""
     from multiprocessing import forkserver
 
-    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
-    if server is None:
-        return []
+    parents = {os.getpid(), getattr(forkserver._forkserver, "_forkserver_pid", None)}
     kids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -168,7 +167,7 @@ def _children_of_forkserver() -> list[int]:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == server:
+            if int(fields[1]) in parents and fields[0] != "Z":
                 kids.append(int(entry.name))
     return kids
 
@@ -183,7 +182,7 @@ def test_a_failing_rank_ends_the_fit_with_its_traceback_and_leaves_no_process():
     assert err.value.rank == 1
     assert "rank one blew up" in str(err.value) and "Traceback" in str(err.value)
     assert time.monotonic() - started < 30
-    assert _children_of_forkserver() == []
+    assert _rank_processes() == []
 
 
 def test_two_fits_in_parallel_never_collide():
