@@ -551,9 +551,12 @@ def plot(results: dict[str, Any]) -> bytes:
         ax.plot(x, [r["speedup"] for r in runs], "o-", color=color, label=label)
         ax.plot(x, [predicted[(label, r["rate"])] for r in runs], ":", color=color)
     hosts = results["hosts"]
-    ax.axhline(hosts, color="grey", lw=0.8, ls="--")
+    ax.axhline(hosts, color="grey", lw=0.8, ls="--", label=f"{hosts}x: no communication cost")
     ax.axhline(1, color="grey", lw=0.8)
     ax.set_xscale("log")
+    rates = sorted({rate_bits(r["rate"]) / 1e6 for r in results["runs"]})
+    ax.set_xticks(rates, [f"{r:g}" for r in rates])
+    ax.minorticks_off()
     ax.set_xlabel("link rate per host (Mbit/s)")
     ax.set_ylabel(f"speedup of {hosts} hosts over one")
     ax.set_title(f"{results['model']['task']}, {results['model']['num_params'] / 1e6:.1f}M "
