@@ -400,6 +400,7 @@ def run_benchmark(bed: Testbed, args: argparse.Namespace, cases: list[StrategyCa
     }
 
     say("links:")
+    wait_for_quiet(bed, args.quiet_cores, bench.budget, say)  # the probes need CPU too
     for rate in args.rates:
         bed.shape(rate)
         link = bed.measure_link(args.probe_seconds)
