@@ -9,7 +9,16 @@ happens with 2, 8 or 64 hosts, for every strategy, with nothing but arithmetic
 Cost model. Ranks compute, then talk; exogym's strategies do not overlap the
 two, so a step takes::
 
-    t_step(N) = t_compute + bytes_sent(N) / throughput + rounds(N) * latency
+    t_step(N) = t_compute + skew(N) + bytes_sent(N) / throughput + rounds(N) * latency
+
+- ``skew`` is the wait for the slowest host: a collective starts when the last
+  host arrives. With per-step compute times of standard deviation ``sigma``,
+  independent across hosts and steps, and a communication every ``k`` steps
+  (1 for DDP, SPARTA and DeMo, ``H`` for DiLoCo), the slowest of ``N`` hosts
+  is behind the mean by about ``sigma * sqrt(k) * e_N`` per communication,
+  ``e_N`` being the expected maximum of ``N`` standard normal draws
+  (:func:`expected_max_of_normals`: 0.56 for 2 hosts, 2.34 for 64). Per step
+  that is ``sigma * e_N / sqrt(k)``.
 
 - ``bytes_sent`` is what one host puts on its link per step, on average:
 
@@ -42,9 +51,9 @@ in a step, one after the other (gradient accumulation), so a step there takes
 
     speedup(N) = N * t_minibatch / t_step(N)
 
-What the model leaves out: the ranks' compute skew (a step waits for the
-slowest), congestion of a shared switch, DeMo's decoding work growing with N,
-and latency beyond a per-round constant. Compare its 2-host figures with a
+What the model leaves out: congestion of a shared switch, DeMo's decoding
+work growing with N, hosts of unequal speed, and latency beyond a per-round
+constant. Compare its 2-host figures with a
 measurement (``bench/multihost.py``) before trusting its 64-host ones.
 """
 
@@ -64,11 +73,13 @@ __all__ = [
     "bytes_per_step",
     "chunk_size",
     "demo_payload_bytes",
+    "expected_max_of_normals",
     "predict_step_time",
     "project",
     "ring_allreduce_bytes",
     "ring_allreduce_rounds",
     "single_host_step_time",
+    "skew_per_step",
     "speedup",
     "step_traffic",
 ]
@@ -200,6 +211,7 @@ class StepTraffic:
         bytes_sent: bytes the host puts on its link per step under the ring model.
         rounds: sequential message rounds per step (each pays one latency).
         collective: ``all-reduce``, ``all-gather`` or ``none``.
+        period: steps from one communication to the next (0: never).
     """
 
     strategy: str
@@ -208,6 +220,7 @@ class StepTraffic:
     bytes_sent: float
     rounds: float
     collective: str
+    period: int = 1
 
 
 def _canonical(strategy: str) -> str:
@@ -257,10 +270,10 @@ def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = 
         calls = max(1, math.ceil(payload / bucket_bytes)) if payload > 0 else 0
         return StepTraffic(name, hosts, payload / every,
                            ring_allreduce_bytes(payload, hosts) / every,
-                           ring_allreduce_rounds(hosts, calls) / every, "all-reduce")
+                           ring_allreduce_rounds(hosts, calls) / every, "all-reduce", every)
 
     if name == "none":
-        return StepTraffic(name, hosts, 0.0, 0.0, 0.0, "none")
+        return StepTraffic(name, hosts, 0.0, 0.0, 0.0, "none", 0)
     if name == "ddp":
         return allreduce(float(value_bytes * num_params))
     if name == "diloco":
@@ -293,26 +306,67 @@ def bytes_per_step(strategy: str, num_params: int, hosts: int, **settings: objec
     return step_traffic(strategy, num_params, hosts, **settings).bytes_sent  # type: ignore[arg-type]
 
 
+# --------------------------------------------------------------------------- waiting for the slowest
+
+
+def expected_max_of_normals(n: int) -> float:
+    """``E[max of n independent standard normal draws]``: 0 for 1, 0.564 for 2, 2.344 for 64.
+
+    Computed by Simpson's rule on ``x * n * phi(x) * Phi(x)**(n-1)`` over [-12, 12].
+    """
+    n = _check_hosts(n)
+    if n == 1:
+        return 0.0
+    steps, low, high = 4000, -12.0, 12.0
+    h = (high - low) / steps
+    total = 0.0
+    for i in range(steps + 1):
+        x = low + i * h
+        density = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        below = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        weight = 1 if i in (0, steps) else (4 if i % 2 else 2)
+        total += weight * x * n * density * below ** (n - 1)
+    return total * h / 3
+
+
+def skew_per_step(compute_sd_s: float, hosts: int, period: int = 1) -> float:
+    """Seconds per step spent waiting for the slowest of ``hosts`` hosts.
+
+    Args:
+        compute_sd_s: standard deviation of one host's compute time per step.
+        hosts: the number of hosts.
+        period: steps between communications (the hosts meet once per period).
+    """
+    _check_nonnegative("compute_sd_s", compute_sd_s)
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+        raise ValueError(f"period must be an integer >= 1, got {period!r}")
+    return compute_sd_s * expected_max_of_normals(hosts) / math.sqrt(period)
+
+
 # --------------------------------------------------------------------------- time and speedup
 
 
 def predict_step_time(strategy: str, num_params: int, hosts: int, compute_s: float,
                       throughput_bytes_per_s: float, latency_s: float = 0.0,
-                      **settings: object) -> float:
-    """Seconds per training step on ``hosts`` hosts: compute, then communication.
+                      compute_sd_s: float = 0.0, **settings: object) -> float:
+    """Seconds per training step on ``hosts`` hosts: compute, wait for the slowest, talk.
 
     Args:
         strategy, num_params, hosts, **settings: as for :func:`step_traffic`.
-        compute_s: seconds one host needs per step without communicating.
+        compute_s: seconds one host needs per step without communicating (mean).
         throughput_bytes_per_s: payload bytes per second a host achieves while
             sending and receiving at once.
         latency_s: one-way latency per message round.
+        compute_sd_s: standard deviation of ``compute_s`` from step to step
+            (0 leaves out the wait for the slowest host).
     """
     _check_nonnegative("compute_s", compute_s)
     _check_positive("throughput_bytes_per_s", throughput_bytes_per_s)
     _check_nonnegative("latency_s", latency_s)
     traffic = step_traffic(strategy, num_params, hosts, **settings)  # type: ignore[arg-type]
-    return compute_s + traffic.bytes_sent / throughput_bytes_per_s + traffic.rounds * latency_s
+    skew = skew_per_step(compute_sd_s, hosts, traffic.period) if traffic.period else 0.0
+    return (compute_s + skew + traffic.bytes_sent / throughput_bytes_per_s
+            + traffic.rounds * latency_s)
 
 
 def single_host_step_time(hosts: int, minibatch_s: float) -> float:
@@ -322,17 +376,17 @@ def single_host_step_time(hosts: int, minibatch_s: float) -> float:
 
 def speedup(strategy: str, num_params: int, hosts: int, compute_s: float,
             throughput_bytes_per_s: float, *, minibatch_s: float | None = None,
-            latency_s: float = 0.0, **settings: object) -> float:
+            latency_s: float = 0.0, compute_sd_s: float = 0.0, **settings: object) -> float:
     """Throughput of ``hosts`` hosts over that of one host doing the same total work.
 
     Args:
         strategy, num_params, hosts, compute_s, throughput_bytes_per_s, latency_s,
-            **settings: as for :func:`predict_step_time`.
+            compute_sd_s, **settings: as for :func:`predict_step_time`.
         minibatch_s: seconds one host needs per minibatch when it does all the
             work alone (plain training, no strategy overhead); default ``compute_s``.
     """
     step = predict_step_time(strategy, num_params, hosts, compute_s, throughput_bytes_per_s,
-                             latency_s, **settings)
+                             latency_s, compute_sd_s, **settings)
     alone = single_host_step_time(hosts, compute_s if minibatch_s is None else minibatch_s)
     return alone / step if step > 0 else math.inf
 
@@ -345,7 +399,8 @@ class Projection:
         strategy: the strategy's label (e.g. ``diloco H=100``).
         hosts: the number of hosts.
         step_s: predicted seconds per step.
-        comm_s: the communication part of ``step_s``.
+        comm_s: the part of ``step_s`` beyond compute: waiting for the slowest
+            host and communicating.
         bytes_sent: bytes per host per step.
         speedup: over one host doing the same total work.
     """
@@ -365,24 +420,25 @@ class Projection:
 
 def project(strategy: str, num_params: int, hosts: Iterable[int], compute_s: float,
             throughput_bytes_per_s: float, *, minibatch_s: float | None = None,
-            latency_s: float = 0.0, label: str | None = None,
+            latency_s: float = 0.0, compute_sd_s: float = 0.0, label: str | None = None,
             **settings: object) -> list[Projection]:
     """:func:`predict_step_time` and :func:`speedup` for every host count in ``hosts``.
 
     Args:
         strategy, num_params, compute_s, throughput_bytes_per_s, minibatch_s,
-            latency_s, **settings: as for :func:`speedup`.
+            latency_s, compute_sd_s, **settings: as for :func:`speedup`.
         hosts: host counts, e.g. ``(2, 4, 8, 16, 32, 64)``.
         label: the name rows carry (default: ``strategy``).
     """
     rows = []
     for n in hosts:
         step = predict_step_time(strategy, num_params, n, compute_s, throughput_bytes_per_s,
-                                 latency_s, **settings)
+                                 latency_s, compute_sd_s, **settings)
         traffic = step_traffic(strategy, num_params, n, **settings)  # type: ignore[arg-type]
         rows.append(Projection(
             strategy=label or strategy, hosts=n, step_s=step, comm_s=step - compute_s,
             bytes_sent=traffic.bytes_sent,
             speedup=speedup(strategy, num_params, n, compute_s, throughput_bytes_per_s,
-                            minibatch_s=minibatch_s, latency_s=latency_s, **settings)))
+                            minibatch_s=minibatch_s, latency_s=latency_s,
+                            compute_sd_s=compute_sd_s, **settings)))
     return rows

@@ -12,11 +12,13 @@ from distributed.projection import (
     allgather_rounds,
     bytes_per_step,
     demo_payload_bytes,
+    expected_max_of_normals,
     predict_step_time,
     project,
     ring_allreduce_bytes,
     ring_allreduce_rounds,
     single_host_step_time,
+    skew_per_step,
     speedup,
     step_traffic,
 )
@@ -139,3 +141,28 @@ def test_projection_rows_cover_every_host_count_and_split_the_step():
     assert rows[-1].bytes_sent < 2 * 4 * P / 100
     assert rows[-1].speedup > rows[0].speedup
     assert not math.isinf(rows[0].speedup)
+
+
+def test_expected_maximum_of_normals_matches_known_values():
+    assert expected_max_of_normals(1) == 0
+    assert expected_max_of_normals(2) == pytest.approx(1 / math.sqrt(math.pi), abs=1e-6)
+    assert expected_max_of_normals(3) == pytest.approx(1.5 / math.sqrt(math.pi), abs=1e-6)
+    assert expected_max_of_normals(64) == pytest.approx(2.3437, abs=1e-3)
+
+
+def test_waiting_for_the_slowest_host_shrinks_with_the_period():
+    assert skew_per_step(0.02, 1) == 0
+    assert skew_per_step(0.02, 2) == pytest.approx(0.02 / math.sqrt(math.pi), rel=1e-6)
+    assert skew_per_step(0.02, 2, period=100) == pytest.approx(skew_per_step(0.02, 2) / 10)
+    with pytest.raises(ValueError, match="period"):
+        skew_per_step(0.02, 2, period=0)
+
+
+def test_step_time_adds_the_skew_of_the_strategy_period():
+    plain = predict_step_time("sparta", P, 4, 0.3, 1e7, p_sparta=0.005)
+    skewed = predict_step_time("sparta", P, 4, 0.3, 1e7, compute_sd_s=0.02, p_sparta=0.005)
+    assert skewed - plain == pytest.approx(skew_per_step(0.02, 4))
+    diloco = predict_step_time("diloco", P, 4, 0.3, 1e7, compute_sd_s=0.02, H=100)
+    assert diloco - predict_step_time("diloco", P, 4, 0.3, 1e7, H=100) == pytest.approx(
+        skew_per_step(0.02, 4, period=100))
+    assert predict_step_time("none", P, 4, 0.3, 1e7, compute_sd_s=0.02) == 0.3
