@@ -210,6 +210,7 @@ class JobResult:
     window: Window
     step_s: float
     rank_step_s: list[float]
+    step_sd_s: float
     counted_bytes_per_step: float
     wire_bytes_per_step: float
     launcher_bytes_per_step: float
@@ -332,7 +333,7 @@ class Bench:
         if sorted(steps) != list(range(hosts)):
             raise BenchError(f"{name}: step events came from ranks {sorted(steps)}, "
                              f"expected 0..{hosts - 1}")
-        rank_step_s, counted, losses = [], [], []
+        rank_step_s, rank_sd_s, counted, losses = [], [], [], []
         for rank in range(hosts):
             mine = steps[rank]
             try:
@@ -340,6 +341,10 @@ class Bench:
             except KeyError as exc:
                 raise BenchError(f"{name}: rank {rank} reported no step {exc}") from None
             rank_step_s.append((last["wall_s"] - first["wall_s"]) / window.steps)
+            each = [mine[k]["wall_s"] - mine[k - 1]["wall_s"]
+                    for k in range(window.s0 + 1, window.s1 + 1) if k in mine and k - 1 in mine]
+            mean = sum(each) / len(each)
+            rank_sd_s.append((sum((x - mean) ** 2 for x in each) / max(1, len(each) - 1)) ** 0.5)
             counted.append((last["comm_bytes"] - first["comm_bytes"]) / window.steps)
             losses += [mine[s]["train_loss"] for s in range(window.s1 - 9, window.s1 + 1)
                        if s in mine]
@@ -348,6 +353,7 @@ class Bench:
         return JobResult(
             name=name, hosts=hosts, window=window,
             step_s=sum(rank_step_s) / hosts, rank_step_s=rank_step_s,
+            step_sd_s=sum(rank_sd_s) / hosts,
             counted_bytes_per_step=sum(counted) / hosts,
             wire_bytes_per_step=c0.between_hosts(c1) / hosts / window.steps,
             launcher_bytes_per_step=c0.launcher_bytes(c1) / window.steps,
@@ -376,9 +382,10 @@ def model_facts(profile: str, overrides: list[str]) -> dict[str, Any]:
 
 def run_benchmark(bed: Testbed, args: argparse.Namespace, cases: list[StrategyCase],
                   out: Path) -> dict[str, Any]:
-    """Measure links, baselines and every (rate, strategy); return the results document."""
-    from distributed.projection import bytes_per_step
+    """Measure links, then baselines and every (rate, strategy) ``--repeat`` times.
 
+    Returns the results document: every round as measured, and the medians.
+    """
     bench = Bench(bed, args, out)
     say = bench.say
     hosts = args.hosts
@@ -392,7 +399,8 @@ def run_benchmark(bed: Testbed, args: argparse.Namespace, cases: list[StrategyCa
         "batch_size": args.batch_size, "model": model,
         "settings": {"rates": args.rates, "strategies": [c.label for c in cases],
                      "warmup": args.warmup, "window": args.window, "periods": args.periods,
-                     "overrides": list(args.set), "pinned": bed.pin},
+                     "repeat": args.repeat, "queue": args.queue, "overrides": list(args.set),
+                     "pinned": bed.pin},
         "machine": {"cores": os.cpu_count(), "kernel": platform.release(),
                     "python": platform.python_version(),
                     "load_at_start": list(os.getloadavg())},
@@ -412,6 +420,24 @@ def run_benchmark(bed: Testbed, args: argparse.Namespace, cases: list[StrategyCa
             f"(both directions busy), round trip {link.rtt_s * 1e6:.0f} us, "
             f"protocol overhead {link.overhead:.1%}")
 
+    results["rounds"] = []
+    for number in range(1, args.repeat + 1):
+        if args.repeat > 1:
+            say(f"round {number} of {args.repeat}:")
+        results["rounds"].append(run_round(bench, cases, results["links"], model))
+    results["baselines"], results["runs"] = merge_rounds(results["rounds"])
+    results["machine"]["load_at_end"] = list(os.getloadavg())
+    return results
+
+
+def run_round(bench: Bench, cases: list[StrategyCase], links: list[dict[str, Any]],
+              model: dict[str, Any]) -> dict[str, Any]:
+    """One pass over the baselines and every (rate, strategy); speedups use this pass's reference."""
+    from distributed.projection import bytes_per_step
+
+    args, say, hosts = bench.args, bench.say, bench.args.hosts
+    baselines: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
     say("single-host baselines (host 0, no communication):")
     plain = Window.for_period(1, args.warmup, args.window, 1)
     kinds = ["adamw"] + (["demo"] if any(c.compute == "demo" for c in cases) else [])
@@ -420,25 +446,25 @@ def run_benchmark(bed: Testbed, args: argparse.Namespace, cases: list[StrategyCa
         job = bench.run_job(f"compute {kind}", 1, [
             *bench.common_overrides(plain, args.batch_size, kind), f"strategy={strategy}",
             *demo_settings(cases, kind)], plain)
-        results["baselines"][kind] = job.to_dict()
-        say(f"    {job.step_s:.3f} s per step")
+        baselines[kind] = job.to_dict()
+        say(f"    {job.step_s:.3f} s per step (sd {job.step_sd_s:.3f} s)")
     job = bench.run_job("reference", 1, [
         *bench.common_overrides(plain, hosts * args.batch_size, "reference"), "strategy=ddp",
         f"minibatch_size={args.batch_size}"], plain)
-    results["baselines"]["reference"] = {**job.to_dict(), "minibatches": hosts}
+    baselines["reference"] = {**job.to_dict(), "minibatches": hosts}
     say(f"    {job.step_s:.3f} s per step for {hosts} minibatches of {args.batch_size}")
     reference_s = job.step_s
 
-    for link in results["links"]:
+    for link in links:
         rate = link["rate"]
-        bed.shape(rate)
+        bench.bed.shape(rate)
         say(f"{hosts} hosts at {rate}:")
         for case in cases:
             window = Window.for_period(case.period, args.warmup, args.window, args.periods)
             job = bench.run_job(f"{case.label} @ {rate}", hosts, [
                 *bench.common_overrides(window, args.batch_size, case.slug), *case.overrides()],
                 window)
-            compute_s = results["baselines"][case.compute]["step_s"]
+            compute_s = baselines[case.compute]["step_s"]
             formula = bytes_per_step(case.name, model["num_params"], hosts,
                                      **case.projection_settings(model["shapes"]))
             expected = formula * (1 + link["overhead"])
@@ -448,14 +474,48 @@ def run_benchmark(bed: Testbed, args: argparse.Namespace, cases: list[StrategyCa
                    "comm_fraction": max(0.0, 1 - compute_s / job.step_s),
                    "formula_bytes_per_step": formula,
                    "wire_ratio": job.wire_bytes_per_step / expected if expected else None}
-            results["runs"].append(run)
+            runs.append(run)
             say(f"    {job.step_s:.3f} s per step, speedup {run['speedup']:.2f}x, "
                 f"comm {run['comm_fraction']:.0%}, wire {job.wire_bytes_per_step / 1e3:,.1f} kB "
                 f"per host per step (formula {formula / 1e3:,.1f} kB), "
                 f"val loss {job.val_loss if job.val_loss is None else round(job.val_loss, 3)}, "
                 f"other load {job.other_cores:.2f} cores")
-    results["machine"]["load_at_end"] = list(os.getloadavg())
-    return results
+    return {"baselines": baselines, "runs": runs}
+
+
+#: Figures that are combined over rounds by their median (the rest are taken from round 1,
+#: except "other_cores", the largest).
+MEDIAN_FIELDS = ("step_s", "step_sd_s", "counted_bytes_per_step", "wire_bytes_per_step",
+                 "launcher_bytes_per_step", "speedup", "comm_fraction", "wire_ratio", "wall_s")
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _merge(items: list[dict[str, Any]]) -> dict[str, Any]:
+    merged = dict(items[0])
+    for key in MEDIAN_FIELDS:
+        values = [item[key] for item in items if item.get(key) is not None]
+        if values:
+            merged[key] = _median(values)
+    merged["other_cores"] = max(item["other_cores"] for item in items)
+    merged["repeats"] = len(items)
+    if "speedup" in merged:
+        merged["speedup_range"] = [min(i["speedup"] for i in items),
+                                   max(i["speedup"] for i in items)]
+    merged["step_s_each"] = [item["step_s"] for item in items]
+    return merged
+
+
+def merge_rounds(rounds: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Baselines and runs over every round: medians, the speedup's range, every step time."""
+    baselines = {kind: _merge([r["baselines"][kind] for r in rounds])
+                 for kind in rounds[0]["baselines"]}
+    runs = [_merge([r["runs"][i] for r in rounds]) for i in range(len(rounds[0]["runs"]))]
+    return baselines, runs
 
 
 def demo_settings(cases: list[StrategyCase], kind: str) -> list[str]:
@@ -484,7 +544,8 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Measured {results['created']} by `bench/multihost.py`: {hosts} network namespaces "
         f"on a bridge, each host's uplink shaped with tc tbf, ranks started over SSH by the "
-        f"launcher; batch {results['batch_size']} per host; "
+        f"launcher; batch {results['batch_size']} per host; tbf queue "
+        f"{results['settings'].get('queue', '50ms')}; "
         + ("each host pinned to its own core with one compute thread. "
            if results["settings"]["pinned"] else "hosts NOT pinned. ")
         + "Latency is not emulated (no netem in this kernel).",
@@ -506,21 +567,26 @@ def markdown(results: dict[str, Any]) -> str:
                 f"per step) {base['reference']['step_s']:.3f} s.", ""]
     lines += [
         "| strategy | link | time/step | comm share | wire kB/host/step | formula kB | "
-        "wire / expected | speedup | val loss | train loss | other load | cores |",
+        "wire / expected | speedup | val loss @steps | train loss | other load | cores |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for run in results["runs"]:
-        val = "-" if run["val_loss"] is None else f"{run['val_loss']:.3f}"
+        val = "-" if run["val_loss"] is None else f"{run['val_loss']:.3f} @{run['window'][2]}"
         ratio = "-" if run["wire_ratio"] is None else f"{run['wire_ratio']:.3f}"
+        low, high = run.get("speedup_range", [run["speedup"]] * 2)
+        spread = f" ({low:.2f}-{high:.2f})" if run.get("repeats", 1) > 1 else ""
         lines.append(
             f"| {run['label']} | {run['rate']} | {run['step_s']:.3f} s | "
             f"{run['comm_fraction']:.0%} | {run['wire_bytes_per_step'] / 1e3:,.1f} | "
             f"{run['formula_bytes_per_step'] / 1e3:,.1f} | {ratio} | "
-            f"**{run['speedup']:.2f}x** | {val} | {run['train_loss']:.3f} | "
+            f"**{run['speedup']:.2f}x**{spread} | {val} | {run['train_loss']:.3f} | "
             f"{run['other_cores']:.2f} | {_cores(run['affinity'])} |")
+    repeats = results["settings"].get("repeat", 1)
     lines += ["", "wire / expected = wire bytes / (formula x (1 + the link's protocol overhead)); "
               "other load = cores busy with other processes during the timed window; "
-              "cores = rank:CPUs it may run on.", ""]
+              "cores = rank:CPUs it may run on."
+              + (f" Figures are medians of {repeats} rounds; the speedup's range follows it."
+                 if repeats > 1 else ""), ""]
     lines += ["## Projection check (2 hosts)", "",
               "| strategy | link | predicted step | measured | error | predicted speedup | "
               "measured | error |", "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -620,6 +686,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--window", type=int, default=40, help="fewest timed steps")
     parser.add_argument("--periods", type=int, default=2,
                         help="fewest whole communication periods timed (DiLoCo rounds)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="passes over every job; the table shows medians (default 1)")
+    parser.add_argument("--queue", default="50ms",
+                        help="tbf queue of each link, as the time it takes to drain "
+                             "(tc's latency; default 50ms)")
     parser.add_argument("--probe-seconds", type=float, default=3.0,
                         help="length of each link probe at its nominal rate")
     parser.add_argument("--quiet-cores", type=float, default=0.25,
@@ -643,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rates, args.strategies = "100mbit", "ddp,diloco:10"
         args.set = ["n_layer=2", "n_embd=128", "val_size=32", *args.set]
-        args.warmup, args.window, args.periods, args.probe_seconds = 2, 6, 1, 1.0
+        args.warmup, args.window, args.periods, args.probe_seconds = 5, 10, 1, 1.0
         args.wait_max, args.retry_cores = 0, math.inf
     problems = check_requirements(args.pin)
     if problems:
@@ -657,8 +728,9 @@ def main(argv: list[str] | None = None) -> int:
         cases = parse_strategies(args.strategies)
         if args.hosts < 2:
             raise ValueError(f"--hosts must be 2 or more, got {args.hosts}")
-        if min(args.batch_size, args.window, args.periods) < 1 or args.warmup < 1:
-            raise ValueError("--batch-size, --window, --periods and --warmup must be >= 1")
+        if min(args.batch_size, args.window, args.periods, args.repeat) < 1 or args.warmup < 1:
+            raise ValueError("--batch-size, --window, --periods, --repeat and --warmup must "
+                             "be >= 1")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -668,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
     with signals_raise() as state:
         bed = None
         try:
-            bed = Testbed(args.hosts, args.subnet, args.pin)
+            bed = Testbed(args.hosts, args.subnet, args.pin, queue=args.queue)
             print(f"building {args.hosts} hosts ({bed.bridge_ns}, ...)", flush=True)
             bed.build()
             results = run_benchmark(bed, args, cases, out)

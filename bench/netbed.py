@@ -171,11 +171,12 @@ class Testbed:
         hosts: how many hosts.
         subnet: the first three octets of the /24 the hosts live in (``10.213.77``).
         pin: start host ``i``'s sshd (and so everything it starts) on core ``i``.
-        say: where progress lines go.
+        queue: how long each link's tbf queue takes to drain (tc's ``latency``):
+            a burst beyond it is dropped, as by a router with that much buffer.
     """
 
     def __init__(self, hosts: int, subnet: str = "10.213.77", pin: bool = True,
-                 say=print) -> None:
+                 queue: str = "50ms") -> None:
         if hosts < 1 or hosts > 250:
             raise ValueError(f"hosts must be within 1..250, got {hosts}")
         try:
@@ -189,8 +190,8 @@ class Testbed:
                                f"machine's {cores} cores: use --hosts {cores} or fewer, or "
                                "--no-pin (then hosts share cores and speedups mean little)")
         self.tag = uuid.uuid4().hex[:5]
-        self.say = say
         self.pin = pin
+        self.queue = queue
         self.bridge_ns = f"{PREFIX}-{self.tag}-br"
         self.uplink = f"xu{self.tag}"
         self.uplink_address = f"{subnet}.254"
@@ -337,7 +338,7 @@ class Testbed:
         for host in self.hosts:
             _run("ip", "netns", "exec", host.namespace, "tc", "qdisc", "replace", "dev",
                  host.interface, "root", "tbf", "rate", rate, "burst", str(burst),
-                 "latency", "50ms")
+                 "latency", self.queue)
         self.rate = rate
 
     def counters(self) -> Counters:

@@ -160,6 +160,7 @@ class Inputs:
         shapes: their tensors' shapes (for DeMo), if known.
         compute_s: seconds per step on one host without communication, per
             compute kind (``adamw``, ``demo``).
+        compute_sd_s: the standard deviation of those from step to step.
         minibatch_s: seconds one host needs per minibatch when it does all the work.
         links: the links to project for.
         cases: the strategies.
@@ -173,10 +174,12 @@ class Inputs:
     links: list[Link]
     cases: list[StrategyCase]
     demo_payload: float | None = None
+    compute_sd_s: dict[str, float] = field(default_factory=dict)
 
     def settings(self, case: StrategyCase) -> dict[str, Any]:
-        """The projection's keyword arguments for ``case``."""
-        return case.projection_settings(self.shapes, self.demo_payload)
+        """The projection's keyword arguments for ``case``, the compute spread included."""
+        sd = self.compute_sd_s.get(case.compute, self.compute_sd_s.get("adamw", 0.0))
+        return {**case.projection_settings(self.shapes, self.demo_payload), "compute_sd_s": sd}
 
     def compute_for(self, case: StrategyCase) -> float:
         """The compute time of ``case``'s step (``adamw`` when its own is unknown)."""
@@ -200,6 +203,8 @@ def inputs_from_results(results: dict[str, Any]) -> Inputs:
         num_params=int(results["model"]["num_params"]),
         shapes=results["model"].get("shapes"),
         compute_s={k: v["step_s"] for k, v in baselines.items() if k != "reference"},
+        compute_sd_s={k: v.get("step_sd_s", 0.0) for k, v in baselines.items()
+                      if k != "reference"},
         minibatch_s=reference["step_s"] / reference["minibatches"],
         links=[Link(link["rate"], link["goodput_bytes_per_s"], link["rtt_s"] / 2)
                for link in results["links"]],
@@ -270,7 +275,8 @@ def print_tables(inputs: Inputs, hosts: Sequence[int],
 
     console = Console()
     console.print(f"model: {inputs.num_params:,} parameters; compute per step on one host: "
-                  + ", ".join(f"{k} {v:.3f} s" for k, v in inputs.compute_s.items())
+                  + ", ".join(f"{k} {v:.3f} s (sd {inputs.compute_sd_s.get(k, 0.0):.3f} s)"
+                              for k, v in inputs.compute_s.items())
                   + f"; one host alone: {inputs.minibatch_s:.3f} s per minibatch")
     for link, rows in projection_rows(inputs, hosts).items():
         info = next(x for x in inputs.links if x.name == link)
@@ -339,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute-s", type=float, help="seconds per step on one host, no comm")
     parser.add_argument("--demo-compute-s", type=float,
                         help="seconds per DeMo step on one host (default: --compute-s)")
+    parser.add_argument("--compute-sd-s", type=float, default=0.0,
+                        help="standard deviation of the compute time per step (adds the wait "
+                             "for the slowest host)")
     parser.add_argument("--minibatch-s", type=float,
                         help="seconds per minibatch of one host doing all the work "
                              "(default: --compute-s)")
@@ -374,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
             compute["demo"] = args.demo_compute_s
         link = Link("given", parse_throughput(args.throughput), args.latency_ms / 1e3)
         inputs = Inputs(args.num_params, None, compute, args.minibatch_s or args.compute_s,
-                        [link], cases, demo_payload=args.demo_payload)
+                        [link], cases, demo_payload=args.demo_payload,
+                        compute_sd_s={"adamw": args.compute_sd_s})
         print_tables(inputs, hosts)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
