@@ -1,0 +1,444 @@
+"""Projection: time per step and speedup of a strategy on N hosts, from two measurements.
+
+Inputs are what one can measure on a small setup: the compute time of one
+training step on one host (forward, backward, optimizer, the strategy's own
+local work) and the link throughput between hosts. The model then says what
+happens with 2, 8 or 64 hosts, for every strategy, with nothing but arithmetic
+(no torch, no processes), so the CLI and the wizard can use it freely.
+
+Cost model. Ranks compute, then talk; exogym's strategies do not overlap the
+two, so a step takes::
+
+    t_step(N) = t_compute + skew(N) + bytes_sent(N) / throughput + rounds(N) * latency
+
+- ``skew`` is the wait for the slowest host: a collective starts when the last
+  host arrives. With per-step compute times of standard deviation ``sigma``,
+  independent across hosts and steps, and a communication every ``k`` steps
+  (1 for DDP, SPARTA and DeMo, ``H`` for DiLoCo), the slowest of ``N`` hosts
+  is behind the mean by about ``sigma * sqrt(k) * e_N`` per communication,
+  ``e_N`` being the expected maximum of ``N`` standard normal draws
+  (:func:`expected_max_of_normals`: 0.56 for 2 hosts, 2.34 for 64). Per step
+  that is ``sigma * e_N / sqrt(k)``.
+
+- ``bytes_sent`` is what one host puts on its link per step, on average:
+
+  * an all-reduce of ``S`` bytes runs as a ring (reduce-scatter, then
+    all-gather): each host sends ``2 (N-1)/N * S`` bytes in ``2 (N-1)``
+    rounds (gloo's ring algorithm; NCCL's ring is the same);
+  * an all-gather of ``s`` bytes per host runs as a ring too: each host sends
+    ``(N-1) * s`` bytes in ``N-1`` rounds.
+
+- per strategy, with ``P`` trainable parameters and ``v`` bytes per value
+  (4 in float32, 2 in bfloat16):
+
+  * DDP: an all-reduce of ``v P`` every step;
+  * DiLoCo: an all-reduce of ``v (P + B)`` every ``H`` steps (``B`` float
+    buffers), i.e. ``1/H`` of it per step on average;
+  * SPARTA: an all-reduce of ``v p P`` every step (the indices are derived
+    from a shared seed, never sent);
+  * DeMo: an all-gather of the top-k DCT coefficients and their indices
+    every step (:func:`demo_payload_bytes`);
+  * none: no communication (a single host, or independent training).
+
+- ``throughput`` is the payload rate a host achieves while sending and
+  receiving at once (what a ring does), in bytes per second: measured, it
+  already includes TCP/IP headers and acknowledgements.
+
+The speedup compares with one host doing the same total work at the same
+settings: one host processing the ``N`` minibatches the ``N`` hosts process
+in a step, one after the other (gradient accumulation), so a step there takes
+``N * t_minibatch``::
+
+    speedup(N) = N * t_minibatch / t_step(N)
+
+What the model leaves out: congestion of a shared switch, DeMo's decoding
+work growing with N, hosts of unequal speed, and latency beyond a per-round
+constant. Compare its 2-host figures with a
+measurement (``bench/multihost.py``) before trusting its 64-host ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "BUCKET_BYTES",
+    "STRATEGIES",
+    "Projection",
+    "StepTraffic",
+    "allgather_bytes",
+    "allgather_rounds",
+    "bytes_per_step",
+    "chunk_size",
+    "demo_payload_bytes",
+    "expected_max_of_normals",
+    "predict_step_time",
+    "project",
+    "ring_allreduce_bytes",
+    "ring_allreduce_rounds",
+    "single_host_step_time",
+    "skew_per_step",
+    "speedup",
+    "step_traffic",
+]
+
+#: Largest flat buffer one all-reduce call carries (``exogym.comm.BUCKET_BYTES``):
+#: a larger payload is split into several calls, each paying its own rounds.
+BUCKET_BYTES = 32 * 1024 * 1024
+
+#: Strategy names the model knows, with the settings each one needs.
+STRATEGIES: dict[str, str] = {
+    "ddp": "all-reduce of every gradient each step",
+    "diloco": "all-reduce of the parameter deltas every H steps (needs H)",
+    "sparta": "all-reduce of a fraction p_sparta of the parameters each step",
+    "demo": "all-gather of top-k DCT coefficients each step (needs demo_payload or shapes)",
+    "none": "no communication",
+}
+_ALIASES = {"allreduce": "ddp", "all_reduce": "ddp", "simple_reduce": "ddp"}
+
+
+def _check_hosts(hosts: int) -> int:
+    if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
+        raise ValueError(f"hosts must be an integer >= 1, got {hosts!r}")
+    return hosts
+
+
+def _check_nonnegative(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def ring_allreduce_bytes(payload: float, hosts: int) -> float:
+    """Bytes one host sends in a ring all-reduce of ``payload`` bytes: ``2 (N-1)/N * payload``.
+
+    Args:
+        payload: the size of the buffer every host reduces, in bytes.
+        hosts: the number of hosts ``N`` (one host sends nothing).
+    """
+    hosts = _check_hosts(hosts)
+    payload = _check_nonnegative("payload", payload)
+    return 2.0 * (hosts - 1) / hosts * payload
+
+
+def ring_allreduce_rounds(hosts: int, calls: int = 1) -> int:
+    """Sequential message rounds of ``calls`` ring all-reduces: ``2 (N-1)`` each."""
+    return 2 * (_check_hosts(hosts) - 1) * calls
+
+
+def allgather_bytes(payload: float, hosts: int) -> float:
+    """Bytes one host sends in a ring all-gather of ``payload`` bytes per host: ``(N-1) * payload``.
+
+    Args:
+        payload: one host's contribution, in bytes.
+        hosts: the number of hosts ``N``.
+    """
+    hosts = _check_hosts(hosts)
+    payload = _check_nonnegative("payload", payload)
+    return float((hosts - 1) * payload)
+
+
+def allgather_rounds(hosts: int) -> int:
+    """Sequential message rounds of a ring all-gather: ``N - 1``."""
+    return _check_hosts(hosts) - 1
+
+
+# --------------------------------------------------------------------------- DeMo's payload
+
+
+def chunk_size(dim: int, limit: int) -> int:
+    """The largest divisor of ``dim`` that is not above ``limit`` (DeMo's chunk side)."""
+    for d in range(min(dim, limit), 0, -1):
+        if dim % d == 0:
+            return d
+    return 1
+
+
+def demo_payload_bytes(shapes: Iterable[Sequence[int]], chunk: int = 64, topk: int = 32,
+                       value_bytes: int = 4) -> int:
+    """Bytes one host contributes to DeMo's all-gather per step.
+
+    The same rule as ``exogym.strategy.demo.ChunkPlan``: every tensor is seen
+    as a matrix (1-D as one row, higher ranks with trailing dimensions
+    flattened), cut into chunks of ``chunk_size(dim, chunk)`` per side; each
+    chunk sends ``min(topk, area)`` values and as many indices in the
+    narrowest integer that holds the chunk area (1, 2 or 4 bytes).
+
+    Args:
+        shapes: the shape of every trainable tensor.
+        chunk: ``compression_chunk``.
+        topk: ``compression_topk``.
+        value_bytes: bytes per value (4 for float32).
+    """
+    total = 0
+    for shape in shapes:
+        dims = [int(s) for s in shape]
+        if len(dims) < 2:
+            rows, cols = 1, (dims[0] if dims else 1)
+        else:
+            rows, cols = dims[0], math.prod(dims[1:])
+        cr, cc = chunk_size(rows, chunk), chunk_size(cols, chunk)
+        area = cr * cc
+        k = min(topk, area)
+        index_bytes = 1 if area <= 2**8 else 2 if area <= 2**16 else 4
+        total += (rows // cr) * (cols // cc) * k * (value_bytes + index_bytes)
+    return total
+
+
+# --------------------------------------------------------------------------- per strategy
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """What one host sends per training step, averaged over the strategy's period.
+
+    Args:
+        strategy: the strategy's name.
+        hosts: the number of hosts.
+        payload: bytes the host hands to collectives per step (what exogym's
+            comm counters count; independent of ``hosts``).
+        bytes_sent: bytes the host puts on its link per step under the ring model.
+        rounds: sequential message rounds per step (each pays one latency).
+        collective: ``all-reduce``, ``all-gather`` or ``none``.
+        period: steps from one communication to the next (0: never).
+    """
+
+    strategy: str
+    hosts: int
+    payload: float
+    bytes_sent: float
+    rounds: float
+    collective: str
+    period: int = 1
+
+
+def _canonical(strategy: str) -> str:
+    if not isinstance(strategy, str):
+        raise TypeError(f"strategy must be a name such as 'ddp', got {strategy!r}")
+    name = strategy.strip().lower().replace("-", "_")
+    name = _ALIASES.get(name, name)
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: the projection knows "
+                         f"{', '.join(STRATEGIES)}")
+    return name
+
+
+def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = None,
+                 p_sparta: float = 0.005, demo_payload: float | None = None,
+                 shapes: Iterable[Sequence[int]] | None = None, compression_chunk: int = 64,
+                 compression_topk: int = 32, value_bytes: int = 4, num_buffers: int = 0,
+                 bucket_bytes: int = BUCKET_BYTES) -> StepTraffic:
+    """Bytes and rounds per step for ``strategy`` on ``hosts`` hosts (see the module docstring).
+
+    Args:
+        strategy: ``ddp``, ``diloco``, ``sparta``, ``demo`` or ``none``.
+        num_params: trainable parameters ``P``.
+        hosts: the number of hosts ``N``.
+        H: DiLoCo's inner steps per round (required for ``diloco``).
+        p_sparta: SPARTA's fraction of entries averaged per step.
+        demo_payload: DeMo's bytes per host per step; computed from ``shapes``
+            when not given.
+        shapes: the trainable tensors' shapes, for DeMo.
+        compression_chunk, compression_topk: DeMo's settings, with ``shapes``.
+        value_bytes: bytes per value on the wire (``comm_dtype``: 4 or 2).
+        num_buffers: float buffers DiLoCo averages with the parameters (BatchNorm statistics).
+        bucket_bytes: largest buffer per all-reduce call.
+
+    Raises:
+        ValueError: for an unknown strategy, a missing setting or an impossible value.
+    """
+    name = _canonical(strategy)
+    hosts = _check_hosts(hosts)
+    if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
+        raise ValueError(f"num_params must be an integer >= 0, got {num_params!r}")
+    if value_bytes not in (1, 2, 4, 8):
+        raise ValueError(f"value_bytes must be 1, 2, 4 or 8, got {value_bytes!r}")
+    _check_positive("bucket_bytes", bucket_bytes)
+
+    def allreduce(payload: float, every: int = 1) -> StepTraffic:
+        calls = max(1, math.ceil(payload / bucket_bytes)) if payload > 0 else 0
+        return StepTraffic(name, hosts, payload / every,
+                           ring_allreduce_bytes(payload, hosts) / every,
+                           ring_allreduce_rounds(hosts, calls) / every, "all-reduce", every)
+
+    if name == "none":
+        return StepTraffic(name, hosts, 0.0, 0.0, 0.0, "none", 0)
+    if name == "ddp":
+        return allreduce(float(value_bytes * num_params))
+    if name == "diloco":
+        if isinstance(H, bool) or not isinstance(H, int) or H < 1:
+            raise ValueError(f"diloco needs H, an integer >= 1 (inner steps per round), got {H!r}")
+        return allreduce(float(value_bytes * (num_params + num_buffers)), every=H)
+    if name == "sparta":
+        if isinstance(p_sparta, bool) or not isinstance(p_sparta, (int, float)) \
+                or not 0.0 <= p_sparta <= 1.0:
+            raise ValueError(f"p_sparta must be a fraction within [0, 1], got {p_sparta!r}")
+        return allreduce(float(value_bytes * p_sparta * num_params))
+    # demo
+    if demo_payload is None:
+        if shapes is None:
+            raise ValueError("demo needs demo_payload= (bytes per host per step) or shapes= "
+                             "(the trainable tensors' shapes) to size its all-gather")
+        demo_payload = demo_payload_bytes(shapes, compression_chunk, compression_topk,
+                                          value_bytes)
+    demo_payload = _check_nonnegative("demo_payload", demo_payload)
+    return StepTraffic(name, hosts, demo_payload, allgather_bytes(demo_payload, hosts),
+                       float(allgather_rounds(hosts)), "all-gather")
+
+
+def bytes_per_step(strategy: str, num_params: int, hosts: int, **settings: object) -> float:
+    """Bytes one host sends per step, averaged over the strategy's period.
+
+    Args:
+        strategy, num_params, hosts, **settings: as for :func:`step_traffic`.
+    """
+    return step_traffic(strategy, num_params, hosts, **settings).bytes_sent  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- waiting for the slowest
+
+
+def expected_max_of_normals(n: int) -> float:
+    """``E[max of n independent standard normal draws]``: 0 for 1, 0.564 for 2, 2.344 for 64.
+
+    Computed by Simpson's rule on ``x * n * phi(x) * Phi(x)**(n-1)`` over [-12, 12].
+    """
+    n = _check_hosts(n)
+    if n == 1:
+        return 0.0
+    steps, low, high = 4000, -12.0, 12.0
+    h = (high - low) / steps
+    total = 0.0
+    for i in range(steps + 1):
+        x = low + i * h
+        density = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        below = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        weight = 1 if i in (0, steps) else (4 if i % 2 else 2)
+        total += weight * x * n * density * below ** (n - 1)
+    return total * h / 3
+
+
+def skew_per_step(compute_sd_s: float, hosts: int, period: int = 1) -> float:
+    """Seconds per step spent waiting for the slowest of ``hosts`` hosts.
+
+    Args:
+        compute_sd_s: standard deviation of one host's compute time per step.
+        hosts: the number of hosts.
+        period: steps between communications (the hosts meet once per period).
+    """
+    _check_nonnegative("compute_sd_s", compute_sd_s)
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+        raise ValueError(f"period must be an integer >= 1, got {period!r}")
+    return compute_sd_s * expected_max_of_normals(hosts) / math.sqrt(period)
+
+
+# --------------------------------------------------------------------------- time and speedup
+
+
+def predict_step_time(strategy: str, num_params: int, hosts: int, compute_s: float,
+                      throughput_bytes_per_s: float, latency_s: float = 0.0,
+                      compute_sd_s: float = 0.0, **settings: object) -> float:
+    """Seconds per training step on ``hosts`` hosts: compute, wait for the slowest, talk.
+
+    Args:
+        strategy, num_params, hosts, **settings: as for :func:`step_traffic`.
+        compute_s: seconds one host needs per step without communicating (mean).
+        throughput_bytes_per_s: payload bytes per second a host achieves while
+            sending and receiving at once.
+        latency_s: one-way latency per message round.
+        compute_sd_s: standard deviation of ``compute_s`` from step to step
+            (0 leaves out the wait for the slowest host).
+    """
+    _check_nonnegative("compute_s", compute_s)
+    _check_positive("throughput_bytes_per_s", throughput_bytes_per_s)
+    _check_nonnegative("latency_s", latency_s)
+    traffic = step_traffic(strategy, num_params, hosts, **settings)  # type: ignore[arg-type]
+    skew = skew_per_step(compute_sd_s, hosts, traffic.period) if traffic.period else 0.0
+    return (compute_s + skew + traffic.bytes_sent / throughput_bytes_per_s
+            + traffic.rounds * latency_s)
+
+
+def single_host_step_time(hosts: int, minibatch_s: float) -> float:
+    """Seconds one host needs for the work ``hosts`` hosts do in one step: ``N * t_minibatch``."""
+    return _check_hosts(hosts) * _check_nonnegative("minibatch_s", minibatch_s)
+
+
+def speedup(strategy: str, num_params: int, hosts: int, compute_s: float,
+            throughput_bytes_per_s: float, *, minibatch_s: float | None = None,
+            latency_s: float = 0.0, compute_sd_s: float = 0.0, **settings: object) -> float:
+    """Throughput of ``hosts`` hosts over that of one host doing the same total work.
+
+    Args:
+        strategy, num_params, hosts, compute_s, throughput_bytes_per_s, latency_s,
+            compute_sd_s, **settings: as for :func:`predict_step_time`.
+        minibatch_s: seconds one host needs per minibatch when it does all the
+            work alone (plain training, no strategy overhead); default ``compute_s``.
+    """
+    step = predict_step_time(strategy, num_params, hosts, compute_s, throughput_bytes_per_s,
+                             latency_s, compute_sd_s, **settings)
+    alone = single_host_step_time(hosts, compute_s if minibatch_s is None else minibatch_s)
+    return alone / step if step > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One row of a projection: a strategy on a number of hosts.
+
+    Args:
+        strategy: the strategy's label (e.g. ``diloco H=100``).
+        hosts: the number of hosts.
+        step_s: predicted seconds per step.
+        comm_s: the part of ``step_s`` beyond compute: waiting for the slowest
+            host and communicating.
+        bytes_sent: bytes per host per step.
+        speedup: over one host doing the same total work.
+    """
+
+    strategy: str
+    hosts: int
+    step_s: float
+    comm_s: float
+    bytes_sent: float
+    speedup: float
+
+    @property
+    def comm_fraction(self) -> float:
+        """Share of the step spent communicating."""
+        return self.comm_s / self.step_s if self.step_s > 0 else 0.0
+
+
+def project(strategy: str, num_params: int, hosts: Iterable[int], compute_s: float,
+            throughput_bytes_per_s: float, *, minibatch_s: float | None = None,
+            latency_s: float = 0.0, compute_sd_s: float = 0.0, label: str | None = None,
+            **settings: object) -> list[Projection]:
+    """:func:`predict_step_time` and :func:`speedup` for every host count in ``hosts``.
+
+    Args:
+        strategy, num_params, compute_s, throughput_bytes_per_s, minibatch_s,
+            latency_s, compute_sd_s, **settings: as for :func:`speedup`.
+        hosts: host counts, e.g. ``(2, 4, 8, 16, 32, 64)``.
+        label: the name rows carry (default: ``strategy``).
+    """
+    rows = []
+    for n in hosts:
+        step = predict_step_time(strategy, num_params, n, compute_s, throughput_bytes_per_s,
+                                 latency_s, compute_sd_s, **settings)
+        traffic = step_traffic(strategy, num_params, n, **settings)  # type: ignore[arg-type]
+        rows.append(Projection(
+            strategy=label or strategy, hosts=n, step_s=step, comm_s=step - compute_s,
+            bytes_sent=traffic.bytes_sent,
+            speedup=speedup(strategy, num_params, n, compute_s, throughput_bytes_per_s,
+                            minibatch_s=minibatch_s, latency_s=latency_s,
+                            compute_sd_s=compute_sd_s, **settings)))
+    return rows
