@@ -36,6 +36,7 @@ __all__ = [
     "comm_calls",
     "reset_counters",
     "resolve_dtype",
+    "use_local_collectives",
 ]
 
 BUCKET_BYTES = 32 * 1024 * 1024
@@ -43,6 +44,20 @@ BUCKET_BYTES = 32 * 1024 * 1024
 _bytes_sent = 0
 _calls = 0
 _backend_by_group: dict[object, str] = {}
+_local = None  # SharedMemoryCollectives when every rank shares this machine
+
+
+def use_local_collectives(local) -> None:
+    """Route world-group CPU collectives through ``local`` (shared memory); None: torch only."""
+    global _local
+    _local = local
+
+
+def _local_for(tensor: torch.Tensor, group, op=None):
+    """The shared-memory collectives when they can carry this call, else None."""
+    if _local is None or not (group is None or group is dist.group.WORLD):
+        return None
+    return _local if _local.supports(tensor, op) else None
 
 
 def comm_bytes() -> int:
@@ -122,11 +137,23 @@ class _DoneWork:
         return True
 
 
-def _in_place(collective, tensor: torch.Tensor, group, async_op: bool, **kwargs):
-    """Run an in-place collective on ``tensor``, through a CPU copy when gloo needs one."""
-    if not _needs_staging(tensor, group):
+def _in_place(collective, local_name: str, tensor: torch.Tensor, group, async_op: bool,
+              **kwargs):
+    """Run an in-place collective on ``tensor``, through a CPU copy when gloo needs one.
+
+    ``collective`` is the ``torch.distributed`` function; ``local_name`` its
+    shared-memory equivalent, used when the ranks share this machine.
+    """
+    staging = _needs_staging(tensor, group)
+    staged = tensor.detach().to("cpu") if staging else tensor
+    local = _local_for(staged, group, kwargs.get("op"))
+    if local is not None:
+        getattr(local, local_name)(staged, **kwargs)
+        if staging:
+            tensor.copy_(staged)
+        return _DoneWork() if async_op else None
+    if not staging:
         return collective(tensor, group=group, async_op=async_op, **kwargs)
-    staged = tensor.detach().to("cpu")
     work = collective(staged, group=group, async_op=async_op, **kwargs)
     handle = _StagedWork(work if async_op else _DoneWork(), [(tensor, staged)])
     if async_op:
@@ -140,7 +167,7 @@ def all_reduce(tensor: torch.Tensor, op=None, group=None, async_op: bool = False
     if not _active():
         return _DoneWork() if async_op else None
     _count(tensor.numel() * tensor.element_size())
-    return _in_place(dist.all_reduce, tensor, group, async_op,
+    return _in_place(dist.all_reduce, "all_reduce", tensor, group, async_op,
                      op=dist.ReduceOp.SUM if op is None else op)
 
 
@@ -149,7 +176,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
     if not _active():
         return _DoneWork() if async_op else None
     _count(tensor.numel() * tensor.element_size())
-    return _in_place(dist.broadcast, tensor, group, async_op, src=src)
+    return _in_place(dist.broadcast, "broadcast", tensor, group, async_op, src=src)
 
 
 def all_gather(
@@ -160,6 +187,10 @@ def all_gather(
         tensor_list[0].copy_(tensor)
         return _DoneWork() if async_op else None
     _count(tensor.numel() * tensor.element_size())
+    local = _local_for(tensor, group)
+    if local is not None and all(t.device.type == "cpu" for t in tensor_list):
+        local.all_gather(tensor_list, tensor)
+        return _DoneWork() if async_op else None
     if _needs_staging(tensor, group):
         staged_in = tensor.detach().to("cpu")
         staged_out = [torch.empty_like(t, device="cpu") for t in tensor_list]

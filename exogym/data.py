@@ -14,7 +14,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    TensorDataset,
+)
 
 DatasetOrFactory = Any  # a Dataset, or f(rank, num_nodes, is_train) -> Dataset
 
@@ -117,6 +123,9 @@ class MinibatchStream:
                 next(it)
         else:
             indices = self._indices(self.epoch)[self.taken * self.minibatch_size:]
+            if type(self.dataset) is TensorDataset and not self.loader_kwargs:
+                self._iter = _tensor_batches(self.dataset, indices, self.minibatch_size)
+                return
             loader = DataLoader(self.dataset, batch_size=self.minibatch_size, sampler=indices,
                                 **_with_generator(self.loader_kwargs, self.seed + self.epoch))
             it = iter(loader)
@@ -151,6 +160,18 @@ class MinibatchStream:
         self.epoch = int(state["epoch"])
         self.taken = int(state["taken"])
         self._iter = None
+
+def _tensor_batches(dataset: TensorDataset, indices: list[int],
+                    minibatch_size: int) -> Iterator[list[torch.Tensor]]:
+    """Minibatches of a plain TensorDataset, each gathered by one indexing per tensor.
+
+    The same list of stacked tensors a DataLoader with the default collate gives,
+    without fetching and stacking one sample at a time.
+    """
+    order = torch.as_tensor(indices, dtype=torch.long)
+    for chunk in order.split(minibatch_size):
+        yield [t[chunk] for t in dataset.tensors]
+
 
 def validation_subset(dataset: Dataset, val_size: int, seed: int) -> list[int]:
     """A fixed random subset of ``val_size`` indices, the same at every evaluation."""

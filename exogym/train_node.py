@@ -167,13 +167,14 @@ class TrainNode:
         """Run one optimizer step (with accumulation) and return its metric event."""
         accumulation = self.spec.accumulation_steps
         self.strategy.zero_grad()
-        total = torch.zeros((), device=self.device)
+        losses = []
         for _ in range(accumulation):
             batch = to_device(next(self.train_stream), self.device)
             loss = self._loss(self.model, batch)
-            (loss / accumulation).backward()
-            total += loss.detach().float()
+            (loss / accumulation if accumulation > 1 else loss).backward()
+            losses.append(loss.detach())
             self.samples += batch_size_of(batch)
+        total = losses[0] if accumulation == 1 else torch.stack(losses).float().sum()
         lr = self.strategy.current_lr
         self.strategy.step()
         self.step += 1
