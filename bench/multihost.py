@@ -36,7 +36,8 @@ Definitions:
   final evaluation comes after it.
 - **comm share**: ``1 - t_compute / t_step``, with ``t_compute`` the same
   training on one host with no one to talk to (the AdamW baseline for DDP,
-  DiLoCo and SPARTA, the DeMo baseline for DeMo). It counts everything a step
+  DiLoCo and SPARTA, the DeMo baseline for DeMo), measured just before the
+  runs of each rate (this machine's speed drifts from minute to minute). It counts everything a step
   spends beyond local compute: transfers, waiting for the slower peer,
   SPARTA's index selection and DiLoCo's outer step.
 - **wire bytes**: per host and step, the bytes the hosts' veths sent during
@@ -388,6 +389,7 @@ def run_benchmark(bed: Testbed, args: argparse.Namespace, cases: list[StrategyCa
     """
     bench = Bench(bed, args, out)
     say = bench.say
+    shutil.rmtree(out / "logs", ignore_errors=True)  # a previous benchmark's rank logs
     hosts = args.hosts
     model = model_facts(args.profile, list(args.set))
     say(f"model: {model['task']} with {model['num_params']:,} trainable parameters; "
@@ -430,15 +432,11 @@ def run_benchmark(bed: Testbed, args: argparse.Namespace, cases: list[StrategyCa
     return results
 
 
-def run_round(bench: Bench, cases: list[StrategyCase], links: list[dict[str, Any]],
-              model: dict[str, Any]) -> dict[str, Any]:
-    """One pass over the baselines and every (rate, strategy); speedups use this pass's reference."""
-    from distributed.projection import bytes_per_step
-
+def run_baselines(bench: Bench, cases: list[StrategyCase]) -> dict[str, Any]:
+    """Single-host jobs in host 0: compute per step (AdamW, DeMo) and the reference."""
     args, say, hosts = bench.args, bench.say, bench.args.hosts
     baselines: dict[str, Any] = {}
-    runs: list[dict[str, Any]] = []
-    say("single-host baselines (host 0, no communication):")
+    say("  single-host baselines (host 0, no communication):")
     plain = Window.for_period(1, args.warmup, args.window, 1)
     kinds = ["adamw"] + (["demo"] if any(c.compute == "demo" for c in cases) else [])
     for kind in kinds:
@@ -453,25 +451,46 @@ def run_round(bench: Bench, cases: list[StrategyCase], links: list[dict[str, Any
         f"minibatch_size={args.batch_size}"], plain)
     baselines["reference"] = {**job.to_dict(), "minibatches": hosts}
     say(f"    {job.step_s:.3f} s per step for {hosts} minibatches of {args.batch_size}")
-    reference_s = job.step_s
+    return baselines
 
+
+def run_round(bench: Bench, cases: list[StrategyCase], links: list[dict[str, Any]],
+              model: dict[str, Any]) -> dict[str, Any]:
+    """One pass over every rate: its baselines, then every strategy on ``--hosts`` hosts.
+
+    The baselines are measured again for every rate, just before its runs, and
+    a run's speedup and comm share use them: this machine's speed drifts from
+    minute to minute, and a baseline far away in time would carry that drift
+    into the ratio.
+    """
+    from distributed.projection import bytes_per_step
+
+    args, say, hosts = bench.args, bench.say, bench.args.hosts
+    blocks: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
     for link in links:
         rate = link["rate"]
+        say(f"{rate}:")
+        baselines = run_baselines(bench, cases)
+        blocks.append({"rate": rate, "baselines": baselines})
+        reference_s = baselines["reference"]["step_s"]
         bench.bed.shape(rate)
-        say(f"{hosts} hosts at {rate}:")
+        say(f"  {hosts} hosts at {rate}:")
         for case in cases:
             window = Window.for_period(case.period, args.warmup, args.window, args.periods)
             job = bench.run_job(f"{case.label} @ {rate}", hosts, [
                 *bench.common_overrides(window, args.batch_size, case.slug), *case.overrides()],
                 window)
-            compute_s = baselines[case.compute]["step_s"]
+            compute = baselines[case.compute]
             formula = bytes_per_step(case.name, model["num_params"], hosts,
                                      **case.projection_settings(model["shapes"]))
             expected = formula * (1 + link["overhead"])
             run = {**job.to_dict(), "label": case.label, "strategy": case.name,
                    "settings": case.settings, "period": case.period, "compute": case.compute,
                    "rate": rate, "speedup": reference_s / job.step_s,
-                   "comm_fraction": max(0.0, 1 - compute_s / job.step_s),
+                   "comm_fraction": max(0.0, 1 - compute["step_s"] / job.step_s),
+                   "compute_s": compute["step_s"], "compute_sd_s": compute["step_sd_s"],
+                   "reference_s": reference_s,
                    "formula_bytes_per_step": formula,
                    "wire_ratio": job.wire_bytes_per_step / expected if expected else None}
             runs.append(run)
@@ -480,13 +499,14 @@ def run_round(bench: Bench, cases: list[StrategyCase], links: list[dict[str, Any
                 f"per host per step (formula {formula / 1e3:,.1f} kB), "
                 f"val loss {job.val_loss if job.val_loss is None else round(job.val_loss, 3)}, "
                 f"other load {job.other_cores:.2f} cores")
-    return {"baselines": baselines, "runs": runs}
+    return {"blocks": blocks, "runs": runs}
 
 
 #: Figures that are combined over rounds by their median (the rest are taken from round 1,
 #: except "other_cores", the largest).
 MEDIAN_FIELDS = ("step_s", "step_sd_s", "counted_bytes_per_step", "wire_bytes_per_step",
-                 "launcher_bytes_per_step", "speedup", "comm_fraction", "wire_ratio", "wall_s")
+                 "launcher_bytes_per_step", "speedup", "comm_fraction", "wire_ratio", "wall_s",
+                 "compute_s", "compute_sd_s", "reference_s")
 
 
 def _median(values: list[float]) -> float:
@@ -512,8 +532,8 @@ def _merge(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 def merge_rounds(rounds: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Baselines and runs over every round: medians, the speedup's range, every step time."""
-    baselines = {kind: _merge([r["baselines"][kind] for r in rounds])
-                 for kind in rounds[0]["baselines"]}
+    blocks = [block["baselines"] for r in rounds for block in r["blocks"]]
+    baselines = {kind: _merge([b[kind] for b in blocks]) for kind in blocks[0]}
     runs = [_merge([r["runs"][i] for r in rounds]) for i in range(len(rounds[0]["runs"]))]
     return baselines, runs
 
@@ -560,7 +580,8 @@ def markdown(results: dict[str, Any]) -> str:
     for link in results["links"]:
         lines.append(f"| {link['rate']} | {link['goodput_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s | "
                      f"{link['rtt_s'] * 1e6:.0f} us | {link['overhead']:.1%} |")
-    lines += ["", "Single host, no communication (time per step): "
+    lines += ["", "Single host, no communication, measured before every rate's runs "
+              "(median time per step): "
               + "; ".join(f"{k} {v['step_s']:.3f} s" for k, v in base.items()
                           if k != "reference")
               + f"; reference (one host doing the work of {hosts}: {hosts} minibatches "

@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -183,7 +183,7 @@ class Inputs:
 
     def compute_for(self, case: StrategyCase) -> float:
         """The compute time of ``case``'s step (``adamw`` when its own is unknown)."""
-        return self.compute_s.get(case.compute, self.compute_s["adamw"])
+        return self.compute_s.get(case.compute, self.compute_s.get("adamw", 0.0))
 
 
 def case_from_run(run: dict[str, Any]) -> StrategyCase:
@@ -227,13 +227,23 @@ def predicted(inputs: Inputs, case: StrategyCase, link: Link, hosts: int) -> tup
 
 
 def validation_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """For every measured run: predicted and measured step time and speedup, relative errors."""
+    """For every measured run: predicted and measured step time and speedup, relative errors.
+
+    A run that carries the baselines measured next to it (``compute_s``,
+    ``compute_sd_s``, ``reference_s``) is predicted from those, so drift of the
+    machine's speed between the baselines and the run does not count as error.
+    """
     inputs = inputs_from_results(results)
     links = {link.name: link for link in inputs.links}
     rows = []
     for run in results["runs"]:
         case = case_from_run(run)
-        step, gain = predicted(inputs, case, links[run["rate"]], results["hosts"])
+        own = inputs
+        if "compute_s" in run:
+            own = replace(inputs, compute_s={case.compute: run["compute_s"]},
+                          compute_sd_s={case.compute: run["compute_sd_s"]},
+                          minibatch_s=run["reference_s"] / results["hosts"])
+        step, gain = predicted(own, case, links[run["rate"]], results["hosts"])
         rows.append({
             "label": run["label"], "rate": run["rate"],
             "predicted_step_s": step, "measured_step_s": run["step_s"],
