@@ -17,7 +17,8 @@ What it does:
    one peer and receiving from another at once (the ring pattern), the round
    trip, and the protocol overhead (wire bytes over payload bytes).
 3. Runs the single-host baselines in host 0, through the same launcher:
-   the compute time per step without communication (AdamW; DeMo's optimizer),
+   the compute time per step without communication (AdamW; SPARTA and DeMo
+   themselves on one host),
    and the reference: one host doing all ``N`` hosts' work.
 4. For every rate and strategy, runs the profile (``chargpt-bench`` in
    ``config.ini``) through the real launcher, every rank over SSH, rank 0 in
@@ -35,11 +36,11 @@ Definitions:
   ranks, which run freely between communications, meet at both ends. The
   final evaluation comes after it.
 - **comm share**: ``1 - t_compute / t_step``, with ``t_compute`` the same
-  training on one host with no one to talk to (the AdamW baseline for DDP,
-  DiLoCo and SPARTA, the DeMo baseline for DeMo), measured just before the
-  runs of each rate (this machine's speed drifts from minute to minute). It counts everything a step
-  spends beyond local compute: transfers, waiting for the slower peer,
-  SPARTA's index selection and DiLoCo's outer step.
+  training on one host with no one to talk to (AdamW alone for DDP and
+  DiLoCo; SPARTA and DeMo themselves, so their local work per step is
+  compute), measured just before the runs of each rate (this machine's speed
+  drifts from minute to minute). It counts everything a step spends beyond
+  that: transfers, waiting for the slower peer, DiLoCo's outer step.
 - **wire bytes**: per host and step, the bytes the hosts' veths sent during
   the window (``ip -s link`` in each namespace), minus what went to the
   launcher (SSH output), divided by hosts and steps: payload, TCP/IP headers,
@@ -433,17 +434,22 @@ def run_benchmark(bed: Testbed, args: argparse.Namespace, cases: list[StrategyCa
 
 
 def run_baselines(bench: Bench, cases: list[StrategyCase]) -> dict[str, Any]:
-    """Single-host jobs in host 0: compute per step (AdamW, DeMo) and the reference."""
+    """Single-host jobs in host 0: compute per step, and the reference.
+
+    Compute is AdamW alone (the local work of DDP and DiLoCo) and, for SPARTA
+    and DeMo, the strategy itself on one host (its local work every step).
+    """
     args, say, hosts = bench.args, bench.say, bench.args.hosts
     baselines: dict[str, Any] = {}
     say("  single-host baselines (host 0, no communication):")
     plain = Window.for_period(1, args.warmup, args.window, 1)
-    kinds = ["adamw"] + (["demo"] if any(c.compute == "demo" for c in cases) else [])
-    for kind in kinds:
-        strategy = "ddp" if kind == "adamw" else "demo"
+    kinds: dict[str, list[str]] = {"adamw": ["strategy=ddp"]}
+    for case in cases:
+        if case.compute != "adamw":
+            kinds.setdefault(case.compute, case.overrides())
+    for kind, overrides in kinds.items():
         job = bench.run_job(f"compute {kind}", 1, [
-            *bench.common_overrides(plain, args.batch_size, kind), f"strategy={strategy}",
-            *demo_settings(cases, kind)], plain)
+            *bench.common_overrides(plain, args.batch_size, kind), *overrides], plain)
         baselines[kind] = job.to_dict()
         say(f"    {job.step_s:.3f} s per step (sd {job.step_sd_s:.3f} s)")
     job = bench.run_job("reference", 1, [
@@ -536,14 +542,6 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dic
     baselines = {kind: _merge([b[kind] for b in blocks]) for kind in blocks[0]}
     runs = [_merge([r["runs"][i] for r in rounds]) for i in range(len(rounds[0]["runs"]))]
     return baselines, runs
-
-
-def demo_settings(cases: list[StrategyCase], kind: str) -> list[str]:
-    """The DeMo baseline runs with the (first) DeMo case's own settings."""
-    if kind != "demo":
-        return []
-    case = next(c for c in cases if c.compute == "demo")
-    return [f"{k}={v}" for k, v in case.settings.items()]
 
 
 # --------------------------------------------------------------------------- outputs

@@ -48,8 +48,10 @@ class StrategyCase:
         name: the profile's ``strategy`` value and the projection's name.
         settings: the strategy's own profile keys (``H``, ``p_sparta``, ...).
         period: steps from one communication to the next.
-        compute: which single-host baseline gives its compute time:
-            ``adamw`` (local AdamW steps) or ``demo`` (DeMo's own optimizer).
+        compute: which single-host baseline gives its compute time: ``adamw``
+            (local AdamW steps: DDP, DiLoCo) or the strategy's own name (``sparta``,
+            ``demo``: the strategy itself on one host, so its local work per step
+            -- SPARTA's index selection, DeMo's transform -- counts as compute).
     """
 
     label: str
@@ -106,7 +108,7 @@ def parse_strategy(spec: str, p_sparta: float = 0.005) -> StrategyCase:
             p = float(arg) if arg else p_sparta
             if not 0 < p <= 1:
                 raise ValueError
-            return StrategyCase(f"SPARTA p={p:g}", "sparta", {"p_sparta": p})
+            return StrategyCase(f"SPARTA p={p:g}", "sparta", {"p_sparta": p}, compute="sparta")
         if name == "demo":
             settings = {"compression_topk": int(arg)} if arg else {}
             topk = settings.get("compression_topk", DEMO_DEFAULTS["compression_topk"])
@@ -355,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute-s", type=float, help="seconds per step on one host, no comm")
     parser.add_argument("--demo-compute-s", type=float,
                         help="seconds per DeMo step on one host (default: --compute-s)")
+    parser.add_argument("--sparta-compute-s", type=float,
+                        help="seconds per SPARTA step on one host (default: --compute-s)")
     parser.add_argument("--compute-sd-s", type=float, default=0.0,
                         help="standard deviation of the compute time per step (adds the wait "
                              "for the slowest host)")
@@ -391,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         compute = {"adamw": args.compute_s}
         if args.demo_compute_s is not None:
             compute["demo"] = args.demo_compute_s
+        if args.sparta_compute_s is not None:
+            compute["sparta"] = args.sparta_compute_s
         link = Link("given", parse_throughput(args.throughput), args.latency_ms / 1e3)
         inputs = Inputs(args.num_params, None, compute, args.minibatch_s or args.compute_s,
                         [link], cases, demo_payload=args.demo_payload,
