@@ -91,6 +91,7 @@ from netbed import (  # noqa: E402 - after the path set-up above
     TestbedError,
     check_requirements,
     rate_bits,
+    reap_stale_beds,
 )
 from project_speedup import (  # noqa: E402
     StrategyCase,
@@ -759,6 +760,10 @@ def main(argv: list[str] | None = None) -> int:
     with signals_raise() as state:
         bed = None
         try:
+            stale = reap_stale_beds()
+            if stale:
+                print("removed what an earlier benchmark left behind: " + ", ".join(stale),
+                      flush=True)
             bed = Testbed(args.hosts, args.subnet, args.pin, queue=args.queue)
             print(f"building {args.hosts} hosts ({bed.bridge_ns}, ...)", flush=True)
             bed.build()

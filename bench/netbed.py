@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PREFIX = "exobench"
+OWNER_FILE = "owner.pid"
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd")
 LINK_PROBE = Path(__file__).resolve().parent / "linkprobe.py"
 
@@ -199,6 +200,8 @@ class Testbed:
                            f"{subnet}.{i + 1}", i if pin else None) for i in range(hosts)]
         self.namespaces: list[str] = []
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-{self.tag}-"))
+        # Who owns this bed: a later benchmark removes the bed of an owner that died unclean.
+        (self.workdir / OWNER_FILE).write_text(str(os.getpid()))
         self.key_path = self.workdir / "user_key"
         self.known_hosts = self.workdir / "known_hosts"
         self.ssh_config = self.workdir / "ssh_config"
@@ -460,6 +463,45 @@ class Testbed:
         left += [f"sshd pid {h.sshd.pid}" for h in self.hosts
                  if h.sshd is not None and _exists(h.sshd.pid)]
         return left
+
+
+def reap_stale_beds() -> list[str]:
+    """Remove the beds of earlier benchmarks whose process died without cleaning up.
+
+    A bed belongs to the process named in its folder's ``owner.pid``; one whose
+    owner is gone (killed with SIGKILL, the machine's session ended) leaves its
+    namespaces, uplink, sshds and folder behind. Returns what was removed. Beds
+    of a benchmark still running are left alone.
+    """
+    names = _run("ip", "netns", "list", check=False).stdout.split()
+    tags = sorted({n.split("-")[1] for n in names
+                   if n.startswith(f"{PREFIX}-") and n.count("-") >= 2})
+    removed: list[str] = []
+    for tag in tags:
+        folders = list(Path(tempfile.gettempdir()).glob(f"{PREFIX}-{tag}-*"))
+        owners = [int(f.joinpath(OWNER_FILE).read_text() or 0) for f in folders
+                  if f.joinpath(OWNER_FILE).is_file()]
+        if any(_exists(pid) for pid in owners if pid):
+            continue
+        spaces = [n for n in names if n.startswith(f"{PREFIX}-{tag}-")]
+        for ns in spaces:
+            pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                    removed.append(f"process {pid} in {ns}")
+                except (ProcessLookupError, ValueError):
+                    pass
+        for ns in spaces:
+            _run("ip", "netns", "delete", ns, check=False)
+            removed.append(f"namespace {ns}")
+        if Path(f"/sys/class/net/xu{tag}").exists():
+            _run("ip", "link", "delete", f"xu{tag}", check=False)
+            removed.append(f"link xu{tag}")
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
+    return removed
 
 
 def _exists(pid: int) -> bool:
