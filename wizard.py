@@ -364,7 +364,7 @@ class Wizard:
         """Show each strategy's bytes per step and expected speedup; the usable strategies."""
         from rich.table import Table
 
-        from distributed import speedup_model as sm
+        from distributed import projection
         from distributed.compare import profile_for_strategy
         from distributed.estimate import measure_model
         from distributed.profiles import ProfileError
@@ -396,9 +396,10 @@ class Wizard:
             except ProfileError:
                 values = profile.values
                 note = " [dim](not available here)[/]"
-            p = sm.predict(name, params, nodes, compute, sm.mbit_to_bytes_per_s(mbit),
-                           **sm.relevant_settings(name, values))
-            table.add_row(name + note, sm.DESCRIPTIONS[name], human_bytes(p.wire_bytes),
+            p = projection.predict(name, params, nodes, compute,
+                                   projection.mbit_to_bytes_per_s(mbit), shapes=facts.shapes,
+                                   **projection.relevant_settings(name, values))
+            table.add_row(name + note, projection.STRATEGIES[name], human_bytes(p.wire_bytes),
                           f"{p.comm_s * 1000:,.1f} ms", f"{p.speedup:.2f}x")
         self.console.print(table)
         self.console.print("DiLoCo is the default: it communicates once every H steps, so on a "
@@ -472,7 +473,7 @@ class Wizard:
         from distributed import run
         from distributed.compare import profile_for_strategy
         from distributed.profiles import load_profile
-        from distributed.speedup_model import canonical
+        from distributed.projection import canonical
 
         self.console.rule("exogym set-up")
         hosts = self.hosts()

@@ -3,7 +3,8 @@
 :func:`measure_model` builds the profile's task the way a rank does, counts
 the trainable parameters, and times a few forward and backward passes at the
 profile's batch size on this machine, which stands in for every host when
-the wizard predicts the speedup of each strategy (``distributed.speedup_model``).
+the wizard predicts the speedup of each strategy (``distributed.projection``, the
+model ``bench/project_speedup.py`` validates against measured runs).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ class ModelFacts:
         compute_s_per_step: seconds of one forward and backward pass over a batch.
         batch_size: the batch the time is for.
         threads: the compute threads it ran with.
+        shapes: the shape of every trainable tensor (DeMo's payload depends on them).
     """
 
     num_params: int
     compute_s_per_step: float
     batch_size: int
     threads: int
+    shapes: tuple[tuple[int, ...], ...] = ()
 
 
 def measure_model(profile: Profile, ranks_here: int = 1, steps: int = 10,
@@ -63,7 +66,9 @@ def measure_model(profile: Profile, ranks_here: int = 1, steps: int = 10,
         times = _time_passes(model, train, batch_size, device, steps, warmup)
     finally:
         torch.set_num_threads(previous)
-    return ModelFacts(count_parameters(model), times[len(times) // 2], batch_size, threads)
+    shapes = tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad)
+    return ModelFacts(count_parameters(model), times[len(times) // 2], batch_size, threads,
+                      shapes)
 
 
 def _time_passes(model, train, batch_size: int, device, steps: int, warmup: int) -> list[float]:

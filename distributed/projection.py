@@ -34,8 +34,12 @@ two, so a step takes::
   * DDP: an all-reduce of ``v P`` every step;
   * DiLoCo: an all-reduce of ``v (P + B)`` every ``H`` steps (``B`` float
     buffers), i.e. ``1/H`` of it per step on average;
+  * FedAvg: an all-reduce of ``v (P + B)`` every ``H`` steps within an
+    island of ``island_size`` hosts (default: all), so the ring has that many;
   * SPARTA: an all-reduce of ``v p P`` every step (the indices are derived
     from a shared seed, never sent);
+  * SPARTA-DiLoCo: SPARTA's all-reduce every ``sparta_interval`` steps except
+    where a DiLoCo round (every ``H`` steps) replaces it, plus DiLoCo's rounds;
   * DeMo: an all-gather of the top-k DCT coefficients and their indices
     every step (:func:`demo_payload_bytes`);
   * none: no communication (a single host, or independent training).
@@ -55,17 +59,23 @@ What the model leaves out: congestion of a shared switch, DeMo's decoding
 work growing with N, hosts of unequal speed, and latency beyond a per-round
 constant. Compare its 2-host figures with a
 measurement (``bench/multihost.py``) before trusting its 64-host ones.
+
+The same model serves the faces: :func:`predict` with a profile's settings
+(:func:`relevant_settings`) is what the wizard shows before a run, and
+``bench/project_speedup.py`` holds it against the benchmark's measurements.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "BUCKET_BYTES",
+    "DEFAULTS",
     "STRATEGIES",
+    "Prediction",
     "Projection",
     "StepTraffic",
     "allgather_bytes",
@@ -73,30 +83,56 @@ __all__ = [
     "bytes_per_step",
     "chunk_size",
     "demo_payload_bytes",
+    "canonical",
     "expected_max_of_normals",
+    "mbit_to_bytes_per_s",
+    "payload_bytes_per_step",
+    "predict",
+    "predict_all",
     "predict_step_time",
     "project",
+    "relevant_settings",
     "ring_allreduce_bytes",
     "ring_allreduce_rounds",
     "single_host_step_time",
     "skew_per_step",
     "speedup",
     "step_traffic",
+    "value_bytes_of",
 ]
 
 #: Largest flat buffer one all-reduce call carries (``exogym.comm.BUCKET_BYTES``):
 #: a larger payload is split into several calls, each paying its own rounds.
 BUCKET_BYTES = 32 * 1024 * 1024
 
-#: Strategy names the model knows, with the settings each one needs.
+#: Strategies the model knows, in the order the faces show them, each with what it sends.
 STRATEGIES: dict[str, str] = {
-    "ddp": "all-reduce of every gradient each step",
-    "diloco": "all-reduce of the parameter deltas every H steps (needs H)",
-    "sparta": "all-reduce of a fraction p_sparta of the parameters each step",
-    "demo": "all-gather of top-k DCT coefficients each step (needs demo_payload or shapes)",
-    "none": "no communication",
+    "ddp": "all-reduce every gradient every step: the reference, and the most traffic",
+    "diloco": "H local steps, then one all-reduce of the model change: traffic divided by H",
+    "sparta": "every step, average a small random fraction p of the weights: traffic times p",
+    "fedavg": "H local steps, then average whole models, optionally in islands of ranks",
+    "demo": "send only the top-k DCT components of each rank's momentum every step",
+    "sparta_diloco": "SPARTA's sparse averaging between DiLoCo rounds",
+    "none": "no communication (one host, or independent training)",
 }
-_ALIASES = {"allreduce": "ddp", "all_reduce": "ddp", "simple_reduce": "ddp"}
+_ALIASES = {"allreduce": "ddp", "all_reduce": "ddp", "simple_reduce": "ddp",
+            "simplereduce": "ddp"}
+
+#: The settings each strategy's traffic depends on, with the strategy classes' defaults;
+#: :func:`relevant_settings` reads them from a profile.
+DEFAULTS: dict[str, dict[str, object]] = {
+    "ddp": {"comm_dtype": "float32"},
+    "diloco": {"H": 100, "comm_dtype": "float32"},
+    "fedavg": {"H": 1, "island_size": None, "comm_dtype": "float32"},
+    "sparta": {"p_sparta": 0.005, "comm_dtype": "float32"},
+    "sparta_diloco": {"H": 100, "p_sparta": 0.005, "sparta_interval": 1,
+                      "comm_dtype": "float32"},
+    "demo": {"compression_topk": 32, "compression_chunk": 64, "comm_dtype": "float32"},
+    "none": {},
+}
+
+_VALUE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2,
+                "fp16": 2, "half": 2, "float64": 8, "double": 8}
 
 
 def _check_hosts(hosts: int) -> int:
@@ -223,10 +259,15 @@ class StepTraffic:
     period: int = 1
 
 
-def _canonical(strategy: str) -> str:
+def canonical(strategy: str) -> str:
+    """The model's name for ``strategy`` (``'allreduce'`` -> ``'ddp'``, ``'sparta-diloco'`` too).
+
+    Raises:
+        ValueError: for a strategy the model does not know.
+    """
     if not isinstance(strategy, str):
         raise TypeError(f"strategy must be a name such as 'ddp', got {strategy!r}")
-    name = strategy.strip().lower().replace("-", "_")
+    name = strategy.strip().lower().replace("-", "_").replace(" ", "_")
     name = _ALIASES.get(name, name)
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: the projection knows "
@@ -234,63 +275,115 @@ def _canonical(strategy: str) -> str:
     return name
 
 
+def value_bytes_of(comm_dtype: str) -> int:
+    """Bytes per value for a communication dtype name (``'bfloat16'`` -> 2)."""
+    name = str(comm_dtype).lower().removeprefix("torch.")
+    if name not in _VALUE_BYTES:
+        raise ValueError(f"unknown comm_dtype {comm_dtype!r}; use one of "
+                         f"{', '.join(sorted(_VALUE_BYTES))}")
+    return _VALUE_BYTES[name]
+
+
+def _whole(name: str, value: object, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
 def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = None,
                  p_sparta: float = 0.005, demo_payload: float | None = None,
                  shapes: Iterable[Sequence[int]] | None = None, compression_chunk: int = 64,
                  compression_topk: int = 32, value_bytes: int = 4, num_buffers: int = 0,
-                 bucket_bytes: int = BUCKET_BYTES) -> StepTraffic:
+                 bucket_bytes: int = BUCKET_BYTES, island_size: int | None = None,
+                 sparta_interval: int = 1, comm_dtype: str | None = None) -> StepTraffic:
     """Bytes and rounds per step for ``strategy`` on ``hosts`` hosts (see the module docstring).
 
     Args:
-        strategy: ``ddp``, ``diloco``, ``sparta``, ``demo`` or ``none``.
+        strategy: ``ddp``, ``diloco``, ``sparta``, ``fedavg``, ``demo``,
+            ``sparta_diloco`` or ``none``.
         num_params: trainable parameters ``P``.
         hosts: the number of hosts ``N``.
-        H: DiLoCo's inner steps per round (required for ``diloco``).
+        H: inner steps per round (required for ``diloco``, ``fedavg`` and
+            ``sparta_diloco``).
         p_sparta: SPARTA's fraction of entries averaged per step.
         demo_payload: DeMo's bytes per host per step; computed from ``shapes``
             when not given.
         shapes: the trainable tensors' shapes, for DeMo.
         compression_chunk, compression_topk: DeMo's settings, with ``shapes``.
-        value_bytes: bytes per value on the wire (``comm_dtype``: 4 or 2).
-        num_buffers: float buffers DiLoCo averages with the parameters (BatchNorm statistics).
+        value_bytes: bytes per value on the wire (4 for float32, 2 for bf16).
+        num_buffers: float buffers DiLoCo and FedAvg average with the parameters
+            (BatchNorm statistics).
         bucket_bytes: largest buffer per all-reduce call.
+        island_size: FedAvg's hosts per island (None: all of them).
+        sparta_interval: SPARTA-DiLoCo's steps between sparse rounds.
+        comm_dtype: the wire type by name (``'bfloat16'``), instead of ``value_bytes``.
 
     Raises:
         ValueError: for an unknown strategy, a missing setting or an impossible value.
     """
-    name = _canonical(strategy)
+    name = canonical(strategy)
     hosts = _check_hosts(hosts)
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be an integer >= 0, got {num_params!r}")
+    if comm_dtype is not None:
+        value_bytes = value_bytes_of(comm_dtype)
     if value_bytes not in (1, 2, 4, 8):
         raise ValueError(f"value_bytes must be 1, 2, 4 or 8, got {value_bytes!r}")
     _check_positive("bucket_bytes", bucket_bytes)
 
-    def allreduce(payload: float, every: int = 1) -> StepTraffic:
-        calls = max(1, math.ceil(payload / bucket_bytes)) if payload > 0 else 0
+    def calls(payload: float) -> int:
+        return max(1, math.ceil(payload / bucket_bytes)) if payload > 0 else 0
+
+    def allreduce(payload: float, every: int = 1, ring: int = hosts) -> StepTraffic:
         return StepTraffic(name, hosts, payload / every,
-                           ring_allreduce_bytes(payload, hosts) / every,
-                           ring_allreduce_rounds(hosts, calls) / every, "all-reduce", every)
+                           ring_allreduce_bytes(payload, ring) / every,
+                           ring_allreduce_rounds(ring, calls(payload)) / every, "all-reduce",
+                           every)
+
+    def needs_h() -> int:
+        if isinstance(H, bool) or not isinstance(H, int) or H < 1:
+            raise ValueError(f"{name} needs H, an integer >= 1 (inner steps per round), "
+                             f"got {H!r}")
+        return H
+
+    def fraction() -> float:
+        if isinstance(p_sparta, bool) or not isinstance(p_sparta, (int, float)) \
+                or not 0.0 <= p_sparta <= 1.0:
+            raise ValueError(f"p_sparta must be a fraction within [0, 1], got {p_sparta!r}")
+        return float(p_sparta)
 
     if name == "none":
         return StepTraffic(name, hosts, 0.0, 0.0, 0.0, "none", 0)
     if name == "ddp":
         return allreduce(float(value_bytes * num_params))
     if name == "diloco":
-        if isinstance(H, bool) or not isinstance(H, int) or H < 1:
-            raise ValueError(f"diloco needs H, an integer >= 1 (inner steps per round), got {H!r}")
-        return allreduce(float(value_bytes * (num_params + num_buffers)), every=H)
+        return allreduce(float(value_bytes * (num_params + num_buffers)), every=needs_h())
+    if name == "fedavg":
+        every = needs_h()
+        if island_size is not None:
+            _whole("island_size", island_size)
+        ring = min(island_size or hosts, hosts)
+        return allreduce(float(value_bytes * (num_params + num_buffers)), every=every, ring=ring)
     if name == "sparta":
-        if isinstance(p_sparta, bool) or not isinstance(p_sparta, (int, float)) \
-                or not 0.0 <= p_sparta <= 1.0:
-            raise ValueError(f"p_sparta must be a fraction within [0, 1], got {p_sparta!r}")
-        return allreduce(float(value_bytes * p_sparta * num_params))
+        return allreduce(float(value_bytes * fraction() * num_params))
+    if name == "sparta_diloco":
+        every, interval = needs_h(), _whole("sparta_interval", sparta_interval)
+        sparse_share = 1.0 / interval - 1.0 / math.lcm(interval, every)  # DiLoCo replaces some
+        sparse = float(value_bytes * fraction() * num_params)
+        full = float(value_bytes * (num_params + num_buffers))
+        return StepTraffic(
+            name, hosts, sparse * sparse_share + full / every,
+            ring_allreduce_bytes(sparse, hosts) * sparse_share
+            + ring_allreduce_bytes(full, hosts) / every,
+            ring_allreduce_rounds(hosts, calls(sparse)) * sparse_share
+            + ring_allreduce_rounds(hosts, calls(full)) / every, "all-reduce", 1)
     # demo
     if demo_payload is None:
         if shapes is None:
             raise ValueError("demo needs demo_payload= (bytes per host per step) or shapes= "
                              "(the trainable tensors' shapes) to size its all-gather")
-        demo_payload = demo_payload_bytes(shapes, compression_chunk, compression_topk,
+        demo_payload = demo_payload_bytes(shapes, _whole("compression_chunk", compression_chunk),
+                                          _whole("compression_topk", compression_topk),
                                           value_bytes)
     demo_payload = _check_nonnegative("demo_payload", demo_payload)
     return StepTraffic(name, hosts, demo_payload, allgather_bytes(demo_payload, hosts),
@@ -304,6 +397,26 @@ def bytes_per_step(strategy: str, num_params: int, hosts: int, **settings: objec
         strategy, num_params, hosts, **settings: as for :func:`step_traffic`.
     """
     return step_traffic(strategy, num_params, hosts, **settings).bytes_sent  # type: ignore[arg-type]
+
+
+def payload_bytes_per_step(strategy: str, num_params: int, hosts: int,
+                           **settings: object) -> float:
+    """Bytes one host hands to collectives per step: what exogym's ``comm_bytes`` counts."""
+    return step_traffic(strategy, num_params, hosts, **settings).payload  # type: ignore[arg-type]
+
+
+def relevant_settings(strategy: str, values: Mapping[str, object]) -> dict[str, object]:
+    """:func:`step_traffic`'s settings for ``strategy``, from a profile's ``values``.
+
+    Keys the strategy's traffic depends on are taken from ``values`` and the
+    rest from the strategy classes' defaults (:data:`DEFAULTS`); ``p`` is read
+    as ``p_sparta``, as exo gym's SPARTA spelled it.
+    """
+    wanted = DEFAULTS[canonical(strategy)]
+    picked = {k: values[k] for k in wanted if values.get(k) is not None}
+    if "p_sparta" in wanted and "p_sparta" not in picked and values.get("p") is not None:
+        picked["p_sparta"] = values["p"]
+    return {**wanted, **picked}
 
 
 # --------------------------------------------------------------------------- waiting for the slowest
@@ -442,3 +555,77 @@ def project(strategy: str, num_params: int, hosts: Iterable[int], compute_s: flo
                             minibatch_s=minibatch_s, latency_s=latency_s,
                             compute_sd_s=compute_sd_s, **settings)))
     return rows
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The expected cost of one step of a strategy, as the faces show it.
+
+    Args:
+        strategy: the strategy's name.
+        hosts: the number of hosts (one rank each).
+        payload_bytes: bytes per step each host hands to collectives (``comm_bytes``).
+        wire_bytes: bytes per step each host puts on its link.
+        compute_s: seconds of local work per step.
+        comm_s: seconds per step beyond it: waiting for the slowest host and talking.
+        step_s: ``compute_s + comm_s``.
+        speedup: throughput over one host doing the same total work (``hosts`` at best).
+    """
+
+    strategy: str
+    hosts: int
+    payload_bytes: float
+    wire_bytes: float
+    compute_s: float
+    comm_s: float
+    step_s: float
+    speedup: float
+
+    @property
+    def efficiency(self) -> float:
+        """``speedup / hosts``: 1.0 when communication costs nothing."""
+        return self.speedup / self.hosts
+
+
+def predict(strategy: str, num_params: int, hosts: int, compute_s: float,
+            throughput_bytes_per_s: float, *, minibatch_s: float | None = None,
+            latency_s: float = 0.0, compute_sd_s: float = 0.0,
+            **settings: object) -> Prediction:
+    """Step time, traffic and speedup of ``strategy`` on ``hosts`` hosts in one object.
+
+    Args:
+        strategy, num_params, hosts, compute_s, throughput_bytes_per_s,
+            minibatch_s, latency_s, compute_sd_s, **settings: as for :func:`speedup`.
+    """
+    if not compute_s > 0:
+        raise ValueError(f"compute_s must be > 0 seconds, got {compute_s!r}")
+    traffic = step_traffic(strategy, num_params, hosts, **settings)  # type: ignore[arg-type]
+    step = predict_step_time(strategy, num_params, hosts, compute_s, throughput_bytes_per_s,
+                             latency_s, compute_sd_s, **settings)
+    gain = speedup(strategy, num_params, hosts, compute_s, throughput_bytes_per_s,
+                   minibatch_s=minibatch_s, latency_s=latency_s, compute_sd_s=compute_sd_s,
+                   **settings)
+    return Prediction(strategy=traffic.strategy, hosts=hosts, payload_bytes=traffic.payload,
+                      wire_bytes=traffic.bytes_sent, compute_s=compute_s,
+                      comm_s=step - compute_s, step_s=step, speedup=gain)
+
+
+def predict_all(num_params: int, hosts: int, compute_s: float, throughput_bytes_per_s: float,
+                strategies: Iterable[str] = ("ddp", "diloco", "sparta", "fedavg"),
+                settings: Mapping[str, Mapping[str, object]] | None = None,
+                **common: object) -> list[Prediction]:
+    """:func:`predict` for several strategies, each with its own settings.
+
+    Args:
+        settings: per strategy name, its settings (missing ones: :data:`DEFAULTS`).
+        **common: ``minibatch_s``, ``latency_s``, ``compute_sd_s`` for every strategy.
+    """
+    settings = settings or {}
+    return [predict(name, num_params, hosts, compute_s, throughput_bytes_per_s, **common,
+                    **relevant_settings(name, dict(settings.get(name, {}))))
+            for name in strategies]
+
+
+def mbit_to_bytes_per_s(mbit_per_s: float) -> float:
+    """Megabits per second (as links are sold) to bytes per second."""
+    return _check_positive("mbit_per_s", mbit_per_s) * 1e6 / 8.0

@@ -7,14 +7,20 @@ import math
 import pytest
 
 from distributed.projection import (
+    DEFAULTS,
     STRATEGIES,
     allgather_bytes,
     allgather_rounds,
     bytes_per_step,
     demo_payload_bytes,
     expected_max_of_normals,
+    mbit_to_bytes_per_s,
+    payload_bytes_per_step,
+    predict,
+    predict_all,
     predict_step_time,
     project,
+    relevant_settings,
     ring_allreduce_bytes,
     ring_allreduce_rounds,
     single_host_step_time,
@@ -89,9 +95,10 @@ def test_demo_all_gathers_so_its_bytes_grow_with_the_hosts():
 
 
 def test_unknown_strategy_lists_the_known_ones():
-    with pytest.raises(ValueError, match="knows ddp, diloco, sparta, demo, none"):
+    with pytest.raises(ValueError, match="knows ddp, diloco, sparta, fedavg, demo, sparta_diloco"):
         bytes_per_step("fedsgd", P, 2)
-    assert set(STRATEGIES) == {"ddp", "diloco", "sparta", "demo", "none"}
+    assert set(STRATEGIES) == {"ddp", "diloco", "sparta", "fedavg", "demo", "sparta_diloco",
+                               "none"}
 
 
 def test_bad_host_counts_are_rejected():
@@ -166,3 +173,105 @@ def test_step_time_adds_the_skew_of_the_strategy_period():
     assert diloco - predict_step_time("diloco", P, 4, 0.3, 1e7, H=100) == pytest.approx(
         skew_per_step(0.02, 4, period=100))
     assert predict_step_time("none", P, 4, 0.3, 1e7, compute_sd_s=0.02) == 0.3
+
+
+# --------------------------------------------------------------------------- the faces' use
+
+
+def test_fedavg_rings_only_over_its_island_and_averages_float_buffers():
+    island = bytes_per_step("fedavg", 1000, 4, H=5, island_size=2)
+    assert island == pytest.approx(2 * 1 / 2 * 4 * 1000 / 5)
+    everyone = bytes_per_step("fedavg", 1000, 4, H=5)
+    assert everyone == pytest.approx(2 * 3 / 4 * 4 * 1000 / 5)
+    assert bytes_per_step("fedavg", 1000, 4, H=5, island_size=99) == pytest.approx(everyone)
+    assert payload_bytes_per_step("fedavg", 1000, 4, H=5, num_buffers=10) == 4 * 1010 / 5
+
+
+def test_sparta_diloco_counts_sparse_rounds_not_replaced_by_a_diloco_round():
+    # H=10, every 2nd step: sparse rounds at steps 2, 4, 6, 8 of 10 (10 is a DiLoCo round)
+    t = step_traffic("sparta_diloco", 1000, 4, H=10, sparta_interval=2, p_sparta=0.01)
+    assert t.payload == pytest.approx(4 / 10 * 0.01 * 4 * 1000 + 4 * 1000 / 10)
+    assert t.bytes_sent == pytest.approx(2 * 3 / 4 * t.payload)
+
+
+def test_bf16_halves_every_all_reduce_strategys_bytes():
+    for name in ("ddp", "diloco", "fedavg", "sparta", "sparta_diloco"):
+        settings = {k: v for k, v in DEFAULTS[name].items() if k != "comm_dtype"}
+        full = bytes_per_step(name, P, 4, **settings)
+        assert bytes_per_step(name, P, 4, comm_dtype="bfloat16", **settings) == \
+            pytest.approx(full / 2)
+
+
+def test_relevant_settings_reads_a_profile_and_fills_the_class_defaults():
+    profile = {"H": 20, "lr": 0.1, "num_nodes": 4, "p": 0.02, "island_size": 2}
+    assert relevant_settings("diloco", profile) == {"H": 20, "comm_dtype": "float32"}
+    assert relevant_settings("sparta", profile) == {"p_sparta": 0.02, "comm_dtype": "float32"}
+    assert relevant_settings("fedavg", profile) == {"H": 20, "island_size": 2,
+                                                    "comm_dtype": "float32"}
+    assert relevant_settings("diloco", {})["H"] == 100  # DiLoCoStrategy's default
+
+
+def test_one_host_sends_nothing_and_gets_no_speedup():
+    for name in ("ddp", "diloco", "sparta", "fedavg", "sparta_diloco"):
+        p = predict(name, 1000, 1, 0.1, 1e6, **relevant_settings(name, {}))
+        assert p.wire_bytes == 0.0 and p.speedup == pytest.approx(1.0)
+
+
+def test_predict_is_the_projection_in_one_object():
+    p = predict("ddp", 1000, 4, 0.1, 1000, latency_s=0.01, compute_sd_s=0.02)
+    step = predict_step_time("ddp", 1000, 4, 0.1, 1000, 0.01, 0.02)
+    assert p.step_s == pytest.approx(step)
+    assert p.comm_s == pytest.approx(step - 0.1)
+    assert p.speedup == pytest.approx(speedup("ddp", 1000, 4, 0.1, 1000, latency_s=0.01,
+                                              compute_sd_s=0.02))
+    assert p.wire_bytes == bytes_per_step("ddp", 1000, 4) and p.payload_bytes == 4000
+    assert p.efficiency == pytest.approx(p.speedup / 4)
+
+
+def test_on_a_slow_link_diloco_wins_and_on_a_free_link_all_reach_k():
+    slow = {p.strategy: p for p in predict_all(
+        1_000_000, 4, 0.05, mbit_to_bytes_per_s(100), settings={"diloco": {"H": 100}})}
+    # 1M float32 parameters: DDP moves 6 MB per step over 12.5 MB/s, DiLoCo 1/100 of that
+    assert slow["ddp"].speedup < 1.0 < 3.5 < slow["diloco"].speedup
+    assert slow["diloco"].speedup > slow["fedavg"].speedup  # FedAvg's default H is 1
+    assert slow["sparta"].speedup > 3.5
+    fast = predict_all(1_000, 4, 1.0, 1e15)
+    assert all(math.isclose(p.speedup, 4, rel_tol=1e-6) for p in fast)
+    assert mbit_to_bytes_per_s(8) == 1_000_000
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: step_traffic("fedavg", 1000, 4), ValueError, "fedavg needs H"),
+    (lambda: step_traffic("fedavg", 1000, 4, H=2, island_size=0), ValueError, "island_size"),
+    (lambda: step_traffic("sparta_diloco", 1000, 4, H=2, sparta_interval=0), ValueError,
+     "sparta_interval"),
+    (lambda: step_traffic("ddp", 1000, 4, comm_dtype="int3"), ValueError, "comm_dtype"),
+    (lambda: step_traffic("ddp", 1000, 4, Hx=3), TypeError, "Hx"),
+    (lambda: predict("ddp", 1000, 4, 0.0, 1e6), ValueError, "compute_s"),
+    (lambda: predict("ddp", 1000, 4, 0.1, 0), ValueError, "throughput"),
+    (lambda: mbit_to_bytes_per_s(0), ValueError, "mbit_per_s"),
+])
+def test_bad_arguments_are_named(call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+def test_payload_matches_the_comm_counters_of_a_real_run():
+    from toys import BNNet, tiny_model, toy_dataset
+
+    from exogym import Trainer
+    from exogym.strategy import DiLoCoStrategy, FedAvgStrategy, SimpleReduceStrategy
+
+    model = tiny_model(cls=BNNet)
+    params = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    ds = toy_dataset()
+    for name, strategy, settings in (
+            ("ddp", SimpleReduceStrategy(), {}),
+            ("diloco", DiLoCoStrategy(H=2), {"H": 2, "num_buffers": buffers}),
+            ("fedavg", FedAvgStrategy(H=2), {"H": 2, "num_buffers": buffers})):
+        trainer = Trainer(model, ds, None)
+        trainer.fit(strategy=strategy, num_nodes=2, max_steps=4, batch_size=8, val_size=0,
+                    logger=None, progress=False)
+        sent = max(r["comm_bytes"] for r in trainer.history if r["step"] == 4)
+        assert sent / 4 == pytest.approx(payload_bytes_per_step(name, params, 2, **settings))
