@@ -708,9 +708,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fewest whole communication periods timed (DiLoCo rounds)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="passes over every job; the table shows medians (default 1)")
-    parser.add_argument("--queue", default="50ms",
+    parser.add_argument("--queue", default="100ms",
                         help="tbf queue of each link, as the time it takes to drain "
-                             "(tc's latency; default 50ms)")
+                             "(tc's latency; default 100ms: at 20mbit it holds 250 kB, more "
+                             "than one DeMo burst; a burst that overflows the queue loses its "
+                             "tail and TCP waits a 200 ms retransmission timeout)")
     parser.add_argument("--probe-seconds", type=float, default=3.0,
                         help="length of each link probe at its nominal rate")
     parser.add_argument("--quiet-cores", type=float, default=0.25,

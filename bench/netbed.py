@@ -177,7 +177,7 @@ class Testbed:
     """
 
     def __init__(self, hosts: int, subnet: str = "10.213.77", pin: bool = True,
-                 queue: str = "50ms") -> None:
+                 queue: str = "100ms") -> None:
         if hosts < 1 or hosts > 250:
             raise ValueError(f"hosts must be within 1..250, got {hosts}")
         try:

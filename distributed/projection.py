@@ -56,8 +56,11 @@ in a step, one after the other (gradient accumulation), so a step there takes
     speedup(N) = N * t_minibatch / t_step(N)
 
 What the model leaves out: congestion of a shared switch, DeMo's decoding
-work growing with N, hosts of unequal speed, and latency beyond a per-round
-constant. Compare its 2-host figures with a
+work growing with N, hosts of unequal speed, latency beyond a per-round
+constant, and loss recovery: a burst larger than a router's queue loses its
+tail, and TCP then waits a retransmission timeout (200 ms at least) -- DeMo's
+190 kB per step over 20 Mbit/s with a 50 ms queue measured 22% slower than
+predicted, with a 100 ms queue 5%. Compare its 2-host figures with a
 measurement (``bench/multihost.py``) before trusting its 64-host ones.
 
 The same model serves the faces: :func:`predict` with a profile's settings

@@ -104,11 +104,16 @@ def _can_fork(spec: RunSpec) -> bool:
     """Fork the ranks straight from this process: no re-import, so start-up is fastest.
 
     Only where it is safe: Linux, CPU ranks (a forked child cannot use a CUDA or
-    MPS context of its parent), and one compute thread per rank (GNU OpenMP hangs
-    in a forked child that starts a thread pool its parent already used).
+    MPS context of its parent), one compute thread per rank (GNU OpenMP hangs
+    in a forked child that starts a thread pool its parent already used), and
+    no other Python thread running here (a lock another thread holds at the
+    fork stays held forever in the child: a notebook, a live display, a
+    second fit in parallel). The ranks are forked before the rendezvous store
+    starts its own thread.
     """
     return (sys.platform.startswith("linux") and spec.device_type == "cpu"
-            and spec.threads_per_rank() == 1 and "fork" in mp.get_all_start_methods())
+            and spec.threads_per_rank() == 1 and threading.active_count() == 1
+            and "fork" in mp.get_all_start_methods())
 
 
 _frozen = False
@@ -167,10 +172,15 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def _local_rank_entry(payload: Any, rank: int, port: int, events: connection.Connection,
+def _local_rank_entry(payload: Any, rank: int, events: connection.Connection,
                       result_dir: str, parent_pid: int,
                       local: SharedMemoryCollectives | None = None) -> None:
-    """Body of one simulated rank's process; ``events`` is the write end of its pipe."""
+    """Body of one simulated rank's process.
+
+    ``events`` is this rank's end of a pipe to the parent: the parent first sends
+    the rendezvous store's port through it (the store is opened only once every
+    rank has started), then the rank sends its metric events back.
+    """
     # A forked rank may inherit a live display's stand-ins for stdout/stderr: write directly.
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
@@ -184,6 +194,7 @@ def _local_rank_entry(payload: Any, rank: int, port: int, events: connection.Con
 
         if local is not None:
             comm.use_local_collectives(local.bind(rank))
+        port = int(events.recv())
         state = run_rank(spec, rank, Rendezvous("127.0.0.1", port, store_on_rank0=False),
                          events.send)
         path = atomic_torch_save(state, Path(result_dir) / f"rank{rank}.pt")
@@ -379,30 +390,36 @@ class Trainer:
                  on_event: Callable[[dict[str, Any]], None]) -> list[dict[str, torch.Tensor]]:
         """Run every rank as a local process; return their final states in rank order."""
         ctx = _mp_context(spec)
-        store = _open_store(self.start_port)
         payload = _Portable(spec)
         local = SharedMemoryCollectives.for_model(spec.model, spec.num_nodes, ctx, spec.timeout_s)
-        pipes = [ctx.Pipe(duplex=False) for _ in range(spec.num_nodes)]
+        pipes = [ctx.Pipe(duplex=True) for _ in range(spec.num_nodes)]
+        store = None
         with tempfile.TemporaryDirectory(prefix="exogym-") as result_dir:
             procs = [
                 ctx.Process(target=_local_rank_entry, name=f"exogym-rank{rank}",
-                            args=(payload, rank, store.port, pipes[rank][1], result_dir,
-                                  os.getpid(), local))
+                            args=(payload, rank, pipes[rank][1], result_dir, os.getpid(), local))
                 for rank in range(spec.num_nodes)
             ]
             try:
                 for p in procs:
                     p.start()
-                for _, writer in pipes:
-                    writer.close()
-                paths = self._collect(procs, [reader for reader, _ in pipes], on_event)
+                for _, child_end in pipes:
+                    child_end.close()
+                # Only now: the store's server thread must not exist while ranks are forked.
+                store = _open_store(self.start_port)
+                for parent_end, _ in pipes:
+                    try:
+                        parent_end.send(store.port)
+                    except OSError:
+                        pass  # that rank already died: _collect reports how
+                paths = self._collect(procs, [parent_end for parent_end, _ in pipes], on_event)
                 return [torch.load(paths[r], map_location="cpu", weights_only=True)
                         for r in range(spec.num_nodes)]
             finally:
                 _stop(procs)
-                for reader, writer in pipes:
-                    reader.close()
-                    writer.close()
+                for parent_end, child_end in pipes:
+                    parent_end.close()
+                    child_end.close()
                 del store
 
     @staticmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -385,3 +386,36 @@ def test_torch_scheduler_class_is_honoured():
                                               lr_scheduler_kwargs={"step_size": 2, "gamma": 0.5}),
                 num_nodes=1, max_steps=5, batch_size=8, val_size=0, **QUIET)
     assert [round(r["lr"], 4) for r in trainer.history] == [0.1, 0.1, 0.05, 0.05, 0.025]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux only")
+def test_ranks_are_forked_only_while_no_other_thread_runs():
+    # A lock another thread holds at a fork stays held in the child forever (glibc's
+    # resolver lock once hung a rank): with a second thread alive, ranks come from
+    # the fork server instead.
+    from exogym.spec import make_run_spec
+    from exogym.trainer import _can_fork
+
+    ds = toy_dataset()
+    spec = make_run_spec(
+        tiny_model(), ds, ds, strategy=SimpleReduceStrategy(), num_nodes=2, num_epochs=1,
+        max_steps=2, batch_size=8, minibatch_size=None, gradient_accumulation=None,
+        shuffle=True, val_size=0, val_interval=1, autocast=False, device="cpu", devices=None,
+        seed=0, num_threads=1, dataloader_kwargs=None, save_dir="ckpt", checkpoint_interval=None,
+        keep_checkpoints=1, resume_from=None, correlation_interval=None, run_name=None,
+        log_interval=1, timeout_s=60)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    baseline = threading.active_count()
+    other.start()
+    try:
+        assert not _can_fork(spec)
+        trainer = Trainer(tiny_model(), ds, ds)  # and a fit still works, from the fork server
+        trainer.fit(strategy=SimpleReduceStrategy(), num_nodes=2, max_steps=2, batch_size=8,
+                    val_size=0, num_threads=1, **QUIET)
+        assert len(trainer.history) == 4
+    finally:
+        stop.set()
+        other.join()
+    if baseline == 1:  # other tests' threads may linger in this process
+        assert _can_fork(spec)
