@@ -16,10 +16,12 @@ What it does:
 2. Measures every link rate: the payload goodput a host gets while sending to
    one peer and receiving from another at once (the ring pattern), the round
    trip, and the protocol overhead (wire bytes over payload bytes).
-3. Runs the single-host baselines in host 0, through the same launcher:
-   the compute time per step without communication (AdamW; SPARTA and DeMo
-   themselves on one host),
-   and the reference: one host doing all ``N`` hosts' work.
+3. Runs the baselines through the same launcher: the compute time per step
+   without communication (AdamW; SPARTA and DeMo themselves on one host) and
+   the reference, one host doing all ``N`` hosts' work. AdamW and the
+   reference run on every host at once, each training alone, so they see the
+   same contention for the machine's memory bandwidth and caches as the
+   multi-host runs.
 4. For every rate and strategy, runs the profile (``chargpt-bench`` in
    ``config.ini``) through the real launcher, every rank over SSH, rank 0 in
    host 0's namespace.
@@ -434,27 +436,35 @@ def run_benchmark(bed: Testbed, args: argparse.Namespace, cases: list[StrategyCa
     return results
 
 
-def run_baselines(bench: Bench, cases: list[StrategyCase]) -> dict[str, Any]:
-    """Single-host jobs in host 0: compute per step, and the reference.
+#: Overrides under which every host trains on its own: a DiLoCo round that never comes.
+ALONE = ["strategy=diloco", "H=1000000000"]
 
-    Compute is AdamW alone (the local work of DDP and DiLoCo) and, for SPARTA
-    and DeMo, the strategy itself on one host (its local work every step).
+
+def run_baselines(bench: Bench, cases: list[StrategyCase]) -> dict[str, Any]:
+    """Single-host figures: compute per step, and the reference.
+
+    AdamW's compute time (DDP's and DiLoCo's local work) and the reference run
+    on every host at once, each host training alone (:data:`ALONE`), and are
+    averaged over the hosts: the hosts of this machine share its memory
+    bandwidth and caches, so a host measured while the others idle would be
+    faster than any host of the multi-host runs. SPARTA and DeMo communicate
+    every step, so their own compute time comes from one host (host 0) alone.
     """
     args, say, hosts = bench.args, bench.say, bench.args.hosts
     baselines: dict[str, Any] = {}
-    say("  single-host baselines (host 0, no communication):")
+    say("  baselines, no communication:")
     plain = Window.for_period(1, args.warmup, args.window, 1)
-    kinds: dict[str, list[str]] = {"adamw": ["strategy=ddp"]}
+    kinds: dict[str, tuple[int, list[str]]] = {"adamw": (hosts, ALONE)}
     for case in cases:
         if case.compute != "adamw":
-            kinds.setdefault(case.compute, case.overrides())
-    for kind, overrides in kinds.items():
-        job = bench.run_job(f"compute {kind}", 1, [
+            kinds.setdefault(case.compute, (1, case.overrides()))
+    for kind, (count, overrides) in kinds.items():
+        job = bench.run_job(f"compute {kind}", count, [
             *bench.common_overrides(plain, args.batch_size, kind), *overrides], plain)
         baselines[kind] = job.to_dict()
         say(f"    {job.step_s:.3f} s per step (sd {job.step_sd_s:.3f} s)")
-    job = bench.run_job("reference", 1, [
-        *bench.common_overrides(plain, hosts * args.batch_size, "reference"), "strategy=ddp",
+    job = bench.run_job("reference", hosts, [
+        *bench.common_overrides(plain, hosts * args.batch_size, "reference"), *ALONE,
         f"minibatch_size={args.batch_size}"], plain)
     baselines["reference"] = {**job.to_dict(), "minibatches": hosts}
     say(f"    {job.step_s:.3f} s per step for {hosts} minibatches of {args.batch_size}")
