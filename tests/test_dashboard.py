@@ -107,7 +107,7 @@ def test_a_real_runs_screen_in_a_terminal_shows_a_row_per_rank_with_changing_ste
     env = dict(os.environ, TERM="xterm-256color", COLUMNS="130", LINES="40",
                PYTHONPATH=str(ROOT))
     args = [str(ROOT / "cli_typer.py"), "distributed-train", "digits-ddp"]
-    for pair in ("max_steps=400", "num_nodes=2", "val_interval=200", "val_size=64",
+    for pair in ("max_steps=3000", "num_nodes=2", "val_interval=1500", "val_size=64",
                  "num_threads=1", f"output_dir={tmp_path / 'out'}"):
         args += ["--set", pair]
     child = pexpect.spawn(sys.executable, args, cwd=str(ROOT), env=env, dimensions=(40, 130),
@@ -118,9 +118,9 @@ def test_a_real_runs_screen_in_a_terminal_shows_a_row_per_rank_with_changing_ste
     assert child.exitstatus == 0, screen[-3000:]
     assert "[local:0] step" not in screen  # a terminal gets the table, not log lines
     steps = {0: set(), 1: set()}
-    for rank, done in re.findall(r"│\s+([01]) │ local\s+│ \w+\s+│\s+(\d+)/400", screen):
+    for rank, done in re.findall(r"│\s+([01]) │ local\s+│ \w+\s+│\s+(\d+)/3000", screen):
         steps[int(rank)].add(int(done))
     assert all(len(seen) >= 3 for seen in steps.values()), (steps, screen[-3000:])
-    assert all(max(seen) == 400 for seen in steps.values())
+    assert all(max(seen) == 3000 for seen in steps.values())
     assert re.search(r"│\s+all │ 2 ranks\s+│ 2/2 done", screen)
     assert "run summary" in screen
