@@ -278,6 +278,14 @@ def all_reduce_tensors(
         world_size = dist.get_world_size(group)
     for bucket in _buckets(tensors, bucket_bytes):
         members = [tensors[i] for i in bucket]
+        local = _local_for(members[0], group, op)
+        if local is not None:
+            # Straight from the tensors into shared memory and back: no flat copy.
+            elements = sum(t.numel() for t in members)
+            _count(elements * (wire_dtype or members[0].dtype).itemsize)
+            local.all_reduce_many(members, dist.ReduceOp.SUM if op is None else op,
+                                  wire_dtype=wire_dtype, divide_by=world_size if average else None)
+            continue
         flat = torch.cat([t.reshape(-1) for t in members])
         if wire_dtype is not None and flat.dtype != wire_dtype:
             flat = flat.to(wire_dtype)

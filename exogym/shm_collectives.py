@@ -2,18 +2,25 @@
 
 In a local simulation every rank is a process on this machine, so a collective
 need not cross a socket: each rank copies its contribution into its own slot
-of one shared buffer, and after a barrier every rank reduces its 1/K share of
-the elements across all slots into a result row that everyone then copies out.
-Every element is reduced by exactly one rank, in rank order, so all ranks get
-bitwise the same result. Large tensors pass in chunks of one slot.
+of a shared buffer and meets the others; the last rank to arrive reduces every
+slot into a result row (elements in rank order, so every rank gets bitwise the
+same result), then wakes the others, who copy the result out. Large tensors,
+or many tensors of an all-reduce bucket, pass in chunks of one slot.
 
-The barrier is K counting semaphores: arriving, a rank posts every other
-rank's semaphore once and then takes K-1 posts from its own. A rank can only
-post for the next barrier after everyone has posted for this one, so posts
-never mix between barriers.
+One meeting per chunk is all a collective costs. A second meeting (so that no
+rank overwrites a slot a slower peer is still reading) is not needed because
+the buffer has two halves used in turn: a rank can only write a half again
+after the next meeting, which no rank passes before every rank has finished
+reading the previous one. On a machine with fewer cores than ranks each
+meeting means putting sleeping processes back on a core, so halving the
+meetings is what makes lockstep strategies (DDP) fast here.
 
-:mod:`exogym.comm` sends a collective here when the tensor is on the CPU, the
-group is the whole world and the operation is supported; anything else (a
+The meeting: an arrival counter under a lock; a rank that is not the last
+waits on its own semaphore, which the last rank posts once the reduction is
+done. Posts never mix between meetings: a rank waits at most once per meeting.
+
+:mod:`exogym.comm` sends a collective here when the tensors are on the CPU,
+the group is the whole world and the operation is supported; anything else (a
 subgroup, a GPU tensor under NCCL, an unusual reduce op) goes to
 ``torch.distributed`` as before. Byte counts do not change: the comm module
 counts the payload before choosing the path.
@@ -22,6 +29,7 @@ counts the payload before choosing the path.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -60,8 +68,8 @@ class SharedMemoryCollectives:
         world_size: number of ranks.
         slot_bytes: bytes one rank contributes per pass (a multiple of 64 is used);
             larger tensors are processed in chunks.
-        ctx: the multiprocessing context the ranks are started with (its semaphores).
-        timeout_s: how long a rank waits for its peers at a barrier before failing.
+        ctx: the multiprocessing context the ranks are started with (its locks, semaphores).
+        timeout_s: how long a rank waits for its peers at a meeting before failing.
     """
 
     def __init__(self, world_size: int, slot_bytes: int, ctx: Any, timeout_s: float = 1800.0):
@@ -70,9 +78,13 @@ class SharedMemoryCollectives:
         self.world_size = world_size
         self.slot_bytes = max(64, -(-int(slot_bytes) // 64) * 64)
         self.timeout_s = float(timeout_s)
-        self._buffer = torch.zeros((world_size + 1) * self.slot_bytes,
+        # Two halves of (world_size contribution slots + 1 result row), used in turn.
+        self._buffer = torch.zeros((2, world_size + 1, self.slot_bytes),
                                    dtype=torch.uint8).share_memory_()
-        self._arrivals = [ctx.Semaphore(0) for _ in range(world_size)]
+        self._arrived = ctx.RawValue("l", 0)
+        self._lock = ctx.Lock()
+        self._wake = [ctx.Semaphore(0) for _ in range(world_size)]
+        self._turn = 0  # which half the next chunk uses; advances identically on every rank
         self.rank: int | None = None
 
     @classmethod
@@ -87,9 +99,9 @@ class SharedMemoryCollectives:
             return None
         model_bytes = sum(t.numel() * t.element_size()
                           for t in list(model.parameters()) + list(model.buffers()))
-        slot = min(max(model_bytes, MIN_SLOT_BYTES), TOTAL_BYTES // (world_size + 1))
+        slot = min(max(model_bytes, MIN_SLOT_BYTES), TOTAL_BYTES // (2 * (world_size + 1)))
         slot = max(64, slot // 64 * 64)
-        if not _room_for((world_size + 1) * slot):
+        if not _room_for(2 * (world_size + 1) * slot):
             return None
         return cls(world_size, slot, ctx, timeout_s)
 
@@ -109,62 +121,123 @@ class SharedMemoryCollectives:
         kind = _op_kind(op)
         return kind is not None and not (kind == "avg" and not tensor.is_floating_point())
 
-    # -- the barrier ----------------------------------------------------------------
+    # -- the meeting ----------------------------------------------------------------
+
+    def _meet(self, last_work: Callable[[], None] | None = None) -> None:
+        """Wait until every rank has arrived; the last to arrive runs ``last_work`` first."""
+        me = self.rank
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise PeerTimeoutError(f"rank {me}: the collectives' lock was not released within "
+                                   f"{self.timeout_s:.0f} s (a peer stopped inside it)")
+        try:
+            self._arrived.value += 1
+            last = self._arrived.value == self.world_size
+            if last:
+                self._arrived.value = 0
+        finally:
+            self._lock.release()
+        if last:
+            try:
+                if last_work is not None:
+                    last_work()
+            finally:
+                for r, wake in enumerate(self._wake):
+                    if r != me:
+                        wake.release()
+        elif not self._wake[me].acquire(timeout=self.timeout_s):
+            raise PeerTimeoutError(
+                f"rank {me}: a peer did not reach the collective within {self.timeout_s:.0f} s "
+                "(it failed or stopped)")
 
     def barrier(self) -> None:
         """Wait until every rank has arrived."""
-        me = self.rank
-        for r, sem in enumerate(self._arrivals):
-            if r != me:
-                sem.release()
-        mine = self._arrivals[me]
-        for _ in range(self.world_size - 1):
-            if not mine.acquire(timeout=self.timeout_s):
-                raise PeerTimeoutError(
-                    f"rank {me}: a peer did not reach the collective within {self.timeout_s:.0f} s "
-                    "(it failed or stopped)")
+        self._meet()
 
     # -- collectives ----------------------------------------------------------------
 
-    def _rows(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._buffer.view(dtype).view(self.world_size + 1, -1)
+    def _next_rows(self, dtype: torch.dtype) -> torch.Tensor:
+        """The half of the buffer for the next chunk, as ``world_size + 1`` rows of ``dtype``."""
+        half = self._buffer[self._turn]
+        self._turn ^= 1
+        return half.view(dtype)
 
-    def _chunks(self, numel: int, dtype: torch.dtype):
-        per = self.slot_bytes // torch.empty((), dtype=dtype).element_size()
-        for lo in range(0, numel, per):
-            yield lo, min(numel, lo + per)
+    def _per_chunk(self, dtype: torch.dtype) -> int:
+        return self.slot_bytes // torch.empty((), dtype=dtype).element_size()
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = None) -> None:
         """Reduce ``tensor`` in place across ranks (SUM, AVG, MAX or MIN)."""
+        self.all_reduce_many([tensor], op)
+
+    def all_reduce_many(self, tensors: Sequence[torch.Tensor], op: Any = None,
+                        wire_dtype: torch.dtype | None = None,
+                        divide_by: float | None = None) -> None:
+        """Reduce every tensor in place across ranks, packed into as few chunks as fit.
+
+        Args:
+            tensors: tensors of one dtype, reduced in place.
+            op: SUM (default), AVG, MAX or MIN.
+            wire_dtype: the type values are reduced in (e.g. bfloat16); default theirs.
+            divide_by: divide each result by this afterwards (an average), in the
+                tensors' own type, as a flat buffer would be after a reduce.
+        """
+        if not tensors:
+            return
         kind = _op_kind(op)
-        flat = tensor.detach().reshape(-1)
-        contiguous = tensor.is_contiguous()
-        rows = self._rows(tensor.dtype)
+        own_dtype = tensors[0].dtype
+        dtype = wire_dtype or own_dtype
         k, me = self.world_size, self.rank
-        for lo, hi in self._chunks(flat.numel(), tensor.dtype):
-            n = hi - lo
-            rows[me, :n].copy_(flat[lo:hi])
-            self.barrier()
-            a, b = me * n // k, (me + 1) * n // k
-            if b > a:
-                _reduce(kind, rows[:k, a:b], rows[k, a:b], k)
-            self.barrier()
-            flat[lo:hi].copy_(rows[k, :n])
-        if not contiguous:
-            tensor.copy_(flat.view_as(tensor))
+        per = self._per_chunk(dtype)
+        flats = [t.detach().view(-1) if t.is_contiguous() else t.detach().reshape(-1)
+                 for t in tensors]
+        # The divide happens in the result row when the wire type is the tensors' own.
+        divide_in_row = divide_by is not None and dtype == own_dtype
+
+        def flush(rows: torch.Tensor, n: int, pieces: list[tuple[int, int, int, int]]) -> None:
+            def reduce_all() -> None:
+                _reduce(kind, rows[:k, :n], rows[k, :n], k)
+                if divide_in_row:
+                    rows[k, :n].div_(divide_by)
+
+            self._meet(reduce_all)
+            for i, lo, at, m in pieces:
+                out = flats[i][lo:lo + m]
+                out.copy_(rows[k, at:at + m])
+                if divide_by is not None and not divide_in_row:
+                    out.div_(divide_by)
+
+        rows = self._next_rows(dtype)
+        n, pieces = 0, []
+        for i, flat in enumerate(flats):
+            lo, size = 0, flat.numel()
+            while lo < size:
+                if n == per:
+                    flush(rows, n, pieces)
+                    rows, n, pieces = self._next_rows(dtype), 0, []
+                m = min(size - lo, per - n)
+                rows[me, n:n + m].copy_(flat[lo:lo + m])
+                pieces.append((i, lo, n, m))
+                n += m
+                lo += m
+        if pieces:
+            flush(rows, n, pieces)
+        else:
+            self._turn ^= 1  # nothing to send (empty tensors): give the unused half back
+        for tensor, flat in zip(tensors, flats):
+            if not tensor.is_contiguous():
+                tensor.copy_(flat.view_as(tensor))
 
     def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
         """Every rank's ``tensor`` into ``tensor_list`` (one entry per rank, same size)."""
         flat = tensor.detach().reshape(-1)
         outs = [t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in tensor_list]
-        rows = self._rows(tensor.dtype)
-        for lo, hi in self._chunks(flat.numel(), tensor.dtype):
-            n = hi - lo
-            rows[self.rank, :n].copy_(flat[lo:hi])
-            self.barrier()
+        per = self._per_chunk(tensor.dtype)
+        for lo in range(0, max(flat.numel(), 1), per):
+            hi = min(flat.numel(), lo + per)
+            rows = self._next_rows(tensor.dtype)
+            rows[self.rank, :hi - lo].copy_(flat[lo:hi])
+            self._meet()
             for r, out in enumerate(outs):
-                out[lo:hi].copy_(rows[r, :n])
-            self.barrier()
+                out[lo:hi].copy_(rows[r, :hi - lo])
         for target, out in zip(tensor_list, outs):
             if not target.is_contiguous():
                 target.copy_(out.view_as(target))
@@ -172,15 +245,15 @@ class SharedMemoryCollectives:
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Rank ``src``'s ``tensor`` into every rank's ``tensor``."""
         flat = tensor.detach().reshape(-1)
-        rows = self._rows(tensor.dtype)
-        for lo, hi in self._chunks(flat.numel(), tensor.dtype):
-            n = hi - lo
+        per = self._per_chunk(tensor.dtype)
+        for lo in range(0, max(flat.numel(), 1), per):
+            hi = min(flat.numel(), lo + per)
+            rows = self._next_rows(tensor.dtype)
             if self.rank == src:
-                rows[src, :n].copy_(flat[lo:hi])
-            self.barrier()
+                rows[src, :hi - lo].copy_(flat[lo:hi])
+            self._meet()
             if self.rank != src:
-                flat[lo:hi].copy_(rows[src, :n])
-            self.barrier()
+                flat[lo:hi].copy_(rows[src, :hi - lo])
         if self.rank != src and not tensor.is_contiguous():
             tensor.copy_(flat.view_as(tensor))
 

@@ -41,6 +41,11 @@ def _rank_body(shm: SharedMemoryCollectives, rank: int, out) -> None:
         view = grid.t()  # not contiguous: the result must land in the viewed storage
         shm.all_reduce(view)
         results["non-contiguous"] = grid
+        # Several tensors packed into shared chunks, crossing chunk edges, reduced in
+        # bfloat16 and averaged in their own float32.
+        many = [contribution(rank, torch.float32, n).clone() for n in (700, 1, 333)]
+        shm.all_reduce_many(many, wire_dtype=torch.bfloat16, divide_by=K)
+        results["many"] = torch.cat(many)
         gathered = [torch.empty(1000) for _ in range(K)]
         shm.all_gather(gathered, contribution(rank, torch.float32))
         results["gather"] = torch.stack(gathered)
@@ -86,6 +91,11 @@ def test_collectives_match_their_definitions_on_every_rank_with_chunking():
             tol = 0.0 if op in ("MAX", "MIN") or not dtype.is_floating_point else (
                 1e-4 if dtype == torch.float32 else 0.5)
             torch.testing.assert_close(got[0][key].double(), want, atol=tol, rtol=0.02 if tol else 0)
+    many = torch.stack([torch.cat([contribution(r, torch.float32, n) for n in (700, 1, 333)])
+                        for r in range(K)]).double().mean(0)
+    for rank in range(K):
+        assert torch.equal(got[rank]["many"], got[0]["many"])
+    torch.testing.assert_close(got[0]["many"].double(), many, atol=0.3, rtol=0.02)
     grids = sum(contribution(r, torch.float32, 60) for r in range(K)).view(6, 10)
     for rank in range(K):
         torch.testing.assert_close(got[rank]["non-contiguous"], grids)

@@ -240,3 +240,27 @@ def test_cross_entropy_toy_is_learnable():
                 progress=False)
     evals = [r["val_global_loss"] for r in trainer.history if "val_global_loss" in r]
     assert evals[-1] < 0.8 * F.cross_entropy(torch.zeros(1, 3), torch.zeros(1).long()).item()
+
+
+def test_cpu_optimizers_take_the_fused_or_foreach_kernel_unless_the_user_chose():
+    model = tiny_model()
+    assert OptimSpec("adamw").build(model).defaults["fused"] is True
+    assert OptimSpec("sgd", lr=0.1).build(model).defaults["fused"] is True
+    assert OptimSpec("rmsprop").build(model).defaults["foreach"] is True  # no fused kernel
+    chosen = OptimSpec("adamw", fused=False).build(model).defaults
+    assert not chosen["fused"] and not chosen["foreach"]
+    chosen = OptimSpec("adamw", foreach=False).build(model).defaults
+    assert not chosen["fused"] and chosen["foreach"] is False
+
+    # The same update as torch's default loop, to float rounding.
+    ours, torchs = copy.deepcopy(model), copy.deepcopy(model)
+    opt_ours = OptimSpec("adamw", lr=0.01).build(ours)
+    opt_torch = torch.optim.AdamW(torchs.parameters(), lr=0.01)
+    x, y = toy_dataset().tensors
+    for _ in range(5):
+        for net, opt in ((ours, opt_ours), (torchs, opt_torch)):
+            opt.zero_grad()
+            net((x[:32], y[:32])).backward()
+            opt.step()
+    assert_models_close(ours, torchs)
+    assert_models_differ(ours, model)

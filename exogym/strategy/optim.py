@@ -77,6 +77,12 @@ class OptimSpec:
             params = list(model_or_params)
         if not params:
             raise ValueError("the model has no trainable parameters (none has requires_grad=True)")
+        fast = _cpu_implementation(self.cls, self.kwargs, params)
+        if fast:
+            try:
+                return self.cls(params, **self.kwargs, **fast)
+            except (RuntimeError, ValueError, TypeError):
+                pass  # e.g. a dtype the fused kernel lacks: torch's own default below
         return self.cls(params, **self.kwargs)
 
     def __repr__(self) -> str:
@@ -88,6 +94,30 @@ class OptimSpec:
 
     def __config__(self) -> dict[str, Any]:
         return {"optimizer": self.cls.__name__, **{k: _plain(v) for k, v in self.kwargs.items()}}
+
+
+def _cpu_implementation(cls: type, kwargs: dict[str, Any], params: list) -> dict[str, Any]:
+    """The fastest implementation of ``cls`` for CPU parameters, when the user chose none.
+
+    On the CPU torch defaults to a Python loop of small operations per tensor;
+    the fused kernel (Adam, AdamW, SGD, Adagrad) does one pass per tensor, and
+    ``foreach`` batches the loop's operations. Both compute the same update
+    (the fused kernel rounds differently in the last bits). An explicit
+    ``fused=`` or ``foreach=`` is always honoured, and other devices keep
+    torch's own choice.
+    """
+    if "fused" in kwargs or "foreach" in kwargs or kwargs.get("differentiable"):
+        return {}
+    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_floating_point()
+               for t in tensors):
+        return {}
+    accepted = _accepted_kwargs(cls) or set()
+    if "fused" in accepted:
+        return {"fused": True}
+    if "foreach" in accepted:
+        return {"foreach": True}
+    return {}
 
 
 def _plain(value: Any) -> Any:
