@@ -108,7 +108,14 @@ def _cpu_implementation(cls: type, kwargs: dict[str, Any], params: list) -> dict
     """
     if "fused" in kwargs or "foreach" in kwargs or kwargs.get("differentiable"):
         return {}
-    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    tensors = []
+    for p in params:
+        group = p.get("params") if isinstance(p, dict) else [p]
+        if isinstance(group, torch.Tensor):
+            group = [group]
+        if not isinstance(group, (list, tuple)):
+            return {}  # e.g. a generator: reading it here would leave the optimizer none
+        tensors.extend(group)
     if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_floating_point()
                for t in tensors):
         return {}
