@@ -149,10 +149,6 @@ class SharedMemoryCollectives:
                 f"rank {me}: a peer did not reach the collective within {self.timeout_s:.0f} s "
                 "(it failed or stopped)")
 
-    def barrier(self) -> None:
-        """Wait until every rank has arrived."""
-        self._meet()
-
     # -- collectives ----------------------------------------------------------------
 
     def _next_rows(self, dtype: torch.dtype) -> torch.Tensor:
@@ -180,8 +176,8 @@ class SharedMemoryCollectives:
             divide_by: divide each result by this afterwards (an average), in the
                 tensors' own type, as a flat buffer would be after a reduce.
         """
-        if not tensors:
-            return
+        if not any(t.numel() for t in tensors):
+            return  # every rank holds the same shapes, so every rank returns here
         kind = _op_kind(op)
         own_dtype = tensors[0].dtype
         dtype = wire_dtype or own_dtype
@@ -218,10 +214,7 @@ class SharedMemoryCollectives:
                 pieces.append((i, lo, n, m))
                 n += m
                 lo += m
-        if pieces:
-            flush(rows, n, pieces)
-        else:
-            self._turn ^= 1  # nothing to send (empty tensors): give the unused half back
+        flush(rows, n, pieces)
         for tensor, flat in zip(tensors, flats):
             if not tensor.is_contiguous():
                 tensor.copy_(flat.view_as(tensor))

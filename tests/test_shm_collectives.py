@@ -104,6 +104,39 @@ def test_collectives_match_their_definitions_on_every_rank_with_chunking():
         assert torch.equal(got[rank]["broadcast"], contribution(1, torch.float32))
 
 
+def _back_to_back_body(shm: SharedMemoryCollectives, rank: int, out, rounds: int, n: int) -> None:
+    torch.set_num_threads(1)
+    shm.bind(rank)
+    wrong = 0
+    for i in range(rounds):
+        gathered = [torch.empty(n) for _ in range(4)]
+        shm.all_gather(gathered, torch.full((n,), float(rank * 1000 + i)))
+        wrong += sum(int((g != r * 1000 + i).any()) for r, g in enumerate(gathered))
+        total = torch.full((n,), float(rank + i))
+        shm.all_reduce(total)
+        wrong += int((total != sum(r + i for r in range(4))).any())
+    out.put(wrong)
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def test_back_to_back_collectives_never_overwrite_what_a_slower_rank_still_reads():
+    # One meeting per chunk is safe only because the buffer's two halves alternate:
+    # with a single half, a rank that races into the next collective overwrites its
+    # slot while a slower peer is still copying it (hundreds of wrong results here).
+    shm = SharedMemoryCollectives(4, 20000 * 4, CTX, timeout_s=60)
+    out = CTX.Queue()
+    procs = [CTX.Process(target=_back_to_back_body, args=(shm, r, out, 150, 20000))
+             for r in range(4)]
+    for p in procs:
+        p.start()
+    wrong = sum(out.get(timeout=120) for _ in range(4))
+    for p in procs:
+        p.join(10)
+    assert wrong == 0
+
+
 def test_a_missing_peer_times_out_with_a_clear_error():
     shm = SharedMemoryCollectives(2, 1024, CTX, timeout_s=0.3).bind(0)
     with pytest.raises(PeerTimeoutError, match="rank 0: a peer did not reach the collective"):
