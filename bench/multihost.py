@@ -16,12 +16,12 @@ What it does:
 2. Measures every link rate: the payload goodput a host gets while sending to
    one peer and receiving from another at once (the ring pattern), the round
    trip, and the protocol overhead (wire bytes over payload bytes).
-3. Runs the baselines through the same launcher: the compute time per step
-   without communication (AdamW; SPARTA and DeMo themselves on one host) and
-   the reference, one host doing all ``N`` hosts' work. AdamW and the
-   reference run on every host at once, each training alone, so they see the
-   same contention for the machine's memory bandwidth and caches as the
-   multi-host runs.
+3. Runs the baselines through the same launcher, on every host at once with
+   each host training alone, so that they see the same contention for the
+   machine's memory bandwidth and caches as the multi-host runs: the compute
+   time per step without communication (AdamW; SPARTA and DeMo with
+   ``EXOGYM_COLLECTIVES=mirror``, which does all of their own work per step
+   and sends nothing) and the reference, one host doing all ``N`` hosts' work.
 4. For every rate and strategy, runs the profile (``chargpt-bench`` in
    ``config.ini``) through the real launcher, every rank over SSH, rank 0 in
    host 0's namespace.
@@ -38,8 +38,8 @@ Definitions:
   ranks, which run freely between communications, meet at both ends. The
   final evaluation comes after it.
 - **comm share**: ``1 - t_compute / t_step``, with ``t_compute`` the same
-  training on one host with no one to talk to (AdamW alone for DDP and
-  DiLoCo; SPARTA and DeMo themselves, so their local work per step is
+  training with every host on its own (AdamW alone for DDP and DiLoCo; SPARTA
+  and DeMo with mirrored collectives, so their local work per step is
   compute), measured just before the runs of each rate (this machine's speed
   drifts from minute to minute). It counts everything a step spends beyond
   that: transfers, waiting for the slower peer, DiLoCo's outer step.
@@ -252,21 +252,24 @@ class Bench:
                 "checkpoint_interval=None",
                 f"output_dir={self.bed.workdir / 'out' / slug}", *self.args.set]
 
-    def run_job(self, name: str, hosts: int, overrides: list[str], window: Window) -> JobResult:
+    def run_job(self, name: str, hosts: int, overrides: list[str], window: Window,
+                env: dict[str, str] | None = None) -> JobResult:
         """Launch ``hosts`` ranks of the profile with ``overrides`` and measure the window.
 
-        Retries once, after waiting for quiet, when other processes took more
-        than ``--retry-cores`` cores during the window.
+        ``env`` adds variables to every rank's environment. Retries once, after
+        waiting for quiet, when other processes took more than ``--retry-cores``
+        cores during the window.
         """
         for attempt in (1, 2):
-            result = self._launch(name, hosts, overrides, window)
+            result = self._launch(name, hosts, overrides, window, env or {})
             if result.other_cores <= self.args.retry_cores or attempt == 2:
                 return result
             self.say(f"  other processes took {result.other_cores:.2f} cores during the window; "
                      "measuring again")
         raise AssertionError("unreachable")
 
-    def _launch(self, name: str, hosts: int, overrides: list[str], window: Window) -> JobResult:
+    def _launch(self, name: str, hosts: int, overrides: list[str], window: Window,
+                env: dict[str, str]) -> JobResult:
         from rich.console import Console
 
         from distributed.launcher import Launcher, RankProgram
@@ -302,7 +305,7 @@ class Bench:
         self.say(f"  {name}: {hosts} host(s), steps {window.s0}..{window.s1} timed of "
                  f"{window.max_steps}")
         with Launcher(config, program, run_dir=run_dir,
-                      env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                      env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env},
                       known_hosts_path=self.bed.known_hosts, ssh_config_path=self.bed.ssh_config,
                       allow_agent=False, look_for_keys=False, master_local=False,
                       grace_period=3, console=console, on_output=lambda line: lines.append(str(line)),
@@ -438,29 +441,34 @@ def run_benchmark(bed: Testbed, args: argparse.Namespace, cases: list[StrategyCa
 
 #: Overrides under which every host trains on its own: a DiLoCo round that never comes.
 ALONE = ["strategy=diloco", "H=1000000000"]
+#: Rank environment under which a strategy does its own work but sends nothing.
+MIRROR = {"EXOGYM_COLLECTIVES": "mirror"}
 
 
 def run_baselines(bench: Bench, cases: list[StrategyCase]) -> dict[str, Any]:
-    """Single-host figures: compute per step, and the reference.
+    """Figures without communication, every host at once: compute per step, and the reference.
 
-    AdamW's compute time (DDP's and DiLoCo's local work) and the reference run
-    on every host at once, each host training alone (:data:`ALONE`), and are
+    Every baseline runs on all hosts at once, each host training alone, and is
     averaged over the hosts: the hosts of this machine share its memory
     bandwidth and caches, so a host measured while the others idle would be
-    faster than any host of the multi-host runs. SPARTA and DeMo communicate
-    every step, so their own compute time comes from one host (host 0) alone.
+    faster than any host of the multi-host runs. AdamW's compute time (DDP's
+    and DiLoCo's local work) and the reference train alone with
+    :data:`ALONE`. SPARTA and DeMo run themselves with mirrored collectives
+    (:data:`MIRROR`): their index selection, packing, compression and decoding
+    are done every step, for ``N`` hosts, while nothing is sent and no host
+    waits for another.
     """
     args, say, hosts = bench.args, bench.say, bench.args.hosts
     baselines: dict[str, Any] = {}
     say("  baselines, no communication:")
     plain = Window.for_period(1, args.warmup, args.window, 1)
-    kinds: dict[str, tuple[int, list[str]]] = {"adamw": (hosts, ALONE)}
+    kinds: dict[str, tuple[list[str], dict[str, str]]] = {"adamw": (ALONE, {})}
     for case in cases:
         if case.compute != "adamw":
-            kinds.setdefault(case.compute, (1, case.overrides()))
-    for kind, (count, overrides) in kinds.items():
-        job = bench.run_job(f"compute {kind}", count, [
-            *bench.common_overrides(plain, args.batch_size, kind), *overrides], plain)
+            kinds.setdefault(case.compute, (case.overrides(), MIRROR))
+    for kind, (overrides, env) in kinds.items():
+        job = bench.run_job(f"compute {kind}", hosts, [
+            *bench.common_overrides(plain, args.batch_size, kind), *overrides], plain, env)
         baselines[kind] = job.to_dict()
         say(f"    {job.step_s:.3f} s per step (sd {job.step_sd_s:.3f} s)")
     job = bench.run_job("reference", hosts, [
@@ -589,8 +597,8 @@ def markdown(results: dict[str, Any]) -> str:
     for link in results["links"]:
         lines.append(f"| {link['rate']} | {link['goodput_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s | "
                      f"{link['rtt_s'] * 1e6:.0f} us | {link['overhead']:.1%} |")
-    lines += ["", "Single host, no communication, measured before every rate's runs "
-              "(median time per step): "
+    lines += ["", "No communication, every host on its own, measured before every rate's "
+              "runs (median time per step): "
               + "; ".join(f"{k} {v['step_s']:.3f} s" for k, v in base.items()
                           if k != "reference")
               + f"; reference (one host doing the work of {hosts}: {hosts} minibatches "

@@ -48,10 +48,11 @@ class StrategyCase:
         name: the profile's ``strategy`` value and the projection's name.
         settings: the strategy's own profile keys (``H``, ``p_sparta``, ...).
         period: steps from one communication to the next.
-        compute: which single-host baseline gives its compute time: ``adamw``
-            (local AdamW steps: DDP, DiLoCo) or the strategy's own name (``sparta``,
-            ``demo``: the strategy itself on one host, so its local work per step
-            -- SPARTA's index selection, DeMo's transform -- counts as compute).
+        compute: which baseline without communication gives its compute time:
+            ``adamw`` (local AdamW steps: DDP, DiLoCo) or the strategy's own name
+            (``sparta``, ``demo``: the strategy itself with mirrored collectives, so
+            its local work per step -- SPARTA's index selection, DeMo's transform --
+            counts as compute).
     """
 
     label: str

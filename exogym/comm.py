@@ -18,10 +18,22 @@ Three things happen here so that strategies need not care:
 
 When no process group is initialised (a strategy used outside a trainer) the
 collectives act as a world of one: nothing moves and nothing is counted.
+
+``EXOGYM_COLLECTIVES`` chooses how a run's training collectives travel:
+unset (or ``auto``), a simulation's CPU ranks meet in shared memory and
+everything else goes through ``torch.distributed``; ``torch`` sends everything
+through ``torch.distributed``; ``mirror`` sends nothing: every collective
+returns what it would if every peer held exactly this rank's tensors (a sum is
+``world_size`` times the tensor, a gather ``world_size`` copies of it). A
+mirrored run does all of a strategy's own work per step (selection, packing,
+compression, decoding) with no network and no waiting for peers, which is how
+``bench/multihost.py`` measures a strategy's compute time. Bytes are counted
+as usual.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -32,12 +44,17 @@ __all__ = [
     "broadcast",
     "all_gather",
     "all_reduce_tensors",
+    "collectives_mode",
     "comm_bytes",
     "comm_calls",
     "reset_counters",
     "resolve_dtype",
     "use_local_collectives",
+    "use_mirror_collectives",
 ]
+
+MODE_ENV = "EXOGYM_COLLECTIVES"
+MODES = ("auto", "torch", "mirror")
 
 BUCKET_BYTES = 32 * 1024 * 1024
 
@@ -45,6 +62,21 @@ _bytes_sent = 0
 _calls = 0
 _backend_by_group: dict[object, str] = {}
 _local = None  # SharedMemoryCollectives when every rank shares this machine
+_mirror = False  # every peer holds what this rank holds: nothing is sent
+
+
+def collectives_mode(environ: dict[str, str] | None = None) -> str:
+    """``EXOGYM_COLLECTIVES`` checked: ``'auto'`` (unset), ``'torch'`` or ``'mirror'``.
+
+    Raises:
+        ValueError: for any other value, naming the accepted ones.
+    """
+    value = (os.environ if environ is None else environ).get(MODE_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value not in MODES:
+        raise ValueError(f"{MODE_ENV}={value!r} is not one of {', '.join(MODES)}")
+    return value
 
 
 def use_local_collectives(local) -> None:
@@ -53,9 +85,29 @@ def use_local_collectives(local) -> None:
     _local = local
 
 
+def use_mirror_collectives(on: bool) -> None:
+    """Make every collective act as if each peer held this rank's tensors; nothing is sent.
+
+    See the module's description of ``EXOGYM_COLLECTIVES=mirror``.
+    """
+    global _mirror
+    _mirror = bool(on)
+
+
+def _mirror_reduce(tensor: torch.Tensor, op, group) -> None:
+    """What an all-reduce returns when all ranks of ``group`` hold ``tensor``."""
+    if op is None or op == dist.ReduceOp.SUM:
+        if tensor.dtype != torch.bool:
+            tensor.mul_(dist.get_world_size(group))
+    elif op == dist.ReduceOp.PRODUCT:
+        if tensor.dtype != torch.bool:
+            tensor.pow_(dist.get_world_size(group))
+    # AVG, MAX, MIN and the bitwise ops of equal tensors give the tensor itself.
+
+
 def _local_for(tensor: torch.Tensor, group, op=None):
     """The shared-memory collectives when they can carry this call, else None."""
-    if _local is None or not (group is None or group is dist.group.WORLD):
+    if _mirror or _local is None or not (group is None or group is dist.group.WORLD):
         return None
     return _local if _local.supports(tensor, op) else None
 
@@ -167,6 +219,9 @@ def all_reduce(tensor: torch.Tensor, op=None, group=None, async_op: bool = False
     if not _active():
         return _DoneWork() if async_op else None
     _count(tensor.numel() * tensor.element_size())
+    if _mirror:
+        _mirror_reduce(tensor, op, group)
+        return _DoneWork() if async_op else None
     return _in_place(dist.all_reduce, "all_reduce", tensor, group, async_op,
                      op=dist.ReduceOp.SUM if op is None else op)
 
@@ -176,6 +231,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
     if not _active():
         return _DoneWork() if async_op else None
     _count(tensor.numel() * tensor.element_size())
+    if _mirror:
+        return _DoneWork() if async_op else None
     return _in_place(dist.broadcast, "broadcast", tensor, group, async_op, src=src)
 
 
@@ -187,6 +244,10 @@ def all_gather(
         tensor_list[0].copy_(tensor)
         return _DoneWork() if async_op else None
     _count(tensor.numel() * tensor.element_size())
+    if _mirror:
+        for out in tensor_list:
+            out.copy_(tensor)
+        return _DoneWork() if async_op else None
     local = _local_for(tensor, group)
     if local is not None and all(t.device.type == "cpu" for t in tensor_list):
         local.all_gather(tensor_list, tensor)

@@ -35,8 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-DISABLE_ENV = "EXOGYM_COLLECTIVES"
-"""Set to ``torch`` to make a simulation use torch.distributed for every collective."""
+from exogym.comm import collectives_mode
 
 TOTAL_BYTES = 32 * 1024 * 1024
 MIN_SLOT_BYTES = 64 * 1024
@@ -92,10 +91,11 @@ class SharedMemoryCollectives:
                   timeout_s: float = 1800.0) -> SharedMemoryCollectives | None:
         """Sized for ``model``'s parameters and buffers within a fixed memory budget.
 
-        None when one rank is all there is, when ``EXOGYM_COLLECTIVES=torch`` asks for
-        torch.distributed, or when the shared-memory file system lacks the room.
+        None when one rank is all there is, when ``EXOGYM_COLLECTIVES`` asks for
+        torch.distributed or for mirrored collectives, or when the shared-memory file
+        system lacks the room.
         """
-        if world_size < 2 or os.environ.get(DISABLE_ENV, "").lower() == "torch":
+        if collectives_mode() != "auto" or world_size < 2:
             return None
         model_bytes = sum(t.numel() * t.element_size()
                           for t in list(model.parameters()) + list(model.buffers()))

@@ -105,3 +105,57 @@ def test_staged_async_work_copies_back_only_after_wait():
     assert torch.equal(target, torch.zeros(3))
     handle.wait()
     assert Pending.waited and torch.equal(target, torch.ones(3))
+
+
+class ChecksMirror(SimpleReduceStrategy):
+    """DDP that first checks what mirrored collectives return (fails the fit otherwise)."""
+
+    def step(self) -> None:
+        world = self.num_nodes
+        t = torch.full((3,), float(self.rank + 1))
+        comm.all_reduce(t)
+        assert torch.equal(t, torch.full((3,), float(world * (self.rank + 1)))), t
+        gathered = [torch.zeros(2) for _ in range(world)]
+        comm.all_gather(gathered, torch.full((2,), float(self.rank)))
+        assert all(torch.equal(g, torch.full((2,), float(self.rank))) for g in gathered)
+        b = torch.full((2,), float(self.rank))
+        comm.broadcast(b, src=0)
+        assert torch.equal(b, torch.full((2,), float(self.rank)))
+        super().step()
+
+
+def test_mirrored_collectives_send_nothing_and_every_rank_trains_alone(monkeypatch):
+    """EXOGYM_COLLECTIVES=mirror: DDP's ranks train as if alone, yet count DDP's bytes."""
+    ds = toy_dataset()
+    p = trainable_count(tiny_model())
+    fit = dict(num_nodes=2, max_steps=6, batch_size=16, val_size=32, val_interval=6,
+               logger=None, progress=False, seed=3)
+
+    def losses(trainer):
+        return {(r["rank"], r["step"]): r["train_loss"] for r in trainer.history
+                if "train_loss" in r}
+
+    alone = Trainer(tiny_model(), ds, ds)
+    alone.fit(strategy=DiLoCoStrategy(H=10**6, inner_optim="sgd", lr=0.1), **fit)
+    monkeypatch.setenv("EXOGYM_COLLECTIVES", "mirror")
+    mirrored = Trainer(tiny_model(), ds, ds)
+    mirrored.fit(strategy=ChecksMirror(optim_spec="sgd", lr=0.1), **fit)
+    monkeypatch.delenv("EXOGYM_COLLECTIVES")
+    ddp = Trainer(tiny_model(), ds, ds)
+    ddp.fit(strategy=SimpleReduceStrategy(optim_spec="sgd", lr=0.1), **fit)
+
+    got, want = losses(mirrored), losses(alone)
+    assert got.keys() == want.keys()
+    assert all(got[k] == pytest.approx(want[k], abs=1e-6) for k in got)
+    # Real DDP couples the ranks, so the mirrored run is not DDP in disguise.
+    assert any(abs(losses(ddp)[k] - got[k]) > 1e-4 for k in got if k[1] > 1)
+    for row in mirrored.history:
+        assert row["comm_bytes"] == 4 * p * row["step"] + 12 * row["step"] + 8 * row["step"] * 2
+
+
+def test_an_unknown_collectives_mode_is_refused_before_any_rank_starts(monkeypatch):
+    monkeypatch.setenv("EXOGYM_COLLECTIVES", "shared")
+    ds = toy_dataset()
+    with pytest.raises(ValueError, match="EXOGYM_COLLECTIVES='shared' is not one of auto, torch, mirror"):
+        Trainer(tiny_model(), ds, ds).fit(strategy=SimpleReduceStrategy(), num_nodes=2,
+                                          max_steps=2, **FIT)
