@@ -172,6 +172,38 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
+class _EventBatches:
+    """A rank's events on their way to the parent, a few per message.
+
+    Step events wait until ``interval_s`` has passed since the last message;
+    any other event (start, result, ...) goes at once, with whatever waits
+    before it, so order is kept. One message per step would wake the parent
+    hundreds of times a second, on the cores the ranks need.
+
+    Args:
+        conn: this rank's end of the pipe to the parent.
+        interval_s: longest a step event waits while the rank keeps stepping.
+    """
+
+    def __init__(self, conn: connection.Connection, interval_s: float = 0.1):
+        self.conn = conn
+        self.interval_s = interval_s
+        self._pending: list[dict[str, Any]] = []
+        self._sent_at = time.monotonic()
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        self._pending.append(event)
+        if event.get("event") != "step" or time.monotonic() - self._sent_at >= self.interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send every waiting event now."""
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self.conn.send(batch)
+        self._sent_at = time.monotonic()
+
+
 def _local_rank_entry(payload: Any, rank: int, events: connection.Connection,
                       result_dir: str, parent_pid: int,
                       local: SharedMemoryCollectives | None = None) -> None:
@@ -185,6 +217,7 @@ def _local_rank_entry(payload: Any, rank: int, events: connection.Connection,
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    emit = _EventBatches(events)
     try:
         spec: RunSpec = payload.obj if isinstance(payload, _Portable) else payload
         iface = loopback_interface()
@@ -196,13 +229,13 @@ def _local_rank_entry(payload: Any, rank: int, events: connection.Connection,
             comm.use_local_collectives(local.bind(rank))
         port = int(events.recv())
         state = run_rank(spec, rank, Rendezvous("127.0.0.1", port, store_on_rank0=False),
-                         events.send)
+                         emit)
         path = atomic_torch_save(state, Path(result_dir) / f"rank{rank}.pt")
-        events.send({"event": "result", "rank": rank, "path": str(path)})
+        emit({"event": "result", "rank": rank, "path": str(path)})
         code = 0
     except BaseException:
         try:
-            events.send({"event": "error", "rank": rank, "traceback": traceback.format_exc()})
+            emit({"event": "error", "rank": rank, "traceback": traceback.format_exc()})
         except OSError:
             pass  # the parent is gone
         code = 1
@@ -449,7 +482,9 @@ class Trainer:
             """Handle what ``conn`` holds now; False once its writer has closed."""
             try:
                 while conn.poll():
-                    handle(conn.recv())
+                    message = conn.recv()
+                    for event in message if isinstance(message, list) else [message]:
+                        handle(event)
             except (EOFError, OSError):
                 return False
             return True

@@ -419,3 +419,69 @@ def test_ranks_are_forked_only_while_no_other_thread_runs():
         other.join()
     if baseline == 1:  # other tests' threads may linger in this process
         assert _can_fork(spec)
+
+
+class Pipe:
+    """Stands in for a rank's pipe: records each message sent."""
+
+    def __init__(self):
+        self.messages = []
+
+    def send(self, message):
+        self.messages.append(message)
+
+
+def test_rank_events_travel_in_batches_in_order_and_never_wait_behind_other_events(monkeypatch):
+    import exogym.trainer as trainer_module
+
+    clock = [100.0]
+    monkeypatch.setattr(trainer_module.time, "monotonic", lambda: clock[0])
+    pipe = Pipe()
+    emit = trainer_module._EventBatches(pipe, interval_s=0.1)
+    emit({"event": "start", "rank": 0})
+    assert pipe.messages == [[{"event": "start", "rank": 0}]]  # at once
+    for step in (1, 2, 3):
+        clock[0] += 0.03
+        emit({"event": "step", "step": step})
+    assert len(pipe.messages) == 1  # 0.09 s: the steps wait
+    clock[0] += 0.02
+    emit({"event": "step", "step": 4})  # 0.11 s since the last message: all four go
+    assert [e["step"] for e in pipe.messages[1]] == [1, 2, 3, 4]
+    emit({"event": "step", "step": 5})
+    emit({"event": "result", "rank": 0})  # takes the waiting step with it, in order
+    assert pipe.messages[2] == [{"event": "step", "step": 5}, {"event": "result", "rank": 0}]
+    emit.flush()
+    assert len(pipe.messages) == 3  # nothing left to send
+
+
+def test_step_events_reach_a_live_display_while_the_ranks_train():
+    """Batching delays a step event by a tenth of a second, not to the end of the run."""
+
+    class Slow(TinyNet):
+        def forward(self, batch):
+            time.sleep(0.02)
+            return super().forward(batch)
+
+    class Arrivals:
+        def __init__(self):
+            self.first_step = None
+            self.last_step = None
+
+        def on_event(self, event):
+            if event.get("event") == "step":
+                now = time.monotonic()
+                self.first_step = self.first_step or now
+                self.last_step = now
+
+        def close(self):
+            pass
+
+        def finish(self, summary, title="run summary"):
+            pass
+
+    ds = toy_dataset()
+    arrivals = Arrivals()
+    Trainer(Slow(), ds, ds).fit(strategy=DiLoCoStrategy(H=1000), num_nodes=2, max_steps=40,
+                                batch_size=8, val_size=8, logger=None, progress=arrivals)
+    # 40 steps of >= 20 ms: the first events arrive long before the last.
+    assert arrivals.last_step - arrivals.first_step > 0.5
