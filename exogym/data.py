@@ -170,7 +170,8 @@ def _tensor_batches(dataset: TensorDataset, indices: list[int],
     """
     order = torch.as_tensor(indices, dtype=torch.long)
     for chunk in order.split(minibatch_size):
-        yield [t[chunk] for t in dataset.tensors]
+        # index_select on dim 0 is t[chunk], without advanced indexing's general machinery.
+        yield [t.index_select(0, chunk) for t in dataset.tensors]
 
 
 def validation_subset(dataset: Dataset, val_size: int, seed: int) -> list[int]:

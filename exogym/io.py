@@ -16,7 +16,7 @@ from typing import IO, Any
 
 
 def _atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
-            mode: int | None = None) -> Path:
+            mode: int | None = None, durable: bool = True) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -24,7 +24,8 @@ def _atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
@@ -52,11 +53,16 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, default=repr) + "\n")
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
-    """``torch.save`` to ``path`` atomically."""
+def atomic_torch_save(obj: Any, path: str | os.PathLike, durable: bool = True) -> Path:
+    """``torch.save`` to ``path`` atomically.
+
+    ``durable=False`` skips the flush to disk before the rename, for a file
+    that is read once and deleted (a rank handing its state to its parent):
+    readers still see the whole file or none of it.
+    """
     import torch
 
-    return _atomic(path, lambda f: torch.save(obj, f))
+    return _atomic(path, lambda f: torch.save(obj, f), durable=durable)
 
 
 def new_temp_dir_beside(target: str | os.PathLike) -> Path:

@@ -230,7 +230,7 @@ def _local_rank_entry(payload: Any, rank: int, events: connection.Connection,
         port = int(events.recv())
         state = run_rank(spec, rank, Rendezvous("127.0.0.1", port, store_on_rank0=False),
                          emit)
-        path = atomic_torch_save(state, Path(result_dir) / f"rank{rank}.pt")
+        path = atomic_torch_save(state, Path(result_dir) / f"rank{rank}.pt", durable=False)
         emit({"event": "result", "rank": rank, "path": str(path)})
         code = 0
     except BaseException:

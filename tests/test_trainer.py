@@ -485,3 +485,18 @@ def test_step_events_reach_a_live_display_while_the_ranks_train():
                                 batch_size=8, val_size=8, logger=None, progress=arrivals)
     # 40 steps of >= 20 ms: the first events arrive long before the last.
     assert arrivals.last_step - arrivals.first_step > 0.5
+
+
+def test_tensor_dataset_batches_equal_what_a_dataloader_gives_across_epochs():
+    from exogym.data import MinibatchStream
+
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(50, 3, 4, generator=g), torch.randint(0, 5, (50,), generator=g))
+    fast = MinibatchStream(ds, 8, rank=1, num_nodes=2, shard=True, shuffle=True, seed=4)
+    # Any DataLoader argument takes the DataLoader path: the reference.
+    slow = MinibatchStream(ds, 8, rank=1, num_nodes=2, shard=True, shuffle=True, seed=4,
+                           dataloader_kwargs={"num_workers": 0})
+    for _ in range(10):  # 4 minibatches per epoch: crosses two epoch boundaries
+        a, b = next(fast), next(slow)
+        assert len(a) == len(b) == 2
+        assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
