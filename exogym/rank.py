@@ -273,9 +273,8 @@ def run_rank(spec: RunSpec, rank: int, rendezvous: Rendezvous,
     device = rank_device(spec.device_type, spec.devices, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    mirror = comm.collectives_mode() == "mirror"
+    comm.use_mirror_collectives(comm.collectives_mode() == "mirror")  # refuses a bad value
     side_group = init_process_groups(spec, rank, rendezvous, device)
-    comm.use_mirror_collectives(mirror)
     watch = None
     if rendezvous.watch_peers and spec.num_nodes > 1:
         watch = PeerWatch(rendezvous, rank, spec.num_nodes, on_lost=_exit_lost)
