@@ -29,7 +29,7 @@ counts the payload before choosing the path.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -160,6 +160,12 @@ class SharedMemoryCollectives:
     def _per_chunk(self, dtype: torch.dtype) -> int:
         return self.slot_bytes // torch.empty((), dtype=dtype).element_size()
 
+    def _chunks(self, numel: int, dtype: torch.dtype) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``(lo, hi, rows)`` per slot-sized chunk of ``numel`` elements (one for an empty tensor)."""
+        per = self._per_chunk(dtype)
+        for lo in range(0, max(numel, 1), per):
+            yield lo, min(numel, lo + per), self._next_rows(dtype)
+
     def all_reduce(self, tensor: torch.Tensor, op: Any = None) -> None:
         """Reduce ``tensor`` in place across ranks (SUM, AVG, MAX or MIN)."""
         self.all_reduce_many([tensor], op)
@@ -223,10 +229,7 @@ class SharedMemoryCollectives:
         """Every rank's ``tensor`` into ``tensor_list`` (one entry per rank, same size)."""
         flat = tensor.detach().reshape(-1)
         outs = [t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in tensor_list]
-        per = self._per_chunk(tensor.dtype)
-        for lo in range(0, max(flat.numel(), 1), per):
-            hi = min(flat.numel(), lo + per)
-            rows = self._next_rows(tensor.dtype)
+        for lo, hi, rows in self._chunks(flat.numel(), tensor.dtype):
             rows[self.rank, :hi - lo].copy_(flat[lo:hi])
             self._meet()
             for r, out in enumerate(outs):
@@ -238,10 +241,7 @@ class SharedMemoryCollectives:
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Rank ``src``'s ``tensor`` into every rank's ``tensor``."""
         flat = tensor.detach().reshape(-1)
-        per = self._per_chunk(tensor.dtype)
-        for lo in range(0, max(flat.numel(), 1), per):
-            hi = min(flat.numel(), lo + per)
-            rows = self._next_rows(tensor.dtype)
+        for lo, hi, rows in self._chunks(flat.numel(), tensor.dtype):
             if self.rank == src:
                 rows[src, :hi - lo].copy_(flat[lo:hi])
             self._meet()
