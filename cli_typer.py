@@ -6,7 +6,7 @@
     python cli_typer.py profiles
     python cli_typer.py compare digits-diloco --strategies ddp,diloco,fedavg --out compare.png
 
-A face only: it parses, calls ``distributed.run`` (the same code the wizard
+A face only: it parses, calls ``distributed.app.run`` (the same code the wizard
 uses) and prints. Nothing heavy is imported until a command needs it, so
 ``--help`` answers at once. Exit codes: 0 success, 1 the run failed, 2 bad
 input (a profile, a hosts file, a host that failed pre-flight, an option).
@@ -85,10 +85,10 @@ def fail(message: str, code: int, debug: bool, exc: BaseException | None = None)
 def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
     """Turn the errors a person can fix into exit code 2, a failed run into 1."""
     debug = debug or bool((ctx.obj or {}).get("debug"))
-    from distributed.hosts import HostsFileError
-    from distributed.preflight import PreflightError
-    from distributed.profiles import ProfileError
-    from distributed.run import RunFailedError
+    from distributed.app.run import RunFailedError
+    from distributed.hosts.hostsfile import HostsFileError
+    from distributed.hosts.preflight import PreflightError
+    from distributed.profiles.profile import ProfileError
 
     try:
         yield debug
@@ -146,9 +146,9 @@ def distributed_train(
 ) -> None:
     """Train PROFILE across the hosts of --hosts, or as a local simulation."""
     with reported_errors(ctx, debug) as debug:
-        from distributed import run
-        from distributed.preflight import PreflightError
-        from distributed.profiles import parse_overrides
+        from distributed.app import run
+        from distributed.hosts.preflight import PreflightError
+        from distributed.profiles.profile import parse_overrides
 
         console = make_console()
         request = run.TrainRequest(
@@ -187,7 +187,7 @@ def check_hosts(
 ) -> None:
     """Pre-flight every host of a hosts file and show the table; start nothing."""
     with reported_errors(ctx, debug) as debug:
-        from distributed import run
+        from distributed.app import run
 
         console = make_console()
         request = run.TrainRequest(profile=DEFAULT_PROFILE, hosts=hosts,
@@ -207,7 +207,7 @@ def profiles(ctx: typer.Context, config: ConfigFile = None, debug: Debug = False
     with reported_errors(ctx, debug):
         from rich.table import Table
 
-        from distributed.profiles import Profile, ProfileError, ProfileSet
+        from distributed.profiles.profile import Profile, ProfileError, ProfileSet
 
         profile_set = ProfileSet(config)
         table = Table(title=f"Profiles in {profile_set.path}", title_justify="left")
@@ -248,14 +248,14 @@ def compare(
     with reported_errors(ctx, debug):
         from rich.table import Table
 
-        from distributed.compare import (
+        from distributed.app.compare import (
             check_plotting,
             plan_comparison,
             plot_comparison,
             run_comparison,
         )
-        from distributed.dashboard import Dashboard
-        from distributed.profiles import parse_overrides
+        from distributed.app.dashboard import Dashboard
+        from distributed.profiles.profile import parse_overrides
         from exogym.report import human_bytes
 
         console = make_console()
@@ -319,7 +319,7 @@ def whisper_convert(
 ) -> None:
     """Convert Whisper tiny.en (CTranslate2, offline) into a transformers checkpoint."""
     with reported_errors(ctx, debug) as debug:
-        convert = _whisper_module("distributed.whisper_convert", debug)
+        convert = _whisper_module("distributed.tasks.whisper.convert", debug)
         if out is None and src is None:
             folder = convert.ensure_tiny_en_checkpoint()
         else:
@@ -341,7 +341,7 @@ def whisper_synthesize(
 ) -> None:
     """Synthesize a speech folder (espeak-ng) from the default sentences, for fine-tuning."""
     with reported_errors(ctx, debug) as debug:
-        speech = _whisper_module("distributed.speech_data", debug)
+        speech = _whisper_module("distributed.tasks.whisper.speech_data", debug)
         sentences = list(speech.DEFAULT_SENTENCES)
         if count is not None:
             sentences = sentences[:count]

@@ -10,7 +10,7 @@ with a one-second transfer to a worker) a table estimates the bytes each
 strategy sends per step and the speedup to expect, which is why DiLoCo is the
 default on slow links. The hosts file and a ``config.ini`` profile are written
 atomically, never replacing anything without asking and always keeping a
-``.bak`` of what changes. The run then starts through ``distributed.run``,
+``.bak`` of what changes. The run then starts through ``distributed.app.run``,
 exactly as ``cli_typer.py distributed-train`` starts it; with one machine it
 is a local simulation.
 
@@ -34,9 +34,9 @@ from cli_typer import fail, make_console, reported_errors
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from distributed.hosts import HostsConfig
-    from distributed.preflight import PreflightReport
-    from distributed.profiles import Profile
+    from distributed.hosts.hostsfile import HostsConfig
+    from distributed.hosts.preflight import PreflightReport
+    from distributed.profiles.profile import Profile
 
 PROJECT_ROOT = Path(__file__).resolve().parent
 DEFAULT_HOSTS_FILE = "distributed_hosts.json"
@@ -162,7 +162,7 @@ class Wizard:
     # ------------------------------------------------------------------ hosts
 
     def request(self, hosts: Any = None, **fields: Any) -> Any:
-        from distributed.run import TrainRequest
+        from distributed.app.run import TrainRequest
 
         return TrainRequest(profile=fields.pop("profile", DEFAULT_PROFILE), hosts=hosts,
                             known_hosts=self.ssh.get("known_hosts"),
@@ -172,7 +172,7 @@ class Wizard:
 
     def check(self, config: HostsConfig) -> PreflightReport:
         """Pre-flight ``config``'s hosts, offering to trust host keys not yet known."""
-        from distributed.run import make_launcher
+        from distributed.app.run import make_launcher
 
         while True:
             with make_launcher(self.request(config), config, console=self.console) as launcher:
@@ -207,7 +207,7 @@ class Wizard:
         """The hosts file found, shown and checked; None to build one or simulate instead."""
         from rich.table import Table
 
-        from distributed.hosts import HostsFileError, load_hosts
+        from distributed.hosts.hostsfile import HostsFileError, load_hosts
 
         try:
             config = load_hosts(self.hosts_path)
@@ -241,7 +241,7 @@ class Wizard:
 
     def build_hosts(self) -> HostsConfig | None:
         """Ask for the hosts, checking each as it is added; None for one machine."""
-        from distributed.hosts import HostsFileError, load_hosts
+        from distributed.hosts.hostsfile import HostsFileError, load_hosts
 
         where = self.ask.select("Where should it train?", [
             ("On this machine only: simulate the nodes here", "local", None),
@@ -304,7 +304,7 @@ class Wizard:
     # ------------------------------------------------------------------ profile and strategy
 
     def choose_profile(self) -> Profile:
-        from distributed.profiles import ProfileError, ProfileSet
+        from distributed.profiles.profile import ProfileError, ProfileSet
 
         profiles = ProfileSet(self.config_path)
         choices = []
@@ -341,8 +341,8 @@ class Wizard:
         how = self.ask.select("The link between the machines: how fast is it?", choices,
                               default=choices[0][1])
         if how == "measure":
-            from distributed.linkspeed import LinkError, measure_link
-            from distributed.ssh import SSHOptions
+            from distributed.hosts.linkspeed import LinkError, measure_link
+            from distributed.hosts.ssh import SSHOptions
 
             options = SSHOptions(
                 **{k: v for k, v in (("known_hosts_path", self.ssh.get("known_hosts")),
@@ -364,10 +364,10 @@ class Wizard:
         """Show each strategy's bytes per step and expected speedup; the usable strategies."""
         from rich.table import Table
 
-        from distributed import projection
-        from distributed.compare import profile_for_strategy
-        from distributed.estimate import measure_model
-        from distributed.profiles import ProfileError
+        from distributed.app.compare import profile_for_strategy
+        from distributed.planning import projection
+        from distributed.planning.estimate import measure_model
+        from distributed.profiles.profile import ProfileError
         from exogym.report import human_bytes
 
         self.console.print(f"Timing a step of {profile.name}'s model on this machine...")
@@ -409,8 +409,8 @@ class Wizard:
 
     @staticmethod
     def _usable(profile: Profile, strategy: str) -> bool:
-        from distributed.compare import profile_for_strategy
-        from distributed.profiles import ProfileError
+        from distributed.app.compare import profile_for_strategy
+        from distributed.profiles.profile import ProfileError
 
         try:
             profile_for_strategy(profile, strategy)
@@ -422,7 +422,7 @@ class Wizard:
 
     @staticmethod
     def _same_hosts(path: Path, config: HostsConfig) -> bool:
-        from distributed.hosts import HostsFileError, load_hosts
+        from distributed.hosts.hostsfile import HostsFileError, load_hosts
 
         try:
             return load_hosts(path).to_dict() == config.to_dict()
@@ -430,7 +430,7 @@ class Wizard:
             return False
 
     def write_hosts(self, config: HostsConfig) -> Path:
-        from distributed.setup_files import hosts_text, write_with_backup
+        from distributed.profiles.setup_files import hosts_text, write_with_backup
 
         path = self.hosts_path
         if path.exists() and self._same_hosts(path, config):
@@ -448,8 +448,8 @@ class Wizard:
         return path
 
     def write_profile(self, name: str, values: dict[str, Any]) -> str:
-        from distributed.profiles import ProfileSet
-        from distributed.setup_files import has_profile, with_profile, write_with_backup
+        from distributed.profiles.profile import ProfileSet
+        from distributed.profiles.setup_files import has_profile, with_profile, write_with_backup
 
         path = self.config_path
         while True:
@@ -470,10 +470,10 @@ class Wizard:
         return name
 
     def run(self) -> int:
-        from distributed import run
-        from distributed.compare import profile_for_strategy
-        from distributed.profiles import load_profile
-        from distributed.projection import canonical
+        from distributed.app import run
+        from distributed.app.compare import profile_for_strategy
+        from distributed.planning.projection import canonical
+        from distributed.profiles.profile import load_profile
 
         self.console.rule("exogym set-up")
         hosts = self.hosts()
@@ -577,7 +577,7 @@ def main(
         fail("the wizard asks questions and needs a terminal; run it in one, or pass --yes to "
              "take every default without asking (for scripts and CI)", 2, debug)
     with reported_errors(ctx, debug):
-        from distributed.profiles import DEFAULT_CONFIG, parse_overrides
+        from distributed.profiles.profile import DEFAULT_CONFIG, parse_overrides
 
         wizard = Wizard(
             console, Asker(console, yes),

@@ -272,7 +272,7 @@ class Bench:
                 env: dict[str, str]) -> JobResult:
         from rich.console import Console
 
-        from distributed.launcher import Launcher, RankProgram
+        from distributed.launch.launcher import Launcher, RankProgram
 
         self.jobs += 1
         wait_for_quiet(self.bed, self.args.quiet_cores, self.budget, self.say)
@@ -376,8 +376,8 @@ class Bench:
 
 def model_facts(profile: str, overrides: list[str]) -> dict[str, Any]:
     """Parameter count and tensor shapes of the profile's model (built here, once)."""
-    from distributed.profiles import load_profile, parse_overrides
-    from distributed.tasks import resolve_task
+    from distributed.profiles.profile import load_profile, parse_overrides
+    from distributed.tasks.builtin import resolve_task
 
     loaded = load_profile(profile, overrides=parse_overrides(overrides))
     task_kwargs, _, _ = loaded.split()
@@ -488,7 +488,7 @@ def run_round(bench: Bench, cases: list[StrategyCase], links: list[dict[str, Any
     minute to minute, and a baseline far away in time would carry that drift
     into the ratio.
     """
-    from distributed.projection import bytes_per_step
+    from distributed.planning.projection import bytes_per_step
 
     args, say, hosts = bench.args, bench.say, bench.args.hosts
     blocks: list[dict[str, Any]] = []

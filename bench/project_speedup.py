@@ -1,6 +1,6 @@
 """Project time per step and speedup to 2..64 hosts, and check the model against measurements.
 
-The model is ``distributed/projection.py`` (ring all-reduce and all-gather
+The model is ``distributed/planning/projection.py`` (ring all-reduce and all-gather
 cost models; see its docstring). Its inputs are measured: the compute time of
 one step on one host, the time one host needs per minibatch when it does all
 the work alone, and the link's goodput and round trip. Give them either as the
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from distributed.projection import (  # noqa: E402 - after the path set-up above
+from distributed.planning.projection import (  # noqa: E402 - after the path set-up above
     demo_payload_bytes,
     predict_step_time,
     project,
@@ -72,7 +72,7 @@ class StrategyCase:
 
     def projection_settings(self, shapes: Sequence[Sequence[int]] | None = None,
                             demo_payload: float | None = None) -> dict[str, Any]:
-        """Keyword arguments for ``distributed.projection`` functions.
+        """Keyword arguments for ``distributed.planning.projection`` functions.
 
         Args:
             shapes: the model's trainable tensor shapes (sizes DeMo's payload).

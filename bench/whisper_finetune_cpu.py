@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from torch.utils.data import DataLoader
 
-from distributed.speech_data import collate_whisper_batch
-from distributed.whisper_lora import count_trainable
-from distributed.whisper_task import build_whisper_task, evaluate_wer
+from distributed.tasks.whisper.lora import count_trainable
+from distributed.tasks.whisper.speech_data import collate_whisper_batch
+from distributed.tasks.whisper.task import build_whisper_task, evaluate_wer
 
 
 @torch.no_grad()

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from distributed.tasks import resolve_task  # noqa: E402
-from distributed.whisper_task import evaluate_wer  # noqa: E402
+from distributed.tasks.builtin import resolve_task  # noqa: E402
+from distributed.tasks.whisper.task import evaluate_wer  # noqa: E402
 from exogym import LocalTrainer  # noqa: E402
 from exogym.strategy import DiLoCoStrategy  # noqa: E402
 

@@ -107,3 +107,29 @@ def publish_dir(tmp_dir: Path, target: str | os.PathLike, replace: bool) -> bool
             shutil.rmtree(old, ignore_errors=True)
     return True
 
+
+
+def atomic_save_safetensors(state: dict[str, Any], path: str | os.PathLike,
+                            metadata: dict[str, str] | None = None) -> Path:
+    """Write a model's state dict to ``path`` as safetensors, atomically.
+
+    Tensors that share memory (tied weights) or are not contiguous are copied
+    first, since the format stores each tensor on its own; the file then loads
+    with ``safetensors.torch.load_file`` into a plain dict for
+    ``model.load_state_dict``. ``metadata`` (strings only) lands in the header.
+    """
+    from safetensors.torch import save
+
+    tensors: dict[str, Any] = {}
+    seen: set[int] = set()
+    for key, tensor in state.items():
+        tensor = tensor.detach().to("cpu")
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in seen or not tensor.is_contiguous():
+            tensor = tensor.contiguous().clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        tensors[key] = tensor
+    bad = {k: type(v).__name__ for k, v in (metadata or {}).items() if not isinstance(v, str)}
+    if bad:
+        raise TypeError(f"safetensors metadata values must be strings, got {bad}")
+    return atomic_write_bytes(path, save(tensors, metadata=metadata))

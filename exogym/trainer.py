@@ -275,6 +275,7 @@ class Trainer:
         self.summary: dict[str, Any] = {}
         self.rank_stats: dict[int, dict[str, Any]] = {}
         self.log_dir: Path | None = None
+        self.run_config: dict[str, Any] = {}
 
     def fit(
         self,
@@ -385,8 +386,8 @@ class Trainer:
         else:
             reporter = progress
         self.history = []
-
         self.rank_stats = {}
+        self.run_config = spec.config()
 
         def on_event(event: dict[str, Any]) -> None:
             if event.get("event") == "step":

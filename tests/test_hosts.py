@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed.hosts import (
+from distributed.hosts.hostsfile import (
     DEFAULT_MASTER_PORT,
     HOST_KEYS,
     HostsConfig,

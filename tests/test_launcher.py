@@ -30,8 +30,10 @@ import pytest
 from rich.console import Console
 from sshd_fixture import SSHD, serve_sshd
 
-from distributed.hosts import HostSpec, load_hosts
-from distributed.launcher import (
+from distributed.hosts.hostsfile import HostSpec, load_hosts
+from distributed.hosts.onhost.probe import hash_files
+from distributed.hosts.remote import rank_command, shell_path
+from distributed.launch.launcher import (
     Launcher,
     LaunchError,
     LaunchResult,
@@ -41,8 +43,6 @@ from distributed.launcher import (
     is_this_machine,
     launch,
 )
-from distributed.probe import hash_files
-from distributed.remote import rank_command, shell_path
 from exogym.metrics import METRIC_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -394,7 +394,7 @@ def test_rank_exit_code_and_last_lines_name_the_failure(run):
 DRIVER = """
 import json, signal, sys
 sys.path.insert(0, sys.argv[1])
-from distributed.launcher import Launcher, RankProgram
+from distributed.launch.launcher import Launcher, RankProgram
 hosts, options = json.loads(sys.argv[2]), json.loads(sys.argv[3])
 with Launcher(hosts, RankProgram.from_script("sleeper.py"), **options) as launcher:
     result = launcher.run()
@@ -818,7 +818,7 @@ def test_sync_copies_tracked_files_then_the_run_uses_them(run, tmp_path):
 
 
 def test_launcher_module_does_not_import_torch_or_paramiko():
-    code = ("import sys; import distributed.launcher; "
+    code = ("import sys; import distributed.launch.launcher; "
             "print(sorted(m for m in ('torch', 'paramiko', 'rich') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout

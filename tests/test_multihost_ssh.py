@@ -18,11 +18,12 @@ import pytest
 import torch
 from ranks import ROOT, free_port
 from rich.console import Console
+from safetensors.torch import load_file
 from sshd_fixture import serve_sshd
 
-from distributed.launcher import Launcher, RankProgram
-from distributed.profiles import parse_overrides
-from distributed.worker import run_profile
+from distributed.launch.launcher import Launcher, RankProgram
+from distributed.profiles.profile import parse_overrides
+from distributed.rank.worker import run_profile
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +57,10 @@ def test_three_host_diloco_over_ssh_equals_the_simulation(sshd, tmp_path):
         result = job.run()
     assert result.ok, result.describe()
     assert {e["rank"] for e in events if e.get("event") == "step"} == {0, 1, 2}
-    real = torch.load(tmp_path / "net" / "final_model.pt")
+    real = load_file(tmp_path / "net" / "model.safetensors")
     run_profile("digits-diloco", overrides=parse_overrides(
         settings + [f"output_dir={tmp_path / 'sim'}"]), progress=False, local=True)
-    simulated = torch.load(tmp_path / "sim" / "final_model.pt")
+    simulated = load_file(tmp_path / "sim" / "model.safetensors")
     for key in real:
         assert torch.allclose(real[key].float(), simulated[key].float(), atol=1e-5), key
 
@@ -138,7 +139,7 @@ def test_network_trainer_driver_runs_the_script_on_every_host_and_returns_the_mo
     sys.path.insert(0, str(ROOT / "tests" / "scripts"))
     from network_fit import FIT
 
-    from distributed.tasks import digits_task
+    from distributed.tasks.builtin import digits_task
 
     model, train, val = digits_task(seed=0)
     simulated = LocalTrainer(model, train, val).fit(

@@ -12,10 +12,11 @@ import time
 import pytest
 import torch
 from ranks import ROOT, free_port, rank_env, start_ranks, wait_all
+from safetensors.torch import load_file
 
-from distributed.network_trainer import rank_environment
-from distributed.profiles import parse_overrides
-from distributed.worker import run_profile
+from distributed.profiles.profile import parse_overrides
+from distributed.rank.environment import rank_environment
+from distributed.rank.worker import run_profile
 
 COMMON = ["max_steps=40", "val_interval=20", "num_threads=1", "checkpoint_interval=None"]
 
@@ -25,7 +26,7 @@ def simulate(profile, tmp_path, extra=()):
     out = tmp_path / "sim"
     overrides = parse_overrides(COMMON + list(extra) + [f"output_dir={out}"])
     run_profile(profile, overrides=overrides, progress=False, local=True)
-    return torch.load(out / "final_model.pt")
+    return load_file(out / "model.safetensors")
 
 
 def assert_states_close(a, b, atol=1e-5):
@@ -41,7 +42,7 @@ def test_three_real_ranks_end_with_the_simulated_model(profile, tmp_path):
     codes = wait_all(procs, timeout=240)
     logs = {p: p.read_text() for p in (tmp_path / "logs").iterdir()}
     assert codes == [0, 0, 0], logs
-    real = torch.load(tmp_path / "net" / "final_model.pt")
+    real = load_file(tmp_path / "net" / "model.safetensors")
     simulated = simulate(profile, tmp_path, ["num_nodes=3"])
     assert_states_close(real, simulated)
     assert "@@exogym-event" in logs[tmp_path / "logs" / "rank1.log"]
@@ -80,7 +81,7 @@ def test_torchrun_starts_the_worker_and_it_trains(tmp_path):
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
         env.pop(key, None)
     torchrun = shutil.which("torchrun") or ""
-    launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.app.run"]
     result = subprocess.run(
         launcher + ["--nnodes", "1", "--nproc-per-node", "2",
          "--master-port", str(free_port()), "-m", "distributed.worker", "--profile", "digits-diloco",
@@ -90,7 +91,7 @@ def test_torchrun_starts_the_worker_and_it_trains(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = (tmp_path / "summary.json").read_text()
     assert '"steps": 30' in summary
-    assert (tmp_path / "final_model.pt").is_file()
+    assert (tmp_path / "model.safetensors").is_file()
 
 
 def test_rank_env_helper_clears_interface():
@@ -113,7 +114,7 @@ def test_ranks_in_network_namespaces_pick_their_interface_and_match_the_simulati
     assert codes == [0, 0, 0], logs
     for rank in range(3):  # each rank found its namespace's veth, not loopback
         assert "interface vh" in logs[f"rank{rank}.log"], logs[f"rank{rank}.log"][-2000:]
-    assert_states_close(torch.load(tmp_path / "net" / "final_model.pt"),
+    assert_states_close(load_file(tmp_path / "net" / "model.safetensors"),
                         simulate("digits-diloco", tmp_path, ["num_nodes=3"]))
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(
         "exo-") == 0

@@ -9,8 +9,8 @@ import pytest
 import torch
 from ranks import ROOT
 
-from distributed.profiles import ProfileError, ProfileSet, load_profile, parse_overrides
-from distributed.tasks import resolve_task
+from distributed.profiles.profile import ProfileError, ProfileSet, load_profile, parse_overrides
+from distributed.tasks.builtin import resolve_task
 
 
 def write(tmp_path, text):
@@ -97,7 +97,7 @@ def test_missing_config_file_is_reported(tmp_path):
 
 def test_task_from_module_function(tmp_path, monkeypatch):
     (tmp_path / "mytask.py").write_text(
-        "from distributed.tasks import digits_task\n"
+        "from distributed.tasks.builtin import digits_task\n"
         "def build(width: int = 16):\n    return digits_task(hidden=width)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     path = write(tmp_path, "[distributed:m]\ntask = mytask:build\nstrategy = ddp\nwidth = 8\n")

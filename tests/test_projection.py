@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from distributed.projection import (
+from distributed.planning.projection import (
     DEFAULTS,
     STRATEGIES,
     allgather_bytes,

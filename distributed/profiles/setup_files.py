@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from distributed.hosts import HostsConfig
-from distributed.profiles import SECTION_PREFIX, parse_value
+from distributed.hosts.hostsfile import HostsConfig
+from distributed.profiles.profile import SECTION_PREFIX, parse_value
 from exogym.io import atomic_write_bytes, atomic_write_text
 
 

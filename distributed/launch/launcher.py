@@ -2,8 +2,8 @@
 
 A library API, used by NetworkTrainer, the CLI and the wizard::
 
-    from distributed.hosts import load_hosts
-    from distributed.launcher import Launcher, RankProgram
+    from distributed.hosts.hostsfile import load_hosts
+    from distributed.launch.launcher import Launcher, RankProgram
 
     program = RankProgram.from_profile("digits-diloco", overrides={"max_steps": 200})
     with Launcher(load_hosts("hosts.json"), program, secret_names=["WANDB_API_KEY"]) as launcher:
@@ -14,14 +14,14 @@ A library API, used by NetworkTrainer, the CLI and the wizard::
 What ``run`` does:
 
 1. Optionally copies the project's tracked files to every remote host (``sync=True``).
-2. Pre-flight on all hosts in parallel (``distributed.preflight``); nothing
+2. Pre-flight on all hosts in parallel (``distributed.hosts.preflight``); nothing
    starts unless every check passes (``PreflightError`` otherwise).
 3. Starts rank ``r`` on ``hosts[r]`` as ``cd project_path && python_env ARGS``:
    rank 0 as a local subprocess when the master is this machine, every other
    rank over SSH. The rank variables are set on the command line with ``env
    NAME=value`` (so the SSH server's ``AcceptEnv`` does not matter); secrets
    travel over the channel's stdin to a small supervisor
-   (``distributed.bootstrap``) that puts them in the rank's environment only.
+   (``distributed.hosts.onhost.bootstrap``) that puts them in the rank's environment only.
    Each rank runs in a process group of its own.
 4. Streams every line to ``on_output`` with a ``[host:rank]`` prefix, saves it
    to ``run_dir/rank{r}.log``, and turns metric lines
@@ -60,11 +60,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distributed.bootstrap import MARK
-from distributed.hosts import HostsConfig, HostSpec, load_hosts
-from distributed.preflight import PreflightError, PreflightReport, run_preflight
-from distributed.remote import BOOTSTRAP_SOURCE, LocalShell, Shell, SSHShell, Started, rank_command
-from distributed.ssh import (
+from distributed.hosts.hostsfile import HostsConfig, HostSpec, load_hosts
+from distributed.hosts.onhost.bootstrap import MARK
+from distributed.hosts.preflight import PreflightError, PreflightReport, run_preflight
+from distributed.hosts.remote import BOOTSTRAP_SOURCE, LocalShell, Shell, SSHShell, Started, rank_command
+from distributed.hosts.ssh import (
     DEFAULT_KNOWN_HOSTS,
     DEFAULT_SSH_CONFIG,
     SSHConnectError,
@@ -74,7 +74,7 @@ from distributed.ssh import (
     load_ssh_config,
     resolve_target,
 )
-from distributed.sync import SyncStats, code_files, sync_files, tracked_files
+from distributed.hosts.sync import PROJECT_ROOT, SyncStats, code_files, sync_files, tracked_files
 from exogym.io import atomic_write_bytes, atomic_write_text
 
 if TYPE_CHECKING:
@@ -106,7 +106,6 @@ LAUNCHER_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "N
 LAST_LINES = 20
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 # --------------------------------------------------------------------------- what runs
@@ -515,7 +514,7 @@ class Launcher:
         self.grace_period = float(grace_period)
         self.sync_first = sync
         self.probe_timeout = float(probe_timeout)
-        self.project_root = Path(project_root or _PROJECT_ROOT).resolve()
+        self.project_root = Path(project_root or PROJECT_ROOT).resolve()
         self.ssh_options = SSHOptions(
             known_hosts_path=known_hosts_path, ssh_config_path=ssh_config_path,
             accept_new_host_keys=accept_new_host_keys, allow_agent=allow_agent,
@@ -766,7 +765,7 @@ class Launcher:
         return stats
 
     def preflight(self, *, raise_on_failure: bool = True, show: bool = True) -> PreflightReport:
-        """Check every host in parallel (see ``distributed.preflight``).
+        """Check every host in parallel (see ``distributed.hosts.preflight``).
 
         Args:
             raise_on_failure: raise ``PreflightError`` when a check fails.

@@ -3,7 +3,7 @@
 :func:`measure_model` builds the profile's task the way a rank does, counts
 the trainable parameters, and times a few forward and backward passes at the
 profile's batch size on this machine, which stands in for every host when
-the wizard predicts the speedup of each strategy (``distributed.projection``, the
+the wizard predicts the speedup of each strategy (``distributed.planning.projection``, the
 model ``bench/project_speedup.py`` validates against measured runs).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from distributed.profiles import Profile
+from distributed.profiles.profile import Profile
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def measure_model(profile: Profile, ranks_here: int = 1, steps: int = 10,
 
     import torch
 
-    from distributed.tasks import count_parameters, resolve_task
+    from distributed.tasks.builtin import count_parameters, resolve_task
 
     task_kwargs, _, run = profile.split()
     model, train, _ = resolve_task(profile.task)(**task_kwargs)

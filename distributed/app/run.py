@@ -26,11 +26,12 @@ from typing import Any
 
 from rich.console import Console
 
-from distributed.dashboard import Dashboard
-from distributed.hosts import HostsConfig, load_hosts
-from distributed.profiles import Profile, load_profile
+from distributed.app.dashboard import Dashboard
+from distributed.hosts.hostsfile import HostsConfig, load_hosts
+from distributed.hosts.sync import PROJECT_ROOT
+from distributed.profiles.profile import Profile, load_profile
+from distributed.rank.environment import FINAL_MODEL
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 #: Environment variables that supply SSH file locations when no option gives them.
 KNOWN_HOSTS_ENV = "EXOGYM_KNOWN_HOSTS"
 SSH_CONFIG_ENV = "EXOGYM_SSH_CONFIG"
@@ -149,7 +150,7 @@ def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Consol
                   dashboard: Dashboard | None = None) -> Any:
     """A ``Launcher`` running the request's profile on every host (ranks print no progress
     of their own: the dashboard shows their events)."""
-    from distributed.launcher import Launcher, RankProgram
+    from distributed.launch.launcher import Launcher, RankProgram
 
     program = RankProgram.from_profile(request.profile, config=config_for_hosts(request.config),
                                        overrides=dict(request.overrides))
@@ -228,7 +229,7 @@ def train(request: TrainRequest, console: Console | None = None, *,
 
 def _train_local(request: TrainRequest, profile: Profile, console: Console,
                  live: bool | None) -> TrainOutcome:
-    from distributed.worker import run_profile
+    from distributed.rank.worker import run_profile
     from exogym.rank import LostRankError
     from exogym.trainer import RankFailedError
 
@@ -243,7 +244,7 @@ def _train_local(request: TrainRequest, profile: Profile, console: Console,
         dashboard.close()
     out = output_dir(profile)
     return TrainOutcome("local", profile, dict(trainer.summary), out,
-                        f"simulation finished; final model in {out / 'final_model.pt'}")
+                        f"simulation finished; final model in {out / FINAL_MODEL}")
 
 
 def brief_failure(exc: BaseException) -> str:
@@ -281,6 +282,6 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
     where = out if out.is_absolute() else Path(config.master.project_path) / out
     return TrainOutcome("hosts", profile, summary, out,
                         f"all {config.world_size} ranks finished; final model in "
-                        f"{where / 'final_model.pt'} on {config.master.host}, logs in "
+                        f"{where / FINAL_MODEL} on {config.master.host}, logs in "
                         f"{result.run_dir}", launch=result)
 

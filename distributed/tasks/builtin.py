@@ -9,7 +9,7 @@ Built in:
   scikit-learn, no download).
 - ``chargpt``: a small character-level GPT on a text file; by default on the
   Python standard library's own source text, present on every install.
-- ``whisper``: Whisper fine-tuning (see ``distributed.whisper_task``).
+- ``whisper``: Whisper fine-tuning (see ``distributed.tasks.whisper.task``).
 
 Any ``package.module:function`` with the same contract works too.
 """
@@ -204,7 +204,7 @@ def chargpt_task(text_file: str | None = None, block_size: int = 64, n_layer: in
 
 def _whisper_task(**kwargs: Any) -> TaskResult:
     try:
-        from distributed.whisper_task import build_whisper_task, collate_whisper_batch
+        from distributed.tasks.whisper.task import build_whisper_task, collate_whisper_batch
     except ImportError as exc:
         raise ImportError(
             "the whisper task needs the whisper extra: pip install 'exogym[whisper]' "
@@ -244,7 +244,7 @@ def task_arg_names(fn: Callable[..., Any]) -> set[str] | None:
     """Keyword names a task function accepts; None when it takes ``**kwargs``."""
     if fn is _whisper_task:
         try:
-            from distributed.whisper_task import build_whisper_task
+            from distributed.tasks.whisper.task import build_whisper_task
         except ImportError:
             return None
         fn = build_whisper_task

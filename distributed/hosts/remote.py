@@ -8,8 +8,8 @@ started). Commands are shell strings in which every piece is quoted with
 one JSON line on its stdin, never on its command line.
 
 ``LOADER`` is the only Python that appears on a command line: it reads that
-JSON line, executes the ``code`` it carries (``distributed/bootstrap.py`` for
-a rank, ``distributed/probe.py`` for pre-flight) and calls its ``main`` with
+JSON line, executes the ``code`` it carries (``distributed/hosts/onhost/bootstrap.py`` for
+a rank, ``distributed/hosts/onhost/probe.py`` for pre-flight) and calls its ``main`` with
 the rest of the message. This way the remote side needs nothing but a Python
 interpreter, and secrets never show in ``/proc/*/cmdline`` or ``ps``.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO, Any
 
-from distributed import bootstrap, probe
+from distributed.hosts.onhost import bootstrap, probe
 
 LOADER = ('import json,sys;m=json.loads(sys.stdin.readline());g={"__name__":"exogym_remote"};'
           'exec(m.pop("code"),g);g["main"](m)')

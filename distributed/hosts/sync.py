@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 #: Suffixes of the files whose content must match on every host (the code hash).
+#: This checkout: what is synced to hosts, and where relative paths on hosts start.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
 CODE_SUFFIXES = (".py", ".pyi", ".ini", ".toml", ".cfg")
 
 _SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", "build", "dist", "runs",

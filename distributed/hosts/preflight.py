@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from distributed.hosts import HostsConfig, HostSpec
-from distributed.remote import (
+from distributed.hosts.hostsfile import HostsConfig, HostSpec
+from distributed.hosts.remote import (
     NO_PROJECT_PATH,
     NO_PYTHON,
     PROBE_SOURCE,
@@ -30,7 +30,7 @@ from distributed.remote import (
     Started,
     probe_command,
 )
-from distributed.ssh import SSHConnectError
+from distributed.hosts.ssh import SSHConnectError
 
 #: The oldest Python a rank may run on (pyproject's requires-python).
 MIN_PYTHON = (3, 10)

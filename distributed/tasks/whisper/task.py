@@ -19,7 +19,9 @@ from pathlib import Path
 
 from torch import nn
 
-from distributed.speech_data import (
+from distributed.tasks.whisper.convert import default_cache_dir, load_whisper
+from distributed.tasks.whisper.lora import apply_lora
+from distributed.tasks.whisper.speech_data import (
     DEFAULT_SENTENCES,
     AudioFolderDataset,
     collate_whisper_batch,
@@ -28,9 +30,7 @@ from distributed.speech_data import (
     synthesize_speech_folder,
     word_error_rate,
 )
-from distributed.whisper_convert import default_cache_dir, load_whisper
-from distributed.whisper_lora import apply_lora
-from distributed.whisper_wrapper import WhisperModelWrapper, transcribe_dataset
+from distributed.tasks.whisper.wrapper import WhisperModelWrapper, transcribe_dataset
 
 # Two voices at one speed: 40 sentences give 80 utterances, about 64 for training, which
 # a CPU can fine-tune tiny.en on in minutes.

@@ -1,0 +1,7 @@
+"""launch: a job across hosts over SSH.
+
+The rank program and its per-host plan, one rank's run (start, stream, stop),
+the launcher that starts and watches every rank, and script mode. Built on
+hosts (sessions, shells, pre-flight) and the wire facts of rank; may import
+rank, profiles, hosts and exogym, never app.
+"""

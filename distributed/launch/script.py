@@ -1,0 +1,53 @@
+"""Script mode: the user's own script started on every host, as under ``torchrun``.
+
+The driver (the script run by hand, no rank variables) calls
+:func:`run_script_on_hosts`; every host runs the same script with the rank
+variables set, where ``NetworkTrainer.fit()`` trains that host's rank. Rank 0
+leaves the final model in the run folder; the driver fetches and returns it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from distributed.hosts.hostsfile import HostsConfig
+from distributed.hosts.sync import PROJECT_ROOT
+from distributed.launch.launcher import Launcher, RankProgram
+from distributed.rank.environment import FINAL_MODEL
+
+
+def script_program(script: str | None = None, args: Sequence[str] | None = None) -> RankProgram:
+    """The program that starts ``script`` (default: this process's own) on every host.
+
+    A script inside this checkout is named relative to its root, since each
+    host runs it from its own checkout; one outside keeps its absolute path.
+    """
+    path = Path(script if script is not None else sys.argv[0]).resolve()
+    try:
+        name = str(path.relative_to(PROJECT_ROOT))
+    except ValueError:
+        name = str(path)
+    return RankProgram.from_script(name, list(sys.argv[1:] if args is None else args))
+
+
+def run_script_on_hosts(config: HostsConfig, program: RankProgram,
+                        on_event: Callable[[dict[str, Any]], None] | None = None,
+                        launcher_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Run ``program`` on every host and return the final model state rank 0 saved.
+
+    Raises:
+        PreflightError: a host failed pre-flight; nothing was started.
+        LaunchError: the job failed or was interrupted.
+    """
+    from safetensors.torch import load_file
+
+    options = {"on_event": on_event, **(launcher_options or {})}
+    with Launcher(config, program, **options) as job:
+        result = job.run()
+        result.raise_for_failure()
+        local = job.run_dir / FINAL_MODEL
+        job.fetch(0, FINAL_MODEL, local)
+    return load_file(local)

@@ -1,0 +1,77 @@
+"""The wire facts a rank shares with whoever started it: its rank variables and output names.
+
+A rank is started with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+``MASTER_PORT`` (and optionally ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``) in its
+environment, by our SSH launcher, ``torchrun``, or any scheduler that sets
+them. Rank 0 leaves the run's final model in ``FINAL_MODEL`` for the driver.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from distributed.hosts.netif import interface_for
+
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: The final model a run leaves in its output folder (safetensors; run config in its metadata).
+FINAL_MODEL = "model.safetensors"
+#: Where a launched rank's run folder is named (set by the launcher).
+RUN_DIR_VARIABLE = "EXOGYM_RUN_DIR"
+#: A host's ``device`` from the hosts file, as the launcher passes it to the rank.
+DEVICE_VARIABLE = "EXOGYM_DEVICE"
+
+
+@dataclass(frozen=True)
+class RankEnvironment:
+    """The rank variables of this process.
+
+    Args:
+        rank, world_size: this rank and the number of ranks.
+        master_addr, master_port: where rank 0's rendezvous store listens.
+        local_rank, local_world_size: position among the ranks on this machine.
+        agent_store: the store is hosted by torchrun's agent, not by rank 0.
+    """
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    local_rank: int = 0
+    local_world_size: int = 1
+    agent_store: bool = False
+
+
+def rank_environment(env: dict[str, str] | None = None) -> RankEnvironment | None:
+    """Read the rank variables; None when none is set, a clear error when some are missing."""
+    env = dict(os.environ if env is None else env)
+    present = [k for k in RANK_VARIABLES if env.get(k)]
+    if not present:
+        return None
+    missing = [k for k in RANK_VARIABLES if not env.get(k)]
+    if missing:
+        raise ValueError(f"rank variables incomplete: {', '.join(present)} set but "
+                         f"{', '.join(missing)} missing; set all of {', '.join(RANK_VARIABLES)}")
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        port = int(env["MASTER_PORT"])
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError as exc:
+        raise ValueError(f"rank variables must be integers: {exc}") from None
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} must be in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
+    if not 0 < port < 65536:
+        raise ValueError(f"MASTER_PORT={port} is not a port number")
+    return RankEnvironment(rank, world, env["MASTER_ADDR"], port, local_rank, local_world,
+                           agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+
+def choose_interface(master_addr: str) -> str | None:
+    """Set ``GLOO_SOCKET_IFNAME`` to the interface routing to the master, unless already set."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return os.environ["GLOO_SOCKET_IFNAME"]
+    iface = interface_for(master_addr)
+    if iface:
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
+    return iface

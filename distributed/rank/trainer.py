@@ -1,0 +1,94 @@
+"""RankTrainer: one rank of a network run, started with the rank variables set.
+
+``fit()`` trains this process's rank through :func:`exogym.rank.run_rank`, the
+per-rank code path the simulation runs: ``init_process_group`` over
+``tcp://MASTER_ADDR:MASTER_PORT`` (gloo on CPU and MPS, nccl on CUDA),
+``GLOO_SOCKET_IFNAME`` set to the interface that routes to the master, rank 0's
+initial weights broadcast before the first step. Every rank returns the
+average of all ranks' final models; rank 0 also leaves it in the launcher's run
+folder (``EXOGYM_RUN_DIR``) as ``model.safetensors`` for the driver to fetch.
+Metric events go to stdout as JSON lines, where the launcher reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distributed.rank.environment import (
+    DEVICE_VARIABLE,
+    FINAL_MODEL,
+    RUN_DIR_VARIABLE,
+    RankEnvironment,
+    choose_interface,
+)
+from exogym.io import atomic_save_safetensors
+from exogym.metrics import encode_event
+from exogym.rank import Rendezvous, run_rank
+from exogym.spec import RunSpec
+from exogym.trainer import Trainer
+
+
+class RankTrainer(Trainer):
+    """Trains the one rank this process was started as.
+
+    Args:
+        environment: this process's rank variables (``rank_environment()``).
+        model, train_dataset, val_dataset: as for :class:`exogym.Trainer`.
+        **trainer_kwargs: ``start_port``, ``device``, ``devices``; ``device``
+            defaults to the host's ``device`` from the hosts file.
+    """
+
+    def __init__(self, environment: RankEnvironment, model: torch.nn.Module, train_dataset: Any,
+                 val_dataset: Any = None, **trainer_kwargs: Any):
+        if trainer_kwargs.get("device") is None:
+            trainer_kwargs["device"] = os.environ.get(DEVICE_VARIABLE) or None
+        super().__init__(model, train_dataset, val_dataset, **trainer_kwargs)
+        self.environment = environment
+
+    def fit(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        """Same arguments as :meth:`exogym.Trainer.fit`; ``num_nodes`` defaults to the world size."""
+        env = self.environment
+        asked = kwargs.setdefault("num_nodes", env.world_size)
+        if asked != env.world_size:
+            raise ValueError(f"fit(num_nodes={asked}) but WORLD_SIZE={env.world_size}: a "
+                             "network run has one rank per started process")
+        if env.rank != 0:
+            kwargs["logger"] = None  # rank 0 writes the run's logs
+        return super().fit(*args, **kwargs)
+
+    def _prepare_spec(self, spec: RunSpec) -> None:
+        env = self.environment
+        spec.ranks_per_machine = env.local_world_size
+        spec.broadcast_init = True
+        if spec.device_type == "cuda":
+            spec.backend = "nccl"  # one GPU per rank on its own machine
+
+    def _execute(self, spec: RunSpec,
+                 on_event: Callable[[dict[str, Any]], None]) -> list[dict[str, torch.Tensor]]:
+        env = self.environment
+        iface = choose_interface(env.master_addr)
+        print(f"rank {env.rank}/{env.world_size}: master {env.master_addr}:{env.master_port}, "
+              f"interface {iface or 'chosen by gloo'}", file=sys.stderr, flush=True)
+        if spec.device_type == "cuda" and spec.devices is not None:
+            # Ranks on one machine take its GPUs by local rank, not by global rank.
+            spec.devices = [spec.devices[env.local_rank % len(spec.devices)]]
+
+        def emit(event: dict[str, Any]) -> None:
+            print(encode_event(event), flush=True)
+            on_event(event)
+
+        rendezvous = Rendezvous(env.master_addr, env.master_port,
+                                store_on_rank0=not env.agent_store, watch_peers=True)
+        state = run_rank(spec, env.rank, rendezvous, emit, average_final=True)
+        run_dir = os.environ.get(RUN_DIR_VARIABLE)
+        if env.rank == 0 and run_dir:
+            atomic_save_safetensors(state, Path(run_dir) / FINAL_MODEL,
+                                    {"config": json.dumps(spec.config(), default=repr)})
+        return [state]

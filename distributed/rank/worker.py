@@ -1,0 +1,112 @@
+"""Worker entry: ``python -m distributed.worker --profile NAME``.
+
+Runs one rank of a profile when the rank variables are set (by our launcher,
+torchrun, SLURM, ...), or the whole profile as a local simulation when they
+are not. Rank 0 (or the simulation) writes the final model and a summary
+to the profile's ``output_dir`` (default ``runs/NAME``).
+
+    python -m distributed.worker --profile digits-diloco
+    python -m distributed.worker --profile digits-diloco --set num_nodes=2 --set H=20
+    torchrun --nnodes 1 --nproc-per-node 2 -m distributed.worker --profile digits-diloco
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from distributed.profiles.profile import (
+    Profile,
+    ProfileError,
+    load_profile,
+    parse_overrides,
+    strategy_class,
+)
+from distributed.rank.environment import FINAL_MODEL, rank_environment
+from distributed.rank.trainer import RankTrainer
+from distributed.tasks.builtin import resolve_task
+from exogym.io import atomic_save_safetensors, atomic_write_json
+from exogym.rank import LostRankError
+from exogym.trainer import LocalTrainer, RankFailedError
+
+if TYPE_CHECKING:
+    from exogym.report import ProgressSink
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m distributed.worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", required=True, help="profile name in the config file")
+    parser.add_argument("--config", default=None, help="config file (default: the project's config.ini)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a profile key (repeatable)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint of this profile")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or summary table")
+    return parser
+
+
+def run_profile(name: str | Profile, config: str | None = None,
+                overrides: dict[str, Any] | None = None, resume: bool = False,
+                progress: bool | ProgressSink = True, local: bool | None = None):
+    """Train a profile: this rank (rank variables set) or a local simulation; returns the trainer.
+
+    Args:
+        name: the profile's name in ``config``, or an already resolved ``Profile``.
+        config: the config file (default: the project's ``config.ini``).
+        overrides: keys to replace (``--set``).
+        resume: continue from the newest complete checkpoint.
+        progress: show the progress bar (True/False), or an object that shows the
+            run's events its own way (``exogym.report.ProgressSink``, e.g. a dashboard).
+        local: force a local simulation even when rank variables are set.
+    """
+    if isinstance(name, Profile):
+        profile = name.with_overrides(overrides) if overrides else name
+    else:
+        profile = load_profile(name, config, overrides)
+    task_kwargs, strategy_kwargs, run_kwargs = profile.split()
+    output_dir = Path(str(profile.values.get("output_dir") or Path("runs") / profile.name))
+    env = None if local else rank_environment()
+    model, train_dataset, val_dataset = resolve_task(profile.task)(**task_kwargs)
+    strategy = strategy_class(profile.strategy)(**strategy_kwargs)
+    fit_kwargs = dict(
+        run_kwargs, strategy=strategy, run_name=profile.name,
+        save_dir=str(output_dir / "checkpoints"), log_dir=str(output_dir / "logs"),
+        resume_from="auto" if resume else None, progress=progress,
+    )
+    if env is None:
+        trainer = LocalTrainer(model, train_dataset, val_dataset)
+    else:
+        fit_kwargs.pop("num_nodes", None)  # the world size is the number of started ranks
+        trainer = RankTrainer(env, model, train_dataset, val_dataset)
+    final = trainer.fit(**fit_kwargs)
+    if env is None or env.rank == 0:
+        metadata = {"profile": profile.name,
+                    "profile_values": json.dumps(profile.values, default=repr),
+                    "config": json.dumps(trainer.run_config, default=repr)}
+        atomic_save_safetensors(final.state_dict(), output_dir / FINAL_MODEL, metadata)
+        atomic_write_json(output_dir / "summary.json",
+                          {"profile": profile.name, **trainer.summary})
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    try:
+        run_profile(args.profile, args.config, parse_overrides(args.overrides), args.resume,
+                    progress=not args.quiet)
+    except (ProfileError, ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (LostRankError, RankFailedError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
