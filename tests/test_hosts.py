@@ -13,8 +13,8 @@ from distributed.hosts.hostsfile import (
     HostsConfig,
     HostsFileError,
     load_hosts,
-    save_hosts,
 )
+from distributed.profiles.setup_files import hosts_text, write_with_backup
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,9 +87,10 @@ def test_example_file_is_valid():
     assert config.hosts[2].interface == "en0"
 
 
-def test_save_then_load_round_trips(tmp_path):
+def test_written_hosts_file_loads_back_the_same(tmp_path):
     config = load_hosts(dict(BASE, workers=["10.0.0.2", {"host": "10.0.0.3", "ssh_port": 2200}]))
-    path = save_hosts(config, tmp_path / "sub" / "hosts.json")
+    path = tmp_path / "sub" / "hosts.json"
+    assert write_with_backup(path, hosts_text(config)) is None
     again = load_hosts(path)
     assert again.hosts == config.hosts
     assert again.master_port == config.master_port

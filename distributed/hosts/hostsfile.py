@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exogym.io import atomic_write_text
-
 DEFAULT_MASTER_PORT = 29500
 
 #: Keys a host object accepts. All but ``host`` may also be top-level defaults.
@@ -195,18 +193,6 @@ def load_hosts(source: str | os.PathLike[str] | Mapping[str, Any]) -> HostsConfi
         for key in keys:
             validator.problem((), f'key "{key}" appears twice in {where}; keep one')
     return validator.run()
-
-
-def save_hosts(config: HostsConfig, path: str | os.PathLike[str]) -> Path:
-    """Write ``config`` as a hosts file, atomically (temp file, then rename).
-
-    Returns:
-        The path written.
-    """
-    target = Path(path).expanduser()
-    text = json.dumps(config.to_dict(), indent=2) + "\n"
-    atomic_write_text(target, text)
-    return target
 
 
 # --------------------------------------------------------------------------- parsing helpers
