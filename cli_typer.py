@@ -14,16 +14,13 @@ input (a profile, a hosts file, a host that failed pre-flight, an option).
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
-if TYPE_CHECKING:
-    from rich.console import Console
+from distributed.app.console import fail, make_console, reported_errors
 
 DEFAULT_PROFILE = "digits-diloco"
 DEFAULT_STRATEGIES = "ddp,diloco,sparta,fedavg,demo"
@@ -52,59 +49,6 @@ AcceptNewHostKeys = Annotated[bool, typer.Option(
     "--accept-new-host-keys",
     help="Trust hosts not yet in known_hosts, once, recording their keys (a changed key is "
          "always refused).")]
-
-
-def make_console() -> Console:
-    """Standard output; when it is not a terminal (a log, a pipe), tables get room rather
-    than 80 columns."""
-    import os
-
-    from rich.console import Console
-
-    console = Console(highlight=False)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(highlight=False, width=160)
-    return console
-
-
-def fail(message: str, code: int, debug: bool, exc: BaseException | None = None) -> NoReturn:
-    """Print one readable paragraph on stderr (and the traceback with --debug), then exit."""
-    import traceback
-
-    from rich.console import Console
-
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
-    if debug and exc is not None:
-        err.print("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-                  markup=False, end="")
-    err.print(f"error: {message}", markup=False, style="red")
-    raise typer.Exit(code)
-
-
-@contextlib.contextmanager
-def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
-    """Turn the errors a person can fix into exit code 2, a failed run into 1."""
-    debug = debug or bool((ctx.obj or {}).get("debug"))
-    from distributed.app.run import RunFailedError
-    from distributed.hosts.hostsfile import HostsFileError
-    from distributed.hosts.preflight import PreflightError
-    from distributed.profiles.profile import ProfileError
-
-    try:
-        yield debug
-    except typer.Exit:
-        raise
-    except KeyboardInterrupt as exc:
-        fail("interrupted (any ranks already started were stopped)", 130, debug, exc)
-    except RunFailedError as exc:
-        fail(f"the run failed: {exc}", 1, debug, exc)
-    except (ProfileError, HostsFileError, PreflightError) as exc:
-        fail(str(exc), 2, debug, exc)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
-        fail(str(exc), 2, debug, exc)
-    except Exception as exc:  # noqa: BLE001 - anything else still deserves one readable paragraph
-        hint = "" if debug else " (run again with --debug for the traceback)"
-        fail(f"{type(exc).__name__}: {exc}{hint}", 1, debug, exc)
 
 
 @app.callback()

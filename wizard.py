@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from cli_typer import fail, make_console, reported_errors
+from distributed.app.console import fail, make_console, reported_errors
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -1,0 +1,69 @@
+"""What the two faces share: the console they print to, and one way of reporting errors.
+
+``cli_typer.py`` and ``wizard.py`` print through :func:`make_console` and wrap
+each command in :func:`reported_errors`, so an error a person can fix (a bad
+profile, hosts file, option or host) ends with one readable paragraph and exit
+code 2, a run that started and failed with exit code 1, and only ``--debug``
+shows a traceback. Imports only typer and rich at first, so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from collections.abc import Iterator
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+
+
+def make_console() -> Console:
+    """Standard output; when it is not a terminal (a log, a pipe), tables get room rather
+    than 80 columns."""
+    console = Console(highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(highlight=False, width=160)
+    return console
+
+
+def fail(message: str, code: int, debug: bool, exc: BaseException | None = None) -> NoReturn:
+    """Print one readable paragraph on stderr (and the traceback with --debug), then exit."""
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    if debug and exc is not None:
+        err.print("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                  markup=False, end="")
+    err.print(f"error: {message}", markup=False, style="red")
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
+    """Turn the errors a person can fix into exit code 2, a failed run into 1.
+
+    Yields whether tracebacks are shown (``--debug`` on the command or the app).
+    """
+    # Here rather than at the top: these modules load rich tables and the profiles, which a
+    # bare ``--help`` does not need (bench/cli_help_time.py keeps it under half a second).
+    from distributed.app.run import RunFailedError
+    from distributed.hosts.hostsfile import HostsFileError
+    from distributed.hosts.preflight import PreflightError
+    from distributed.profiles.profile import ProfileError
+
+    debug = debug or bool((ctx.obj or {}).get("debug"))
+    try:
+        yield debug
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt as exc:
+        fail("interrupted (any ranks already started were stopped)", 130, debug, exc)
+    except RunFailedError as exc:
+        fail(f"the run failed: {exc}", 1, debug, exc)
+    except (ProfileError, HostsFileError, PreflightError) as exc:
+        fail(str(exc), 2, debug, exc)
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
+        fail(str(exc), 2, debug, exc)
+    except Exception as exc:  # noqa: BLE001 - anything else still deserves one readable paragraph
+        hint = "" if debug else " (run again with --debug for the traceback)"
+        fail(f"{type(exc).__name__}: {exc}{hint}", 1, debug, exc)
