@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from faces_support import TINY, sshd_hosts
 from ranks import ROOT
+from safetensors import safe_open
 from sshd_fixture import serve_sshd
 from typer.testing import CliRunner
 
@@ -212,8 +213,12 @@ def test_local_run_trains_shows_plain_progress_and_writes_the_model(tmp_path):
         assert f"[local:{rank}] step 20/20" in result.output
         assert f"[local:{rank}] done at step 20" in result.output
     assert "run summary" in result.output
-    assert (out / "model.safetensors").is_file()
     assert json.loads((out / "summary.json").read_text())["steps"] == 20
+    with safe_open(out / "model.safetensors", "pt") as f:
+        metadata = f.metadata()
+    assert metadata["profile"] == "digits-diloco"
+    assert json.loads(metadata["config"])["num_nodes"] == 2
+    assert json.loads(metadata["profile_values"])["task"] == "digits"
 
 
 def broken_config(tmp_path: Path) -> Path:
