@@ -34,9 +34,7 @@ from distributed.app.console import fail, make_console, reported_errors
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from distributed.hosts.hostsfile import HostsConfig
-    from distributed.hosts.preflight import PreflightReport
-    from distributed.profiles.profile import Profile
+    from distributed.app.setup import HostsConfig, PreflightReport, Profile
 
 PROJECT_ROOT = Path(__file__).resolve().parent
 DEFAULT_HOSTS_FILE = "distributed_hosts.json"
@@ -207,7 +205,7 @@ class Wizard:
         """The hosts file found, shown and checked; None to build one or simulate instead."""
         from rich.table import Table
 
-        from distributed.hosts.hostsfile import HostsFileError, load_hosts
+        from distributed.app.setup import HostsFileError, load_hosts
 
         try:
             config = load_hosts(self.hosts_path)
@@ -241,7 +239,7 @@ class Wizard:
 
     def build_hosts(self) -> HostsConfig | None:
         """Ask for the hosts, checking each as it is added; None for one machine."""
-        from distributed.hosts.hostsfile import HostsFileError, load_hosts
+        from distributed.app.setup import HostsFileError, load_hosts
 
         where = self.ask.select("Where should it train?", [
             ("On this machine only: simulate the nodes here", "local", None),
@@ -304,19 +302,9 @@ class Wizard:
     # ------------------------------------------------------------------ profile and strategy
 
     def choose_profile(self) -> Profile:
-        from distributed.profiles.profile import ProfileError, ProfileSet
+        from distributed.app.setup import profile_choices
 
-        profiles = ProfileSet(self.config_path)
-        choices = []
-        for name in profiles.names():
-            values = profiles.values(name)
-            why = None
-            try:
-                profiles.get(name)
-            except ProfileError as exc:
-                why = exc.args[0].splitlines()[-1].strip()
-            choices.append((f"{name}: {values.get('description') or values.get('task')}", name,
-                            why))
+        profiles, choices = profile_choices(self.config_path)
         usable = [v for _, v, why in choices if why is None]
         if not usable:
             fail(f"no profile in {profiles.path} can run here (see `python cli_typer.py "
@@ -341,14 +329,11 @@ class Wizard:
         how = self.ask.select("The link between the machines: how fast is it?", choices,
                               default=choices[0][1])
         if how == "measure":
-            from distributed.hosts.linkspeed import LinkError, measure_link
-            from distributed.hosts.ssh import SSHOptions
+            from distributed.app.setup import LinkError, measure_link_to
 
-            options = SSHOptions(
-                **{k: v for k, v in (("known_hosts_path", self.ssh.get("known_hosts")),
-                                     ("ssh_config_path", self.ssh.get("ssh_config"))) if v})
             try:
-                measured = measure_link(hosts.workers[0], options)
+                measured = measure_link_to(hosts, self.ssh.get("known_hosts"),
+                                           self.ssh.get("ssh_config"))
             except LinkError as exc:
                 self.console.print(f"[yellow]could not measure the link: {exc}[/]")
             else:
@@ -364,99 +349,62 @@ class Wizard:
         """Show each strategy's bytes per step and expected speedup; the usable strategies."""
         from rich.table import Table
 
-        from distributed.app.compare import profile_for_strategy
-        from distributed.planning import projection
-        from distributed.planning.estimate import measure_model
-        from distributed.profiles.profile import ProfileError
-        from exogym.report import human_bytes
+        from distributed.app.setup import estimate_strategies, usable_strategies
 
         self.console.print(f"Timing a step of {profile.name}'s model on this machine...")
         try:
-            facts = measure_model(profile, ranks_here=nodes if simulated else 1)
-            compute = facts.compute_s_per_step
-            params = facts.num_params
+            estimates = estimate_strategies(profile, COMPARED, nodes, mbit, simulated)
         except Exception as exc:  # noqa: BLE001 - the estimate is a help, not a requirement
             self.console.print(f"[yellow]could not build the model to time it ({exc}); the "
                                "table is skipped[/]")
-            return [s for s in COMPARED if self._usable(profile, s)]
-        self.console.print(f"{params:,} parameters; one step of {facts.batch_size} samples takes "
-                           f"{compute * 1000:.1f} ms here ({facts.threads} thread(s)). Estimates "
-                           f"for {nodes} machines at {mbit:g} Mbit/s:", highlight=False)
+            return usable_strategies(profile, COMPARED)
+        facts = estimates.facts
+        self.console.print(f"{facts.num_params:,} parameters; one step of {facts.batch_size} "
+                           f"samples takes {facts.compute_s_per_step * 1000:.1f} ms here "
+                           f"({facts.threads} thread(s)). Estimates for {nodes} machines at "
+                           f"{mbit:g} Mbit/s:", highlight=False)
         table = Table(title_justify="left")
         for column in ("strategy", "what it sends", "sent per step", "comm per step",
                        "speedup (vs 1 machine)"):
             table.add_column(column, justify="left" if column in ("strategy", "what it sends")
                              else "right")
-        usable = []
-        for name in COMPARED:
-            try:
-                values = profile_for_strategy(profile, name).values
-                usable.append(name)
-                note = ""
-            except ProfileError:
-                values = profile.values
-                note = " [dim](not available here)[/]"
-            p = projection.predict(name, params, nodes, compute,
-                                   projection.mbit_to_bytes_per_s(mbit), shapes=facts.shapes,
-                                   **projection.relevant_settings(name, values))
-            table.add_row(name + note, projection.STRATEGIES[name], human_bytes(p.wire_bytes),
-                          f"{p.comm_s * 1000:,.1f} ms", f"{p.speedup:.2f}x")
+        for row in estimates.rows:
+            note = "" if row.available else " [dim](not available here)[/]"
+            table.add_row(row.strategy + note, row.description, row.wire_bytes,
+                          f"{row.comm_ms:,.1f} ms", f"{row.speedup:.2f}x")
         self.console.print(table)
         self.console.print("DiLoCo is the default: it communicates once every H steps, so on a "
                            "slow link its machines spend their time computing, not waiting.",
                            highlight=False)
-        return usable
-
-    @staticmethod
-    def _usable(profile: Profile, strategy: str) -> bool:
-        from distributed.app.compare import profile_for_strategy
-        from distributed.profiles.profile import ProfileError
-
-        try:
-            profile_for_strategy(profile, strategy)
-        except ProfileError:
-            return False
-        return True
+        return estimates.usable
 
     # ------------------------------------------------------------------ files and run
 
-    @staticmethod
-    def _same_hosts(path: Path, config: HostsConfig) -> bool:
-        from distributed.hosts.hostsfile import HostsFileError, load_hosts
-
-        try:
-            return load_hosts(path).to_dict() == config.to_dict()
-        except HostsFileError:
-            return False
-
     def write_hosts(self, config: HostsConfig) -> Path:
-        from distributed.profiles.setup_files import hosts_text, write_with_backup
+        from distributed.app.setup import same_hosts, write_hosts_file
 
         path = self.hosts_path
-        if path.exists() and self._same_hosts(path, config):
+        if path.exists() and same_hosts(path, config):
             self.console.print(f"Using {path} as it is.")
             return path
-        text = hosts_text(config)
-        while path.exists() and not self._same_hosts(path, config):
+        while path.exists() and not same_hosts(path, config):
             if self.ask.confirm(f"{path} exists with other hosts. Replace it (the old one is kept "
                                 f"as {path.name}.bak)?", default=self.ask.assume_yes):
                 break
             path = Path(self.ask.text("Write the hosts file where instead?",
                                       str(path.with_name("distributed_hosts.new.json"))))
-        backup = write_with_backup(path, text)
+        backup = write_hosts_file(path, config)
         self.console.print(f"Wrote {path}" + (f" (previous one in {backup})" if backup else ""))
         return path
 
     def write_profile(self, name: str, values: dict[str, Any]) -> str:
-        from distributed.profiles.profile import ProfileSet
-        from distributed.profiles.setup_files import has_profile, with_profile, write_with_backup
+        from distributed.app import setup
 
         path = self.config_path
         while True:
-            text = path.read_text(encoding="utf-8") if path.exists() else ""
-            if not has_profile(text, name):
+            current = setup.existing_profile(path, name)
+            if current is None:
                 break
-            current = ProfileSet(path).values(name)
             if current == values:
                 self.console.print(f"Profile {name} in {path} already has these settings.")
                 return name
@@ -464,7 +412,7 @@ class Wizard:
                                 f"is kept as {path.name}.bak)?", default=self.ask.assume_yes):
                 break
             name = self.ask.text("Name of the new profile instead:", f"{name}-2")
-        backup = write_with_backup(path, with_profile(text, name, values))
+        backup = setup.write_profile(path, name, values)
         self.console.print(f"Wrote profile [bold]{name}[/] to {path}"
                            + (f" (previous file in {backup})" if backup else ""), highlight=False)
         return name
@@ -472,8 +420,7 @@ class Wizard:
     def run(self) -> int:
         from distributed.app import run
         from distributed.app.compare import profile_for_strategy
-        from distributed.planning.projection import canonical
-        from distributed.profiles.profile import load_profile
+        from distributed.app.setup import load_profile, profile_name_for
 
         self.console.rule("exogym set-up")
         hosts = self.hosts()
@@ -496,12 +443,11 @@ class Wizard:
             "max_steps", base.values.get("max_steps", 100))), _is_int(1, 10**9)))
         overrides = {**self.overrides, "max_steps": steps, "num_nodes": nodes}
         values = profile_for_strategy(base, strategy, overrides).values
-        where = f"{nodes}hosts" if hosts is not None else f"{nodes}nodes"
         values["description"] = (f"{base.name} with {strategy} on {nodes} "
                                  f"{'hosts' if hosts is not None else 'simulated nodes'} "
                                  "(written by wizard.py)")
         name = self.ask.text("Name of the profile to write:",
-                             f"{base.task}-{canonical(strategy).replace('_', '-')}-{where}",
+                             profile_name_for(base, strategy, nodes, hosts is not None),
                              lambda t: bool(t.strip()) or "a name, e.g. my-run")
         name = self.write_profile(name, values)
         load_profile(name, self.config_path)  # what was written reads back as a valid profile
@@ -577,7 +523,7 @@ def main(
         fail("the wizard asks questions and needs a terminal; run it in one, or pass --yes to "
              "take every default without asking (for scripts and CI)", 2, debug)
     with reported_errors(ctx, debug):
-        from distributed.profiles.profile import DEFAULT_CONFIG, parse_overrides
+        from distributed.app.setup import DEFAULT_CONFIG, parse_overrides
 
         wizard = Wizard(
             console, Asker(console, yes),
