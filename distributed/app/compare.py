@@ -24,8 +24,12 @@ from distributed.profiles.profile import (
     Profile,
     ProfileError,
     load_profile,
+    parse_overrides,
     strategy_class,
 )
+
+__all__ = ["StrategyResult", "check_plotting", "parse_overrides", "plan_comparison",
+           "plot_comparison", "profile_for_strategy", "run_comparison"]
 
 
 @dataclass

@@ -28,13 +28,18 @@ from rich.console import Console
 
 from distributed.app.dashboard import Dashboard
 from distributed.hosts.hostsfile import HostsConfig, load_hosts
+from distributed.hosts.preflight import PreflightError
 from distributed.hosts.sync import PROJECT_ROOT
-from distributed.profiles.profile import Profile, load_profile
+from distributed.profiles.profile import Profile, load_profile, parse_overrides
 from distributed.rank.environment import FINAL_MODEL
 
 #: Environment variables that supply SSH file locations when no option gives them.
 KNOWN_HOSTS_ENV = "EXOGYM_KNOWN_HOSTS"
 SSH_CONFIG_ENV = "EXOGYM_SSH_CONFIG"
+
+
+__all__ = ["PreflightError", "RunFailedError", "TrainOutcome", "TrainRequest", "dry_run",
+           "parse_overrides", "preflight", "train"]
 
 
 class RunFailedError(RuntimeError):
