@@ -16,8 +16,14 @@ import time
 from dataclasses import dataclass
 
 from distributed.hosts.hostsfile import HostSpec
-from distributed.hosts.remote import probe_command
-from distributed.hosts.ssh import SSHOptions, connect, load_ssh_config, resolve_target
+from distributed.hosts.remote import SSHShell, probe_command
+from distributed.hosts.ssh import (
+    SSHConnectError,
+    SSHOptions,
+    connect,
+    load_ssh_config,
+    resolve_target,
+)
 
 RECEIVER_SOURCE = '''
 import json, socket, time
@@ -101,9 +107,6 @@ def measure_link(host: HostSpec, options: SSHOptions | None = None, seconds: flo
     Raises:
         LinkError: when the host cannot be reached or the transfer fails.
     """
-    from distributed.hosts.remote import SSHShell
-    from distributed.hosts.ssh import SSHConnectError
-
     options = options or SSHOptions()
     target = resolve_target(host, options, load_ssh_config(options))
     try:

@@ -29,6 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from exogym.digits import DigitsCNN, DigitsMLP, digits_datasets
+
 TaskResult = tuple[nn.Module, Dataset, Dataset]
 
 
@@ -45,8 +47,6 @@ def digits_task(hidden: int = 128, model: str = "mlp", val_fraction: float = 0.2
         val_fraction: share of the 1797 images held out for validation.
         seed: seed of the model's initial weights and of the split.
     """
-    from exogym.digits import DigitsCNN, DigitsMLP, digits_datasets
-
     if model not in ("mlp", "cnn"):
         raise ValueError(f"digits model must be 'mlp' or 'cnn', got {model!r}")
     train, val = digits_datasets(val_fraction, seed)

@@ -23,6 +23,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from distributed.tasks.whisper.speech_data import (
+    collate_whisper_batch,
+    normalize_words,
+    word_edit_distance,
+)
 from exogym.io import new_temp_dir_beside, publish_dir
 
 if TYPE_CHECKING:
@@ -126,8 +131,6 @@ class WhisperModelWrapper(nn.Module):
     def metric_sums(self, batch: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
         """Word errors and reference words of ``batch``: the trainer logs ``val_wer``
         next to the validation loss."""
-        from distributed.tasks.whisper.speech_data import normalize_words, word_edit_distance
-
         if self.processor is None:
             return {}
         tokenizer = self.processor.tokenizer
@@ -267,8 +270,6 @@ def transcribe_dataset(
         ``(references, hypotheses)``.
     """
     from torch.utils.data import DataLoader
-
-    from distributed.tasks.whisper.speech_data import collate_whisper_batch
 
     if tokenizer is None:
         processor = getattr(model, "processor", None)
