@@ -80,6 +80,15 @@ def test_an_invalid_profile_has_no_resolution_and_names_its_problems():
             _ = Profile("p", values).resolved
 
 
+def test_summary_is_a_table_row_even_for_a_profile_that_cannot_run():
+    assert Profile("p", {"task": "digits", "num_nodes": 4, "H": 20, "batch_size": 32,
+                         "description": "d", "seed": 1}).summary() == {
+        "task": "digits", "strategy": "diloco", "nodes": "4",
+        "key settings": "batch_size=32 H=20", "description": "d"}
+    assert Profile("p", {"strategy": "ddp"}).summary() == {
+        "task": "-", "strategy": "ddp", "nodes": "1", "key settings": "", "description": ""}
+
+
 def test_another_strategy_keeps_the_shared_keys_and_drops_the_old_strategys_own():
     base = load_profile("digits-diloco")
     sparta = profile_for_strategy(base, "sparta", {"p_sparta": 0.01, "H": 7})

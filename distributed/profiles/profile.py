@@ -176,6 +176,13 @@ class ResolvedProfile:
     output_dir: Path
 
 
+#: The columns of :meth:`Profile.summary`, as the ``profiles`` command shows them.
+SUMMARY_COLUMNS = ("task", "strategy", "nodes", "key settings", "description")
+#: The keys its "key settings" column shows, where a profile sets them.
+SUMMARY_KEYS = ("batch_size", "max_steps", "lr", "H", "p_sparta", "island_size",
+                "sparta_interval", "compression_topk")
+
+
 @dataclass(frozen=True)
 class Profile:
     """A profile: its name and every key, inheritance applied.
@@ -252,11 +259,13 @@ class Profile:
             raise ProfileError(f"profile {self.name!r}:\n  " + "\n  ".join(problems))
         return profile
 
-    def summary(self) -> dict[str, Any]:
-        """Key settings for a table."""
-        keys = ("num_nodes", "batch_size", "max_steps", "lr", "H", "device")
-        return {"task": self.task, "strategy": self.strategy,
-                **{k: self.values[k] for k in keys if k in self.values}}
+    def summary(self) -> dict[str, str]:
+        """The profile's row in a table of profiles, by :data:`SUMMARY_COLUMNS`; works for a
+        profile that is not valid too (its problems are :meth:`problems`)."""
+        settings = " ".join(f"{k}={self.values[k]}" for k in SUMMARY_KEYS if k in self.values)
+        return {"task": str(self.values.get("task", "-")), "strategy": self.strategy,
+                "nodes": str(self.values.get("num_nodes", 1)), "key settings": settings,
+                "description": str(self.values.get("description") or "")}
 
 
 class ProfileSet:
