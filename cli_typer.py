@@ -148,26 +148,21 @@ def profiles(ctx: typer.Context, config: ConfigFile = None, debug: Debug = False
     with reported_errors(ctx, debug):
         from rich.table import Table
 
-        from distributed.profiles.profile import Profile, ProfileError, ProfileSet
+        from distributed.profiles.profile import SUMMARY_COLUMNS, Profile, ProfileSet
 
         profile_set = ProfileSet(config)
         table = Table(title=f"Profiles in {profile_set.path}", title_justify="left")
-        for name in ("name", "task", "strategy", "nodes", "key settings", "description"):
+        for name in ("name", *SUMMARY_COLUMNS):
             table.add_column(name, overflow="fold", no_wrap=name == "name")
-        keys = ("batch_size", "max_steps", "lr", "H", "p_sparta", "island_size",
-                "sparta_interval", "compression_topk")
         for name in profile_set.names():
-            values = profile_set.values(name)
-            description = str(values.get("description") or "")
-            try:
-                profile_set.get(name)
-            except ProfileError as exc:
-                description = f"[red]not usable here: {exc.args[0].splitlines()[-1].strip()}[/]" \
-                    + (f" — {description}" if description else "")
-            shown = Profile(name, values)
-            settings = " ".join(f"{k}={values[k]}" for k in keys if k in values)
-            table.add_row(name, str(values.get("task", "-")), shown.strategy,
-                          str(values.get("num_nodes", 1)), settings, description)
+            profile = Profile(name, profile_set.values(name), str(profile_set.path))
+            row = profile.summary()
+            problems = profile.problems()
+            if problems:
+                why = problems[-1].splitlines()[-1].strip()
+                row["description"] = f"[red]not usable here: {why}[/]" + (
+                    f" — {row['description']}" if row["description"] else "")
+            table.add_row(name, *row.values())
         make_console().print(table)
 
 

@@ -377,11 +377,10 @@ class Bench:
 def model_facts(profile: str, overrides: list[str]) -> dict[str, Any]:
     """Parameter count and tensor shapes of the profile's model (built here, once)."""
     from distributed.profiles.profile import load_profile, parse_overrides
-    from distributed.tasks.builtin import resolve_task
 
     loaded = load_profile(profile, overrides=parse_overrides(overrides))
-    task_kwargs, _, _ = loaded.split()
-    model, _, _ = resolve_task(loaded.task)(**task_kwargs)
+    task_kwargs = loaded.resolved.task_kwargs
+    model, _, _ = loaded.resolved.task_fn(**task_kwargs)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return {"profile": profile, "task": loaded.task, "task_settings": task_kwargs,
             "num_params": sum(p.numel() for p in trainable),

@@ -34,9 +34,10 @@ from distributed.planning.projection import (  # noqa: E402 - after the path set
     project,
     speedup,
 )
+from exogym.strategy.facts import DEMO_CHUNK, DEMO_TOPK, SPARTA_P  # noqa: E402
 
 DEFAULT_HOSTS = (2, 4, 8, 16, 32, 64)
-DEMO_DEFAULTS = {"compression_topk": 32, "compression_chunk": 64}
+DEMO_DEFAULTS = {"compression_topk": DEMO_TOPK, "compression_chunk": DEMO_CHUNK}
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class StrategyCase:
         return {}
 
 
-def parse_strategy(spec: str, p_sparta: float = 0.005) -> StrategyCase:
+def parse_strategy(spec: str, p_sparta: float = SPARTA_P) -> StrategyCase:
     """``ddp``, ``diloco:H``, ``sparta[:p]`` or ``demo[:topk]`` as a :class:`StrategyCase`."""
     name, _, arg = spec.strip().lower().partition(":")
     try:
@@ -122,7 +123,7 @@ def parse_strategy(spec: str, p_sparta: float = 0.005) -> StrategyCase:
                      "sparta or sparta:P (e.g. sparta:0.005), demo or demo:TOPK")
 
 
-def parse_strategies(text: str, p_sparta: float = 0.005) -> list[StrategyCase]:
+def parse_strategies(text: str, p_sparta: float = SPARTA_P) -> list[StrategyCase]:
     """A comma-separated list of strategies."""
     cases = [parse_strategy(s, p_sparta) for s in text.split(",") if s.strip()]
     if not cases:

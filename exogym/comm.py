@@ -56,7 +56,7 @@ __all__ = [
 MODE_ENV = "EXOGYM_COLLECTIVES"
 MODES = ("auto", "torch", "mirror")
 
-BUCKET_BYTES = 32 * 1024 * 1024
+from exogym.strategy.facts import BUCKET_BYTES  # noqa: E402 - the planner reads the same size
 
 _bytes_sent = 0
 _calls = 0

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from ranks import ROOT
 
-from distributed.profiles.profile import ProfileError, ProfileSet, load_profile, parse_overrides
+from distributed.app.compare import plan_comparison, profile_for_strategy
+from distributed.profiles.profile import (
+    Profile,
+    ProfileError,
+    ProfileSet,
+    load_profile,
+    parse_overrides,
+)
 from distributed.tasks.builtin import resolve_task
 
 
@@ -40,11 +48,66 @@ strategy = diloco
 H = 5
 seed = 3
 """)
-    profile = load_profile("child", path)
-    task, strategy, run = profile.split()
-    assert task == {"hidden": 32, "seed": 3}
-    assert strategy == {"lr": 0.01, "H": 5}
-    assert run == {"num_nodes": 2, "seed": 3}
+    resolved = load_profile("child", path).resolved
+    assert resolved.task_kwargs == {"hidden": 32, "seed": 3}
+    assert resolved.strategy_kwargs == {"lr": 0.01, "H": 5}
+    assert resolved.run_kwargs == {"num_nodes": 2, "seed": 3}
+
+
+def test_a_profile_is_resolved_once_into_task_strategy_keys_and_output_folder(tmp_path,
+                                                                            monkeypatch):
+    import distributed.tasks.builtin as builtin
+    from exogym.strategy import DiLoCoStrategy
+
+    calls = []
+    real = builtin.resolve_task
+    monkeypatch.setattr(builtin, "resolve_task", lambda name: calls.append(name) or real(name))
+    profile = Profile("p", {"task": "digits", "strategy": "diloco", "H": 5, "hidden": 8})
+    assert profile.problems() == []
+    resolved = profile.resolved
+    assert profile.resolved is resolved and calls == ["digits"]
+    assert resolved.task_fn is real("digits") and resolved.strategy_cls is DiLoCoStrategy
+    assert resolved.task_kwargs == {"hidden": 8} and resolved.strategy_kwargs == {"H": 5}
+    assert resolved.output_dir == Path("runs") / "p"
+    moved = profile.with_overrides({"output_dir": str(tmp_path / "out")})
+    assert moved.resolved.output_dir == tmp_path / "out"
+
+
+def test_an_invalid_profile_has_no_resolution_and_names_its_problems():
+    for values, words in (({"strategy": "ddp"}, "no 'task' key"),
+                          ({"task": "digits", "Hh": 1}, "unknown key 'Hh'")):
+        with pytest.raises(ProfileError, match=f"profile 'p':\n  {words}"):
+            _ = Profile("p", values).resolved
+
+
+def test_summary_is_a_table_row_even_for_a_profile_that_cannot_run():
+    assert Profile("p", {"task": "digits", "num_nodes": 4, "H": 20, "batch_size": 32,
+                         "description": "d", "seed": 1}).summary() == {
+        "task": "digits", "strategy": "diloco", "nodes": "4",
+        "key settings": "batch_size=32 H=20", "description": "d"}
+    assert Profile("p", {"strategy": "ddp"}).summary() == {
+        "task": "-", "strategy": "ddp", "nodes": "1", "key settings": "", "description": ""}
+
+
+def test_another_strategy_keeps_the_shared_keys_and_drops_the_old_strategys_own():
+    base = load_profile("digits-diloco")
+    sparta = profile_for_strategy(base, "sparta", {"p_sparta": 0.01, "H": 7})
+    assert sparta.strategy == "sparta" and "H" not in sparta.values
+    assert sparta.values["p_sparta"] == 0.01 and sparta.values["lr"] == base.values["lr"]
+    with pytest.raises(ProfileError, match="unknown strategy 'magic'"):
+        profile_for_strategy(base, "magic")
+
+
+def test_compared_runs_write_under_the_profiles_output_folder(tmp_path):
+    path = write(tmp_path, "[distributed:p]\ntask = digits\nstrategy = diloco\nH = 5\n"
+                           f"[distributed:q]\nbase_profile = p\noutput_dir = {tmp_path / 'q'}\n")
+    plans = plan_comparison("p", ["ddp", "diloco"], str(path))
+    assert [p.resolved.output_dir for p in plans] == [
+        Path("runs") / "p" / "compare" / "ddp", Path("runs") / "p" / "compare" / "diloco"]
+    plans = plan_comparison("q", ["fedavg"], str(path))
+    assert plans[0].resolved.output_dir == tmp_path / "q" / "compare" / "fedavg"
+    with pytest.raises(ProfileError, match="'Hx' \\(did you mean 'H'\\?\\)"):
+        plan_comparison("p", ["ddp", "diloco"], str(path), {"Hx": 3})
 
 
 def test_unknown_key_names_it_and_lists_the_accepted(tmp_path):
@@ -101,8 +164,8 @@ def test_task_from_module_function(tmp_path, monkeypatch):
         "def build(width: int = 16):\n    return digits_task(hidden=width)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     path = write(tmp_path, "[distributed:m]\ntask = mytask:build\nstrategy = ddp\nwidth = 8\n")
-    profile = load_profile("m", path)
-    model, train, val = resolve_task(profile.task)(**profile.split()[0])
+    resolved = load_profile("m", path).resolved
+    model, train, val = resolved.task_fn(**resolved.task_kwargs)
     assert model.fc1.out_features == 8 and len(train) > len(val)
 
 

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from distributed.planning.projection import (
+    BUCKET_BYTES,
     DEFAULTS,
     STRATEGIES,
     allgather_bytes,
@@ -275,3 +276,74 @@ def test_payload_matches_the_comm_counters_of_a_real_run():
                     logger=None, progress=False)
         sent = max(r["comm_bytes"] for r in trainer.history if r["step"] == 4)
         assert sent / 4 == pytest.approx(payload_bytes_per_step(name, params, 2, **settings))
+
+
+def test_the_strategy_facts_and_the_projection_import_without_torch():
+    import subprocess
+    import sys
+
+    from ranks import ROOT
+
+    code = ("import sys\n"
+            "import exogym.strategy.facts, distributed.planning.projection\n"
+            "print('torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]
+
+
+def test_the_projections_defaults_are_the_strategy_classes_own():
+    import inspect
+
+    from exogym.strategy import (
+        DeMoStrategy,
+        DiLoCoStrategy,
+        FedAvgStrategy,
+        SimpleReduceStrategy,
+        SPARTADiLoCoStrategy,
+        SPARTAStrategy,
+    )
+
+    classes = {"ddp": SimpleReduceStrategy, "diloco": DiLoCoStrategy, "fedavg": FedAvgStrategy,
+               "sparta": SPARTAStrategy, "sparta_diloco": SPARTADiLoCoStrategy,
+               "demo": DeMoStrategy}
+    assert set(classes) == set(DEFAULTS) - {"none"}
+    for name, cls in classes.items():
+        parameters = inspect.signature(cls.__init__).parameters
+        for key, value in DEFAULTS[name].items():
+            default = parameters[key].default
+            if default is None:  # chosen inside the class (SPARTA's p_sparta): what it chose
+                default = getattr(cls(), key)
+            assert value == default, (name, key, value, default)
+
+
+def test_wire_value_sizes_and_the_bucket_are_the_comm_modules():
+    from exogym import comm
+    from exogym.strategy.facts import VALUE_BYTES
+
+    for name in ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"):
+        assert VALUE_BYTES[name] == comm.resolve_dtype(name).itemsize, name
+    assert BUCKET_BYTES == comm.BUCKET_BYTES
+
+
+@pytest.mark.parametrize("settings", [{}, {"compression_topk": 8, "compression_chunk": 16,
+                                           "comm_dtype": "bfloat16"}])
+def test_demo_payload_matches_the_comm_counters_of_a_real_run(settings):
+    import torch
+    from toys import TinyCNN, toy_images
+
+    from exogym import Trainer
+    from exogym.strategy import DeMoStrategy
+
+    torch.manual_seed(0)
+    model = TinyCNN()
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    ds = toy_images(128)
+    trainer = Trainer(model, ds, None)
+    trainer.fit(strategy=DeMoStrategy(lr=0.01, **settings), num_nodes=2, max_steps=3,
+                batch_size=16, val_size=0, logger=None, progress=False)
+    expected = payload_bytes_per_step("demo", sum(p.numel() for p in model.parameters()), 2,
+                                      shapes=shapes, **relevant_settings("demo", settings))
+    for row in trainer.history:
+        assert row["comm_bytes"] == expected * row["step"]

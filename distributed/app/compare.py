@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from distributed.profiles.profile import (
-    PROFILE_KEYS,
-    RUN_KEYS,
+    KeyRouting,
     Profile,
     ProfileError,
     load_profile,
@@ -64,13 +63,6 @@ class StrategyResult:
         return float(self.summary.get("wall_s") or 0.0)
 
 
-def _accepted_keys(task: str, strategy: str) -> tuple[set[str] | None, set[str]]:
-    from distributed.tasks.builtin import resolve_task, task_arg_names
-    from exogym._args import init_arg_names
-
-    return task_arg_names(resolve_task(task)), init_arg_names(strategy_class(strategy))
-
-
 def profile_for_strategy(profile: Profile, strategy: str,
                          overrides: Mapping[str, Any] | None = None) -> Profile:
     """``profile`` with ``strategy`` in place of its own, validated.
@@ -81,15 +73,14 @@ def profile_for_strategy(profile: Profile, strategy: str,
     Raises:
         ProfileError: when the strategy is unknown or unavailable, or the result is invalid.
     """
-    task_args, new_args = _accepted_keys(profile.task, strategy)
-    _, old_args = _accepted_keys(profile.task, profile.strategy)
-    general = PROFILE_KEYS | RUN_KEYS | (task_args or set())
+    old = profile.resolved
+    new = KeyRouting.of(old.task_fn, strategy_class(strategy))
 
     def keep(key: str, from_old_profile: bool) -> bool:
-        if key in general or key in new_args:
+        if key in new.named:
             return True
-        if task_args is None:  # a task taking **kwargs gets what no strategy claims
-            return not (from_old_profile and key in old_args)
+        if new.task_args is None:  # a task taking **kwargs gets what no strategy claims
+            return not (from_old_profile and key in old.routing.strategy_args)
         return False
 
     values = {k: v for k, v in profile.values.items() if keep(k, True)}
@@ -125,8 +116,7 @@ def plan_comparison(name: str, strategies: Sequence[str], config: str | None = N
     unused = [key for key in overrides
               if not any(key in p.values and p.values[key] == overrides[key] for p in plans)]
     if unused:
-        accepted = set().union(*(_accepted_keys(p.task, p.strategy)[1] for p in plans))
-        accepted |= PROFILE_KEYS | RUN_KEYS | (_accepted_keys(base.task, base.strategy)[0] or set())
+        accepted = set().union(*(p.resolved.routing.named for p in plans))
         hints = []
         for key in unused:
             close = difflib.get_close_matches(key, accepted, n=1)
@@ -138,9 +128,8 @@ def plan_comparison(name: str, strategies: Sequence[str], config: str | None = N
     elif overrides.get("output_dir"):
         root = Path(str(overrides["output_dir"]))
     else:
-        root = Path(str(base.values.get("output_dir") or Path("runs") / base.name)) / "compare"
-    return [Profile(p.name, {**p.values, "output_dir": str(root / s)}, p.source)
-            for p, s in zip(plans, strategies)]
+        root = base.resolved.output_dir / "compare"
+    return [p.with_overrides({"output_dir": str(root / s)}) for p, s in zip(plans, strategies)]
 
 
 def run_comparison(plans: Sequence[Profile],

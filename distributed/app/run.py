@@ -118,11 +118,6 @@ class TrainOutcome:
     launch: Any = None
 
 
-def output_dir(profile: Profile) -> Path:
-    """Where a profile's run writes its final model and summary."""
-    return Path(str(profile.values.get("output_dir") or Path("runs") / profile.name))
-
-
 def resolve_profile(request: TrainRequest) -> Profile:
     """The request's profile, inheritance and overrides applied, validated."""
     return load_profile(request.profile, request.config, dict(request.overrides) or None)
@@ -247,7 +242,7 @@ def _train_local(request: TrainRequest, profile: Profile, console: Console,
         raise RunFailedError(brief_failure(exc)) from exc
     finally:
         dashboard.close()
-    out = output_dir(profile)
+    out = profile.resolved.output_dir
     return TrainOutcome("local", profile, dict(trainer.summary), out,
                         f"simulation finished; final model in {out / FINAL_MODEL}")
 
@@ -283,7 +278,7 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
         raise RunFailedError(result.describe(), result)
     summary = dashboard.summary(time.monotonic() - started)
     dashboard.finish(summary)
-    out = output_dir(profile)
+    out = profile.resolved.output_dir
     where = out if out.is_absolute() else Path(config.master.project_path) / out
     return TrainOutcome("hosts", profile, summary, out,
                         f"all {config.world_size} ranks finished; final model in "

@@ -52,10 +52,11 @@ def measure_model(profile: Profile, ranks_here: int = 1, steps: int = 10,
 
     import torch
 
-    from distributed.tasks.builtin import count_parameters, resolve_task
+    from distributed.tasks.builtin import count_parameters
 
-    task_kwargs, _, run = profile.split()
-    model, train, _ = resolve_task(profile.task)(**task_kwargs)
+    resolved = profile.resolved
+    model, train, _ = resolved.task_fn(**resolved.task_kwargs)
+    run = resolved.run_kwargs
     batch_size = int(run.get("batch_size") or 16)
     device = torch.device("cpu")
     model.to(device).train()

@@ -74,6 +74,18 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from exogym.strategy.facts import (
+    BUCKET_BYTES,
+    DEMO_CHUNK,
+    DEMO_TOPK,
+    SPARTA_INTERVAL,
+    SPARTA_P,
+    TRAFFIC_DEFAULTS,
+    chunk_size,
+    demo_payload_bytes,
+    value_bytes_of,
+)
+
 __all__ = [
     "BUCKET_BYTES",
     "DEFAULTS",
@@ -104,10 +116,6 @@ __all__ = [
     "value_bytes_of",
 ]
 
-#: Largest flat buffer one all-reduce call carries (``exogym.comm.BUCKET_BYTES``):
-#: a larger payload is split into several calls, each paying its own rounds.
-BUCKET_BYTES = 32 * 1024 * 1024
-
 #: Strategies the model knows, in the order the faces show them, each with what it sends.
 STRATEGIES: dict[str, str] = {
     "ddp": "all-reduce every gradient every step: the reference, and the most traffic",
@@ -121,21 +129,10 @@ STRATEGIES: dict[str, str] = {
 _ALIASES = {"allreduce": "ddp", "all_reduce": "ddp", "simple_reduce": "ddp",
             "simplereduce": "ddp"}
 
-#: The settings each strategy's traffic depends on, with the strategy classes' defaults;
-#: :func:`relevant_settings` reads them from a profile.
-DEFAULTS: dict[str, dict[str, object]] = {
-    "ddp": {"comm_dtype": "float32"},
-    "diloco": {"H": 100, "comm_dtype": "float32"},
-    "fedavg": {"H": 1, "island_size": None, "comm_dtype": "float32"},
-    "sparta": {"p_sparta": 0.005, "comm_dtype": "float32"},
-    "sparta_diloco": {"H": 100, "p_sparta": 0.005, "sparta_interval": 1,
-                      "comm_dtype": "float32"},
-    "demo": {"compression_topk": 32, "compression_chunk": 64, "comm_dtype": "float32"},
-    "none": {},
-}
-
-_VALUE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2,
-                "fp16": 2, "half": 2, "float64": 8, "double": 8}
+#: The settings each strategy's traffic depends on, with the strategy classes' defaults
+#: (``exogym.strategy.facts``, where the classes take them from); :func:`relevant_settings`
+#: reads them from a profile.
+DEFAULTS: dict[str, dict[str, object]] = {**TRAFFIC_DEFAULTS, "none": {}}
 
 
 def _check_hosts(hosts: int) -> int:
@@ -193,48 +190,6 @@ def allgather_rounds(hosts: int) -> int:
     return _check_hosts(hosts) - 1
 
 
-# --------------------------------------------------------------------------- DeMo's payload
-
-
-def chunk_size(dim: int, limit: int) -> int:
-    """The largest divisor of ``dim`` that is not above ``limit`` (DeMo's chunk side)."""
-    for d in range(min(dim, limit), 0, -1):
-        if dim % d == 0:
-            return d
-    return 1
-
-
-def demo_payload_bytes(shapes: Iterable[Sequence[int]], chunk: int = 64, topk: int = 32,
-                       value_bytes: int = 4) -> int:
-    """Bytes one host contributes to DeMo's all-gather per step.
-
-    The same rule as ``exogym.strategy.demo.ChunkPlan``: every tensor is seen
-    as a matrix (1-D as one row, higher ranks with trailing dimensions
-    flattened), cut into chunks of ``chunk_size(dim, chunk)`` per side; each
-    chunk sends ``min(topk, area)`` values and as many indices in the
-    narrowest integer that holds the chunk area (1, 2 or 4 bytes).
-
-    Args:
-        shapes: the shape of every trainable tensor.
-        chunk: ``compression_chunk``.
-        topk: ``compression_topk``.
-        value_bytes: bytes per value (4 for float32).
-    """
-    total = 0
-    for shape in shapes:
-        dims = [int(s) for s in shape]
-        if len(dims) < 2:
-            rows, cols = 1, (dims[0] if dims else 1)
-        else:
-            rows, cols = dims[0], math.prod(dims[1:])
-        cr, cc = chunk_size(rows, chunk), chunk_size(cols, chunk)
-        area = cr * cc
-        k = min(topk, area)
-        index_bytes = 1 if area <= 2**8 else 2 if area <= 2**16 else 4
-        total += (rows // cr) * (cols // cc) * k * (value_bytes + index_bytes)
-    return total
-
-
 # --------------------------------------------------------------------------- per strategy
 
 
@@ -278,15 +233,6 @@ def canonical(strategy: str) -> str:
     return name
 
 
-def value_bytes_of(comm_dtype: str) -> int:
-    """Bytes per value for a communication dtype name (``'bfloat16'`` -> 2)."""
-    name = str(comm_dtype).lower().removeprefix("torch.")
-    if name not in _VALUE_BYTES:
-        raise ValueError(f"unknown comm_dtype {comm_dtype!r}; use one of "
-                         f"{', '.join(sorted(_VALUE_BYTES))}")
-    return _VALUE_BYTES[name]
-
-
 def _whole(name: str, value: object, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -294,11 +240,12 @@ def _whole(name: str, value: object, low: int = 1) -> int:
 
 
 def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = None,
-                 p_sparta: float = 0.005, demo_payload: float | None = None,
-                 shapes: Iterable[Sequence[int]] | None = None, compression_chunk: int = 64,
-                 compression_topk: int = 32, value_bytes: int = 4, num_buffers: int = 0,
+                 p_sparta: float = SPARTA_P, demo_payload: float | None = None,
+                 shapes: Iterable[Sequence[int]] | None = None, compression_chunk: int = DEMO_CHUNK,
+                 compression_topk: int = DEMO_TOPK, value_bytes: int = 4, num_buffers: int = 0,
                  bucket_bytes: int = BUCKET_BYTES, island_size: int | None = None,
-                 sparta_interval: int = 1, comm_dtype: str | None = None) -> StepTraffic:
+                 sparta_interval: int = SPARTA_INTERVAL, comm_dtype: str | None = None
+                 ) -> StepTraffic:
     """Bytes and rounds per step for ``strategy`` on ``hosts`` hosts (see the module docstring).
 
     Args:

@@ -13,6 +13,12 @@ OTHER's keys. Keys are flat; each goes to whoever accepts it:
 
 A key no one accepts is an error that names it and lists the accepted ones,
 so a typo never silently trains with a default.
+
+A :class:`Profile` is resolved once, when it is first validated or used, into
+a :class:`ResolvedProfile`: the task function, the strategy class, the keys
+routed to each (:class:`KeyRouting`) and the output folder (``output_dir``,
+else ``runs/NAME``). The worker, the app and the planner read that, and
+derive none of it again.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import ast
 import configparser
 import difflib
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +99,97 @@ def strategy_class(name: str) -> type:
 
 
 @dataclass(frozen=True)
+class KeyRouting:
+    """Which of a profile's keys go to the task, the strategy and the run.
+
+    A key goes to every taker that names it (``seed`` to the task and to the
+    run); a task that takes ``**kwargs`` also gets every key that neither the
+    strategy nor the run takes.
+
+    Args:
+        task_args: the task function's keyword arguments; None when it takes ``**kwargs``.
+        strategy_args: the strategy class's keyword arguments.
+    """
+
+    task_args: frozenset[str] | None
+    strategy_args: frozenset[str]
+
+    @classmethod
+    def of(cls, task_fn: Callable[..., Any], strategy_cls: type) -> KeyRouting:
+        """The routing of a task function and a strategy class."""
+        # Here, not at the top: the tasks bring torch, and reading profiles stays light.
+        from distributed.tasks.builtin import task_arg_names
+        from exogym._args import init_arg_names
+
+        task_args = task_arg_names(task_fn)
+        return cls(None if task_args is None else frozenset(task_args),
+                   frozenset(init_arg_names(strategy_cls)))
+
+    @property
+    def named(self) -> set[str]:
+        """Every key some taker accepts by name."""
+        return PROFILE_KEYS | RUN_KEYS | self.strategy_args | (self.task_args or set())
+
+    def split(self, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any],
+                                                      dict[str, Any]]:
+        """``values`` as (task kwargs, strategy kwargs, run kwargs)."""
+        task, strategy, run = {}, {}, {}
+        for key, value in values.items():
+            if key in PROFILE_KEYS:
+                continue
+            if key in RUN_KEYS:
+                run[key] = value
+            if key in self.strategy_args:
+                strategy[key] = value
+            taken = key in RUN_KEYS or key in self.strategy_args
+            if (self.task_args is None and not taken) or (
+                    self.task_args is not None and key in self.task_args):
+                task[key] = value
+        return task, strategy, run
+
+
+@dataclass(frozen=True)
+class ResolvedProfile:
+    """A valid profile resolved once: what it builds, where each key goes, where it writes.
+
+    The worker, the app's run and compare, and the planner read this instead of
+    deriving any of it again from the profile's values.
+
+    Args:
+        task_fn: the function the ``task`` key names; ``task_fn(**task_kwargs)``
+            returns ``(model, train_dataset, val_dataset)``.
+        strategy_cls: the class the ``strategy`` key names.
+        routing: which keys the task and the strategy accept.
+        task_kwargs: the keys for ``task_fn``.
+        strategy_kwargs: the keys for ``strategy_cls``.
+        run_kwargs: the keys for the run (``fit``).
+        output_dir: where the run writes its final model, summary, checkpoints and
+            logs: the ``output_dir`` key, else ``runs/NAME``.
+    """
+
+    task_fn: Callable[..., Any]
+    strategy_cls: type
+    routing: KeyRouting
+    task_kwargs: dict[str, Any]
+    strategy_kwargs: dict[str, Any]
+    run_kwargs: dict[str, Any]
+    output_dir: Path
+
+
+#: The columns of :meth:`Profile.summary`, as the ``profiles`` command shows them.
+SUMMARY_COLUMNS = ("task", "strategy", "nodes", "key settings", "description")
+#: The keys its "key settings" column shows, where a profile sets them.
+SUMMARY_KEYS = ("batch_size", "max_steps", "lr", "H", "p_sparta", "island_size",
+                "sparta_interval", "compression_topk")
+
+
+@dataclass(frozen=True)
 class Profile:
-    """A resolved profile: its name and every key, inheritance applied.
+    """A profile: its name and every key, inheritance applied.
+
+    It is resolved (task, strategy, keys routed, output folder) once, on first
+    use of :meth:`problems` or :attr:`resolved`; for other values make another
+    profile (:meth:`with_overrides`) rather than changing ``values``.
 
     Args:
         name: the profile's name (the part after ``distributed:``).
@@ -112,6 +209,48 @@ class Profile:
     def strategy(self) -> str:
         return str(self.values.get("strategy", "diloco"))
 
+    @property
+    def resolved(self) -> ResolvedProfile:
+        """The profile resolved: task function, strategy class, routed keys, output folder.
+
+        Raises:
+            ProfileError: naming every problem, when the profile is not valid.
+        """
+        resolved, problems = self._resolution
+        if resolved is None:
+            raise ProfileError(f"profile {self.name!r}:\n  " + "\n  ".join(problems))
+        return resolved
+
+    def problems(self) -> list[str]:
+        """Every problem with this profile's keys (empty when it is valid)."""
+        return list(self._resolution[1])
+
+    @cached_property
+    def _resolution(self) -> tuple[ResolvedProfile | None, tuple[str, ...]]:
+        from distributed.tasks.builtin import resolve_task
+
+        if "task" not in self.values:
+            return None, ("no 'task' key: set task = digits | chargpt | whisper | module:function",)
+        try:
+            task_fn = resolve_task(self.task)
+            strategy_cls = strategy_class(self.strategy)
+            routing = KeyRouting.of(task_fn, strategy_cls)
+        except (ValueError, ImportError) as exc:
+            return None, (str(exc),)
+        accepted = routing.named
+        unknown = []
+        for key in self.values:
+            if routing.task_args is not None and key not in accepted:
+                close = difflib.get_close_matches(key, accepted, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                unknown.append(f"unknown key {key!r}{hint}; accepted for task {self.task!r} and "
+                               f"strategy {self.strategy!r}: {', '.join(sorted(accepted))}")
+        if unknown:
+            return None, tuple(unknown)
+        task, strategy, run = routing.split(self.values)
+        output_dir = Path(str(self.values.get("output_dir") or Path("runs") / self.name))
+        return ResolvedProfile(task_fn, strategy_cls, routing, task, strategy, run, output_dir), ()
+
     def with_overrides(self, overrides: dict[str, Any]) -> Profile:
         """A copy with some keys replaced (``--set key=value``), re-validated."""
         profile = Profile(self.name, {**self.values, **overrides}, self.source)
@@ -120,53 +259,13 @@ class Profile:
             raise ProfileError(f"profile {self.name!r}:\n  " + "\n  ".join(problems))
         return profile
 
-    def split(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """(task kwargs, strategy kwargs, run kwargs), each key routed to its takers."""
-        from distributed.tasks.builtin import resolve_task, task_arg_names
-        from exogym._args import init_arg_names
-
-        task_args = task_arg_names(resolve_task(self.task))
-        strategy_args = init_arg_names(strategy_class(self.strategy))
-        task, strategy, run = {}, {}, {}
-        for key, value in self.values.items():
-            if key in PROFILE_KEYS:
-                continue
-            if key in RUN_KEYS:
-                run[key] = value
-            if key in strategy_args:
-                strategy[key] = value
-            taken = key in RUN_KEYS or key in strategy_args
-            if (task_args is None and not taken) or (task_args is not None and key in task_args):
-                task[key] = value
-        return task, strategy, run
-
-    def problems(self) -> list[str]:
-        """Every problem with this profile's keys (empty when it is valid)."""
-        from distributed.tasks.builtin import resolve_task, task_arg_names
-        from exogym._args import init_arg_names
-
-        if "task" not in self.values:
-            return ["no 'task' key: set task = digits | chargpt | whisper | module:function"]
-        try:
-            task_args = task_arg_names(resolve_task(self.task))
-            strategy_args = init_arg_names(strategy_class(self.strategy))
-        except (ValueError, ImportError) as exc:
-            return [str(exc)]
-        accepted = PROFILE_KEYS | RUN_KEYS | strategy_args | (task_args or set())
-        found = []
-        for key in self.values:
-            if task_args is not None and key not in accepted:
-                close = difflib.get_close_matches(key, accepted, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                found.append(f"unknown key {key!r}{hint}; accepted for task {self.task!r} and "
-                             f"strategy {self.strategy!r}: {', '.join(sorted(accepted))}")
-        return found
-
-    def summary(self) -> dict[str, Any]:
-        """Key settings for a table."""
-        keys = ("num_nodes", "batch_size", "max_steps", "lr", "H", "device")
-        return {"task": self.task, "strategy": self.strategy,
-                **{k: self.values[k] for k in keys if k in self.values}}
+    def summary(self) -> dict[str, str]:
+        """The profile's row in a table of profiles, by :data:`SUMMARY_COLUMNS`; works for a
+        profile that is not valid too (its problems are :meth:`problems`)."""
+        settings = " ".join(f"{k}={self.values[k]}" for k in SUMMARY_KEYS if k in self.values)
+        return {"task": str(self.values.get("task", "-")), "strategy": self.strategy,
+                "nodes": str(self.values.get("num_nodes", 1)), "key settings": settings,
+                "description": str(self.values.get("description") or "")}
 
 
 class ProfileSet:

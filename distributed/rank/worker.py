@@ -15,19 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distributed.profiles.profile import (
-    Profile,
-    ProfileError,
-    load_profile,
-    parse_overrides,
-    strategy_class,
-)
+from distributed.profiles.profile import Profile, ProfileError, load_profile, parse_overrides
 from distributed.rank.environment import FINAL_MODEL, rank_environment
 from distributed.rank.trainer import RankTrainer
-from distributed.tasks.builtin import resolve_task
 from exogym.io import atomic_save_safetensors, atomic_write_json
 from exogym.rank import LostRankError
 from exogym.trainer import LocalTrainer, RankFailedError
@@ -67,13 +59,13 @@ def run_profile(name: str | Profile, config: str | None = None,
         profile = name.with_overrides(overrides) if overrides else name
     else:
         profile = load_profile(name, config, overrides)
-    task_kwargs, strategy_kwargs, run_kwargs = profile.split()
-    output_dir = Path(str(profile.values.get("output_dir") or Path("runs") / profile.name))
+    resolved = profile.resolved
+    output_dir = resolved.output_dir
     env = None if local else rank_environment()
-    model, train_dataset, val_dataset = resolve_task(profile.task)(**task_kwargs)
-    strategy = strategy_class(profile.strategy)(**strategy_kwargs)
+    model, train_dataset, val_dataset = resolved.task_fn(**resolved.task_kwargs)
+    strategy = resolved.strategy_cls(**resolved.strategy_kwargs)
     fit_kwargs = dict(
-        run_kwargs, strategy=strategy, run_name=profile.name,
+        resolved.run_kwargs, strategy=strategy, run_name=profile.name,
         save_dir=str(output_dir / "checkpoints"), log_dir=str(output_dir / "logs"),
         resume_from="auto" if resume else None, progress=progress,
     )

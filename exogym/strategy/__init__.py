@@ -1,13 +1,13 @@
-"""Training strategies: how ranks turn gradients into updates and what they send."""
+"""Training strategies: how ranks turn gradients into updates and what they send.
 
-from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
-from .demo import DeMoStrategy
-from .diloco import DiLoCoStrategy
-from .federated_averaging import FedAvgStrategy
-from .optim import OptimSpec
-from .sparta import SPARTAStrategy
-from .sparta_diloco import SPARTADiLoCoStrategy
-from .strategy import SimpleReduceStrategy, Strategy
+The classes load on first use, so :mod:`exogym.strategy.facts` (the defaults
+and byte arithmetic the planner reads) imports without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = [
     "Strategy",
@@ -21,3 +21,28 @@ __all__ = [
     "CommunicationModule",
     "OptimSpec",
 ]
+
+_HOMES = {
+    "Strategy": "strategy",
+    "SimpleReduceStrategy": "strategy",
+    "DiLoCoStrategy": "diloco",
+    "SPARTAStrategy": "sparta",
+    "FedAvgStrategy": "federated_averaging",
+    "DeMoStrategy": "demo",
+    "SPARTADiLoCoStrategy": "sparta_diloco",
+    "CommunicateOptimizeStrategy": "communicate_optimize_strategy",
+    "CommunicationModule": "communicate_optimize_strategy",
+    "OptimSpec": "optim",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -46,7 +46,6 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,18 +53,11 @@ import torch.distributed as dist
 
 from exogym import comm
 
+from .facts import COMM_DTYPE, DEMO_CHUNK, DEMO_TOPK, ChunkGeometry, chunk_size
 from .optim import OptimSpec, ensure_optim_spec
 from .strategy import Strategy
 
 __all__ = ["DeMo", "DeMoStrategy", "ChunkPlan", "average_coefficients", "chunk_size", "dct_matrix"]
-
-
-def chunk_size(dim: int, limit: int) -> int:
-    """The largest divisor of ``dim`` that is not above ``limit``."""
-    for d in range(min(dim, limit), 0, -1):
-        if dim % d == 0:
-            return d
-    return 1
 
 
 _DCT_CACHE: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
@@ -86,42 +78,9 @@ def dct_matrix(n: int, dtype: torch.dtype = torch.float32,
     return cached
 
 
-@dataclass(frozen=True)
-class ChunkPlan:
-    """How one parameter is cut into chunks and what it sends per step."""
-
-    rows: int
-    cols: int
-    chunk_rows: int
-    chunk_cols: int
-    k: int
-
-    @classmethod
-    def for_shape(cls, shape: torch.Size | tuple[int, ...], chunk: int, topk: int) -> ChunkPlan:
-        """The plan of a tensor of ``shape`` (see the module docstring for the matrix view)."""
-        if len(shape) < 2:
-            rows, cols = 1, (int(shape[0]) if len(shape) == 1 else 1)
-        else:
-            rows, cols = int(shape[0]), math.prod(int(s) for s in shape[1:])
-        cr, cc = chunk_size(rows, chunk), chunk_size(cols, chunk)
-        return cls(rows, cols, cr, cc, min(topk, cr * cc))
-
-    @property
-    def chunks(self) -> int:
-        return (self.rows // self.chunk_rows) * (self.cols // self.chunk_cols)
-
-    @property
-    def area(self) -> int:
-        return self.chunk_rows * self.chunk_cols
-
-    @property
-    def index_bytes(self) -> int:
-        """Bytes per index: the narrowest integer holding ``0 .. area-1``."""
-        return 1 if self.area <= 2**8 else 2 if self.area <= 2**16 else 4
-
-    def bytes_per_step(self, value_bytes: int = 4) -> int:
-        """What a rank sends for this parameter in one step."""
-        return self.chunks * self.k * (value_bytes + self.index_bytes)
+class ChunkPlan(ChunkGeometry):
+    """How one parameter is cut into chunks (:class:`ChunkGeometry`, which the planner
+    reads too), and the transforms and packing of its coefficients."""
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Chunked DCT of ``x``: coefficients of shape ``(chunks, area)``."""
@@ -216,10 +175,10 @@ class DeMo(torch.optim.Optimizer):
         params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
         compression_decay: float = 0.999,
-        compression_topk: int = 32,
-        compression_chunk: int = 64,
+        compression_topk: int = DEMO_TOPK,
+        compression_chunk: int = DEMO_CHUNK,
         weight_decay: float = 0.0,
-        comm_dtype: str = "float32",
+        comm_dtype: str = COMM_DTYPE,
     ):
         _check_demo_args(lr, compression_decay, compression_topk, compression_chunk, weight_decay)
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
@@ -349,11 +308,11 @@ class DeMoStrategy(Strategy):
         self,
         lr: float | None = None,
         compression_decay: float = 0.999,
-        compression_topk: int = 32,
-        compression_chunk: int = 64,
+        compression_topk: int = DEMO_TOPK,
+        compression_chunk: int = DEMO_CHUNK,
         weight_decay: float | None = None,
         max_norm: float | None = None,
-        comm_dtype: str = "float32",
+        comm_dtype: str = COMM_DTYPE,
         optim_spec: OptimSpec | str | type | None = None,
         inner_optim: OptimSpec | str | type | None = None,
         **kwargs: Any,

@@ -27,6 +27,7 @@ import torch
 from exogym import comm
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
+from .facts import COMM_DTYPE, DILOCO_H
 from .optim import OptimSpec, ensure_optim_spec
 
 
@@ -39,7 +40,7 @@ class DiLoCoCommunicator(CommunicationModule):
         comm_dtype: type the deltas travel in (``'float32'``, ``'bfloat16'``, ``'float16'``).
     """
 
-    def __init__(self, H: int, outer_optim_spec: OptimSpec, comm_dtype: str = "float32"):
+    def __init__(self, H: int, outer_optim_spec: OptimSpec, comm_dtype: str = COMM_DTYPE):
         super().__init__()
         if not isinstance(H, int) or H < 1:
             raise ValueError(f"H must be an integer >= 1, got {H!r}")
@@ -121,12 +122,12 @@ class DiLoCoStrategy(CommunicateOptimizeStrategy):
         self,
         optim_spec: OptimSpec | str | None = None,
         outer_optim_spec: OptimSpec | str | None = None,
-        H: int = 100,
+        H: int = DILOCO_H,
         outer_optim: OptimSpec | str | None = None,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
-        comm_dtype: str = "float32",
+        comm_dtype: str = COMM_DTYPE,
         **kwargs: Any,
     ):
         if outer_optim_spec is not None and outer_optim is not None:

@@ -27,6 +27,7 @@ from .communicate_optimize_strategy import (
     CommunicationModule,
     averaged_tensors,
 )
+from .facts import COMM_DTYPE, FEDAVG_H
 from .optim import OptimSpec
 
 
@@ -65,8 +66,8 @@ class AveragingCommunicator(CommunicationModule):
         comm_dtype: type the values travel in.
     """
 
-    def __init__(self, island_size: int | None = None, client_sampling: float = 1.0, H: int = 1,
-                 comm_dtype: str = "float32"):
+    def __init__(self, island_size: int | None = None, client_sampling: float = 1.0, H: int = FEDAVG_H,
+                 comm_dtype: str = COMM_DTYPE):
         super().__init__()
         if island_size is not None and (not isinstance(island_size, int) or island_size < 1):
             raise ValueError(f"island_size must be an integer >= 1 or None, got {island_size!r}")
@@ -142,10 +143,10 @@ class FedAvgStrategy(CommunicateOptimizeStrategy):
     def __init__(
         self,
         optim_spec: OptimSpec | str | None = None,
-        H: int = 1,
+        H: int = FEDAVG_H,
         island_size: int | None = None,
         client_sampling: float = 1.0,
-        comm_dtype: str = "float32",
+        comm_dtype: str = COMM_DTYPE,
         **kwargs: Any,
     ):
         self.H = H

@@ -47,6 +47,7 @@ import torch
 from exogym import comm
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
+from .facts import COMM_DTYPE, SPARTA_INTERVAL, SPARTA_P
 from .optim import OptimSpec
 
 _MASK64 = (1 << 64) - 1
@@ -116,7 +117,7 @@ class IndexSelector(ABC):
                 "returning flat indices that every rank derives from the shared seed, so no "
                 "mask is ever sent")
 
-    def __init__(self, p: float = 0.005):
+    def __init__(self, p: float = SPARTA_P):
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= float(p) <= 1.0:
             raise ValueError(f"p (the SPARTA fraction) must be a number within [0, 1], got {p!r}")
         self.p = float(p)
@@ -167,7 +168,7 @@ class ShuffledSequentialIndexSelector(IndexSelector):
 
     name = "shuffled"
 
-    def __init__(self, p: float = 0.005):
+    def __init__(self, p: float = SPARTA_P):
         super().__init__(p)
         self._perms: dict[tuple[int, int, int], torch.Tensor] = {}
 
@@ -206,7 +207,7 @@ class PartitionedIndexSelector(IndexSelector):
 
     name = "partitioned"
 
-    def __init__(self, p: float = 0.005):
+    def __init__(self, p: float = SPARTA_P):
         super().__init__(p)
         self.parts = math.ceil(1 / self._fraction) if self._fraction > 0 else 0
         self._cycle: dict[tuple[int, int, int], tuple[int, torch.Tensor]] = {}
@@ -248,7 +249,7 @@ def make_selector(index_selector: str | IndexSelector, p: float | None) -> Index
                 "give the fraction in one place")
         return index_selector
     if isinstance(index_selector, str) and index_selector.lower() in SELECTORS:
-        return SELECTORS[index_selector.lower()](0.005 if p is None else p)
+        return SELECTORS[index_selector.lower()](SPARTA_P if p is None else p)
     raise ValueError(
         f"index_selector must be one of {', '.join(repr(n) for n in SELECTORS)} or an "
         f"IndexSelector instance, got {index_selector!r}")
@@ -268,8 +269,8 @@ class SparseCommunicator(CommunicationModule):
             hold per round.
     """
 
-    def __init__(self, index_selector: IndexSelector, comm_dtype: str = "float32",
-                 interval: int = 1):
+    def __init__(self, index_selector: IndexSelector, comm_dtype: str = COMM_DTYPE,
+                 interval: int = SPARTA_INTERVAL):
         super().__init__()
         if not isinstance(index_selector, IndexSelector):
             raise TypeError(f"index_selector must be an IndexSelector, got {index_selector!r}")
@@ -333,7 +334,7 @@ class SPARTAStrategy(CommunicateOptimizeStrategy):
         optim_spec: OptimSpec | str | None = None,
         p_sparta: float | None = None,
         index_selector: str | IndexSelector = "random",
-        comm_dtype: str = "float32",
+        comm_dtype: str = COMM_DTYPE,
         **kwargs: Any,
     ):
         selector = make_selector(index_selector, p_sparta)

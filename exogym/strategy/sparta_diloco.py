@@ -26,6 +26,7 @@ from typing import Any
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy
 from .diloco import DiLoCoCommunicator, outer_spec
+from .facts import COMM_DTYPE, DILOCO_H, SPARTA_INTERVAL
 from .optim import OptimSpec
 from .sparta import IndexSelector, SparseCommunicator, make_selector
 
@@ -54,15 +55,15 @@ class SPARTADiLoCoStrategy(CommunicateOptimizeStrategy):
         self,
         optim_spec: OptimSpec | str | None = None,
         outer_optim_spec: OptimSpec | str | None = None,
-        H: int = 100,
+        H: int = DILOCO_H,
         outer_optim: OptimSpec | str | None = None,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         p_sparta: float | None = None,
-        sparta_interval: int = 1,
+        sparta_interval: int = SPARTA_INTERVAL,
         index_selector: str | IndexSelector = "random",
-        comm_dtype: str = "float32",
+        comm_dtype: str = COMM_DTYPE,
         inner_optim_spec: OptimSpec | str | None = None,
         **kwargs: Any,
     ):

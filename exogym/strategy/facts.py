@@ -1,0 +1,159 @@
+"""What the strategies' traffic depends on, as plain numbers: no torch here.
+
+The strategy classes take their defaults from this module, the comm module its
+bucket size, DeMo its chunk arithmetic; the planner
+(``distributed/planning/projection.py``) reads the same names to predict bytes
+and time without building a model. A default changed here changes the run and
+its prediction together.
+
+Per strategy, the settings its bytes per step depend on (:data:`TRAFFIC_DEFAULTS`):
+
+- ``ddp``: nothing; every gradient, in its own dtype, every step;
+- ``diloco``: ``H`` (steps per all-reduce) and ``comm_dtype``;
+- ``fedavg``: ``H``, ``island_size`` (None: one island of every rank) and ``comm_dtype``;
+- ``sparta``: ``p_sparta`` (the fraction of each tensor averaged per step) and ``comm_dtype``;
+- ``sparta_diloco``: ``H``, ``p_sparta``, ``sparta_interval`` and ``comm_dtype``;
+- ``demo``: ``compression_topk`` and ``compression_chunk`` (see :class:`ChunkGeometry`)
+  and ``comm_dtype``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "BUCKET_BYTES",
+    "COMM_DTYPE",
+    "DEMO_CHUNK",
+    "DEMO_TOPK",
+    "DILOCO_H",
+    "FEDAVG_H",
+    "SPARTA_INTERVAL",
+    "SPARTA_P",
+    "TRAFFIC_DEFAULTS",
+    "VALUE_BYTES",
+    "ChunkGeometry",
+    "chunk_size",
+    "demo_payload_bytes",
+    "value_bytes_of",
+]
+
+#: Largest flat buffer one all-reduce call carries: a larger payload is split
+#: into several calls, each paying its own message rounds.
+BUCKET_BYTES = 32 * 1024 * 1024
+
+#: The type values travel in unless a strategy is given ``comm_dtype``.
+COMM_DTYPE = "float32"
+
+#: Bytes per value of each name a ``comm_dtype`` may be given by.
+VALUE_BYTES: dict[str, int] = {
+    "float32": 4, "fp32": 4, "float": 4,
+    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
+    "float64": 8, "double": 8,
+}
+
+DILOCO_H = 100  #: DiLoCo's (and SPARTA-DiLoCo's) inner steps per outer round.
+FEDAVG_H = 1  #: FedAvg's local steps per averaging round.
+SPARTA_P = 0.005  #: SPARTA's fraction of each tensor averaged per round.
+SPARTA_INTERVAL = 1  #: SPARTA-DiLoCo's steps between sparse rounds.
+DEMO_TOPK = 32  #: DeMo's DCT coefficients sent per chunk.
+DEMO_CHUNK = 64  #: DeMo's largest chunk side.
+
+#: Per strategy (by its profile name), the settings its traffic depends on,
+#: with the defaults its class uses when a setting is not given.
+TRAFFIC_DEFAULTS: dict[str, dict[str, object]] = {
+    "ddp": {},
+    "diloco": {"H": DILOCO_H, "comm_dtype": COMM_DTYPE},
+    "fedavg": {"H": FEDAVG_H, "island_size": None, "comm_dtype": COMM_DTYPE},
+    "sparta": {"p_sparta": SPARTA_P, "comm_dtype": COMM_DTYPE},
+    "sparta_diloco": {"H": DILOCO_H, "p_sparta": SPARTA_P, "sparta_interval": SPARTA_INTERVAL,
+                      "comm_dtype": COMM_DTYPE},
+    "demo": {"compression_topk": DEMO_TOPK, "compression_chunk": DEMO_CHUNK,
+             "comm_dtype": COMM_DTYPE},
+}
+
+
+def value_bytes_of(comm_dtype: str) -> int:
+    """Bytes per value for a communication dtype name (``'bfloat16'`` -> 2).
+
+    Raises:
+        ValueError: for a name that is not a known floating type.
+    """
+    name = str(comm_dtype).lower().removeprefix("torch.")
+    if name not in VALUE_BYTES:
+        raise ValueError(f"unknown comm_dtype {comm_dtype!r}; use one of "
+                         f"{', '.join(sorted(VALUE_BYTES))}")
+    return VALUE_BYTES[name]
+
+
+def chunk_size(dim: int, limit: int) -> int:
+    """The largest divisor of ``dim`` that is not above ``limit`` (DeMo's chunk side)."""
+    for d in range(min(dim, limit), 0, -1):
+        if dim % d == 0:
+            return d
+    return 1
+
+
+@dataclass(frozen=True)
+class ChunkGeometry:
+    """How DeMo cuts one tensor into chunks, and what it sends for it per step.
+
+    A tensor is seen as a matrix: 0-D and 1-D as one row, higher ranks with
+    their trailing dimensions flattened. Each side is cut into chunks of
+    :func:`chunk_size` of that side; each chunk sends ``k`` values and as many
+    indices in the narrowest integer that holds the chunk area.
+
+    Args:
+        rows, cols: the matrix the tensor is seen as.
+        chunk_rows, chunk_cols: one chunk's sides.
+        k: coefficients sent per chunk (``min(topk, area)``).
+    """
+
+    rows: int
+    cols: int
+    chunk_rows: int
+    chunk_cols: int
+    k: int
+
+    @classmethod
+    def for_shape(cls, shape: Sequence[int], chunk: int, topk: int) -> ChunkGeometry:
+        """The geometry of a tensor of ``shape`` with ``compression_chunk`` and ``compression_topk``."""
+        if len(shape) < 2:
+            rows, cols = 1, (int(shape[0]) if len(shape) == 1 else 1)
+        else:
+            rows, cols = int(shape[0]), math.prod(int(s) for s in shape[1:])
+        cr, cc = chunk_size(rows, chunk), chunk_size(cols, chunk)
+        return cls(rows, cols, cr, cc, min(topk, cr * cc))
+
+    @property
+    def chunks(self) -> int:
+        return (self.rows // self.chunk_rows) * (self.cols // self.chunk_cols)
+
+    @property
+    def area(self) -> int:
+        return self.chunk_rows * self.chunk_cols
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes per index: the narrowest integer holding ``0 .. area-1``."""
+        return 1 if self.area <= 2**8 else 2 if self.area <= 2**16 else 4
+
+    def bytes_per_step(self, value_bytes: int = 4) -> int:
+        """What a rank sends for this tensor in one step."""
+        return self.chunks * self.k * (value_bytes + self.index_bytes)
+
+
+def demo_payload_bytes(shapes: Iterable[Sequence[int]], chunk: int = DEMO_CHUNK,
+                       topk: int = DEMO_TOPK, value_bytes: int = 4) -> int:
+    """Bytes one rank contributes to DeMo's all-gather per step.
+
+    Args:
+        shapes: the shape of every trainable tensor.
+        chunk: ``compression_chunk``.
+        topk: ``compression_topk``.
+        value_bytes: bytes per value (4 for float32).
+    """
+    return sum(ChunkGeometry.for_shape(tuple(shape), chunk, topk).bytes_per_step(value_bytes)
+               for shape in shapes)
