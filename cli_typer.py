@@ -148,21 +148,18 @@ def profiles(ctx: typer.Context, config: ConfigFile = None, debug: Debug = False
     with reported_errors(ctx, debug):
         from rich.table import Table
 
-        from distributed.profiles.profile import SUMMARY_COLUMNS, Profile, ProfileSet
+        from distributed.app.setup import SUMMARY_COLUMNS, list_profiles
 
-        profile_set = ProfileSet(config)
-        table = Table(title=f"Profiles in {profile_set.path}", title_justify="left")
+        path, entries = list_profiles(config)
+        table = Table(title=f"Profiles in {path}", title_justify="left")
         for name in ("name", *SUMMARY_COLUMNS):
             table.add_column(name, overflow="fold", no_wrap=name == "name")
-        for name in profile_set.names():
-            profile = Profile(name, profile_set.values(name), str(profile_set.path))
-            row = profile.summary()
-            problems = profile.problems()
-            if problems:
-                why = problems[-1].splitlines()[-1].strip()
-                row["description"] = f"[red]not usable here: {why}[/]" + (
+        for entry in entries:
+            row = dict(entry.row)
+            if entry.why_not:
+                row["description"] = f"[red]not usable here: {entry.why_not}[/]" + (
                     f" — {row['description']}" if row["description"] else "")
-            table.add_row(name, *row.values())
+            table.add_row(entry.name, *row.values())
         make_console().print(table)
 
 

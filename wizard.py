@@ -302,20 +302,20 @@ class Wizard:
     # ------------------------------------------------------------------ profile and strategy
 
     def choose_profile(self) -> Profile:
-        from distributed.app.setup import profile_choices
+        from distributed.app.setup import list_profiles, load_profile
 
-        profiles, choices = profile_choices(self.config_path)
+        path, entries = list_profiles(self.config_path)
+        choices = [(f"{e.name}: {e.row['description'] or e.row['task']}", e.name, e.why_not)
+                   for e in entries]
         usable = [v for _, v, why in choices if why is None]
         if not usable:
-            fail(f"no profile in {profiles.path} can run here (see `python cli_typer.py "
-                 "profiles`)", 2, False)
+            fail(f"no profile in {path} can run here (see `python cli_typer.py profiles`)",
+                 2, False)
         default = self.profile_name or (DEFAULT_PROFILE if DEFAULT_PROFILE in usable
                                         else usable[0])
-        if default not in profiles.names():
-            profiles.get(default)  # raises the error that names the close ones
         name = default if self.profile_name else self.ask.select(
             "Which profile (task and settings) should train?", choices, default=default)
-        return profiles.get(name)
+        return load_profile(name, path)  # names the close ones when there is no such profile
 
     def bandwidth(self, hosts: HostsConfig | None) -> float:
         """The link's bandwidth in Mbit/s: given, measured, or typed."""

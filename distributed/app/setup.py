@@ -24,6 +24,7 @@ from distributed.planning import projection
 from distributed.planning.estimate import ModelFacts, measure_model
 from distributed.profiles.profile import (
     DEFAULT_CONFIG,
+    SUMMARY_COLUMNS,
     Profile,
     ProfileError,
     ProfileSet,
@@ -37,7 +38,8 @@ __all__ = [
     "DEFAULT_CONFIG", "HostsConfig", "HostsFileError", "LinkError", "PreflightReport", "Profile",
     "ProfileError", "StrategyEstimate", "Estimates", "estimate_strategies", "existing_profile",
     "load_hosts", "load_profile",
-    "measure_link_to", "parse_overrides", "profile_choices", "profile_name_for",
+    "list_profiles", "measure_link_to", "parse_overrides", "ProfileEntry", "profile_name_for",
+    "SUMMARY_COLUMNS",
     "same_hosts", "usable_strategies", "write_hosts_file", "write_profile",
 ]
 
@@ -75,19 +77,32 @@ def measure_link_to(config: HostsConfig, known_hosts: str | None = None,
 # --------------------------------------------------------------------------- profiles
 
 
-def profile_choices(config_path: Path) -> tuple[ProfileSet, list[tuple[str, str, str | None]]]:
-    """Every profile of ``config_path`` as (title, name, why it cannot run here or None)."""
+@dataclass(frozen=True)
+class ProfileEntry:
+    """One profile of a config file, as the faces list it.
+
+    Args:
+        name: the profile's name.
+        row: its table row (``Profile.summary``, keyed by ``SUMMARY_COLUMNS``).
+        why_not: the last problem that stops it from running here, or None when it can run.
+    """
+
+    name: str
+    row: dict[str, str]
+    why_not: str | None
+
+
+def list_profiles(config_path: str | Path | None = None) -> tuple[Path, list[ProfileEntry]]:
+    """Every profile of ``config_path`` (default: the project's config.ini), in file order,
+    with its row and why it cannot run here; the file's path first."""
     profiles = ProfileSet(config_path)
-    choices = []
+    entries = []
     for name in profiles.names():
-        values = profiles.values(name)
-        why = None
-        try:
-            profiles.get(name)
-        except ProfileError as exc:
-            why = exc.args[0].splitlines()[-1].strip()
-        choices.append((f"{name}: {values.get('description') or values.get('task')}", name, why))
-    return profiles, choices
+        profile = Profile(name, profiles.values(name), str(profiles.path))
+        problems = profile.problems()
+        why = problems[-1].splitlines()[-1].strip() if problems else None
+        entries.append(ProfileEntry(name, profile.summary(), why))
+    return profiles.path, entries
 
 
 def usable_strategies(profile: Profile, strategies: Sequence[str]) -> list[str]:
