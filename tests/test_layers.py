@@ -156,3 +156,19 @@ def test_the_layer_rules_catch_an_upward_import(tmp_path):
     targets = imports_of(module, source, known)
     assert targets == {"distributed.launch.launcher"}
     assert layer_of("distributed.launch.launcher") not in ALLOWED[layer_of(module)]
+
+
+def test_the_names_users_import_from_distributed_load_lazily():
+    """``import distributed`` loads no torch; the plan's names resolve on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, distributed; assert 'torch' not in sys.modules, 'torch loaded'; "
+            "from distributed import NetworkTrainer, DistributedLauncher, WhisperModelWrapper; "
+            "print(NetworkTrainer.__module__, DistributedLauncher.__name__, "
+            "WhisperModelWrapper.__name__)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["distributed.app.network_trainer", "Launcher",
+                                   "WhisperModelWrapper"]
