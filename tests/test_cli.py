@@ -19,6 +19,8 @@ from sshd_fixture import serve_sshd
 from typer.testing import CliRunner
 
 from cli_typer import app
+from distributed.app.run import TrainRequest
+from distributed.launch.launcher import Launcher, RankProgram
 
 runner = CliRunner()
 
@@ -262,6 +264,20 @@ def test_check_hosts_passes_on_reachable_hosts(sshd, tmp_path):
     result = invoke("check-hosts", hosts, *ssh_files(sshd))
     assert result.exit_code == 0, result.output
     assert "Pre-flight: 3 hosts" in result.output and "are ready" in result.output
+
+
+def test_check_hosts_builds_no_training_program(sshd, tmp_path, monkeypatch):
+    def refuse(*args, **kw):
+        raise AssertionError("check-hosts built what only a run needs")
+
+    for name in ("from_profile", "from_script"):
+        monkeypatch.setattr(RankProgram, name, refuse)
+    monkeypatch.setattr(Launcher, "__init__", refuse)
+    monkeypatch.setattr(TrainRequest, "__init__", refuse)
+    hosts = write_hosts(tmp_path / "hosts.json", sshd_hosts(sshd))
+    result = invoke("check-hosts", hosts, *ssh_files(sshd))
+    assert result.exit_code == 0, result.output
+    assert "are ready" in result.output
 
 
 def test_check_hosts_names_the_failing_host_and_exits_2(sshd, tmp_path):

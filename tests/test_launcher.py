@@ -33,6 +33,8 @@ from sshd_fixture import SSHD, serve_sshd
 from distributed.hosts.hostsfile import HostSpec, load_hosts
 from distributed.hosts.onhost.probe import hash_files
 from distributed.hosts.remote import rank_command, shell_path
+from distributed.hosts.session import HostSession
+from distributed.hosts.ssh import SSHOptions
 from distributed.launch.launcher import (
     Launcher,
     LaunchError,
@@ -186,6 +188,11 @@ class Run:
             "on_event": self.events.append}
         options.update(kw)
         return options
+
+    def ssh(self, **kw: Any) -> SSHOptions:
+        return SSHOptions(known_hosts_path=self.sshd.known_hosts,
+                          ssh_config_path=self.sshd.ssh_config, allow_agent=False,
+                          look_for_keys=False, connect_timeout=3.0, **kw)
 
     def launcher(self, hosts: dict[str, Any], program: RankProgram, **kw: Any) -> Launcher:
         return Launcher(hosts, program, **self.options(**kw))
@@ -812,6 +819,30 @@ def test_sync_copies_tracked_files_then_the_run_uses_them(run, tmp_path):
     assert not list(remote.rglob("*.exogym-sync.tmp"))
     assert [(s.copied, s.unchanged) for s in again] == [(0, len(tracked))]
     assert "synced 127.0.0.2: " + f"{len(tracked)} file(s) copied" in run.out.getvalue()
+
+
+# --------------------------------------------------------------------------- host session
+
+
+def session_for(run: Run, hosts: dict[str, Any]) -> HostSession:
+    return HostSession(hosts, ssh=run.ssh(), project_root=run.project, probe_timeout=20.0,
+                       console=Console(file=run.out, width=220))
+
+
+def test_a_host_session_preflights_and_fetches_with_no_program(run):
+    (run.project / "written.txt").write_text("from a rank\n")
+    with session_for(run, run.hosts()) as session:
+        report = session.preflight()
+        over_sftp = session.fetch(1, "written.txt", run.run_dir / "from1.txt")
+        here = session.fetch(0, run.project / "written.txt", run.run_dir / "from0.txt")
+        assert session.shell(1).alive()
+    assert report.ok, str(report)
+    assert [(c.ssh, c.where) for c in report.checks] == [
+        ("local", "local"), ("ok", f"{run.sshd.user}@127.0.0.2:{run.sshd.port}"),
+        ("ok", f"{run.sshd.user}@127.0.0.3:{run.sshd.port}")]
+    assert session.report is report and "Pre-flight: 3 hosts" in run.out.getvalue()
+    assert over_sftp.read_text() == here.read_text() == "from a rank\n"
+    assert session.shell(1) is None  # closing the session closed its connections
 
 
 # --------------------------------------------------------------------------- without sshd

@@ -27,14 +27,11 @@ from typing import Any
 from rich.console import Console
 
 from distributed.app.dashboard import Dashboard
+from distributed.app.hosts_check import ssh_files
 from distributed.hosts.hostsfile import HostsConfig, load_hosts
 from distributed.hosts.sync import PROJECT_ROOT
 from distributed.profiles.profile import Profile, load_profile
 from distributed.rank.environment import FINAL_MODEL
-
-#: Environment variables that supply SSH file locations when no option gives them.
-KNOWN_HOSTS_ENV = "EXOGYM_KNOWN_HOSTS"
-SSH_CONFIG_ENV = "EXOGYM_SSH_CONFIG"
 
 
 class RunFailedError(RuntimeError):
@@ -158,13 +155,8 @@ def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Consol
     options: dict[str, Any] = {
         "run_dir": request.run_dir, "max_restarts": request.max_restarts, "sync": request.sync,
         "accept_new_host_keys": request.accept_new_host_keys, "console": console,
+        **ssh_files(request.known_hosts, request.ssh_config),
     }
-    known_hosts = request.known_hosts or os.environ.get(KNOWN_HOSTS_ENV)
-    ssh_config = request.ssh_config or os.environ.get(SSH_CONFIG_ENV)
-    if known_hosts:
-        options["known_hosts_path"] = known_hosts
-    if ssh_config:
-        options["ssh_config_path"] = ssh_config
     if dashboard is not None:
         options["on_event"] = dashboard.on_event
         options["on_output"] = dashboard.on_output
@@ -197,12 +189,6 @@ def dry_run(request: TrainRequest, console: Console) -> Profile:
     console.print(f"  command: {worker_command(request)}", markup=False, highlight=False,
                   soft_wrap=True)
     return profile
-
-
-def preflight(request: TrainRequest, console: Console, *, show: bool = True) -> Any:
-    """Check every host of the request (``PreflightReport``); raise nothing for a host's failure."""
-    with make_launcher(request, hosts_config(request), console=console) as launcher:
-        return launcher.preflight(raise_on_failure=False, show=show)
 
 
 def train(request: TrainRequest, console: Console | None = None, *,
