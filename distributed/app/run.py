@@ -30,6 +30,9 @@ from distributed.app.dashboard import Dashboard
 from distributed.app.hosts_check import ssh_files
 from distributed.hosts.hostsfile import HostsConfig, load_hosts
 from distributed.hosts.sync import PROJECT_ROOT
+from distributed.launch.launcher import Launcher
+from distributed.launch.options import split_options
+from distributed.launch.program import RankProgram
 from distributed.profiles.profile import Profile, load_profile
 from distributed.rank.environment import FINAL_MODEL
 
@@ -65,7 +68,8 @@ class TrainRequest:
         known_hosts: the known_hosts file (default ``$EXOGYM_KNOWN_HOSTS`` or ``~/.ssh/known_hosts``).
         ssh_config: the SSH client config (default ``$EXOGYM_SSH_CONFIG`` or ``~/.ssh/config``).
         run_dir: where the launcher writes the ranks' logs.
-        launcher_options: more ``Launcher`` keyword arguments (e.g. ``allow_agent``).
+        launcher_options: more fields of ``LaunchOptions`` or ``SSHOptions``
+            (e.g. ``allow_agent``; see ``distributed.launch.options.split_options``).
     """
 
     profile: str
@@ -144,24 +148,25 @@ def config_for_hosts(config: str | None) -> str | None:
 
 
 def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Console,
-                  dashboard: Dashboard | None = None) -> Any:
+                  dashboard: Dashboard | None = None) -> Launcher:
     """A ``Launcher`` running the request's profile on every host (ranks print no progress
-    of their own: the dashboard shows their events)."""
-    from distributed.launch.launcher import Launcher, RankProgram
+    of their own: the dashboard shows their events).
 
+    Raises:
+        TypeError: for an unknown key in ``request.launcher_options``.
+    """
     program = RankProgram.from_profile(request.profile, config=config_for_hosts(request.config),
                                        overrides=dict(request.overrides))
     program = dataclasses.replace(program, args=program.args + ("--quiet",))
-    options: dict[str, Any] = {
+    flat: dict[str, Any] = {
         "run_dir": request.run_dir, "max_restarts": request.max_restarts, "sync": request.sync,
-        "accept_new_host_keys": request.accept_new_host_keys, "console": console,
-        **ssh_files(request.known_hosts, request.ssh_config),
+        "accept_new_host_keys": request.accept_new_host_keys,
+        **ssh_files(request.known_hosts, request.ssh_config), **request.launcher_options,
     }
-    if dashboard is not None:
-        options["on_event"] = dashboard.on_event
-        options["on_output"] = dashboard.on_output
-    options.update(request.launcher_options)
-    return Launcher(config, program, **options)
+    options, ssh = split_options(flat, owner="TrainRequest(launcher_options=...)")
+    return Launcher(config, program, options=options, ssh=ssh, console=console,
+                    on_event=dashboard.on_event if dashboard is not None else None,
+                    on_output=dashboard.on_output if dashboard is not None else None)
 
 
 def worker_command(request: TrainRequest) -> str:
@@ -249,8 +254,8 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
                           console=console, live=live)
     with make_launcher(request, config, console=console, dashboard=dashboard) as launcher:
         if request.sync:
-            launcher.sync()
-        launcher.preflight()  # shows the table; PreflightError when a host is not ready
+            launcher.session.sync()
+        launcher.session.preflight()  # shows the table; PreflightError when a host is not ready
         started = time.monotonic()
         try:
             result = launcher.run()
