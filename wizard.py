@@ -512,21 +512,14 @@ class Wizard:
             inside = self.config_path.resolve().is_relative_to(PROJECT_ROOT)
             sync = self.ask.confirm("Copy this checkout's tracked files (with the new profile) "
                                     "to the workers first?", default=inside)
-        command = ["python", "cli_typer.py", "distributed-train", name,
-                   "--config", str(self.config_path)]
-        if hosts_file is not None:
-            command += ["--hosts", str(hosts_file)]
-        if sync:
-            command.append("--sync")
+        request = self.request(hosts_file, name, config=str(self.config_path), sync=sync,
+                               run_dir=str(self.run_dir) if self.run_dir else None)
         self.console.print("The same run from the command line: [bold]"
-                           + " ".join(command) + "[/]", highlight=False)
+                           + run.train_command(request) + "[/]", highlight=False, soft_wrap=True)
         if not self.start or not self.ask.confirm("Start training now?", default=True):
             self.console.print("Not started; run the command above when ready.")
             return 0
-        outcome = run.train(self.request(hosts_file, profile=name, config=str(self.config_path),
-                                         sync=sync,
-                                         run_dir=str(self.run_dir) if self.run_dir else None),
-                            self.console)
+        outcome = run.train(request, self.console)
         self.console.print(outcome.message, highlight=False)
         return 0
 

@@ -284,8 +284,7 @@ class Bench:
             "python_env": sys.executable, "project_path": str(ROOT),
             "master_port": 29500 + self.jobs,
         }
-        base = RankProgram.from_profile(self.args.profile, overrides=overrides)
-        program = RankProgram(base.args + ("--quiet",), base.resume_args, profile_mode=True)
+        program = RankProgram.from_profile(self.args.profile, overrides=overrides, quiet=True)
         events: list[dict[str, Any]] = []
         marks: dict[int, tuple[Counters, CpuSample]] = {}
         affinity: dict[int, list[int]] = {}

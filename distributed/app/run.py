@@ -15,7 +15,6 @@ Torch is imported only when a local simulation starts.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shlex
 import time
@@ -34,6 +33,7 @@ from distributed.launch.launcher import Launcher
 from distributed.launch.options import split_options
 from distributed.launch.program import RankProgram
 from distributed.profiles.profile import Profile, load_profile
+from distributed.rank.command import set_args, worker_args
 from distributed.rank.environment import FINAL_MODEL
 
 
@@ -156,8 +156,8 @@ def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Consol
         TypeError: for an unknown key in ``request.launcher_options``.
     """
     program = RankProgram.from_profile(request.profile, config=config_for_hosts(request.config),
-                                       overrides=dict(request.overrides))
-    program = dataclasses.replace(program, args=program.args + ("--quiet",))
+                                       overrides=request.overrides, resume=request.resume,
+                                       quiet=True)
     flat: dict[str, Any] = {
         "run_dir": request.run_dir, "max_restarts": request.max_restarts, "sync": request.sync,
         "accept_new_host_keys": request.accept_new_host_keys,
@@ -171,13 +171,45 @@ def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Consol
 
 def worker_command(request: TrainRequest) -> str:
     """The command that runs the request's profile as a local simulation by hand."""
-    args = ["python", "-m", "distributed.worker", "--profile", request.profile]
+    return shlex.join(["python", *worker_args(request.profile, config=request.config,
+                                              overrides=request.overrides,
+                                              resume=request.resume)])
+
+
+def train_command(request: TrainRequest) -> str:
+    """The CLI command that runs the request (``python cli_typer.py distributed-train ...``).
+
+    What the wizard shows so a run can be started again by hand. It never
+    trusts new host keys: a run records the keys it trusts, so running it
+    again needs no such permission.
+
+    Raises:
+        ValueError: when the hosts are a loaded ``HostsConfig`` read from no file.
+    """
+    args = ["python", "cli_typer.py", "distributed-train", request.profile]
     if request.config:
-        args += ["--config", request.config]
-    for key, value in request.overrides.items():
-        args += ["--set", f"{key}={value}"]
+        args += ["--config", str(request.config)]
+    if request.hosts is not None:
+        hosts = request.hosts.source if isinstance(request.hosts, HostsConfig) else request.hosts
+        if hosts is None:
+            raise ValueError("a command line needs the hosts as a file; these hosts were "
+                             "read from none (save them with save_hosts first)")
+        args += ["--hosts", str(hosts)]
+    args += set_args(request.overrides)
+    if request.local:
+        args.append("--local")
     if request.resume:
         args.append("--resume")
+    if request.max_restarts:
+        args += ["--max-restarts", str(request.max_restarts)]
+    if request.sync:
+        args.append("--sync")
+    if request.known_hosts:
+        args += ["--known-hosts", request.known_hosts]
+    if request.ssh_config:
+        args += ["--ssh-config", request.ssh_config]
+    if request.run_dir:
+        args += ["--run-dir", request.run_dir]
     return shlex.join(args)
 
 

@@ -1,17 +1,19 @@
 """What every rank of a job runs (``RankProgram``), and how one rank is started (``RankPlan``).
 
 A program is a profile (every host runs ``python -m distributed.worker
---profile NAME``) or a script (every host runs the same script, as under torchrun). A plan is
+--profile NAME``, the command line written by :mod:`distributed.rank.command`)
+or a script (every host runs the same script, as under torchrun). A plan is
 one rank's exact command on its host: what a dry run shows and the launcher
 starts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from distributed.hosts.hostsfile import HostSpec
+from distributed.rank.command import RESUME_ARGS, Overrides, set_args, worker_args
 
 
 @dataclass(frozen=True)
@@ -35,32 +37,24 @@ class RankProgram:
 
     @classmethod
     def from_profile(cls, profile: str, *, config: str | None = None,
-                     overrides: Mapping[str, object] | Sequence[str] = (),
-                     resume_args: Sequence[str] = ("--resume",)) -> RankProgram:
+                     overrides: Overrides = (), resume: bool = False, quiet: bool = False,
+                     resume_args: Sequence[str] | None = None) -> RankProgram:
         """``python -m distributed.worker --profile NAME [--config FILE] [--set k=v ...]``.
 
         Args:
             profile: the profile (a ``[distributed:NAME]`` section) to run.
             config: the profiles file, relative to each host's ``project_path``.
             overrides: profile keys to override, as a mapping or ``"key=value"`` strings.
-            resume_args: added on a restart (default ``--resume``).
+            resume: every rank continues from its newest complete checkpoint,
+                from the first start on.
+            quiet: ranks print no progress of their own (a dashboard shows their events).
+            resume_args: added on a restart (default ``--resume``, unless
+                ``resume`` already gives it).
         """
-        if not isinstance(profile, str) or not profile.strip():
-            raise ValueError(f"profile must be a profile name, got {profile!r}")
-        args = ["-m", "distributed.worker", "--profile", profile]
-        if config is not None:
-            args += ["--config", str(config)]
-        if isinstance(overrides, Mapping):
-            items = [f"{key}={_setting(value)}" for key, value in overrides.items()]
-        elif isinstance(overrides, str):
-            raise TypeError(f'overrides must be a mapping or a list of "key=value" strings, got '
-                            f"the string {overrides!r}; wrap it in a list")
-        else:
-            items = list(overrides)
-        for item in items:
-            if not isinstance(item, str) or "=" not in item or item.startswith("="):
-                raise ValueError(f'each override must look like "key=value", got {item!r}')
-            args += ["--set", item]
+        if resume_args is None:
+            resume_args = () if resume else RESUME_ARGS
+        args = worker_args(profile, config=config, overrides=overrides, resume=resume,
+                           quiet=quiet)
         return cls(tuple(args), tuple(resume_args), profile_mode=True)
 
     @classmethod
@@ -81,16 +75,10 @@ class RankProgram:
         """The arguments for ``host``'s rank on run ``restart`` (0 for the first)."""
         argv = list(self.args)
         if self.profile_mode and host.device:
-            argv += ["--set", f"device={host.device}"]
+            argv += set_args({"device": host.device})
         if restart > 0:
             argv += list(self.resume_args)
         return argv
-
-
-def _setting(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 @dataclass(frozen=True)
