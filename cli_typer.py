@@ -128,13 +128,11 @@ def check_hosts(
 ) -> None:
     """Pre-flight every host of a hosts file and show the table; start nothing."""
     with reported_errors(ctx, debug) as debug:
-        from distributed.app import run
+        from distributed.app.hosts_check import check_hosts as check
 
         console = make_console()
-        request = run.TrainRequest(profile=DEFAULT_PROFILE, hosts=hosts,
-                                   accept_new_host_keys=accept_new_host_keys,
-                                   known_hosts=known_hosts, ssh_config=ssh_config)
-        report = run.preflight(request, console)
+        report = check(hosts, console, known_hosts=known_hosts, ssh_config=ssh_config,
+                       accept_new_host_keys=accept_new_host_keys)
         if not report.ok:
             failed = sum(not c.ok for c in report.checks)
             fail(f"{failed} of {len(report.checks)} hosts in {hosts} are not ready; each "

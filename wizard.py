@@ -159,10 +159,10 @@ class Wizard:
 
     # ------------------------------------------------------------------ hosts
 
-    def request(self, hosts: Any = None, **fields: Any) -> Any:
+    def request(self, hosts: Any, profile: str, **fields: Any) -> Any:
         from distributed.app.run import TrainRequest
 
-        return TrainRequest(profile=fields.pop("profile", DEFAULT_PROFILE), hosts=hosts,
+        return TrainRequest(profile=profile, hosts=hosts,
                             known_hosts=self.ssh.get("known_hosts"),
                             ssh_config=self.ssh.get("ssh_config"),
                             accept_new_host_keys=self.ssh.get("accept_new_host_keys", False),
@@ -170,24 +170,23 @@ class Wizard:
 
     def check(self, config: HostsConfig) -> PreflightReport:
         """Pre-flight ``config``'s hosts, offering to trust host keys not yet known."""
-        from distributed.app.run import make_launcher
+        from distributed.app.hosts_check import check_hosts
 
-        while True:
-            with make_launcher(self.request(config), config, console=self.console) as launcher:
-                errors = launcher.connect()
-                unknown = [e for e in errors.values() if e.kind == "unknown-host-key"]
-                if not unknown or self.ssh.get("accept_new_host_keys"):
-                    return launcher.preflight(raise_on_failure=False, show=False)
+        def trust(unknown: Sequence[Any]) -> bool:
             for error in unknown:
                 self.console.print(f"[yellow]{error.target.label} is not in known_hosts yet; its "
                                    f"host key is {error.fingerprint}[/]")
             if not self.ask.confirm("Trust these host keys and record them in known_hosts? "
                                     "(compare the fingerprints with the hosts' own)",
                                     default=False):
-                with make_launcher(self.request(config), config,
-                                   console=self.console) as launcher:
-                    return launcher.preflight(raise_on_failure=False, show=False)
+                return False
             self.ssh["accept_new_host_keys"] = True
+            return True
+
+        return check_hosts(config, self.console, known_hosts=self.ssh.get("known_hosts"),
+                           ssh_config=self.ssh.get("ssh_config"),
+                           accept_new_host_keys=self.ssh.get("accept_new_host_keys", False),
+                           show=False, trust_new_keys=trust)
 
     def show_host_check(self, report: PreflightReport, host: str) -> bool:
         """One line about ``host`` from ``report``; True when it is ready."""
@@ -459,21 +458,14 @@ class Wizard:
             inside = self.config_path.resolve().is_relative_to(PROJECT_ROOT)
             sync = self.ask.confirm("Copy this checkout's tracked files (with the new profile) "
                                     "to the workers first?", default=inside)
-        command = ["python", "cli_typer.py", "distributed-train", name,
-                   "--config", str(self.config_path)]
-        if hosts_file is not None:
-            command += ["--hosts", str(hosts_file)]
-        if sync:
-            command.append("--sync")
+        request = self.request(hosts_file, name, config=str(self.config_path), sync=sync,
+                               run_dir=str(self.run_dir) if self.run_dir else None)
         self.console.print("The same run from the command line: [bold]"
-                           + " ".join(command) + "[/]", highlight=False)
+                           + run.train_command(request) + "[/]", highlight=False, soft_wrap=True)
         if not self.start or not self.ask.confirm("Start training now?", default=True):
             self.console.print("Not started; run the command above when ready.")
             return 0
-        outcome = run.train(self.request(hosts_file, profile=name, config=str(self.config_path),
-                                         sync=sync,
-                                         run_dir=str(self.run_dir) if self.run_dir else None),
-                            self.console)
+        outcome = run.train(request, self.console)
         self.console.print(outcome.message, highlight=False)
         return 0
 

@@ -272,7 +272,7 @@ class Bench:
                 env: dict[str, str]) -> JobResult:
         from rich.console import Console
 
-        from distributed.launch.launcher import Launcher, RankProgram
+        from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram, SSHOptions
 
         self.jobs += 1
         wait_for_quiet(self.bed, self.args.quiet_cores, self.budget, self.say)
@@ -284,8 +284,7 @@ class Bench:
             "python_env": sys.executable, "project_path": str(ROOT),
             "master_port": 29500 + self.jobs,
         }
-        base = RankProgram.from_profile(self.args.profile, overrides=overrides)
-        program = RankProgram(base.args + ("--quiet",), base.resume_args, profile_mode=True)
+        program = RankProgram.from_profile(self.args.profile, overrides=overrides, quiet=True)
         events: list[dict[str, Any]] = []
         marks: dict[int, tuple[Counters, CpuSample]] = {}
         affinity: dict[int, list[int]] = {}
@@ -304,12 +303,13 @@ class Bench:
         started = time.monotonic()
         self.say(f"  {name}: {hosts} host(s), steps {window.s0}..{window.s1} timed of "
                  f"{window.max_steps}")
-        with Launcher(config, program, run_dir=run_dir,
-                      env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env},
-                      known_hosts_path=self.bed.known_hosts, ssh_config_path=self.bed.ssh_config,
-                      allow_agent=False, look_for_keys=False, master_local=False,
-                      grace_period=3, console=console, on_output=lambda line: lines.append(str(line)),
-                      on_event=on_event) as job:
+        options = LaunchOptions(run_dir=run_dir, master_local=False, grace_period=3,
+                                env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env})
+        ssh = SSHOptions(known_hosts_path=self.bed.known_hosts,
+                         ssh_config_path=self.bed.ssh_config, allow_agent=False,
+                         look_for_keys=False)
+        with Launcher(config, program, options=options, ssh=ssh, console=console,
+                      on_output=lambda line: lines.append(str(line)), on_event=on_event) as job:
             result = job.run()
         self._keep_logs(run_dir, f"{self.jobs:02d}-{name.lower().replace(' ', '-')}")
         if result.interrupted:

@@ -8,6 +8,7 @@ Output is not a terminal here, so the dashboard prints plain lines.
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,8 @@ from sshd_fixture import serve_sshd
 from typer.testing import CliRunner
 
 from cli_typer import app
+from distributed.app.run import TrainRequest, train_command, worker_command
+from distributed.launch.launcher import Launcher, RankProgram
 
 runner = CliRunner()
 
@@ -185,17 +188,57 @@ def test_dry_run_without_hosts_prints_the_simulation_command():
     assert "python -m distributed.worker --profile digits-ddp --set max_steps=7" in result.output
 
 
-def test_dry_run_with_hosts_prints_each_hosts_command_and_connects_to_nothing(tmp_path):
-    hosts = write_hosts(tmp_path / "hosts.json", {
+def dry_run_hosts(tmp_path: Path) -> Path:
+    return write_hosts(tmp_path / "hosts.json", {
         "master": "127.0.0.1", "workers": ["127.0.0.2", "127.0.0.3"], "ssh_port": 1,
         "python_env": "/opt/py/bin/python", "project_path": "/srv/gym"})
-    result = invoke("distributed-train", "digits-ddp", "--hosts", hosts, "--dry-run",
-                    *sets("max_steps=7"))
+
+
+def test_dry_run_with_hosts_prints_each_hosts_command_and_connects_to_nothing(tmp_path):
+    result = invoke("distributed-train", "digits-ddp", "--hosts", dry_run_hosts(tmp_path),
+                    "--dry-run", *sets("max_steps=7"))
     assert result.exit_code == 0, result.output
     for rank in range(3):
         assert f"rank {rank} on 127.0.0.{rank + 1}" in result.output
     assert result.output.count("distributed.worker --profile digits-ddp --set max_steps=7") == 3
     assert "--quiet" in result.output  # the dashboard, not each rank, shows progress
+
+
+def test_resume_with_hosts_resumes_every_rank_from_its_first_start(tmp_path):
+    result = invoke("distributed-train", "digits-ddp", "--hosts", dry_run_hosts(tmp_path),
+                    "--dry-run", "--resume", "--max-restarts", "1")
+    assert result.exit_code == 0, result.output
+    commands = [line for line in result.output.splitlines() if "command:" in line]
+    assert len(commands) == 3
+    assert all(shlex.split(line)[-2:] == ["--resume", "--quiet"] for line in commands)
+    assert "on restart adds" not in result.output  # already resuming: nothing to add
+
+
+def test_a_profiles_command_line_is_the_same_on_the_hosts_and_by_hand():
+    from distributed.rank.worker import build_parser
+
+    overrides = {"max_steps": 7, "shuffle": False}
+    by_hand = worker_command(TrainRequest("digits-ddp", config="my.ini", overrides=overrides,
+                                          resume=True))
+    program = RankProgram.from_profile("digits-ddp", config="my.ini", overrides=overrides,
+                                       resume=True)
+    assert shlex.split(by_hand) == ["python", *program.args]
+    parsed = build_parser().parse_args(program.args[2:])
+    assert (parsed.profile, parsed.config, parsed.overrides, parsed.resume) == (
+        "digits-ddp", "my.ini", ["max_steps=7", "shuffle=false"], True)
+
+
+def test_the_cli_command_of_a_request_starts_the_same_ranks(tmp_path):
+    request = TrainRequest("digits-ddp", hosts=dry_run_hosts(tmp_path), max_restarts=1,
+                           overrides={"max_steps": 7, "shuffle": False}, sync=True)
+    args = shlex.split(train_command(request))
+    assert args[:4] == ["python", "cli_typer.py", "distributed-train", "digits-ddp"]
+    assert "--sync" in args and "--accept-new-host-keys" not in args
+    result = invoke(*args[2:], "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("--profile digits-ddp --set max_steps=7 --set shuffle=false "
+                               "--quiet") == 3
+    assert "on restart adds: --resume" in result.output
 
 
 # --------------------------------------------------------------------------- runs
@@ -284,6 +327,20 @@ def test_check_hosts_passes_on_reachable_hosts(sshd, tmp_path):
     result = invoke("check-hosts", hosts, *ssh_files(sshd))
     assert result.exit_code == 0, result.output
     assert "Pre-flight: 3 hosts" in result.output and "are ready" in result.output
+
+
+def test_check_hosts_builds_no_training_program(sshd, tmp_path, monkeypatch):
+    def refuse(*args, **kw):
+        raise AssertionError("check-hosts built what only a run needs")
+
+    for name in ("from_profile", "from_script"):
+        monkeypatch.setattr(RankProgram, name, refuse)
+    monkeypatch.setattr(Launcher, "__init__", refuse)
+    monkeypatch.setattr(TrainRequest, "__init__", refuse)
+    hosts = write_hosts(tmp_path / "hosts.json", sshd_hosts(sshd))
+    result = invoke("check-hosts", hosts, *ssh_files(sshd))
+    assert result.exit_code == 0, result.output
+    assert "are ready" in result.output
 
 
 def test_check_hosts_names_the_failing_host_and_exits_2(sshd, tmp_path):

@@ -33,16 +33,21 @@ from sshd_fixture import SSHD, serve_sshd
 from distributed.hosts.hostsfile import HostSpec, load_hosts
 from distributed.hosts.onhost.probe import hash_files
 from distributed.hosts.remote import rank_command, shell_path
+from distributed.hosts.session import HostSession
+from distributed.hosts.ssh import SSHOptions
 from distributed.launch.launcher import (
     Launcher,
     LaunchError,
+    LaunchOptions,
     LaunchResult,
     OutputLine,
     PreflightError,
     RankProgram,
     is_this_machine,
     launch,
+    split_options,
 )
+from distributed.launch.script import run_script_on_hosts
 from exogym.metrics import METRIC_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,7 +181,7 @@ class Run:
                 "project_path": str(self.project), "master_port": self.port, **top}
 
     def options(self, **kw: Any) -> dict[str, Any]:
-        """Launcher keyword arguments for the test sshd, short timeouts and collectors."""
+        """``launch()`` keyword arguments for the test sshd, short timeouts and collectors."""
         options: dict[str, Any] = {
             "run_dir": self.run_dir, "known_hosts_path": self.sshd.known_hosts,
             "ssh_config_path": self.sshd.ssh_config, "allow_agent": False,
@@ -187,8 +192,16 @@ class Run:
         options.update(kw)
         return options
 
+    def ssh(self, **kw: Any) -> SSHOptions:
+        return SSHOptions(known_hosts_path=self.sshd.known_hosts,
+                          ssh_config_path=self.sshd.ssh_config, allow_agent=False,
+                          look_for_keys=False, connect_timeout=3.0, **kw)
+
     def launcher(self, hosts: dict[str, Any], program: RankProgram, **kw: Any) -> Launcher:
-        return Launcher(hosts, program, **self.options(**kw))
+        flat = self.options(**kw)
+        callbacks = {name: flat.pop(name) for name in ("console", "on_output", "on_event")}
+        options, ssh = split_options(flat)
+        return Launcher(hosts, program, options=options, ssh=ssh, **callbacks)
 
     def output_of(self, rank: int) -> list[str]:
         return [line.text for line in self.lines if line.rank == rank]
@@ -394,9 +407,10 @@ def test_rank_exit_code_and_last_lines_name_the_failure(run):
 DRIVER = """
 import json, signal, sys
 sys.path.insert(0, sys.argv[1])
-from distributed.launch.launcher import Launcher, RankProgram
-hosts, options = json.loads(sys.argv[2]), json.loads(sys.argv[3])
-with Launcher(hosts, RankProgram.from_script("sleeper.py"), **options) as launcher:
+from distributed.launch.launcher import Launcher, RankProgram, split_options
+hosts = json.loads(sys.argv[2])
+options, ssh = split_options(json.loads(sys.argv[3]))
+with Launcher(hosts, RankProgram.from_script("sleeper.py"), options=options, ssh=ssh) as launcher:
     result = launcher.run()
 restored = (signal.getsignal(signal.SIGINT) is signal.default_int_handler
             and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
@@ -580,7 +594,7 @@ def test_accept_new_host_keys_records_the_key_once_then_plain_checks_pass(run, t
     hosts = run.hosts()
     with run.launcher(hosts, RankProgram.from_script("marker.py"), known_hosts_path=known,
                       accept_new_host_keys=True) as launcher:
-        report = launcher.preflight()
+        report = launcher.session.preflight()
     assert report.ok
     lines = known.read_text().splitlines()
     assert lines[0] == "# kept"
@@ -589,7 +603,7 @@ def test_accept_new_host_keys_records_the_key_once_then_plain_checks_pass(run, t
     assert any("trusted a new host key" in n for n in report.checks[1].notes)
     with run.launcher(hosts, RankProgram.from_script("marker.py"),
                       known_hosts_path=known) as launcher:
-        assert launcher.preflight().ok
+        assert launcher.session.preflight().ok
 
 
 def test_a_changed_host_key_is_refused_even_when_accepting_new_keys(run, tmp_path):
@@ -725,7 +739,7 @@ def test_preflight_reports_every_host_at_once_in_one_table(run, tmp_path):
         {"host": "127.0.0.6", "ssh_port": free_port()},
     ])
     with run.launcher(hosts, RankProgram.from_script("marker.py")) as launcher:
-        report = launcher.preflight(raise_on_failure=False)
+        report = launcher.session.preflight(raise_on_failure=False)
     assert not report.ok
     assert [c.ok for c in report.checks] == [True, False, False, False, True, False]
     assert [c.ssh for c in report.checks] == ["local", "ok", "ok", "ok", "ok", "FAILED"]
@@ -781,7 +795,7 @@ def test_agent_keys_log_in_without_any_key_file(run, agent, monkeypatch):
     hosts = run.hosts(workers=[run.worker("127.0.0.2")])
     del hosts["ssh_key_path"]
     with run.launcher(hosts, RankProgram.from_script("marker.py"), allow_agent=True) as launcher:
-        assert launcher.preflight().ok
+        assert launcher.session.preflight().ok
 
 
 # --------------------------------------------------------------------------- sync
@@ -801,7 +815,7 @@ def test_sync_copies_tracked_files_then_the_run_uses_them(run, tmp_path):
     with run.launcher(hosts, RankProgram.from_script("show_env.py"), sync=True) as launcher:
         result = launcher.run()
         assert result.ok, result.describe()
-        again = launcher.sync()
+        again = launcher.session.sync()
 
     tracked = subprocess.run(["git", "-C", str(run.project), "ls-files"], check=True,
                              capture_output=True, text=True).stdout.split()
@@ -814,6 +828,52 @@ def test_sync_copies_tracked_files_then_the_run_uses_them(run, tmp_path):
     assert "synced 127.0.0.2: " + f"{len(tracked)} file(s) copied" in run.out.getvalue()
 
 
+# --------------------------------------------------------------------------- host session
+
+
+def session_for(run: Run, hosts: dict[str, Any]) -> HostSession:
+    return HostSession(hosts, ssh=run.ssh(), project_root=run.project, probe_timeout=20.0,
+                       console=Console(file=run.out, width=220))
+
+
+def test_a_host_session_preflights_and_fetches_with_no_program(run):
+    (run.project / "written.txt").write_text("from a rank\n")
+    with session_for(run, run.hosts()) as session:
+        report = session.preflight()
+        over_sftp = session.fetch(1, "written.txt", run.run_dir / "from1.txt")
+        here = session.fetch(0, run.project / "written.txt", run.run_dir / "from0.txt")
+        assert session.shell(1).alive()
+    assert report.ok, str(report)
+    assert [(c.ssh, c.where) for c in report.checks] == [
+        ("local", "local"), ("ok", f"{run.sshd.user}@127.0.0.2:{run.sshd.port}"),
+        ("ok", f"{run.sshd.user}@127.0.0.3:{run.sshd.port}")]
+    assert session.report is report and "Pre-flight: 3 hosts" in run.out.getvalue()
+    assert over_sftp.read_text() == here.read_text() == "from a rank\n"
+    assert session.shell(1) is None  # closing the session closed its connections
+
+
+def test_a_launcher_runs_on_a_checked_session_and_leaves_it_open(run):
+    hosts = run.hosts()
+    program = RankProgram.from_script("show_env.py")
+    with session_for(run, hosts) as session:
+        report = session.preflight()
+        worker = session.shell(1)
+        with Launcher(hosts, program, options=LaunchOptions(run_dir=run.run_dir, grace_period=2.0),
+                      session=session, on_output=run.lines.append,
+                      console=Console(file=run.out, width=220)) as launcher:
+            result = launcher.run()
+        assert result.ok, result.describe()
+        assert session.report is report  # pre-flight had passed: the run did not repeat it
+        assert run.out.getvalue().count("Pre-flight: 3 hosts") == 1
+        assert session.shell(1) is worker and worker.alive()  # the session's owner closes it
+        with pytest.raises(ValueError, match="ssh cannot be given with session="):
+            Launcher(hosts, program, session=session, ssh=run.ssh())
+        with pytest.raises(ValueError, match="opened for other hosts"):
+            Launcher(run.hosts(workers=[run.worker("127.0.0.2")]), program, session=session)
+    env1 = json.loads(next(t for t in run.output_of(1) if t.startswith("ENV "))[4:])
+    assert env1["SSH_CONNECTION"] is not None
+
+
 # --------------------------------------------------------------------------- without sshd
 
 
@@ -823,6 +883,30 @@ def test_launcher_module_does_not_import_torch_or_paramiko():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_flat_options_split_into_launch_options_and_ssh_options():
+    options, ssh = split_options({"run_dir": "runs/x", "max_restarts": 2, "sync": True,
+                                  "known_hosts_path": "kh", "allow_agent": False})
+    assert options == LaunchOptions(run_dir="runs/x", max_restarts=2, sync=True)
+    assert ssh == SSHOptions(known_hosts_path="kh", allow_agent=False)
+
+
+def test_an_unknown_flat_option_is_named_with_the_close_one_before_anything_starts(tmp_path):
+    hosts = {"master": "127.0.0.1", "workers": [], "python_env": sys.executable,
+             "project_path": str(tmp_path)}
+    program = RankProgram.from_script("x.py")
+    with pytest.raises(TypeError) as caught:
+        launch(hosts, program, known_host_path="kh", run_dir=tmp_path / "run")
+    message = str(caught.value)
+    assert message.startswith("launch() got unknown argument 'known_host_path' (did you mean "
+                              "'known_hosts_path'?)")
+    assert "Accepted: " in message and "grace_period" in message and "allow_agent" in message
+    assert not (tmp_path / "run").exists()
+
+    with pytest.raises(TypeError, match=r"NetworkTrainer\(launcher_options=...\) got unknown "
+                                        r"argument 'max_restart' \(did you mean 'max_restarts'"):
+        run_script_on_hosts(load_hosts(hosts), program, launcher_options={"max_restart": 1})
 
 
 def test_rank_command_quotes_every_piece_and_sets_variables_with_env():
@@ -864,11 +948,11 @@ def test_caller_may_not_set_rank_variables_or_bad_names(run):
                         "project_path": "/tmp"})
     program = RankProgram.from_script("x.py")
     with pytest.raises(ValueError, match="RANK is set by the launcher for each rank"):
-        Launcher(hosts, program, env={"RANK": "3"})
+        Launcher(hosts, program, options=LaunchOptions(env={"RANK": "3"}))
     with pytest.raises(ValueError, match="'1BAD' is not a valid variable name"):
-        Launcher(hosts, program, env={"1BAD": "x"})
+        Launcher(hosts, program, options=LaunchOptions(env={"1BAD": "x"}))
     with pytest.raises(ValueError, match="NOT_SET_ANYWHERE has no value"):
-        Launcher(hosts, program, secret_names=["NOT_SET_ANYWHERE"])
+        Launcher(hosts, program, options=LaunchOptions(secret_names=["NOT_SET_ANYWHERE"]))
 
 
 def test_this_machine_is_recognised_but_other_loopback_addresses_are_hosts():

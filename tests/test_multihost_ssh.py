@@ -21,7 +21,8 @@ from rich.console import Console
 from safetensors.torch import load_file
 from sshd_fixture import serve_sshd
 
-from distributed.launch.launcher import Launcher, RankProgram
+from distributed.hosts.ssh import SSHOptions
+from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram
 from distributed.profiles.profile import parse_overrides
 from distributed.rank.worker import run_profile
 
@@ -39,12 +40,13 @@ def hosts(sshd):
             "python_env": sys.executable, "project_path": str(ROOT), "master_port": free_port()}
 
 
-def launcher(sshd, program, tmp_path, **kw):
-    return Launcher(hosts(sshd), program, run_dir=tmp_path / "launch",
-                    known_hosts_path=sshd.known_hosts, ssh_config_path=sshd.ssh_config,
-                    allow_agent=False, look_for_keys=False, connect_timeout=5,
-                    grace_period=2, console=Console(file=StringIO(), width=200),
-                    on_output=lambda line: None, **kw)
+def launcher(sshd, program, tmp_path, on_event, **options):
+    ssh = SSHOptions(known_hosts_path=sshd.known_hosts, ssh_config_path=sshd.ssh_config,
+                     allow_agent=False, look_for_keys=False, connect_timeout=5)
+    return Launcher(hosts(sshd), program,
+                    options=LaunchOptions(run_dir=tmp_path / "launch", grace_period=2, **options),
+                    ssh=ssh, console=Console(file=StringIO(), width=200),
+                    on_output=lambda line: None, on_event=on_event)
 
 
 def test_three_host_diloco_over_ssh_equals_the_simulation(sshd, tmp_path):
@@ -53,7 +55,7 @@ def test_three_host_diloco_over_ssh_equals_the_simulation(sshd, tmp_path):
     events = []
     program = RankProgram.from_profile("digits-diloco",
                                        overrides=settings + [f"output_dir={tmp_path / 'net'}"])
-    with launcher(sshd, program, tmp_path, on_event=events.append) as job:
+    with launcher(sshd, program, tmp_path, events.append) as job:
         result = job.run()
     assert result.ok, result.describe()
     assert {e["rank"] for e in events if e.get("event") == "step"} == {0, 1, 2}
@@ -100,7 +102,7 @@ def test_max_restarts_finishes_the_run_from_the_checkpoint_after_a_killed_rank(s
                 os.kill(pid, signal.SIGKILL)
 
     started = time.monotonic()
-    with launcher(sshd, program, tmp_path, on_event=on_event, max_restarts=1) as job:
+    with launcher(sshd, program, tmp_path, on_event, max_restarts=1) as job:
         result = job.run()
     assert killed.is_set()
     assert result.ok and result.restarts == 1, result.describe()

@@ -15,7 +15,6 @@ Torch is imported only when a local simulation starts.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shlex
 import time
@@ -27,19 +26,19 @@ from typing import Any
 from rich.console import Console
 
 from distributed.app.dashboard import Dashboard
+from distributed.app.hosts_check import ssh_files
 from distributed.hosts.hostsfile import HostsConfig, load_hosts
 from distributed.hosts.preflight import PreflightError
 from distributed.hosts.sync import PROJECT_ROOT
+from distributed.launch.launcher import Launcher
+from distributed.launch.options import split_options
+from distributed.launch.program import RankProgram
 from distributed.profiles.profile import Profile, load_profile, parse_overrides
+from distributed.rank.command import set_args, worker_args
 from distributed.rank.environment import FINAL_MODEL
 
-#: Environment variables that supply SSH file locations when no option gives them.
-KNOWN_HOSTS_ENV = "EXOGYM_KNOWN_HOSTS"
-SSH_CONFIG_ENV = "EXOGYM_SSH_CONFIG"
-
-
 __all__ = ["PreflightError", "RunFailedError", "TrainOutcome", "TrainRequest", "dry_run",
-           "parse_overrides", "preflight", "train"]
+           "parse_overrides", "train", "train_command"]
 
 
 class RunFailedError(RuntimeError):
@@ -73,7 +72,8 @@ class TrainRequest:
         known_hosts: the known_hosts file (default ``$EXOGYM_KNOWN_HOSTS`` or ``~/.ssh/known_hosts``).
         ssh_config: the SSH client config (default ``$EXOGYM_SSH_CONFIG`` or ``~/.ssh/config``).
         run_dir: where the launcher writes the ranks' logs.
-        launcher_options: more ``Launcher`` keyword arguments (e.g. ``allow_agent``).
+        launcher_options: more fields of ``LaunchOptions`` or ``SSHOptions``
+            (e.g. ``allow_agent``; see ``distributed.launch.options.split_options``).
     """
 
     profile: str
@@ -147,40 +147,68 @@ def config_for_hosts(config: str | None) -> str | None:
 
 
 def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Console,
-                  dashboard: Dashboard | None = None) -> Any:
+                  dashboard: Dashboard | None = None) -> Launcher:
     """A ``Launcher`` running the request's profile on every host (ranks print no progress
-    of their own: the dashboard shows their events)."""
-    from distributed.launch.launcher import Launcher, RankProgram
+    of their own: the dashboard shows their events).
 
+    Raises:
+        TypeError: for an unknown key in ``request.launcher_options``.
+    """
     program = RankProgram.from_profile(request.profile, config=config_for_hosts(request.config),
-                                       overrides=dict(request.overrides))
-    program = dataclasses.replace(program, args=program.args + ("--quiet",))
-    options: dict[str, Any] = {
+                                       overrides=request.overrides, resume=request.resume,
+                                       quiet=True)
+    flat: dict[str, Any] = {
         "run_dir": request.run_dir, "max_restarts": request.max_restarts, "sync": request.sync,
-        "accept_new_host_keys": request.accept_new_host_keys, "console": console,
+        "accept_new_host_keys": request.accept_new_host_keys,
+        **ssh_files(request.known_hosts, request.ssh_config), **request.launcher_options,
     }
-    known_hosts = request.known_hosts or os.environ.get(KNOWN_HOSTS_ENV)
-    ssh_config = request.ssh_config or os.environ.get(SSH_CONFIG_ENV)
-    if known_hosts:
-        options["known_hosts_path"] = known_hosts
-    if ssh_config:
-        options["ssh_config_path"] = ssh_config
-    if dashboard is not None:
-        options["on_event"] = dashboard.on_event
-        options["on_output"] = dashboard.on_output
-    options.update(request.launcher_options)
-    return Launcher(config, program, **options)
+    options, ssh = split_options(flat, owner="TrainRequest(launcher_options=...)")
+    return Launcher(config, program, options=options, ssh=ssh, console=console,
+                    on_event=dashboard.on_event if dashboard is not None else None,
+                    on_output=dashboard.on_output if dashboard is not None else None)
 
 
 def worker_command(request: TrainRequest) -> str:
     """The command that runs the request's profile as a local simulation by hand."""
-    args = ["python", "-m", "distributed.worker", "--profile", request.profile]
+    return shlex.join(["python", *worker_args(request.profile, config=request.config,
+                                              overrides=request.overrides,
+                                              resume=request.resume)])
+
+
+def train_command(request: TrainRequest) -> str:
+    """The CLI command that runs the request (``python cli_typer.py distributed-train ...``).
+
+    What the wizard shows so a run can be started again by hand. It never
+    trusts new host keys: a run records the keys it trusts, so running it
+    again needs no such permission.
+
+    Raises:
+        ValueError: when the hosts are a loaded ``HostsConfig`` read from no file.
+    """
+    args = ["python", "cli_typer.py", "distributed-train", request.profile]
     if request.config:
-        args += ["--config", request.config]
-    for key, value in request.overrides.items():
-        args += ["--set", f"{key}={value}"]
+        args += ["--config", str(request.config)]
+    if request.hosts is not None:
+        hosts = request.hosts.source if isinstance(request.hosts, HostsConfig) else request.hosts
+        if hosts is None:
+            raise ValueError("a command line needs the hosts as a file; these hosts were "
+                             "read from none (save them with save_hosts first)")
+        args += ["--hosts", str(hosts)]
+    args += set_args(request.overrides)
+    if request.local:
+        args.append("--local")
     if request.resume:
         args.append("--resume")
+    if request.max_restarts:
+        args += ["--max-restarts", str(request.max_restarts)]
+    if request.sync:
+        args.append("--sync")
+    if request.known_hosts:
+        args += ["--known-hosts", request.known_hosts]
+    if request.ssh_config:
+        args += ["--ssh-config", request.ssh_config]
+    if request.run_dir:
+        args += ["--run-dir", request.run_dir]
     return shlex.join(args)
 
 
@@ -197,12 +225,6 @@ def dry_run(request: TrainRequest, console: Console) -> Profile:
     console.print(f"  command: {worker_command(request)}", markup=False, highlight=False,
                   soft_wrap=True)
     return profile
-
-
-def preflight(request: TrainRequest, console: Console, *, show: bool = True) -> Any:
-    """Check every host of the request (``PreflightReport``); raise nothing for a host's failure."""
-    with make_launcher(request, hosts_config(request), console=console) as launcher:
-        return launcher.preflight(raise_on_failure=False, show=show)
 
 
 def train(request: TrainRequest, console: Console | None = None, *,
@@ -263,8 +285,8 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
                           console=console, live=live)
     with make_launcher(request, config, console=console, dashboard=dashboard) as launcher:
         if request.sync:
-            launcher.sync()
-        launcher.preflight()  # shows the table; PreflightError when a host is not ready
+            launcher.session.sync()
+        launcher.session.preflight()  # shows the table; PreflightError when a host is not ready
         started = time.monotonic()
         try:
             result = launcher.run()

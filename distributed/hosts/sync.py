@@ -75,7 +75,7 @@ class SyncStats:
     bytes_copied: int
 
 
-def _sftp_path(path: str) -> str:
+def sftp_path(path: str) -> str:
     """SFTP paths start in the login's home directory, where ``~/x`` is just ``x``."""
     if path == "~":
         return "."
@@ -94,7 +94,7 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
         files: relative paths to copy.
     """
     local_root = Path(local_root)
-    base = _sftp_path(remote_root)
+    base = sftp_path(remote_root)
     copied = unchanged = sent = 0
     made: set[str] = set()
     sftp = client.open_sftp()

@@ -15,7 +15,9 @@ from typing import Any
 
 from distributed.hosts.hostsfile import HostsConfig
 from distributed.hosts.sync import PROJECT_ROOT
-from distributed.launch.launcher import Launcher, RankProgram
+from distributed.launch.launcher import Launcher
+from distributed.launch.options import split_options
+from distributed.launch.program import RankProgram
 from distributed.rank.environment import FINAL_MODEL
 
 
@@ -38,14 +40,23 @@ def run_script_on_hosts(config: HostsConfig, program: RankProgram,
                         launcher_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Run ``program`` on every host and return the final model state rank 0 saved.
 
+    Args:
+        config: the hosts.
+        program: what every host runs (``script_program``).
+        on_event: receives every metric event a rank emits.
+        launcher_options: flat fields of ``LaunchOptions`` and ``SSHOptions``
+            (``run_dir``, ``max_restarts``, ``known_hosts_path``, ``allow_agent``, ...).
+
     Raises:
+        TypeError: for an unknown launcher option; nothing was started.
         PreflightError: a host failed pre-flight; nothing was started.
         LaunchError: the job failed or was interrupted.
     """
     from safetensors.torch import load_file
 
-    options = {"on_event": on_event, **(launcher_options or {})}
-    with Launcher(config, program, **options) as job:
+    options, ssh = split_options(launcher_options or {},
+                                 owner="NetworkTrainer(launcher_options=...)")
+    with Launcher(config, program, options=options, ssh=ssh, on_event=on_event) as job:
         result = job.run()
         result.raise_for_failure()
         local = job.run_dir / FINAL_MODEL

@@ -1,0 +1,312 @@
+"""A host session: connections to every host of a hosts file, and what they allow alone.
+
+Connect to every host in parallel (noting host keys trusted on the way), copy
+the project's tracked files to them, pre-flight them, fetch a file one of
+them wrote, close. Nothing here knows what will run: no program, no
+environment, no secrets. ``check-hosts`` and the wizard use a session as it
+is; the job launcher (``distributed.launch.launcher``) starts its ranks on a
+session's connections::
+
+    from distributed.hosts.session import HostSession
+
+    with HostSession("hosts.json") as session:
+        report = session.preflight(raise_on_failure=False)
+
+The master (rank 0) is reached without SSH when it is this machine (see
+:func:`is_this_machine`); every other host over SSH, host keys verified
+against known_hosts (``distributed.hosts.ssh``).
+"""
+
+from __future__ import annotations
+
+import collections
+import ipaddress
+import os
+import socket
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from distributed.hosts.hostsfile import HostsConfig, load_hosts
+from distributed.hosts.preflight import PreflightError, PreflightReport, run_preflight
+from distributed.hosts.remote import LocalShell, Shell, SSHShell
+from distributed.hosts.ssh import (
+    SSHConnectError,
+    SSHOptions,
+    SSHTarget,
+    connect,
+    load_ssh_config,
+    resolve_target,
+)
+from distributed.hosts.sync import (
+    PROJECT_ROOT,
+    SyncStats,
+    code_files,
+    sftp_path,
+    sync_files,
+    tracked_files,
+)
+from exogym.io import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether ``host`` is this machine: ``localhost``, ``127.0.0.1``/``::1``, this
+    machine's name, or an address of one of its interfaces.
+
+    Other loopback addresses (``127.0.0.2`` ...) count as separate hosts: that
+    is how a single machine stands in for several, as in the tests.
+    """
+    if host in ("localhost", "127.0.0.1", "::1") or host in (socket.gethostname(),
+                                                            socket.getfqdn()):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        except OSError:
+            return False
+        return any(a in ("127.0.0.1", "::1") or (_bindable(a) and not _loopback(a))
+                   for a in addresses)
+    return not ip.is_loopback and _bindable(host)
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _bindable(address: str) -> bool:
+    """Only addresses of this machine's own interfaces can be bound."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+class HostSession:
+    """Connections to the hosts of a hosts file: connect, sync, pre-flight, fetch, close.
+
+    Connections are opened on first need and kept until ``close``; use it as a
+    context manager.
+
+    Args:
+        hosts: a ``HostsConfig``, a hosts file path, or a hosts mapping.
+        ssh: how to open SSH connections (default ``SSHOptions()``: known_hosts
+            checked, new host keys refused).
+        project_root: the local checkout: what ``sync`` copies and whose code
+            hash pre-flight compares; default: this one.
+        probe_timeout: seconds a host's pre-flight probe may take.
+        master_local: reach rank 0 on this machine without SSH (``None``: when
+            the master is this machine, see ``is_this_machine``).
+        console: a ``rich.console.Console`` for the pre-flight table and
+            messages (default: stdout).
+    """
+
+    def __init__(
+        self,
+        hosts: HostsConfig | str | os.PathLike[str] | Mapping[str, Any],
+        *,
+        ssh: SSHOptions | None = None,
+        project_root: str | os.PathLike[str] | None = None,
+        probe_timeout: float = 60.0,
+        master_local: bool | None = None,
+        console: Any = None,
+    ) -> None:
+        self.config = hosts if isinstance(hosts, HostsConfig) else load_hosts(hosts)
+        if probe_timeout <= 0:
+            raise ValueError(f"probe_timeout must be > 0 seconds, got {probe_timeout!r}")
+        self.ssh = ssh or SSHOptions()
+        self.project_root = Path(project_root or PROJECT_ROOT).resolve()
+        self.probe_timeout = float(probe_timeout)
+        master = self.config.master
+        self.master_local = is_this_machine(master.host) if master_local is None \
+            else bool(master_local)
+        ssh_config = load_ssh_config(self.ssh)
+        self.targets: dict[int, SSHTarget] = {
+            h.rank: resolve_target(h, self.ssh, ssh_config)
+            for h in self.config.hosts if h.rank != 0 or not self.master_local}
+        #: The address every rank finds the master at (``MASTER_ADDR``).
+        self.master_addr = self.targets[0].hostname if 0 in self.targets else master.host
+        self.console = console
+        self.report: PreflightReport | None = None
+        self.synced = False
+        self._shells: dict[int, Shell] = {}
+        self._connect_errors: dict[int, SSHConnectError] = {}
+        self._notes: dict[int, list[str]] = collections.defaultdict(list)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def is_local(self, rank: int) -> bool:
+        """Whether ``rank`` runs on this machine without SSH."""
+        return rank not in self.targets
+
+    def login(self, rank: int) -> str:
+        """``local``, or the SSH login ``user@host[:port]`` of ``rank``'s host."""
+        return "local" if self.is_local(rank) else self.targets[rank].label
+
+    def shell(self, rank: int) -> Shell | None:
+        """Where commands run for ``rank``; ``None`` when its host is not connected."""
+        return self._shells.get(rank)
+
+    def _say(self, text: str, style: str | None = None) -> None:
+        self._get_console().print(f"[hosts] {text}", style=style, markup=False,
+                                  highlight=False, soft_wrap=True)
+
+    def _get_console(self) -> Any:
+        if self.console is None:
+            from rich.console import Console
+
+            self.console = Console()
+        return self.console
+
+    def connect(self) -> dict[int, SSHConnectError]:
+        """Open the connections not open yet (or dropped), in parallel.
+
+        Returns:
+            For each rank whose host could not be reached, why.
+        """
+        if self.master_local and 0 not in self._shells:
+            self._shells[0] = LocalShell()
+        todo = [r for r in self.targets
+                if r not in self._shells or not self._shells[r].alive()]
+
+        def one(rank: int) -> tuple[int, Shell | SSHConnectError]:
+            try:
+                client, accepted = connect(self.targets[rank], self.ssh)
+            except SSHConnectError as exc:
+                return rank, exc
+            for key in accepted:
+                self._notes[rank].append(f"trusted a new host key and recorded it in "
+                                         f"{self.ssh.known_hosts}: {key}")
+                self._say(f"trusted new host key for {key}", style="yellow")
+            return rank, SSHShell(client, self.targets[rank].label)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(todo)))) as pool:
+            for rank, outcome in pool.map(one, todo):
+                old = self._shells.pop(rank, None)
+                if old is not None:
+                    old.close()
+                if isinstance(outcome, SSHConnectError):
+                    self._connect_errors[rank] = outcome
+                else:
+                    self._connect_errors.pop(rank, None)
+                    self._shells[rank] = outcome
+        return dict(self._connect_errors)
+
+    def sync(self) -> list[SyncStats]:
+        """Copy the project's tracked files to every remote host's ``project_path``.
+
+        Returns:
+            One ``SyncStats`` per host synced (hosts that cannot be reached
+            are left to pre-flight, which reports them).
+
+        Raises:
+            RuntimeError: naming every host where copying failed, and why.
+        """
+        self.connect()
+        files = tracked_files(self.project_root)
+        remote = [r for r in self.targets if r in self._shells]
+
+        def one(rank: int) -> SyncStats | str:
+            host = self.config.hosts[rank]
+            shell = self._shells[rank]
+            assert isinstance(shell, SSHShell)
+            try:
+                return sync_files(shell.client, host.host, self.project_root, host.project_path,
+                                  files)
+            except (OSError, EOFError) as exc:
+                return (f"[{host.host}:{rank}] copying the project to {host.project_path} "
+                        f"failed: {exc}; check that {self.targets[rank].user} may write there")
+
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(remote)))) as pool:
+            outcomes = list(pool.map(one, remote))
+        failures = [o for o in outcomes if isinstance(o, str)]
+        if failures:
+            raise RuntimeError("sync failed:\n" + "\n".join(f"  {f}" for f in failures))
+        stats = [o for o in outcomes if isinstance(o, SyncStats)]
+        for s in stats:
+            self._say(f"synced {s.host}: {s.copied} file(s) copied ({s.bytes_copied} bytes), "
+                      f"{s.unchanged} unchanged")
+        self.synced = True
+        return stats
+
+    def preflight(self, *, raise_on_failure: bool = True, show: bool = True) -> PreflightReport:
+        """Check every host in parallel (see ``distributed.hosts.preflight``).
+
+        Args:
+            raise_on_failure: raise ``PreflightError`` when a check fails.
+            show: print the report as a table.
+
+        Returns:
+            The report (also kept as ``report``).
+
+        Raises:
+            PreflightError: when a check fails and ``raise_on_failure``.
+        """
+        self.connect()
+        logins = {r: self.login(r) for r in range(self.config.world_size)}
+        report = run_preflight(
+            self.config, dict(self._shells), dict(self._connect_errors), logins,
+            master_addr=self.master_addr, files=code_files(self.project_root),
+            connect_timeout=self.ssh.connect_timeout, probe_timeout=self.probe_timeout,
+            notes=self._notes)
+        self.report = report
+        if show:
+            report.render(self._get_console())
+        if raise_on_failure and not report.ok:
+            raise PreflightError(report)
+        return report
+
+    def fetch(self, rank: int, path: str | os.PathLike[str],
+              local_path: str | os.PathLike[str]) -> Path:
+        """Copy a file from ``rank``'s host to ``local_path`` (written atomically).
+
+        Args:
+            rank: whose host holds the file.
+            path: the file there: absolute, or relative to the host's ``project_path``.
+            local_path: where to put it here.
+
+        Returns:
+            ``local_path``.
+
+        Raises:
+            SSHConnectError: when the host cannot be reached.
+            OSError: when the file cannot be read.
+        """
+        local_path = Path(local_path)
+        host = self.config.hosts[rank]
+        source = Path(path) if Path(path).is_absolute() else Path(host.project_path) / path
+        if self.is_local(rank):
+            data = source.expanduser().read_bytes()
+        else:
+            if rank not in self._shells:
+                errors = self.connect()
+                if rank in errors:
+                    raise errors[rank]
+            shell = self._shells[rank]
+            assert isinstance(shell, SSHShell)
+            with shell.client.open_sftp() as sftp, \
+                    sftp.open(sftp_path(source.as_posix()), "rb") as f:
+                data = f.read()
+        atomic_write_bytes(local_path, data)
+        return local_path
+
+    def close(self) -> None:
+        """Close every connection."""
+        for shell in self._shells.values():
+            shell.close()
+        self._shells.clear()

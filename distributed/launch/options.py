@@ -1,0 +1,140 @@
+"""What a launch is configured with: ``LaunchOptions`` for the job, ``SSHOptions`` for the hosts.
+
+Callers that hold one flat set of keyword arguments (``launch(**options)``,
+``NetworkTrainer(launcher_options={...})``, a request's extra options) turn
+them into the two objects with :func:`split_options`, which names an unknown
+key and the accepted one it is closest to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed.hosts.ssh import SSHOptions
+from exogym._args import unknown_args_error
+
+#: Variables always treated as secrets: sent over stdin, never shown or logged.
+SECRET_ENV_NAMES = frozenset({"WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
+#: Variables the launcher sets for every rank; a caller may not set them.
+LAUNCHER_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                      "MASTER_ADDR", "MASTER_PORT", "EXOGYM_RESTART", "EXOGYM_RUN_DIR",
+                      "PYTHONUNBUFFERED")
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How a job is launched, beyond what runs (the program) and how hosts are reached (SSH).
+
+    Args:
+        run_dir: where logs go; default ``<project_root>/runs/launch-<time>``.
+            Ranks get it as ``EXOGYM_RUN_DIR``, relative to their project
+            directory when it lies inside ``project_root``.
+        env: extra variables for every rank (values visible on the command
+            line; names in ``SECRET_ENV_NAMES`` or ``secret_names`` are moved
+            to the secrets).
+        secrets: variables sent over stdin only; never on a command line, in
+            a log, in a dry run, or in ``launch.json``.
+        secret_names: more names to treat as secrets; a name with no value in
+            ``env`` or ``secrets`` is taken from the launching process's environment.
+        max_restarts: how many times to restart the whole job after a failure.
+        grace_period: seconds between TERM and KILL when stopping a rank.
+        sync: copy the project's tracked files to every remote host first.
+        project_root: the local checkout (code hash and sync); default: this one.
+        master_local: run rank 0 here without SSH (``None``: when the master
+            is this machine, see ``distributed.hosts.session.is_this_machine``).
+        probe_timeout: seconds a host's pre-flight probe may take (default 60).
+
+    ``project_root``, ``master_local`` and ``probe_timeout`` configure the host
+    session the launcher opens; leave them unset when giving it a session.
+    """
+
+    run_dir: str | os.PathLike[str] | None = None
+    env: Mapping[str, object] = field(default_factory=dict)
+    secrets: Mapping[str, str] = field(default_factory=dict)
+    secret_names: Sequence[str] = ()
+    max_restarts: int = 0
+    grace_period: float = 5.0
+    sync: bool = False
+    project_root: str | os.PathLike[str] | None = None
+    master_local: bool | None = None
+    probe_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) \
+                or self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be a whole number >= 0, got "
+                             f"{self.max_restarts!r}")
+        if self.grace_period < 0:
+            raise ValueError(f"grace_period must be >= 0 seconds, got {self.grace_period!r}")
+        if isinstance(self.secret_names, str):
+            raise TypeError(f"secret_names must be a list of names, got the string "
+                            f"{self.secret_names!r}; wrap it in a list")
+
+
+def split_options(options: Mapping[str, Any], owner: str = "launch()"
+                  ) -> tuple[LaunchOptions, SSHOptions]:
+    """Flat keyword arguments as ``LaunchOptions`` and ``SSHOptions``.
+
+    ``{"run_dir": "runs/x", "known_hosts_path": "kh", "allow_agent": False}``
+    gives ``LaunchOptions(run_dir="runs/x")`` and ``SSHOptions(known_hosts_path="kh",
+    allow_agent=False)``.
+
+    Args:
+        options: keys of either object's fields.
+        owner: how the error names where the options came from.
+
+    Raises:
+        TypeError: naming each unknown key, the closest accepted one, and all of them.
+    """
+    launch_keys = {f.name for f in dataclasses.fields(LaunchOptions)}
+    ssh_keys = {f.name for f in dataclasses.fields(SSHOptions)}
+    unknown = set(options) - launch_keys - ssh_keys
+    if unknown:
+        raise unknown_args_error(owner, unknown, launch_keys | ssh_keys)
+    return (LaunchOptions(**{k: v for k, v in options.items() if k in launch_keys}),
+            SSHOptions(**{k: v for k, v in options.items() if k in ssh_keys}))
+
+
+def _check_env(env: Mapping[str, object], what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in env.items():
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            raise ValueError(f"{what}: {name!r} is not a valid variable name (letters, digits "
+                             "and _, not starting with a digit)")
+        if name in LAUNCHER_ENV_NAMES:
+            raise ValueError(f"{what}: {name} is set by the launcher for each rank; remove it "
+                             f"(the launcher sets {', '.join(LAUNCHER_ENV_NAMES)})")
+        if value is None:
+            raise ValueError(f"{what}: {name} has no value")
+        out[name] = str(value)
+    return out
+
+
+def split_env(options: LaunchOptions) -> tuple[dict[str, str], dict[str, str]]:
+    """The variables every rank gets on its command line, and those sent over stdin.
+
+    Raises:
+        ValueError: for a bad or reserved name, or a secret name with no value anywhere.
+    """
+    plain = _check_env(options.env, "env")
+    hidden = _check_env(options.secrets, "secrets")
+    names = set(SECRET_ENV_NAMES) | set(options.secret_names)
+    for name in options.secret_names:
+        _check_env({name: ""}, "secret_names")
+    for name in list(plain):
+        if name in names:
+            hidden[name] = plain.pop(name)
+    for name in options.secret_names:
+        if name not in hidden:
+            if name not in os.environ:
+                raise ValueError(f"secret_names: {name} has no value: pass it in secrets= "
+                                 "or set it in this process's environment")
+            hidden[name] = os.environ[name]
+    return plain, hidden

@@ -1,0 +1,112 @@
+"""What every rank of a job runs (``RankProgram``), and how one rank is started (``RankPlan``).
+
+A program is a profile (every host runs ``python -m distributed.worker
+--profile NAME``, the command line written by :mod:`distributed.rank.command`)
+or a script (every host runs the same script, as under torchrun). A plan is
+one rank's exact command on its host: what a dry run shows and the launcher
+starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from distributed.hosts.hostsfile import HostSpec
+from distributed.rank.command import RESUME_ARGS, Overrides, set_args, worker_args
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """What every rank runs: the arguments given to each host's ``python_env``.
+
+    Build one with ``from_profile`` (profile mode) or ``from_script`` (script mode).
+
+    Args:
+        args: the arguments after the interpreter, e.g. ``("train.py", "--lr", "0.1")``.
+        resume_args: added after ``args`` when the job is restarted after a
+            failure (``max_restarts``), so ranks continue from their newest
+            checkpoint instead of starting over.
+        profile_mode: whether ``args`` run ``distributed.worker``; a host's
+            ``device`` is then also passed as ``--set device=...``.
+    """
+
+    args: tuple[str, ...]
+    resume_args: tuple[str, ...] = ()
+    profile_mode: bool = False
+
+    @classmethod
+    def from_profile(cls, profile: str, *, config: str | None = None,
+                     overrides: Overrides = (), resume: bool = False, quiet: bool = False,
+                     resume_args: Sequence[str] | None = None) -> RankProgram:
+        """``python -m distributed.worker --profile NAME [--config FILE] [--set k=v ...]``.
+
+        Args:
+            profile: the profile (a ``[distributed:NAME]`` section) to run.
+            config: the profiles file, relative to each host's ``project_path``.
+            overrides: profile keys to override, as a mapping or ``"key=value"`` strings.
+            resume: every rank continues from its newest complete checkpoint,
+                from the first start on.
+            quiet: ranks print no progress of their own (a dashboard shows their events).
+            resume_args: added on a restart (default ``--resume``, unless
+                ``resume`` already gives it).
+        """
+        if resume_args is None:
+            resume_args = () if resume else RESUME_ARGS
+        args = worker_args(profile, config=config, overrides=overrides, resume=resume,
+                           quiet=quiet)
+        return cls(tuple(args), tuple(resume_args), profile_mode=True)
+
+    @classmethod
+    def from_script(cls, script: str, args: Sequence[str] = (), *,
+                    resume_args: Sequence[str] = ()) -> RankProgram:
+        """``python SCRIPT ARGS...``: the same script on every host (as under torchrun).
+
+        Args:
+            script: the script, relative to each host's ``project_path`` or absolute.
+            args: its arguments.
+            resume_args: added on a restart (e.g. ``("--resume",)``).
+        """
+        if not isinstance(script, str) or not script.strip():
+            raise ValueError(f"script must be a path to a Python file, got {script!r}")
+        return cls((script, *map(str, args)), tuple(resume_args))
+
+    def argv(self, host: HostSpec, restart: int = 0) -> list[str]:
+        """The arguments for ``host``'s rank on run ``restart`` (0 for the first)."""
+        argv = list(self.args)
+        if self.profile_mode and host.device:
+            argv += set_args({"device": host.device})
+        if restart > 0:
+            argv += list(self.resume_args)
+        return argv
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """How one rank is started: everything ``dry_run`` shows, nothing secret.
+
+    Args:
+        rank: the rank.
+        host: its host.
+        local: True when it runs on this machine without SSH.
+        login: ``local`` or the SSH login ``user@host[:port]``.
+        command: the exact shell command run on the host.
+        env_names: names of the variables set on the command line.
+        secret_names: names of the variables sent over stdin.
+        interface: the interface forced by the hosts file, or ``None`` (the
+            rank picks the one that routes to the master).
+        master_addr: where the rank finds the master.
+        master_port: the master's port.
+    """
+
+    rank: int
+    host: HostSpec
+    local: bool
+    login: str
+    command: str
+    env_names: tuple[str, ...]
+    secret_names: tuple[str, ...]
+    interface: str | None
+    master_addr: str
+    master_port: int
+

@@ -1,0 +1,170 @@
+"""How a launched job ended: each rank's output lines and result, each attempt, the whole launch.
+
+``Launcher.run`` returns a ``LaunchResult``; ``raise_for_failure`` turns a
+failure into a ``LaunchError`` that names the first failing ``host:rank``,
+how it ended and its last lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class OutputLine:
+    """One line a rank printed.
+
+    Args:
+        rank: the rank.
+        host: its host.
+        stream: ``stdout`` or ``stderr``.
+        text: the line, without its newline (secrets replaced by ``***``).
+    """
+
+    rank: int
+    host: str
+    stream: str
+    text: str
+
+    @property
+    def prefix(self) -> str:
+        """``[host:rank]``."""
+        return f"[{self.host}:{self.rank}]"
+
+    def __str__(self) -> str:
+        return f"{self.prefix} {self.text}"
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """How one rank ended.
+
+    Args:
+        rank: the rank.
+        host: its host.
+        exit_code: its exit code (128 + N after signal N); ``None`` when it is
+            unknown because the connection was lost or it never started.
+        reason: the ending in words (``finished``, ``exited with code 3``,
+            ``killed by SIGKILL``, ``stopped by the launcher``, ...).
+        stopped: True when the launcher stopped it (another rank failed, or
+            the launcher was interrupted).
+        duration_s: seconds from start to end.
+        log_path: its log file.
+        last_lines: its last output lines.
+    """
+
+    rank: int
+    host: str
+    exit_code: int | None
+    reason: str
+    stopped: bool
+    duration_s: float
+    log_path: Path
+    last_lines: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when it exited with code 0."""
+        return self.exit_code == 0
+
+    @property
+    def label(self) -> str:
+        """``host:rank``."""
+        return f"{self.host}:{self.rank}"
+
+
+@dataclass(frozen=True)
+class AttemptResult:
+    """One start of the whole job (the first, or a restart).
+
+    Args:
+        restart: 0 for the first start, k for the k-th restart.
+        ranks: every rank's result, in rank order.
+        first_failure: the rank whose failure stopped the job, if one did.
+        interrupted: the signal name (``SIGINT``/``SIGTERM``) when the
+            launcher was interrupted.
+    """
+
+    restart: int
+    ranks: tuple[RankResult, ...]
+    first_failure: RankResult | None
+    interrupted: str | None
+
+    @property
+    def ok(self) -> bool:
+        """True when every rank exited with code 0."""
+        return self.interrupted is None and all(r.ok for r in self.ranks)
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """The outcome of ``Launcher.run``.
+
+    Args:
+        run_dir: where the logs (``rank{r}.log``) and the index (``launch.json``) are.
+        attempts: the first start and every restart, in order.
+    """
+
+    run_dir: Path
+    attempts: tuple[AttemptResult, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when the last attempt finished with every rank at exit code 0."""
+        return bool(self.attempts) and self.attempts[-1].ok
+
+    @property
+    def ranks(self) -> tuple[RankResult, ...]:
+        """The ranks of the last attempt."""
+        return self.attempts[-1].ranks if self.attempts else ()
+
+    @property
+    def first_failure(self) -> RankResult | None:
+        """The rank whose failure ended the last attempt, if any."""
+        return self.attempts[-1].first_failure if self.attempts else None
+
+    @property
+    def interrupted(self) -> str | None:
+        """The signal that interrupted the launcher, if one did."""
+        return self.attempts[-1].interrupted if self.attempts else None
+
+    @property
+    def restarts(self) -> int:
+        """How many times the job was restarted."""
+        return max(0, len(self.attempts) - 1)
+
+    def describe(self) -> str:
+        """The outcome in a few lines: who failed first, how, and its last lines."""
+        if self.ok:
+            return f"all {len(self.ranks)} ranks finished (logs in {self.run_dir})"
+        if self.interrupted:
+            return f"interrupted by {self.interrupted}; every rank was stopped"
+        failed = self.first_failure
+        if failed is None:
+            bad = [r for r in self.ranks if not r.ok]
+            failed = bad[0] if bad else None
+        if failed is None:
+            return "the job did not finish"
+        lines = "\n".join(f"    {line}" for line in failed.last_lines) or "    (no output)"
+        others = " the other ranks were stopped;" if len(self.ranks) > 1 else ""
+        restarts = f" after {self.restarts} restart(s)" if self.restarts else ""
+        return (f"rank {failed.rank} on {failed.host} ({failed.label}) failed{restarts}: "
+                f"{failed.reason};{others} its last lines (log: {failed.log_path}):\n{lines}")
+
+    def raise_for_failure(self) -> None:
+        """Raise ``LaunchError`` unless every rank finished."""
+        if not self.ok:
+            raise LaunchError(self)
+
+
+class LaunchError(RuntimeError):
+    """A launched job failed or was interrupted.
+
+    Args:
+        result: the full result; ``result.first_failure`` names the rank.
+    """
+
+    def __init__(self, result: LaunchResult) -> None:
+        self.result = result
+        super().__init__(result.describe())
