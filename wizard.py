@@ -4,7 +4,7 @@
     python wizard.py --hosts my_hosts.json --config my.ini
     python wizard.py --yes           # takes every default, asks nothing (scripts, CI)
 
-Every host is checked live (the launcher's pre-flight) as soon as it is
+Every host is checked live (pre-flight over SSH, no training started) as soon as it is
 known. For the profile's model and the link's bandwidth (typed, or measured
 with a one-second transfer to a worker) a table estimates the bytes each
 strategy sends per step and the speedup to expect, which is why DiLoCo is the
