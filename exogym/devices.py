@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
+from exogym import comm
+
 
 def best_device_type() -> str:
     """``'cuda'`` if a GPU is usable, else ``'mps'`` on Apple silicon, else ``'cpu'``."""
@@ -77,7 +79,7 @@ def rank_device(device_type: str, devices: Sequence[int] | None, rank: int) -> t
 def backend_for(device_type: str, devices: Sequence[int] | None, num_nodes: int) -> str:
     """nccl when every rank has a GPU of its own, else gloo."""
     if device_type == "cuda" and devices is not None and len(set(devices)) >= num_nodes:
-        if torch.distributed.is_nccl_available():
+        if comm.nccl_available():
             return "nccl"
     return "gloo"
 

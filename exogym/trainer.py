@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from exogym import comm
 from exogym._args import unknown_args_error
@@ -149,14 +148,14 @@ def _mp_context(spec: RunSpec | None = None):
     return mp.get_context("spawn")
 
 
-def _open_store(start_port: int | None) -> dist.TCPStore:
+def _open_store(start_port: int | None):
     """A TCP store on 127.0.0.1: on ``start_port`` or the next free port, or one the OS picks."""
     if start_port is None:
-        return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        return comm.open_store("127.0.0.1", 0, is_master=True)
     last_error: Exception | None = None
     for port in range(start_port, min(start_port + 100, 65536)):
         try:
-            return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+            return comm.open_store("127.0.0.1", port, is_master=True)
         except (RuntimeError, OSError) as exc:  # port taken: try the next
             last_error = exc
     raise RuntimeError(f"no free port in {start_port}..{start_port + 99}: {last_error}")
