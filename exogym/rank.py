@@ -1,10 +1,11 @@
 """run_rank: the one function every rank runs, simulated or on a real host.
 
 Simulation and a real multi-host run differ only in how the process group is
-joined (``Rendezvous``) and how the ``RunSpec`` arrived. Everything after
-that — threads, device, seeding, the training loop, the final state — is this
-function, so a strategy that runs in simulation runs unchanged across hosts.
-The process group itself is the comm module's (:func:`exogym.comm.init_process_group`).
+joined (``Rendezvous``), how the ``RunSpec`` arrived and where the machine
+runs its ranks (``Placement``). Everything after that — threads, device,
+seeding, the training loop, the final state — is this function, so a strategy
+that runs in simulation runs unchanged across hosts. The process group itself
+is the comm module's (:func:`exogym.comm.init_process_group`).
 
 On real hosts a rank also watches its peers: every rank bumps a heartbeat
 counter in the rendezvous store, so when training fails (a peer's connection
@@ -27,7 +28,7 @@ import torch
 from exogym import comm
 from exogym.averaging import average_state_across_ranks
 from exogym.devices import backend_for, rank_device
-from exogym.spec import RunSpec
+from exogym.spec import Placement, RunSpec
 from exogym.train_node import TrainNode
 
 
@@ -201,42 +202,42 @@ def _exit_lost(lost: list[int], message: str) -> None:
     os._exit(3)
 
 
-def run_rank(spec: RunSpec, rank: int, rendezvous: Rendezvous,
+def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezvous,
              emit: Callable[[dict[str, Any]], None],
-             checkpoint_root: str | None = None,
              average_final: bool = False) -> dict[str, torch.Tensor]:
     """Train rank ``rank`` of ``spec`` to the end; returns its final model state (CPU).
 
     Args:
         spec: the run; ``spec.minibatch_size`` must be resolved (not 'auto').
+        placement: where this machine runs its ranks.
         rank: this rank, ``0 <= rank < spec.num_nodes``.
         rendezvous: where the ranks meet.
         emit: receives every metric event of this rank.
-        checkpoint_root: folder for checkpoints (default ``save_dir/run_name``).
         average_final: return the average of all ranks' final states instead of
             this rank's own (multi-host runs, where no parent sees every state).
 
     Raises:
         LostRankError: another rank failed or disappeared (multi-host runs).
     """
-    threads = spec.threads_per_rank()
+    threads = placement.threads_per_rank(spec)
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    device = rank_device(spec.device_type, spec.devices, rank)
+    device = rank_device(spec.device_type, placement.devices, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     comm.use_mirror_collectives(comm.collectives_mode() == "mirror")  # refuses a bad value
     store = comm.open_store(rendezvous.addr, rendezvous.port,
                             is_master=rendezvous.store_on_rank0 and rank == 0,
                             world_size=spec.num_nodes, timeout_s=spec.timeout_s)
-    backend = spec.backend or backend_for(spec.device_type, spec.devices, spec.num_nodes)
+    backend = placement.backend or backend_for(spec.device_type, placement.devices,
+                                               spec.num_nodes)
     comm.init_process_group(store, rank, spec.num_nodes, backend, spec.timeout_s, device)
     watch = None
     if rendezvous.watch_peers and spec.num_nodes > 1:
         watch = PeerWatch(rendezvous, rank, spec.num_nodes, on_lost=_exit_lost)
     try:
         comm.reset_counters()
-        node = TrainNode(spec, rank, device, emit, checkpoint_root=checkpoint_root)
+        node = TrainNode(spec, rank, device, emit, placement)
         try:
             state = node.train()
             if average_final:

@@ -40,7 +40,7 @@ from exogym.data import (
     to_device,
     validation_subset,
 )
-from exogym.spec import RunSpec
+from exogym.spec import Placement, RunSpec
 
 Emit = Callable[[dict[str, Any]], None]
 
@@ -75,22 +75,24 @@ class TrainNode:
         rank: this rank.
         device: the device it trains on.
         emit: where metric events go (the parent's pipe in simulation, stdout lines on a host).
-        checkpoint_root: folder for this run's checkpoints.
+        placement: where this machine runs its ranks (default: every rank here, no
+            broadcast of rank 0's initial weights).
     """
 
     def __init__(self, spec: RunSpec, rank: int, device: torch.device, emit: Emit,
-                 checkpoint_root: str | Path | None = None):
+                 placement: Placement | None = None):
         self.spec = spec
         self.rank = rank
         self.num_nodes = spec.num_nodes
         self.device = device
         self.emit = emit
-        self.checkpoint_root = Path(checkpoint_root or Path(spec.save_dir) / (spec.run_name or "run"))
+        self.placement = placement or Placement(ranks_per_machine=spec.num_nodes)
+        self.checkpoint_root = Path(spec.save_dir) / (spec.run_name or "run")
         _seed_everything(spec.seed + rank)
 
         self.model = copy.deepcopy(spec.model).to(device)
         self.model.train()
-        if spec.broadcast_init and self.num_nodes > 1:
+        if self.placement.broadcast_init and self.num_nodes > 1:
             self._broadcast_initial_state()
 
         train_data = build_dataset(spec.train_dataset, rank, self.num_nodes, True)

@@ -27,8 +27,8 @@ from distributed.launch.script import run_script_on_hosts, script_program
 from distributed.rank.environment import rank_environment
 from distributed.rank.trainer import RankTrainer
 from exogym._args import unknown_args_error
+from exogym.fit_args import fit_arg_names
 from exogym.report import summarize
-from exogym.trainer import FIT_ARGS
 
 
 class NetworkTrainer:
@@ -82,9 +82,9 @@ class NetworkTrainer:
         return self._drive(kwargs)
 
     def _drive(self, kwargs: dict[str, Any]) -> torch.nn.Module:
-        unknown = set(kwargs) - set(FIT_ARGS)
+        unknown = set(kwargs) - set(fit_arg_names())
         if unknown:
-            raise unknown_args_error("fit()", unknown, FIT_ARGS)
+            raise unknown_args_error("fit()", unknown, fit_arg_names())
         world = self.config.world_size
         asked = kwargs.get("num_nodes", world)
         if asked != world:
