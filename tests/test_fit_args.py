@@ -12,7 +12,7 @@ import pytest
 from toys import tiny_model, toy_dataset
 
 from exogym import Trainer
-from exogym.fit_args import FitArgs, RunArgs, fit_arg_names
+from exogym.fit_args import FitArgs, RunArgs, fit_arg_names, profile_keys
 from exogym.spec import Placement, make_run_spec
 from exogym.strategy import SimpleReduceStrategy
 
@@ -44,6 +44,17 @@ def test_fit_still_takes_its_first_arguments_by_position():
     assert (args.num_epochs, args.strategy, args.num_nodes, args.batch_size) == (2, strategy, 3, 8)
     with pytest.raises(TypeError, match="multiple values for argument 'num_nodes'"):
         FitArgs.from_call("fit()", (2, strategy, 3), {"num_nodes": 3})
+
+
+def test_profile_run_keys_are_the_fit_arguments_a_profile_may_set():
+    from distributed.profiles.profile import RUN_KEYS
+
+    assert RUN_KEYS == profile_keys() == {
+        "num_nodes", "num_epochs", "max_steps", "batch_size", "minibatch_size",
+        "gradient_accumulation", "max_memory_usage", "shuffle", "val_size", "val_interval",
+        "autocast", "checkpoint_interval", "keep_checkpoints", "correlation_interval", "device",
+        "seed", "log_interval", "num_threads", "timeout_s",
+    }
 
 
 def test_checking_fit_arguments_and_reading_profile_keys_import_no_torch():
