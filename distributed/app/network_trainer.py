@@ -7,11 +7,12 @@ on your machine and as a rank on every host:
   ``MASTER_ADDR``, ``MASTER_PORT`` — set by our SSH launcher, by ``torchrun``,
   by SLURM or any scheduler), ``fit()`` trains that one rank
   (:class:`distributed.rank.trainer.RankTrainer`).
-- In the driver (no rank variables), ``fit()`` checks its arguments, starts
-  the same script on every host of the hosts file
-  (:mod:`distributed.launch.script`) and returns the final model rank 0 saved.
-  It builds no run spec here: the device, the memory probe and the data are
-  each host's business, so a CPU-only driver can start a CUDA run.
+- In the driver (no rank variables), ``fit()`` checks its arguments' names
+  and plain values (:class:`exogym.fit_args.FitArgs`), starts the same
+  script on every host of the hosts file (:mod:`distributed.launch.script`)
+  and returns the final model rank 0 saved. It builds no run spec here: the
+  device, the memory probe and the data are each host's business, so a
+  CPU-only driver can start a CUDA run.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from distributed.launch.script import run_script_on_hosts, script_program
 from distributed.rank.environment import rank_environment
 from distributed.rank.trainer import RankTrainer
 from exogym._args import unknown_args_error
-from exogym.fit_args import fit_arg_names
+from exogym.fit_args import FitArgs
 from exogym.report import summarize
 
 
@@ -82,11 +83,9 @@ class NetworkTrainer:
         return self._drive(kwargs)
 
     def _drive(self, kwargs: dict[str, Any]) -> torch.nn.Module:
-        unknown = set(kwargs) - set(fit_arg_names())
-        if unknown:
-            raise unknown_args_error("fit()", unknown, fit_arg_names())
         world = self.config.world_size
-        asked = kwargs.get("num_nodes", world)
+        # Names and plain values only: the device, the model and the data are each host's.
+        asked = FitArgs.from_call("fit()", (), {"num_nodes": world, **kwargs}).num_nodes
         if asked != world:
             raise ValueError(f"fit(num_nodes={asked}) but the hosts file lists {world} hosts; "
                              "one rank runs per host")
