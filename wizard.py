@@ -372,7 +372,7 @@ class Wizard:
 
         self.console.print(f"Timing a step of {profile.name}'s model on this machine...")
         try:
-            facts = measure_model(profile, ranks_here=nodes if simulated else 1)
+            facts = measure_model(profile, ranks_here=nodes if simulated else 1, num_nodes=nodes)
             compute = facts.compute_s_per_step
             params = facts.num_params
         except Exception as exc:  # noqa: BLE001 - the estimate is a help, not a requirement

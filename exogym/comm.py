@@ -38,7 +38,9 @@ returns what it would if every peer held exactly this rank's tensors (a sum is
 mirrored run does all of a strategy's own work per step (selection, packing,
 compression, decoding) with no network and no waiting for peers, which is how
 ``bench/multihost.py`` measures a strategy's compute time. Bytes are counted
-as usual.
+as usual. A mirrored world may be larger than the process group
+(``use_mirror_collectives(True, world_size=N)``): one process then does the
+work of one of ``N`` ranks (:mod:`exogym.step_time`).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ _calls = 0
 _backend_by_group: dict[object, str] = {}
 _local = None  # SharedMemoryCollectives when every rank shares this machine
 _mirror = False  # every peer holds what this rank holds: nothing is sent
+_mirror_world: int | None = None  # ranks a mirrored world has (None: the process group's)
 _side_group = None  # evaluation, averaging, agreement, barriers: never counted
 
 
@@ -175,6 +178,8 @@ def group_size(group=None) -> int:
         return group.size
     if not _active():
         return 1
+    if _mirror and _mirror_world is not None and (group is None or group is dist.group.WORLD):
+        return _mirror_world
     return dist.get_world_size(group)
 
 
@@ -207,13 +212,18 @@ def use_local_collectives(local) -> None:
     _local = local
 
 
-def use_mirror_collectives(on: bool) -> None:
+def use_mirror_collectives(on: bool, world_size: int | None = None) -> None:
     """Make every collective act as if each peer held this rank's tensors; nothing is sent.
 
     See the module's description of ``EXOGYM_COLLECTIVES=mirror``.
+
+    Args:
+        on: mirror the collectives, or stop.
+        world_size: the ranks of the mirrored world (default: the process group's size).
     """
-    global _mirror
+    global _mirror, _mirror_world
     _mirror = bool(on)
+    _mirror_world = world_size if on else None
 
 
 def _mirror_reduce(tensor: torch.Tensor, op, group) -> None:
