@@ -196,8 +196,12 @@ def divisors(n: int) -> list[int]:
 class RunArgs:
     """The arguments of ``fit`` that every rank needs, checked on construction.
 
-    Each field's metadata holds its one-line ``help``, its ``check``, whether a
-    ``profile`` may set it and an optional ``convert`` (applied before the check).
+    The fields are ``fit``'s arguments (their help: :func:`fit_args_doc`). Each
+    field's metadata holds its one-line ``help``, its ``check``, whether a
+    ``profile`` may set it and an optional ``convert`` (applied after the check).
+
+    Raises:
+        ValueError, TypeError: a value is wrong; the message names it and what to give.
     """
 
     num_epochs: int = _arg(1, "epochs over each rank's shard, when ``max_steps`` is not given.",
@@ -208,8 +212,9 @@ class RunArgs:
     num_nodes: int = _arg(1, "number of ranks K.", _at_least(1), profile=True)
     max_steps: int | None = _arg(None, "optimizer steps per rank (overrides ``num_epochs``).",
                                  _at_least(1, allow_none=True), profile=True)
-    device: str | None = _arg(None, "``'cpu'``, ``'cuda'``, ``'cuda:N'``, ``'mps'``; None: the best "
-                       "available.", _device, profile=True)
+    device: str | None = _arg(
+        None, "``'cpu'``, ``'cuda'``, ``'cuda:N'``, ``'mps'``; None: the best available.",
+        _device, profile=True)
     devices: list[int] | None = _arg(None, "CUDA indices to spread ranks over; rank r uses "
                                      "``devices[r % len(devices)]``.", _device_indices)
     batch_size: int = _arg(16, "samples per rank per optimizer step.", _at_least(1),
@@ -279,17 +284,23 @@ class RunArgs:
 class FitArgs(RunArgs):
     """Every argument of ``fit``: :class:`RunArgs` and what only the starting process uses."""
 
-    logger: Logger | str | None = _arg("csv", "``'csv'`` (default), ``'wandb'``, None, or a Logger.", _logger)
+    logger: Logger | str | None = _arg(
+        "csv", "``'csv'`` (default), ``'wandb'``, None, or a Logger.", _logger)
     log_dir: str = _arg("logs", "folder of the CSV logs.")
     wandb_project: str | None = _arg(None, "log to this W&B project.")
-    progress: bool | ProgressSink = _arg(True, "show the progress bar and summary table; or an object with "
-                         "``on_event``/``close``/``finish`` (``exogym.report.ProgressSink``) "
-                         "that shows the run its own way, e.g. a live dashboard.", _progress)
+    progress: bool | ProgressSink = _arg(
+        True, "show the progress bar and summary table; or an object with "
+        "``on_event``/``close``/``finish`` (``exogym.report.ProgressSink``) that shows the "
+        "run its own way, e.g. a live dashboard.", _progress)
 
     @classmethod
     def from_call(cls, owner: str, args: Sequence[Any] = (),
                   kwargs: Mapping[str, Any] | None = None) -> FitArgs:
-        """Bind a call's positional and keyword arguments, as ``fit``'s signature does, and check them.
+        """Bind a call's arguments as ``fit``'s signature does, and check them.
+
+        Args:
+            owner: the call's name in error messages (``'fit()'``).
+            args, kwargs: the call's positional and keyword arguments.
 
         Raises:
             TypeError: an unknown name (naming the closest accepted one), too many
