@@ -1,19 +1,43 @@
-"""Average the ranks' final model states into one, every tensor in its own dtype."""
+"""Model averaging, in one place: of several states here, or of every rank's, across ranks.
+
+One rule for every tensor: floating tensors are averaged in float64 and cast
+back to their dtype; integer tensors (e.g. BatchNorm's ``num_batches_tracked``)
+are averaged and rounded to their own integer dtype; boolean tensors keep
+their value. :func:`average_state_dicts` averages states a process holds
+(the ranks' final states in a local simulation); :func:`average_across_ranks`
+gives every rank the average of all ranks' tensors, over the comm module's
+side channel (uncounted), in a few bucketed calls.
+:func:`averaged_tensors` says which tensors of a model an average covers, for
+the strategies that average models and for evaluating the average model.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from exogym import comm
+
+BUCKET_ELEMENTS = 4 * 1024 * 1024  # float64 values per side-channel call (32 MiB)
+
+
+def averaged_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors a model average covers: trainable parameters, then float buffers."""
+    tensors = [p.data for p in model.parameters() if p.requires_grad]
+    tensors += [b for b in model.buffers() if b.is_floating_point()]
+    return tensors
+
+
+def _mean_as(mean: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A float64 mean back in ``like``'s dtype: cast when floating, rounded when integer."""
+    if like.is_floating_point() or like.is_complex():
+        return mean.to(like.dtype)
+    return mean.round().to(like.dtype)
+
 
 def average_state_dicts(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Element-wise mean of several state dicts with the same keys.
-
-    Floating tensors are averaged in float64 and cast back to their dtype;
-    integer tensors (e.g. BatchNorm's ``num_batches_tracked``) are averaged and
-    rounded to their own integer dtype; boolean tensors keep the first state's value.
-    """
+    """Element-wise mean of several state dicts with the same keys, each tensor in its dtype."""
     if not states:
         raise ValueError("no states to average")
     keys = list(states[0].keys())
@@ -30,9 +54,50 @@ def average_state_dicts(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[st
         total = torch.zeros_like(first, dtype=torch.float64)
         for state in states:
             total += state[key].to(torch.float64)
-        mean = total / len(states)
-        if first.is_floating_point() or first.is_complex():
-            out[key] = mean.to(first.dtype)
-        else:
-            out[key] = mean.round().to(first.dtype)
+        out[key] = _mean_as(total / len(states), first)
     return out
+
+
+def _buckets(tensors: Sequence[torch.Tensor]) -> Iterator[list[int]]:
+    """Indices of ``tensors`` in runs of at most ``BUCKET_ELEMENTS`` values (one tensor at least)."""
+    bucket: list[int] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        if bucket and size + t.numel() > BUCKET_ELEMENTS:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(i)
+        size += t.numel()
+    if bucket:
+        yield bucket
+
+
+def average_across_ranks(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Every rank gets the mean over all ranks of each of ``tensors`` (a collective).
+
+    Travels over the side channel, so it is never counted as training traffic.
+    Returns new tensors on the CPU, each in its input's dtype; boolean tensors
+    come back unchanged. Outside a process group, the tensors themselves.
+    """
+    out: list[torch.Tensor] = list(tensors)
+    ranks = comm.side_group_size()
+    if ranks == 1:
+        return out
+    numeric = [i for i, t in enumerate(tensors) if t.dtype != torch.bool]
+    members = [tensors[i] for i in numeric]
+    for bucket in _buckets(members):
+        flat = torch.cat([members[j].detach().reshape(-1).to("cpu", torch.float64)
+                          for j in bucket])
+        comm.side_all_reduce(flat)
+        flat /= ranks
+        offset = 0
+        for j in bucket:
+            like = members[j]
+            out[numeric[j]] = _mean_as(flat[offset:offset + like.numel()].view(like.shape), like)
+            offset += like.numel()
+    return out
+
+
+def average_state_across_ranks(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every rank gets the average of all ranks' ``state`` (see :func:`average_across_ranks`)."""
+    return dict(zip(state.keys(), average_across_ranks(list(state.values()))))

@@ -1,7 +1,9 @@
-"""Collectives for training traffic, with byte counters.
+"""Collectives for training traffic, with byte counters, and the side channel.
 
-Every byte a strategy sends goes through this module, so the counters here are
-the ground truth for ``comm_bytes``. A rank "sends" the payload it passes to a
+This is the only module of the project that calls ``torch.distributed``: it
+opens rendezvous stores, joins and leaves the process group, and carries every
+collective. Every byte a strategy sends goes through it, so the counters here
+are the ground truth for ``comm_bytes``. A rank "sends" the payload it passes to a
 collective: ``numel * element_size`` of its tensor (for ``all_gather``, of its
 own contribution). Protocol overhead is not counted.
 
@@ -19,6 +21,14 @@ Three things happen here so that strategies need not care:
 When no process group is initialised (a strategy used outside a trainer) the
 collectives act as a world of one: nothing moves and nothing is counted.
 
+**The side channel** (``side_all_reduce``, ``side_broadcast``,
+``side_all_gather``, ``side_barrier``) carries what is not training:
+evaluation, model averaging, agreement between ranks, barriers. It runs over
+its own gloo group, created by :func:`init_process_group`, stages non-CPU
+tensors through the CPU, and is never counted, so ``comm_bytes`` stays the
+strategy's own traffic. Outside a process group, or with one rank, it acts as
+a world of one.
+
 ``EXOGYM_COLLECTIVES`` chooses how a run's training collectives travel:
 unset (or ``auto``), a simulation's CPU ranks meet in shared memory and
 everything else goes through ``torch.distributed``; ``torch`` sends everything
@@ -28,18 +38,22 @@ returns what it would if every peer held exactly this rank's tensors (a sum is
 mirrored run does all of a strategy's own work per step (selection, packing,
 compression, decoding) with no network and no waiting for peers, which is how
 ``bench/multihost.py`` measures a strategy's compute time. Bytes are counted
-as usual.
+as usual. A mirrored world may be larger than the process group
+(``use_mirror_collectives(True, world_size=N)``): one process then does the
+work of one of ``N`` ranks (:mod:`exogym.step_time`).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "ReduceOp",
     "all_reduce",
     "broadcast",
     "all_gather",
@@ -47,8 +61,22 @@ __all__ = [
     "collectives_mode",
     "comm_bytes",
     "comm_calls",
+    "destroy_process_group",
+    "group_size",
+    "init_process_group",
+    "is_connection_error",
+    "is_initialized",
+    "nccl_available",
+    "new_group",
+    "open_store",
     "reset_counters",
+    "restore_counters",
     "resolve_dtype",
+    "side_all_gather",
+    "side_all_reduce",
+    "side_barrier",
+    "side_broadcast",
+    "side_group_size",
     "use_local_collectives",
     "use_mirror_collectives",
 ]
@@ -58,11 +86,110 @@ MODES = ("auto", "torch", "mirror")
 
 from exogym.strategy.facts import BUCKET_BYTES  # noqa: E402 - the planner reads the same size
 
+ReduceOp = dist.ReduceOp
+
 _bytes_sent = 0
 _calls = 0
 _backend_by_group: dict[object, str] = {}
 _local = None  # SharedMemoryCollectives when every rank shares this machine
 _mirror = False  # every peer holds what this rank holds: nothing is sent
+_mirror_world: int | None = None  # ranks a mirrored world has (None: the process group's)
+_side_group = None  # evaluation, averaging, agreement, barriers: never counted
+
+
+# -- the process group ---------------------------------------------------------------
+
+
+def open_store(addr: str, port: int, *, is_master: bool = False, world_size: int | None = None,
+               timeout_s: float = 300.0) -> dist.Store:
+    """The TCP store ranks meet at: hosted here (``is_master``) or reached at ``addr:port``.
+
+    Args:
+        addr: the store's address.
+        port: its port; 0 on the master lets the operating system pick one (``store.port``).
+        is_master: host the store in this process.
+        world_size: processes that will join through it (None: not known yet).
+        timeout_s: how long a call on the store waits.
+    """
+    return dist.TCPStore(addr, port, world_size, is_master=is_master,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def init_process_group(store: dist.Store, rank: int, world_size: int, backend: str,
+                       timeout_s: float, device: torch.device | None = None) -> None:
+    """Join the training process group through ``store``, and create the side group.
+
+    Args:
+        store: from :func:`open_store`.
+        rank, world_size: this rank and the number of ranks.
+        backend: ``'gloo'`` or ``'nccl'``.
+        timeout_s: how long a collective waits for a peer.
+        device: this rank's GPU (nccl binds to it).
+    """
+    global _side_group
+    timeout = timedelta(seconds=timeout_s)
+    kwargs = {"device_id": device} if backend == "nccl" and device is not None else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout, **kwargs)
+    _backend_by_group.clear()
+    _side_group = dist.new_group(backend="gloo", timeout=timeout) if world_size > 1 else None
+
+
+def destroy_process_group() -> None:
+    """Leave the process group and its side group; collectives act as a world of one again."""
+    global _side_group
+    _side_group = None
+    _backend_by_group.clear()
+    if _active():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    """True inside a process group."""
+    return _active()
+
+
+def nccl_available() -> bool:
+    """True when this torch can join ranks with nccl."""
+    return dist.is_available() and dist.is_nccl_available()
+
+
+class _MirroredGroup:
+    """A subgroup of a mirrored world: nothing is sent over it, only its size counts."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+
+def new_group(ranks: Sequence[int]):
+    """A process group of ``ranks`` for training collectives.
+
+    Collective over the world: every rank creates every group, in the same
+    order, whether it belongs to it or not.
+    """
+    if _mirror:
+        return _MirroredGroup(len(ranks))
+    return dist.new_group(ranks=list(ranks))
+
+
+def group_size(group=None) -> int:
+    """Ranks in ``group`` (default: the world) as the collectives see them; 1 outside a group."""
+    if isinstance(group, _MirroredGroup):
+        return group.size
+    if not _active():
+        return 1
+    if _mirror and _mirror_world is not None and (group is None or group is dist.group.WORLD):
+        return _mirror_world
+    return dist.get_world_size(group)
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """True for an error a collective raised because a peer's connection failed."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("gloo", "Connection reset", "Connection closed", "NCCL"))
 
 
 def collectives_mode(environ: dict[str, str] | None = None) -> str:
@@ -85,23 +212,28 @@ def use_local_collectives(local) -> None:
     _local = local
 
 
-def use_mirror_collectives(on: bool) -> None:
+def use_mirror_collectives(on: bool, world_size: int | None = None) -> None:
     """Make every collective act as if each peer held this rank's tensors; nothing is sent.
 
     See the module's description of ``EXOGYM_COLLECTIVES=mirror``.
+
+    Args:
+        on: mirror the collectives, or stop.
+        world_size: the ranks of the mirrored world (default: the process group's size).
     """
-    global _mirror
+    global _mirror, _mirror_world
     _mirror = bool(on)
+    _mirror_world = world_size if on else None
 
 
 def _mirror_reduce(tensor: torch.Tensor, op, group) -> None:
     """What an all-reduce returns when all ranks of ``group`` hold ``tensor``."""
     if op is None or op == dist.ReduceOp.SUM:
         if tensor.dtype != torch.bool:
-            tensor.mul_(dist.get_world_size(group))
+            tensor.mul_(group_size(group))
     elif op == dist.ReduceOp.PRODUCT:
         if tensor.dtype != torch.bool:
-            tensor.pow_(dist.get_world_size(group))
+            tensor.pow_(group_size(group))
     # AVG, MAX, MIN and the bitwise ops of equal tensors give the tensor itself.
 
 
@@ -127,6 +259,13 @@ def reset_counters() -> None:
     global _bytes_sent, _calls
     _bytes_sent = 0
     _calls = 0
+
+
+def restore_counters(bytes_sent: int, calls: int) -> None:
+    """Set the byte and call counters (a rank resuming from a checkpoint)."""
+    global _bytes_sent, _calls
+    _bytes_sent = int(bytes_sent)
+    _calls = int(calls)
 
 
 def _count(nbytes: int) -> None:
@@ -336,7 +475,7 @@ def all_reduce_tensors(
         return
     wire_dtype = resolve_dtype(dtype)
     if average and world_size is None:
-        world_size = dist.get_world_size(group)
+        world_size = group_size(group)
     for bucket in _buckets(tensors, bucket_bytes):
         members = [tensors[i] for i in bucket]
         local = _local_for(members[0], group, op)
@@ -359,3 +498,56 @@ def all_reduce_tensors(
             n = t.numel()
             t.copy_(flat[offset:offset + n].view_as(t))
             offset += n
+
+
+# -- the side channel: evaluation, averaging, agreement, barriers (never counted) -------
+
+
+def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself on the CPU (without autograd), else a CPU copy of it."""
+    return tensor.detach() if tensor.device.type == "cpu" else tensor.detach().to("cpu")
+
+
+def _copy_back(tensor: torch.Tensor, staged: torch.Tensor) -> None:
+    if staged.data_ptr() != tensor.data_ptr():
+        tensor.detach().copy_(staged)
+
+
+def side_group_size() -> int:
+    """Ranks on the side channel (1 outside a process group or with one rank)."""
+    return 1 if _side_group is None else dist.get_world_size(_side_group)
+
+
+def side_all_reduce(tensor: torch.Tensor, op=None) -> None:
+    """All-reduce ``tensor`` in place over the side channel (default op: SUM); uncounted."""
+    if _side_group is None:
+        return
+    staged = _to_cpu(tensor)
+    dist.all_reduce(staged, op=ReduceOp.SUM if op is None else op, group=_side_group)
+    _copy_back(tensor, staged)
+
+
+def side_broadcast(tensor: torch.Tensor, src: int = 0) -> None:
+    """Broadcast ``tensor`` from rank ``src`` in place over the side channel; uncounted."""
+    if _side_group is None:
+        return
+    staged = _to_cpu(tensor)
+    dist.broadcast(staged, src=src, group=_side_group)
+    _copy_back(tensor, staged)
+
+
+def side_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
+    """Gather every rank's ``tensor`` into ``tensor_list`` over the side channel; uncounted."""
+    if _side_group is None:
+        tensor_list[0].detach().copy_(tensor)
+        return
+    staged_out = [_to_cpu(t) for t in tensor_list]
+    dist.all_gather(staged_out, _to_cpu(tensor), group=_side_group)
+    for target, staged in zip(tensor_list, staged_out):
+        _copy_back(target, staged)
+
+
+def side_barrier() -> None:
+    """Wait until every rank has reached this point."""
+    if _side_group is not None:
+        dist.barrier(group=_side_group)

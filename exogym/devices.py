@@ -8,6 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
+from exogym import comm
+from exogym.fit_args import parse_device
+
 
 def best_device_type() -> str:
     """``'cuda'`` if a GPU is usable, else ``'mps'`` on Apple silicon, else ``'cpu'``."""
@@ -27,15 +30,9 @@ def resolve_devices(device: str | torch.device | None,
     or ``'mps'``; ``devices`` lists CUDA indices to spread ranks over
     (rank r uses ``devices[r % len(devices)]``).
     """
-    if isinstance(device, torch.device):
-        device = str(device)
-    if device in (None, "", "auto"):
-        device = best_device_type()
-    if not isinstance(device, str):
-        raise TypeError(f"device must be a string such as 'cpu', 'cuda' or 'mps', got {device!r}")
-    kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}")
+    kind, index = parse_device(device)
+    if kind == "best":
+        kind = best_device_type()
     if kind == "cpu":
         if devices:
             raise ValueError("devices= lists GPU indices; it cannot be used with device='cpu'")
@@ -52,7 +49,7 @@ def resolve_devices(device: str | torch.device | None,
     count = torch.cuda.device_count()
     if index:
         if devices:
-            raise ValueError(f"give either device={device!r} or devices=, not both")
+            raise ValueError(f"give either device='cuda:{index}' or devices=, not both")
         devices = [int(index)]
     if devices is None:
         devices = list(range(count))
@@ -77,7 +74,7 @@ def rank_device(device_type: str, devices: Sequence[int] | None, rank: int) -> t
 def backend_for(device_type: str, devices: Sequence[int] | None, num_nodes: int) -> str:
     """nccl when every rank has a GPU of its own, else gloo."""
     if device_type == "cuda" and devices is not None and len(set(devices)) >= num_nodes:
-        if torch.distributed.is_nccl_available():
+        if comm.nccl_available():
             return "nccl"
     return "gloo"
 

@@ -12,6 +12,7 @@ device's memory (or of RAM) wins.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 
@@ -20,7 +21,8 @@ from torch.utils.data import DataLoader
 
 from exogym.data import build_dataset, loader_kwargs, to_device
 from exogym.devices import rank_device
-from exogym.spec import RunSpec, divisors
+from exogym.fit_args import divisors
+from exogym.spec import RunSpec
 
 
 def total_memory(device: torch.device) -> int:
@@ -112,3 +114,11 @@ def probe_minibatch(spec: RunSpec, max_memory_usage: float) -> tuple[int, dict[i
         f"on {device}, over max_memory_usage={max_memory_usage} of {total_memory(device) / 2**30:.1f}"
         " GiB; use fewer nodes, a smaller model or a larger max_memory_usage"
     )
+
+
+def with_measured_minibatch(spec: RunSpec) -> RunSpec:
+    """``spec``, its ``minibatch_size='auto'`` replaced by the largest that fits (measured)."""
+    if spec.minibatch_size != "auto":
+        return spec
+    size, _ = probe_minibatch(spec, spec.max_memory_usage)
+    return dataclasses.replace(spec, minibatch_size=size)

@@ -1,9 +1,9 @@
 """Metric events: the one format every rank reports in.
 
 A rank emits one event per training step (plus a few lifecycle events). In a
-local simulation events travel to the parent through a multiprocessing queue;
-from a remote host they travel as one JSON object per line on stdout, behind
-``METRIC_PREFIX``, and the launcher parses them back. The same dicts feed
+local simulation events travel to the parent through a pipe of each rank's
+own; from a remote host they travel as one JSON object per line on stdout,
+behind ``METRIC_PREFIX``, and the launcher parses them back. The same dicts feed
 ``trainer.history``, the CSV and W&B loggers and the live dashboard. They never
 travel over the training process group, so byte counts and timings stay clean.
 
@@ -23,8 +23,6 @@ import math
 from typing import Any
 
 METRIC_PREFIX = "@@exogym-event "
-
-STEP_KEYS = ("rank", "step", "train_loss", "lr", "comm_bytes", "samples", "wall_s")
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,9 +1,11 @@
 """run_rank: the one function every rank runs, simulated or on a real host.
 
 Simulation and a real multi-host run differ only in how the process group is
-joined (``Rendezvous``) and how the ``RunSpec`` arrived. Everything after
-that — threads, device, seeding, the training loop, the final state — is this
-function, so a strategy that runs in simulation runs unchanged across hosts.
+joined (``Rendezvous``), how the ``RunSpec`` arrived and where the machine
+runs its ranks (``Placement``). Everything after that — threads, device,
+seeding, the training loop, the final state — is this function, so a strategy
+that runs in simulation runs unchanged across hosts. The process group itself
+is the comm module's (:func:`exogym.comm.init_process_group`).
 
 On real hosts a rank also watches its peers: every rank bumps a heartbeat
 counter in the rendezvous store, so when training fails (a peer's connection
@@ -13,7 +15,6 @@ silent ends the run even if a collective would otherwise wait for it.
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import threading
@@ -23,11 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from exogym import comm
+from exogym.averaging import average_state_across_ranks
 from exogym.devices import backend_for, rank_device
-from exogym.spec import RunSpec
+from exogym.spec import Placement, RunSpec
 from exogym.train_node import TrainNode
 
 
@@ -71,8 +72,7 @@ class PeerWatch:
     def __init__(self, rendezvous: Rendezvous, rank: int, world_size: int,
                  interval_s: float = 0.5, silent_after_s: float = 20.0,
                  on_lost: Callable[[list[int], str], None] | None = None):
-        self.store = dist.TCPStore(rendezvous.addr, rendezvous.port, is_master=False,
-                                   timeout=datetime.timedelta(seconds=10))
+        self.store = comm.open_store(rendezvous.addr, rendezvous.port, timeout_s=10)
         self.rank = rank
         self.world_size = world_size
         self.interval_s = interval_s
@@ -187,44 +187,6 @@ class PeerWatch:
         self._thread.join(timeout=2 * self.interval_s + 1)
 
 
-def init_process_groups(spec: RunSpec, rank: int, rendezvous: Rendezvous,
-                        device: torch.device):
-    """Join the training process group; return the side group (None for one rank)."""
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
-    store = dist.TCPStore(
-        rendezvous.addr, rendezvous.port, spec.num_nodes,
-        is_master=rendezvous.store_on_rank0 and rank == 0,
-        timeout=timeout, wait_for_workers=False,
-    )
-    backend = spec.backend or backend_for(spec.device_type, spec.devices, spec.num_nodes)
-    kwargs: dict[str, Any] = {}
-    if backend == "nccl":
-        kwargs["device_id"] = device
-    dist.init_process_group(backend, store=store, rank=rank, world_size=spec.num_nodes,
-                            timeout=timeout, **kwargs)
-    if spec.num_nodes == 1:
-        return None
-    # Evaluation and metric traffic goes over its own group, never the training one.
-    return dist.new_group(backend="gloo", timeout=timeout)
-
-
-def average_across_ranks(state: dict[str, torch.Tensor], side_group) -> dict[str, torch.Tensor]:
-    """Every rank gets the average of all ranks' states (over the side group, uncounted)."""
-    if side_group is None:
-        return state
-    world = dist.get_world_size(side_group)
-    out = {}
-    for key, tensor in state.items():
-        if tensor.dtype == torch.bool:
-            out[key] = tensor
-            continue
-        total = tensor.to(torch.float64)
-        dist.all_reduce(total, group=side_group)
-        mean = total / world
-        out[key] = mean.to(tensor.dtype) if tensor.is_floating_point() else mean.round().to(tensor.dtype)
-    return out
-
-
 def peak_rss_bytes() -> int:
     """This process's peak resident memory in bytes (0 where the OS does not say)."""
     try:
@@ -235,63 +197,56 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def _is_comm_error(exc: BaseException) -> bool:
-    """True for an error raised by a collective because a peer's connection failed."""
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("gloo", "Connection reset", "Connection closed", "NCCL"))
-
-
 def _exit_lost(lost: list[int], message: str) -> None:
     print(f"exogym: {message}; stopping this rank", file=sys.stderr, flush=True)
     os._exit(3)
 
 
-def run_rank(spec: RunSpec, rank: int, rendezvous: Rendezvous,
+def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezvous,
              emit: Callable[[dict[str, Any]], None],
-             checkpoint_root: str | None = None,
              average_final: bool = False) -> dict[str, torch.Tensor]:
     """Train rank ``rank`` of ``spec`` to the end; returns its final model state (CPU).
 
     Args:
         spec: the run; ``spec.minibatch_size`` must be resolved (not 'auto').
+        placement: where this machine runs its ranks.
         rank: this rank, ``0 <= rank < spec.num_nodes``.
         rendezvous: where the ranks meet.
         emit: receives every metric event of this rank.
-        checkpoint_root: folder for checkpoints (default ``save_dir/run_name``).
         average_final: return the average of all ranks' final states instead of
             this rank's own (multi-host runs, where no parent sees every state).
 
     Raises:
         LostRankError: another rank failed or disappeared (multi-host runs).
     """
-    threads = spec.threads_per_rank()
+    threads = placement.threads_per_rank(spec)
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    device = rank_device(spec.device_type, spec.devices, rank)
+    device = rank_device(spec.device_type, placement.devices, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     comm.use_mirror_collectives(comm.collectives_mode() == "mirror")  # refuses a bad value
-    side_group = init_process_groups(spec, rank, rendezvous, device)
+    store = comm.open_store(rendezvous.addr, rendezvous.port,
+                            is_master=rendezvous.store_on_rank0 and rank == 0,
+                            world_size=spec.num_nodes, timeout_s=spec.timeout_s)
+    backend = placement.backend or backend_for(spec.device_type, placement.devices,
+                                               spec.num_nodes)
+    comm.init_process_group(store, rank, spec.num_nodes, backend, spec.timeout_s, device)
     watch = None
     if rendezvous.watch_peers and spec.num_nodes > 1:
         watch = PeerWatch(rendezvous, rank, spec.num_nodes, on_lost=_exit_lost)
     try:
         comm.reset_counters()
-        node = TrainNode(spec, rank, device, emit, side_group=side_group,
-                         checkpoint_root=checkpoint_root)
+        node = TrainNode(spec, rank, device, emit, placement)
         try:
             state = node.train()
             if average_final:
-                state = average_across_ranks(state, side_group)
-            if side_group is not None:
-                dist.barrier(group=side_group)  # nobody leaves while a peer still needs it
+                state = average_state_across_ranks(state)
+            comm.side_barrier()  # nobody leaves while a peer still needs it
         except Exception as exc:
             if watch is None:
                 raise
-            if not _is_comm_error(exc):
+            if not comm.is_connection_error(exc):
                 # Our own failure: tell the peers what happened, keep our traceback.
                 watch.report_failure(f"{type(exc).__name__}: {exc}".splitlines()[0])
                 raise
@@ -308,4 +263,4 @@ def run_rank(spec: RunSpec, rank: int, rendezvous: Rendezvous,
     finally:
         if watch is not None:
             watch.stop()
-        dist.destroy_process_group()
+        comm.destroy_process_group()

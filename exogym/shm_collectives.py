@@ -33,9 +33,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from exogym.comm import collectives_mode
+from exogym.comm import ReduceOp, collectives_mode
 
 TOTAL_BYTES = 32 * 1024 * 1024
 MIN_SLOT_BYTES = 64 * 1024
@@ -51,7 +50,7 @@ def _op_kind(op: Any) -> str | None:
     if op is None:
         return "sum"
     for name in ("SUM", "AVG", "MAX", "MIN"):
-        if op == getattr(dist.ReduceOp, name):
+        if op == getattr(ReduceOp, name):
             return name.lower()
     return None
 

@@ -1,61 +1,45 @@
-"""RunSpec: one validated description of a training run, the same for every rank.
+"""RunSpec and Placement: what a rank trains, and where this machine runs its ranks.
 
-``make_run_spec`` checks every argument of ``fit`` before any process starts,
-so a typo or an impossible value costs an error message, not a hung job.
-A rank receives the spec (pickled in a local simulation, rebuilt from a
-profile on a remote host) and needs nothing else to train.
+``make_run_spec`` turns ``fit``'s checked arguments (:class:`exogym.fit_args.RunArgs`)
+and the model and data into the frozen spec every rank receives (pickled in a
+local simulation, rebuilt from a profile on a remote host): it checks the
+model and data, and resolves the device on the machine that builds it. What
+differs per machine — how many ranks share it, its GPUs, the backend, whether
+rank 0's weights are broadcast — travels beside the spec as a
+:class:`Placement`, never written into it.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from exogym.data import is_factory
 from exogym.devices import default_threads, resolve_devices
+from exogym.fit_args import RunArgs
 from exogym.strategy.strategy import Strategy
 
 
-@dataclass
-class RunSpec:
-    """Everything a rank needs to train. Built by :func:`make_run_spec`."""
+@dataclass(frozen=True, kw_only=True)
+class RunSpec(RunArgs):
+    """Everything a rank needs to train: ``fit``'s run arguments, the model and data.
+
+    Built by :func:`make_run_spec`. Beyond :class:`RunArgs`, ``minibatch_size``
+    is resolved (an integer, or ``'auto'`` until measured) and ``devices`` holds
+    the CUDA indices the device resolved to.
+
+    Args:
+        model: the model every rank starts from.
+        train_dataset, val_dataset: datasets or factories ``f(rank, num_nodes, is_train)``.
+        device_type: ``'cpu'``, ``'cuda'`` or ``'mps'``.
+    """
 
     model: torch.nn.Module
     train_dataset: Any
     val_dataset: Any
-    strategy: Strategy
-    num_nodes: int
-    num_epochs: int
-    max_steps: int | None
-    batch_size: int
-    minibatch_size: int
-    shuffle: bool
-    val_size: int
-    val_interval: int
-    autocast: bool
     device_type: str
-    devices: list[int] | None
-    seed: int
-    num_threads: int | None
-    dataloader_kwargs: dict[str, Any] = field(default_factory=dict)
-    save_dir: str = "./checkpoints"
-    checkpoint_interval: int | None = None
-    keep_checkpoints: int = 3
-    resume_from: str | None = None
-    correlation_interval: int | None = None
-    run_name: str | None = None
-    log_interval: int = 10
-    broadcast_init: bool = False
-    timeout_s: float = 1800.0
-    ranks_per_machine: int | None = None
-    backend: str | None = None  # None: nccl when every rank has its own GPU, else gloo
-
-    def threads_per_rank(self) -> int:
-        """``num_threads``, or this machine's cores shared by the ranks it runs."""
-        return self.num_threads or default_threads(self.ranks_per_machine or self.num_nodes)
 
     @property
     def accumulation_steps(self) -> int:
@@ -64,16 +48,9 @@ class RunSpec:
 
     def config(self) -> dict[str, Any]:
         """Plain settings of the run, for logs and the saved run config."""
-        plain = {
-            k: getattr(self, k)
-            for k in (
-                "num_nodes", "num_epochs", "max_steps", "batch_size", "minibatch_size",
-                "shuffle", "val_size", "val_interval", "autocast", "device_type", "devices",
-                "seed", "num_threads", "checkpoint_interval", "correlation_interval",
-                "run_name",
-            )
-        }
+        plain = self.run_values()
         plain["strategy"] = self.strategy.__config__()
+        plain["device_type"] = self.device_type
         plain["model"] = type(self.model).__name__
         plain["trainable_parameters"] = sum(
             p.numel() for p in self.model.parameters() if p.requires_grad
@@ -81,13 +58,28 @@ class RunSpec:
         return plain
 
 
-def _int_at_least(name: str, value: Any, low: int, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        kind = f"an integer >= {low}" + (" or None" if allow_none else "")
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
-    return value
+@dataclass(frozen=True)
+class Placement:
+    """Where this machine runs its ranks: what differs per machine, beside the run spec.
+
+    Args:
+        ranks_per_machine: ranks sharing this machine's cores (a simulation: all of them).
+        devices: the CUDA indices this machine's ranks take, rank r ``devices[r % len]``
+            (None off CUDA).
+        backend: the process group's backend; None: nccl when every rank has a GPU
+            of its own, else gloo.
+        broadcast_init: rank 0's initial weights are broadcast to the others before
+            the first step (hosts whose seeded initialisation may differ).
+    """
+
+    ranks_per_machine: int
+    devices: list[int] | None = None
+    backend: str | None = None
+    broadcast_init: bool = False
+
+    def threads_per_rank(self, spec: RunSpec) -> int:
+        """``spec.num_threads``, or this machine's cores shared by the ranks it runs."""
+        return spec.num_threads or default_threads(self.ranks_per_machine)
 
 
 def _check_dataset(name: str, dataset: Any) -> None:
@@ -102,137 +94,28 @@ def _check_dataset(name: str, dataset: Any) -> None:
         raise ValueError(f"{name} is empty")
 
 
-def resolve_minibatch(batch_size: int, minibatch_size: int | str | None,
-                      gradient_accumulation: int | None) -> int | str:
-    """Minibatch size from ``minibatch_size`` or ``gradient_accumulation`` (checked)."""
-    if minibatch_size is not None and gradient_accumulation is not None:
-        if minibatch_size == "auto":
-            raise ValueError("give minibatch_size='auto' or gradient_accumulation=, not both")
-        if batch_size != minibatch_size * gradient_accumulation:
-            raise ValueError(
-                f"minibatch_size={minibatch_size} and gradient_accumulation="
-                f"{gradient_accumulation} disagree with batch_size={batch_size}; give one of them"
-            )
-    if gradient_accumulation is not None:
-        _int_at_least("gradient_accumulation", gradient_accumulation, 1)
-        if batch_size % gradient_accumulation:
-            raise ValueError(f"gradient_accumulation={gradient_accumulation} must divide "
-                             f"batch_size={batch_size}")
-        return batch_size // gradient_accumulation
-    if minibatch_size is None:
-        return batch_size
-    if minibatch_size == "auto":
-        return "auto"
-    _int_at_least("minibatch_size", minibatch_size, 1)
-    if minibatch_size > batch_size or batch_size % minibatch_size:
-        raise ValueError(
-            f"minibatch_size={minibatch_size} must divide batch_size={batch_size} "
-            "(each step accumulates batch_size/minibatch_size minibatches); "
-            f"divisors of {batch_size}: {divisors(batch_size)}"
-        )
-    return minibatch_size
+def make_run_spec(model: torch.nn.Module, train_dataset: Any, val_dataset: Any,
+                  args: RunArgs) -> RunSpec:
+    """Check the model and data against ``args`` and return the spec.
 
-
-def divisors(n: int) -> list[int]:
-    """Divisors of ``n`` in increasing order."""
-    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def make_run_spec(
-    model: torch.nn.Module,
-    train_dataset: Any,
-    val_dataset: Any,
-    *,
-    strategy: Strategy,
-    num_nodes: int,
-    num_epochs: int,
-    max_steps: int | None,
-    batch_size: int,
-    minibatch_size: int | str | None,
-    gradient_accumulation: int | None,
-    shuffle: bool,
-    val_size: int,
-    val_interval: int,
-    autocast: bool,
-    device: Any,
-    devices: Any,
-    seed: int,
-    num_threads: int | None,
-    dataloader_kwargs: dict[str, Any] | None,
-    save_dir: str,
-    checkpoint_interval: int | None,
-    keep_checkpoints: int,
-    resume_from: str | None,
-    correlation_interval: int | None,
-    run_name: str | None,
-    log_interval: int,
-    timeout_s: float,
-) -> RunSpec:
-    """Validate ``fit``'s arguments and return the spec (``minibatch_size`` may stay 'auto')."""
+    The device is resolved here (it must exist on this machine);
+    ``minibatch_size`` may stay ``'auto'`` until measured.
+    """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (none has requires_grad=True)")
-    if not isinstance(strategy, Strategy):
+    if not isinstance(args.strategy, Strategy):
         raise TypeError(
             "strategy must be a Strategy instance such as DiLoCoStrategy(H=100) or "
-            f"SimpleReduceStrategy(), got {strategy!r}"
+            f"SimpleReduceStrategy(), got {args.strategy!r}"
         )
     _check_dataset("train_dataset", train_dataset)
-    if val_size:
+    if args.val_size:
         _check_dataset("val_dataset", val_dataset)
-    _int_at_least("num_nodes", num_nodes, 1)
-    _int_at_least("num_epochs", num_epochs, 1)
-    _int_at_least("max_steps", max_steps, 1, allow_none=True)
-    _int_at_least("batch_size", batch_size, 1)
-    minibatch = resolve_minibatch(batch_size, minibatch_size, gradient_accumulation)
-    _int_at_least("val_size", val_size, 0)
-    _int_at_least("val_interval", val_interval, 1)
-    _int_at_least("seed", seed, 0)
-    _int_at_least("num_threads", num_threads, 1, allow_none=True)
-    _int_at_least("checkpoint_interval", checkpoint_interval, 1, allow_none=True)
-    _int_at_least("keep_checkpoints", keep_checkpoints, 1)
-    _int_at_least("correlation_interval", correlation_interval, 1, allow_none=True)
-    _int_at_least("log_interval", log_interval, 1)
-    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    if dataloader_kwargs is not None and not isinstance(dataloader_kwargs, dict):
-        raise TypeError(f"dataloader_kwargs must be a dict, got {type(dataloader_kwargs).__name__}")
-    reserved = {"batch_size", "sampler", "batch_sampler", "shuffle"} & set(dataloader_kwargs or {})
-    if reserved:
-        raise ValueError(f"dataloader_kwargs may not set {sorted(reserved)}: the trainer sets "
-                         "them from batch_size/minibatch_size and shuffle")
-    if resume_from is not None and not isinstance(resume_from, str):
-        raise TypeError(f"resume_from must be a path or 'auto', got {resume_from!r}")
-    device_type, device_ids = resolve_devices(device, devices)
-    if autocast and device_type == "mps" and not hasattr(torch, "mps"):
+    device_type, device_ids = resolve_devices(args.device, args.devices)
+    if args.autocast and device_type == "mps" and not hasattr(torch, "mps"):
         raise ValueError("autocast on MPS needs a newer torch; set autocast=False")
-    return RunSpec(
-        model=model,
-        train_dataset=train_dataset,
-        val_dataset=val_dataset,
-        strategy=strategy,
-        num_nodes=num_nodes,
-        num_epochs=num_epochs,
-        max_steps=max_steps,
-        batch_size=batch_size,
-        minibatch_size=minibatch,  # type: ignore[arg-type]
-        shuffle=bool(shuffle),
-        val_size=val_size,
-        val_interval=val_interval,
-        autocast=bool(autocast),
-        device_type=device_type,
-        devices=device_ids,
-        seed=seed,
-        num_threads=num_threads,
-        dataloader_kwargs=dict(dataloader_kwargs or {}),
-        save_dir=str(save_dir),
-        checkpoint_interval=checkpoint_interval,
-        keep_checkpoints=keep_checkpoints,
-        resume_from=resume_from,
-        correlation_interval=correlation_interval,
-        run_name=run_name,
-        log_interval=log_interval,
-        timeout_s=float(timeout_s),
-    )
+    values = {**args.run_values(), "minibatch_size": args.minibatch(), "devices": device_ids}
+    return RunSpec(**values, model=model, train_dataset=train_dataset, val_dataset=val_dataset,
+                   device_type=device_type)

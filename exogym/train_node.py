@@ -4,8 +4,9 @@ The same loop runs in a local simulation and on a real host: it takes a batch,
 runs forward and backward (accumulating gradients over minibatches), lets the
 strategy step (which is where ranks talk), and reports a metric event. It also
 evaluates, measures how correlated the ranks' models are, and writes and
-resumes checkpoints. Evaluation and metrics travel over a separate "side"
-process group, never over the training one, so byte counts stay exact.
+resumes checkpoints. Evaluation, averaging and agreement between ranks travel
+over the comm module's side channel, never over the training collectives, so
+byte counts stay exact.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from exogym import comm
+from exogym.averaging import average_across_ranks, averaged_tensors
 from exogym.checkpoint import (
     CheckpointError,
     checkpoint_path,
@@ -39,8 +40,7 @@ from exogym.data import (
     to_device,
     validation_subset,
 )
-from exogym.spec import RunSpec
-from exogym.strategy.communicate_optimize_strategy import averaged_tensors
+from exogym.spec import Placement, RunSpec
 
 Emit = Callable[[dict[str, Any]], None]
 
@@ -74,26 +74,25 @@ class TrainNode:
         spec: the run (validated; ``minibatch_size`` already an int).
         rank: this rank.
         device: the device it trains on.
-        emit: where metric events go (a queue in simulation, stdout on a host).
-        side_group: a process group for evaluation and metrics traffic (uncounted);
-            None when there is a single rank.
-        checkpoint_root: folder for this run's checkpoints.
+        emit: where metric events go (the parent's pipe in simulation, stdout lines on a host).
+        placement: where this machine runs its ranks (default: every rank here, no
+            broadcast of rank 0's initial weights).
     """
 
     def __init__(self, spec: RunSpec, rank: int, device: torch.device, emit: Emit,
-                 side_group=None, checkpoint_root: str | Path | None = None):
+                 placement: Placement | None = None):
         self.spec = spec
         self.rank = rank
         self.num_nodes = spec.num_nodes
         self.device = device
         self.emit = emit
-        self.side_group = side_group
-        self.checkpoint_root = Path(checkpoint_root or Path(spec.save_dir) / (spec.run_name or "run"))
+        self.placement = placement or Placement(ranks_per_machine=spec.num_nodes)
+        self.checkpoint_root = Path(spec.save_dir) / (spec.run_name or "run")
         _seed_everything(spec.seed + rank)
 
         self.model = copy.deepcopy(spec.model).to(device)
         self.model.train()
-        if spec.broadcast_init and self.num_nodes > 1:
+        if self.placement.broadcast_init and self.num_nodes > 1:
             self._broadcast_initial_state()
 
         train_data = build_dataset(spec.train_dataset, rank, self.num_nodes, True)
@@ -126,21 +125,16 @@ class TrainNode:
             if spec.autocast else nullcontext()
         )
 
-    # -- agreement between ranks (side group, uncounted) ------------------------------
+    # -- agreement between ranks (side channel, uncounted) ----------------------------
 
     def _side_reduce(self, values: list[float], op) -> list[float]:
-        if self.side_group is None:
-            return values
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=op, group=self.side_group)
+        comm.side_all_reduce(t, op=op)
         return t.tolist()
 
     def _broadcast_initial_state(self) -> None:
-        tensors = [p.data for p in self.model.parameters()] + list(self.model.buffers())
-        for t in tensors:
-            staged = t.detach().cpu()
-            dist.broadcast(staged, src=0, group=self.side_group)
-            t.copy_(staged)
+        for t in [p.data for p in self.model.parameters()] + list(self.model.buffers()):
+            comm.side_broadcast(t, src=0)
 
     def _agree_on_max_steps(self) -> int:
         if self.spec.max_steps is not None:
@@ -151,7 +145,7 @@ class TrainNode:
                              "(it has no length to count epochs by)")
         steps = max(1, self.spec.num_epochs * per_epoch // self.spec.accumulation_steps)
         # Ranks with different factory-built datasets must still stop together.
-        return int(self._side_reduce([steps], dist.ReduceOp.MIN)[0])
+        return int(self._side_reduce([steps], comm.ReduceOp.MIN)[0])
 
     # -- one step -------------------------------------------------------------------
 
@@ -221,16 +215,9 @@ class TrainNode:
     def _average_model(self) -> torch.nn.Module:
         if self._avg_model is None:
             self._avg_model = copy.deepcopy(self.model)
-        mine = averaged_tensors(self.model)
-        target = averaged_tensors(self._avg_model)
-        flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in mine])
-        dist.all_reduce(flat, group=self.side_group)
-        flat /= self.num_nodes
-        offset = 0
-        for t in target:
-            n = t.numel()
-            t.copy_(flat[offset:offset + n].view_as(t))
-            offset += n
+        means = average_across_ranks(averaged_tensors(self.model))
+        for target, mean in zip(averaged_tensors(self._avg_model), means):
+            target.copy_(mean)
         return self._avg_model
 
     def evaluate(self) -> dict[str, float]:
@@ -243,7 +230,7 @@ class TrainNode:
             return {"val_loss": local, "val_global_loss": local, **extra}
         # Every rank scores the average model on its slice of the validation set.
         total, count = self._eval_loss(self._average_model(), self.val_shard_loader)
-        total, count = self._side_reduce([total, count], dist.ReduceOp.SUM)
+        total, count = self._side_reduce([total, count], comm.ReduceOp.SUM)
         return {"val_loss": local, "val_global_loss": total / max(count, 1), **extra}
 
     def correlation(self) -> float:
@@ -253,7 +240,7 @@ class TrainNode:
         flat = torch.cat([p.detach().reshape(-1).float().cpu()
                           for p in self.model.parameters() if p.requires_grad])
         gathered = [torch.empty_like(flat) for _ in range(self.num_nodes)]
-        dist.all_gather(gathered, flat, group=self.side_group)
+        comm.side_all_gather(gathered, flat)
         corr = torch.corrcoef(torch.stack(gathered))
         mask = ~torch.eye(self.num_nodes, dtype=torch.bool)
         return float(corr[mask].mean())
@@ -266,6 +253,7 @@ class TrainNode:
             "step": self.step,
             "samples": self.samples,
             "comm_bytes": comm.comm_bytes(),
+            "comm_calls": comm.comm_calls(),
             "model": self.model.state_dict(),
             "strategy": self.strategy.state_dict(),
             "data": self.train_stream.state(),
@@ -284,8 +272,7 @@ class TrainNode:
         _set_rng_state(state["rng"], self.device)
         self.step = state["step"]
         self.samples = state["samples"]
-        comm.reset_counters()
-        comm._count(state["comm_bytes"])
+        comm.restore_counters(state["comm_bytes"], state.get("comm_calls", 0))
 
     def _newest_valid(self, root: Path, below: int) -> tuple[int, dict | None]:
         for step in reversed(list_steps(root, self.rank)):
@@ -305,7 +292,7 @@ class TrainNode:
         bound = 1 << 60
         while True:
             step, state = self._newest_valid(root, bound)
-            low, high = self._side_reduce([step, -step], dist.ReduceOp.MIN)
+            low, high = self._side_reduce([step, -step], comm.ReduceOp.MIN)
             agreed, highest = int(low), int(-high)
             if agreed == highest:
                 break

@@ -20,6 +20,7 @@ and the failing rank's traceback is raised.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import multiprocessing as mp
 import os
@@ -35,26 +36,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from exogym import comm
-from exogym._args import unknown_args_error
 from exogym.averaging import average_state_dicts
 from exogym.devices import loopback_interface
+from exogym.fit_args import FitArgs, fit_args_doc, fit_signature
 from exogym.io import atomic_torch_save
 from exogym.logger import Logger, make_logger
+from exogym.memory import with_measured_minibatch
 from exogym.report import ProgressSink, RunReporter, summarize
 from exogym.shm_collectives import SharedMemoryCollectives
-from exogym.spec import RunSpec, make_run_spec
+from exogym.spec import Placement, RunSpec, make_run_spec
 from exogym.strategy.strategy import Strategy
-
-FIT_ARGS = (
-    "num_epochs", "strategy", "num_nodes", "max_steps", "device", "devices", "batch_size",
-    "minibatch_size", "gradient_accumulation", "max_memory_usage", "shuffle", "val_size",
-    "val_interval", "autocast", "checkpoint_interval", "keep_checkpoints", "resume_from",
-    "correlation_interval", "save_dir", "dataloader_kwargs", "seed", "run_name", "logger",
-    "log_dir", "log_interval", "wandb_project", "num_threads", "progress", "timeout_s",
-)
 
 
 class RankFailedError(RuntimeError):
@@ -100,7 +93,7 @@ class _Portable:
 PRELOAD = ["__main__", "exogym.rank", "exogym.trainer", "torch._dynamo"]
 
 
-def _can_fork(spec: RunSpec) -> bool:
+def _can_fork(spec: RunSpec, placement: Placement) -> bool:
     """Fork the ranks straight from this process: no re-import, so start-up is fastest.
 
     Only where it is safe: Linux, CPU ranks (a forked child cannot use a CUDA or
@@ -112,7 +105,7 @@ def _can_fork(spec: RunSpec) -> bool:
     starts its own thread.
     """
     return (sys.platform.startswith("linux") and spec.device_type == "cpu"
-            and spec.threads_per_rank() == 1 and threading.active_count() == 1
+            and placement.threads_per_rank(spec) == 1 and threading.active_count() == 1
             and "fork" in mp.get_all_start_methods())
 
 
@@ -136,8 +129,8 @@ def _freeze_before_fork() -> None:
         _frozen = True
 
 
-def _mp_context(spec: RunSpec | None = None):
-    if spec is not None and _can_fork(spec):
+def _mp_context(spec: RunSpec, placement: Placement):
+    if _can_fork(spec, placement):
         import torch._dynamo  # noqa: F401 - every rank's first optimizer needs it: load it once
 
         _freeze_before_fork()
@@ -149,14 +142,14 @@ def _mp_context(spec: RunSpec | None = None):
     return mp.get_context("spawn")
 
 
-def _open_store(start_port: int | None) -> dist.TCPStore:
+def _open_store(start_port: int | None):
     """A TCP store on 127.0.0.1: on ``start_port`` or the next free port, or one the OS picks."""
     if start_port is None:
-        return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        return comm.open_store("127.0.0.1", 0, is_master=True)
     last_error: Exception | None = None
     for port in range(start_port, min(start_port + 100, 65536)):
         try:
-            return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+            return comm.open_store("127.0.0.1", port, is_master=True)
         except (RuntimeError, OSError) as exc:  # port taken: try the next
             last_error = exc
     raise RuntimeError(f"no free port in {start_port}..{start_port + 99}: {last_error}")
@@ -204,8 +197,8 @@ class _EventBatches:
         self._sent_at = time.monotonic()
 
 
-def _local_rank_entry(payload: Any, rank: int, events: connection.Connection,
-                      result_dir: str, parent_pid: int,
+def _local_rank_entry(payload: Any, placement: Placement, rank: int,
+                      events: connection.Connection, result_dir: str, parent_pid: int,
                       local: SharedMemoryCollectives | None = None) -> None:
     """Body of one simulated rank's process.
 
@@ -228,8 +221,8 @@ def _local_rank_entry(payload: Any, rank: int, events: connection.Connection,
         if local is not None:
             comm.use_local_collectives(local.bind(rank))
         port = int(events.recv())
-        state = run_rank(spec, rank, Rendezvous("127.0.0.1", port, store_on_rank0=False),
-                         emit)
+        state = run_rank(spec, placement, rank,
+                         Rendezvous("127.0.0.1", port, store_on_rank0=False), emit)
         path = atomic_torch_save(state, Path(result_dir) / f"rank{rank}.pt", durable=False)
         emit({"event": "result", "rank": rank, "path": str(path)})
         code = 0
@@ -277,109 +270,27 @@ class Trainer:
         self.log_dir: Path | None = None
         self.run_config: dict[str, Any] = {}
 
-    def fit(
-        self,
-        num_epochs: int = 1,
-        strategy: Strategy | None = None,
-        num_nodes: int = 1,
-        max_steps: int | None = None,
-        device: str | None = None,
-        devices: list[int] | None = None,
-        batch_size: int = 16,
-        minibatch_size: int | str | None = None,
-        gradient_accumulation: int | None = None,
-        max_memory_usage: float = 0.8,
-        shuffle: bool = True,
-        val_size: int = 64,
-        val_interval: int = 100,
-        autocast: bool = False,
-        checkpoint_interval: int | None = None,
-        keep_checkpoints: int = 3,
-        resume_from: str | None = None,
-        correlation_interval: int | None = None,
-        save_dir: str = "./checkpoints",
-        dataloader_kwargs: dict[str, Any] | None = None,
-        seed: int = 42,
-        run_name: str | None = None,
-        logger: Logger | str | None = "csv",
-        log_dir: str = "logs",
-        log_interval: int = 10,
-        wandb_project: str | None = None,
-        num_threads: int | None = None,
-        progress: bool | ProgressSink = True,
-        timeout_s: float = 1800.0,
-        **unknown: Any,
-    ) -> torch.nn.Module:
-        """Train and return the average of the ranks' final models.
+    def fit(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        fit_args = FitArgs.from_call("fit()", args, kwargs)
+        if fit_args.device is None and self.device is not None:
+            fit_args = dataclasses.replace(fit_args, device=self.device)
+        if fit_args.devices is None and self.devices is not None:
+            fit_args = dataclasses.replace(fit_args, devices=self.devices)
+        spec = make_run_spec(self.model, self.train_dataset, self.val_dataset, fit_args)
+        spec = with_measured_minibatch(spec)
+        run_logger = make_logger(fit_args.logger, fit_args.log_dir, fit_args.run_name,
+                                 fit_args.wandb_project)
+        return self._fit_spec(spec, self._placement(spec), run_logger, fit_args.progress)
 
-        Args:
-            num_epochs: epochs over each rank's shard, when ``max_steps`` is not given.
-            strategy: how ranks train and communicate (e.g. ``DiLoCoStrategy(H=100)``).
-            num_nodes: number of simulated ranks K.
-            max_steps: optimizer steps per rank (overrides ``num_epochs``).
-            device, devices: where ranks train; rank r uses ``devices[r % len(devices)]``.
-            batch_size: samples per rank per optimizer step.
-            minibatch_size: samples per forward pass (gradients accumulate up to
-                ``batch_size``); ``'auto'`` picks the largest that fits in
-                ``max_memory_usage`` of the device's memory (or RAM).
-            gradient_accumulation: minibatches per step, instead of ``minibatch_size``.
-            shuffle: reshuffle the training shards every epoch.
-            val_size: validation samples per evaluation (0: no evaluation).
-            val_interval: evaluate every this many steps (and after the last).
-            autocast: run forward passes in bfloat16 autocast.
-            checkpoint_interval: write a checkpoint every this many steps.
-            keep_checkpoints: newest checkpoints kept per rank.
-            resume_from: ``'auto'`` (the newest complete checkpoint of this run) or a folder.
-            correlation_interval: log the ranks' mean pairwise parameter correlation.
-            save_dir: checkpoint folder (``save_dir/run_name``).
-            dataloader_kwargs: extra DataLoader arguments (``collate_fn``, ``num_workers``).
-            seed: seed shared by all ranks (data order, strategy randomness).
-            run_name: name of the run (log and checkpoint folders).
-            logger: ``'csv'`` (default), ``'wandb'``, None, or a Logger.
-            log_dir: folder of the CSV logs.
-            log_interval: steps between plain progress lines when not on a terminal.
-            wandb_project: log to this W&B project.
-            num_threads: compute threads per rank (default: cores // num_nodes).
-            progress: show the progress bar and summary table; or an object with
-                ``on_event``/``close``/``finish`` (``exogym.report.ProgressSink``)
-                that shows the run its own way, e.g. a live dashboard.
-            timeout_s: how long a collective may wait for a peer.
-        """
-        if unknown:
-            raise unknown_args_error("fit()", unknown, FIT_ARGS)
-        if strategy is None:
-            raise TypeError("fit() needs strategy=, e.g. SimpleReduceStrategy() or "
-                            "DiLoCoStrategy(H=100)")
-        if not isinstance(progress, (bool, ProgressSink)):
-            raise TypeError("fit(progress=...) must be True, False or an object with on_event(), "
-                            f"close() and finish() methods, got {type(progress).__name__}")
-        spec = make_run_spec(
-            self.model, self.train_dataset, self.val_dataset,
-            strategy=strategy, num_nodes=num_nodes, num_epochs=num_epochs, max_steps=max_steps,
-            batch_size=batch_size, minibatch_size=minibatch_size,
-            gradient_accumulation=gradient_accumulation, shuffle=shuffle, val_size=val_size,
-            val_interval=val_interval, autocast=autocast,
-            device=device if device is not None else self.device,
-            devices=devices if devices is not None else self.devices,
-            seed=seed, num_threads=num_threads, dataloader_kwargs=dataloader_kwargs,
-            save_dir=save_dir, checkpoint_interval=checkpoint_interval,
-            keep_checkpoints=keep_checkpoints, resume_from=resume_from,
-            correlation_interval=correlation_interval, run_name=run_name,
-            log_interval=log_interval, timeout_s=timeout_s,
-        )
-        if spec.minibatch_size == "auto":
-            from exogym.memory import probe_minibatch
+    fit.__signature__ = fit_signature(  # type: ignore[attr-defined]
+        {"Strategy": Strategy, "Logger": Logger, "ProgressSink": ProgressSink}, torch.nn.Module)
+    fit.__doc__ = "Train and return the average of the ranks' final models.\n\n" + fit_args_doc()
 
-            spec.minibatch_size, _ = probe_minibatch(spec, max_memory_usage)
-        self._prepare_spec(spec)
-        run_logger = make_logger(logger, log_dir, run_name, wandb_project)
-        return self._fit_spec(spec, run_logger, progress)
+    def _placement(self, spec: RunSpec) -> Placement:
+        """Where the ranks run: here, every rank shares this machine."""
+        return Placement(ranks_per_machine=spec.num_nodes, devices=spec.devices)
 
-    def _prepare_spec(self, spec: RunSpec) -> None:
-        """Adjust the spec for where it runs: here, every rank shares this machine."""
-        spec.ranks_per_machine = spec.num_nodes
-
-    def _fit_spec(self, spec: RunSpec, run_logger: Logger | None,
+    def _fit_spec(self, spec: RunSpec, placement: Placement, run_logger: Logger | None,
                   progress: bool | ProgressSink) -> torch.nn.Module:
         if isinstance(progress, bool):
             reporter = RunReporter(spec.num_nodes, show=progress, log_interval=spec.log_interval)
@@ -404,7 +315,7 @@ class Trainer:
         started = time.perf_counter()
         failed = True
         try:
-            states = self._execute(spec, on_event)
+            states = self._execute(spec, placement, on_event)
             failed = False
         finally:
             reporter.close()
@@ -420,10 +331,10 @@ class Trainer:
         final.load_state_dict(average_state_dicts(states))
         return final
 
-    def _execute(self, spec: RunSpec,
+    def _execute(self, spec: RunSpec, placement: Placement,
                  on_event: Callable[[dict[str, Any]], None]) -> list[dict[str, torch.Tensor]]:
         """Run every rank as a local process; return their final states in rank order."""
-        ctx = _mp_context(spec)
+        ctx = _mp_context(spec, placement)
         payload = _Portable(spec)
         local = SharedMemoryCollectives.for_model(spec.model, spec.num_nodes, ctx, spec.timeout_s)
         pipes = [ctx.Pipe(duplex=True) for _ in range(spec.num_nodes)]
@@ -431,7 +342,8 @@ class Trainer:
         with tempfile.TemporaryDirectory(prefix="exogym-") as result_dir:
             procs = [
                 ctx.Process(target=_local_rank_entry, name=f"exogym-rank{rank}",
-                            args=(payload, rank, pipes[rank][1], result_dir, os.getpid(), local))
+                            args=(payload, placement, rank, pipes[rank][1], result_dir,
+                                  os.getpid(), local))
                 for rank in range(spec.num_nodes)
             ]
             try:

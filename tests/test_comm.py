@@ -159,3 +159,81 @@ def test_an_unknown_collectives_mode_is_refused_before_any_rank_starts(monkeypat
     with pytest.raises(ValueError, match="EXOGYM_COLLECTIVES='shared' is not one of auto, torch, mirror"):
         Trainer(tiny_model(), ds, ds).fit(strategy=SimpleReduceStrategy(), num_nodes=2,
                                           max_steps=2, **FIT)
+
+
+def test_only_the_comm_module_touches_torch_distributed():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for path in [*root.glob("exogym/**/*.py"), *root.glob("distributed/**/*.py")]:
+        if path == root / "exogym" / "comm.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                names = [f"{node.value.id}.{node.attr}"]
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, "torch.distributed outside exogym/comm.py: " + ", ".join(found)
+
+
+def _side_channel_rank(rank: int, port: int, results) -> None:
+    import os
+
+    from exogym.averaging import average_across_ranks
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    store = comm.open_store("127.0.0.1", port, is_master=rank == 0, world_size=2, timeout_s=60)
+    comm.init_process_group(store, rank, 2, "gloo", timeout_s=60)
+    try:
+        comm.reset_counters()
+        total = torch.tensor([rank + 1.0])
+        comm.side_all_reduce(total)
+        gathered = [torch.zeros(1), torch.zeros(1)]
+        comm.side_all_gather(gathered, torch.tensor([rank * 10.0]))
+        shared = torch.tensor([rank + 7.0])
+        comm.side_broadcast(shared, src=1)
+        means = average_across_ranks([torch.tensor([2.0 * rank]), torch.tensor([3 * rank]),
+                                      torch.tensor([rank == 0])])
+        comm.side_barrier()
+        results.put((rank, total.item(), [g.item() for g in gathered], shared.item(),
+                     [m.tolist() for m in means], [m.dtype for m in means],
+                     comm.comm_bytes(), comm.comm_calls()))
+    finally:
+        comm.destroy_process_group()
+
+
+def test_side_channel_reduces_gathers_broadcasts_averages_and_is_never_counted():
+    import multiprocessing as mp
+
+    from ranks import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_side_channel_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((row[0], row[1:]) for row in (results.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=30)
+    for rank in (0, 1):
+        total, gathered, shared, means, dtypes, nbytes, calls = got[rank]
+        assert total == 3.0 and gathered == [0.0, 10.0] and shared == 8.0
+        # float mean; integer mean rounded in its own dtype; a boolean keeps its own value
+        assert means == [[1.0], [2], [rank == 0]]
+        assert dtypes == [torch.float32, torch.int64, torch.bool]
+        assert nbytes == 0 and calls == 0
+
+
+def test_restored_counters_continue_from_a_checkpoint():
+    comm.restore_counters(1234, 5)
+    assert (comm.comm_bytes(), comm.comm_calls()) == (1234, 5)
+    comm.reset_counters()
+    assert (comm.comm_bytes(), comm.comm_calls()) == (0, 0)

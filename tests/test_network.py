@@ -118,3 +118,37 @@ def test_ranks_in_network_namespaces_pick_their_interface_and_match_the_simulati
                         simulate("digits-diloco", tmp_path, ["num_nodes=3"]))
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(
         "exo-") == 0
+
+
+def test_network_driver_checks_values_but_leaves_the_device_to_the_hosts():
+    from distributed import NetworkTrainer
+    from distributed.hosts.preflight import PreflightError
+    from distributed.tasks.builtin import digits_task
+    from exogym.strategy import SimpleReduceStrategy
+
+    # 127.0.0.2 is not this machine to the launcher, and no SSH server listens on the port.
+    hosts = {"master": "127.0.0.2", "workers": [], "ssh_port": free_port(),
+             "python_env": sys.executable, "project_path": str(ROOT)}
+    model, train, val = digits_task(seed=0)
+    trainer = NetworkTrainer(hosts, model, train, val)
+    assert not torch.cuda.is_available()
+    # A CPU-only driver can start a CUDA run: it gets as far as contacting the hosts.
+    with pytest.raises(PreflightError, match="connection refused"):
+        trainer.fit(strategy=SimpleReduceStrategy(), device="cuda", max_steps=2)
+    # A value no host could train with fails here, before any host is contacted.
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
+        trainer.fit(strategy=SimpleReduceStrategy(), batch_size=0)
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda', 'cuda:N' or 'mps'"):
+        trainer.fit(strategy=SimpleReduceStrategy(), device="gpu")
+    with pytest.raises(TypeError, match="did you mean 'max_steps'"):
+        trainer.fit(strategy=SimpleReduceStrategy(), max_step=2)
+
+
+def test_network_driver_refuses_an_unknown_launcher_option_when_built():
+    from distributed import NetworkTrainer
+    from exogym.digits import DigitsMLP
+
+    hosts = {"master": "127.0.0.1", "workers": ["127.0.0.2"], "python_env": sys.executable,
+             "project_path": str(ROOT)}
+    with pytest.raises(TypeError, match="did you mean 'max_restarts'"):
+        NetworkTrainer(hosts, DigitsMLP(), [0], launcher_options={"max_restart": 1})

@@ -312,6 +312,7 @@ def test_wandb_logger_names_the_extra_when_wandb_is_missing(monkeypatch):
 
 
 def test_minibatch_auto_picks_the_largest_that_fits_and_trains():
+    from exogym.fit_args import RunArgs
     from exogym.memory import probe_minibatch
     from exogym.spec import make_run_spec
 
@@ -323,7 +324,7 @@ def test_minibatch_auto_picks_the_largest_that_fits_and_trains():
                   save_dir="ckpt", checkpoint_interval=None, keep_checkpoints=1,
                   resume_from=None, correlation_interval=None, run_name=None, log_interval=1,
                   timeout_s=60)
-    spec = make_run_spec(tiny_model(), ds, ds, **common)
+    spec = make_run_spec(tiny_model(), ds, ds, RunArgs(**common))
     size, peaks = probe_minibatch(spec, max_memory_usage=0.5)
     assert size == 16 and peaks[16] > 0
     with pytest.raises(ValueError, match="even a minibatch of 1"):
@@ -393,23 +394,25 @@ def test_ranks_are_forked_only_while_no_other_thread_runs():
     # A lock another thread holds at a fork stays held in the child forever (glibc's
     # resolver lock once hung a rank): with a second thread alive, ranks come from
     # the fork server instead.
-    from exogym.spec import make_run_spec
+    from exogym.fit_args import RunArgs
+    from exogym.spec import Placement, make_run_spec
     from exogym.trainer import _can_fork
 
     ds = toy_dataset()
-    spec = make_run_spec(
-        tiny_model(), ds, ds, strategy=SimpleReduceStrategy(), num_nodes=2, num_epochs=1,
+    spec = make_run_spec(tiny_model(), ds, ds, RunArgs(
+        strategy=SimpleReduceStrategy(), num_nodes=2, num_epochs=1,
         max_steps=2, batch_size=8, minibatch_size=None, gradient_accumulation=None,
         shuffle=True, val_size=0, val_interval=1, autocast=False, device="cpu", devices=None,
         seed=0, num_threads=1, dataloader_kwargs=None, save_dir="ckpt", checkpoint_interval=None,
         keep_checkpoints=1, resume_from=None, correlation_interval=None, run_name=None,
-        log_interval=1, timeout_s=60)
+        log_interval=1, timeout_s=60))
+    placement = Placement(ranks_per_machine=2)
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     baseline = threading.active_count()
     other.start()
     try:
-        assert not _can_fork(spec)
+        assert not _can_fork(spec, placement)
         trainer = Trainer(tiny_model(), ds, ds)  # and a fit still works, from the fork server
         trainer.fit(strategy=SimpleReduceStrategy(), num_nodes=2, max_steps=2, batch_size=8,
                     val_size=0, num_threads=1, **QUIET)
@@ -418,7 +421,7 @@ def test_ranks_are_forked_only_while_no_other_thread_runs():
         stop.set()
         other.join()
     if baseline == 1:  # other tests' threads may linger in this process
-        assert _can_fork(spec)
+        assert _can_fork(spec, placement)
 
 
 class Pipe:

@@ -7,11 +7,12 @@ on your machine and as a rank on every host:
   ``MASTER_ADDR``, ``MASTER_PORT`` — set by our SSH launcher, by ``torchrun``,
   by SLURM or any scheduler), ``fit()`` trains that one rank
   (:class:`distributed.rank.trainer.RankTrainer`).
-- In the driver (no rank variables), ``fit()`` checks its arguments, starts
-  the same script on every host of the hosts file
-  (:mod:`distributed.launch.script`) and returns the final model rank 0 saved.
-  It builds no run spec here: the device, the memory probe and the data are
-  each host's business, so a CPU-only driver can start a CUDA run.
+- In the driver (no rank variables), ``fit()`` checks its arguments' names
+  and plain values (:class:`exogym.fit_args.FitArgs`), starts the same
+  script on every host of the hosts file (:mod:`distributed.launch.script`)
+  and returns the final model rank 0 saved. It builds no run spec here: the
+  device, the memory probe and the data are each host's business, so a
+  CPU-only driver can start a CUDA run.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from typing import Any
 import torch
 
 from distributed.hosts.hostsfile import load_hosts
+from distributed.launch.options import split_options
 from distributed.launch.script import run_script_on_hosts, script_program
 from distributed.rank.environment import rank_environment
 from distributed.rank.trainer import RankTrainer
 from exogym._args import unknown_args_error
+from exogym.fit_args import FitArgs
 from exogym.report import summarize
-from exogym.trainer import FIT_ARGS
 
 
 class NetworkTrainer:
@@ -38,8 +40,9 @@ class NetworkTrainer:
         hosts_config: the hosts file (path, dict, or loaded config); only the
             driver needs it — a started rank reads its rank variables instead.
         model, train_dataset, val_dataset: as for :class:`exogym.Trainer`.
-        launcher_options: keyword arguments for :class:`distributed.launch.launcher.Launcher`
-            in the driver (``accept_new_host_keys``, ``max_restarts``, ``sync``, ...).
+        launcher_options: fields of the launcher's ``LaunchOptions`` and ``SSHOptions`` for
+            the driver (``max_restarts``, ``sync``, ``run_dir``, ``accept_new_host_keys``,
+            ``known_hosts_path``, ...); an unknown one is a ``TypeError`` at once.
         **trainer_kwargs: ``start_port``, ``device``, ``devices``.
     """
 
@@ -68,6 +71,7 @@ class NetworkTrainer:
                                  "(or the rank variables RANK, WORLD_SIZE, MASTER_ADDR, "
                                  "MASTER_PORT to run as one rank)")
             self.config = load_hosts(hosts_config)
+            split_options(self.launcher_options, owner="NetworkTrainer(launcher_options=...)")
 
     def fit(self, **kwargs: Any) -> torch.nn.Module:
         """Same arguments as :meth:`exogym.Trainer.fit`; ``num_nodes`` defaults to the world size.
@@ -82,11 +86,9 @@ class NetworkTrainer:
         return self._drive(kwargs)
 
     def _drive(self, kwargs: dict[str, Any]) -> torch.nn.Module:
-        unknown = set(kwargs) - set(FIT_ARGS)
-        if unknown:
-            raise unknown_args_error("fit()", unknown, FIT_ARGS)
         world = self.config.world_size
-        asked = kwargs.get("num_nodes", world)
+        # Names and plain values only: the device, the model and the data are each host's.
+        asked = FitArgs.from_call("fit()", (), {"num_nodes": world, **kwargs}).num_nodes
         if asked != world:
             raise ValueError(f"fit(num_nodes={asked}) but the hosts file lists {world} hosts; "
                              "one rank runs per host")

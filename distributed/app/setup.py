@@ -196,7 +196,7 @@ def estimate_strategies(profile: Profile, strategies: Sequence[str], nodes: int,
     Raises:
         Whatever building the profile's task raises (a missing extra, a bad setting).
     """
-    facts = measure_model(profile, ranks_here=nodes if simulated else 1)
+    facts = measure_model(profile, ranks_here=nodes if simulated else 1, num_nodes=nodes)
     rows = []
     for name in strategies:
         try:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import load_file
+
 from distributed.hosts.hostsfile import HostsConfig
 from distributed.hosts.sync import PROJECT_ROOT
 from distributed.launch.launcher import Launcher
@@ -52,8 +54,6 @@ def run_script_on_hosts(config: HostsConfig, program: RankProgram,
         PreflightError: a host failed pre-flight; nothing was started.
         LaunchError: the job failed or was interrupted.
     """
-    from safetensors.torch import load_file
-
     options, ssh = split_options(launcher_options or {},
                                  owner="NetworkTrainer(launcher_options=...)")
     with Launcher(config, program, options=options, ssh=ssh, on_event=on_event) as job:

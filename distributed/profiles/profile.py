@@ -34,17 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from distributed.hosts.sync import PROJECT_ROOT
+from exogym.fit_args import profile_keys
 
 SECTION_PREFIX = "distributed:"
 DEFAULT_CONFIG = PROJECT_ROOT / "config.ini"
 
 PROFILE_KEYS = {"base_profile", "task", "strategy", "description", "output_dir"}
-RUN_KEYS = {
-    "num_nodes", "num_epochs", "max_steps", "batch_size", "minibatch_size",
-    "gradient_accumulation", "max_memory_usage", "shuffle", "val_size", "val_interval",
-    "autocast", "checkpoint_interval", "keep_checkpoints", "correlation_interval", "device",
-    "seed", "log_interval", "num_threads", "timeout_s",
-}
+RUN_KEYS = profile_keys()  # the arguments of fit a profile may set
 
 STRATEGIES = {
     "ddp": "SimpleReduceStrategy",

@@ -31,7 +31,7 @@ from distributed.rank.environment import (
 from exogym.io import atomic_save_safetensors
 from exogym.metrics import encode_event
 from exogym.rank import Rendezvous, run_rank
-from exogym.spec import RunSpec
+from exogym.spec import Placement, RunSpec
 from exogym.trainer import Trainer
 
 
@@ -63,22 +63,23 @@ class RankTrainer(Trainer):
             kwargs["logger"] = None  # rank 0 writes the run's logs
         return super().fit(*args, **kwargs)
 
-    def _prepare_spec(self, spec: RunSpec) -> None:
+    def _placement(self, spec: RunSpec) -> Placement:
+        """This host's ranks: by local rank on its GPUs, nccl on CUDA, rank 0's weights broadcast."""
         env = self.environment
-        spec.ranks_per_machine = env.local_world_size
-        spec.broadcast_init = True
-        if spec.device_type == "cuda":
-            spec.backend = "nccl"  # one GPU per rank on its own machine
+        devices = spec.devices
+        if spec.device_type == "cuda" and devices is not None:
+            # Ranks on one machine take its GPUs by local rank, not by global rank.
+            devices = [devices[env.local_rank % len(devices)]]
+        return Placement(ranks_per_machine=env.local_world_size, devices=devices,
+                         backend="nccl" if spec.device_type == "cuda" else None,
+                         broadcast_init=True)
 
-    def _execute(self, spec: RunSpec,
+    def _execute(self, spec: RunSpec, placement: Placement,
                  on_event: Callable[[dict[str, Any]], None]) -> list[dict[str, torch.Tensor]]:
         env = self.environment
         iface = choose_interface(env.master_addr)
         print(f"rank {env.rank}/{env.world_size}: master {env.master_addr}:{env.master_port}, "
               f"interface {iface or 'chosen by gloo'}", file=sys.stderr, flush=True)
-        if spec.device_type == "cuda" and spec.devices is not None:
-            # Ranks on one machine take its GPUs by local rank, not by global rank.
-            spec.devices = [spec.devices[env.local_rank % len(spec.devices)]]
 
         def emit(event: dict[str, Any]) -> None:
             print(encode_event(event), flush=True)
@@ -86,7 +87,7 @@ class RankTrainer(Trainer):
 
         rendezvous = Rendezvous(env.master_addr, env.master_port,
                                 store_on_rank0=not env.agent_store, watch_peers=True)
-        state = run_rank(spec, env.rank, rendezvous, emit, average_final=True)
+        state = run_rank(spec, placement, env.rank, rendezvous, emit, average_final=True)
         run_dir = os.environ.get(RUN_DIR_VARIABLE)
         if env.rank == 0 and run_dir:
             atomic_save_safetensors(state, Path(run_dir) / FINAL_MODEL,

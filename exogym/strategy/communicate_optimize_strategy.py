@@ -18,13 +18,6 @@ from .optim import OptimSpec
 from .strategy import Strategy
 
 
-def averaged_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The tensors a model average covers: trainable parameters, then float buffers."""
-    tensors = [p.data for p in model.parameters() if p.requires_grad]
-    tensors += [b for b in model.buffers() if b.is_floating_point()]
-    return tensors
-
-
 class CommunicationModule(ABC):
     """One communication step of a composed strategy.
 

@@ -49,7 +49,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from exogym import comm
 
@@ -246,7 +245,7 @@ class DeMo(torch.optim.Optimizer):
         if not entries:
             return loss
         buffer, layout = _pack(payload)
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world = comm.group_size()
         gathered = [torch.empty_like(buffer) for _ in range(world)]
         comm.all_gather(gathered, buffer)
         per_rank = [_unpack(g, layout, payload) for g in gathered]

@@ -18,15 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from exogym import comm
+from exogym.averaging import averaged_tensors
 
-from .communicate_optimize_strategy import (
-    CommunicateOptimizeStrategy,
-    CommunicationModule,
-    averaged_tensors,
-)
+from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
 from .facts import COMM_DTYPE, FEDAVG_H
 from .optim import OptimSpec
 
@@ -92,12 +88,12 @@ class AveragingCommunicator(CommunicationModule):
     def _ensure_groups(self, islands: list[list[int]], num_nodes: int) -> None:
         # new_group is collective over the world: every rank creates every
         # missing group, in the same order, because every rank has the same plan.
-        if not dist.is_initialized():
+        if not comm.is_initialized():
             return
         for island in islands:
             key = tuple(island)
             if len(island) < num_nodes and key not in self._groups:
-                self._groups[key] = dist.new_group(ranks=list(island))
+                self._groups[key] = comm.new_group(island)
 
     @torch.no_grad()
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int,

@@ -1,0 +1,355 @@
+"""The arguments of ``Trainer.fit``, defined once.
+
+Every argument is a field of a frozen dataclass: its default, the check of its
+value, a one-line help and whether a profile (a ``config.ini`` section) may set
+it. Everything else is derived from these fields: the names ``fit`` accepts
+(an unknown one is a ``TypeError`` with "did you mean"), ``fit``'s signature
+and docstring, the run spec every rank receives (:class:`exogym.spec.RunSpec`
+extends :class:`RunArgs`), the keys of ``RunSpec.config()`` and the run keys
+of a profile (:func:`profile_keys`).
+
+- :class:`RunArgs`: what every rank needs; it travels in the run spec.
+- :class:`FitArgs`: ``RunArgs`` plus what only the process that starts the run
+  uses (logger, progress display).
+
+Checking them needs no model, no device and no torch, so a driver that only
+launches hosts (and the CLI, and profiles) can check a run's arguments before
+anything starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import numbers
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from exogym._args import unknown_args_error
+
+if TYPE_CHECKING:
+    from exogym.logger import Logger
+    from exogym.report import ProgressSink
+    from exogym.strategy.strategy import Strategy
+
+Check = Callable[[str, Any], None]
+
+DEVICE_KINDS = ("cpu", "cuda", "mps")
+
+
+def _arg(default: Any, help: str, check: Check | None = None, profile: bool = False,
+         convert: Callable[[Any], Any] | None = None) -> Any:
+    """A field of ``fit``: its default, help line, value check, profile flag and conversion
+    (applied after the check, e.g. ``bool`` or ``float``)."""
+    return field(default=default, metadata={"help": help, "check": check, "profile": profile,
+                                            "convert": convert})
+
+
+# -- checks ----------------------------------------------------------------------------
+
+
+def check_int_at_least(name: str, value: Any, low: int, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is an integer ``>= low`` (or None when allowed)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        kind = f"an integer >= {low}" + (" or None" if allow_none else "")
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+
+
+def _at_least(low: int, allow_none: bool = False) -> Check:
+    def check(name: str, value: Any) -> None:
+        check_int_at_least(name, value, low, allow_none)
+    return check
+
+
+def _strategy_given(name: str, value: Any) -> None:
+    if value is None:
+        raise TypeError("fit() needs strategy=, e.g. SimpleReduceStrategy() or "
+                        "DiLoCoStrategy(H=100)")
+
+
+def parse_device(device: Any) -> tuple[str, str]:
+    """``device`` as (kind, index): ``('best', '')`` for None/'auto', ``('cuda', '1')`` for 'cuda:1'.
+
+    Checks the spelling only; whether the device exists here is for
+    :func:`exogym.devices.resolve_devices` on the machine that trains.
+    """
+    if device is not None and not isinstance(device, str) \
+            and type(device).__module__.startswith("torch"):
+        device = str(device)  # a torch.device
+    if device in (None, "", "auto"):
+        return "best", ""
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a string such as 'cpu', 'cuda' or 'mps', got {device!r}")
+    kind, _, index = device.partition(":")
+    if kind not in DEVICE_KINDS or (index and (kind != "cuda" or not index.isdigit())):
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}")
+    return kind, index
+
+
+def _device(name: str, value: Any) -> None:
+    parse_device(value)
+
+
+def _device_indices(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or any(
+            isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0 for d in value):
+        raise ValueError(f"devices must be a list of GPU indices such as [0, 1], got {value!r}")
+
+
+def _minibatch(name: str, value: Any) -> None:
+    if value != "auto":
+        check_int_at_least(name, value, 1, allow_none=True)
+
+
+def _fraction(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+
+
+def _path_or_auto(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a path or 'auto', got {value!r}")
+
+
+def _dataloader_kwargs(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a dict, got {type(value).__name__}")
+    reserved = {"batch_size", "sampler", "batch_sampler", "shuffle"} & set(value)
+    if reserved:
+        raise ValueError(f"{name} may not set {sorted(reserved)}: the trainer sets "
+                         "them from batch_size/minibatch_size and shuffle")
+
+
+def _positive_seconds(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+def _logger(name: str, value: Any) -> None:
+    if isinstance(value, str) and value not in ("csv", "wandb"):
+        raise ValueError(f"logger must be None, 'csv', 'wandb' or a Logger instance, "
+                         f"got {value!r}")
+
+
+def _progress(name: str, value: Any) -> None:
+    if isinstance(value, bool):
+        return
+    if not all(callable(getattr(value, m, None)) for m in ("on_event", "close", "finish")):
+        raise TypeError("fit(progress=...) must be True, False or an object with on_event(), "
+                        f"close() and finish() methods, got {type(value).__name__}")
+
+
+def _dict_or_empty(value: Any) -> Any:
+    return {} if value is None else value
+
+
+def resolve_minibatch(batch_size: int, minibatch_size: int | str | None,
+                      gradient_accumulation: int | None) -> int | str:
+    """Minibatch size from ``minibatch_size`` or ``gradient_accumulation`` (checked)."""
+    if minibatch_size is not None and gradient_accumulation is not None:
+        if minibatch_size == "auto":
+            raise ValueError("give minibatch_size='auto' or gradient_accumulation=, not both")
+        if batch_size != minibatch_size * gradient_accumulation:
+            raise ValueError(
+                f"minibatch_size={minibatch_size} and gradient_accumulation="
+                f"{gradient_accumulation} disagree with batch_size={batch_size}; give one of them"
+            )
+    if gradient_accumulation is not None:
+        check_int_at_least("gradient_accumulation", gradient_accumulation, 1)
+        if batch_size % gradient_accumulation:
+            raise ValueError(f"gradient_accumulation={gradient_accumulation} must divide "
+                             f"batch_size={batch_size}")
+        return batch_size // gradient_accumulation
+    if minibatch_size is None:
+        return batch_size
+    if minibatch_size == "auto":
+        return "auto"
+    check_int_at_least("minibatch_size", minibatch_size, 1)
+    if minibatch_size > batch_size or batch_size % minibatch_size:
+        raise ValueError(
+            f"minibatch_size={minibatch_size} must divide batch_size={batch_size} "
+            "(each step accumulates batch_size/minibatch_size minibatches); "
+            f"divisors of {batch_size}: {divisors(batch_size)}"
+        )
+    return minibatch_size
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of ``n`` in increasing order."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+# -- the arguments ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunArgs:
+    """The arguments of ``fit`` that every rank needs, checked on construction.
+
+    The fields are ``fit``'s arguments (their help: :func:`fit_args_doc`). Each
+    field's metadata holds its one-line ``help``, its ``check``, whether a
+    ``profile`` may set it and an optional ``convert`` (applied after the check).
+
+    Raises:
+        ValueError, TypeError: a value is wrong; the message names it and what to give.
+    """
+
+    num_epochs: int = _arg(1, "epochs over each rank's shard, when ``max_steps`` is not given.",
+                           _at_least(1), profile=True)
+    strategy: Strategy | None = _arg(
+        None, "how ranks train and communicate (e.g. ``DiLoCoStrategy(H=100)``).",
+        _strategy_given)
+    num_nodes: int = _arg(1, "number of ranks K.", _at_least(1), profile=True)
+    max_steps: int | None = _arg(None, "optimizer steps per rank (overrides ``num_epochs``).",
+                                 _at_least(1, allow_none=True), profile=True)
+    device: str | None = _arg(
+        None, "``'cpu'``, ``'cuda'``, ``'cuda:N'``, ``'mps'``; None: the best available.",
+        _device, profile=True)
+    devices: list[int] | None = _arg(None, "CUDA indices to spread ranks over; rank r uses "
+                                     "``devices[r % len(devices)]``.", _device_indices)
+    batch_size: int = _arg(16, "samples per rank per optimizer step.", _at_least(1),
+                           profile=True)
+    minibatch_size: int | str | None = _arg(
+        None, "samples per forward pass (gradients accumulate up to ``batch_size``); "
+        "``'auto'``: the largest that fits in ``max_memory_usage``.", _minibatch, profile=True)
+    gradient_accumulation: int | None = _arg(
+        None, "minibatches per step, instead of ``minibatch_size``.",
+        _at_least(1, allow_none=True), profile=True)
+    max_memory_usage: float = _arg(0.8, "share of the device's memory (or RAM) "
+                                   "``minibatch_size='auto'`` may fill.", _fraction, profile=True)
+    shuffle: bool = _arg(True, "reshuffle the training shards every epoch.", profile=True,
+                         convert=bool)
+    val_size: int = _arg(64, "validation samples per evaluation (0: no evaluation).",
+                         _at_least(0), profile=True)
+    val_interval: int = _arg(100, "evaluate every this many steps (and after the last).",
+                             _at_least(1), profile=True)
+    autocast: bool = _arg(False, "run forward passes in bfloat16 autocast.", profile=True,
+                          convert=bool)
+    checkpoint_interval: int | None = _arg(None, "write a checkpoint every this many steps.",
+                                           _at_least(1, allow_none=True), profile=True)
+    keep_checkpoints: int = _arg(3, "newest checkpoints kept per rank.", _at_least(1),
+                                 profile=True)
+    resume_from: str | None = _arg(None, "``'auto'`` (the newest complete checkpoint of this "
+                                   "run) or a folder.", _path_or_auto)
+    correlation_interval: int | None = _arg(
+        None, "log the ranks' mean pairwise parameter correlation every this many steps.",
+        _at_least(1, allow_none=True), profile=True)
+    save_dir: str = _arg("./checkpoints", "checkpoint folder (``save_dir/run_name``).",
+                         convert=str)
+    dataloader_kwargs: dict[str, Any] | None = _arg(
+        None, "extra DataLoader arguments (``collate_fn``, ``num_workers``).",
+        _dataloader_kwargs, convert=_dict_or_empty)
+    seed: int = _arg(42, "seed shared by all ranks (data order, strategy randomness).",
+                     _at_least(0), profile=True)
+    run_name: str | None = _arg(None, "name of the run (log and checkpoint folders).")
+    log_interval: int = _arg(10, "steps between plain progress lines when not on a terminal.",
+                             _at_least(1), profile=True)
+    num_threads: int | None = _arg(None, "compute threads per rank (default: cores shared by "
+                                   "the ranks of a machine).", _at_least(1, allow_none=True),
+                                   profile=True)
+    timeout_s: float = _arg(1800.0, "how long a collective may wait for a peer.",
+                            _positive_seconds, profile=True, convert=float)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            check = f.metadata.get("check")
+            if check is not None:
+                check(f.name, value)
+            convert = f.metadata.get("convert")
+            if convert is not None:
+                object.__setattr__(self, f.name, convert(value))
+        self.minibatch()  # checks batch_size, minibatch_size and gradient_accumulation together
+
+    def minibatch(self) -> int | str:
+        """Samples per forward pass: an integer, or ``'auto'`` until measured."""
+        return resolve_minibatch(self.batch_size, self.minibatch_size, self.gradient_accumulation)
+
+    def run_values(self) -> dict[str, Any]:
+        """The run's arguments by name (those of :class:`RunArgs` only)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(RunArgs)}
+
+
+@dataclass(frozen=True)
+class FitArgs(RunArgs):
+    """Every argument of ``fit``: :class:`RunArgs` and what only the starting process uses."""
+
+    logger: Logger | str | None = _arg(
+        "csv", "``'csv'`` (default), ``'wandb'``, None, or a Logger.", _logger)
+    log_dir: str = _arg("logs", "folder of the CSV logs.")
+    wandb_project: str | None = _arg(None, "log to this W&B project.")
+    progress: bool | ProgressSink = _arg(
+        True, "show the progress bar and summary table; or an object with "
+        "``on_event``/``close``/``finish`` (``exogym.report.ProgressSink``) that shows the "
+        "run its own way, e.g. a live dashboard.", _progress)
+
+    @classmethod
+    def from_call(cls, owner: str, args: Sequence[Any] = (),
+                  kwargs: Mapping[str, Any] | None = None) -> FitArgs:
+        """Bind a call's arguments as ``fit``'s signature does, and check them.
+
+        Args:
+            owner: the call's name in error messages (``'fit()'``).
+            args, kwargs: the call's positional and keyword arguments.
+
+        Raises:
+            TypeError: an unknown name (naming the closest accepted one), too many
+                positional arguments, or one given twice.
+        """
+        kwargs = dict(kwargs or {})
+        names = fit_arg_names()
+        unknown = set(kwargs) - set(names)
+        if unknown:
+            raise unknown_args_error(owner, unknown, names)
+        if len(args) > len(names):
+            raise TypeError(f"{owner} takes at most {len(names)} positional arguments, "
+                            f"{len(args)} were given")
+        for name, value in zip(names, args):
+            if name in kwargs:
+                raise TypeError(f"{owner} got multiple values for argument {name!r}")
+            kwargs[name] = value
+        return cls(**kwargs)
+
+
+def fit_arg_names() -> tuple[str, ...]:
+    """Every argument ``fit`` accepts, in its signature's order."""
+    return tuple(f.name for f in dataclasses.fields(FitArgs))
+
+
+def profile_keys() -> set[str]:
+    """The arguments of ``fit`` a profile may set (``num_nodes``, ``batch_size``, ...)."""
+    return {f.name for f in dataclasses.fields(FitArgs) if f.metadata["profile"]}
+
+
+def fit_signature(types: Mapping[str, Any], returns: Any) -> inspect.Signature:
+    """``fit(self, ...)``'s signature: every argument with its default and type.
+
+    Args:
+        types: the classes the annotations name beyond builtins (``Strategy``,
+            ``Logger``, ``ProgressSink``), which this torch-free module does not import.
+        returns: the return annotation.
+    """
+    hints = typing.get_type_hints(FitArgs, localns=dict(types))
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for f in dataclasses.fields(FitArgs):
+        params.append(inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                        default=f.default, annotation=hints[f.name]))
+    return inspect.Signature(params, return_annotation=returns)
+
+
+def fit_args_doc(indent: str = "    ") -> str:
+    """The ``Args:`` block of ``fit``'s docstring, one line per argument."""
+    lines = ["Args:"]
+    for f in dataclasses.fields(FitArgs):
+        lines.append(f"{indent}{f.name}: {f.metadata['help']}")
+    return "\n".join(lines)
