@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from exogym.data import build_dataset, loader_kwargs, to_device
 from exogym.devices import rank_device
 from exogym.fit_args import divisors
-from exogym.spec import RunSpec
+from exogym.spec import Placement, RunSpec
 
 
 def total_memory(device: torch.device) -> int:
@@ -81,15 +81,24 @@ def measure_peak(model: torch.nn.Module, batch, device: torch.device, autocast: 
     return max(0, int(peak))
 
 
-def probe_minibatch(spec: RunSpec, max_memory_usage: float) -> tuple[int, dict[int, int]]:
-    """The largest minibatch dividing ``spec.batch_size`` that fits; also the peaks measured."""
+def probe_minibatch(spec: RunSpec, max_memory_usage: float,
+                    placement: Placement | None = None) -> tuple[int, dict[int, int]]:
+    """The largest minibatch dividing ``spec.batch_size`` that fits; also the peaks measured.
+
+    Args:
+        spec: the run.
+        max_memory_usage: the share of the device's memory (or RAM) the ranks may use.
+        placement: this machine's ranks and devices (default: every rank here, as in a
+            simulation); only the ranks that share this machine's device count.
+    """
     if not 0.0 < max_memory_usage <= 1.0:
         raise ValueError(f"max_memory_usage must be in (0, 1], got {max_memory_usage!r}")
-    device = rank_device(spec.device_type, spec.devices, 0)
+    placement = placement or Placement(ranks_per_machine=spec.num_nodes, devices=spec.devices)
+    device = rank_device(spec.device_type, placement.devices, 0)
     if spec.device_type == "cuda":
-        sharing = math.ceil(spec.num_nodes / len(spec.devices or [0]))
+        sharing = math.ceil(placement.ranks_per_machine / len(placement.devices or [0]))
     else:
-        sharing = spec.num_nodes
+        sharing = placement.ranks_per_machine
     budget = max_memory_usage * total_memory(device)
     dataset = build_dataset(spec.train_dataset, 0, spec.num_nodes, True)
     optimizer_bytes = 2 * sum(p.numel() * p.element_size()
@@ -116,9 +125,10 @@ def probe_minibatch(spec: RunSpec, max_memory_usage: float) -> tuple[int, dict[i
     )
 
 
-def with_measured_minibatch(spec: RunSpec) -> RunSpec:
-    """``spec``, its ``minibatch_size='auto'`` replaced by the largest that fits (measured)."""
+def with_measured_minibatch(spec: RunSpec, placement: Placement | None = None) -> RunSpec:
+    """``spec``, its ``minibatch_size='auto'`` replaced by the largest that fits (measured
+    for the ranks ``placement`` puts on this machine)."""
     if spec.minibatch_size != "auto":
         return spec
-    size, _ = probe_minibatch(spec, spec.max_memory_usage)
+    size, _ = probe_minibatch(spec, spec.max_memory_usage, placement)
     return dataclasses.replace(spec, minibatch_size=size)

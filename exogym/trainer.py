@@ -277,10 +277,11 @@ class Trainer:
         if fit_args.devices is None and self.devices is not None:
             fit_args = dataclasses.replace(fit_args, devices=self.devices)
         spec = make_run_spec(self.model, self.train_dataset, self.val_dataset, fit_args)
-        spec = with_measured_minibatch(spec)
+        placement = self._placement(spec)
+        spec = with_measured_minibatch(spec, placement)
         run_logger = make_logger(fit_args.logger, fit_args.log_dir, fit_args.run_name,
                                  fit_args.wandb_project)
-        return self._fit_spec(spec, self._placement(spec), run_logger, fit_args.progress)
+        return self._fit_spec(spec, placement, run_logger, fit_args.progress)
 
     fit.__signature__ = fit_signature(  # type: ignore[attr-defined]
         {"Strategy": Strategy, "Logger": Logger, "ProgressSink": ProgressSink}, torch.nn.Module)

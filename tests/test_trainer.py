@@ -335,6 +335,31 @@ def test_minibatch_auto_picks_the_largest_that_fits_and_trains():
     assert trainer.history[-1]["samples"] == 32
 
 
+def test_minibatch_auto_counts_only_the_ranks_on_this_machine():
+    """A host running 1 rank of 64 may use the memory 64 simulated ranks must share."""
+    import dataclasses
+
+    from exogym.devices import rank_device
+    from exogym.fit_args import RunArgs
+    from exogym.memory import probe_minibatch, total_memory
+    from exogym.spec import Placement, make_run_spec
+
+    ds = toy_dataset()
+    spec = make_run_spec(tiny_model(), ds, ds, RunArgs(
+        strategy=SimpleReduceStrategy(), num_nodes=64, max_steps=2, batch_size=16,
+        minibatch_size="auto", val_size=0, device="cpu"))
+    _, peaks = probe_minibatch(spec, max_memory_usage=1.0, placement=Placement(1))
+    usage = 2 * peaks[16] / total_memory(rank_device("cpu", None, 0))  # room for 2 ranks
+    one_here, _ = probe_minibatch(spec, usage, placement=Placement(ranks_per_machine=1))
+    assert one_here == 16
+    try:
+        all_here, _ = probe_minibatch(spec, usage)  # a simulation: all 64 share this machine
+    except ValueError:
+        all_here = 0
+    assert all_here < 16
+    assert dataclasses.replace(spec, minibatch_size=one_here).accumulation_steps == 1
+
+
 def test_threads_per_rank_default_to_cores_shared():
     from exogym.devices import default_threads
 
