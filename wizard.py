@@ -363,13 +363,14 @@ class Wizard:
                            f"({facts.threads} thread(s)). Estimates for {nodes} machines at "
                            f"{mbit:g} Mbit/s:", highlight=False)
         table = Table(title_justify="left")
-        for column in ("strategy", "what it sends", "sent per step", "comm per step",
-                       "speedup (vs 1 machine)"):
+        for column in ("strategy", "what it sends", "step here", "sent per step",
+                       "comm per step", "speedup (vs 1 machine)"):
             table.add_column(column, justify="left" if column in ("strategy", "what it sends")
                              else "right")
         for row in estimates.rows:
             note = "" if row.available else " [dim](not available here)[/]"
-            table.add_row(row.strategy + note, row.description, row.wire_bytes,
+            table.add_row(row.strategy + note, row.description, f"{row.compute_ms:,.1f} ms",
+                          row.wire_bytes,
                           f"{row.comm_ms:,.1f} ms", f"{row.speedup:.2f}x")
         self.console.print(table)
         self.console.print("DiLoCo is the default: it communicates once every H steps, so on a "

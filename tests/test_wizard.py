@@ -199,3 +199,27 @@ def test_wizard_in_a_terminal_builds_hosts_trusts_keys_writes_files_and_trains(s
     assert "all 3 ranks finished" in screen
     for rank, host in enumerate(("127.0.0.1", "127.0.0.2", "127.0.0.3")):
         assert f"│    {rank} │ {host}" in screen  # the dashboard's row for the rank
+
+
+def test_estimates_time_each_strategy_with_its_own_step(monkeypatch):
+    """DeMo's and SPARTA's rows are planned with their own measured step, not DiLoCo's."""
+    from distributed.app import setup
+    from distributed.planning.estimate import ModelFacts
+    from distributed.profiles.profile import load_profile
+
+    step_ms = {"diloco": 10.0, "ddp": 11.0, "sparta": 13.0, "fedavg": 12.0, "demo": 40.0}
+    timed = []
+
+    def fake_measure(profile, ranks_here=1, num_nodes=None, **_):
+        timed.append((profile.strategy, ranks_here, num_nodes))
+        return ModelFacts(num_params=1000, compute_s_per_step=step_ms[profile.strategy] / 1000,
+                          batch_size=16, threads=1, shapes=((10, 100),))
+
+    monkeypatch.setattr(setup, "measure_model", fake_measure)
+    estimates = setup.estimate_strategies(load_profile("digits-diloco"),
+                                          ("ddp", "diloco", "sparta", "fedavg", "demo"),
+                                          nodes=3, mbit=100.0, simulated=False)
+    assert sorted(s for s, _, _ in timed) == sorted(step_ms)  # each once, DiLoCo's reused
+    assert all(ranks == 1 and nodes == 3 for _, ranks, nodes in timed)
+    assert {row.strategy: row.compute_ms for row in estimates.rows} == pytest.approx(step_ms)
+    assert estimates.facts.compute_s_per_step == pytest.approx(0.010)
