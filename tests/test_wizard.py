@@ -210,7 +210,8 @@ def test_estimates_time_each_strategy_with_its_own_step(monkeypatch):
     step_ms = {"diloco": 10.0, "ddp": 11.0, "sparta": 13.0, "fedavg": 12.0, "demo": 40.0}
     timed = []
 
-    def fake_measure(profile, ranks_here=1, num_nodes=None, **_):
+    def fake_measure(profile, ranks_here=1, num_nodes=None, task=None, **_):
+        assert task is not None and len(task) == 3  # built once by the caller
         timed.append((profile.strategy, ranks_here, num_nodes))
         return ModelFacts(num_params=1000, compute_s_per_step=step_ms[profile.strategy] / 1000,
                           batch_size=16, threads=1, shapes=((10, 100),))

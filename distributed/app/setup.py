@@ -212,7 +212,9 @@ def estimate_strategies(profile: Profile, strategies: Sequence[str], nodes: int,
         Whatever building the profile's task raises (a missing extra, a bad setting).
     """
     ranks_here = nodes if simulated else 1
-    facts = measure_model(profile, ranks_here=ranks_here, num_nodes=nodes)
+    resolved = profile.resolved
+    task = resolved.task_fn(**resolved.task_kwargs)  # built once, timed with every strategy
+    facts = measure_model(profile, ranks_here=ranks_here, num_nodes=nodes, task=task)
     rows = []
     for name in strategies:
         try:
@@ -227,8 +229,8 @@ def estimate_strategies(profile: Profile, strategies: Sequence[str], nodes: int,
             with warnings.catch_warnings():
                 # Built here only to be timed: what it has to say is the real run's to say.
                 warnings.simplefilter("ignore")
-                compute_s = measure_model(planned, ranks_here=ranks_here,
-                                          num_nodes=nodes).compute_s_per_step
+                compute_s = measure_model(planned, ranks_here=ranks_here, num_nodes=nodes,
+                                          task=task).compute_s_per_step
         values = planned.values if planned is not None else profile.values
         p = projection.predict(name, facts.num_params, nodes, compute_s,
                                projection.mbit_to_bytes_per_s(mbit), shapes=facts.shapes,

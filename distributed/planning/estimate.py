@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from distributed.profiles.profile import Profile
 from distributed.tasks.builtin import count_parameters
 from exogym.fit_args import RunArgs
 from exogym.memory import with_measured_minibatch
-from exogym.spec import make_run_spec
+from exogym.spec import Placement, make_run_spec
 from exogym.step_time import measure_step_seconds
 
 
@@ -45,7 +46,8 @@ class ModelFacts:
 
 
 def measure_model(profile: Profile, ranks_here: int = 1, steps: int = 10,
-                  warmup: int = 3, num_nodes: int | None = None) -> ModelFacts:
+                  warmup: int = 3, num_nodes: int | None = None,
+                  task: tuple[Any, Any, Any] | None = None) -> ModelFacts:
     """Build ``profile``'s task and strategy and time ``steps`` training steps after ``warmup`` ones.
 
     Args:
@@ -57,12 +59,14 @@ def measure_model(profile: Profile, ranks_here: int = 1, steps: int = 10,
         num_nodes: the ranks the run is planned for (default: the profile's
             ``num_nodes``); a strategy's local work may grow with them (DeMo
             decodes every rank's payload).
+        task: the profile's ``(model, train_dataset, val_dataset)`` when already built
+            (timing several strategies on one task); the model is copied, never trained.
 
     Raises:
         Whatever building the task raises (a missing extra, a bad setting).
     """
     resolved = profile.resolved
-    model, train, _ = resolved.task_fn(**resolved.task_kwargs)
+    model, train, _ = task if task is not None else resolved.task_fn(**resolved.task_kwargs)
     run = resolved.run_kwargs
     threads = int(run.get("num_threads") or max(1, (os.cpu_count() or 1) // max(1, ranks_here)))
     args = RunArgs(**{
@@ -76,7 +80,8 @@ def measure_model(profile: Profile, ranks_here: int = 1, steps: int = 10,
         "checkpoint_interval": None,
         "correlation_interval": None,
     })
-    spec = with_measured_minibatch(make_run_spec(model, train, None, args))
+    spec = with_measured_minibatch(make_run_spec(model, train, None, args),
+                                   Placement(ranks_per_machine=ranks_here))
     times = measure_step_seconds(spec, steps, warmup)
     shapes = tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad)
     return ModelFacts(count_parameters(model), times[len(times) // 2], spec.batch_size, threads,
