@@ -44,6 +44,7 @@ from exogym.fit_args import FitArgs, fit_args_doc, fit_signature
 from exogym.io import atomic_torch_save
 from exogym.logger import Logger, make_logger
 from exogym.memory import with_measured_minibatch
+from exogym.rank import Rendezvous, run_rank
 from exogym.report import ProgressSink, RunReporter, summarize
 from exogym.shm_collectives import SharedMemoryCollectives
 from exogym.spec import Placement, RunSpec, make_run_spec
@@ -216,8 +217,6 @@ def _local_rank_entry(payload: Any, placement: Placement, rank: int,
         iface = loopback_interface()
         if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
-        from exogym.rank import Rendezvous, run_rank
-
         if local is not None:
             comm.use_local_collectives(local.bind(rank))
         port = int(events.recv())

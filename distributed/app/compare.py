@@ -26,6 +26,7 @@ from distributed.profiles.profile import (
     parse_overrides,
     strategy_class,
 )
+from exogym.io import atomic_write_bytes
 
 __all__ = ["StrategyResult", "check_plotting", "parse_overrides", "plan_comparison",
            "plot_comparison", "profile_for_strategy", "run_comparison"]
@@ -147,6 +148,8 @@ def run_comparison(plans: Sequence[Profile],
     Raises:
         RunFailedError: when a rank of a run fails (the runs before it are lost).
     """
+    # Here, not at the top: they bring torch, which planning a comparison (and the wizard's
+    # and the CLI's profile listings, which import this module) must not pay for.
     from distributed.app.run import RunFailedError, brief_failure
     from distributed.rank.worker import run_profile
     from exogym.rank import LostRankError
@@ -191,8 +194,6 @@ def plot_comparison(results: Sequence[StrategyResult], path: str | Path,
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from exogym.io import atomic_write_bytes
 
     fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in results:

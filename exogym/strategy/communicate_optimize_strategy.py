@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from exogym._args import init_arg_names, unknown_args_error
+
 from .optim import OptimSpec
 from .strategy import Strategy
 
@@ -29,8 +31,6 @@ class CommunicationModule(ABC):
 
     def __init__(self, **kwargs: Any):
         if kwargs:
-            from exogym._args import init_arg_names, unknown_args_error
-
             raise unknown_args_error(type(self).__name__, kwargs, init_arg_names(type(self)))
 
     @abstractmethod
