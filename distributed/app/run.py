@@ -192,7 +192,7 @@ def train_command(request: TrainRequest) -> str:
         hosts = request.hosts.source if isinstance(request.hosts, HostsConfig) else request.hosts
         if hosts is None:
             raise ValueError("a command line needs the hosts as a file; these hosts were "
-                             "read from none (save them with save_hosts first)")
+                             "read from none (write them to a hosts file first)")
         args += ["--hosts", str(hosts)]
     args += set_args(request.overrides)
     if request.local:
