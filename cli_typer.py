@@ -263,8 +263,9 @@ def slurm(
         if python:
             job.python = python
         path = write_sbatch_script(job, out)
+        # soft_wrap: a long path stays on one line, to copy as it is.
         make_console().print(f"{job.ranks} ranks on {nodes} nodes. " + submit_hint(path),
-                             markup=False)
+                             markup=False, soft_wrap=True)
 
 
 @app.command("whisper-convert")
