@@ -1,14 +1,15 @@
 """A real one-node SLURM cluster on this machine: munged, slurmctld and slurmd in a temp folder.
 
-The node is ``localhost`` (127.0.0.1) with this machine's CPUs; the daemons run
-as the current user and are stopped by PID when the test ends. Skips, saying
-why, when SLURM or munge is not installed (``tests/setup_system.sh`` installs
-them) or the daemons do not come up.
+The node is ``localhost`` (127.0.0.1) with this machine's CPUs. The daemons run
+as root (through ``sudo -n`` for another user: a node starts job steps as the
+user who submitted them) and are stopped by PID when the test ends; jobs run
+as the current user. Skips, saying why, when SLURM or munge is not installed
+(``tests/setup_system.sh`` installs them), root is out of reach, or the daemons
+do not come up.
 """
 
 from __future__ import annotations
 
-import getpass
 import os
 import shutil
 import signal
@@ -32,6 +33,16 @@ def slurm_missing() -> str | None:
     return None
 
 
+def as_root() -> list[str] | None:
+    """The prefix that runs a command as root: [] for root, sudo for others, None if neither."""
+    if os.geteuid() == 0:
+        return []
+    if shutil.which("sudo") and subprocess.run(["sudo", "-n", "true"],
+                                               capture_output=True).returncode == 0:
+        return ["sudo", "-n", "--preserve-env=SLURM_CONF"]
+    return None
+
+
 def _exe(name: str) -> str:
     return shutil.which(name) or str(Path("/usr/sbin", name))
 
@@ -41,8 +52,8 @@ ClusterName=exogymtest
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
-SlurmUser={user}
-SlurmdUser={user}
+SlurmUser=root
+SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=socket={dir}/munge.sock
 CredType=cred/munge
@@ -67,6 +78,12 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSu
 @contextmanager
 def slurm_cluster() -> Iterator[dict[str, str]]:
     """Start the cluster; yields the environment (``SLURM_CONF``) its clients need."""
+    import pytest
+
+    root = as_root()
+    if root is None:
+        pytest.skip("a SLURM node needs root to start job steps; run as root or with "
+                    "passwordless sudo")
     # Short path: munge's socket path must fit a Unix socket name.
     folder = Path(tempfile.mkdtemp(prefix="exoslurm"))
     for sub in ("state", "spool"):
@@ -75,23 +92,23 @@ def slurm_cluster() -> Iterator[dict[str, str]]:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
     conf = folder / "slurm.conf"
-    conf.write_text(CONF.format(ctld_port=free_port(), d_port=free_port(), user=getpass.getuser(),
-                                dir=folder, cpus=os.cpu_count() or 1))
+    conf.write_text(CONF.format(ctld_port=free_port(), d_port=free_port(), dir=folder,
+                                cpus=os.cpu_count() or 1))
     env = dict(os.environ, SLURM_CONF=str(conf))
     for key_name in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
         env.pop(key_name)
     procs: list[subprocess.Popen] = []
     try:
         procs.append(subprocess.Popen(
-            [_exe("munged"), "--foreground", "--force", "-S", str(folder / "munge.sock"),
+            [*root, _exe("munged"), "--foreground", "--force", "-S", str(folder / "munge.sock"),
              "--key-file", str(key), "--pid-file", str(folder / "munged.pid"),
              "--log-file", str(folder / "munged.log"), "--seed-file", str(folder / "seed")],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
         _wait_for(lambda: (folder / "munge.sock").exists(), 20, folder, "munged")
         log = open(folder / "daemons.out", "wb")
-        procs.append(subprocess.Popen([_exe("slurmctld"), "-D", "-i"], env=env, stdout=log,
+        procs.append(subprocess.Popen([*root, _exe("slurmctld"), "-D", "-i"], env=env, stdout=log,
                                       stderr=subprocess.STDOUT))
-        procs.append(subprocess.Popen([_exe("slurmd"), "-D", "-N", "localhost"], env=env,
+        procs.append(subprocess.Popen([*root, _exe("slurmd"), "-D", "-N", "localhost"], env=env,
                                       stdout=log, stderr=subprocess.STDOUT))
         log.close()
 
@@ -104,15 +121,25 @@ def slurm_cluster() -> Iterator[dict[str, str]]:
         yield env
     finally:
         for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+            _signal(proc, root, signal.SIGTERM)
         for proc in reversed(procs):
             try:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                _signal(proc, root, signal.SIGKILL)
                 proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        # The daemons' files are root's.
+        subprocess.run([*root, "rm", "-rf", str(folder)], check=False)
+
+
+def _signal(proc: subprocess.Popen, root: list[str], sig: signal.Signals) -> None:
+    """Signal one daemon by its PID (through sudo, which passes it on, when it started it)."""
+    if proc.poll() is not None:
+        return
+    if root:
+        subprocess.run(["sudo", "-n", "kill", f"-{sig.name}", str(proc.pid)], check=False)
+    else:
+        proc.send_signal(sig)
 
 
 def _wait_for(ready, seconds: float, folder: Path, what: str) -> None:

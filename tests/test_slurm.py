@@ -220,6 +220,7 @@ def test_the_readme_srun_example_trains_two_ranks_on_a_real_cluster(cluster, tmp
 def test_the_readme_sbatch_example_runs_the_profile_as_a_job(cluster, tmp_path):
     write, submit = readme_block("Then submit it")
     script = ROOT / shlex.split(submit)[1]
+    job_id = None
     assert not script.exists(), f"{script} is in the way; move it"
     write = write.replace("runs/sbatch-digits", str(tmp_path / "out"))
     try:
@@ -228,7 +229,7 @@ def test_the_readme_sbatch_example_runs_the_profile_as_a_job(cluster, tmp_path):
         assert made.returncode == 0, made.stdout + made.stderr
         assert f"sbatch {script.name}" in made.stdout
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-        submitted = subprocess.run(shlex.split(submit), cwd=tmp_path, env=cluster,
+        submitted = subprocess.run(shlex.split(submit), cwd=ROOT, env=cluster,
                                    capture_output=True, text=True, timeout=60)
         assert submitted.returncode == 0, submitted.stderr
         job_id = submitted.stdout.split()[-1]
@@ -237,8 +238,10 @@ def test_the_readme_sbatch_example_runs_the_profile_as_a_job(cluster, tmp_path):
                              text=True).stdout.strip():
             assert time.monotonic() < deadline, "the job did not finish in 300 s"
             time.sleep(1)
-        output = (tmp_path / f"slurm-{job_id}.out").read_text()
+        output = (ROOT / f"slurm-{job_id}.out").read_text()
         assert '"steps": 30' in (tmp_path / "out" / "summary.json").read_text(), output[-3000:]
         assert "rank 0/1: master localhost:" in output, output[-3000:]
     finally:
         script.unlink(missing_ok=True)
+        if job_id:
+            (ROOT / f"slurm-{job_id}.out").unlink(missing_ok=True)
