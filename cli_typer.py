@@ -5,6 +5,7 @@
     python cli_typer.py check-hosts distributed_hosts.json
     python cli_typer.py profiles
     python cli_typer.py compare digits-diloco --strategies ddp,diloco,fedavg --out compare.png
+    python cli_typer.py slurm digits-diloco --nodes 4 --time 1:00:00   # then: sbatch digits-diloco.sbatch
 
 A face only: it parses, calls ``distributed.app.run`` (the same code the wizard
 uses) and prints. Nothing heavy is imported until a command needs it, so
@@ -222,6 +223,49 @@ def compare(
         console.print(table)
         written = plot_comparison(results, out, title=f"{profile}: validation loss")
         console.print(f"plot written to {written}", markup=False)
+
+
+@app.command("slurm")
+def slurm(
+    ctx: typer.Context,
+    profile: Annotated[str, typer.Argument(help="Profile every rank runs (see `profiles`).")],
+    nodes: Annotated[int, typer.Option("--nodes", "-N", min=1, help="Nodes to allocate.")],
+    gpus_per_node: Annotated[int | None, typer.Option(
+        "--gpus-per-node", min=1,
+        help="GPUs per node, one rank each. Without it, one rank per node.")] = None,
+    time: Annotated[str | None, typer.Option(
+        "--time", "-t", help="Wall-clock limit in SLURM's form (30, 1:00:00, 1-12).")] = None,
+    partition: Annotated[str | None, typer.Option(
+        "--partition", "-p", help="Partition (default: the cluster's).")] = None,
+    out: Annotated[Path | None, typer.Option(
+        "--out", "-o", dir_okay=False, help="Script to write (default: PROFILE.sbatch).")
+    ] = None,
+    project_path: Annotated[str | None, typer.Option(
+        "--project-path", help="This project's folder as the nodes see it (default: this "
+                               "checkout).")] = None,
+    python: Annotated[str | None, typer.Option(
+        "--python", help="Python on the nodes (default: this one).")] = None,
+    master_port: Annotated[int | None, typer.Option(
+        "--master-port", help="Rendezvous port (default: derived from the job id).")] = None,
+    config: ConfigFile = None,
+    set_: Overrides = None,
+    debug: Debug = False,
+) -> None:
+    """Write an sbatch script that runs PROFILE on a SLURM cluster; print how to submit it."""
+    with reported_errors(ctx, debug):
+        from distributed.app.slurm import SlurmJob, submit_hint, write_sbatch_script
+
+        job = SlurmJob(profile=profile, nodes=nodes, gpus_per_node=gpus_per_node, time=time,
+                       partition=partition, config=str(config) if config else None,
+                       overrides=list(set_ or []), master_port=master_port)
+        if project_path:
+            job.project_path = project_path
+        if python:
+            job.python = python
+        path = write_sbatch_script(job, out)
+        # soft_wrap: a long path stays on one line, to copy as it is.
+        make_console().print(f"{job.ranks} ranks on {nodes} nodes. " + submit_hint(path),
+                             markup=False, soft_wrap=True)
 
 
 @app.command("whisper-convert")

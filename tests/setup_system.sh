@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the system packages the test suite uses: sshd for the launcher's
-# tests, espeak-ng for synthesized speech, iproute2 for network namespaces.
+# tests, espeak-ng for synthesized speech, iproute2 for network namespaces,
+# SLURM and munge for a one-node cluster (tests/slurm_fixture.py).
 # Does nothing for packages already present; uses sudo when not root.
 set -euo pipefail
 need=()
@@ -9,6 +10,10 @@ command -v ssh-keygen >/dev/null 2>&1 || need+=(openssh-client)
 command -v espeak-ng >/dev/null 2>&1 || need+=(espeak-ng)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v tmux >/dev/null 2>&1 || need+=(tmux)
+command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ] || need+=(slurmctld)
+command -v slurmd >/dev/null 2>&1 || [ -x /usr/sbin/slurmd ] || need+=(slurmd)
+command -v srun >/dev/null 2>&1 || need+=(slurm-client)
+command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ] || need+=(munge)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

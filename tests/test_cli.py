@@ -68,7 +68,8 @@ def test_help_of_every_command_answers_without_importing_torch():
             "import cli_typer\n"
             "runner = CliRunner()\n"
             "for args in ([], ['--help'], *([c, '--help'] for c in ('distributed-train', "
-            "'check-hosts', 'profiles', 'compare', 'whisper-convert', 'whisper-synthesize'))):\n"
+            "'check-hosts', 'profiles', 'compare', 'slurm', 'whisper-convert', "
+            "'whisper-synthesize'))):\n"
             "    result = runner.invoke(cli_typer.app, args)\n"
             "    assert 'Usage' in result.output, (args, result.output)\n"
             "print('torch' in sys.modules, 'paramiko' in sys.modules)\n")

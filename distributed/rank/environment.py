@@ -3,7 +3,9 @@
 A rank is started with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` (and optionally ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``) in its
 environment, by our SSH launcher, ``torchrun``, or any scheduler that sets
-them. Rank 0 leaves the run's final model in ``FINAL_MODEL`` for the driver.
+them; under ``srun`` they are read from SLURM's own variables
+(:mod:`distributed.rank.slurm`), explicit ones winning. Rank 0 leaves the run's final model in
+``FINAL_MODEL`` for the driver.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from distributed.hosts.netif import interface_for
+from distributed.rank.slurm import slurm_rank_variables
 
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: The final model a run leaves in its output folder (safetensors; run config in its metadata).
@@ -43,8 +46,9 @@ class RankEnvironment:
 
 
 def rank_environment(env: dict[str, str] | None = None) -> RankEnvironment | None:
-    """Read the rank variables; None when none is set, a clear error when some are missing."""
+    """Read the rank variables (or SLURM's); None when none is set, a clear error when some are missing."""
     env = dict(os.environ if env is None else env)
+    env.update(slurm_rank_variables(env))
     present = [k for k in RANK_VARIABLES if env.get(k)]
     if not present:
         return None
