@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -175,12 +177,38 @@ def test_probe_counts_the_visible_gpus(monkeypatch):
     assert count_gpus() == 0
 
 
-# --------------------------------------------------------------------------- a real run
-
-
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
     yield from serve_sshd(tmp_path_factory)
+
+
+def test_check_hosts_fails_cuda_slots_on_a_host_without_gpus(sshd, tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has an NVIDIA driver: the test host needs none")
+    config = sshd_hosts(sshd, workers=1)
+    config["workers"][0].update(slots=2, device="cuda")
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps(config))
+    result = runner.invoke(app, ["check-hosts", str(hosts), "--known-hosts",
+                                 str(sshd.known_hosts), "--ssh-config", str(sshd.ssh_config)])
+    assert result.exit_code == 2, result.output
+    assert "[127.0.0.2:1-2]" in result.output and "no NVIDIA GPU was found" in result.output
+
+
+def test_each_cuda_rank_of_a_host_takes_the_gpu_of_its_local_rank():
+    from distributed.rank.environment import RankEnvironment
+    from distributed.rank.trainer import RankTrainer
+
+    spec = SimpleNamespace(device_type="cuda", devices=[0, 1, 2, 3])
+    for local_rank in range(4):
+        env = RankEnvironment(4 + local_rank, 8, "10.0.0.1", 29500, local_rank, 4)
+        placement = RankTrainer._placement(SimpleNamespace(environment=env), spec)
+        assert placement.devices == [local_rank]
+        assert placement.ranks_per_machine == 4 and placement.backend == "nccl"
+
+
+# --------------------------------------------------------------------------- a real run
 
 
 def test_two_hosts_with_two_slots_each_equal_the_four_rank_simulation(sshd, tmp_path):
