@@ -215,19 +215,21 @@ class Wizard:
                      "the wizard without --yes to build a new one", 2, False)
             return None
         table = Table(title=f"Hosts in {self.hosts_path}", title_justify="left")
-        for name in ("rank", "host", "ssh user", "python", "project"):
+        for name in ("ranks", "host", "ssh user", "python", "project"):
             table.add_column(name)
         for h in config.hosts:
-            table.add_row(str(h.rank), h.label, h.ssh_user or "-", h.python_env, h.project_path)
+            ranks = str(h.ranks[0]) if h.slots == 1 else f"{h.ranks[0]}-{h.ranks[-1]}"
+            table.add_row(ranks, h.label, h.ssh_user or "-", h.python_env, h.project_path)
         self.console.print(table)
-        if not self.ask.confirm(f"Use these {config.world_size} hosts?", default=True):
+        if not self.ask.confirm(f"Use these {len(config.hosts)} hosts ({config.world_size} "
+                                "ranks)?", default=True):
             return None
         self.console.print("Checking every host (pre-flight)...")
         report = self.check(config)
         report.render(self.console)
         if not report.ok:
             if self.ask.assume_yes:
-                fail(f"{sum(not c.ok for c in report.checks)} of {config.world_size} hosts are "
+                fail(f"{sum(not c.ok for c in report.checks)} of {len(config.hosts)} hosts are "
                      "not ready (each problem above names the host and the fix); fix them and "
                      "run again, or use cli_typer.py distributed-train --local to simulate",
                      2, False)

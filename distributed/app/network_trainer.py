@@ -90,8 +90,9 @@ class NetworkTrainer:
         # Names and plain values only: the device, the model and the data are each host's.
         asked = FitArgs.from_call("fit()", (), {"num_nodes": world, **kwargs}).num_nodes
         if asked != world:
-            raise ValueError(f"fit(num_nodes={asked}) but the hosts file lists {world} hosts; "
-                             "one rank runs per host")
+            raise ValueError(f"fit(num_nodes={asked}) but the hosts file runs {world} ranks "
+                             f"on {len(self.config.hosts)} host(s) (one per slot); leave "
+                             f"num_nodes out, set it to {world}, or change the hosts' slots")
         self.history = []
 
         def on_event(event: dict[str, Any]) -> None:

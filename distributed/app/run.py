@@ -280,8 +280,9 @@ def brief_failure(exc: BaseException) -> str:
 def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
                  live: bool | None) -> TrainOutcome:
     config = hosts_config(request)
-    dashboard = Dashboard(config.world_size, [h.host for h in config.hosts],
-                          title=f"{profile.name} on {config.world_size} host(s)",
+    dashboard = Dashboard(config.world_size, [h.host for h in config.rank_hosts],
+                          title=f"{profile.name}: {config.world_size} rank(s) on "
+                                f"{len(config.hosts)} host(s)",
                           console=console, live=live)
     with make_launcher(request, config, console=console, dashboard=dashboard) as launcher:
         if request.sync:

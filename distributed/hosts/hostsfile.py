@@ -12,13 +12,16 @@ A hosts file is JSON. The short form most users write::
     }
 
 Rank 0 runs on the master, ranks 1.. on the workers in the order listed.
+A host may run several ranks (one per GPU of a multi-GPU box, say) with
+``"slots": N``, as in DeepSpeed's hostfile: the world size is the sum of the
+slots, and global ranks are numbered host by host (the master's slots first).
 Optional ``master_port`` (default 29500) is the port of the training process
 group on the master. Every per-host key may also be given at the top level,
 where it is the default for every host. The master and any worker may be an
 object instead of an address, to override those defaults for that host::
 
     {"host": "192.168.1.102", "ssh_port": 2222, "python_env": "/opt/py/bin/python",
-     "interface": "en0", "device": "mps"}
+     "interface": "en0", "device": "mps", "slots": 1}
 
 ``load_hosts`` validates the whole file and reports every problem at once in a
 single ``HostsFileError``, each line naming the field, the value and the fix.
@@ -47,6 +50,7 @@ HOST_KEYS = (
     "project_path",
     "interface",
     "device",
+    "slots",
 )
 #: Keys the top level of a hosts file accepts.
 TOP_KEYS = ("master", "workers", "master_port") + tuple(k for k in HOST_KEYS if k != "host")
@@ -77,10 +81,11 @@ class HostsFileError(ValueError):
 
 @dataclass(frozen=True)
 class HostSpec:
-    """One host of a job and how to reach it; its index in the job is its rank.
+    """One host of a job, how to reach it, and the ranks it runs.
 
     Args:
-        rank: the rank this host runs (0 is the master).
+        rank: the host's index in the job (0 is the master): its ``NODE_RANK``,
+            and the rank it runs when every host has one slot.
         host: address or ``~/.ssh/config`` alias of the host.
         ssh_port: SSH port, or ``None`` for ``~/.ssh/config``'s ``Port`` or 22.
         ssh_user: login user, or ``None`` for ``~/.ssh/config``'s ``User`` or
@@ -94,6 +99,9 @@ class HostSpec:
             that routes to the master.
         device: torch device for the rank (``cpu``, ``cuda``, ``cuda:N``,
             ``mps``, ``auto``), or ``None`` for the run's default.
+        slots: how many ranks run on this host (each with its own
+            ``LOCAL_RANK``; on CUDA each takes ``cuda:LOCAL_RANK``).
+        first_rank: the global rank of its first slot; ``None``: ``rank``.
     """
 
     rank: int
@@ -105,6 +113,18 @@ class HostSpec:
     ssh_key_path: str | None = None
     interface: str | None = None
     device: str | None = None
+    slots: int = 1
+    first_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.first_rank is None:
+            object.__setattr__(self, "first_rank", self.rank)
+
+    @property
+    def ranks(self) -> range:
+        """The global ranks this host runs, one per slot."""
+        assert self.first_rank is not None
+        return range(self.first_rank, self.first_rank + self.slots)
 
     @property
     def label(self) -> str:
@@ -116,7 +136,7 @@ class HostSpec:
         out: dict[str, Any] = {"host": self.host}
         for key in HOST_KEYS[1:]:
             value = getattr(self, key)
-            if value is not None:
+            if value is not None and not (key == "slots" and value == 1):
                 out[key] = value
         return out
 
@@ -126,7 +146,7 @@ class HostsConfig:
     """A validated hosts file: every host of a job, ordered by rank.
 
     Args:
-        hosts: the hosts, ``hosts[r]`` runs rank ``r``; the master is first.
+        hosts: the hosts in order, the master first; ``hosts[i].rank == i``.
         master_port: port of the training process group on the master.
         source: the file it was read from, if any.
     """
@@ -147,8 +167,20 @@ class HostsConfig:
 
     @property
     def world_size(self) -> int:
-        """Number of ranks: one per host."""
-        return len(self.hosts)
+        """Number of ranks: the sum of every host's slots."""
+        return sum(h.slots for h in self.hosts)
+
+    @property
+    def rank_hosts(self) -> tuple[HostSpec, ...]:
+        """The host of every rank, in rank order (a host once per slot)."""
+        return tuple(h for h in self.hosts for _ in range(h.slots))
+
+    def host_of(self, rank: int) -> HostSpec:
+        """The host that runs global rank ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in 0..{self.world_size - 1} (the hosts file "
+                             f"runs {self.world_size} ranks)")
+        return self.rank_hosts[rank]
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a hosts-file object that ``load_hosts`` reads back unchanged."""
@@ -359,11 +391,14 @@ class _Validator:
 
         if self.problems:
             return None
-        specs = tuple(
-            HostSpec(rank=rank, **{k: v for k, v in h.items() if k != "_path"})
-            for rank, h in enumerate(hosts)
-        )
-        return HostsConfig(hosts=specs, master_port=master_port, source=self.source)
+        specs = []
+        first_rank = 0
+        for index, h in enumerate(hosts):
+            spec = HostSpec(rank=index, first_rank=first_rank,
+                            **{k: v for k, v in h.items() if k != "_path"})
+            specs.append(spec)
+            first_rank += spec.slots
+        return HostsConfig(hosts=tuple(specs), master_port=master_port, source=self.source)
 
     def _unknown_keys(self, obj: dict[str, Any], path: JsonPath, accepted: tuple[str, ...],
                       where: str) -> None:
@@ -446,6 +481,14 @@ class _Validator:
             else:
                 self.problem(path + ("device",), f"{_field(path + ('device',))} must be one of "
                              f"cpu, cuda, cuda:N, mps, auto, got {_show(value)}")
+        if "slots" in obj:
+            value = obj["slots"]
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+                out["slots"] = value
+            else:
+                self.problem(path + ("slots",), f"{_field(path + ('slots',))} must be the number "
+                             f"of ranks to run on the host, an integer >= 1 (e.g. its GPU "
+                             f"count), got {_show(value)}")
         return out
 
     def _port(self, obj: dict[str, Any], path: JsonPath) -> int | None:

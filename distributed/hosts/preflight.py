@@ -41,7 +41,7 @@ class HostCheck:
     """The pre-flight outcome for one host: a row of the table.
 
     Args:
-        rank: the rank the host runs.
+        rank: the host's index in the hosts file (0 is the master).
         host: the host as the hosts file names it.
         where: ``local`` or the SSH login (``user@host:port``).
         ssh, python, project, versions, code, port, interface: what each
@@ -49,6 +49,8 @@ class HostCheck:
         problems: what failed, each with its fix; empty when the host is ready.
         notes: things worth knowing that do not stop the run.
         probe: the raw probe result, when the probe ran.
+        ranks: the ranks it runs, as shown (``"2"``, or ``"2-3"`` for two slots);
+            empty: ``rank``.
     """
 
     rank: int
@@ -64,6 +66,7 @@ class HostCheck:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     probe: dict[str, Any] | None = None
+    ranks: str = ""
 
     @property
     def ok(self) -> bool:
@@ -72,8 +75,8 @@ class HostCheck:
 
     @property
     def label(self) -> str:
-        """``[host:rank]``, the prefix used for this rank everywhere."""
-        return f"[{self.host}:{self.rank}]"
+        """``[host:rank]`` (``[host:2-3]`` for a host with slots), as its ranks are prefixed."""
+        return f"[{self.host}:{self.ranks or self.rank}]"
 
 
 @dataclass
@@ -117,7 +120,7 @@ class PreflightReport:
         for c in self.checks:
             status = Text("ok", style="green") if c.ok else Text(
                 f"FAILED ({len(c.problems)})", style="bold red")
-            table.add_row(c.host, str(c.rank), c.ssh, c.python, c.project, c.versions, c.code,
+            table.add_row(c.host, c.ranks or str(c.rank), c.ssh, c.python, c.project, c.versions, c.code,
                           c.port, c.interface, status)
         parts: list[Any] = [table]
         for i, problem in enumerate(self.problems, 1):
@@ -250,8 +253,8 @@ def run_preflight(
         notes: extra notes per rank (e.g. host keys trusted on the way).
     """
     port = config.master_port
-    checks = [HostCheck(rank=h.rank, host=h.host, where=logins.get(h.rank, "-"))
-              for h in config.hosts]
+    checks = [HostCheck(rank=h.rank, host=h.host, where=logins.get(h.rank, "-"),
+                        ranks=_ranks_text(h)) for h in config.hosts]
     for rank, error in connect_errors.items():
         checks[rank].ssh = "FAILED"
         checks[rank].problems.append(str(error))
@@ -290,6 +293,8 @@ def run_preflight(
                                        "files": list(files), "master": master_addr}
             if rank != 0 and port_held:
                 message["connect"] = [master_addr, port, connect_timeout]
+            if _gpu_per_slot(host):
+                message["count_gpus"] = True
             command = probe_command(host.project_path, host.python_env)
             return rank, shells[rank].run(command, message, timeout=probe_timeout)
 
@@ -387,7 +392,46 @@ def _interpret(check: HostCheck, host: HostSpec, result: Completed,
     connect = found.get("connect")
     if connect is not None:
         check.port = "reachable" if connect["ok"] else f"{connect['error']}"
+    _check_slots(check, host, found)
     return found
+
+
+def _ranks_text(host: HostSpec) -> str:
+    """The host's ranks in a word: ``2``, or ``2-3`` for a host with two slots."""
+    ranks = host.ranks
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def _gpu_per_slot(host: HostSpec) -> bool:
+    """Whether each of the host's ranks takes a GPU of its own (``cuda:LOCAL_RANK``)."""
+    return host.slots > 1 and host.device == "cuda"
+
+
+def _check_slots(check: HostCheck, host: HostSpec, found: Mapping[str, Any]) -> None:
+    """Hold a host's ``slots`` to its devices: a GPU per rank on CUDA, a note past its cores."""
+    if host.slots == 1:
+        return
+    if _gpu_per_slot(host):
+        gpus = found.get("gpus")
+        if gpus is None:
+            check.problems.append(
+                f'"slots": {host.slots} with "device": "cuda" needs {host.slots} GPUs, but no '
+                "NVIDIA GPU was found here (nvidia-smi is not on the PATH of its python_env's "
+                'shell): install the driver, or use "device": "cpu"')
+        elif gpus < host.slots:
+            check.problems.append(
+                f'"slots": {host.slots} with "device": "cuda" needs {host.slots} GPUs (one per '
+                f"rank, cuda:LOCAL_RANK), but this host has {gpus}: lower \"slots\" to {gpus} "
+                "or less")
+        return
+    if host.device is not None and host.device.startswith("cuda:"):
+        check.notes.append(f"its {host.slots} ranks share one GPU ({host.device}); "
+                           '"device": "cuda" gives each rank a GPU of its own')
+        return
+    cpus = found.get("cpus")
+    if cpus and host.slots > cpus:
+        check.notes.append(f'"slots": {host.slots} is more than its {cpus} CPU cores: its ranks '
+                           "will share cores and each step will be slower")
 
 
 def _compare(config: HostsConfig, checks: list[HostCheck], master_addr: str, port: int) -> None:

@@ -97,7 +97,9 @@ class HostSession:
     """Connections to the hosts of a hosts file: connect, sync, pre-flight, fetch, close.
 
     Connections are opened on first need and kept until ``close``; use it as a
-    context manager.
+    context manager. A session knows hosts, not ranks: the ``rank`` its methods
+    take is a host's index (``HostSpec.rank``); every rank of a host with
+    several slots runs through its host's one connection.
 
     Args:
         hosts: a ``HostsConfig``, a hosts file path, or a hosts mapping.

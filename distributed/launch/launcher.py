@@ -1,4 +1,4 @@
-"""The SSH launcher: start one rank per host, watch them, stop them all, restart the job.
+"""The SSH launcher: start every rank on its host, watch them, stop them all, restart the job.
 
 A library API, used by NetworkTrainer, the CLI and the wizard::
 
@@ -19,9 +19,10 @@ What ``run`` does:
 1. Optionally copies the project's tracked files to every remote host (``sync=True``).
 2. Pre-flight on all hosts in parallel (``distributed.hosts.preflight``); nothing
    starts unless every check passes (``PreflightError`` otherwise).
-3. Starts rank ``r`` on ``hosts[r]`` as ``cd project_path && python_env ARGS``:
-   rank 0 as a local subprocess when the master is this machine, every other
-   rank over SSH. The rank variables are set on the command line with ``env
+3. Starts each host's ranks (one per slot, numbered host by host) as ``cd
+   project_path && python_env ARGS``: the master's as local subprocesses when
+   the master is this machine, every other over SSH (one connection per host,
+   one channel per rank). The rank variables are set on the command line with ``env
    NAME=value`` (so the SSH server's ``AcceptEnv`` does not matter); secrets
    travel over the channel's stdin to a small supervisor
    (``distributed.hosts.onhost.bootstrap``) that puts them in the rank's environment only.
@@ -35,8 +36,9 @@ What ``run`` does:
    is started again, up to N times, with ``EXOGYM_RESTART=k`` and the
    program's ``resume_args`` added, so ranks continue from their checkpoints.
 
-Every rank sees ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (0), ``LOCAL_WORLD_SIZE``
-(1), ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``EXOGYM_RESTART``,
+Every rank sees ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (0..slots-1 on its
+host), ``LOCAL_WORLD_SIZE`` (its host's slots), ``NODE_RANK`` (its host's
+index), ``MASTER_ADDR``, ``MASTER_PORT``, ``EXOGYM_RESTART``,
 ``EXOGYM_RUN_DIR`` and ``PYTHONUNBUFFERED``; ``GLOO_SOCKET_IFNAME`` and
 ``NCCL_SOCKET_IFNAME`` when its host sets ``interface`` (otherwise the rank
 picks the interface that routes to the master); ``EXOGYM_DEVICE`` when its
@@ -105,7 +107,7 @@ __all__ = [
 
 
 class Launcher:
-    """Starts, watches and stops one rank per host of a hosts file, on a host session.
+    """Starts, watches and stops every rank of a hosts file (one per slot), on a host session.
 
     The session's connections are opened on first need (``session.preflight``,
     ``session.sync``, ``run``) and kept until ``close``; use it as a context
@@ -213,7 +215,8 @@ class Launcher:
 
         Rank 0 on this machine is read directly; a remote rank's file comes over SFTP.
         """
-        return self.session.fetch(rank, Path(self.rank_run_dir) / relative_path, local_path)
+        host = self.config.host_of(rank).rank
+        return self.session.fetch(host, Path(self.rank_run_dir) / relative_path, local_path)
 
     def close(self) -> None:
         """Close the session's connections, when the launcher opened the session."""
@@ -228,27 +231,28 @@ class Launcher:
         world = self.config.world_size
         master_addr = self.session.master_addr
         for host in self.config.hosts:
-            env = {
-                "RANK": str(host.rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-                "LOCAL_WORLD_SIZE": "1", "NODE_RANK": str(host.rank),
-                "MASTER_ADDR": master_addr, "MASTER_PORT": str(self.config.master_port),
-                "EXOGYM_RESTART": str(restart), "EXOGYM_RUN_DIR": self.rank_run_dir,
-                "PYTHONUNBUFFERED": "1",
-            }
-            env.update(self.env)
-            if host.interface:
-                env["GLOO_SOCKET_IFNAME"] = host.interface
-                env["NCCL_SOCKET_IFNAME"] = host.interface
-            if host.device:
-                env["EXOGYM_DEVICE"] = host.device
-            plans.append(RankPlan(
-                rank=host.rank, host=host, local=self.session.is_local(host.rank),
-                login=self.session.login(host.rank),
-                command=rank_command(host.project_path, host.python_env, env,
-                                     self.program.argv(host, restart)),
-                env_names=tuple(env), secret_names=tuple(sorted(self.secrets)),
-                interface=host.interface, master_addr=master_addr,
-                master_port=self.config.master_port))
+            for local_rank, rank in enumerate(host.ranks):
+                env = {
+                    "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
+                    "LOCAL_WORLD_SIZE": str(host.slots), "NODE_RANK": str(host.rank),
+                    "MASTER_ADDR": master_addr, "MASTER_PORT": str(self.config.master_port),
+                    "EXOGYM_RESTART": str(restart), "EXOGYM_RUN_DIR": self.rank_run_dir,
+                    "PYTHONUNBUFFERED": "1",
+                }
+                env.update(self.env)
+                if host.interface:
+                    env["GLOO_SOCKET_IFNAME"] = host.interface
+                    env["NCCL_SOCKET_IFNAME"] = host.interface
+                if host.device:
+                    env["EXOGYM_DEVICE"] = host.device
+                plans.append(RankPlan(
+                    rank=rank, host=host, local=self.session.is_local(host.rank),
+                    login=self.session.login(host.rank),
+                    command=rank_command(host.project_path, host.python_env, env,
+                                         self.program.argv(host, restart)),
+                    env_names=tuple(env), secret_names=tuple(sorted(self.secrets)),
+                    interface=host.interface, master_addr=master_addr,
+                    master_port=self.config.master_port, local_rank=local_rank))
         return plans
 
     def dry_run(self) -> list[RankPlan]:
@@ -261,7 +265,9 @@ class Launcher:
         plans = self.plan()
         console = self._get_console()
         master = plans[0]
-        console.print(f"Dry run: {len(plans)} rank(s), master {master.master_addr}:"
+        hosts = len(self.config.hosts)
+        console.print(f"Dry run: {len(plans)} rank(s) on {hosts} host(s), master "
+                      f"{master.master_addr}:"
                       f"{master.master_port}; nothing is started and nothing is connected to.",
                       markup=False, highlight=False, soft_wrap=True)
         for p in plans:
@@ -270,7 +276,9 @@ class Launcher:
                          else "chosen by the rank: the one that routes to the master")
             lines = [
                 "",
-                f"rank {p.rank} on {p.host.host} ({where})",
+                f"rank {p.rank} on {p.host.host} ({where})" + (
+                    f", local rank {p.local_rank} of {p.host.slots}" if p.host.slots > 1
+                    else ""),
                 f"  port:      {p.master_port} on {p.master_addr}"
                 + (" (this rank listens)" if p.rank == 0 else ""),
                 f"  interface: {interface}",
@@ -353,7 +361,7 @@ class Launcher:
             on_output=lambda line: self._deliver(self._on_output, line),
             on_event=lambda event: self._deliver(self._on_event, event),
             exits=self._exits)
-        runs = [RankRun(plan, self.session.shell(plan.rank),
+        runs = [RankRun(plan, self.session.shell(plan.host.rank),
                         self.run_dir / f"rank{plan.rank}.log", restart, context)
                 for plan in plans]
         self._say(f"starting {len(runs)} rank(s)" + (f" (restart {restart})" if restart else "")
@@ -429,7 +437,8 @@ class Launcher:
             "run_dir": str(self.run_dir),
             "world_size": self.config.world_size,
             "master": f"{self.session.master_addr}:{self.config.master_port}",
-            "ranks": [{"rank": p.rank, "host": p.host.host, "login": p.login,
+            "ranks": [{"rank": p.rank, "host": p.host.host, "local_rank": p.local_rank,
+                       "login": p.login,
                        "command": p.command, "env": list(p.env_names),
                        "secrets": list(p.secret_names),
                        "log": str(self.run_dir / f"rank{p.rank}.log")} for p in self.plan()],

@@ -97,6 +97,7 @@ class RankPlan:
             rank picks the one that routes to the master).
         master_addr: where the rank finds the master.
         master_port: the master's port.
+        local_rank: its position among its host's ranks (``LOCAL_RANK``).
     """
 
     rank: int
@@ -109,4 +110,5 @@ class RankPlan:
     interface: str | None
     master_addr: str
     master_port: int
+    local_rank: int = 0
 

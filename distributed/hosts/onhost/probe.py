@@ -10,7 +10,9 @@ object on stdout. Actions:
   ``pyproject.toml``), a hash of the project's code files (the list comes from
   the launcher, so every host hashes the same files the same way), the network
   interfaces, the interface and source address that route to the master, and,
-  when asked, whether a TCP connection to the master's port succeeds.
+  when asked, whether a TCP connection to the master's port succeeds, and
+  how many CPU cores and (when asked) NVIDIA GPUs the host has, so a host's
+  ``slots`` can be held to them.
 - ``"listen"``: hold the master port open (proving it is free) until stdin
   closes, so the workers' connection tests have something to reach.
 
@@ -130,6 +132,24 @@ def try_connect(host: str, port: int, timeout: float) -> dict[str, Any]:
         return {"ok": False, "error": exc.strerror or str(exc)}
 
 
+def count_gpus(timeout: float = 20.0) -> int | None:
+    """NVIDIA GPUs this host's ranks can use: ``CUDA_VISIBLE_DEVICES`` when set, else the
+    lines of ``nvidia-smi -L``; ``None`` when neither tells (no driver on the PATH)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
 def probe(message: dict[str, Any]) -> dict[str, Any]:
     """Everything pre-flight wants to know about this host, as one JSON-able dict."""
     root = os.getcwd()
@@ -149,6 +169,8 @@ def probe(message: dict[str, Any]) -> dict[str, Any]:
         "interfaces": interfaces,
         "route": route_to(message["master"]) if message.get("master") else None,
         "connect": None,
+        "cpus": os.cpu_count(),
+        "gpus": count_gpus() if message.get("count_gpus") else None,
     }
     if message.get("connect"):
         host, port, timeout = message["connect"]
