@@ -178,7 +178,7 @@ def test_host_colon_port_explains_where_the_port_goes():
 def test_duplicate_host_is_reported_with_both_places():
     assert problems_of(dict(BASE, workers=["10.0.0.2", "10.0.0.1"])) == [(
         'hosts file: "workers[1]" repeats host "10.0.0.1" (ssh port 22) already listed as '
-        '"master": list each machine once; one rank runs per host')]
+        '"master": list each machine once and give it "slots" to run several ranks on it')]
 
 
 def test_same_address_on_other_ssh_port_is_another_host():

@@ -385,7 +385,7 @@ class _Validator:
             if key in seen:
                 self.problem(h["_path"], f"{_field(h['_path'])} repeats host {_show(h['host'])} "
                              f"(ssh port {key[1]}) already listed as {_field(seen[key])}: list "
-                             "each machine once; one rank runs per host")
+                             "each machine once and give it \"slots\" to run several ranks on it")
             else:
                 seen[key] = h["_path"]
 
