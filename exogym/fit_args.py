@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 Check = Callable[[str, Any], None]
 
 DEVICE_KINDS = ("cpu", "cuda", "mps")
+#: The loggers ``fit(logger=...)`` (and a profile's ``logger`` key) may name.
+LOGGER_NAMES = ("csv", "wandb", "tensorboard")
 
 
 def _arg(default: Any, help: str, check: Check | None = None, profile: bool = False,
@@ -135,9 +137,9 @@ def _positive_seconds(name: str, value: Any) -> None:
 
 
 def _logger(name: str, value: Any) -> None:
-    if isinstance(value, str) and value not in ("csv", "wandb"):
-        raise ValueError(f"logger must be None, 'csv', 'wandb' or a Logger instance, "
-                         f"got {value!r}")
+    if isinstance(value, str) and value not in LOGGER_NAMES:
+        names = ", ".join(repr(n) for n in LOGGER_NAMES)
+        raise ValueError(f"logger must be None, {names} or a Logger instance, got {value!r}")
 
 
 def _progress(name: str, value: Any) -> None:
@@ -285,9 +287,10 @@ class FitArgs(RunArgs):
     """Every argument of ``fit``: :class:`RunArgs` and what only the starting process uses."""
 
     logger: Logger | str | None = _arg(
-        "csv", "``'csv'`` (default), ``'wandb'``, None, or a Logger.", _logger)
-    log_dir: str = _arg("logs", "folder of the CSV logs.")
-    wandb_project: str | None = _arg(None, "log to this W&B project.")
+        "csv", "``'csv'`` (default), ``'wandb'``, ``'tensorboard'``, None, or a Logger.",
+        _logger, profile=True)
+    log_dir: str = _arg("logs", "folder of the logs (CSV, TensorBoard, W&B's run files).")
+    wandb_project: str | None = _arg(None, "log to this W&B project.", profile=True)
     progress: bool | ProgressSink = _arg(
         True, "show the progress bar and summary table; or an object with "
         "``on_event``/``close``/``finish`` (``exogym.report.ProgressSink``) that shows the "
