@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from exogym._args import unknown_args_error
+from exogym.logger import LOGGER_NAMES
 
 if TYPE_CHECKING:
     from exogym.logger import Logger
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
 Check = Callable[[str, Any], None]
 
 DEVICE_KINDS = ("cpu", "cuda", "mps")
-#: The loggers ``fit(logger=...)`` (and a profile's ``logger`` key) may name.
-LOGGER_NAMES = ("csv", "wandb", "tensorboard")
 
 
 def _arg(default: Any, help: str, check: Check | None = None, profile: bool = False,

@@ -21,7 +21,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from exogym.fit_args import LOGGER_NAMES
 from exogym.io import atomic_write_json, atomic_write_text
 
 
@@ -121,6 +120,9 @@ class CSVLogger(Logger):
             val, ["step", "local_loss", "local_perplexity", "global_loss", "global_perplexity"]))
         atomic_write_json(self.run_dir / "summary.json", {**summary, "failed": failed})
 
+
+#: The loggers ``fit(logger=...)`` (and a profile's ``logger`` key) may name.
+LOGGER_NAMES = ("csv", "wandb", "tensorboard")
 
 #: The step event's keys the trackers log, where an event has them.
 TRACKED_KEYS = ("train_loss", "val_loss", "val_global_loss", "lr", "comm_bytes", "sim_time_s",

@@ -36,7 +36,7 @@ from distributed.launch.program import RankProgram
 from distributed.profiles.profile import Profile, load_profile, parse_overrides
 from distributed.rank.command import set_args, worker_args
 from distributed.rank.environment import FINAL_MODEL
-from exogym.fit_args import LOGGER_NAMES
+from exogym.logger import LOGGER_NAMES
 
 __all__ = ["PreflightError", "RunFailedError", "TrainOutcome", "TrainRequest", "dry_run",
            "logger_override", "parse_overrides", "train", "train_command"]
