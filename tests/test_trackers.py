@@ -229,6 +229,24 @@ def test_across_hosts_only_rank_0_writes_the_tracker_into_the_output_folder(sshd
     assert json.loads((run / "config.json").read_text())["num_nodes"] == 3
 
 
+def test_across_hosts_rank_0_logs_to_wandb_offline_from_the_launching_shell(
+        sshd, tmp_path, wandb_offline):
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps(sshd_hosts(sshd)))
+    out = tmp_path / "net"
+    result = invoke("distributed-train", "digits-ddp", "--hosts", hosts, "--logger", "wandb",
+                    "--known-hosts", sshd.known_hosts, "--ssh-config", sshd.ssh_config,
+                    "--run-dir", tmp_path / "launch", *sets(*TINY, "num_nodes=3",
+                                                            f"output_dir={out}"))
+    assert result.exit_code == 0, result.output
+    runs = list((out / "logs" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs  # ranks 1 and 2 share this disk and logged nothing
+    summary, history = wandb_records(runs[0])
+    assert summary["config"]["num_nodes"] == 3 and summary["state"] == "finished"
+    assert [h["_step"] for h in history] == list(range(1, 21))
+    assert [h["_step"] for h in history if "val_global_loss" in h] == [10, 20]
+
+
 # --------------------------------------------------------------------------- README
 
 
