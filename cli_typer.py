@@ -45,6 +45,10 @@ KnownHosts = Annotated[str | None, typer.Option(
 SSHConfig = Annotated[str | None, typer.Option(
     "--ssh-config", envvar="EXOGYM_SSH_CONFIG",
     help="OpenSSH client config to honour (default ~/.ssh/config).")]
+LoggerName = Annotated[str | None, typer.Option(
+    "--logger", metavar="csv|wandb|tensorboard|none",
+    help="Where the run logs its metrics (into the profile's output folder, logs/); "
+         "default: the profile's `logger`, else csv. wandb and tensorboard are extras.")]
 AcceptNewHostKeys = Annotated[bool, typer.Option(
     "--accept-new-host-keys",
     help="Trust hosts not yet in known_hosts, once, recording their keys (a changed key is "
@@ -70,6 +74,7 @@ def distributed_train(
         help="Hosts file: run one rank per host over SSH. Without it, simulate here.")] = None,
     config: ConfigFile = None,
     set_: Overrides = None,
+    logger: LoggerName = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Show what would run where; start nothing.")] = False,
     resume: Annotated[bool, typer.Option(
@@ -95,7 +100,8 @@ def distributed_train(
         console = make_console()
         request = run.TrainRequest(
             profile=profile, config=str(config) if config else None,
-            overrides=run.parse_overrides(set_), hosts=hosts, local=local, resume=resume,
+            overrides=run.logger_override(run.parse_overrides(set_), logger), hosts=hosts,
+            local=local, resume=resume,
             max_restarts=max_restarts, sync=sync, accept_new_host_keys=accept_new_host_keys,
             known_hosts=known_hosts, ssh_config=ssh_config,
             run_dir=str(run_dir) if run_dir else None)
@@ -171,6 +177,7 @@ def compare(
         "--strategies", help="Comma-separated strategies to simulate.")] = DEFAULT_STRATEGIES,
     config: ConfigFile = None,
     set_: Overrides = None,
+    logger: LoggerName = None,
     out: Annotated[Path, typer.Option(
         "--out", "-o", dir_okay=False, help="Where to write the plot (PNG).")
     ] = Path("compare.png"),
@@ -188,11 +195,12 @@ def compare(
             run_comparison,
         )
         from distributed.app.dashboard import Dashboard, human_bytes
+        from distributed.app.run import logger_override
 
         console = make_console()
         names = [s.strip() for s in strategies.split(",") if s.strip()]
         plans = plan_comparison(profile, names, str(config) if config else None,
-                                parse_overrides(set_))
+                                logger_override(parse_overrides(set_), logger))
         check_plotting()
         nodes = plans[0].values.get("num_nodes", 1)
         console.print(f"Comparing {', '.join(names)} on {profile} ({nodes} simulated nodes, "

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from exogym._args import unknown_args_error
+from exogym.logger import LOGGER_NAMES
 
 if TYPE_CHECKING:
     from exogym.logger import Logger
@@ -135,9 +136,9 @@ def _positive_seconds(name: str, value: Any) -> None:
 
 
 def _logger(name: str, value: Any) -> None:
-    if isinstance(value, str) and value not in ("csv", "wandb"):
-        raise ValueError(f"logger must be None, 'csv', 'wandb' or a Logger instance, "
-                         f"got {value!r}")
+    if isinstance(value, str) and value not in LOGGER_NAMES:
+        names = ", ".join(repr(n) for n in LOGGER_NAMES)
+        raise ValueError(f"logger must be None, {names} or a Logger instance, got {value!r}")
 
 
 def _progress(name: str, value: Any) -> None:
@@ -285,9 +286,10 @@ class FitArgs(RunArgs):
     """Every argument of ``fit``: :class:`RunArgs` and what only the starting process uses."""
 
     logger: Logger | str | None = _arg(
-        "csv", "``'csv'`` (default), ``'wandb'``, None, or a Logger.", _logger)
-    log_dir: str = _arg("logs", "folder of the CSV logs.")
-    wandb_project: str | None = _arg(None, "log to this W&B project.")
+        "csv", "``'csv'`` (default), ``'wandb'``, ``'tensorboard'``, None, or a Logger.",
+        _logger, profile=True)
+    log_dir: str = _arg("logs", "folder of the logs (CSV, TensorBoard, W&B's run files).")
+    wandb_project: str | None = _arg(None, "log to this W&B project.", profile=True)
     progress: bool | ProgressSink = _arg(
         True, "show the progress bar and summary table; or an object with "
         "``on_event``/``close``/``finish`` (``exogym.report.ProgressSink``) that shows the "

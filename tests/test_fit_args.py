@@ -53,7 +53,7 @@ def test_profile_run_keys_are_the_fit_arguments_a_profile_may_set():
         "num_nodes", "num_epochs", "max_steps", "batch_size", "minibatch_size",
         "gradient_accumulation", "max_memory_usage", "shuffle", "val_size", "val_interval",
         "autocast", "checkpoint_interval", "keep_checkpoints", "correlation_interval", "device",
-        "seed", "log_interval", "num_threads", "timeout_s",
+        "seed", "log_interval", "num_threads", "timeout_s", "logger", "wandb_project",
     }
 
 
@@ -74,7 +74,7 @@ def test_checking_fit_arguments_and_reading_profile_keys_import_no_torch():
     ({"device": "gpu"}, "device must be 'cpu', 'cuda', 'cuda:N' or 'mps', got 'gpu'"),
     ({"minibatch_size": 5, "batch_size": 16}, "minibatch_size=5 must divide batch_size=16"),
     ({"dataloader_kwargs": {"shuffle": True}}, r"may not set \['shuffle'\]"),
-    ({"logger": "tensorboard"}, "logger must be None, 'csv', 'wandb' or a Logger"),
+    ({"logger": "mlflow"}, "logger must be None, 'csv', 'wandb', 'tensorboard' or a Logger"),
 ])
 def test_plain_values_are_checked_without_a_model_or_a_device(bad, message):
     with pytest.raises((ValueError, TypeError), match=message):

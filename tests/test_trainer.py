@@ -105,7 +105,7 @@ def test_average_state_dicts_keeps_every_dtype():
     (dict(val_size=-1), "val_size must be an integer >= 0"),
     (dict(max_steps=0), "max_steps must be an integer >= 1"),
     (dict(dataloader_kwargs={"shuffle": True}), "dataloader_kwargs may not set"),
-    (dict(logger="tensorboard"), "logger must be None"),
+    (dict(logger="mlflow"), "logger must be None"),
 ])
 def test_bad_fit_values_fail_before_any_process_starts(kwargs, message):
     ds = toy_dataset()

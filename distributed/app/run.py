@@ -36,9 +36,10 @@ from distributed.launch.program import RankProgram
 from distributed.profiles.profile import Profile, load_profile, parse_overrides
 from distributed.rank.command import set_args, worker_args
 from distributed.rank.environment import FINAL_MODEL
+from exogym.logger import LOGGER_NAMES
 
 __all__ = ["PreflightError", "RunFailedError", "TrainOutcome", "TrainRequest", "dry_run",
-           "parse_overrides", "train", "train_command"]
+           "logger_override", "parse_overrides", "train", "train_command"]
 
 
 class RunFailedError(RuntimeError):
@@ -116,6 +117,31 @@ class TrainOutcome:
     output_dir: Path
     message: str
     launch: Any = None
+
+
+def logger_override(overrides: Mapping[str, Any] | None, logger: str | None) -> dict[str, Any]:
+    """``overrides`` with the profile's ``logger`` key replaced by ``--logger``'s value.
+
+    A logger given this way travels like any ``--set``: to the local simulation,
+    and to every host, where rank 0 writes the logs into the profile's output folder.
+
+    Args:
+        overrides: the parsed ``--set`` values.
+        logger: ``'csv'``, ``'wandb'``, ``'tensorboard'``, ``'none'``; None leaves the
+            profile's own (``--set logger=...`` or ``logger = ...`` in ``config.ini``).
+
+    Raises:
+        ValueError: for any other name.
+    """
+    merged = dict(overrides or {})
+    if logger is None:
+        return merged
+    name = logger.strip().lower()
+    if name not in (*LOGGER_NAMES, "none"):
+        raise ValueError(f"--logger {logger!r} is not a logger: give one of "
+                         f"{', '.join(LOGGER_NAMES)} or none")
+    merged["logger"] = None if name == "none" else name
+    return merged
 
 
 def resolve_profile(request: TrainRequest) -> Profile:

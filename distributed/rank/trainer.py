@@ -59,8 +59,9 @@ class RankTrainer(Trainer):
         if asked != env.world_size:
             raise ValueError(f"fit(num_nodes={asked}) but WORLD_SIZE={env.world_size}: a "
                              "network run has one rank per started process")
-        if env.rank != 0:
-            kwargs["logger"] = None  # rank 0 writes the run's logs
+        if env.rank != 0:  # rank 0 writes the run's logs, to a tracker too
+            kwargs["logger"] = None
+            kwargs["wandb_project"] = None
         return super().fit(*args, **kwargs)
 
     def _placement(self, spec: RunSpec) -> Placement:
