@@ -211,15 +211,22 @@ def test_a_profiles_logger_key_writes_tensorboard_into_its_output_folder(tmp_pat
     assert set(got["global/val_loss"]) == {10, 20}
 
 
-def test_across_hosts_only_rank_0_writes_the_tracker_into_the_output_folder(sshd, tmp_path):
+def train_on_three_hosts(sshd, tmp_path, logger: str):
+    """``distributed-train digits-ddp`` on the sshd's 3 hosts with ``--logger``; the output folder
+    and the CLI's result (checked for exit code 0)."""
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps(sshd_hosts(sshd)))
     out = tmp_path / "net"
-    result = invoke("distributed-train", "digits-ddp", "--hosts", hosts, "--logger", "tensorboard",
+    result = invoke("distributed-train", "digits-ddp", "--hosts", hosts, "--logger", logger,
                     "--known-hosts", sshd.known_hosts, "--ssh-config", sshd.ssh_config,
                     "--run-dir", tmp_path / "launch", *sets(*TINY, "num_nodes=3",
                                                             f"output_dir={out}"))
     assert result.exit_code == 0, result.output
+    return out, result
+
+
+def test_across_hosts_only_rank_0_writes_the_tracker_into_the_output_folder(sshd, tmp_path):
+    out, result = train_on_three_hosts(sshd, tmp_path, "tensorboard")
     assert "all 3 ranks finished" in result.output
     run = one_run_folder(out / "logs")  # ranks 1 and 2 share this disk and wrote nothing
     got = scalars(run)
@@ -231,14 +238,7 @@ def test_across_hosts_only_rank_0_writes_the_tracker_into_the_output_folder(sshd
 
 def test_across_hosts_rank_0_logs_to_wandb_offline_from_the_launching_shell(
         sshd, tmp_path, wandb_offline):
-    hosts = tmp_path / "hosts.json"
-    hosts.write_text(json.dumps(sshd_hosts(sshd)))
-    out = tmp_path / "net"
-    result = invoke("distributed-train", "digits-ddp", "--hosts", hosts, "--logger", "wandb",
-                    "--known-hosts", sshd.known_hosts, "--ssh-config", sshd.ssh_config,
-                    "--run-dir", tmp_path / "launch", *sets(*TINY, "num_nodes=3",
-                                                            f"output_dir={out}"))
-    assert result.exit_code == 0, result.output
+    out, _ = train_on_three_hosts(sshd, tmp_path, "wandb")
     runs = list((out / "logs" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs  # ranks 1 and 2 share this disk and logged nothing
     summary, history = wandb_records(runs[0])

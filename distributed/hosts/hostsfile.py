@@ -33,7 +33,7 @@ import difflib
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,16 @@ TOP_KEYS = ("master", "workers", "master_port") + tuple(k for k in HOST_KEYS if 
 
 _DEVICE_RE = re.compile(r"^(cpu|mps|auto|cuda(:\d+)?)$")
 _INTERFACE_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
+
+#: Host fields beyond the strings: (key, whether a value is accepted, what it must be).
+_CHECKED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("interface", lambda v: isinstance(v, str) and bool(_INTERFACE_RE.match(v)),
+     "a network interface name such as eth0 or en0"),
+    ("device", lambda v: isinstance(v, str) and bool(_DEVICE_RE.match(v)),
+     "one of cpu, cuda, cuda:N, mps, auto"),
+    ("slots", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+     "the number of ranks to run on the host, an integer >= 1 (e.g. its GPU count)"),
+)
 
 JsonPath = tuple  # a JSON path: keys (str) and list indices (int)
 
@@ -467,28 +477,14 @@ class _Validator:
                 else:
                     self.problem(path + (key,), f"{_field(path + (key,))} must be {what} "
                                  f"(a non-empty string), got {_show(value)}")
-        if "interface" in obj:
-            value = obj["interface"]
-            if isinstance(value, str) and _INTERFACE_RE.match(value):
-                out["interface"] = value
+        for key, accept, what in _CHECKED_FIELDS:
+            if key not in obj:
+                continue
+            if accept(obj[key]):
+                out[key] = obj[key]
             else:
-                self.problem(path + ("interface",), f"{_field(path + ('interface',))} must be a "
-                             f"network interface name such as eth0 or en0, got {_show(value)}")
-        if "device" in obj:
-            value = obj["device"]
-            if isinstance(value, str) and _DEVICE_RE.match(value):
-                out["device"] = value
-            else:
-                self.problem(path + ("device",), f"{_field(path + ('device',))} must be one of "
-                             f"cpu, cuda, cuda:N, mps, auto, got {_show(value)}")
-        if "slots" in obj:
-            value = obj["slots"]
-            if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-                out["slots"] = value
-            else:
-                self.problem(path + ("slots",), f"{_field(path + ('slots',))} must be the number "
-                             f"of ranks to run on the host, an integer >= 1 (e.g. its GPU "
-                             f"count), got {_show(value)}")
+                self.problem(path + (key,), f"{_field(path + (key,))} must be {what}, "
+                             f"got {_show(obj[key])}")
         return out
 
     def _port(self, obj: dict[str, Any], path: JsonPath) -> int | None:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from distributed.hosts.hostsfile import HostsConfig, HostSpec
+from distributed.hosts.onhost.probe import bind_master_port
 from distributed.hosts.remote import (
     NO_PROJECT_PATH,
     NO_PYTHON,
@@ -181,16 +182,10 @@ class _MasterPort:
 
     def hold_local(self, master_addr: str, port: int) -> str | None:
         """Bind the port on this machine; an error text, or ``None`` when it is held."""
-        family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("", port))
-            sock.listen(64)
+            self.sock = bind_master_port(master_addr, port)
         except OSError as exc:
-            sock.close()
             return exc.strerror or str(exc)
-        self.sock = sock
         return None
 
     def hold_remote(self, shell: Shell, host: HostSpec, master_addr: str, port: int,

@@ -178,15 +178,28 @@ def probe(message: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def listen(message: dict[str, Any]) -> None:
-    """Bind the master port on every address and hold it until stdin closes."""
-    port = int(message["port"])
-    family = socket.AF_INET6 if ":" in message.get("master", "") else socket.AF_INET
+def bind_master_port(master: str, port: int) -> socket.socket:
+    """A socket listening on ``port`` on every address of the master's family.
+
+    Raises:
+        OSError: when the port cannot be bound (taken, or not allowed).
+    """
+    family = socket.AF_INET6 if ":" in master else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(("", port))
         sock.listen(64)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def listen(message: dict[str, Any]) -> None:
+    """Bind the master port on every address and hold it until stdin closes."""
+    try:
+        sock = bind_master_port(message.get("master", ""), int(message["port"]))
     except OSError as exc:
         print(json.dumps({"ok": False, "error": exc.strerror or str(exc)}), flush=True)
         return
