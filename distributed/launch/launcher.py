@@ -80,6 +80,7 @@ from distributed.launch.results import (
     OutputLine,
     RankResult,
 )
+from distributed.rank.environment import DEVICE_VARIABLE, RUN_DIR_VARIABLE
 from exogym.io import atomic_write_text
 
 if TYPE_CHECKING:
@@ -236,7 +237,7 @@ class Launcher:
                     "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
                     "LOCAL_WORLD_SIZE": str(host.slots), "NODE_RANK": str(host.rank),
                     "MASTER_ADDR": master_addr, "MASTER_PORT": str(self.config.master_port),
-                    "EXOGYM_RESTART": str(restart), "EXOGYM_RUN_DIR": self.rank_run_dir,
+                    "EXOGYM_RESTART": str(restart), RUN_DIR_VARIABLE: self.rank_run_dir,
                     "PYTHONUNBUFFERED": "1",
                 }
                 env.update(self.env)
@@ -244,7 +245,7 @@ class Launcher:
                     env["GLOO_SOCKET_IFNAME"] = host.interface
                     env["NCCL_SOCKET_IFNAME"] = host.interface
                 if host.device:
-                    env["EXOGYM_DEVICE"] = host.device
+                    env[DEVICE_VARIABLE] = host.device
                 plans.append(RankPlan(
                     rank=rank, host=host, local=self.session.is_local(host.rank),
                     login=self.session.login(host.rank),

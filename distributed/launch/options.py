@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distributed.hosts.ssh import SSHOptions
+from distributed.rank.environment import RUN_DIR_VARIABLE
 from exogym._args import unknown_args_error
 
 #: Variables always treated as secrets: sent over stdin, never shown or logged.
 SECRET_ENV_NAMES = frozenset({"WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
 #: Variables the launcher sets for every rank; a caller may not set them.
 LAUNCHER_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                      "MASTER_ADDR", "MASTER_PORT", "EXOGYM_RESTART", "EXOGYM_RUN_DIR",
+                      "MASTER_ADDR", "MASTER_PORT", "EXOGYM_RESTART", RUN_DIR_VARIABLE,
                       "PYTHONUNBUFFERED")
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
