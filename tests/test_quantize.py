@@ -273,3 +273,95 @@ def test_demo_refuses_a_quantized_comm_dtype_with_the_float_choices():
 
     with pytest.raises(ValueError, match="comm_dtype='int8' is a quantized type: use 'float32'"):
         DeMoStrategy(comm_dtype="int8")
+
+
+# -- strategies sending quantized rounds -------------------------------------------------
+
+FIT = dict(batch_size=16, val_size=32, val_interval=4, logger=None, progress=False)
+
+
+def rank_bytes(trainer) -> set[int]:
+    return {r["comm_bytes"] for r in trainer.history if r["step"] == trainer.summary["steps"]}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_diloco_rounds_send_the_quantized_payload_and_keep_ranks_identical(dtype):
+    from toys import tiny_model, toy_dataset, trainable_count
+
+    from exogym import Trainer
+    from exogym.strategy import DiLoCoStrategy
+
+    ds = toy_dataset(256)
+    p = trainable_count(tiny_model())
+    trainer = Trainer(tiny_model(), ds, ds)
+    trainer.fit(strategy=DiLoCoStrategy(H=2, comm_dtype=dtype, inner_optim="adam", lr=0.02),
+                num_nodes=2, max_steps=6, **FIT)
+    assert rank_bytes(trainer) == {3 * payload_bytes(p, dtype)}
+    assert trainer.summary["final_val_global_loss"] < trainer.history[0]["train_loss"]
+
+
+def test_fedavg_and_sparta_diloco_take_a_quantized_comm_dtype():
+    from toys import tiny_model, toy_dataset, trainable_count
+
+    from exogym import Trainer
+    from exogym.strategy import FedAvgStrategy, SPARTADiLoCoStrategy
+
+    ds = toy_dataset(256)
+    p = trainable_count(tiny_model())
+    trainer = Trainer(tiny_model(), ds, ds)
+    trainer.fit(strategy=FedAvgStrategy(H=2, comm_dtype="int8"), num_nodes=2, max_steps=4, **FIT)
+    assert rank_bytes(trainer) == {2 * payload_bytes(p, "int8")}
+    trainer = Trainer(tiny_model(), ds, ds)
+    # SPARTA rounds off: only the DiLoCo rounds, quantized to int4
+    trainer.fit(strategy=SPARTADiLoCoStrategy(H=2, p_sparta=0.0, comm_dtype="int4"),
+                num_nodes=2, max_steps=4, **FIT)
+    assert rank_bytes(trainer) == {2 * payload_bytes(p, "int4")}
+
+
+def test_error_feedback_needs_a_quantized_dtype():
+    from exogym.strategy import DiLoCoStrategy
+
+    with pytest.raises(ValueError, match="error_feedback=True needs a quantized comm_dtype"):
+        DiLoCoStrategy(error_feedback=True)
+    with pytest.raises(ValueError, match="int3"):
+        DiLoCoStrategy(comm_dtype="int3")
+
+
+def _residuals_in(state) -> list[torch.Tensor]:
+    if isinstance(state, dict):
+        if "residuals" in state:
+            return list(state["residuals"])
+        return [r for v in state.values() for r in _residuals_in(v)]
+    if isinstance(state, (list, tuple)):
+        return [r for v in state for r in _residuals_in(v)]
+    return []
+
+
+def test_diloco_error_feedback_resumes_exactly_from_a_checkpoint(tmp_path):
+    from test_checkpoint import Dropout
+    from toys import assert_models_close, toy_dataset
+
+    from exogym import RankFailedError, Trainer
+    from exogym.checkpoint import checkpoint_path, load_checkpoint
+    from exogym.strategy import DiLoCoStrategy
+
+    ds = toy_dataset(96)
+
+    def fit(run, crash_at=None, **kwargs):
+        torch.manual_seed(0)
+        model = Dropout()
+        model.crash_at = crash_at
+        strategy = DiLoCoStrategy(inner_optim="adam", lr=0.01, H=3, comm_dtype="int2",
+                                  error_feedback=True)
+        return Trainer(model, ds, ds).fit(strategy=strategy, num_nodes=2, max_steps=14,
+                                          batch_size=8, val_size=16, val_interval=4,
+                                          save_dir=str(tmp_path), run_name=run, logger=None,
+                                          progress=False, **kwargs)
+
+    uninterrupted = fit("full")
+    with pytest.raises(RankFailedError, match="simulated crash"):
+        fit("split", crash_at=10, checkpoint_interval=4)
+    saved = _residuals_in(load_checkpoint(checkpoint_path(tmp_path / "split", 0, 8)))
+    assert saved and any(r.abs().max() > 0 for r in saved)  # int2 loses plenty
+    resumed = fit("split", checkpoint_interval=4, resume_from="auto")
+    assert_models_close(uninterrupted, resumed, atol=1e-6)
