@@ -365,3 +365,14 @@ def test_diloco_error_feedback_resumes_exactly_from_a_checkpoint(tmp_path):
     assert saved and any(r.abs().max() > 0 for r in saved)  # int2 loses plenty
     resumed = fit("split", checkpoint_interval=4, resume_from="auto")
     assert_models_close(uninterrupted, resumed, atol=1e-6)
+
+
+def test_the_planner_predicts_the_quantized_payload_as_an_all_gather():
+    from distributed.planning.projection import allgather_bytes, step_traffic
+
+    traffic = step_traffic("diloco", 10_000, 4, H=10, comm_dtype="int4", num_buffers=16)
+    assert traffic.payload == payload_bytes(10_016, "int4") / 10
+    assert traffic.bytes_sent == allgather_bytes(payload_bytes(10_016, "int4"), 4) / 10
+    assert traffic.collective == "all-gather"
+    with pytest.raises(ValueError, match="demo sends its coefficients in a float type"):
+        step_traffic("demo", 100, 2, demo_payload=10.0, comm_dtype="int8")
