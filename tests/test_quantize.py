@@ -300,11 +300,11 @@ def test_diloco_rounds_send_the_quantized_payload_and_keep_ranks_identical(dtype
     assert trainer.summary["final_val_global_loss"] < trainer.history[0]["train_loss"]
 
 
-def test_fedavg_and_sparta_diloco_take_a_quantized_comm_dtype():
+def test_fedavg_sparta_and_sparta_diloco_take_a_quantized_comm_dtype():
     from toys import tiny_model, toy_dataset, trainable_count
 
     from exogym import Trainer
-    from exogym.strategy import FedAvgStrategy, SPARTADiLoCoStrategy
+    from exogym.strategy import FedAvgStrategy, SPARTADiLoCoStrategy, SPARTAStrategy
 
     ds = toy_dataset(256)
     p = trainable_count(tiny_model())
@@ -316,6 +316,12 @@ def test_fedavg_and_sparta_diloco_take_a_quantized_comm_dtype():
     trainer.fit(strategy=SPARTADiLoCoStrategy(H=2, p_sparta=0.0, comm_dtype="int4"),
                 num_nodes=2, max_steps=4, **FIT)
     assert rank_bytes(trainer) == {2 * payload_bytes(p, "int4")}
+    trainer = Trainer(tiny_model(), ds, ds)
+    trainer.fit(strategy=SPARTAStrategy(p_sparta=0.5, comm_dtype="int8"), num_nodes=2,
+                max_steps=3, **FIT)
+    sizes = [t.numel() for t in tiny_model().parameters()]
+    rounds = [sum((r + 1) * n // 2 - r * n // 2 for n in sizes) for r in range(3)]
+    assert rank_bytes(trainer) == {sum(payload_bytes(e, "int8") for e in rounds)}
 
 
 def test_error_feedback_needs_a_quantized_dtype():
