@@ -155,7 +155,7 @@ def init_process_group(store: dist.Store, rank: int, world_size: int, backend: s
 def destroy_process_group() -> None:
     """Leave the process group and its side group; collectives act as a world of one again."""
     global _side_group
-    _drain()
+    _drain(raise_errors=False)
     _side_group = None
     _backend_by_group.clear()
     if _active():
@@ -227,7 +227,7 @@ def collectives_mode(environ: dict[str, str] | None = None) -> str:
 def use_local_collectives(local) -> None:
     """Route world-group CPU collectives through ``local`` (shared memory); None: torch only."""
     global _local
-    _drain()
+    _drain(raise_errors=False)
     _local = local
 
 
@@ -324,12 +324,21 @@ def _start_in_background(job: Callable[[], None]) -> _Future:
     return _last_started
 
 
-def _drain() -> None:
-    """Wait until every collective started in the background has run."""
+def _drain(raise_errors: bool = True) -> None:
+    """Wait until every collective started in the background has run.
+
+    Args:
+        raise_errors: raise the error of a failed one (False when leaving the
+            group, where the error has been, or will be, raised by its ``wait()``).
+    """
     global _last_started
     last, _last_started = _last_started, None
     if last is not None:
-        last.wait()
+        try:
+            last.wait()
+        except BaseException:
+            if raise_errors:
+                raise
 
 
 def comm_bytes() -> int:

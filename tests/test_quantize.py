@@ -175,6 +175,13 @@ def _rank_body(mode: str, shm, rank: int, port: int, out) -> None:
             comm.all_reduce_tensors(ts, average=True, dtype=dtype)
             blocking.append(ts)
         got["async"] = ([t for ts in outs for t in ts], started_bytes)
+        # a blocking collective while one is outstanding runs after it, on every rank
+        pending = tensors_of(rank, 8)
+        handle = comm.all_reduce_tensors(pending, average=True, dtype="int4", async_op=True)
+        blocking_now = tensors_of(rank, 9)
+        comm.all_reduce_tensors(blocking_now, average=True)
+        handle.wait()
+        got["interleaved"] = (pending + blocking_now, 0)
         got["blocking"] = ([t for ts in blocking for t in ts], 0)
         out.put((rank, {k: ([t.tolist() for t in ts], nbytes) for k, (ts, nbytes) in got.items()}))
     except BaseException:
@@ -248,6 +255,12 @@ def test_quantized_all_reduce_is_bitwise_equal_on_every_rank_and_counts_its_payl
     stochastic = flat(got[0]["stochastic"][0])
     exact = sum(flat(tensors_of(r, 4)) for r in ([0] * K if mode == "mirror" else range(K))) / K
     assert (stochastic - exact).abs().max() < 0.5 * 3 * 4  # within a level of the largest scale
+    peers = [0] * K if mode == "mirror" else list(range(K))
+    for rank in range(K):
+        ts = got[rank]["interleaved"][0] if mode != "mirror" else got[0]["interleaved"][0]
+        torch.testing.assert_close(flat(ts[:3]), expected_mean(8, "int4", 64, peers),
+                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(flat(ts[3:]), sum(flat(tensors_of(r, 9)) for r in peers) / K)
     # asynchronous rounds equal the blocking ones; bytes were counted at the start
     for rank in range(K):
         assert all(torch.equal(a, b)
@@ -382,3 +395,12 @@ def test_the_planner_predicts_the_quantized_payload_as_an_all_gather():
     assert traffic.collective == "all-gather"
     with pytest.raises(ValueError, match="demo sends its coefficients in a float type"):
         step_traffic("demo", 100, 2, demo_payload=10.0, comm_dtype="int8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quantization_on_a_gpu_equals_the_cpu_result():
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(3))
+    for dtype in DTYPES:
+        on_gpu = quantize(x.cuda(), dtype, chunk=64)
+        assert on_gpu.values.is_cuda
+        torch.testing.assert_close(dequantize(on_gpu).cpu(), dequantize(quantize(x, dtype)))
