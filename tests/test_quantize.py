@@ -324,6 +324,10 @@ def test_fedavg_sparta_and_sparta_diloco_take_a_quantized_comm_dtype():
     trainer = Trainer(tiny_model(), ds, ds)
     trainer.fit(strategy=FedAvgStrategy(H=2, comm_dtype="int8"), num_nodes=2, max_steps=4, **FIT)
     assert rank_bytes(trainer) == {2 * payload_bytes(p, "int8")}
+    trainer = Trainer(tiny_model(), ds, ds)  # islands: gathered over subgroups
+    trainer.fit(strategy=FedAvgStrategy(H=1, island_size=2, client_sampling=0.5,
+                                        comm_dtype="int8"), num_nodes=4, max_steps=2, **FIT)
+    assert rank_bytes(trainer) == {2 * payload_bytes(p, "int8")}
     trainer = Trainer(tiny_model(), ds, ds)
     # SPARTA rounds off: only the DiLoCo rounds, quantized to int4
     trainer.fit(strategy=SPARTADiLoCoStrategy(H=2, p_sparta=0.0, comm_dtype="int4"),
