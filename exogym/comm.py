@@ -292,6 +292,7 @@ class _Background:
     """One thread that runs shared-memory collectives in the order they were started."""
 
     def __init__(self):
+        self.pid = os.getpid()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="exogym-collectives", daemon=True)
         self._thread.start()
@@ -318,7 +319,7 @@ _last_started: _Future | None = None  # the latest background collective: FIFO, 
 
 def _start_in_background(job: Callable[[], None]) -> _Future:
     global _background, _last_started
-    if _background is None:
+    if _background is None or _background.pid != os.getpid():  # a forked child has no thread
         _background = _Background()
     _last_started = _background.submit(job)
     return _last_started
