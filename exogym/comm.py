@@ -334,6 +334,8 @@ def _drain(raise_errors: bool = True) -> None:
     """
     global _last_started
     last, _last_started = _last_started, None
+    if _background is None or _background.pid != os.getpid():
+        return  # started by the process this one was forked from: not ours to wait for
     if last is not None:
         try:
             last.wait()
