@@ -151,7 +151,7 @@ def main() -> None:
         parser.error(f"need --nodes >= 1 and --steps >= --H, got nodes={args.nodes}, "
                      f"steps={args.steps}, H={args.H}")
 
-    console = Console(width=max(Console().width, 130))
+    console = Console(width=max(Console().width, 150))
     torch.set_num_threads(1)
     task = chargpt_task(n_layer=args.n_layer, n_embd=args.n_embd, seed=0)
     params = sum(p.numel() for p in task[0].parameters() if p.requires_grad)
@@ -172,7 +172,7 @@ def main() -> None:
     for column in ("strategy", "val loss", "total bytes", "peak bytes / sync", "loss ×",
                    "bytes ×", "peak ×", "targets met"):
         table.add_column(column, justify="left" if column in ("strategy", "targets met")
-                         else "right", no_wrap=column != "strategy")
+                         else "right", no_wrap=True)
     for row in chosen:
         got = results[row.name]
         loss_ratio = got.val_loss / base.val_loss
