@@ -28,6 +28,7 @@ from rich.table import Table
 
 from exogym import Trainer
 from exogym.digits import DigitsCNN, DigitsMLP, digits_datasets
+from exogym.quantize import payload_bytes
 from exogym.report import human_bytes
 from exogym.strategy import (
     DeMoStrategy,
@@ -39,6 +40,7 @@ from exogym.strategy import (
     Strategy,
 )
 from exogym.strategy.demo import ChunkPlan
+from exogym.strategy.facts import QUANTIZED_BITS
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "mlp": lambda: DigitsMLP(hidden=64),
@@ -86,6 +88,11 @@ def cases(model: torch.nn.Module, args: argparse.Namespace) -> list[Case]:
              4 * (P + B) * (steps // H) / steps),
         Case(f"DiLoCo H={H} bf16", lambda: DiLoCoStrategy(H=H, comm_dtype="bfloat16", **adamw),
              "2·(P+B)/H", 2 * (P + B) * (steps // H) / steps),
+        *[Case(f"DiLoCo H={H} {dtype}",
+               lambda dtype=dtype: DiLoCoStrategy(H=H, comm_dtype=dtype, **adamw),
+               f"(⌈{bits}·(P+B)/8⌉ + 4·⌈(P+B)/64⌉)/H",
+               payload_bytes(P + B, dtype) * (steps // H) / steps)
+          for dtype, bits in QUANTIZED_BITS.items()],
         Case(f"FedAvg H={H}", lambda: FedAvgStrategy(H=H, **adamw), "4·(P+B)/H",
              4 * (P + B) * (steps // H) / steps),
         Case(f"SPARTA p={p}", lambda: SPARTAStrategy(p_sparta=p, **adamw),

@@ -17,6 +17,16 @@ Three things happen here so that strategies need not care:
   few flat buffers, so a model with hundreds of tensors costs a few calls.
 - **Precision.** ``dtype=`` makes values travel in a narrower type (bf16, fp16);
   bytes are counted in that type while the model keeps its own precision.
+- **Quantization.** ``dtype='int8'``, ``'float8_e4m3fn'``, ``'int4'`` or ``'int2'``
+  quantizes each bucket with a float32 scale per chunk (:mod:`exogym.quantize`);
+  the packed payloads are all-gathered and every rank dequantizes and sums them
+  in float32, in rank order, so every rank ends with bitwise the same result.
+- **Asynchrony.** ``all_reduce_tensors(..., async_op=True)`` returns a handle at
+  once; its ``wait()`` leaves the result in the tensors. Through torch.distributed
+  it rides torch's own work objects; through shared memory a thread per rank runs
+  the started collectives in the order they were started (every rank starts them
+  in the same order, so they meet), and a blocking collective first waits for
+  those still running. Bytes are counted when a collective starts.
 
 When no process group is initialised (a strategy used outside a trainer) the
 collectives act as a world of one: nothing moves and nothing is counted.
@@ -46,7 +56,9 @@ work of one of ``N`` ranks (:mod:`exogym.step_time`).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 
 import torch
@@ -84,7 +96,12 @@ __all__ = [
 MODE_ENV = "EXOGYM_COLLECTIVES"
 MODES = ("auto", "torch", "mirror")
 
-from exogym.strategy.facts import BUCKET_BYTES  # noqa: E402 - the planner reads the same size
+from exogym import quantize as quant  # noqa: E402
+from exogym.strategy.facts import (  # noqa: E402 - the planner reads the same numbers
+    BUCKET_BYTES,
+    QUANT_CHUNK,
+    is_quantized,
+)
 
 ReduceOp = dist.ReduceOp
 
@@ -138,6 +155,7 @@ def init_process_group(store: dist.Store, rank: int, world_size: int, backend: s
 def destroy_process_group() -> None:
     """Leave the process group and its side group; collectives act as a world of one again."""
     global _side_group
+    _drain(raise_errors=False)
     _side_group = None
     _backend_by_group.clear()
     if _active():
@@ -209,6 +227,7 @@ def collectives_mode(environ: dict[str, str] | None = None) -> str:
 def use_local_collectives(local) -> None:
     """Route world-group CPU collectives through ``local`` (shared memory); None: torch only."""
     global _local
+    _drain(raise_errors=False)
     _local = local
 
 
@@ -237,11 +256,92 @@ def _mirror_reduce(tensor: torch.Tensor, op, group) -> None:
     # AVG, MAX, MIN and the bitwise ops of equal tensors give the tensor itself.
 
 
-def _local_for(tensor: torch.Tensor, group, op=None):
-    """The shared-memory collectives when they can carry this call, else None."""
+def _local_for(tensor: torch.Tensor, group, op=None, *, blocking: bool = True):
+    """The shared-memory collectives when they can carry this call, else None.
+
+    A blocking caller gets them only once the collectives started asynchronously
+    have finished, so that two threads never meet in shared memory at once.
+    """
     if _mirror or _local is None or not (group is None or group is dist.group.WORLD):
         return None
-    return _local if _local.supports(tensor, op) else None
+    if not _local.supports(tensor, op):
+        return None
+    if blocking:
+        _drain()
+    return _local
+
+
+class _Future:
+    """A collective the background thread runs; ``wait()`` returns once it has run."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def wait(self, timeout=None) -> bool:
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+
+class _Background:
+    """One thread that runs shared-memory collectives in the order they were started."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="exogym-collectives", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> _Future:
+        future = _Future()
+        self._jobs.put((future, job))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, job = self._jobs.get()
+            try:
+                job()
+            except BaseException as exc:  # handed to whoever waits on it
+                future._error = exc
+            finally:
+                future._event.set()
+
+
+_background: _Background | None = None
+_last_started: _Future | None = None  # the latest background collective: FIFO, so all before it
+
+
+def _start_in_background(job: Callable[[], None]) -> _Future:
+    global _background, _last_started
+    if _background is None or _background.pid != os.getpid():  # a forked child has no thread
+        _background = _Background()
+    _last_started = _background.submit(job)
+    return _last_started
+
+
+def _drain(raise_errors: bool = True) -> None:
+    """Wait until every collective started in the background has run.
+
+    Args:
+        raise_errors: raise the error of a failed one (False when leaving the
+            group, where the error has been, or will be, raised by its ``wait()``).
+    """
+    global _last_started
+    last, _last_started = _last_started, None
+    if _background is None or _background.pid != os.getpid():
+        return  # started by the process this one was forked from: not ours to wait for
+    if last is not None:
+        try:
+            last.wait()
+        except BaseException:
+            if raise_errors:
+                raise
 
 
 def comm_bytes() -> int:
@@ -383,6 +483,11 @@ def all_gather(
         tensor_list[0].copy_(tensor)
         return _DoneWork() if async_op else None
     _count(tensor.numel() * tensor.element_size())
+    return _all_gather_uncounted(tensor_list, tensor, group, async_op)
+
+
+def _all_gather_uncounted(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group,
+                          async_op: bool):
     if _mirror:
         for out in tensor_list:
             out.copy_(tensor)
@@ -416,15 +521,26 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """Turn ``'bfloat16'``/``torch.bfloat16``/``None`` into a dtype (None keeps each tensor's)."""
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:
+    """The type values travel in: a torch dtype, a quantized type's name, or None.
+
+    ``'bfloat16'``/``torch.bfloat16`` give ``torch.bfloat16``; ``'int8'``,
+    ``'float8_e4m3fn'``, ``'int4'`` and ``'int2'`` give their name (quantized per
+    chunk, see :mod:`exogym.quantize`); None keeps each tensor's own type.
+
+    Raises:
+        ValueError: for any other name, listing the accepted ones.
+    """
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
+    if is_quantized(dtype):
+        return str(dtype).lower()
     try:
         return _DTYPES[str(dtype).lower()]
     except KeyError:
         raise ValueError(
-            f"comm_dtype must be one of 'float32', 'bfloat16', 'float16', got {dtype!r}"
+            "comm_dtype must be one of 'float32', 'bfloat16', 'float16' or a quantized "
+            f"type {', '.join(repr(d) for d in quant.DTYPES)}, got {dtype!r}"
         ) from None
 
 
@@ -449,6 +565,84 @@ def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[in
     return buckets
 
 
+class _Round:
+    """The handle of :func:`all_reduce_tensors`: per bucket, a transfer and what follows it."""
+
+    def __init__(self):
+        self._steps: list[tuple[object, Callable[[], None] | None]] = []
+        self._done = False
+
+    def add(self, work, finish: Callable[[], None] | None) -> None:
+        self._steps.append((work, finish))
+
+    def wait(self, timeout=None) -> bool:
+        """Block until every bucket has arrived; the tensors then hold the result."""
+        if not self._done:
+            for work, finish in self._steps:
+                if work is not None:
+                    work.wait()
+                if finish is not None:
+                    finish()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        """True when :meth:`wait` would not block."""
+        return self._done or all(work is None or work.is_completed() for work, _ in self._steps)
+
+
+def _rank() -> int:
+    return dist.get_rank() if _active() else 0
+
+
+def _rounding_generator(device: torch.device) -> torch.Generator:
+    """A generator seeded by this rank and its count of collectives so far.
+
+    Stochastic rounding then differs between ranks and rounds, leaves torch's
+    default generator (data order, dropout) alone, and repeats after a resume
+    from a checkpoint, which restores the counters.
+    """
+    return torch.Generator(device=device).manual_seed(1_000_003 * (_rank() + 1) + _calls)
+
+
+def _split_into(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for t in targets:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+
+
+def _quantized_bucket(round_: _Round, members: list[torch.Tensor],
+                      residuals: list[torch.Tensor] | None, dtype: str, chunk: int,
+                      rounding: str, group, divide_by: float | None, async_op: bool) -> None:
+    """Quantize one bucket now; gather every rank's payload; dequantize and sum at the end."""
+    flat = torch.cat([t.detach().reshape(-1).float() for t in members])
+    if residuals is not None:
+        flat += torch.cat([r.detach().reshape(-1).float() for r in residuals])
+    generator = _rounding_generator(flat.device) if rounding == "stochastic" else None
+    q = quant.quantize(flat, dtype, chunk, rounding, generator)
+    if residuals is not None:
+        _split_into(flat - quant.dequantize(q), residuals)
+    wire = quant.to_bytes(q)
+    _count(wire.numel())
+    gathered = [torch.empty_like(wire) for _ in range(group_size(group))]
+
+    def finish() -> None:
+        total = torch.zeros(q.numel, dtype=torch.float32, device=flat.device)
+        for part in gathered:  # rank order: bitwise the same sum on every rank
+            total += quant.dequantize(quant.from_bytes(part, q.numel, dtype, chunk))
+        if divide_by is not None:
+            total.div_(divide_by)
+        _split_into(total, members)
+
+    local = _local_for(wire, group, blocking=not async_op)
+    if local is not None and async_op:
+        round_.add(_start_in_background(lambda: local.all_gather(gathered, wire)), finish)
+        return
+    round_.add(_all_gather_uncounted(gathered, wire, group, async_op), finish)
+
+
 def all_reduce_tensors(
     tensors: Iterable[torch.Tensor],
     op=None,
@@ -457,47 +651,112 @@ def all_reduce_tensors(
     dtype: str | torch.dtype | None = None,
     world_size: int | None = None,
     bucket_bytes: int = BUCKET_BYTES,
-) -> None:
+    *,
+    chunk: int = QUANT_CHUNK,
+    rounding: str = "nearest",
+    error_feedback: list[torch.Tensor] | None = None,
+    async_op: bool = False,
+):
     """All-reduce many tensors in place with a few bucketed calls.
+
+    With a float ``dtype`` (or None) each bucket is one all-reduce. With a
+    quantized ``dtype`` (``'int8'``, ``'float8_e4m3fn'``, ``'int4'``, ``'int2'``)
+    each bucket is flattened to float32, quantized with a float32 scale per
+    ``chunk`` values (:mod:`exogym.quantize`) and **all-gathered**; every rank
+    then dequantizes the payloads and sums them in float32, in rank order, so
+    every rank holds bitwise the same result. A rank's counted bytes are its own
+    payload, packed values and scales: ``exogym.quantize.payload_bytes(numel)``
+    per bucket.
 
     Args:
         tensors: tensors to reduce in place (any mix of shapes; grouped by device and dtype).
-        op: reduce op, SUM by default.
+        op: reduce op, SUM by default (the only one a quantized ``dtype`` takes).
         group: process group, the world by default.
         average: divide the sum by the number of ranks in ``group`` (or ``world_size``).
-        dtype: type the values travel in (e.g. ``'bfloat16'``); bytes are counted in it.
+        dtype: type the values travel in (``'bfloat16'``, ``'int8'``, ...); bytes are counted in it.
         world_size: divisor for ``average`` when it differs from the group size
             (e.g. only some ranks contributed non-zero values).
-        bucket_bytes: largest flat buffer per call.
+        bucket_bytes: largest flat buffer per call (in the tensors' own type).
+        chunk: values per quantization scale (quantized ``dtype`` only).
+        rounding: ``'nearest'`` or ``'stochastic'`` (quantized ``dtype`` only).
+        error_feedback: one residual buffer per tensor, same shapes, kept by the
+            caller (quantized ``dtype`` only): each is added to its tensor before
+            quantizing, and then holds what this round's quantization lost.
+        async_op: return a handle at once; after its ``wait()`` the tensors hold
+            the result. Do not touch the tensors before then.
+
+    Returns:
+        None, or the handle (``wait()``, ``is_completed()``) when ``async_op``.
+
+    Raises:
+        ValueError: for an unknown dtype, rounding or chunk, an op a quantized type
+            cannot reduce, or residual buffers that do not match the tensors.
     """
-    tensors = [t for t in tensors if t.numel() > 0]
-    if not tensors or not _active():
-        return
+    tensors = list(tensors)
     wire_dtype = resolve_dtype(dtype)
+    quantized = isinstance(wire_dtype, str)
+    if quantized:
+        quant.check(wire_dtype, chunk, rounding)
+        if op not in (None, dist.ReduceOp.SUM):
+            raise ValueError(f"a quantized dtype ({wire_dtype!r}) is summed after an all-gather; "
+                             f"it cannot reduce with {op!r}: use op=None (SUM) or a float dtype")
+    if error_feedback is not None:
+        if not quantized:
+            raise ValueError(f"error_feedback needs a quantized dtype "
+                             f"({', '.join(quant.DTYPES)}), got dtype={dtype!r}")
+        error_feedback = list(error_feedback)
+        if len(error_feedback) != len(tensors) or any(
+                r.shape != t.shape for r, t in zip(error_feedback, tensors)):
+            raise ValueError(f"error_feedback must hold one buffer per tensor with its shape: "
+                             f"{len(error_feedback)} buffers for {len(tensors)} tensors")
+    keep = [i for i, t in enumerate(tensors) if t.numel() > 0]
+    residuals = [error_feedback[i] for i in keep] if error_feedback is not None else None
+    tensors = [tensors[i] for i in keep]
+    round_ = _Round()
+    if not tensors or not _active():
+        return round_ if async_op else None
     if average and world_size is None:
         world_size = group_size(group)
+    divide_by = world_size if average else None
     for bucket in _buckets(tensors, bucket_bytes):
         members = [tensors[i] for i in bucket]
-        local = _local_for(members[0], group, op)
+        if quantized:
+            _quantized_bucket(round_, members,
+                              [residuals[i] for i in bucket] if residuals is not None else None,
+                              wire_dtype, chunk, rounding, group, divide_by, async_op)
+            continue
+        reduce_op = dist.ReduceOp.SUM if op is None else op
+        elements = sum(t.numel() for t in members)
+        local = _local_for(members[0], group, op, blocking=not async_op)
         if local is not None:
             # Straight from the tensors into shared memory and back: no flat copy.
-            elements = sum(t.numel() for t in members)
             _count(elements * (wire_dtype or members[0].dtype).itemsize)
-            local.all_reduce_many(members, dist.ReduceOp.SUM if op is None else op,
-                                  wire_dtype=wire_dtype, divide_by=world_size if average else None)
+
+            def reduce_in_place(local=local, members=members, reduce_op=reduce_op) -> None:
+                local.all_reduce_many(members, reduce_op, wire_dtype=wire_dtype,
+                                      divide_by=divide_by)
+
+            if async_op:
+                round_.add(_start_in_background(reduce_in_place), None)
+            else:
+                reduce_in_place()
             continue
         flat = torch.cat([t.reshape(-1) for t in members])
         if wire_dtype is not None and flat.dtype != wire_dtype:
             flat = flat.to(wire_dtype)
-        all_reduce(flat, op=op, group=group)
-        if average:
-            flat = flat.to(members[0].dtype) if flat.dtype != members[0].dtype else flat
-            flat.div_(world_size)
-        offset = 0
-        for t in members:
-            n = t.numel()
-            t.copy_(flat[offset:offset + n].view_as(t))
-            offset += n
+        work = all_reduce(flat, op=op, group=group, async_op=async_op)
+
+        def finish(flat=flat, members=members) -> None:
+            if average:
+                flat = flat.to(members[0].dtype) if flat.dtype != members[0].dtype else flat
+                flat.div_(world_size)
+            _split_into(flat, members)
+
+        round_.add(work, finish)
+    if async_op:
+        return round_
+    round_.wait()
+    return None
 
 
 # -- the side channel: evaluation, averaging, agreement, barriers (never counted) -------

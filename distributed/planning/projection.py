@@ -83,6 +83,8 @@ from exogym.strategy.facts import (
     TRAFFIC_DEFAULTS,
     chunk_size,
     demo_payload_bytes,
+    is_quantized,
+    quantized_payload_bytes,
     value_bytes_of,
 )
 
@@ -266,7 +268,9 @@ def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = 
         bucket_bytes: largest buffer per all-reduce call.
         island_size: FedAvg's hosts per island (None: all of them).
         sparta_interval: SPARTA-DiLoCo's steps between sparse rounds.
-        comm_dtype: the wire type by name (``'bfloat16'``), instead of ``value_bytes``.
+        comm_dtype: the wire type by name (``'bfloat16'``), instead of ``value_bytes``;
+            a quantized type (``'int8'``, ``'float8_e4m3fn'``, ``'int4'``, ``'int2'``)
+            sends packed values and a float32 scale per 64 as an all-gather.
 
     Raises:
         ValueError: for an unknown strategy, a missing setting or an impossible value.
@@ -275,8 +279,12 @@ def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = 
     hosts = _check_hosts(hosts)
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be an integer >= 0, got {num_params!r}")
-    if comm_dtype is not None:
+    quantized = is_quantized(comm_dtype)
+    if comm_dtype is not None and not quantized:
         value_bytes = value_bytes_of(comm_dtype)
+    if quantized and name == "demo":
+        raise ValueError(f"demo sends its coefficients in a float type; comm_dtype="
+                         f"{comm_dtype!r} is quantized: use 'float32', 'bfloat16' or 'float16'")
     if value_bytes not in (1, 2, 4, 8):
         raise ValueError(f"value_bytes must be 1, 2, 4 or 8, got {value_bytes!r}")
     _check_positive("bucket_bytes", bucket_bytes)
@@ -284,11 +292,26 @@ def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = 
     def calls(payload: float) -> int:
         return max(1, math.ceil(payload / bucket_bytes)) if payload > 0 else 0
 
+    def wire(values: float) -> float:
+        """Bytes a host hands to the collective for ``values`` values."""
+        if quantized:
+            return float(quantized_payload_bytes(math.ceil(values), str(comm_dtype)))
+        return float(value_bytes * values)
+
+    def sent(payload: float, ring: int) -> float:
+        # A quantized payload is all-gathered and summed by each host.
+        return allgather_bytes(payload, ring) if quantized else ring_allreduce_bytes(payload, ring)
+
+    def rounds(payload: float, ring: int) -> float:
+        if quantized:
+            return float(allgather_rounds(ring) * calls(payload))
+        return float(ring_allreduce_rounds(ring, calls(payload)))
+
+    collective = "all-gather" if quantized else "all-reduce"
+
     def allreduce(payload: float, every: int = 1, ring: int = hosts) -> StepTraffic:
-        return StepTraffic(name, hosts, payload / every,
-                           ring_allreduce_bytes(payload, ring) / every,
-                           ring_allreduce_rounds(ring, calls(payload)) / every, "all-reduce",
-                           every)
+        return StepTraffic(name, hosts, payload / every, sent(payload, ring) / every,
+                           rounds(payload, ring) / every, collective, every)
 
     def needs_h() -> int:
         if isinstance(H, bool) or not isinstance(H, int) or H < 1:
@@ -305,28 +328,26 @@ def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = 
     if name == "none":
         return StepTraffic(name, hosts, 0.0, 0.0, 0.0, "none", 0)
     if name == "ddp":
-        return allreduce(float(value_bytes * num_params))
+        return allreduce(wire(num_params))
     if name == "diloco":
-        return allreduce(float(value_bytes * (num_params + num_buffers)), every=needs_h())
+        return allreduce(wire(num_params + num_buffers), every=needs_h())
     if name == "fedavg":
         every = needs_h()
         if island_size is not None:
             _whole("island_size", island_size)
         ring = min(island_size or hosts, hosts)
-        return allreduce(float(value_bytes * (num_params + num_buffers)), every=every, ring=ring)
+        return allreduce(wire(num_params + num_buffers), every=every, ring=ring)
     if name == "sparta":
-        return allreduce(float(value_bytes * fraction() * num_params))
+        return allreduce(wire(fraction() * num_params))
     if name == "sparta_diloco":
         every, interval = needs_h(), _whole("sparta_interval", sparta_interval)
         sparse_share = 1.0 / interval - 1.0 / math.lcm(interval, every)  # DiLoCo replaces some
-        sparse = float(value_bytes * fraction() * num_params)
-        full = float(value_bytes * (num_params + num_buffers))
+        sparse = wire(fraction() * num_params)
+        full = wire(num_params + num_buffers)
         return StepTraffic(
             name, hosts, sparse * sparse_share + full / every,
-            ring_allreduce_bytes(sparse, hosts) * sparse_share
-            + ring_allreduce_bytes(full, hosts) / every,
-            ring_allreduce_rounds(hosts, calls(sparse)) * sparse_share
-            + ring_allreduce_rounds(hosts, calls(full)) / every, "all-reduce", 1)
+            sent(sparse, hosts) * sparse_share + sent(full, hosts) / every,
+            rounds(sparse, hosts) * sparse_share + rounds(full, hosts) / every, collective, 1)
     # demo
     if demo_payload is None:
         if shapes is None:

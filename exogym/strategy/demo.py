@@ -152,6 +152,16 @@ def average_coefficients(indices: list[torch.Tensor], values: list[torch.Tensor]
     return dense.scatter_reduce_(1, idx, vals, reduce="mean", include_self=False)
 
 
+def _float_wire_dtype(comm_dtype: str) -> torch.dtype | None:
+    """DeMo's wire type: a float type only, since its coefficients are gathered as they are."""
+    wire = comm.resolve_dtype(comm_dtype)
+    if isinstance(wire, str):
+        raise ValueError(f"DeMo sends its top-k coefficients in a float type; comm_dtype="
+                         f"{comm_dtype!r} is a quantized type: use 'float32', 'bfloat16' or "
+                         "'float16'")
+    return wire
+
+
 class DeMo(torch.optim.Optimizer):
     """The DeMo optimizer: decoupled momentum, DCT top-k sync, sign update.
 
@@ -185,7 +195,7 @@ class DeMo(torch.optim.Optimizer):
         self.compression_topk = int(compression_topk)
         self.compression_chunk = int(compression_chunk)
         self.comm_dtype = comm_dtype
-        self.wire_dtype = comm.resolve_dtype(comm_dtype)
+        self.wire_dtype = _float_wire_dtype(comm_dtype)
         self._plans: dict[int, ChunkPlan] = {}
 
     def plan(self, p: torch.Tensor) -> ChunkPlan:
@@ -332,7 +342,7 @@ class DeMoStrategy(Strategy):
         lr = 1e-3 if lr is None else lr
         weight_decay = 0.0 if weight_decay is None else weight_decay
         _check_demo_args(lr, compression_decay, compression_topk, compression_chunk, weight_decay)
-        comm.resolve_dtype(comm_dtype)
+        _float_wire_dtype(comm_dtype)
         self.compression_decay = compression_decay
         self.compression_topk = compression_topk
         self.compression_chunk = compression_chunk

@@ -16,6 +16,14 @@ Because every rank holds the outer state and applies the same update to the
 same numbers, the round needs nothing but that one all-reduce: ``4 * P``
 bytes per rank per round for ``P`` float32 trainable parameters (half with
 ``comm_dtype='bfloat16'``).
+
+With a quantized ``comm_dtype`` (``'int8'``, ``'float8_e4m3fn'``, ``'int4'``,
+``'int2'``) the deltas travel as packed values plus a float32 scale per 64
+values, ``exogym.quantize.payload_bytes(P)`` bytes per round (e.g. about
+``1.06 * P`` for int8), and are summed in float32 (see
+:func:`exogym.comm.all_reduce_tensors`). ``error_feedback=True`` keeps what
+quantization lost in a residual per tensor and adds it to the next round's
+delta; the residuals are part of the checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import torch
 from exogym import comm
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
-from .facts import COMM_DTYPE, DILOCO_H
+from .facts import COMM_DTYPE, DILOCO_H, is_quantized
 from .optim import OptimSpec, ensure_optim_spec
 
 
@@ -37,23 +45,33 @@ class DiLoCoCommunicator(CommunicationModule):
     Args:
         H: inner steps per round.
         outer_optim_spec: the outer optimizer (an ``OptimSpec``).
-        comm_dtype: type the deltas travel in (``'float32'``, ``'bfloat16'``, ``'float16'``).
+        comm_dtype: type the deltas travel in (``'float32'``, ``'bfloat16'``, ``'float16'``,
+            or quantized: ``'int8'``, ``'float8_e4m3fn'``, ``'int4'``, ``'int2'``).
+        error_feedback: keep each round's quantization residual and send it with
+            the next round (needs a quantized ``comm_dtype``).
     """
 
-    def __init__(self, H: int, outer_optim_spec: OptimSpec, comm_dtype: str = COMM_DTYPE):
+    def __init__(self, H: int, outer_optim_spec: OptimSpec, comm_dtype: str = COMM_DTYPE,
+                 error_feedback: bool = False):
         super().__init__()
         if not isinstance(H, int) or H < 1:
             raise ValueError(f"H must be an integer >= 1, got {H!r}")
+        comm.resolve_dtype(comm_dtype)
+        check_error_feedback(error_feedback, comm_dtype)
         self.H = H
         self.outer_optim_spec = outer_optim_spec
         self.comm_dtype = comm_dtype
-        comm.resolve_dtype(comm_dtype)
+        self.error_feedback = bool(error_feedback)
+        self.residuals: list[torch.Tensor] | None = None
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.master = [p.detach().clone() for p in self.params]
         self.outer_optim = self.outer_optim_spec.build(self.master)
+        if self.error_feedback:
+            self.residuals = [torch.zeros_like(t, dtype=torch.float32)
+                              for t in self.params + self.buffers]
 
     @torch.no_grad()
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int,
@@ -61,7 +79,8 @@ class DiLoCoCommunicator(CommunicationModule):
         if (local_step + 1) % self.H != 0:
             return
         deltas = [m - p.detach() for m, p in zip(self.master, self.params)]
-        comm.all_reduce_tensors(deltas + self.buffers, average=True, dtype=self.comm_dtype)
+        comm.all_reduce_tensors(deltas + self.buffers, average=True, dtype=self.comm_dtype,
+                                error_feedback=self.residuals)
         for master, delta in zip(self.master, deltas):
             master.grad = delta
         self.outer_optim.step()
@@ -71,14 +90,33 @@ class DiLoCoCommunicator(CommunicationModule):
             p.copy_(master)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"master": [m.clone() for m in self.master],
-                "outer_optim": self.outer_optim.state_dict()}
+        state = {"master": [m.clone() for m in self.master],
+                 "outer_optim": self.outer_optim.state_dict()}
+        if self.residuals is not None:
+            state["residuals"] = [r.clone() for r in self.residuals]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             for m, saved in zip(self.master, state["master"]):
                 m.copy_(saved)
+            if self.residuals is not None:
+                if "residuals" not in state:
+                    raise ValueError("this DiLoCo keeps error-feedback residuals, but the "
+                                     "checkpoint has none: resume with error_feedback=False, "
+                                     "or start afresh")
+                for r, saved in zip(self.residuals, state["residuals"]):
+                    r.copy_(saved)
         self.outer_optim.load_state_dict(state["outer_optim"])
+
+
+def check_error_feedback(error_feedback: bool, comm_dtype: str) -> None:
+    """Refuse ``error_feedback`` without a quantized ``comm_dtype`` (nothing would be lost)."""
+    if not isinstance(error_feedback, bool):
+        raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+    if error_feedback and not is_quantized(comm_dtype):
+        raise ValueError(f"error_feedback=True needs a quantized comm_dtype ('int8', "
+                         f"'float8_e4m3fn', 'int4', 'int2'), got comm_dtype={comm_dtype!r}")
 
 
 def outer_spec(
@@ -114,7 +152,11 @@ class DiLoCoStrategy(CommunicateOptimizeStrategy):
         outer_lr: outer learning rate (0.7).
         outer_momentum: outer momentum (0.9).
         nesterov: Nesterov momentum for the outer SGD (True).
-        comm_dtype: type the outer deltas travel in (``'float32'``).
+        comm_dtype: type the outer deltas travel in (``'float32'``; also ``'bfloat16'``,
+            ``'float16'``, and the quantized ``'int8'``, ``'float8_e4m3fn'``, ``'int4'``,
+            ``'int2'`` with a float32 scale per 64 values).
+        error_feedback: carry each round's quantization residual into the next
+            round (quantized ``comm_dtype`` only; checkpointed).
         **kwargs: inner optimizer, schedule and clipping arguments of ``Strategy``.
     """
 
@@ -128,15 +170,17 @@ class DiLoCoStrategy(CommunicateOptimizeStrategy):
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         comm_dtype: str = COMM_DTYPE,
+        error_feedback: bool = False,
         **kwargs: Any,
     ):
         if outer_optim_spec is not None and outer_optim is not None:
             raise TypeError("DiLoCoStrategy: give outer_optim_spec= or outer_optim=, not both")
         self.H = H
         self.comm_dtype = comm_dtype
+        self.error_feedback = error_feedback
         self.outer_optim_spec = outer_spec(
             outer_optim_spec if outer_optim_spec is not None else outer_optim,
             outer_lr, outer_momentum, nesterov,
         )
-        self.diloco = DiLoCoCommunicator(H, self.outer_optim_spec, comm_dtype)
+        self.diloco = DiLoCoCommunicator(H, self.outer_optim_spec, comm_dtype, error_feedback)
         super().__init__(communication_modules=[self.diloco], optim_spec=optim_spec, **kwargs)

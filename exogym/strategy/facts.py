@@ -15,6 +15,11 @@ Per strategy, the settings its bytes per step depend on (:data:`TRAFFIC_DEFAULTS
 - ``sparta_diloco``: ``H``, ``p_sparta``, ``sparta_interval`` and ``comm_dtype``;
 - ``demo``: ``compression_topk`` and ``compression_chunk`` (see :class:`ChunkGeometry`)
   and ``comm_dtype``.
+
+A ``comm_dtype`` is either a float type (values travel in it) or one of the
+quantized types of :data:`QUANTIZED_BITS` (``exogym.quantize``): packed values
+plus one float32 scale per chunk of ``chunk`` values, gathered rather than
+reduced; :func:`quantized_payload_bytes` is what one rank sends for them.
 """
 
 from __future__ import annotations
@@ -34,9 +39,14 @@ __all__ = [
     "SPARTA_P",
     "TRAFFIC_DEFAULTS",
     "VALUE_BYTES",
+    "QUANTIZED_BITS",
+    "QUANT_CHUNK",
+    "SCALE_BYTES",
     "ChunkGeometry",
     "chunk_size",
     "demo_payload_bytes",
+    "is_quantized",
+    "quantized_payload_bytes",
     "value_bytes_of",
 ]
 
@@ -53,6 +63,15 @@ VALUE_BYTES: dict[str, int] = {
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
     "float64": 8, "double": 8,
 }
+
+#: Bits per value of each quantized ``comm_dtype`` (``exogym.quantize``).
+QUANTIZED_BITS: dict[str, int] = {"int8": 8, "float8_e4m3fn": 8, "int4": 4, "int2": 2}
+
+#: Values per quantization chunk (one scale each) unless a strategy says otherwise.
+QUANT_CHUNK = 64
+
+#: Bytes of one chunk's scale: scales travel as float32.
+SCALE_BYTES = 4
 
 DILOCO_H = 100  #: DiLoCo's (and SPARTA-DiLoCo's) inner steps per outer round.
 FEDAVG_H = 1  #: FedAvg's local steps per averaging round.
@@ -75,16 +94,48 @@ TRAFFIC_DEFAULTS: dict[str, dict[str, object]] = {
 }
 
 
-def value_bytes_of(comm_dtype: str) -> int:
-    """Bytes per value for a communication dtype name (``'bfloat16'`` -> 2).
+def is_quantized(comm_dtype: object) -> bool:
+    """True for a quantized communication dtype name (``'int8'``, ``'int4'``, ...)."""
+    return isinstance(comm_dtype, str) and comm_dtype.lower() in QUANTIZED_BITS
+
+
+def quantized_payload_bytes(numel: int, comm_dtype: str, chunk: int = QUANT_CHUNK) -> int:
+    """Bytes one rank sends for ``numel`` values quantized to ``comm_dtype``.
+
+    The values packed ``8 // bits`` to a byte (the last byte padded), plus one
+    float32 scale per chunk of ``chunk`` values (the last chunk may be partial
+    and still has its scale): ``ceil(numel * bits / 8) + 4 * ceil(numel / chunk)``.
 
     Raises:
-        ValueError: for a name that is not a known floating type.
+        ValueError: for an unknown quantized type, or ``chunk`` or ``numel`` out of range.
+    """
+    name = str(comm_dtype).lower()
+    if name not in QUANTIZED_BITS:
+        raise ValueError(f"unknown quantized comm_dtype {comm_dtype!r}; use one of "
+                         f"{', '.join(QUANTIZED_BITS)}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel!r}")
+    bits = QUANTIZED_BITS[name]
+    return -(-numel * bits // 8) + SCALE_BYTES * -(-numel // chunk)
+
+
+def value_bytes_of(comm_dtype: str) -> float:
+    """Bytes per value for a communication dtype name (``'bfloat16'`` -> 2).
+
+    For a quantized type, the packed value's share of a byte plus its share of
+    a chunk scale at the default chunk (``'int8'`` -> 1 + 4/64).
+
+    Raises:
+        ValueError: for a name that is neither a known floating type nor a quantized one.
     """
     name = str(comm_dtype).lower().removeprefix("torch.")
+    if name in QUANTIZED_BITS:
+        return QUANTIZED_BITS[name] / 8 + SCALE_BYTES / QUANT_CHUNK
     if name not in VALUE_BYTES:
         raise ValueError(f"unknown comm_dtype {comm_dtype!r}; use one of "
-                         f"{', '.join(sorted(VALUE_BYTES))}")
+                         f"{', '.join(sorted(VALUE_BYTES) + list(QUANTIZED_BITS))}")
     return VALUE_BYTES[name]
 
 
