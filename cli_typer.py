@@ -30,6 +30,9 @@ app = typer.Typer(
     help="Simulate distributed training on this machine, or run the same training across "
          "the machines you own.",
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    # Click's plain help, not Rich's panels: those show a `<bool>` placeholder after every flag
+    # (inviting `--dry-run true`) and cut long option names to fit 80 columns.
+    rich_markup_mode=None,
 )
 
 # Options shared by several commands.

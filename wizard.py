@@ -43,7 +43,8 @@ DEFAULT_STRATEGY = "diloco"
 DEFAULT_MBIT = 100.0
 COMPARED = ("ddp", "diloco", "sparta", "fedavg", "demo")
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+# Plain help, as cli_typer.py's: flags bare, option names whole within 80 columns.
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 
 class Asker:
