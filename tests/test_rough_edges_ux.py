@@ -58,3 +58,125 @@ def test_help_fits_80_columns_names_every_option_whole_and_shows_flags_bare(prog
                             if re.search(rf"(^|[\s,]){re.escape(opt)}(\s|$|/|,)", ln))
                 after = line.split(opt, 1)[1]
                 assert not after.startswith(" <"), (opt, line)
+
+
+# --------------------------------------------------------------------------- file modes
+
+_WRITE_EVERY_KIND = r"""
+import os, stat, sys, json
+from pathlib import Path
+import torch
+from exogym.io import (atomic_write_text, atomic_write_json, atomic_write_bytes,
+                       atomic_torch_save, atomic_save_safetensors, new_temp_dir_beside,
+                       publish_dir)
+from exogym.checkpoint import save_checkpoint
+from distributed.profiles.setup_files import write_with_backup
+from distributed.app.compare import plot_comparison, StrategyResult
+out = Path(sys.argv[1])
+atomic_write_text(out / "summary.txt", "x")
+atomic_write_json(out / "summary.json", {"a": 1})
+atomic_write_bytes(out / "secret.key", b"k", mode=0o600)
+atomic_torch_save({"w": torch.zeros(2)}, out / "state.pt")
+atomic_save_safetensors({"w": torch.zeros(2)}, out / "model.safetensors")
+write_with_backup(out / "hosts.json", "{}")
+write_with_backup(out / "hosts.json", "{ }")
+tmp = new_temp_dir_beside(out / "folder")
+(tmp / "inner.txt").write_text("x")
+publish_dir(tmp, out / "folder", replace=False)
+plot_comparison([StrategyResult("ddp", None, {}, [(0, 0, 1.0), (10, 100, 0.5)])],
+                out / "compare.png")
+save_checkpoint({"w": torch.zeros(2)}, out / "checkpoints", 0, 1)
+print(json.dumps({str(p.relative_to(out)) + ("/" if p.is_dir() else ""):
+                  stat.S_IMODE(p.stat().st_mode) for p in sorted(out.rglob("*"))}))
+"""
+
+
+@pytest.mark.parametrize("umask,file_mode,dir_mode", [(0o022, 0o644, 0o755),
+                                                       (0o027, 0o640, 0o750)])
+def test_written_files_get_the_users_usual_mode_and_a_secret_stays_private(tmp_path, umask,
+                                                                          file_mode, dir_mode):
+    import json
+
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run([sys.executable, "-c", _WRITE_EVERY_KIND, str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: os.umask(umask))
+    assert done.returncode == 0, done.stderr
+    modes = json.loads(done.stdout.splitlines()[-1])
+    assert modes.pop("secret.key") == 0o600
+    shown = {k: oct(v) for k, v in modes.items()}
+    assert {"folder/", "folder/inner.txt", "compare.png", "model.safetensors",
+            "hosts.json.bak"} <= set(modes), shown
+    assert any(k.startswith("checkpoints/") and not k.endswith("/") for k in modes), shown
+    for name, mode in modes.items():
+        assert mode == (dir_mode if name.endswith("/") else file_mode), (name, shown)
+
+
+# --------------------------------------------------------------------------- compare
+
+
+def test_zero_bytes_sent_are_drawn_at_zero_on_an_axis_that_says_how_it_is_scaled():
+    import matplotlib.pyplot as plt
+
+    from distributed.app.compare import StrategyResult, comparison_figure
+
+    results = [StrategyResult("ddp", None, {}, [(0, 0, 2.0), (10, 4000, 1.0), (20, 8000, 0.5)]),
+               StrategyResult("diloco", None, {}, [(0, 0, 2.1), (10, 0, 1.5), (20, 3000, 0.6)])]
+    fig = comparison_figure(results)
+    try:
+        by_bytes = fig.axes[1]
+        assert by_bytes.get_xscale() == "symlog"
+        diloco = next(line for line in by_bytes.get_lines() if line.get_label() == "diloco")
+        assert list(diloco.get_xdata()) == [0, 0, 3000]  # drawn as sent, not moved to 1 byte
+        left, right = by_bytes.get_xlim()
+        assert left <= 0 < 3000 < 8000 <= right
+        assert 0 in list(by_bytes.get_xticks())
+        assert "0 means nothing sent" in by_bytes.get_xlabel()
+        assert "linear below 1000 B" in by_bytes.get_xlabel()  # the decade of 3000
+    finally:
+        plt.close(fig)
+
+
+def test_compare_of_a_base_profile_takes_each_strategy_from_its_named_profile():
+    from distributed.app.compare import plan_comparison, strategy_profiles
+
+    names = ["ddp", "diloco", "sparta", "fedavg", "demo"]
+    assert strategy_profiles("digits-base", names) == {
+        s: f"digits-{s}" for s in names}
+    plans = {p.strategy: p.values for p in plan_comparison("digits-base", names)}
+    assert plans["fedavg"]["H"] == 10 and plans["fedavg"]["island_size"] == 2
+    assert plans["diloco"]["H"] == 20 and plans["diloco"]["outer_lr"] == 0.7
+    assert plans["sparta"]["p_sparta"] == 0.005
+    assert plans["demo"]["compression_topk"] == 16 and plans["demo"]["lr"] == 0.001
+    assert plans["ddp"]["lr"] == 0.003  # DeMo's own lr stays DeMo's
+    assert "checkpoint_interval" not in plans["fedavg"]  # a run key of digits-diloco: not taken
+    # the user's --set still wins over a named profile's setting
+    plans = {p.strategy: p.values for p in plan_comparison("digits-base", ["fedavg"],
+                                                          overrides={"H": 3})}
+    assert plans["fedavg"]["H"] == 3
+
+
+def test_compare_shows_the_settings_first_and_writes_the_plot_into_its_output_folder(
+        tmp_path, monkeypatch):
+    from faces_support import TINY
+    from typer.testing import CliRunner
+
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    out = tmp_path / "runs"
+    args = ["compare", "digits-base", "--config", str(ROOT / "config.ini"),
+            "--strategies", "ddp,fedavg"]
+    for pair in [*TINY, f"output_dir={out}"]:
+        args += ["--set", pair]
+    result = CliRunner().invoke(cli_typer.app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    text = result.output
+    settings = text[text.index("Settings each strategy runs with"):text.index("fedavg: val loss")]
+    fedavg_row = next(line for line in settings.splitlines() if "fedavg" in line)
+    assert "digits-fedavg" in fedavg_row and "H=10" in fedavg_row
+    assert text.index("Settings each strategy runs with") < text.index("ddp: val loss")
+    assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"plot written to {out / 'compare.png'}" in text
+    assert not list(work.iterdir())  # nothing lands in the current folder
