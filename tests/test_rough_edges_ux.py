@@ -180,3 +180,40 @@ def test_compare_shows_the_settings_first_and_writes_the_plot_into_its_output_fo
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert f"plot written to {out / 'compare.png'}" in text
     assert not list(work.iterdir())  # nothing lands in the current folder
+
+
+# --------------------------------------------------------------------------- hosts file
+
+
+def test_a_loopback_master_with_workers_on_other_machines_is_refused_naming_the_fields():
+    from distributed.hosts.hostsfile import HostsFileError, load_hosts
+
+    text = ('{\n  "master": "127.0.0.1",\n  "workers": ["10.0.0.2", "127.0.0.3", '
+            '{"host": "192.168.1.7"}],\n  "python_env": "/x/python",\n  "project_path": "/x"\n}')
+    with pytest.raises(HostsFileError) as caught:
+        load_hosts_text(text)
+    (problem,) = caught.value.problems
+    assert problem.startswith('hosts file line 2: "master" is "127.0.0.1", a loopback address')
+    assert '"workers[0]" ("10.0.0.2")' in problem and '"workers[2].host" ("192.168.1.7")' in problem
+    assert "127.0.0.3" not in problem  # a loopback worker can reach it
+    assert "LAN address" in problem, problem
+    # loopback everywhere (one machine, the tests' hosts) and a real master stay valid
+    load_hosts({"master": "127.0.0.1", "workers": ["127.0.0.2", "localhost"],
+                "python_env": "/x/python", "project_path": "/x"})
+    load_hosts({"master": "10.0.0.1", "workers": ["10.0.0.2"], "python_env": "/x/python",
+                "project_path": "/x"})
+    with pytest.raises(HostsFileError, match='"master" is "localhost"'):
+        load_hosts({"master": "localhost", "workers": ["10.0.0.2"], "python_env": "/x/python",
+                    "project_path": "/x"})
+
+
+def load_hosts_text(text: str):
+    import tempfile
+    from pathlib import Path
+
+    from distributed.hosts.hostsfile import load_hosts
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "hosts.json"
+        path.write_text(text)
+        return load_hosts(path)
