@@ -247,12 +247,16 @@ def compare(
         ddp = next((r.bytes_per_node for r in results if r.strategy in ("ddp", "allreduce")),
                    None)
         table = Table(title=f"{profile}: {len(results)} strategies", title_justify="left")
-        for column in ("strategy", "final val loss", "bytes per node", "vs ddp", "wall time"):
+        accuracy = any(r.summary.get("final_val_accuracy") is not None for r in results)
+        for column in ("strategy", "final val loss", *(("val acc (rank 0)",) if accuracy else ()),
+                       "bytes per node", "vs ddp", "wall time"):
             table.add_column(column, justify="left" if column == "strategy" else "right")
         for r in results:
             val = r.final_val_loss
+            acc = r.summary.get("final_val_accuracy")
             relative = f"{r.bytes_per_node / ddp:.2%}" if ddp else "-"
             table.add_row(r.strategy, "-" if val is None else f"{val:.4f}",
+                          *(("-" if acc is None else f"{acc:.1%}",) if accuracy else ()),
                           human_bytes(r.bytes_per_node), relative, f"{r.wall_s:.1f} s")
         console.print(table)
         written = plot_comparison(results, out or comparison_folder(plans) / PLOT_NAME,

@@ -177,6 +177,9 @@ def test_compare_shows_the_settings_first_and_writes_the_plot_into_its_output_fo
     fedavg_row = next(line for line in settings.splitlines() if "fedavg" in line)
     assert "digits-fedavg" in fedavg_row and "H=10" in fedavg_row
     assert text.index("Settings each strategy runs with") < text.index("ddp: val loss")
+    fedavg_result = next(line for line in text[text.index("2 strategies"):].splitlines()
+                         if "fedavg" in line)
+    assert "%" in fedavg_result.split("│")[3]  # the digits task's validation accuracy
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert f"plot written to {out / 'compare.png'}" in text
     assert not list(work.iterdir())  # nothing lands in the current folder
@@ -217,3 +220,97 @@ def load_hosts_text(text: str):
         path = Path(folder) / "hosts.json"
         path.write_text(text)
         return load_hosts(path)
+
+
+# --------------------------------------------------------------------------- results
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _dashboard(clock: _Clock, log_every: int = 10):
+    import io
+
+    from rich.console import Console
+
+    from distributed.app.dashboard import Dashboard
+
+    out = io.StringIO()
+    console = Console(file=out, width=200, force_terminal=False)
+    return Dashboard(1, console=console, live=False, log_every=log_every, clock=clock), out
+
+
+def _feed_steps(dashboard, clock: _Clock, steps: range, seconds_per_step: float,
+                accuracy: float | None = None) -> None:
+    for step in steps:
+        clock.now += seconds_per_step
+        event = {"event": "step", "rank": 0, "step": step, "train_loss": 1.0,
+                 "samples": step * 32, "wall_s": step * seconds_per_step, "comm_bytes": 0}
+        if step % 10 == 0:
+            event.update(val_loss=0.9, val_global_loss=0.8)
+            if accuracy is not None:
+                event["val_accuracy"] = accuracy
+        dashboard.on_event(event)
+
+
+def _rendered(renderable) -> str:
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(file=out, width=200).print(renderable)
+    return out.getvalue()
+
+
+def test_live_table_and_log_lines_show_the_time_left_from_the_recent_step_rate():
+    clock = _Clock()
+    dashboard, out = _dashboard(clock)
+    dashboard.on_event({"event": "start", "rank": 0, "max_steps": 100})
+    _feed_steps(dashboard, clock, range(1, 21), seconds_per_step=0.5)  # 80 steps left at 2/s
+    table = _rendered(dashboard.render())
+    assert "time left" in table
+    row = next(line for line in table.splitlines() if "│ training" in line)
+    assert "40 s" in row, table
+    assert "ETA 40 s" in out.getvalue().splitlines()[-1]  # the plain line of step 20
+    # the rate is the recent one: the run slows down to 1 step/s, the estimate follows
+    _feed_steps(dashboard, clock, range(21, 61), seconds_per_step=1.0)
+    row = next(line for line in _rendered(dashboard.render()).splitlines() if "│ training" in line)
+    assert "40 s" in row  # 40 steps left at 1 step/s
+    _feed_steps(dashboard, clock, range(61, 101), seconds_per_step=1.0)
+    dashboard.on_event({"event": "done", "rank": 0, "step": 100})
+    row = next(line for line in _rendered(dashboard.render()).splitlines() if "│ done" in line)
+    assert "0 s" in row
+
+
+def test_validation_accuracy_shows_in_the_live_table_the_lines_and_the_summaries():
+    from rich.console import Console
+
+    from exogym.report import RunReporter
+
+    clock = _Clock()
+    dashboard, out = _dashboard(clock)
+    dashboard.on_event({"event": "start", "rank": 0, "max_steps": 20})
+    _feed_steps(dashboard, clock, range(1, 21), seconds_per_step=0.1, accuracy=0.8125)
+    assert "val acc" in _rendered(dashboard.render()) and "81.2%" in _rendered(dashboard.render())
+    assert "acc 81.2%" in out.getvalue()
+    summary = dashboard.summary(5.0)
+    assert summary["final_val_accuracy"] == 0.8125  # the key summary.json holds
+    shown = _rendered(dashboard.summary_table(summary))
+    assert "val acc" in shown and "81.2%" in shown
+    import io
+
+    printed = io.StringIO()
+    RunReporter(1, console=Console(file=printed, width=200)).finish(summary)
+    assert "val acc" in printed.getvalue() and "81.2%" in printed.getvalue()
+    # a task without accuracy gets no such column
+    plain_dash, _ = _dashboard(_Clock())
+    plain_dash.on_event({"event": "start", "rank": 0, "max_steps": 20})
+    _feed_steps(plain_dash, _Clock(), range(1, 11), seconds_per_step=0.1)
+    assert "val acc" not in _rendered(plain_dash.render())
+    assert "val acc" not in _rendered(plain_dash.summary_table(plain_dash.summary(1.0)))
