@@ -3,10 +3,10 @@
 It consumes metric events (``exogym.metrics``: the dicts of ``trainer.history``
 and of the launcher's ``on_event``) and shows one row per rank — host, status,
 step, training loss, validation loss and accuracy (when the task scores one),
-samples per second, bytes sent, the time left, seconds since the rank last
-reported — plus the run's totals. The time left is the steps to go over the
-rank's recent step rate (its last :data:`RATE_WINDOW_S` seconds), so it follows
-a run that speeds up or slows down. On a terminal the table redraws in
+samples per second, bytes sent, seconds since the rank last reported — plus
+the run's totals, and the time left in the title: the steps to go over each
+rank's recent step rate (its last :data:`RATE_WINDOW_S` seconds), so it
+follows a run that speeds up or slows down. On a terminal the table redraws in
 place (``rich.live``); elsewhere (CI, pipes, log files) it prints plain log
 lines instead: a rank's start and end, and every ``log_every`` steps. At the
 end, a summary table: each rank's final figures and the run's.
@@ -258,7 +258,7 @@ class Dashboard:
         parts.append(f"{_fmt(state.samples_per_s, '.1f')} samples/s")
         parts.append(f"sent {human_bytes(state.comm_bytes)}")
         left = state.seconds_left()
-        if left is not None and state.step != state.max_steps:
+        if left is not None and left >= 1:  # under a second, a log line has nothing to say
             parts.append(f"ETA {human_duration(left)}")
         return " | ".join(parts)
 
@@ -290,12 +290,17 @@ class Dashboard:
         with self._lock:
             now = self.clock()
             elapsed = 0.0 if self._started is None else now - self._started
-            table = Table(title=f"{self.title}  ({elapsed:.0f} s)",
-                          title_justify="left", expand=False)
             states = [self.ranks[r] for r in sorted(self.ranks)]
+            lefts = [s.seconds_left() for s in states]
+            # the run ends with its slowest rank; unknown until every rank has a rate
+            left = ("" if not states or None in lefts
+                    else ", done" if max(lefts) == 0
+                    else f", about {human_duration(max(lefts))} left")
+            table = Table(title=f"{self.title}  ({elapsed:.0f} s{left})",
+                          title_justify="left", expand=False)
             accuracy = any(s.val_accuracy is not None for s in states)
             for name in ("rank", "host", "status", "step", "loss", "val loss",
-                         *(("val acc",) if accuracy else ()), "samples/s", "sent", "time left",
+                         *(("val acc",) if accuracy else ()), "samples/s", "sent",
                          "last report"):
                 table.add_column(name, justify="left" if name in ("host", "status") else "right",
                                  no_wrap=True)
@@ -305,10 +310,8 @@ class Dashboard:
                 table.add_row(str(s.rank), s.host, Text(s.status, STATUS_STYLES.get(s.status, "")),
                               step, _fmt(s.train_loss, ".4f"), _fmt(s.val_loss, ".4f"),
                               *((_fmt(s.val_accuracy, ".1%"),) if accuracy else ()),
-                              _fmt(s.samples_per_s, ".1f"), human_bytes(s.comm_bytes),
-                              human_duration(s.seconds_left()), ago)
+                              _fmt(s.samples_per_s, ".1f"), human_bytes(s.comm_bytes), ago)
             if states:
-                lefts = [s.seconds_left() for s in states]
                 reported = [s for s in states if s.train_loss is not None]
                 rates = [s.samples_per_s for s in states if s.samples_per_s is not None]
                 seen = [s.last_seen for s in states if s.last_seen is not None]
@@ -322,8 +325,6 @@ class Dashboard:
                          else None, ".4f"),
                     "", *(("",) if accuracy else ()), _fmt(sum(rates) if rates else None, ".1f"),
                     human_bytes(sum(s.comm_bytes for s in states)),
-                    # the run ends with its slowest rank
-                    "-" if None in lefts else human_duration(max(lefts)),
                     "-" if not seen else f"{now - max(seen):.1f} s ago", style="bold")
             return table
 
