@@ -18,6 +18,7 @@ sent yet sits at 0, not at a made-up 1 byte.
 from __future__ import annotations
 
 import difflib
+import inspect
 import io
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -153,9 +154,7 @@ def strategy_settings(plan: Profile) -> tuple[dict[str, Any], dict[str, Any]]:
     """What ``plan``'s strategy runs with: (settings the profile gives, defaults of the
     strategy's own settings it leaves unset). Settings every strategy shares (``lr``,
     ``max_steps``, ...) are left out, but for ``lr``."""
-    import inspect
-
-    from exogym.strategy import Strategy
+    from exogym.strategy import Strategy  # here, not at the top: it brings torch (see below)
 
     cls = plan.resolved.strategy_cls
     shared = init_arg_names(Strategy)
