@@ -4,7 +4,7 @@
     python cli_typer.py distributed-train digits-diloco --hosts distributed_hosts.json
     python cli_typer.py check-hosts distributed_hosts.json
     python cli_typer.py profiles
-    python cli_typer.py compare digits-diloco --strategies ddp,diloco,fedavg --out compare.png
+    python cli_typer.py compare digits-base --strategies ddp,diloco,fedavg   # plot in runs/
     python cli_typer.py slurm digits-diloco --nodes 4 --time 1:00:00   # then: sbatch digits-diloco.sbatch
 
 A face only: it parses, calls ``distributed.app.run`` (the same code the wizard
@@ -30,6 +30,9 @@ app = typer.Typer(
     help="Simulate distributed training on this machine, or run the same training across "
          "the machines you own.",
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    # Click's plain help, not Rich's panels: those show a `<bool>` placeholder after every flag
+    # (inviting `--dry-run true`) and cut long option names to fit 80 columns.
+    rich_markup_mode=None,
 )
 
 # Options shared by several commands.
@@ -178,21 +181,31 @@ def compare(
     config: ConfigFile = None,
     set_: Overrides = None,
     logger: LoggerName = None,
-    out: Annotated[Path, typer.Option(
-        "--out", "-o", dir_okay=False, help="Where to write the plot (PNG).")
-    ] = Path("compare.png"),
+    out: Annotated[Path | None, typer.Option(
+        "--out", "-o", dir_okay=False,
+        help="Where to write the plot (PNG; default: compare.png in the comparison's output "
+             "folder).")] = None,
     debug: Debug = False,
 ) -> None:
-    """Simulate PROFILE once per strategy; compare loss, bytes and time in a table and a plot."""
+    """Simulate PROFILE once per strategy; compare loss, bytes and time in a table and a plot.
+
+    Each strategy runs with the settings of its own profile in PROFILE's family (e.g.
+    digits-fedavg's H=10 when comparing digits-base), else with the strategy's defaults;
+    a table shows them before the runs.
+    """
     with reported_errors(ctx, debug):
         from rich.table import Table
 
         from distributed.app.compare import (
+            PLOT_NAME,
             check_plotting,
+            comparison_folder,
             parse_overrides,
             plan_comparison,
             plot_comparison,
             run_comparison,
+            strategy_profiles,
+            strategy_settings,
         )
         from distributed.app.dashboard import Dashboard, human_bytes
         from distributed.app.run import logger_override
@@ -205,6 +218,19 @@ def compare(
         nodes = plans[0].values.get("num_nodes", 1)
         console.print(f"Comparing {', '.join(names)} on {profile} ({nodes} simulated nodes, "
                       f"{plans[0].values.get('max_steps', '?')} steps each).", markup=False)
+        sources = strategy_profiles(profile, names, str(config) if config else None)
+        settings = Table(title="Settings each strategy runs with", title_justify="left")
+        for column in ("strategy", "settings from", "settings", "strategy defaults"):
+            settings.add_column(column, overflow="fold")
+        for plan in plans:
+            given, defaults = strategy_settings(plan)
+            source = sources[plan.strategy]
+            settings.add_row(plan.strategy,
+                             f"profile {source}" if source else f"{profile} (no "
+                             f"{plan.strategy} profile)",
+                             " ".join(f"{k}={v}" for k, v in given.items()) or "-",
+                             " ".join(f"{k}={v}" for k, v in defaults.items()) or "-")
+        console.print(settings)
 
         def dashboard(plan):
             return Dashboard(int(plan.values.get("num_nodes") or 1), console=console,
@@ -221,15 +247,20 @@ def compare(
         ddp = next((r.bytes_per_node for r in results if r.strategy in ("ddp", "allreduce")),
                    None)
         table = Table(title=f"{profile}: {len(results)} strategies", title_justify="left")
-        for column in ("strategy", "final val loss", "bytes per node", "vs ddp", "wall time"):
+        accuracy = any(r.summary.get("final_val_accuracy") is not None for r in results)
+        for column in ("strategy", "final val loss", *(("val acc (rank 0)",) if accuracy else ()),
+                       "bytes per node", "vs ddp", "wall time"):
             table.add_column(column, justify="left" if column == "strategy" else "right")
         for r in results:
             val = r.final_val_loss
+            acc = r.summary.get("final_val_accuracy")
             relative = f"{r.bytes_per_node / ddp:.2%}" if ddp else "-"
             table.add_row(r.strategy, "-" if val is None else f"{val:.4f}",
+                          *(("-" if acc is None else f"{acc:.1%}",) if accuracy else ()),
                           human_bytes(r.bytes_per_node), relative, f"{r.wall_s:.1f} s")
         console.print(table)
-        written = plot_comparison(results, out, title=f"{profile}: validation loss")
+        written = plot_comparison(results, out or comparison_folder(plans) / PLOT_NAME,
+                                  title=f"{profile}: validation loss")
         console.print(f"plot written to {written}", markup=False)
 
 

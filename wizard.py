@@ -43,7 +43,8 @@ DEFAULT_STRATEGY = "diloco"
 DEFAULT_MBIT = 100.0
 COMPARED = ("ddp", "diloco", "sparta", "fedavg", "demo")
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+# Plain help, as cli_typer.py's: flags bare, option names whole within 80 columns.
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 
 class Asker:
@@ -119,10 +120,20 @@ def _default_key() -> str:
 
 
 def _this_address() -> str:
+    """This machine's address as others see it: its name's address, else (when that is a
+    loopback one, as Debian's 127.0.1.1) the address of the interface routes leave by."""
     try:
-        return socket.gethostbyname(socket.gethostname())
+        address = socket.gethostbyname(socket.gethostname())
     except OSError:
-        return "127.0.0.1"
+        address = "127.0.0.1"
+    if not address.startswith("127."):
+        return address
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # a documentation address: no packet is sent
+            return probe.getsockname()[0]
+    except OSError:
+        return address
 
 
 class Wizard:
@@ -156,6 +167,16 @@ class Wizard:
         self.start = start
         self.run_dir = run_dir
         self.ssh = dict(ssh)
+        self.written: list[Path] = []  # files written so far, to say so if cancelled
+        self.started = False  # whether training (ranks) started
+
+    def cancelled_message(self) -> str:
+        """What a Ctrl-C before the run leaves behind, in one line."""
+        if not self.written:
+            return "Cancelled; nothing was written."
+        return (f"Cancelled; {', '.join(str(p) for p in self.written)} "
+                f"{'was' if len(self.written) == 1 else 'were'} written and kept; no training "
+                "was started.")
 
     # ------------------------------------------------------------------ hosts
 
@@ -240,7 +261,7 @@ class Wizard:
 
     def build_hosts(self) -> HostsConfig | None:
         """Ask for the hosts, checking each as it is added; None for one machine."""
-        from distributed.app.setup import HostsFileError, load_hosts
+        from distributed.app.setup import HostsFileError, is_loopback, is_other_machine, load_hosts
 
         where = self.ask.select("Where should it train?", [
             ("On this machine only: simulate the nodes here", "local", None),
@@ -274,6 +295,19 @@ class Wizard:
             address = self.ask.text(f"Address of worker {number} (empty when done):", "")
             if not address:
                 break
+            if is_loopback(mapping["master"]) and is_other_machine(address):
+                self.console.print(
+                    f"[red]The master {mapping['master']} is a loopback address, which only the "
+                    f"master itself can reach; worker {address} is another machine and could "
+                    "never connect to it.[/] Give the master's address on the workers' network.",
+                    highlight=False)
+                mapping["master"] = self.ask.text(
+                    "Address of the master, which runs rank 0 (the workers must reach it):",
+                    _this_address(), lambda t: not is_loopback(t.strip()) or
+                    f"{t.strip()} is a loopback address: the workers cannot reach it")
+                self.console.print(f"Checking the master {mapping['master']}...")
+                self.show_host_check(self.check(load_hosts({**mapping, "workers": []})),
+                                     mapping["master"])
             trial = {**mapping, "workers": [*mapping["workers"], address]}
             try:
                 load_hosts(trial)
@@ -322,13 +356,16 @@ class Wizard:
         """The link's bandwidth in Mbit/s: given, measured, or typed."""
         if self.bandwidth_mbit is not None:
             return self.bandwidth_mbit
-        choices = [("Type it (Mbit/s)", "type", None)]
         if hosts is not None and hosts.workers:
             worker = hosts.workers[0]
-            choices.insert(0, (f"Measure it: one second of TCP from here to {worker.host}",
-                               "measure", None))
-        how = self.ask.select("The link between the machines: how fast is it?", choices,
-                              default=choices[0][1])
+            how = self.ask.select("The link between the machines: how fast is it?", [
+                (f"Measure it: one second of TCP from here to {worker.host}", "measure", None),
+                ("Type it (Mbit/s)", "type", None)], default="measure")
+        else:
+            how = "type"
+            self.console.print("The estimates need the speed of the link between the machines; "
+                               "with no worker to measure the link to (the nodes are simulated "
+                               "here), type the speed to assume.", highlight=False)
         if how == "measure":
             from distributed.app.setup import LinkError, measure_link_to
 
@@ -396,10 +433,13 @@ class Wizard:
             path = Path(self.ask.text("Write the hosts file where instead?",
                                       str(path.with_name("distributed_hosts.new.json"))))
         backup = write_hosts_file(path, config)
+        self.written.append(path)
         self.console.print(f"Wrote {path}" + (f" (previous one in {backup})" if backup else ""))
         return path
 
-    def write_profile(self, name: str, values: dict[str, Any]) -> str:
+    def write_profile(self, name: str, values: dict[str, Any], suggested: str) -> str:
+        """Write profile ``name``, asking before replacing another; ``suggested``: the name
+        that says what it runs, offered (made free) when ``name`` is taken."""
         from distributed.app import setup
 
         path = self.config_path
@@ -413,8 +453,11 @@ class Wizard:
             if self.ask.confirm(f"Profile {name} already exists in {path}. Replace it (the file "
                                 f"is kept as {path.name}.bak)?", default=self.ask.assume_yes):
                 break
-            name = self.ask.text("Name of the new profile instead:", f"{name}-2")
+            name = self.ask.text("Name of the new profile instead:",
+                                 setup.free_profile_name(path, suggested, values),
+                                 lambda t: bool(t.strip()) or "a name, e.g. my-run")
         backup = setup.write_profile(path, name, values)
+        self.written.append(path)
         self.console.print(f"Wrote profile [bold]{name}[/] to {path}"
                            + (f" (previous file in {backup})" if backup else ""), highlight=False)
         return name
@@ -422,7 +465,7 @@ class Wizard:
     def run(self) -> int:
         from distributed.app import run
         from distributed.app.compare import profile_for_strategy
-        from distributed.app.setup import load_profile, profile_name_for
+        from distributed.app.setup import free_profile_name, load_profile, profile_name_for
 
         self.console.rule("exogym set-up")
         hosts = self.hosts()
@@ -448,10 +491,11 @@ class Wizard:
         values["description"] = (f"{base.name} with {strategy} on {nodes} "
                                  f"{'hosts' if hosts is not None else 'simulated nodes'} "
                                  "(written by wizard.py)")
+        suggested = profile_name_for(base, strategy, nodes, hosts is not None)
         name = self.ask.text("Name of the profile to write:",
-                             profile_name_for(base, strategy, nodes, hosts is not None),
+                             free_profile_name(self.config_path, suggested, values),
                              lambda t: bool(t.strip()) or "a name, e.g. my-run")
-        name = self.write_profile(name, values)
+        name = self.write_profile(name, values, suggested)
         load_profile(name, self.config_path)  # what was written reads back as a valid profile
 
         sync = False
@@ -468,6 +512,7 @@ class Wizard:
         if not self.start or not self.ask.confirm("Start training now?", default=True):
             self.console.print("Not started; run the command above when ready.")
             return 0
+        self.started = True
         outcome = run.train(request, self.console)
         self.console.print(outcome.message, highlight=False)
         return 0
@@ -527,7 +572,13 @@ def main(
             bandwidth_mbit=bandwidth_mbit, start=start, run_dir=run_dir,
             ssh={"known_hosts": known_hosts, "ssh_config": ssh_config,
                  "accept_new_host_keys": accept_new_host_keys})
-        raise typer.Exit(wizard.run())
+        try:
+            code = wizard.run()
+        except KeyboardInterrupt as exc:
+            if wizard.started:
+                raise  # the run's own handling: ranks stopped, as the CLI says
+            fail(wizard.cancelled_message(), 130, debug, exc)
+        raise typer.Exit(code)
 
 
 if __name__ == "__main__":

@@ -6,16 +6,15 @@ strategy buys and what it costs: final validation loss and accuracy of the
 averaged model, bytes each node sent, those bytes relative to DDP, and wall
 time. A PNG plots validation loss against steps and against bytes sent.
 
-    python examples/compare_strategies.py                 # about a minute or two on 2 cores
+    python examples/compare_strategies.py                 # plot in runs/compare_strategies/
     python examples/compare_strategies.py --steps 400 --out runs/compare.png
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from rich.table import Table
 
 from exogym import Trainer
 from exogym.digits import DigitsMLP, digits_datasets, evaluate
+from exogym.io import atomic_write_bytes
 from exogym.report import human_bytes
 from exogym.strategy import (
     DeMoStrategy,
@@ -37,6 +37,7 @@ from exogym.strategy import (
 )
 
 LR = 3e-3
+DEFAULT_OUT = Path("runs") / "compare_strategies" / "compare.png"
 
 # name -> (settings shown in the table, how to build the strategy). Every strategy
 # trains with AdamW at the same learning rate, except DeMo, which is its own
@@ -56,16 +57,11 @@ STRATEGIES: dict[str, tuple[str, Callable[[], Strategy]]] = {
 
 
 def save_figure_atomically(fig, path: Path) -> None:
-    """Write the figure next to ``path`` under a temporary name, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Render the figure, then write it through a temporary file and a rename (with the
+    user's usual file mode)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def plot(curves: dict[str, list[tuple[int, float, float]]], accuracy: dict[str, float],
@@ -81,10 +77,17 @@ def plot(curves: dict[str, list[tuple[int, float, float]]], accuracy: dict[str, 
         steps, sent, losses = zip(*points)
         label = f"{name} ({accuracy[name]:.0%} acc.)"
         by_step.plot(steps, losses, marker="o", markersize=3, label=label)
-        by_bytes.plot(sent, losses, marker="o", markersize=3, label=label)
+        by_bytes.plot(sent, losses, marker="o", markersize=3, label=label)  # 0 stays 0
     by_step.set(xlabel="step", ylabel="validation loss (averaged model)",
                 title=f"Digits, {nodes} nodes: loss per step")
-    by_bytes.set(xlabel="bytes sent per node", xscale="log", title="loss per byte sent")
+    # Symmetric log, linear from 0 to the smallest decade sent: a point before anything was
+    # sent (DiLoCo's first rounds) sits at 0 rather than at a made-up 1 byte.
+    sent_counts = [b for points in curves.values() for _, b, _ in points if b > 0]
+    linear_below = 10.0 ** math.floor(math.log10(min(sent_counts))) if sent_counts else 1.0
+    by_bytes.set_xscale("symlog", linthresh=linear_below)
+    by_bytes.set_xlim(left=-0.15 * linear_below)
+    by_bytes.set(xlabel=f"bytes sent per node (symlog, linear below {linear_below:g} B: "
+                        "0 means nothing sent yet)", title="loss per byte sent")
     for ax in (by_step, by_bytes):
         ax.axhline(math.log(10), color="grey", linestyle="--", linewidth=1,
                    label="chance (ln 10)")
@@ -103,8 +106,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=20, help="steps between evaluations")
     parser.add_argument("--strategies", default=",".join(STRATEGIES),
                         help=f"comma-separated subset of {','.join(STRATEGIES)}")
-    parser.add_argument("--out", type=Path, default=Path("compare_strategies.png"),
-                        help="where the plot goes (PNG)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"where the plot goes (PNG; default {DEFAULT_OUT})")
     args = parser.parse_args()
     chosen = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in STRATEGIES]

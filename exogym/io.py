@@ -1,5 +1,9 @@
 """Atomic file writes: a file is either the old version or the new, never half of one.
 
+A written file gets the mode any new file of the user gets (``0o666`` less the
+umask; folders ``0o777`` less it), not the ``0o600`` of the temporary file it
+starts as; pass ``mode=0o600`` where a secret is written.
+
 Imports nothing heavy (torch only inside ``atomic_torch_save``), so the launcher
 and the CLI can use it without slowing their start.
 """
@@ -15,6 +19,31 @@ from pathlib import Path
 from typing import IO, Any
 
 
+def current_umask() -> int:
+    """This process's umask, read without changing it where the system tells it
+    (``/proc/self/status``; elsewhere set and restored at once)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def usual_file_mode() -> int:
+    """The mode a new file gets here: ``0o666`` less the umask."""
+    return 0o666 & ~current_umask()
+
+
+def usual_dir_mode() -> int:
+    """The mode a new folder gets here: ``0o777`` less the umask."""
+    return 0o777 & ~current_umask()
+
+
 def _atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
             mode: int | None = None, durable: bool = True) -> Path:
     path = Path(path)
@@ -26,8 +55,8 @@ def _atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
             f.flush()
             if durable:
                 os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
+        # mkstemp made the file 0o600, whatever the umask.
+        os.chmod(tmp, usual_file_mode() if mode is None else mode)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -39,7 +68,10 @@ def _atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -> Path:
-    """Write ``data`` to ``path`` through a temporary file and a rename (``mode``: chmod)."""
+    """Write ``data`` to ``path`` through a temporary file and a rename.
+
+    ``mode``: the file's permissions (default: the user's usual, ``0o666`` less the umask).
+    """
     return _atomic(path, lambda f: f.write(data), mode)
 
 
@@ -69,7 +101,9 @@ def new_temp_dir_beside(target: str | os.PathLike) -> Path:
     """Create an empty temporary folder next to ``target`` (same filesystem, so renames work)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    folder.chmod(usual_dir_mode())  # mkdtemp made it 0o700; it becomes the published folder
+    return folder
 
 
 def publish_dir(tmp_dir: Path, target: str | os.PathLike, replace: bool) -> bool:

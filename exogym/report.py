@@ -3,7 +3,8 @@
 On a terminal, a rich progress bar follows the slowest rank with the mean
 training loss and the learning rate. Elsewhere (CI, pipes, log files) a plain
 line is printed every ``log_interval`` steps instead. At the end a short table
-gives the final losses, steps per second and bytes sent per node.
+gives the final losses (and validation accuracy, for a task that scores
+one), steps per second and bytes sent per node.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from typing import Any, Protocol, runtime_checkable
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+#: The summary's column for ``final_val_accuracy``: rank 0's own model, scored on the
+#: validation set (the loss column beside it is the averaged model's).
+VAL_ACCURACY_COLUMN = "val acc (rank 0)"
 
 
 def human_bytes(n: float) -> str:
@@ -127,6 +132,8 @@ class RunReporter:
             extra = ""
             if "val_global_loss" in event:
                 extra = f" val_loss {event['val_global_loss']:.4f}"
+            if event.get("val_accuracy") is not None:
+                extra += f" val_acc {event['val_accuracy']:.1%}"
             self.console.print(
                 f"step {step}/{self.total} loss {loss:.4f} lr {lr:.2e}"
                 f" sent {human_bytes(event['comm_bytes'])}{extra}", highlight=False)
@@ -143,7 +150,9 @@ class RunReporter:
         if not self.show:
             return
         table = Table(title=title)
-        for column in ("nodes", "steps", "train loss", "val loss (avg model)", "steps/s",
+        accuracy = summary.get("final_val_accuracy")
+        for column in ("nodes", "steps", "train loss", "val loss (avg model)",
+                       *((VAL_ACCURACY_COLUMN,) if accuracy is not None else ()), "steps/s",
                        "sent per node", "wall"):
             table.add_column(column, justify="right")
 
@@ -154,6 +163,7 @@ class RunReporter:
             str(summary["num_nodes"]), str(summary["steps"]),
             fmt(summary.get("final_train_loss"), ".4f"),
             fmt(summary.get("final_val_global_loss"), ".4f"),
+            *((fmt(accuracy, ".1%"),) if accuracy is not None else ()),
             fmt(summary.get("steps_per_s"), ".1f"),
             human_bytes(summary.get("bytes_per_node") or 0),
             f"{summary['wall_s']:.1f} s",

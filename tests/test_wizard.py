@@ -224,3 +224,110 @@ def test_estimates_time_each_strategy_with_its_own_step(monkeypatch):
     assert all(ranks == 1 and nodes == 3 for _, ranks, nodes in timed)
     assert {row.strategy: row.compute_ms for row in estimates.rows} == pytest.approx(step_ms)
     assert estimates.facts.compute_s_per_step == pytest.approx(0.010)
+
+
+# --------------------------------------------------------------------------- rough edges
+
+
+def spawn_wizard(tmp_path: Path, *args: str):
+    """The wizard in a pseudo-terminal, its screen recorded; returns (child, log)."""
+    pexpect = pytest.importorskip("pexpect", reason="pip install pexpect")
+    child = pexpect.spawn(sys.executable, [WIZARD, *args], cwd=str(tmp_path),
+                          env=wizard_env(TERM="xterm-256color"), dimensions=(50, 160),
+                          timeout=120, encoding="utf-8", codec_errors="replace")
+    child.logfile_read = log = io.StringIO()
+    return child, log
+
+
+def test_ctrl_c_at_the_first_question_says_nothing_was_written(tmp_path):
+    import pexpect
+
+    config = project_config(tmp_path)
+    before = config.read_text()
+    child, log = spawn_wizard(tmp_path, "--config", str(config))
+    try:
+        child.expect("Where should it train")
+        child.send("\x03")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    screen = plain(log.getvalue())
+    assert child.exitstatus == 130, screen
+    assert "Cancelled; nothing was written." in screen
+    assert "ranks" not in screen.split("Where should it train", 1)[1]
+    assert config.read_text() == before and not (tmp_path / "config.ini.bak").exists()
+
+
+def test_a_single_way_to_get_the_link_speed_is_not_a_menu_and_the_name_follows_the_strategy(
+        tmp_path):
+    import pexpect
+
+    config = project_config(tmp_path)
+    # a profile of that name with other settings already exists: the suggestion avoids it
+    config.write_text(config.read_text() + "\n[distributed:digits-sparta-4nodes]\n"
+                      "base_profile = digits-sparta\nmax_steps = 7\n")
+    child, log = spawn_wizard(tmp_path, "--config", str(config), "--no-run")
+    clear = "\x15"
+    try:
+        child.expect("Where should it train")
+        child.send("\r")  # this machine only: there is no worker to measure the link to
+        child.expect("Which profile")
+        child.send("\r")
+        child.expect("How many nodes")
+        child.send("\r")
+        index = child.expect(["how fast is it", "Bandwidth between the machines"])
+        assert index == 1, "a menu with a single item was shown"
+        child.send("\r")
+        child.expect("Which strategy")
+        child.send("\x1b[B\r")  # from diloco down to sparta
+        child.expect("Training steps")
+        child.send("\r")
+        child.expect(r"Name of the profile to write: \S*digits-sparta-4nodes-2")
+        child.send(clear + "digits-diloco\r")  # a taken name, with other settings
+        child.expect("Replace it")
+        child.send("n")
+        child.expect(r"Name of the new profile instead: \S*digits-sparta-4nodes-2")
+        child.send("\r")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    screen = plain(log.getvalue())
+    assert child.exitstatus == 0, screen[-3000:]
+    assert "no worker to measure the link to" in screen
+    assert "digits-diloco-2" not in screen
+    profiles = ProfileSet(config)
+    assert profiles.get("digits-sparta-4nodes-2").strategy == "sparta"
+    assert profiles.values("digits-sparta-4nodes")["max_steps"] == 7  # left as it was
+    assert profiles.get("digits-diloco").strategy == "diloco"
+
+
+def test_a_loopback_master_with_a_worker_elsewhere_is_refused_and_the_master_asked_again(
+        tmp_path):
+    import pexpect
+
+    child, log = spawn_wizard(tmp_path, "--config", str(project_config(tmp_path)))
+    clear = "\x15"
+    try:
+        child.expect("Where should it train")
+        child.send("\x1b[B\r")  # several machines
+        for prompt in ("SSH user", "SSH private key", "SSH port", "Python on every host",
+                       "checkout on every host"):
+            child.expect(prompt)
+            child.send("\r")
+        child.expect("Address of the master")
+        child.send(clear + "127.0.0.1\r")
+        child.expect("Training port on the master")
+        child.send(clear + str(free_port()) + "\r")
+        child.expect("Address of worker 1")
+        child.send("10.255.255.1\r")
+        child.expect("loopback address")
+        child.expect("Address of the master")  # asked again
+        child.send("\x03")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    screen = plain(log.getvalue())
+    assert child.exitstatus == 130, screen[-3000:]
+    assert "worker 10.255.255.1 is another machine" in " ".join(screen.split())
+    assert "Checking 10.255.255.1" not in screen  # refused before any connection
+    assert "Cancelled; nothing was written." in screen

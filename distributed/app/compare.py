@@ -2,17 +2,25 @@
 
 For each strategy the profile is re-resolved with ``strategy`` replaced: keys
 that only the profile's own strategy takes (``H`` of DiLoCo, say) are left
-out, and the user's overrides apply where the strategy accepts them. Every
+out. Where the config file holds a profile for that strategy in the same
+family (one whose ``base_profile`` is the compared profile or its base, as
+``digits-fedavg`` beside ``digits-diloco``), that profile's own strategy
+settings apply (FedAvg runs with its H=10, not the default H=1); the user's
+overrides apply last, where the strategy accepts them. Every
 strategy is checked before the first run starts, so a typo costs nothing.
 The results give the final validation loss, the bytes each node sent and the
 wall time, and the validation curve (against steps and against bytes) that
-:func:`plot_comparison` draws.
+:func:`plot_comparison` draws into the comparison's output folder. Bytes are
+drawn on a symmetric-log axis, linear near 0, so a point where nothing was
+sent yet sits at 0, not at a made-up 1 byte.
 """
 
 from __future__ import annotations
 
 import difflib
+import inspect
 import io
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,14 +30,21 @@ from distributed.profiles.profile import (
     KeyRouting,
     Profile,
     ProfileError,
-    load_profile,
+    ProfileSet,
     parse_overrides,
+    parse_value,
     strategy_class,
 )
+from exogym._args import init_arg_names
 from exogym.io import atomic_write_bytes
 
-__all__ = ["StrategyResult", "check_plotting", "parse_overrides", "plan_comparison",
-           "plot_comparison", "profile_for_strategy", "run_comparison"]
+__all__ = ["PLOT_NAME", "StrategyResult", "check_plotting", "comparison_figure",
+           "comparison_folder", "parse_overrides", "plan_comparison", "plot_comparison",
+           "profile_for_strategy", "run_comparison", "strategy_profiles", "strategy_settings"]
+
+#: The plot's file name in the comparison's output folder.
+PLOT_NAME = "compare.png"
+
 
 
 @dataclass
@@ -96,6 +111,75 @@ def profile_for_strategy(profile: Profile, strategy: str,
     return result
 
 
+def strategy_profiles(name: str, strategies: Sequence[str], config: str | Path | None = None
+                      ) -> dict[str, str | None]:
+    """For each strategy, the profile of ``name``'s family in ``config`` that runs it, or None.
+
+    The family: ``name`` itself, the profiles whose ``base_profile`` is ``name``, and those
+    sharing ``name``'s own ``base_profile`` (its siblings), in file order; ``name`` first.
+    Only a profile that names its strategy counts (``digits-base`` names none).
+
+    Raises:
+        ProfileError: when the config file or ``name`` cannot be read, or a strategy is unknown.
+    """
+    profiles = ProfileSet(config)
+    if name not in profiles.raw:
+        profiles.values(name)  # raises, naming the close ones
+    parent = profiles.raw[name].get("base_profile")
+    family = [name] + [other for other, raw in profiles.raw.items() if other != name
+                       and raw.get("base_profile") in {name, parent} - {None}]
+    found: dict[str, str | None] = {}
+    for strategy in strategies:
+        wanted = strategy_class(strategy)
+        found[strategy] = None
+        for other in family:
+            try:
+                named = profiles.values(other).get("strategy")
+                if named is not None and strategy_class(str(named)) is wanted:
+                    found[strategy] = other
+                    break
+            except (ProfileError, ValueError, ImportError):
+                continue  # a broken relative is not a source of settings
+    return found
+
+
+def _own_strategy_settings(profiles: ProfileSet, name: str, strategy: str) -> dict[str, Any]:
+    """The keys profile ``name`` sets itself (not inherited) that ``strategy`` takes."""
+    takes = init_arg_names(strategy_class(strategy))
+    return {key: parse_value(text) for key, text in profiles.raw[name].items()
+            if key in takes}
+
+
+def strategy_settings(plan: Profile) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What ``plan``'s strategy runs with: (settings the profile gives, defaults of the
+    strategy's own settings it leaves unset). Settings every strategy shares (``lr``,
+    ``max_steps``, ...) are left out, but for ``lr``."""
+    from exogym.strategy import Strategy  # here, not at the top: it brings torch (see below)
+
+    cls = plan.resolved.strategy_cls
+    shared = init_arg_names(Strategy)
+    given = {k: v for k, v in plan.resolved.strategy_kwargs.items()
+             if k not in shared or k == "lr"}
+    defaults: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for param in inspect.signature(init).parameters.values():
+            key = param.name
+            if (key in shared or key in given or key in defaults or key == "self"
+                    or param.default is inspect.Parameter.empty
+                    or not isinstance(param.default, (int, float, str, bool))):
+                continue
+            defaults[key] = param.default
+    return given, defaults
+
+
+def comparison_folder(plans: Sequence[Profile]) -> Path:
+    """The folder holding the compared runs' folders, where the plot goes too."""
+    return Path(str(plans[0].values["output_dir"])).parent
+
+
 def plan_comparison(name: str, strategies: Sequence[str], config: str | None = None,
                     overrides: Mapping[str, Any] | None = None,
                     output_root: str | Path | None = None) -> list[Profile]:
@@ -111,9 +195,16 @@ def plan_comparison(name: str, strategies: Sequence[str], config: str | None = N
     repeated = sorted({s for s in strategies if list(strategies).count(s) > 1})
     if repeated:
         raise ProfileError(f"strategies listed twice: {', '.join(repeated)}")
-    base = load_profile(name, config)
+    profiles = ProfileSet(config)
+    base = profiles.get(name)
     overrides = dict(overrides or {})
-    plans = [profile_for_strategy(base, s, overrides) for s in strategies]
+    sources = strategy_profiles(name, strategies, config)
+    plans = []
+    for s in strategies:
+        source = sources[s]
+        named = (_own_strategy_settings(profiles, source, s)
+                 if source is not None and source != name else {})
+        plans.append(profile_for_strategy(base, s, {**named, **overrides}))
     unused = [key for key in overrides
               if not any(key in p.values and p.values[key] == overrides[key] for p in plans)]
     if unused:
@@ -181,10 +272,10 @@ def check_plotting() -> None:
         raise ImportError("the comparison plot needs matplotlib: pip install 'exogym[examples]'")
 
 
-def plot_comparison(results: Sequence[StrategyResult], path: str | Path,
-                    title: str | None = None) -> Path:
-    """Draw validation loss against step and against bytes sent, one line per strategy,
-    and write the PNG atomically.
+def comparison_figure(results: Sequence[StrategyResult], title: str | None = None) -> Any:
+    """A matplotlib figure: validation loss against step and against bytes sent, one line
+    per strategy. Bytes sent are drawn as they are, 0 included, on a symmetric-log axis
+    (linear from 0 to the decade of the smallest count sent), which the axis label says.
 
     Raises:
         ImportError: when matplotlib is not installed (``pip install 'exogym[examples]'``).
@@ -194,17 +285,27 @@ def plot_comparison(results: Sequence[StrategyResult], path: str | Path,
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.4))
+    # Linear from 0 up to the decade of the smallest count sent, logarithmic above it.
+    sent_counts = [b for r in results for _, b, _ in r.curve if b > 0]
+    linear_below = 10.0 ** math.floor(math.log10(min(sent_counts))) if sent_counts else 1.0
     for r in results:
         if not r.curve:
             continue
         steps, sent, loss = zip(*r.curve)
         by_step.plot(steps, loss, marker="o", markersize=3, label=r.strategy)
-        by_bytes.plot([max(b, 1) for b in sent], loss, marker="o", markersize=3, label=r.strategy)
+        by_bytes.plot(sent, loss, marker="o", markersize=3, label=r.strategy)
     by_step.set_xlabel("step")
-    by_bytes.set_xlabel("bytes sent per node")
-    by_bytes.set_xscale("log")
+    by_bytes.set_xscale("symlog", linthresh=linear_below)
+    top = max(sent_counts, default=linear_below)
+    decades = range(round(math.log10(linear_below)), math.ceil(math.log10(top)) + 1)
+    by_bytes.set_xticks([0.0, *(10.0 ** k for k in decades)])
+    by_bytes.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    by_bytes.set_xlim(-0.15 * linear_below, 10.0 ** decades[-1])  # room for the markers at 0
+    by_bytes.set_xlabel(f"bytes sent per node\n(symlog axis, linear below {linear_below:g} B: "
+                        "0 means nothing sent yet)")
     for ax in (by_step, by_bytes):
         ax.set_ylabel("validation loss")
         ax.grid(True, alpha=0.3)
@@ -212,6 +313,19 @@ def plot_comparison(results: Sequence[StrategyResult], path: str | Path,
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_comparison(results: Sequence[StrategyResult], path: str | Path,
+                    title: str | None = None) -> Path:
+    """Draw :func:`comparison_figure` and write the PNG atomically to ``path``.
+
+    Raises:
+        ImportError: when matplotlib is not installed (``pip install 'exogym[examples]'``).
+    """
+    import matplotlib.pyplot as plt
+
+    fig = comparison_figure(results, title)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)

@@ -2,8 +2,11 @@
 
 It consumes metric events (``exogym.metrics``: the dicts of ``trainer.history``
 and of the launcher's ``on_event``) and shows one row per rank — host, status,
-step, training loss, samples per second, bytes sent, seconds since the rank
-last reported — plus the run's totals. On a terminal the table redraws in
+step, training loss, validation loss and accuracy (when the task scores one),
+samples per second, bytes sent, seconds since the rank last reported — plus
+the run's totals, and the time left in the title: the steps to go over each
+rank's recent step rate (its last :data:`RATE_WINDOW_S` seconds), so it
+follows a run that speeds up or slows down. On a terminal the table redraws in
 place (``rich.live``); elsewhere (CI, pipes, log files) it prints plain log
 lines instead: a rank's start and end, and every ``log_every`` steps. At the
 end, a summary table: each rank's final figures and the run's.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,10 +30,12 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from exogym.report import human_bytes, summarize
+from exogym.report import VAL_ACCURACY_COLUMN, human_bytes, summarize
 
 #: Status of a rank that has not reported yet.
 WAITING = "waiting"
+#: Seconds of recent steps the time left is estimated from.
+RATE_WINDOW_S = 30.0
 STATUS_STYLES = {WAITING: "dim", "started": "cyan", "training": "green", "done": "bold green",
                  "failed": "bold red", "stopped": "yellow"}
 
@@ -46,11 +52,13 @@ class RankState:
         max_steps: the steps it will run, once it has said.
         train_loss: training loss of its last step.
         val_loss: its last validation loss (of the averaged model when known).
+        val_accuracy: its last validation accuracy, for a task that scores one.
         samples: samples it has trained on.
         wall_s: seconds it has trained (its own clock).
         comm_bytes: bytes it has sent through the collectives.
         last_seen: this process's clock when it last reported, or None.
         started_at: this process's clock at its start event, or None.
+        recent: ``(clock, step)`` of its recent step events, for the step rate.
     """
 
     rank: int
@@ -60,12 +68,26 @@ class RankState:
     max_steps: int | None = None
     train_loss: float | None = None
     val_loss: float | None = None
+    val_accuracy: float | None = None
     samples: int = 0
     wall_s: float = 0.0
     comm_bytes: int = 0
     last_seen: float | None = None
     started_at: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    recent: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def seconds_left(self) -> float | None:
+        """Seconds until its last step at its recent step rate; 0 once done, None while
+        unknown (no step count to reach, or fewer than two recent steps)."""
+        if self.status == "done":
+            return 0.0
+        if not self.max_steps or len(self.recent) < 2:
+            return None
+        (t0, s0), (t1, s1) = self.recent[0], self.recent[-1]
+        if t1 <= t0 or s1 <= s0:
+            return None
+        return max(0, int(self.max_steps) - self.step) * (t1 - t0) / (s1 - s0)
 
     @property
     def samples_per_s(self) -> float | None:
@@ -80,6 +102,20 @@ class RankState:
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def human_duration(seconds: float | None) -> str:
+    """42.3 -> '42 s', 125 -> '2 min 5 s', 7300 -> '2 h 1 min', 0.3 -> '<1 s'; None -> '-'."""
+    if seconds is None:
+        return "-"
+    if 0 < seconds < 0.5:
+        return "<1 s"
+    total = int(round(seconds))
+    if total < 60:
+        return f"{total} s"
+    if total < 3600:
+        return f"{total // 60} min {total % 60} s"
+    return f"{total // 3600} h {total % 3600 // 60} min"
 
 
 class Dashboard:
@@ -179,9 +215,14 @@ class Dashboard:
         state.samples = int(event.get("samples", state.samples))
         state.wall_s = float(event.get("wall_s", state.wall_s))
         state.comm_bytes = int(event.get("comm_bytes", state.comm_bytes))
+        state.recent.append((now, state.step))
+        while len(state.recent) > 2 and now - state.recent[0][0] > RATE_WINDOW_S:
+            state.recent.popleft()
         val = event.get("val_global_loss", event.get("val_loss"))
         if val is not None:
             state.val_loss = val
+        if event.get("val_accuracy") is not None:
+            state.val_accuracy = float(event["val_accuracy"])
         every = self.log_every or 10
         if state.step % every == 0 or state.step == state.max_steps or val is not None:
             return self._step_line(state, val)
@@ -212,8 +253,13 @@ class Dashboard:
                  f"loss {_fmt(state.train_loss, '.4f')}"]
         if val is not None:
             parts.append(f"val {val:.4f}")
+            if state.val_accuracy is not None:
+                parts.append(f"acc {state.val_accuracy:.1%}")
         parts.append(f"{_fmt(state.samples_per_s, '.1f')} samples/s")
         parts.append(f"sent {human_bytes(state.comm_bytes)}")
+        left = state.seconds_left()
+        if left is not None and left >= 1:  # under a second, a log line has nothing to say
+            parts.append(f"ETA {human_duration(left)}")
         return " | ".join(parts)
 
     def _log(self, text: str) -> None:
@@ -244,18 +290,26 @@ class Dashboard:
         with self._lock:
             now = self.clock()
             elapsed = 0.0 if self._started is None else now - self._started
-            table = Table(title=f"{self.title}  ({elapsed:.0f} s)",
+            states = [self.ranks[r] for r in sorted(self.ranks)]
+            lefts = [s.seconds_left() for s in states]
+            # the run ends with its slowest rank; unknown until every rank has a rate
+            left = ("" if not states or None in lefts
+                    else ", done" if max(lefts) == 0
+                    else f", about {human_duration(max(lefts))} left")
+            table = Table(title=f"{self.title}  ({elapsed:.0f} s{left})",
                           title_justify="left", expand=False)
-            for name in ("rank", "host", "status", "step", "loss", "val loss", "samples/s",
-                         "sent", "last report"):
+            accuracy = any(s.val_accuracy is not None for s in states)
+            for name in ("rank", "host", "status", "step", "loss", "val loss",
+                         *(("val acc",) if accuracy else ()), "samples/s", "sent",
+                         "last report"):
                 table.add_column(name, justify="left" if name in ("host", "status") else "right",
                                  no_wrap=True)
-            states = [self.ranks[r] for r in sorted(self.ranks)]
             for s in states:
                 step = f"{s.step}/{s.max_steps}" if s.max_steps else str(s.step)
                 ago = "-" if s.last_seen is None else f"{now - s.last_seen:.1f} s ago"
                 table.add_row(str(s.rank), s.host, Text(s.status, STATUS_STYLES.get(s.status, "")),
                               step, _fmt(s.train_loss, ".4f"), _fmt(s.val_loss, ".4f"),
+                              *((_fmt(s.val_accuracy, ".1%"),) if accuracy else ()),
                               _fmt(s.samples_per_s, ".1f"), human_bytes(s.comm_bytes), ago)
             if states:
                 reported = [s for s in states if s.train_loss is not None]
@@ -269,7 +323,7 @@ class Dashboard:
                     f"{min(steps)}" if min(steps) == max(steps) else f"{min(steps)}-{max(steps)}",
                     _fmt(sum(s.train_loss for s in reported) / len(reported) if reported
                          else None, ".4f"),
-                    "", _fmt(sum(rates) if rates else None, ".1f"),
+                    "", *(("",) if accuracy else ()), _fmt(sum(rates) if rates else None, ".1f"),
                     human_bytes(sum(s.comm_bytes for s in states)),
                     "-" if not seen else f"{now - max(seen):.1f} s ago", style="bold")
             return table
@@ -303,12 +357,15 @@ class Dashboard:
                               _fmt(s.train_loss, ".4f"), _fmt(s.samples_per_s, ".1f"),
                               human_bytes(s.comm_bytes))
         run = Table(show_header=True)
-        for name in ("nodes", "steps", "train loss", "val loss (avg model)", "steps/s",
+        accuracy = summary.get("final_val_accuracy")
+        for name in ("nodes", "steps", "train loss", "val loss (avg model)",
+                     *((VAL_ACCURACY_COLUMN,) if accuracy is not None else ()), "steps/s",
                      "sent per node", "wall"):
             run.add_column(name, justify="right")
         val = summary.get("final_val_global_loss", summary.get("final_val_loss"))
         run.add_row(str(summary.get("num_nodes", len(self.ranks))), str(summary.get("steps", 0)),
                     _fmt(summary.get("final_train_loss"), ".4f"), _fmt(val, ".4f"),
+                    *((_fmt(accuracy, ".1%"),) if accuracy is not None else ()),
                     _fmt(summary.get("steps_per_s"), ".1f"),
                     human_bytes(summary.get("bytes_per_node") or 0),
                     f"{summary.get('wall_s', 0.0):.1f} s")

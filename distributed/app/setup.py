@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from distributed.app.compare import profile_for_strategy
-from distributed.hosts.hostsfile import HostsConfig, HostsFileError, load_hosts
+from distributed.hosts.hostsfile import (
+    HostsConfig,
+    HostsFileError,
+    is_loopback,
+    is_other_machine,
+    load_hosts,
+)
 from distributed.hosts.linkspeed import LinkError, LinkMeasurement, measure_link
 from distributed.hosts.preflight import PreflightReport
 from distributed.hosts.ssh import SSHOptions
@@ -38,7 +44,7 @@ from exogym.report import human_bytes
 __all__ = [
     "DEFAULT_CONFIG", "HostsConfig", "HostsFileError", "LinkError", "PreflightReport", "Profile",
     "ProfileError", "StrategyEstimate", "Estimates", "estimate_strategies", "existing_profile",
-    "load_hosts", "load_profile",
+    "free_profile_name", "is_loopback", "is_other_machine", "load_hosts", "load_profile",
     "list_profiles", "measure_link_to", "parse_overrides", "ProfileEntry", "profile_name_for",
     "SUMMARY_COLUMNS",
     "same_hosts", "usable_strategies", "write_hosts_file", "write_profile",
@@ -122,6 +128,17 @@ def profile_name_for(base: Profile, strategy: str, nodes: int, on_hosts: bool) -
     """A profile name that says what it runs, e.g. ``digits-diloco-2hosts``."""
     where = f"{nodes}hosts" if on_hosts else f"{nodes}nodes"
     return f"{base.task}-{projection.canonical(strategy).replace('_', '-')}-{where}"
+
+
+def free_profile_name(config_path: Path, name: str, values: Mapping[str, Any]) -> str:
+    """``name`` when no profile in ``config_path`` holds it (or holds exactly ``values``),
+    else the first such of ``name-2``, ``name-3``, ..."""
+    candidate, number = name, 2
+    while True:
+        current = existing_profile(config_path, candidate)
+        if current is None or current == dict(values):
+            return candidate
+        candidate, number = f"{name}-{number}", number + 1
 
 
 def write_profile(config_path: Path, name: str, values: Mapping[str, Any]) -> Path | None:

@@ -9,7 +9,6 @@ id unless you chose one), so every task agrees on the port.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import sys
@@ -113,13 +112,6 @@ class SlurmJob:
         return "\n".join(lines)
 
 
-def usual_file_mode() -> int:
-    """The mode a new file gets here: 0o666 less the umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def write_sbatch_script(job: SlurmJob, out: str | Path | None = None) -> Path:
     """Check ``job`` and write its sbatch script (atomically) to ``out``; returns the path.
 
@@ -127,7 +119,7 @@ def write_sbatch_script(job: SlurmJob, out: str | Path | None = None) -> Path:
     """
     job.check()
     path = Path(out) if out is not None else Path(f"{job.profile}.sbatch")
-    return atomic_write_text(path, job.script(), mode=usual_file_mode())
+    return atomic_write_text(path, job.script())
 
 
 def submit_hint(path: Path) -> str:

@@ -23,6 +23,9 @@ object instead of an address, to override those defaults for that host::
     {"host": "192.168.1.102", "ssh_port": 2222, "python_env": "/opt/py/bin/python",
      "interface": "en0", "device": "mps", "slots": 1}
 
+A master given as a loopback address (127.x, ``localhost``) cannot serve
+workers on other machines; that is refused, naming both.
+
 ``load_hosts`` validates the whole file and reports every problem at once in a
 single ``HostsFileError``, each line naming the field, the value and the fix.
 """
@@ -30,6 +33,7 @@ single ``HostsFileError``, each line naming the field, the value and the fix.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
 import re
@@ -69,6 +73,25 @@ _CHECKED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 JsonPath = tuple  # a JSON path: keys (str) and list indices (int)
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches: 127.x, ::1 or ``localhost``."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_other_machine(host: str) -> bool:
+    """True when ``host`` is surely not this machine's loopback: an IP address outside
+    127.x/::1. A name is not resolved here (it may be an SSH alias), so it is not judged."""
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class HostsFileError(ValueError):
@@ -399,6 +422,20 @@ class _Validator:
             else:
                 seen[key] = h["_path"]
 
+        master = next((h for h in hosts if h["_path"] == ("master",)), None)
+        if master is not None and is_loopback(master["host"]):
+            remote = [h for h in hosts if h is not master and is_other_machine(h["host"])]
+            if remote:
+                named = ", ".join(f"{_field(self._address_path(h['_path']))} ({_show(h['host'])})"
+                                  for h in remote)
+                verb = "is another machine" if len(remote) == 1 else "are other machines"
+                self.problem(self._address_path(("master",)),
+                             f"{_field(self._address_path(('master',)))} is "
+                             f"{_show(master['host'])}, a loopback address only the master "
+                             f"itself can reach, but {named} {verb} whose ranks must connect "
+                             "to it: set it to the master's LAN address (the one the workers "
+                             "reach it at)")
+
         if self.problems:
             return None
         specs = []
@@ -409,6 +446,13 @@ class _Validator:
             specs.append(spec)
             first_rank += spec.slots
         return HostsConfig(hosts=tuple(specs), master_port=master_port, source=self.source)
+
+    def _address_path(self, path: JsonPath) -> JsonPath:
+        """Where a host's address sits: the entry itself, or its "host" key in an object."""
+        entry: Any = self.data
+        for key in path:
+            entry = entry[key]
+        return path + ("host",) if isinstance(entry, dict) else path
 
     def _unknown_keys(self, obj: dict[str, Any], path: JsonPath, accepted: tuple[str, ...],
                       where: str) -> None:
