@@ -14,7 +14,9 @@ Per strategy, the settings its bytes per step depend on (:data:`TRAFFIC_DEFAULTS
 - ``sparta``: ``p_sparta`` (the fraction of each tensor averaged per step) and ``comm_dtype``;
 - ``sparta_diloco``: ``H``, ``p_sparta``, ``sparta_interval`` and ``comm_dtype``;
 - ``demo``: ``compression_topk`` and ``compression_chunk`` (see :class:`ChunkGeometry`)
-  and ``comm_dtype``.
+  and ``comm_dtype``;
+- ``sparseloco``: ``H``, ``topk``, ``chunk`` and ``quant_bits`` (see
+  :func:`sparseloco_payload_bytes`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ __all__ = [
     "DEMO_TOPK",
     "DILOCO_H",
     "FEDAVG_H",
+    "SPARSELOCO_CHUNK",
+    "SPARSELOCO_H",
+    "SPARSELOCO_QUANT_BITS",
+    "SPARSELOCO_TOPK",
     "SPARTA_INTERVAL",
     "SPARTA_P",
     "TRAFFIC_DEFAULTS",
@@ -37,6 +43,8 @@ __all__ = [
     "ChunkGeometry",
     "chunk_size",
     "demo_payload_bytes",
+    "sparse_chunking",
+    "sparseloco_payload_bytes",
     "value_bytes_of",
 ]
 
@@ -60,6 +68,10 @@ SPARTA_P = 0.005  #: SPARTA's fraction of each tensor averaged per round.
 SPARTA_INTERVAL = 1  #: SPARTA-DiLoCo's steps between sparse rounds.
 DEMO_TOPK = 32  #: DeMo's DCT coefficients sent per chunk.
 DEMO_CHUNK = 64  #: DeMo's largest chunk side.
+SPARSELOCO_H = 30  #: SparseLoCo's inner steps per outer round.
+SPARSELOCO_CHUNK = 4096  #: SparseLoCo's values per chunk (a 64x64 block's worth).
+SPARSELOCO_TOPK = 64  #: SparseLoCo's values sent per chunk (1.56 % of 4,096).
+SPARSELOCO_QUANT_BITS = 2  #: bits per value SparseLoCo sends (None: float32).
 
 #: Per strategy (by its profile name), the settings its traffic depends on,
 #: with the defaults its class uses when a setting is not given.
@@ -72,6 +84,8 @@ TRAFFIC_DEFAULTS: dict[str, dict[str, object]] = {
                       "comm_dtype": COMM_DTYPE},
     "demo": {"compression_topk": DEMO_TOPK, "compression_chunk": DEMO_CHUNK,
              "comm_dtype": COMM_DTYPE},
+    "sparseloco": {"H": SPARSELOCO_H, "topk": SPARSELOCO_TOPK, "chunk": SPARSELOCO_CHUNK,
+                   "quant_bits": SPARSELOCO_QUANT_BITS},
 }
 
 
@@ -157,3 +171,47 @@ def demo_payload_bytes(shapes: Iterable[Sequence[int]], chunk: int = DEMO_CHUNK,
     """
     return sum(ChunkGeometry.for_shape(tuple(shape), chunk, topk).bytes_per_step(value_bytes)
                for shape in shapes)
+
+
+def sparse_chunking(numel: int, chunk: int, topk: int) -> tuple[int, int, int, int]:
+    """How SparseLoCo cuts a tensor of ``numel`` values: ``(chunks, size, k, index_bits)``.
+
+    The tensor is flattened and cut into chunks of ``size = min(chunk, numel)``
+    values (the last one padded with zeros); each sends its ``k = min(topk, size)``
+    largest-magnitude values, each index in ``index_bits = ceil(log2(size))``
+    bits (at least 1): 12 bits for a chunk of 4,096.
+    """
+    size = max(1, min(chunk, numel))
+    chunks = -(-numel // size)
+    return chunks, size, min(topk, size), max(1, (size - 1).bit_length())
+
+
+def sparseloco_payload_bytes(sizes: Iterable[int], chunk: int = SPARSELOCO_CHUNK,
+                             topk: int = SPARSELOCO_TOPK,
+                             quant_bits: int | None = SPARSELOCO_QUANT_BITS) -> int:
+    """Bytes one rank contributes to SparseLoCo's all-gather per outer round.
+
+    Per tensor of ``n`` values (:func:`sparse_chunking`): the indices, packed
+    ``index_bits`` to a value, ``ceil(chunks·k·index_bits / 8)`` bytes; the values,
+    ``ceil(chunks·k·quant_bits / 8)`` bytes plus 8 per chunk for its range (a float32
+    low end and a float32 step), or ``4·chunks·k`` bytes unquantized. Float buffers
+    (BatchNorm statistics) are averaged densely beside this: add 4 bytes each.
+
+    Args:
+        sizes: the number of values of every trainable tensor.
+        chunk: values per chunk.
+        topk: values sent per chunk.
+        quant_bits: bits per sent value (1-8), or None for float32.
+    """
+    total = 0
+    for n in sizes:
+        if n <= 0:
+            continue
+        chunks, _, k, index_bits = sparse_chunking(int(n), chunk, topk)
+        sent = chunks * k
+        total += -(-sent * index_bits // 8)
+        if quant_bits is None:
+            total += 4 * sent
+        else:
+            total += -(-sent * quant_bits // 8) + 8 * chunks
+    return total
