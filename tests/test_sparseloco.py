@@ -6,6 +6,9 @@ import pytest
 import torch
 from toys import BNNet, TinyNet, assert_models_close, assert_models_differ, tiny_model, toy_dataset
 
+from distributed.app.compare import plan_comparison
+from distributed.profiles.profile import load_profile
+from distributed.rank.worker import run_profile
 from exogym import RankFailedError, Trainer
 from exogym.strategy import DiLoCoStrategy, SparseLoCoStrategy
 from exogym.strategy.facts import sparse_chunking, sparseloco_payload_bytes
@@ -170,3 +173,26 @@ def test_resumed_run_keeps_the_error_feedback_and_equals_an_uninterrupted_one(tm
 def test_bad_settings_fail_before_any_rank_starts(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SparseLoCoStrategy(**kwargs)
+
+
+def test_shipped_profiles_name_sparseloco_and_muon_and_compare_takes_sparseloco(tmp_path):
+    digits = load_profile("digits-sparseloco").resolved
+    assert digits.strategy_cls is SparseLoCoStrategy
+    assert digits.strategy_kwargs["quant_bits"] == 2 and digits.strategy_kwargs["topk"] == 32
+    chargpt = load_profile("chargpt-sparseloco").resolved
+    assert chargpt.strategy_cls is SparseLoCoStrategy and chargpt.strategy_kwargs["chunk"] == 4096
+    muon = load_profile("chargpt-diloco-muon").resolved
+    assert muon.strategy_cls is DiLoCoStrategy and muon.strategy_kwargs["inner_optim"] == "muon"
+    plans = plan_comparison("digits-diloco", ["diloco", "sparseloco"], output_root=tmp_path,
+                            overrides={"topk": 16})
+    assert plans[1].resolved.strategy_kwargs["topk"] == 16
+    assert "outer_momentum" not in plans[1].values  # DiLoCo's own key is dropped
+
+
+def test_the_digits_sparseloco_profile_trains(tmp_path):
+    trainer = run_profile("digits-sparseloco", progress=False, local=True, overrides={
+        "num_nodes": 2, "max_steps": 4, "H": 2, "val_size": 32, "val_interval": 4,
+        "checkpoint_interval": None, "output_dir": str(tmp_path)})
+    sizes = [64 * 128, 128, 128 * 10, 10]
+    per_round = sparseloco_payload_bytes(sizes, chunk=1024, topk=32, quant_bits=2)
+    assert [r["comm_bytes"] for r in trainer.history if r["step"] == 4] == [2 * per_round] * 2
