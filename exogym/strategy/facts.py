@@ -14,9 +14,11 @@ Per strategy, the settings its bytes per step depend on (:data:`TRAFFIC_DEFAULTS
 - ``sparta``: ``p_sparta`` (the fraction of each tensor averaged per step) and ``comm_dtype``;
 - ``sparta_diloco``: ``H``, ``p_sparta``, ``sparta_interval`` and ``comm_dtype``;
 - ``demo``: ``compression_topk`` and ``compression_chunk`` (see :class:`ChunkGeometry`)
-  and ``comm_dtype``;
-- ``sparseloco``: ``H``, ``topk``, ``chunk`` and ``quant_bits`` (see
-  :func:`sparseloco_payload_bytes`).
+  and ``comm_dtype``.
+
+SparseLoCo's bytes per round depend on ``topk``, ``chunk`` and ``quant_bits``
+(:func:`sparseloco_payload_bytes`, with the ``SPARSELOCO_*`` defaults); it joins
+:data:`TRAFFIC_DEFAULTS` once the planner's projection models its all-gather.
 """
 
 from __future__ import annotations
@@ -84,8 +86,6 @@ TRAFFIC_DEFAULTS: dict[str, dict[str, object]] = {
                       "comm_dtype": COMM_DTYPE},
     "demo": {"compression_topk": DEMO_TOPK, "compression_chunk": DEMO_CHUNK,
              "comm_dtype": COMM_DTYPE},
-    "sparseloco": {"H": SPARSELOCO_H, "topk": SPARSELOCO_TOPK, "chunk": SPARSELOCO_CHUNK,
-                   "quant_bits": SPARSELOCO_QUANT_BITS},
 }
 
 
