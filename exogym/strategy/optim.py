@@ -42,7 +42,9 @@ class OptimSpec:
 
     Args:
         cls: a ``torch.optim.Optimizer`` subclass (default AdamW), or a name such
-            as ``'adam'``, ``'adamw'``, ``'sgd'``.
+            as ``'adam'``, ``'adamw'``, ``'sgd'``, ``'muon'`` (:class:`MuonAdamW`: Muon
+            on the hidden matrices, AdamW on the rest; ``adamw_lr=`` and the other
+            ``adamw_*`` arguments set the AdamW part).
         **kwargs: arguments for the optimizer (``lr``, ``weight_decay``, ...);
             checked against the optimizer's signature now, not on first use.
     """
