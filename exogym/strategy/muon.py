@@ -17,6 +17,10 @@ rule used here, Muon's usual one:
 schedule and a checkpoint see one object: its ``param_groups`` are the two
 optimizers' groups (Muon's first), and a schedule scales both. Name it
 ``inner_optim='muon'`` or ``OptimSpec('muon', lr=..., adamw_lr=...)``.
+
+Cost: ``torch.optim.Muon`` runs its Newton-Schulz iterations in bfloat16, which
+is fast on GPUs and slow on most CPUs: on chargpt's eight 128-wide matrices a
+step took about 1 s on one CPU thread here, against 1 ms for AdamW.
 """
 
 from __future__ import annotations
