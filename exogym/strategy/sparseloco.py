@@ -75,12 +75,15 @@ def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     """
     flat = values.reshape(-1).to(torch.int64)
     shifts = torch.arange(bits, dtype=torch.int64, device=flat.device)
-    stream = ((flat.unsqueeze(1) >> shifts) & 1).reshape(-1)
+    stream = ((flat.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
     pad = -stream.numel() % 8
     if pad:
         stream = torch.cat([stream, stream.new_zeros(pad)])
-    weights = _BIT_WEIGHTS.to(flat.device)
-    return (stream.view(-1, 8) * weights).sum(dim=1).to(torch.uint8)
+    bits_by_place = stream.view(-1, 8)
+    packed = torch.zeros(bits_by_place.shape[0], dtype=torch.uint8, device=flat.device)
+    for place in range(8):
+        packed |= bits_by_place[:, place] << place
+    return packed
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
