@@ -35,12 +35,13 @@ from exogym.strategy import (
     DiLoCoStrategy,
     FedAvgStrategy,
     SimpleReduceStrategy,
+    SparseLoCoStrategy,
     SPARTADiLoCoStrategy,
     SPARTAStrategy,
     Strategy,
 )
 from exogym.strategy.demo import ChunkPlan
-from exogym.strategy.facts import QUANTIZED_BITS
+from exogym.strategy.facts import QUANTIZED_BITS, sparseloco_payload_bytes
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "mlp": lambda: DigitsMLP(hidden=64),
@@ -107,7 +108,18 @@ def cases(model: torch.nn.Module, args: argparse.Namespace) -> list[Case]:
         Case(f"DeMo top-{k}, chunk {args.chunk}",
              lambda: DeMoStrategy(lr=1e-3, compression_topk=k, compression_chunk=args.chunk),
              "Σ chunks·k·(4 + index bytes)", demo),
+        *(sparseloco_case(sizes, B, steps, H, args.sl_topk, args.sl_chunk, bits, adamw)
+          for bits in (2, 4, None)),
     ]
+
+
+def sparseloco_case(sizes: list[int], B: int, steps: int, H: int, topk: int, chunk: int,
+                    bits: int | None, adamw: dict) -> Case:
+    """SparseLoCo's row: packed indices, values and per-chunk ranges per round, plus 4·B."""
+    per_round = sparseloco_payload_bytes(sizes, chunk=chunk, topk=topk, quant_bits=bits) + 4 * B
+    return Case(f"SparseLoCo H={H} top-{topk}/{chunk} {f'{bits}-bit' if bits else 'fp32'}",
+                lambda: SparseLoCoStrategy(H=H, topk=topk, chunk=chunk, quant_bits=bits, **adamw),
+                "(idx+values+ranges+4·B)/H", per_round * (steps // H) / steps)
 
 
 def main() -> None:
@@ -122,6 +134,8 @@ def main() -> None:
                         help="SPARTA-DiLoCo's steps between sparse rounds")
     parser.add_argument("--topk", type=int, default=32, help="DeMo coefficients per chunk")
     parser.add_argument("--chunk", type=int, default=64, help="DeMo chunk size per dimension")
+    parser.add_argument("--sl-topk", type=int, default=32, help="SparseLoCo values per chunk")
+    parser.add_argument("--sl-chunk", type=int, default=1024, help="SparseLoCo chunk size")
     args = parser.parse_args()
 
     console = Console()

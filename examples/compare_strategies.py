@@ -1,4 +1,4 @@
-"""Compare DDP, DiLoCo, SPARTA, FedAvg and DeMo on real data, offline.
+"""Compare DDP, DiLoCo, SPARTA, FedAvg, DeMo and SparseLoCo on real data, offline.
 
 Four simulated nodes train the same small network on scikit-learn's
 handwritten digits with each strategy in turn. The table shows what each
@@ -32,6 +32,7 @@ from exogym.strategy import (
     DiLoCoStrategy,
     FedAvgStrategy,
     SimpleReduceStrategy,
+    SparseLoCoStrategy,
     SPARTAStrategy,
     Strategy,
 )
@@ -53,6 +54,9 @@ STRATEGIES: dict[str, tuple[str, Callable[[], Strategy]]] = {
                lambda: FedAvgStrategy(optim_spec="adamw", lr=LR, H=10)),
     "DeMo": ("top-32/64",
              lambda: DeMoStrategy(lr=LR, compression_topk=32, compression_chunk=64)),
+    "SparseLoCo": ("H=20, top-32/1024, 2-bit",
+                   lambda: SparseLoCoStrategy(inner_optim="adamw", lr=LR, H=20, topk=32,
+                                              chunk=1024, quant_bits=2)),
 }
 
 
@@ -135,7 +139,7 @@ def main() -> None:
         curves[name] = [(r["step"], r["comm_bytes"], r["val_global_loss"])
                         for r in trainer.history if r["rank"] == 0 and "val_global_loss" in r]
         rows.append((name, settings, loss, acc, sent, wall))
-        console.print(f"  {name:<7} done in {wall:5.1f} s: accuracy {acc:.1%}")
+        console.print(f"  {name:<10} done in {wall:5.1f} s: accuracy {acc:.1%}")
 
     ddp_bytes = next((r[4] for r in rows if r[0] == "DDP"), None)
     table = Table(title=f"Digits, {args.nodes} nodes x {args.steps} steps")

@@ -20,6 +20,8 @@ __all__ = [
     "CommunicateOptimizeStrategy",
     "CommunicationModule",
     "OptimSpec",
+    "SparseLoCoStrategy",
+    "MuonAdamW",
 ]
 
 _HOMES = {
@@ -33,6 +35,8 @@ _HOMES = {
     "CommunicateOptimizeStrategy": "communicate_optimize_strategy",
     "CommunicationModule": "communicate_optimize_strategy",
     "OptimSpec": "optim",
+    "SparseLoCoStrategy": "sparseloco",
+    "MuonAdamW": "muon",
 }
 
 

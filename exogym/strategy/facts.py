@@ -20,6 +20,9 @@ A ``comm_dtype`` is either a float type (values travel in it) or one of the
 quantized types of :data:`QUANTIZED_BITS` (``exogym.quantize``): packed values
 plus one float32 scale per chunk of ``chunk`` values, gathered rather than
 reduced; :func:`quantized_payload_bytes` is what one rank sends for them.
+SparseLoCo's bytes per round depend on ``topk``, ``chunk`` and ``quant_bits``
+(:func:`sparseloco_payload_bytes`, with the ``SPARSELOCO_*`` defaults); it joins
+:data:`TRAFFIC_DEFAULTS` once the planner's projection models its all-gather.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ __all__ = [
     "DEMO_TOPK",
     "DILOCO_H",
     "FEDAVG_H",
+    "SPARSELOCO_CHUNK",
+    "SPARSELOCO_H",
+    "SPARSELOCO_QUANT_BITS",
+    "SPARSELOCO_TOPK",
     "SPARTA_INTERVAL",
     "SPARTA_P",
     "TRAFFIC_DEFAULTS",
@@ -47,6 +54,8 @@ __all__ = [
     "demo_payload_bytes",
     "is_quantized",
     "quantized_payload_bytes",
+    "sparse_chunking",
+    "sparseloco_payload_bytes",
     "value_bytes_of",
 ]
 
@@ -79,6 +88,10 @@ SPARTA_P = 0.005  #: SPARTA's fraction of each tensor averaged per round.
 SPARTA_INTERVAL = 1  #: SPARTA-DiLoCo's steps between sparse rounds.
 DEMO_TOPK = 32  #: DeMo's DCT coefficients sent per chunk.
 DEMO_CHUNK = 64  #: DeMo's largest chunk side.
+SPARSELOCO_H = 30  #: SparseLoCo's inner steps per outer round.
+SPARSELOCO_CHUNK = 4096  #: SparseLoCo's values per chunk (a 64x64 block's worth).
+SPARSELOCO_TOPK = 64  #: SparseLoCo's values sent per chunk (1.56 % of 4,096).
+SPARSELOCO_QUANT_BITS = 2  #: bits per value SparseLoCo sends (None: float32).
 
 #: Per strategy (by its profile name), the settings its traffic depends on,
 #: with the defaults its class uses when a setting is not given.
@@ -208,3 +221,47 @@ def demo_payload_bytes(shapes: Iterable[Sequence[int]], chunk: int = DEMO_CHUNK,
     """
     return sum(ChunkGeometry.for_shape(tuple(shape), chunk, topk).bytes_per_step(value_bytes)
                for shape in shapes)
+
+
+def sparse_chunking(numel: int, chunk: int, topk: int) -> tuple[int, int, int, int]:
+    """How SparseLoCo cuts a tensor of ``numel`` values: ``(chunks, size, k, index_bits)``.
+
+    The tensor is flattened and cut into chunks of ``size = min(chunk, numel)``
+    values (the last one padded with zeros); each sends its ``k = min(topk, size)``
+    largest-magnitude values, each index in ``index_bits = ceil(log2(size))``
+    bits (at least 1): 12 bits for a chunk of 4,096.
+    """
+    size = max(1, min(chunk, numel))
+    chunks = -(-numel // size)
+    return chunks, size, min(topk, size), max(1, (size - 1).bit_length())
+
+
+def sparseloco_payload_bytes(sizes: Iterable[int], chunk: int = SPARSELOCO_CHUNK,
+                             topk: int = SPARSELOCO_TOPK,
+                             quant_bits: int | None = SPARSELOCO_QUANT_BITS) -> int:
+    """Bytes one rank contributes to SparseLoCo's all-gather per outer round.
+
+    Per tensor of ``n`` values (:func:`sparse_chunking`): the indices, packed
+    ``index_bits`` to a value, ``ceil(chunks·k·index_bits / 8)`` bytes; the values,
+    ``ceil(chunks·k·quant_bits / 8)`` bytes plus 8 per chunk for its range (a float32
+    low end and a float32 step), or ``4·chunks·k`` bytes unquantized. Float buffers
+    (BatchNorm statistics) are averaged densely beside this: add 4 bytes each.
+
+    Args:
+        sizes: the number of values of every trainable tensor.
+        chunk: values per chunk.
+        topk: values sent per chunk.
+        quant_bits: bits per sent value (1-8), or None for float32.
+    """
+    total = 0
+    for n in sizes:
+        if n <= 0:
+            continue
+        chunks, _, k, index_bits = sparse_chunking(int(n), chunk, topk)
+        sent = chunks * k
+        total += -(-sent * index_bits // 8)
+        if quant_bits is None:
+            total += 4 * sent
+        else:
+            total += -(-sent * quant_bits // 8) + 8 * chunks
+    return total

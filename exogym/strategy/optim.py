@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .muon import MuonAdamW, muon_param_groups
+
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
     "adamw": torch.optim.AdamW,
@@ -20,6 +22,7 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamax": torch.optim.Adamax,
     "nadam": torch.optim.NAdam,
     "radam": torch.optim.RAdam,
+    "muon": MuonAdamW,  # Muon on hidden matrices, AdamW on the rest
 }
 
 
@@ -39,7 +42,9 @@ class OptimSpec:
 
     Args:
         cls: a ``torch.optim.Optimizer`` subclass (default AdamW), or a name such
-            as ``'adam'``, ``'adamw'``, ``'sgd'``.
+            as ``'adam'``, ``'adamw'``, ``'sgd'``, ``'muon'`` (:class:`MuonAdamW`: Muon
+            on the hidden matrices, AdamW on the rest; ``adamw_lr=`` and the other
+            ``adamw_*`` arguments set the AdamW part).
         **kwargs: arguments for the optimizer (``lr``, ``weight_decay``, ...);
             checked against the optimizer's signature now, not on first use.
     """
@@ -70,8 +75,15 @@ class OptimSpec:
         return OptimSpec(self.cls, **{**self.kwargs, **kwargs})
 
     def build(self, model_or_params) -> torch.optim.Optimizer:
-        """Create the optimizer over the trainable parameters of a model (or a param list)."""
-        if isinstance(model_or_params, torch.nn.Module):
+        """Create the optimizer over the trainable parameters of a model (or a param list).
+
+        ``MuonAdamW`` built from a model splits it by :func:`muon_param_groups`.
+        """
+        if isinstance(model_or_params, torch.nn.Module) and self.cls is MuonAdamW:
+            params = muon_param_groups(model_or_params)
+            if not any(group["params"] for group in params):
+                params = []
+        elif isinstance(model_or_params, torch.nn.Module):
             params = [p for p in model_or_params.parameters() if p.requires_grad]
         else:
             params = list(model_or_params)
