@@ -263,3 +263,17 @@ def test_three_real_ranks_with_delay_one_end_with_the_simulated_model(tmp_path):
     assert real.keys() == simulated.keys()
     for key in real:
         assert torch.allclose(real[key].float(), simulated[key].float(), atol=1e-5), key
+
+
+def test_the_planner_sees_diloco_bytes_cut_into_fragment_syncs():
+    from distributed.planning.projection import relevant_settings, step_traffic
+
+    P, H = 4096, 20
+    diloco = step_traffic("diloco", P, 4, H=H)
+    stream = step_traffic("streaming_diloco", P, 4, **relevant_settings(
+        "streaming_diloco", {"H": H, "num_fragments": 4}))
+    assert stream.payload == diloco.payload  # the same total per H steps
+    assert stream.period == H // 4  # a sync every H/F steps
+    assert stream.payload * stream.period == streaming_sync_bytes(P // 4)  # 1/F per sync
+    int4 = step_traffic("streaming_diloco", P, 4, H=H, num_fragments=4, comm_dtype="int4")
+    assert int4.payload * int4.period == streaming_sync_bytes(P // 4, "int4")
