@@ -1,4 +1,4 @@
-"""Compare DDP, DiLoCo, SPARTA, FedAvg and DeMo on real data, offline.
+"""Compare DDP, DiLoCo, Streaming DiLoCo, SPARTA, FedAvg and DeMo on real data, offline.
 
 Four simulated nodes train the same small network on scikit-learn's
 handwritten digits with each strategy in turn. The table shows what each
@@ -34,6 +34,7 @@ from exogym.strategy import (
     SimpleReduceStrategy,
     SPARTAStrategy,
     Strategy,
+    StreamingDiLoCoStrategy,
 )
 
 LR = 3e-3
@@ -46,6 +47,9 @@ STRATEGIES: dict[str, tuple[str, Callable[[], Strategy]]] = {
             lambda: SimpleReduceStrategy(optim_spec="adamw", lr=LR)),
     "DiLoCo": ("H=20",
                lambda: DiLoCoStrategy(inner_optim="adamw", lr=LR, H=20)),
+    "Streaming DiLoCo": ("H=20, 2 fragments, delay 1",
+                         lambda: StreamingDiLoCoStrategy(inner_optim="adamw", lr=LR, H=20,
+                                                         num_fragments=2, fragment_delay=1)),
     "SPARTA": ("p=0.005",
                lambda: SPARTAStrategy(optim_spec="adamw", lr=LR, p_sparta=0.005)),
     "FedAvg": ("H=10",
