@@ -21,7 +21,7 @@ exceed the number of layers (a fragment would be empty).
 (``F = num_fragments``; the offset ``p·H/F`` is rounded down when ``H`` is not
 divisible by ``F``). Fragment 0 therefore syncs after steps ``H, 2H, ...``
 exactly as DiLoCo does, and fragment ``p > 0`` first after ``p * H // F``
-steps.
+steps. ``num_fragments`` may not exceed ``H`` (two fragments would share a step).
 
 **A fragment's round.** When it starts, the rank computes the outer gradient
 ``master - local`` of the fragment's parameters (and copies its buffers), and
