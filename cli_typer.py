@@ -24,7 +24,7 @@ import typer
 from distributed.app.console import fail, make_console, reported_errors
 
 DEFAULT_PROFILE = "digits-diloco"
-DEFAULT_STRATEGIES = "ddp,diloco,sparta,fedavg,demo,sparseloco"
+DEFAULT_STRATEGIES = "ddp,diloco,streaming_diloco,sparta,fedavg,demo,sparseloco"
 
 app = typer.Typer(
     help="Simulate distributed training on this machine, or run the same training across "

@@ -39,9 +39,16 @@ from exogym.strategy import (
     SPARTADiLoCoStrategy,
     SPARTAStrategy,
     Strategy,
+    StreamingDiLoCoStrategy,
 )
 from exogym.strategy.demo import ChunkPlan
-from exogym.strategy.facts import QUANTIZED_BITS, sparseloco_payload_bytes
+from exogym.strategy.facts import (
+    QUANTIZED_BITS,
+    fragment_offset,
+    sparseloco_payload_bytes,
+    streaming_sync_bytes,
+)
+from exogym.strategy.streaming_diloco import model_layers
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "mlp": lambda: DigitsMLP(hidden=64),
@@ -68,6 +75,17 @@ def sparta_entries(sizes: list[int], p: float, rounds: range) -> int:
     fraction = Fraction(str(p))
     return sum(math.floor(fraction * n * (r + 1)) - math.floor(fraction * n * r)
                for r in rounds for n in sizes)
+
+
+def streaming_bytes(model: torch.nn.Module, H: int, fragments: int, steps: int,
+                    comm_dtype: str) -> int:
+    """Bytes Streaming DiLoCo sends in ``steps`` steps: a fragment's sync where its offset falls."""
+    layers = model_layers(model)
+    sizes = [sum(t.numel() for params, buffers in layers[f::fragments] for t in params + buffers)
+             for f in range(fragments)]
+    return sum(streaming_sync_bytes(sizes[f], comm_dtype)
+               for s in range(1, steps + 1) for f in range(fragments)
+               if s % H == fragment_offset(f, H, fragments))
 
 
 def cases(model: torch.nn.Module, args: argparse.Namespace) -> list[Case]:
@@ -105,6 +123,12 @@ def cases(model: torch.nn.Module, args: argparse.Namespace) -> list[Case]:
              lambda: SPARTADiLoCoStrategy(H=H, p_sparta=p, sparta_interval=interval, **adamw),
              "sparse rounds + 4·(P+B)/H",
              (4 * sparse_entries + 4 * (P + B) * (steps // H)) / steps),
+        *[Case(f"Streaming DiLoCo H={H}, 2 fragments, delay 1, {dtype}",
+               lambda dtype=dtype: StreamingDiLoCoStrategy(H=H, num_fragments=2, fragment_delay=1,
+                                                           comm_dtype=dtype, **adamw),
+               "Σ fragment syncs·their bytes/R",
+               streaming_bytes(model, H, 2, steps, dtype) / steps)
+          for dtype in ("float32", "int4")],
         Case(f"DeMo top-{k}, chunk {args.chunk}",
              lambda: DeMoStrategy(lr=1e-3, compression_topk=k, compression_chunk=args.chunk),
              "Σ chunks·k·(4 + index bytes)", demo),

@@ -1,4 +1,4 @@
-"""Compare DDP, DiLoCo, SPARTA, FedAvg, DeMo and SparseLoCo on real data, offline.
+"""Compare DDP, DiLoCo, Streaming DiLoCo, SPARTA, FedAvg, DeMo and SparseLoCo on real data, offline.
 
 Four simulated nodes train the same small network on scikit-learn's
 handwritten digits with each strategy in turn. The table shows what each
@@ -35,6 +35,7 @@ from exogym.strategy import (
     SparseLoCoStrategy,
     SPARTAStrategy,
     Strategy,
+    StreamingDiLoCoStrategy,
 )
 
 LR = 3e-3
@@ -48,6 +49,9 @@ STRATEGIES: dict[str, tuple[str, Callable[[], Strategy]]] = {
             lambda: SimpleReduceStrategy(optim_spec="adamw", lr=LR)),
     "DiLoCo": ("H=20",
                lambda: DiLoCoStrategy(inner_optim="adamw", lr=LR, H=20)),
+    "Streaming DiLoCo": ("H=20, 2 fragments, delay 1",
+                         lambda: StreamingDiLoCoStrategy(inner_optim="adamw", lr=LR, H=20,
+                                                         num_fragments=2, fragment_delay=1)),
     "SPARTA": ("p=0.005",
                lambda: SPARTAStrategy(optim_spec="adamw", lr=LR, p_sparta=0.005)),
     "FedAvg": ("H=10",

@@ -99,7 +99,7 @@ def test_unknown_strategy_lists_the_known_ones():
     with pytest.raises(ValueError, match="knows ddp, diloco, sparta, fedavg, demo, sparta_diloco"):
         bytes_per_step("fedsgd", P, 2)
     assert set(STRATEGIES) == {"ddp", "diloco", "sparta", "fedavg", "demo", "sparta_diloco",
-                               "none"}
+                               "streaming_diloco", "none"}
 
 
 def test_bad_host_counts_are_rejected():
@@ -303,11 +303,12 @@ def test_the_projections_defaults_are_the_strategy_classes_own():
         SimpleReduceStrategy,
         SPARTADiLoCoStrategy,
         SPARTAStrategy,
+        StreamingDiLoCoStrategy,
     )
 
     classes = {"ddp": SimpleReduceStrategy, "diloco": DiLoCoStrategy, "fedavg": FedAvgStrategy,
                "sparta": SPARTAStrategy, "sparta_diloco": SPARTADiLoCoStrategy,
-               "demo": DeMoStrategy}
+               "demo": DeMoStrategy, "streaming_diloco": StreamingDiLoCoStrategy}
     assert set(classes) == set(DEFAULTS) - {"none"}
     for name, cls in classes.items():
         parameters = inspect.signature(cls.__init__).parameters

@@ -38,13 +38,19 @@ from distributed.profiles.profile import (
 from exogym._args import init_arg_names
 from exogym.io import atomic_write_bytes
 
-__all__ = ["PLOT_NAME", "StrategyResult", "check_plotting", "comparison_figure",
+__all__ = ["COMPARE_SETTINGS", "PLOT_NAME", "StrategyResult", "check_plotting", "comparison_figure",
            "comparison_folder", "parse_overrides", "plan_comparison", "plot_comparison",
            "profile_for_strategy", "run_comparison", "strategy_profiles", "strategy_settings"]
 
 #: The plot's file name in the comparison's output folder.
 PLOT_NAME = "compare.png"
 
+#: Settings a compared strategy takes when the profile gives none: Streaming DiLoCo
+#: in two fragments (the smallest models, digits' two-layer MLP, have two layers),
+#: each overlapped by one inner step.
+COMPARE_SETTINGS: dict[str, dict[str, Any]] = {
+    "streaming_diloco": {"num_fragments": 2, "fragment_delay": 1},
+}
 
 
 @dataclass
@@ -100,6 +106,9 @@ def profile_for_strategy(profile: Profile, strategy: str,
         return False
 
     values = {k: v for k, v in profile.values.items() if keep(k, True)}
+    if strategy != profile.strategy:
+        for key, value in COMPARE_SETTINGS.get(strategy, {}).items():
+            values.setdefault(key, value)
     values.update({k: v for k, v in (overrides or {}).items() if keep(k, False)})
     values["strategy"] = strategy
     values["description"] = f"{profile.name} with strategy {strategy}"

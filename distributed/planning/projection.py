@@ -80,6 +80,7 @@ from exogym.strategy.facts import (
     DEMO_TOPK,
     SPARTA_INTERVAL,
     SPARTA_P,
+    STREAMING_FRAGMENTS,
     TRAFFIC_DEFAULTS,
     chunk_size,
     demo_payload_bytes,
@@ -126,6 +127,8 @@ STRATEGIES: dict[str, str] = {
     "fedavg": "H local steps, then average whole models, optionally in islands of ranks",
     "demo": "send only the top-k DCT components of each rank's momentum every step",
     "sparta_diloco": "SPARTA's sparse averaging between DiLoCo rounds",
+    "streaming_diloco": "DiLoCo's round cut into fragments synced in turn: same total, "
+                        "peak per sync divided by the fragments",
     "none": "no communication (one host, or independent training)",
 }
 _ALIASES = {"allreduce": "ddp", "all_reduce": "ddp", "simple_reduce": "ddp",
@@ -246,8 +249,8 @@ def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = 
                  shapes: Iterable[Sequence[int]] | None = None, compression_chunk: int = DEMO_CHUNK,
                  compression_topk: int = DEMO_TOPK, value_bytes: int = 4, num_buffers: int = 0,
                  bucket_bytes: int = BUCKET_BYTES, island_size: int | None = None,
-                 sparta_interval: int = SPARTA_INTERVAL, comm_dtype: str | None = None
-                 ) -> StepTraffic:
+                 sparta_interval: int = SPARTA_INTERVAL, comm_dtype: str | None = None,
+                 num_fragments: int = STREAMING_FRAGMENTS) -> StepTraffic:
     """Bytes and rounds per step for ``strategy`` on ``hosts`` hosts (see the module docstring).
 
     Args:
@@ -268,6 +271,8 @@ def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = 
         bucket_bytes: largest buffer per all-reduce call.
         island_size: FedAvg's hosts per island (None: all of them).
         sparta_interval: SPARTA-DiLoCo's steps between sparse rounds.
+        num_fragments: Streaming DiLoCo's fragments; each syncs once per ``H`` steps
+            with ``1/num_fragments`` of the values (equal fragments assumed).
         comm_dtype: the wire type by name (``'bfloat16'``), instead of ``value_bytes``;
             a quantized type (``'int8'``, ``'float8_e4m3fn'``, ``'int4'``, ``'int2'``)
             sends packed values and a float32 scale per 64 as an all-gather.
@@ -331,6 +336,13 @@ def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = 
         return allreduce(wire(num_params))
     if name == "diloco":
         return allreduce(wire(num_params + num_buffers), every=needs_h())
+    if name == "streaming_diloco":
+        every, fragments = needs_h(), _whole("num_fragments", num_fragments)
+        fragment = wire(math.ceil((num_params + num_buffers) / fragments))
+        return StepTraffic(name, hosts, fragment * fragments / every,
+                           sent(fragment, hosts) * fragments / every,
+                           rounds(fragment, hosts) * fragments / every, collective,
+                           max(1, every // fragments))
     if name == "fedavg":
         every = needs_h()
         if island_size is not None:

@@ -6,7 +6,7 @@ OTHER's keys. Keys are flat; each goes to whoever accepts it:
 - ``task`` (a built-in name or ``package.module:function``) and the task's own
   arguments (e.g. ``hidden``, ``text_file``, ``n_layer``);
 - ``strategy`` (``ddp``, ``diloco``, ``fedavg``, ``sparta``, ``demo``,
-  ``sparta_diloco``, ``sparseloco`` or ``package.module:Class``) and its arguments
+  ``sparta_diloco``, ``streaming_diloco``, ``sparseloco`` or ``package.module:Class``) and its arguments
   (``lr``, ``H``, ``inner_optim``, ``outer_lr``, ``p_sparta``, ...);
 - the run: ``num_nodes``, ``batch_size``, ``max_steps``, ``device``,
   ``checkpoint_interval``, ``output_dir``, ``seed``, ``val_size``, ...
@@ -51,6 +51,7 @@ STRATEGIES = {
     "demo": "DeMoStrategy",
     "sparta_diloco": "SPARTADiLoCoStrategy",
     "sparseloco": "SparseLoCoStrategy",
+    "streaming_diloco": "StreamingDiLoCoStrategy",
 }
 
 

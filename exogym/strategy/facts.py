@@ -13,6 +13,8 @@ Per strategy, the settings its bytes per step depend on (:data:`TRAFFIC_DEFAULTS
 - ``fedavg``: ``H``, ``island_size`` (None: one island of every rank) and ``comm_dtype``;
 - ``sparta``: ``p_sparta`` (the fraction of each tensor averaged per step) and ``comm_dtype``;
 - ``sparta_diloco``: ``H``, ``p_sparta``, ``sparta_interval`` and ``comm_dtype``;
+- ``streaming_diloco``: ``H``, ``num_fragments`` and ``comm_dtype`` (see
+  :func:`streaming_sync_bytes` and :func:`fragment_offset`);
 - ``demo``: ``compression_topk`` and ``compression_chunk`` (see :class:`ChunkGeometry`)
   and ``comm_dtype``.
 
@@ -44,6 +46,7 @@ __all__ = [
     "SPARSELOCO_TOPK",
     "SPARTA_INTERVAL",
     "SPARTA_P",
+    "STREAMING_FRAGMENTS",
     "TRAFFIC_DEFAULTS",
     "VALUE_BYTES",
     "QUANTIZED_BITS",
@@ -52,10 +55,12 @@ __all__ = [
     "ChunkGeometry",
     "chunk_size",
     "demo_payload_bytes",
+    "fragment_offset",
     "is_quantized",
     "quantized_payload_bytes",
     "sparse_chunking",
     "sparseloco_payload_bytes",
+    "streaming_sync_bytes",
     "value_bytes_of",
 ]
 
@@ -92,6 +97,7 @@ SPARSELOCO_H = 30  #: SparseLoCo's inner steps per outer round.
 SPARSELOCO_CHUNK = 4096  #: SparseLoCo's values per chunk (a 64x64 block's worth).
 SPARSELOCO_TOPK = 64  #: SparseLoCo's values sent per chunk (1.56 % of 4,096).
 SPARSELOCO_QUANT_BITS = 2  #: bits per value SparseLoCo sends (None: float32).
+STREAMING_FRAGMENTS = 4  #: Streaming DiLoCo's fragments (its H is DiLoCo's).
 
 #: Per strategy (by its profile name), the settings its traffic depends on,
 #: with the defaults its class uses when a setting is not given.
@@ -102,6 +108,8 @@ TRAFFIC_DEFAULTS: dict[str, dict[str, object]] = {
     "sparta": {"p_sparta": SPARTA_P, "comm_dtype": COMM_DTYPE},
     "sparta_diloco": {"H": DILOCO_H, "p_sparta": SPARTA_P, "sparta_interval": SPARTA_INTERVAL,
                       "comm_dtype": COMM_DTYPE},
+    "streaming_diloco": {"H": DILOCO_H, "num_fragments": STREAMING_FRAGMENTS,
+                         "comm_dtype": COMM_DTYPE},
     "demo": {"compression_topk": DEMO_TOPK, "compression_chunk": DEMO_CHUNK,
              "comm_dtype": COMM_DTYPE},
 }
@@ -150,6 +158,28 @@ def value_bytes_of(comm_dtype: str) -> float:
         raise ValueError(f"unknown comm_dtype {comm_dtype!r}; use one of "
                          f"{', '.join(sorted(VALUE_BYTES) + list(QUANTIZED_BITS))}")
     return VALUE_BYTES[name]
+
+
+def fragment_offset(fragment: int, H: int, num_fragments: int) -> int:
+    """The step within each ``H`` at which Streaming DiLoCo's ``fragment`` syncs.
+
+    Fragment ``p`` starts its round after the 1-based inner step ``s`` with
+    ``s % H == (p * H // num_fragments) % H``: the offset ``p·H/F`` rounded down.
+    """
+    return (fragment * H // num_fragments) % H
+
+
+def streaming_sync_bytes(fragment_numel: int, comm_dtype: str = COMM_DTYPE,
+                         chunk: int = QUANT_CHUNK) -> int:
+    """Bytes one rank sends in one Streaming DiLoCo round of a fragment of ``fragment_numel`` values.
+
+    In a float type, ``fragment_numel`` values of it (``4 * n`` in float32: about
+    ``1/num_fragments`` of DiLoCo's round); in a quantized type,
+    :func:`quantized_payload_bytes` (one payload while the fragment fits one bucket).
+    """
+    if is_quantized(comm_dtype):
+        return quantized_payload_bytes(fragment_numel, comm_dtype, chunk)
+    return int(value_bytes_of(comm_dtype)) * fragment_numel
 
 
 def chunk_size(dim: int, limit: int) -> int:
