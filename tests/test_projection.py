@@ -99,7 +99,7 @@ def test_unknown_strategy_lists_the_known_ones():
     with pytest.raises(ValueError, match="knows ddp, diloco, sparta, fedavg, demo, sparta_diloco"):
         bytes_per_step("fedsgd", P, 2)
     assert set(STRATEGIES) == {"ddp", "diloco", "sparta", "fedavg", "demo", "sparta_diloco",
-                               "streaming_diloco", "none"}
+                               "streaming_diloco", "sparseloco", "none"}
 
 
 def test_bad_host_counts_are_rejected():
@@ -261,16 +261,24 @@ def test_payload_matches_the_comm_counters_of_a_real_run():
     from toys import BNNet, tiny_model, toy_dataset
 
     from exogym import Trainer
-    from exogym.strategy import DiLoCoStrategy, FedAvgStrategy, SimpleReduceStrategy
+    from exogym.strategy import (
+        DiLoCoStrategy,
+        FedAvgStrategy,
+        SimpleReduceStrategy,
+        SparseLoCoStrategy,
+    )
 
     model = tiny_model(cls=BNNet)
     params = sum(p.numel() for p in model.parameters())
+    shapes = [tuple(p.shape) for p in model.parameters()]
     buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
     ds = toy_dataset()
     for name, strategy, settings in (
             ("ddp", SimpleReduceStrategy(), {}),
             ("diloco", DiLoCoStrategy(H=2), {"H": 2, "num_buffers": buffers}),
-            ("fedavg", FedAvgStrategy(H=2), {"H": 2, "num_buffers": buffers})):
+            ("fedavg", FedAvgStrategy(H=2), {"H": 2, "num_buffers": buffers}),
+            ("sparseloco", SparseLoCoStrategy(H=2, topk=4, chunk=16),
+             {"H": 2, "topk": 4, "chunk": 16, "shapes": shapes, "num_buffers": buffers})):
         trainer = Trainer(model, ds, None)
         trainer.fit(strategy=strategy, num_nodes=2, max_steps=4, batch_size=8, val_size=0,
                     logger=None, progress=False)
@@ -301,6 +309,7 @@ def test_the_projections_defaults_are_the_strategy_classes_own():
         DiLoCoStrategy,
         FedAvgStrategy,
         SimpleReduceStrategy,
+        SparseLoCoStrategy,
         SPARTADiLoCoStrategy,
         SPARTAStrategy,
         StreamingDiLoCoStrategy,
@@ -308,7 +317,8 @@ def test_the_projections_defaults_are_the_strategy_classes_own():
 
     classes = {"ddp": SimpleReduceStrategy, "diloco": DiLoCoStrategy, "fedavg": FedAvgStrategy,
                "sparta": SPARTAStrategy, "sparta_diloco": SPARTADiLoCoStrategy,
-               "demo": DeMoStrategy, "streaming_diloco": StreamingDiLoCoStrategy}
+               "demo": DeMoStrategy, "streaming_diloco": StreamingDiLoCoStrategy,
+               "sparseloco": SparseLoCoStrategy}
     assert set(classes) == set(DEFAULTS) - {"none"}
     for name, cls in classes.items():
         parameters = inspect.signature(cls.__init__).parameters

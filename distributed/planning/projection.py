@@ -78,6 +78,9 @@ from exogym.strategy.facts import (
     BUCKET_BYTES,
     DEMO_CHUNK,
     DEMO_TOPK,
+    SPARSELOCO_CHUNK,
+    SPARSELOCO_QUANT_BITS,
+    SPARSELOCO_TOPK,
     SPARTA_INTERVAL,
     SPARTA_P,
     STREAMING_FRAGMENTS,
@@ -86,6 +89,7 @@ from exogym.strategy.facts import (
     demo_payload_bytes,
     is_quantized,
     quantized_payload_bytes,
+    sparseloco_payload_bytes,
     value_bytes_of,
 )
 
@@ -129,6 +133,8 @@ STRATEGIES: dict[str, str] = {
     "sparta_diloco": "SPARTA's sparse averaging between DiLoCo rounds",
     "streaming_diloco": "DiLoCo's round cut into fragments synced in turn: same total, "
                         "peak per sync divided by the fragments",
+    "sparseloco": "H local steps, then all-gather the top-k of every chunk of the "
+                  "error-fed change, quantized: a percent of DiLoCo's bytes",
     "none": "no communication (one host, or independent training)",
 }
 _ALIASES = {"allreduce": "ddp", "all_reduce": "ddp", "simple_reduce": "ddp",
@@ -250,7 +256,9 @@ def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = 
                  compression_topk: int = DEMO_TOPK, value_bytes: int = 4, num_buffers: int = 0,
                  bucket_bytes: int = BUCKET_BYTES, island_size: int | None = None,
                  sparta_interval: int = SPARTA_INTERVAL, comm_dtype: str | None = None,
-                 num_fragments: int = STREAMING_FRAGMENTS) -> StepTraffic:
+                 num_fragments: int = STREAMING_FRAGMENTS, topk: int = SPARSELOCO_TOPK,
+                 chunk: int = SPARSELOCO_CHUNK,
+                 quant_bits: int | None = SPARSELOCO_QUANT_BITS) -> StepTraffic:
     """Bytes and rounds per step for ``strategy`` on ``hosts`` hosts (see the module docstring).
 
     Args:
@@ -273,6 +281,9 @@ def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = 
         sparta_interval: SPARTA-DiLoCo's steps between sparse rounds.
         num_fragments: Streaming DiLoCo's fragments; each syncs once per ``H`` steps
             with ``1/num_fragments`` of the values (equal fragments assumed).
+        topk, chunk, quant_bits: SparseLoCo's values sent per chunk, values per chunk
+            and bits per sent value (None: float32); its payload is sized per tensor
+            from ``shapes`` when given, else as one tensor of ``num_params`` values.
         comm_dtype: the wire type by name (``'bfloat16'``), instead of ``value_bytes``;
             a quantized type (``'int8'``, ``'float8_e4m3fn'``, ``'int4'``, ``'int2'``)
             sends packed values and a float32 scale per 64 as an all-gather.
@@ -343,6 +354,20 @@ def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = 
                            sent(fragment, hosts) * fragments / every,
                            rounds(fragment, hosts) * fragments / every, collective,
                            max(1, every // fragments))
+    if name == "sparseloco":
+        every = needs_h()
+        if quant_bits is not None:
+            _whole("quant_bits", quant_bits)
+        sizes = ([math.prod(shape) for shape in shapes] if shapes is not None
+                 else [num_params])
+        gathered = float(sparseloco_payload_bytes(sizes, _whole("chunk", chunk),
+                                                  _whole("topk", topk), quant_bits))
+        dense = 4.0 * num_buffers  # float buffers are averaged densely, as DiLoCo does
+        return StepTraffic(
+            name, hosts, (gathered + dense) / every,
+            (allgather_bytes(gathered, hosts) + ring_allreduce_bytes(dense, hosts)) / every,
+            (allgather_rounds(hosts) + ring_allreduce_rounds(hosts, calls(dense))) / every,
+            "all-gather", every)
     if name == "fedavg":
         every = needs_h()
         if island_size is not None:

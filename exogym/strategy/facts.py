@@ -22,9 +22,8 @@ A ``comm_dtype`` is either a float type (values travel in it) or one of the
 quantized types of :data:`QUANTIZED_BITS` (``exogym.quantize``): packed values
 plus one float32 scale per chunk of ``chunk`` values, gathered rather than
 reduced; :func:`quantized_payload_bytes` is what one rank sends for them.
-SparseLoCo's bytes per round depend on ``topk``, ``chunk`` and ``quant_bits``
-(:func:`sparseloco_payload_bytes`, with the ``SPARSELOCO_*`` defaults); it joins
-:data:`TRAFFIC_DEFAULTS` once the planner's projection models its all-gather.
+- ``sparseloco``: ``H``, ``topk``, ``chunk`` and ``quant_bits``
+  (:func:`sparseloco_payload_bytes`, with the ``SPARSELOCO_*`` defaults).
 """
 
 from __future__ import annotations
@@ -110,6 +109,8 @@ TRAFFIC_DEFAULTS: dict[str, dict[str, object]] = {
                       "comm_dtype": COMM_DTYPE},
     "streaming_diloco": {"H": DILOCO_H, "num_fragments": STREAMING_FRAGMENTS,
                          "comm_dtype": COMM_DTYPE},
+    "sparseloco": {"H": SPARSELOCO_H, "topk": SPARSELOCO_TOPK, "chunk": SPARSELOCO_CHUNK,
+                   "quant_bits": SPARSELOCO_QUANT_BITS},
     "demo": {"compression_topk": DEMO_TOPK, "compression_chunk": DEMO_CHUNK,
              "comm_dtype": COMM_DTYPE},
 }
