@@ -26,13 +26,14 @@ from distributed.hosts.discovery import (
     DiscoveryError,
     MachineAdvert,
     discover,
+    ipv4_addresses,
     this_machine,
 )
 from distributed.hosts.hostkeys import HostKey, fetch_host_key, is_known, trust_host_key
 from distributed.hosts.ssh import SSHOptions
 
 __all__ = ["Browser", "DiscoveryError", "HostKey", "MachineAdvert", "DISCOVERED_ENV",
-           "fetch_host_key", "find_machines", "hosts_mapping", "is_known", "machines_table",
+           "fetch_host_key", "find_machines", "hosts_mapping", "is_known", "machines_table", "other_machines",
            "serve_agent", "ssh_options", "trust_host_key"]
 
 DISCOVERED_ENV = "EXOGYM_DISCOVERED"
@@ -116,3 +117,13 @@ def hosts_mapping(master: str, machines: Sequence[MachineAdvert],
     workers = [{"host": m.addresses[0], "ssh_port": m.ssh_port, "ssh_user": m.ssh_user,
                 "python_env": m.python, "project_path": m.project_path} for m in machines]
     return {"master": master, "workers": workers, **top}
+
+
+def other_machines(machines: Sequence[MachineAdvert]) -> list[MachineAdvert]:
+    """``machines`` less this one (an agent may run here too): those sharing none of its
+    addresses."""
+    try:
+        here = set(ipv4_addresses())
+    except DiscoveryError:
+        here = set()
+    return [m for m in machines if not here & set(m.addresses)]
