@@ -6,6 +6,8 @@
     python cli_typer.py profiles
     python cli_typer.py compare digits-diloco --strategies ddp,diloco,fedavg --out compare.png
     python cli_typer.py slurm digits-diloco --nodes 4 --time 1:00:00   # then: sbatch digits-diloco.sbatch
+    python cli_typer.py agent            # on each machine: advertise it on the LAN
+    python cli_typer.py discover --json  # list the machines that answer
 
 A face only: it parses, calls ``distributed.app.run`` (the same code the wizard
 uses) and prints. Nothing heavy is imported until a command needs it, so

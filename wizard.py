@@ -4,8 +4,10 @@
     python wizard.py --hosts my_hosts.json --config my.ini
     python wizard.py --yes           # takes every default, asks nothing (scripts, CI)
 
-Every host is checked live (pre-flight over SSH, no training started) as soon as it is
-known. For the profile's model and the link's bandwidth (typed, or measured
+Without a hosts file it starts with the machines found on the LAN (those running
+``cli_typer.py agent``), trusting each one's host key only after its fingerprint
+is confirmed. Every host is checked live (pre-flight over SSH, no training started)
+as soon as it is known. For the profile's model and the link's bandwidth (typed, or measured
 with a one-second transfer to a worker) a table estimates the bytes each
 strategy sends per step and the speedup to expect, which is why DiLoCo is the
 default on slow links. The hosts file and a ``config.ini`` profile are written

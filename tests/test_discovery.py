@@ -8,6 +8,7 @@ import io
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from ranks import ROOT, free_port
 from sshd_fixture import serve_sshd
 
 from distributed.hosts.discovery import DiscoveryError, MachineAdvert, require_zeroconf
+from distributed.hosts.hostsfile import load_hosts
 
 CLI = str(ROOT / "cli_typer.py")
 NETNS = netns_available()
@@ -233,9 +235,9 @@ def test_wizard_uses_found_machines_after_each_fingerprint_is_confirmed(sshd, tm
     try:
         answer(r"I found 2 other machines: mini \(cpu, 16 GB\), studio \(cpu, 64 GB\)\. "
                r"Use them\?", "y")
-        child.expect(rf"ED25519 key fingerprint is {fingerprint}\.")
+        child.expect("ED25519 key fingerprint is " + re.escape(fingerprint))
         answer("Trust mini's host key", "y")
-        child.expect(rf"ED25519 key fingerprint is {fingerprint}\.")
+        child.expect("ED25519 key fingerprint is " + re.escape(fingerprint))
         answer("Trust studio's host key", "n")
         child.expect("Skipping studio: its host key was not trusted")
         answer("Address of this machine, the master", clear + "127.0.0.1\r")
@@ -243,11 +245,22 @@ def test_wizard_uses_found_machines_after_each_fingerprint_is_confirmed(sshd, tm
         answer("SSH private key for the workers", clear + str(sshd.key_path) + "\r")
         child.expect(r"ok.*127\.0\.0\.2: ssh ok")
         answer("Which profile", "\r")
-        child.expect(["how fast is it", "Which strategy"])
-        child.close(force=True)
+        answer("how fast is it", "\r")  # measure
+        answer("Which strategy", "\r")
+        answer("Training steps", clear + "20\r")
+        answer("Name of the profile to write", clear + "found-test\r")
+        answer("Copy this checkout", "n")
+        child.expect(pexpect.EOF, timeout=300)
     finally:
+        child.close()
         screen = plain(log.getvalue())
-    assert "127.0.0.3: ssh" not in screen, screen[-3000:]
+    assert child.exitstatus == 0, screen[-4000:]
+    assert "127.0.0.3: ssh" not in screen
+    hosts = load_hosts(tmp_path / "distributed_hosts.json")
+    assert [h.host for h in hosts.hosts] == ["127.0.0.1", "127.0.0.2"]
+    worker = hosts.workers[0]
+    assert (worker.ssh_port, worker.ssh_user, worker.python_env, worker.project_path) == (
+        sshd.port, sshd.user, sys.executable, str(ROOT))
     assert known_hosts.read_text().split()[0] == f"[127.0.0.2]:{sshd.port}"
     assert len(known_hosts.read_text().splitlines()) == 1  # studio was not trusted
 
