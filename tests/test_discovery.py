@@ -125,6 +125,10 @@ def stop(proc: subprocess.Popen) -> None:
 @needs_netns
 def test_discover_in_a_third_namespace_finds_both_agents_with_their_fields():
     with lan(3) as (names, addresses):
+        alone = subprocess.run(["ip", "netns", "exec", names[2], sys.executable, CLI, "discover",
+                                "--timeout", "1"], cwd=ROOT, env=ENV, capture_output=True,
+                               text=True, timeout=120)
+        assert alone.returncode == 0 and "no machines found in 1 s" in alone.stdout
         agents = [start_agent(names[0], "alpha", 2201), start_agent(names[1], "beta", 2202)]
         try:
             done = subprocess.run(["ip", "netns", "exec", names[2], sys.executable, CLI,
@@ -271,3 +275,15 @@ def sshd_fingerprint(sshd) -> str:
 
     blob = base64.b64decode(sshd.host_public_key.split()[1])
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
+
+
+@pytest.mark.parametrize("command", ["agent", "discover"])
+def test_without_zeroconf_the_commands_exit_2_naming_the_extra(command):
+    blocked = ("import runpy, sys; sys.modules['zeroconf'] = None; "
+               f"sys.argv = ['cli_typer.py', {command!r}]; "
+               "runpy.run_path('cli_typer.py', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", blocked], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "zeroconf package" in done.stderr and "distributed" in done.stderr
+    assert "Traceback" not in done.stderr
