@@ -57,6 +57,13 @@ def test_a_field_over_the_txt_limit_is_refused_with_its_name():
         advert(project_path="/" + "x" * 260).properties()
 
 
+def test_an_advertised_name_that_is_not_a_dns_label_is_refused_before_any_work():
+    from distributed.hosts.discovery import this_machine
+
+    with pytest.raises(DiscoveryError, match=r"letters, digits or hyphens.*'my mac'.*--name"):
+        this_machine(name="my mac")
+
+
 def test_without_zeroconf_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "zeroconf", None)
     with pytest.raises(DiscoveryError, match=r"zeroconf package.*distributed extra"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import getpass
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -212,10 +213,14 @@ def this_machine(name: str | None = None, ssh_port: int = 22, ssh_user: str | No
         addresses: the IPv4 addresses to announce (default: every non-loopback one).
     """
     host = socket.gethostname()
+    name = name or host.split(".")[0]
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}", name):
+        raise DiscoveryError(f"the advertised name must be 1-63 letters, digits or hyphens "
+                             f"(a DNS label), got {name!r}; pass one with --name")
     kind, device_name = probe_device()
     digest, _ = hash_files(PROJECT_ROOT, code_files(PROJECT_ROOT))
     return MachineAdvert(
-        name=name or host.split(".")[0], host=host,
+        name=name, host=host,
         addresses=tuple(addresses if addresses is not None else ipv4_addresses()),
         ssh_port=ssh_port, ssh_user=ssh_user or getpass.getuser(), python=sys.executable,
         project_path=str(PROJECT_ROOT), code_hash=digest[:12], torch=torch_version() or "",
