@@ -6,6 +6,8 @@
     python cli_typer.py profiles
     python cli_typer.py compare digits-base --strategies ddp,diloco,fedavg   # plot in runs/
     python cli_typer.py slurm digits-diloco --nodes 4 --time 1:00:00   # then: sbatch digits-diloco.sbatch
+    python cli_typer.py agent            # on each machine: advertise it on the LAN
+    python cli_typer.py discover --json  # list the machines that answer
 
 A face only: it parses, calls ``distributed.app.run`` (the same code the wizard
 uses) and prints. Nothing heavy is imported until a command needs it, so
@@ -343,6 +345,55 @@ def whisper_synthesize(
 
         spoken, folder = synthesize_speech(out_dir, count)
         make_console().print(f"{spoken} sentences synthesized into {folder}", markup=False)
+
+
+@app.command("agent")
+def agent(
+    ctx: typer.Context,
+    port: Annotated[int, typer.Option("--port", help="This machine's SSH port, advertised.")] = 22,
+    user: Annotated[str | None, typer.Option(
+        "--user", help="The SSH user to advertise (default: the current user).")] = None,
+    name: Annotated[str | None, typer.Option(
+        "--name", help="The name to advertise, unique on the LAN (default: the host name).")
+    ] = None,
+    debug: Debug = False,
+) -> None:
+    """Advertise this machine on the LAN (mDNS, _exogym._tcp) until Ctrl-C."""
+    with reported_errors(ctx, debug) as debug:
+        from distributed.app.discovery import DiscoveryError, serve_agent
+
+        try:
+            serve_agent(make_console(), name=name, ssh_port=port, ssh_user=user)
+        except DiscoveryError as exc:
+            fail(str(exc), 2, debug, exc)
+
+
+@app.command("discover")
+def discover(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print a JSON list, one object per machine.")] = False,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", min=0.1, help="Seconds to listen for answers.")] = 3.0,
+    debug: Debug = False,
+) -> None:
+    """List the machines on the LAN that run `cli_typer.py agent`."""
+    with reported_errors(ctx, debug) as debug:
+        import json
+
+        from distributed.app.discovery import DiscoveryError, find_machines, machines_table
+
+        try:
+            machines = find_machines(timeout)
+        except DiscoveryError as exc:
+            fail(str(exc), 2, debug, exc)
+        if as_json:
+            print(json.dumps([m.to_dict() for m in machines], indent=2))
+        elif not machines:
+            make_console().print(f"no machines found in {timeout:g} s (is `cli_typer.py agent` "
+                                 "running on them, on this LAN?)", markup=False)
+        else:
+            make_console().print(machines_table(machines))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@
     python wizard.py --hosts my_hosts.json --config my.ini
     python wizard.py --yes           # takes every default, asks nothing (scripts, CI)
 
-Every host is checked live (pre-flight over SSH, no training started) as soon as it is
-known. For the profile's model and the link's bandwidth (typed, or measured
+Without a hosts file it starts with the machines found on the LAN (those running
+``cli_typer.py agent``), trusting each one's host key only after its fingerprint
+is confirmed. Every host is checked live (pre-flight over SSH, no training started)
+as soon as it is known. For the profile's model and the link's bandwidth (typed, or measured
 with a one-second transfer to a worker) a table estimates the bytes each
 strategy sends per step and the speedup to expect, which is why DiLoCo is the
 default on slow links. The hosts file and a ``config.ini`` profile are written
@@ -41,6 +43,7 @@ DEFAULT_HOSTS_FILE = "distributed_hosts.json"
 DEFAULT_PROFILE = "digits-diloco"
 DEFAULT_STRATEGY = "diloco"
 DEFAULT_MBIT = 100.0
+DISCOVERY_TIMEOUT_S = 3.0
 COMPARED = ("ddp", "diloco", "sparta", "fedavg", "demo")
 
 # Plain help, as cli_typer.py's: flags bare, option names whole within 80 columns.
@@ -332,7 +335,89 @@ class Wizard:
                 return found
         else:
             self.console.print(f"No hosts file at {self.hosts_path}.")
+        found = self.discovered_hosts()
+        if found is not None:
+            return found
         return self.build_hosts()
+
+    def discovered_hosts(self) -> HostsConfig | None:
+        """The machines found on the LAN, if the person wants them, each host key confirmed
+        and every host checked live; None to go on as without discovery."""
+        from distributed.app.discovery import (
+            DiscoveryError,
+            find_machines,
+            hosts_mapping,
+            other_machines,
+        )
+        from distributed.app.setup import HostsFileError, load_hosts
+
+        self.console.print(f"Looking for machines on the LAN ({DISCOVERY_TIMEOUT_S:g} s)...")
+        try:
+            machines = other_machines(find_machines(DISCOVERY_TIMEOUT_S))
+        except DiscoveryError as exc:
+            self.console.print(f"[yellow]No LAN discovery: {exc}[/]", highlight=False)
+            return None
+        if not machines:
+            self.console.print("No other machines found (run `python cli_typer.py agent` on a "
+                               "machine to make it findable).")
+            return None
+        many = len(machines) > 1
+        if not self.ask.confirm(
+                f"I found {len(machines)} other machine{'s' if many else ''}: "
+                f"{', '.join(m.summary for m in machines)}. Use {'them' if many else 'it'}?",
+                default=True):
+            return None
+        trusted = [m for m in machines if self.trust_host_key(m)]
+        if not trusted:
+            self.console.print("No machine's host key was trusted; set the hosts up by hand.")
+            return None
+        master = self.ask.text("Address of this machine, the master, which runs rank 0 (the "
+                               "workers must reach it):", _this_address())
+        port = int(self.ask.text("Training port on the master:", "29500", _is_int(1, 65535)))
+        key = self.ask.text("SSH private key for the workers (empty: the SSH agent and "
+                            "~/.ssh defaults):", _default_key())
+        mapping = hosts_mapping(master, trusted, master_port=port, ssh_user=getpass.getuser(),
+                                python_env=sys.executable, project_path=str(PROJECT_ROOT),
+                                **({"ssh_key_path": key} if key else {}))
+        try:
+            config = load_hosts(mapping)
+        except HostsFileError as exc:
+            fail(str(exc), 2, False, exc)
+        self.console.print("Checking every host (pre-flight)...")
+        report = self.check(config)
+        for host in config.hosts:
+            self.show_host_check(report, host.host)
+        if not report.ok and not self.ask.confirm(
+                "Continue anyway? (the run's own pre-flight will stop it if the problems "
+                "remain)", default=False):
+            return None
+        return config
+
+    def trust_host_key(self, machine: Any) -> bool:
+        """Show ``machine``'s SSH host key fingerprint and record it in known_hosts when the
+        person says yes (or with --accept-new-host-keys); False to skip the machine."""
+        from distributed.app.discovery import fetch_host_key, is_known, ssh_options, trust_host_key
+
+        options = ssh_options(self.ssh.get("known_hosts"))
+        address = machine.addresses[0]
+        try:
+            key = fetch_host_key(address, machine.ssh_port)
+        except OSError as exc:
+            self.console.print(f"[red]Skipping {machine.name}: {exc}[/]", highlight=False)
+            return False
+        if is_known(options, key):
+            return True
+        self.console.print(f"The authenticity of host '{key.name}' ({machine.name}) can't be "
+                           f"established.\n{key.algorithm} key fingerprint is {key.fingerprint}.",
+                           highlight=False, markup=False)
+        if self.ssh.get("accept_new_host_keys") or self.ask.confirm(
+                f"Trust {machine.name}'s host key and record it in {options.known_hosts}? "
+                "(compare it with `ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` there)",
+                default=False):
+            trust_host_key(options, key)
+            return True
+        self.console.print(f"Skipping {machine.name}: its host key was not trusted.")
+        return False
 
     # ------------------------------------------------------------------ profile and strategy
 

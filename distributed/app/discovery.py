@@ -1,0 +1,129 @@
+"""Machines on the LAN for the faces: run the agent, list what answers, turn answers into hosts.
+
+``cli_typer.py agent`` and ``discover`` and the wizard's first step call these;
+the mDNS work itself is ``distributed.hosts.discovery``'s. Setting
+``EXOGYM_DISCOVERED`` to a file written by ``discover --json`` makes
+``find_machines`` read that list instead of browsing (for a network whose
+multicast is blocked, or to replay a saved answer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from distributed.hosts.discovery import (
+    Advertiser,
+    Browser,
+    DiscoveryError,
+    MachineAdvert,
+    discover,
+    ipv4_addresses,
+    this_machine,
+)
+from distributed.hosts.hostkeys import HostKey, fetch_host_key, is_known, trust_host_key
+from distributed.hosts.ssh import SSHOptions
+
+__all__ = ["Browser", "DiscoveryError", "HostKey", "MachineAdvert", "DISCOVERED_ENV",
+           "fetch_host_key", "find_machines", "hosts_mapping", "is_known", "machines_table", "other_machines",
+           "serve_agent", "ssh_options", "trust_host_key"]
+
+DISCOVERED_ENV = "EXOGYM_DISCOVERED"
+
+
+def find_machines(timeout: float = 3.0) -> list[MachineAdvert]:
+    """The machines advertising on the LAN (see ``EXOGYM_DISCOVERED`` above), by name.
+
+    Raises:
+        DiscoveryError: zeroconf is missing, the timeout is not positive, or the
+            ``EXOGYM_DISCOVERED`` file cannot be read.
+    """
+    saved = os.environ.get(DISCOVERED_ENV)
+    if saved:
+        try:
+            rows = json.loads(Path(saved).read_text(encoding="utf-8"))
+            return [MachineAdvert(**{**{k: v for k, v in row.items() if k != "memory_gb"},
+                                     "addresses": tuple(row["addresses"])}) for row in rows]
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise DiscoveryError(f"{DISCOVERED_ENV}={saved} is not a list written by "
+                                 f"`cli_typer.py discover --json`: {exc}") from None
+    return discover(timeout)
+
+
+def machines_table(machines: Sequence[MachineAdvert]) -> Table:
+    """One row per machine: what a person needs to pick it and to reach it."""
+    table = Table(title=f"{len(machines)} machine{'s' * (len(machines) != 1)} on the LAN",
+                  title_justify="left")
+    for column in ("name", "addresses", "ssh", "device", "cores", "memory", "torch", "code",
+                   "python", "project"):
+        table.add_column(column, overflow="fold")
+    for m in machines:
+        table.add_row(m.name, ", ".join(m.addresses), f"{m.ssh_user}@:{m.ssh_port}",
+                      f"{m.device} ({m.device_name})" if m.device_name else m.device,
+                      str(m.cores), f"{m.memory_gb:g} GB", m.torch or "-", m.code_hash,
+                      m.python, m.project_path)
+    return table
+
+
+def serve_agent(console: Console, name: str | None = None, ssh_port: int = 22,
+                ssh_user: str | None = None, stop: threading.Event | None = None) -> MachineAdvert:
+    """Advertise this machine until Ctrl-C, SIGTERM or ``stop``; say goodbye; the advert.
+
+    Raises:
+        DiscoveryError: zeroconf is missing, the name is taken, or there is no address.
+    """
+    if not 1 <= ssh_port <= 65535:
+        raise DiscoveryError(f"--port must be an SSH port between 1 and 65535, got {ssh_port}")
+    stop = stop or threading.Event()
+    advert = this_machine(name=name, ssh_port=ssh_port, ssh_user=ssh_user)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        with Advertiser(advert):
+            console.print(f"Advertising {advert.summary} as {advert.name}._exogym._tcp.local. "
+                          f"on {', '.join(advert.addresses)} (ssh {advert.ssh_user}@:"
+                          f"{advert.ssh_port}); Ctrl-C to stop.", highlight=False)
+            while not stop.wait(0.2):
+                pass
+        console.print(f"Stopped advertising {advert.name} (goodbye sent).", highlight=False)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return advert
+
+
+def ssh_options(known_hosts: str | None = None) -> SSHOptions:
+    """The SSH options whose known_hosts file host keys are recorded in (as the launcher's)."""
+    from distributed.app.hosts_check import ssh_files
+
+    files = ssh_files(known_hosts, None)
+    return SSHOptions(**{k: v for k, v in files.items() if k == "known_hosts_path"})
+
+
+def hosts_mapping(master: str, machines: Sequence[MachineAdvert],
+                  **top: Any) -> dict[str, Any]:
+    """A hosts-file mapping: ``master`` (this machine) runs rank 0, each machine one worker
+    at its first address with its advertised SSH port and user, Python and checkout."""
+    workers = [{"host": m.addresses[0], "ssh_port": m.ssh_port, "ssh_user": m.ssh_user,
+                "python_env": m.python, "project_path": m.project_path} for m in machines]
+    return {"master": master, "workers": workers, **top}
+
+
+def other_machines(machines: Sequence[MachineAdvert]) -> list[MachineAdvert]:
+    """``machines`` less this one (an agent may run here too): those sharing none of its
+    addresses."""
+    try:
+        here = set(ipv4_addresses())
+    except DiscoveryError:
+        here = set()
+    return [m for m in machines if not here & set(m.addresses)]
