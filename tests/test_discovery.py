@@ -29,7 +29,8 @@ from distributed.hosts.hostsfile import load_hosts
 CLI = str(ROOT / "cli_typer.py")
 NETNS = netns_available()
 needs_netns = pytest.mark.skipif(NETNS is not None, reason=f"no network namespaces: {NETNS}")
-ENV = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+ENV = {**{k: v for k, v in os.environ.items() if k != "EXOGYM_DISCOVERED"},
+       "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
 
 def advert(**fields) -> MachineAdvert:
