@@ -26,10 +26,10 @@ sys.path.insert(0, str(ROOT))
 from exogym.io import atomic_write_bytes  # noqa: E402 - after the path is set
 
 CHROMEDRIVER = "/usr/bin/chromedriver"
-#: A small digits run slow enough (a CNN, two ranks) to watch for a while.
-RUN = ["digits-diloco", "--set", "num_nodes=2", "--set", "model=cnn", "--set", "hidden=32",
-       "--set", "batch_size=64", "--set", "max_steps=400", "--set", "val_interval=50",
-       "--set", "H=25"]
+#: A small digits run (three ranks, DiLoCo) long enough to watch for a while.
+RUN = ["digits-diloco", *(f"--set={kv}" for kv in (
+    "num_nodes=3", "hidden=128", "batch_size=32", "max_steps=2000", "lr=0.001",
+    "val_interval=50", "H=50", "checkpoint_interval=None"))]
 
 
 def browser(width: int = 1400, height: int = 980):
@@ -47,7 +47,7 @@ def browser(width: int = 1400, height: int = 980):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.png")
-    parser.add_argument("--fraction", type=float, default=0.7,
+    parser.add_argument("--fraction", type=float, default=0.5,
                         help="take the picture once rank 0 has done this share of its steps")
     args = parser.parse_args()
     command = [sys.executable, str(ROOT / "cli_typer.py"), "distributed-train", *RUN, "--web"]

@@ -169,7 +169,7 @@ def read_event(stream) -> dict:
             return json.loads("".join(data))
 
 
-def test_event_stream_sends_the_whole_state_then_each_change_within_a_second():
+def test_event_stream_sends_the_whole_state_then_each_change_within_a_second_then_the_end():
     with WebDashboard() as web:
         web.begin_run("digits", {}, 1)
         web.on_event(step(0, 1))
@@ -185,6 +185,15 @@ def test_event_stream_sends_the_whole_state_then_each_change_within_a_second():
                 assert message["since"] == n - 1
                 assert [p["step"] for p in message["points"]] == [n]
                 assert message["ranks"][0]["step"] == n
+            # the command's end: the page gets the final state, told no more will come
+            web.finish({"steps": 3})
+            stopping = threading.Thread(target=web.stop)
+            stopping.start()
+            last = read_event(stream)
+            while not last["closed"]:
+                last = read_event(stream)
+            stopping.join()
+            assert last["runs"][0]["status"] == "done" and last["runs"][0]["summary"]["steps"] == 3
 
 
 def test_page_its_files_and_plotly_js_from_the_installed_package_are_served():

@@ -30,6 +30,7 @@ import json
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from http.cookies import SimpleCookie
@@ -51,6 +52,8 @@ COOKIE = "exogym_token"
 WEB_EXTRA_HINT = "pip install 'exogym[web]'"
 #: Seconds between two messages of one event stream (changes in between are merged).
 PUSH_INTERVAL_S = 0.2
+#: Seconds ``stop`` gives open pages to receive the final state.
+FLUSH_S = 1.0
 #: Seconds of silence after which an event stream sends a comment, to notice a closed page.
 KEEPALIVE_S = 10.0
 
@@ -165,6 +168,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         state = self.server.state
         version, since = -1, 0
+        view: dict[str, Any] = {"closed": False}
+        me = threading.get_ident()
+        self.server.sent[me] = version
         try:
             while not self.server.stopping.is_set():
                 now = state.wait_for_change(version, KEEPALIVE_S)
@@ -177,9 +183,14 @@ class _Handler(BaseHTTPRequestHandler):
                     version, since = view["version"], view["seq"]
                     self.wfile.write(b"data: " + json.dumps(view).encode() + b"\n\n")
                 self.wfile.flush()
+                self.server.sent[me] = version
+                if view["closed"]:
+                    break
                 self.server.stopping.wait(PUSH_INTERVAL_S)
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
             pass  # the page was closed
+        finally:
+            self.server.sent.pop(me, None)
 
 
 class _Server(ThreadingHTTPServer):
@@ -192,6 +203,7 @@ class _Server(ThreadingHTTPServer):
         self.token = token
         self.plotly_path = plotly_path
         self.stopping = threading.Event()
+        self.sent: dict[int, int] = {}  # the state version each open event stream has sent
         self._plotly: bytes | None = None
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.address_family = family
@@ -289,8 +301,12 @@ class WebDashboard:
         """Stop serving (idempotent); open pages lose their connection."""
         if self._server.stopping.is_set():
             return
-        self._server.stopping.set()
         self.state.close()
+        final = self.state.version
+        deadline = time.monotonic() + FLUSH_S  # let open pages receive the final state
+        while time.monotonic() < deadline and any(v < final for v in self._server.sent.values()):
+            time.sleep(0.02)
+        self._server.stopping.set()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)

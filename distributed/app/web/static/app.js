@@ -163,16 +163,23 @@ function layout(title, xTitle, yTitle, yType) {
            legend: { orientation: "h", y: -0.25 }, uirevision: "keep", datarevision: revision };
 }
 
+function ordered(map) {  // traces in run, then rank (or host) order, whatever reported first
+  return [...map.entries()]
+    .sort((a, b) => a[0].localeCompare(b[0], undefined, { numeric: true }))
+    .map((entry) => entry[1]);
+}
+
 function drawCharts() {
   if (!chartsDirty || typeof Plotly === "undefined") return;
   chartsDirty = false;
   revision += 1;
   const config = { displaylogo: false, displayModeBar: false, responsive: true };
-  Plotly.react("chart-loss-step", [...traces.lossStep.values(), ...traces.valStep.values()],
+  Plotly.react("chart-loss-step", [...ordered(traces.lossStep), ...ordered(traces.valStep)],
                layout("loss vs step", "step", "loss", "log"), config);
-  Plotly.react("chart-loss-bytes", [...traces.lossBytes.values()],
-               layout("loss vs bytes sent", "bytes sent by the rank", "training loss", "log"), config);
-  Plotly.react("chart-throughput", [...traces.rate.values()],
+  Plotly.react("chart-loss-bytes", ordered(traces.lossBytes),
+               layout("loss vs bytes sent", "bytes sent by the rank", "training loss", "log"),
+               config);
+  Plotly.react("chart-throughput", ordered(traces.rate),
                layout("throughput per host", "seconds since the run started", "samples/s"),
                config);
 }
@@ -191,11 +198,14 @@ function connect() {
   const line = document.getElementById("connection");
   const events = new EventSource("events" + query);
   events.onopen = () => { line.textContent = "live"; };
-  events.onmessage = (message) => { apply(JSON.parse(message.data)); };
-  events.onerror = () => {
-    line.textContent = view && view.runs.some((r) => r.status === "done" || r.status === "failed")
-      ? "the command has exited; this is the run's final state" : "reconnecting…";
+  events.onmessage = (message) => {
+    apply(JSON.parse(message.data));
+    if (view.closed) {  // the command is exiting: keep what is shown, stop asking
+      events.close();
+      line.textContent = "the command has exited; this is its final state";
+    }
   };
+  events.onerror = () => { line.textContent = "reconnecting…"; };
 }
 
 fetch("state" + query)
