@@ -247,6 +247,43 @@ def test_without_a_terminal_the_page_stops_with_the_command():
         urllib.request.urlopen(f"http://127.0.0.1:{web.port}/state", timeout=5)
 
 
+# ---------------------------------------------------------------------------- across hosts
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    from sshd_fixture import serve_sshd
+
+    yield from serve_sshd(tmp_path_factory)
+
+
+def test_a_run_across_hosts_shows_each_host_and_rank_on_the_page(sshd, tmp_path):
+    from faces_support import TINY as TINY_KEYS
+    from faces_support import sshd_hosts
+
+    from distributed.app.run import TrainRequest, parse_overrides, train
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps(sshd_hosts(sshd)))
+    request = TrainRequest("digits-diloco", hosts=str(hosts),
+                           overrides=parse_overrides([*TINY_KEYS, f"output_dir={tmp_path / 'o'}"]),
+                           known_hosts=str(sshd.known_hosts), ssh_config=str(sshd.ssh_config),
+                           run_dir=str(tmp_path / "launch"))
+    out = io.StringIO()
+    with WebDashboard() as web:
+        train(request, Console(file=out, width=160), live=False, web=web)
+        status, body = get(f"http://127.0.0.1:{web.port}/state")
+    assert status == 200, out.getvalue()
+    view = json.loads(body)
+    addresses = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    assert [(r["rank"], r["host"], r["step"], r["state"]) for r in view["ranks"]] == [
+        (rank, host, 20, "done") for rank, host in enumerate(addresses)]
+    assert all(r["bytes_sent"] > 0 and r["samples_per_s"] > 0 for r in view["ranks"])
+    assert view["runs"][0]["status"] == "done" and view["runs"][0]["summary"]["steps"] == 20
+    assert sorted({p["host"] for p in view["points"]}) == addresses  # throughput per host
+    assert "[127.0.0.3:2] step 20/20" in out.getvalue()  # the terminal dashboard too
+
+
 # ---------------------------------------------------------------------------- the command
 
 
