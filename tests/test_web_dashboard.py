@@ -223,19 +223,42 @@ def test_lan_dashboard_answers_403_without_its_token():
         assert get(base + "/app.js", {"Cookie": cookie})[0] == 200
 
 
-def test_loopback_dashboard_needs_no_token():
-    with WebDashboard("127.0.0.1") as web:
-        assert web.token is None and "token" not in web.url
-        assert get(f"http://127.0.0.1:{web.port}/state")[0] == 200
+def test_loopback_dashboard_needs_no_token_and_listens_on_the_port_asked():
+    from ranks import free_port
+
+    port = free_port()
+    with WebDashboard("127.0.0.1", port) as web:
+        assert web.token is None and web.url == f"http://127.0.0.1:{port}/"
+        assert get(f"http://127.0.0.1:{port}/state")[0] == 200
 
 
 def test_taken_port_and_missing_plotly_fail_before_the_run_with_what_to_do(monkeypatch):
     with WebDashboard() as web:
         with pytest.raises(ValueError, match=f"127.0.0.1:{web.port}.*--web-port"):
             WebDashboard(port=web.port)
-    monkeypatch.setattr(web_server.importlib.util, "find_spec", lambda name: None)
+    hide_plotly(monkeypatch)
     with pytest.raises(ImportError, match=r"pip install 'exogym\[web\]'"):
         WebDashboard()
+
+
+def hide_plotly(monkeypatch) -> None:
+    """Make plotly look uninstalled (the rest of the import system is left alone)."""
+    find_spec = web_server.importlib.util.find_spec
+    monkeypatch.setattr(web_server.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "plotly" else find_spec(name, *a))
+
+
+def test_web_without_plotly_is_bad_input_naming_the_extra_before_any_run(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli_typer import app
+
+    monkeypatch.chdir(tmp_path)
+    hide_plotly(monkeypatch)
+    result = CliRunner().invoke(app, ["distributed-train", "digits-diloco", "--web"])
+    assert result.exit_code == 2, result.output
+    assert "exogym[web]" in result.output and "Traceback" not in result.output
+    assert "simulating" not in result.output and not (tmp_path / "runs").exists()
 
 
 def test_without_a_terminal_the_page_stops_with_the_command():
