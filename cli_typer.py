@@ -50,14 +50,15 @@ LoggerName = Annotated[str | None, typer.Option(
     help="Where the run logs its metrics (into the profile's output folder, logs/); "
          "default: the profile's `logger`, else csv. wandb and tensorboard are extras.")]
 Web = Annotated[bool, typer.Option(
-    "--web", help="Also show the run in the browser: serve a live page and print its URL "
-                  "(needs the web extra). On a terminal it keeps serving after the run "
-                  "until Enter; without one it stops with the command.")]
+    "--web", help="Show the run live in the browser too; prints the page's URL (web extra). "
+                  "On a terminal the page stays up after the run until Enter.")]
 WebPort = Annotated[int, typer.Option(
-    "--web-port", min=0, max=65535, help="Port of --web's page (0: a free port).")]
+    "--web-port", min=0, max=65535, metavar="PORT",
+    help="Port of --web's page (0: a free one).")]
 WebHost = Annotated[str, typer.Option(
-    "--web-host", help="Address of --web's page: 127.0.0.1 (this machine) or 0.0.0.0 "
-                       "(the LAN, with a token in the URL).")]
+    "--web-host", metavar="ADDRESS",
+    help="Address of --web's page: 127.0.0.1 (here only) or 0.0.0.0 (the LAN, token in "
+         "the URL).")]
 AcceptNewHostKeys = Annotated[bool, typer.Option(
     "--accept-new-host-keys",
     help="Trust hosts not yet in known_hosts, once, recording their keys (a changed key is "
