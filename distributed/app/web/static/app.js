@@ -132,7 +132,11 @@ function drawStatus() {
   document.getElementById("summary").textContent = lines.join(" · ");
 }
 
+let configShown = -1;  // runs whose configuration is drawn (redrawn only when one is added)
+
 function drawConfig() {
+  if (configShown === view.runs.length) return;
+  configShown = view.runs.length;
   const box = document.getElementById("config");
   const blocks = view.runs.map((run, i) => {
     const details = document.createElement("details");
@@ -157,10 +161,11 @@ function drawConfig() {
 }
 
 function layout(title, xTitle, yTitle, yType) {
-  return { title: { text: title, font: { size: 14 } }, margin: { l: 55, r: 10, t: 35, b: 45 },
-           xaxis: { title: { text: xTitle } },
+  return { title: { text: title, font: { size: 14 } }, margin: { l: 55, r: 10, t: 35, b: 40 },
+           xaxis: { title: { text: xTitle, standoff: 4 } },
            yaxis: { title: { text: yTitle }, type: yType || "linear" },
-           legend: { orientation: "h", y: -0.25 }, uirevision: "keep", datarevision: revision };
+           legend: { orientation: "h", x: 0, y: -0.2, yanchor: "top" },
+           uirevision: "keep", datarevision: revision };
 }
 
 function ordered(map) {  // traces in run, then rank (or host) order, whatever reported first
