@@ -51,7 +51,7 @@ def main() -> int:
                         help="take the picture once rank 0 has done this share of its steps")
     args = parser.parse_args()
     command = [sys.executable, str(ROOT / "cli_typer.py"), "distributed-train", *RUN, "--web"]
-    env = {**os.environ, "COLUMNS": "120"}
+    env = {**os.environ, "COLUMNS": "120", "PYTHONPATH": str(ROOT)}  # this checkout's code
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, text=True, cwd="/tmp", env=env)
     try:

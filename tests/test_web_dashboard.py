@@ -99,6 +99,19 @@ def test_state_keeps_a_row_per_rank_and_a_chart_point_per_step():
     assert newer["since"] == 2 and [p["step"] for p in newer["points"]] == [2]
 
 
+def test_state_keeps_about_two_thousand_points_per_rank_of_a_long_run_and_every_evaluation():
+    state = WebState("t")
+    state.begin_run("long", {}, 1)
+    state.on_event(start(0, max_steps=10_000))
+    for n in range(1, 10_001):
+        state.on_event(step(0, n, **({"val_loss": 0.5} if n % 1001 == 0 else {})))
+    view = state.view()
+    steps = [p["step"] for p in view["points"]]
+    assert 2000 <= len(steps) <= 2020 and steps[-1] == 10_000
+    assert [p["step"] for p in view["points"] if "val_loss" in p] == [1001 * k for k in range(1, 10)]
+    assert view["ranks"][0]["step"] == 10_000  # the row follows every step
+
+
 def test_state_shows_the_final_figures_and_sends_no_nan():
     state = WebState("t")
     state.begin_run("digits", {}, 1)
@@ -317,7 +330,7 @@ def start_command(args: list[str], cwd: Path, stdin=subprocess.DEVNULL,
     proc = subprocess.Popen([sys.executable, str(ROOT / "cli_typer.py"), command,
                              *args], cwd=cwd, stdin=stdin, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "COLUMNS": "160"})
+                            env={**os.environ, "COLUMNS": "160", "PYTHONPATH": str(ROOT)})
     lines: list[str] = []
     found = threading.Event()
 

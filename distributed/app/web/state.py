@@ -18,6 +18,9 @@ from typing import Any
 
 #: A rank's state before it reports.
 WAITING = "waiting"
+#: Chart points kept per rank and run, about: a longer run keeps every n-th step (and every
+#: evaluation), so a page that (re)connects to a long run loads quickly.
+POINTS_PER_RANK = 2000
 
 
 def _finite(value: Any) -> Any:
@@ -156,7 +159,10 @@ class WebState:
         return self.runs[-1]
 
     def on_event(self, event: Mapping[str, Any]) -> None:
-        """Take one metric event (``start``, ``step``, ``done``; others are ignored)."""
+        """Take one metric event (``start``, ``step``, ``done``; others are ignored).
+
+        Every ``step`` event updates its rank's row; it adds a chart point unless the run
+        is longer than ``POINTS_PER_RANK`` steps and the step falls between two kept ones."""
         kind = event.get("event", "step")
         if "rank" not in event or kind not in ("start", "step", "done"):
             return
@@ -198,6 +204,9 @@ class WebState:
         val = _finite(event.get("val_global_loss", event.get("val_loss")))
         if val is not None:
             row.val_loss = val
+        stride = max(1, int(row.max_steps or 0) // POINTS_PER_RANK)
+        if row.step % stride and val is None and row.step != row.max_steps:
+            return
         host_rate = sum(r.samples_per_s or 0.0 for r in run.ranks.values() if r.host == row.host)
         point = {"seq": len(self.points) + 1, "run": index, "rank": row.rank, "host": row.host,
                  "step": row.step, "loss": row.loss, "bytes": row.bytes_sent,
