@@ -481,3 +481,20 @@ def test_page_in_chromium_follows_each_rank_and_keeps_the_final_state(tmp_path, 
         os.close(follower)
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url + "state", timeout=5)  # the page stopped with the command
+
+
+def test_lan_page_in_chromium_loads_its_scripts_and_state_with_the_token(chromium):
+    with WebDashboard("0.0.0.0") as web:
+        web.begin_run("digits", {"lr": 0.1}, 2)
+        for n in (1, 2, 3):
+            for rank in (0, 1):
+                web.on_event(step(rank, n, 1.0 / n))
+        base = f"http://127.0.0.1:{web.port}/"
+        chromium.get(base)
+        assert "403" in chromium.find_element("tag name", "body").text
+        chromium.get(base + f"?token={web.token}")
+        wait_for(lambda: len(chromium.execute_script(ROWS_JS)) == 2, 20, "the rows")
+        assert chromium.execute_script("return typeof Plotly") == "object"
+        wait_for(lambda: chromium.execute_script(POINTS_JS, "chart-loss-step") == 6, 10,
+                 "the six points of the loss chart")
+        assert [e for e in severe(chromium) if "403" not in e["message"]] == []
