@@ -54,6 +54,16 @@ LoggerName = Annotated[str | None, typer.Option(
     "--logger", metavar="csv|wandb|tensorboard|none",
     help="Where the run logs its metrics (into the profile's output folder, logs/); "
          "default: the profile's `logger`, else csv. wandb and tensorboard are extras.")]
+Web = Annotated[bool, typer.Option(
+    "--web", help="Show the run live in the browser too; prints the page's URL (web extra). "
+                  "On a terminal the page stays up after the run until Enter.")]
+WebPort = Annotated[int, typer.Option(
+    "--web-port", min=0, max=65535, metavar="PORT",
+    help="Port of --web's page (0: a free one).")]
+WebHost = Annotated[str, typer.Option(
+    "--web-host", metavar="ADDRESS",
+    help="Address of --web's page: 127.0.0.1 (here only) or 0.0.0.0 (the LAN, token in "
+         "the URL).")]
 AcceptNewHostKeys = Annotated[bool, typer.Option(
     "--accept-new-host-keys",
     help="Trust hosts not yet in known_hosts, once, recording their keys (a changed key is "
@@ -96,11 +106,15 @@ def distributed_train(
     ssh_config: SSHConfig = None,
     run_dir: Annotated[Path | None, typer.Option(
         "--run-dir", file_okay=False, help="Where the ranks' logs go (hosts only).")] = None,
+    web: Web = False,
+    web_port: WebPort = 0,
+    web_host: WebHost = "127.0.0.1",
     debug: Debug = False,
 ) -> None:
     """Train PROFILE across the hosts of --hosts, or as a local simulation."""
     with reported_errors(ctx, debug) as debug:
         from distributed.app import run
+        from distributed.app.web import keep_serving, open_web
 
         console = make_console()
         request = run.TrainRequest(
@@ -114,12 +128,14 @@ def distributed_train(
             run.dry_run(request, console)
             return
         run.resolve_profile(request)  # a bad profile or --set fails here, before anything else
+        page = open_web(web, console, host=web_host, port=web_port,
+                        title=f"{profile}: distributed-train")
         if not request.multi_host:
             why = "--local given" if hosts else "no --hosts given"
             console.print(f"{why}: simulating profile {profile} on this machine.",
                           markup=False)
         try:
-            outcome = run.train(request, console)
+            outcome = run.train(request, console, web=page)
         except run.PreflightError as exc:
             cmd = f"python cli_typer.py distributed-train {profile} --local"
             fail(f"{exc}\nFix the problems above (each line names the host and the fix), then "
@@ -127,6 +143,7 @@ def distributed_train(
                   f"alone. To simulate this profile on this machine instead, add --local "
                   f"({cmd}).", 2, debug, exc)
         console.print(outcome.message, markup=False)
+        keep_serving(page, console)
 
 
 @app.command("check-hosts")
@@ -187,6 +204,9 @@ def compare(
         "--out", "-o", dir_okay=False,
         help="Where to write the plot (PNG; default: compare.png in the comparison's output "
              "folder).")] = None,
+    web: Web = False,
+    web_port: WebPort = 0,
+    web_host: WebHost = "127.0.0.1",
     debug: Debug = False,
 ) -> None:
     """Simulate PROFILE once per strategy; compare loss, bytes and time in a table and a plot.
@@ -210,13 +230,17 @@ def compare(
             strategy_settings,
         )
         from distributed.app.dashboard import Dashboard, human_bytes
+        from distributed.app.fanout import FanOut
         from distributed.app.run import logger_override
+        from distributed.app.web import keep_serving, open_web
 
         console = make_console()
         names = [s.strip() for s in strategies.split(",") if s.strip()]
         plans = plan_comparison(profile, names, str(config) if config else None,
                                 logger_override(parse_overrides(set_), logger))
         check_plotting()
+        page = open_web(web, console, host=web_host, port=web_port,
+                        title=f"{profile}: compare {', '.join(names)}")
         nodes = plans[0].values.get("num_nodes", 1)
         console.print(f"Comparing {', '.join(names)} on {profile} ({nodes} simulated nodes, "
                       f"{plans[0].values.get('max_steps', '?')} steps each).", markup=False)
@@ -235,8 +259,11 @@ def compare(
         console.print(settings)
 
         def dashboard(plan):
-            return Dashboard(int(plan.values.get("num_nodes") or 1), console=console,
-                             title=f"{plan.strategy} on {profile}", show_summary=False)
+            nodes = int(plan.values.get("num_nodes") or 1)
+            if page is not None:
+                page.begin_run(plan.strategy, plan.values, nodes)
+            return FanOut(Dashboard(nodes, console=console, title=f"{plan.strategy} on {profile}",
+                                    show_summary=False), page)
 
         def done(result) -> None:
             val = result.final_val_loss
@@ -264,6 +291,7 @@ def compare(
         written = plot_comparison(results, out or comparison_folder(plans) / PLOT_NAME,
                                   title=f"{profile}: validation loss")
         console.print(f"plot written to {written}", markup=False)
+        keep_serving(page, console)
 
 
 @app.command("slurm")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the system packages the test suite uses: sshd for the launcher's
 # tests, espeak-ng for synthesized speech, iproute2 for network namespaces,
-# SLURM and munge for a one-node cluster (tests/slurm_fixture.py).
+# SLURM and munge for a one-node cluster (tests/slurm_fixture.py), headless
+# chromium and its driver for the browser dashboard (tests/test_web_dashboard.py).
 # Does nothing for packages already present; uses sudo when not root.
 set -euo pipefail
 need=()
@@ -14,6 +15,8 @@ command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ] || need+=(slu
 command -v slurmd >/dev/null 2>&1 || [ -x /usr/sbin/slurmd ] || need+=(slurmd)
 command -v srun >/dev/null 2>&1 || need+=(slurm-client)
 command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ] || need+=(munge)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+[ -x /usr/bin/chromedriver ] || need+=(chromium-driver)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

@@ -26,7 +26,9 @@ from typing import Any
 from rich.console import Console
 
 from distributed.app.dashboard import Dashboard
+from distributed.app.fanout import FanOut
 from distributed.app.hosts_check import ssh_files
+from distributed.app.web.server import WebDashboard
 from distributed.hosts.hostsfile import HostsConfig, load_hosts
 from distributed.hosts.preflight import PreflightError
 from distributed.hosts.sync import PROJECT_ROOT
@@ -173,7 +175,7 @@ def config_for_hosts(config: str | None) -> str | None:
 
 
 def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Console,
-                  dashboard: Dashboard | None = None) -> Launcher:
+                  dashboard: Dashboard | FanOut | None = None) -> Launcher:
     """A ``Launcher`` running the request's profile on every host (ranks print no progress
     of their own: the dashboard shows their events).
 
@@ -254,13 +256,15 @@ def dry_run(request: TrainRequest, console: Console) -> Profile:
 
 
 def train(request: TrainRequest, console: Console | None = None, *,
-          live: bool | None = None) -> TrainOutcome:
+          live: bool | None = None, web: WebDashboard | None = None) -> TrainOutcome:
     """Run the request: across its hosts, or as a local simulation; with the dashboard.
 
     Args:
         request: what to run.
         console: where tables, the dashboard and messages go (default: stdout).
         live: force the dashboard's live table on or off (default: on a terminal).
+        web: a ``distributed.app.web.WebDashboard`` to feed beside the terminal's
+            (``--web``); the run is added to it with the profile as its configuration.
 
     Raises:
         ProfileError, HostsFileError, ValueError, FileNotFoundError: bad input,
@@ -271,12 +275,12 @@ def train(request: TrainRequest, console: Console | None = None, *,
     console = console or Console()
     profile = resolve_profile(request)
     if request.multi_host:
-        return _train_hosts(request, profile, console, live)
-    return _train_local(request, profile, console, live)
+        return _train_hosts(request, profile, console, live, web)
+    return _train_local(request, profile, console, live, web)
 
 
 def _train_local(request: TrainRequest, profile: Profile, console: Console,
-                 live: bool | None) -> TrainOutcome:
+                 live: bool | None, web: WebDashboard | None = None) -> TrainOutcome:
     from distributed.rank.worker import run_profile
     from exogym.rank import LostRankError
     from exogym.trainer import RankFailedError
@@ -284,8 +288,11 @@ def _train_local(request: TrainRequest, profile: Profile, console: Console,
     nodes = int(profile.values.get("num_nodes") or 1)
     dashboard = Dashboard(nodes, title=f"{profile.name}: local simulation of {nodes} node(s)",
                           console=console, live=live)
+    if web is not None:
+        web.begin_run(profile.name, profile.values, nodes, ["local"] * nodes)
     try:
-        trainer = run_profile(profile, resume=request.resume, progress=dashboard, local=True)
+        trainer = run_profile(profile, resume=request.resume,
+                              progress=FanOut(dashboard, web), local=True)
     except (RankFailedError, LostRankError) as exc:
         raise RunFailedError(brief_failure(exc)) from exc
     finally:
@@ -304,12 +311,15 @@ def brief_failure(exc: BaseException) -> str:
 
 
 def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
-                 live: bool | None) -> TrainOutcome:
+                 live: bool | None, web: WebDashboard | None = None) -> TrainOutcome:
     config = hosts_config(request)
-    dashboard = Dashboard(config.world_size, [h.host for h in config.rank_hosts],
-                          title=f"{profile.name}: {config.world_size} rank(s) on "
-                                f"{len(config.hosts)} host(s)",
-                          console=console, live=live)
+    rank_hosts = [h.host for h in config.rank_hosts]
+    dashboard = FanOut(Dashboard(config.world_size, rank_hosts,
+                                 title=f"{profile.name}: {config.world_size} rank(s) on "
+                                       f"{len(config.hosts)} host(s)",
+                                 console=console, live=live), web)
+    if web is not None:
+        web.begin_run(profile.name, profile.values, config.world_size, rank_hosts)
     with make_launcher(request, config, console=console, dashboard=dashboard) as launcher:
         if request.sync:
             launcher.session.sync()

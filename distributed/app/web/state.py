@@ -1,0 +1,276 @@
+"""What the browser dashboard knows: the runs, a row per rank, and the chart points.
+
+Fed with the same metric events as the terminal dashboard (``start``, ``step``,
+``done``; see ``exogym.metrics``). Every change bumps a version and wakes the
+server's event streams; :meth:`WebState.view` gives a JSON-ready picture of
+everything, or of what changed since a point, for ``/state`` and ``/events``.
+Pure Python and thread-safe; imports neither torch nor the server.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: A rank's state before it reports.
+WAITING = "waiting"
+#: Chart points kept per rank and run, about: a longer run keeps every n-th step (and every
+#: evaluation), so a page that (re)connects to a long run loads quickly.
+POINTS_PER_RANK = 2000
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: a non-finite float becomes None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _plain(value: Any) -> Any:
+    """A profile value as JSON shows it (paths, classes and the like as text)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return _finite(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)
+
+
+@dataclass
+class RankRow:
+    """One rank of one run, as its row on the page shows it.
+
+    Args:
+        run: index of the run it belongs to.
+        rank: the rank.
+        host: where it runs (``local`` in a simulation).
+        state: ``waiting``, ``started``, ``training``, ``done``, ``failed`` or ``stopped``.
+        step: its last reported step; ``max_steps`` the steps it will run once it has said.
+        loss: training loss of its last step; ``val_loss`` its last validation loss.
+        samples: samples trained on; ``wall_s`` the seconds it has trained (its own clock).
+        bytes_sent: bytes it sent through the collectives.
+        last_seen: the state's clock when it last reported, or None.
+    """
+
+    run: int
+    rank: int
+    host: str
+    state: str = WAITING
+    step: int = 0
+    max_steps: int | None = None
+    loss: float | None = None
+    val_loss: float | None = None
+    samples: int = 0
+    wall_s: float = 0.0
+    bytes_sent: int = 0
+    last_seen: float | None = None
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Samples per second since the rank started training."""
+        return self.samples / self.wall_s if self.wall_s > 0 else None
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        """The row for the page; ``heartbeat_age_s`` is seconds since the last report."""
+        return {"run": self.run, "rank": self.rank, "host": self.host, "state": self.state,
+                "step": self.step, "max_steps": self.max_steps, "loss": _finite(self.loss),
+                "val_loss": _finite(self.val_loss), "samples_per_s": self.samples_per_s,
+                "bytes_sent": self.bytes_sent,
+                "heartbeat_age_s": None if self.last_seen is None else now - self.last_seen}
+
+
+@dataclass
+class RunInfo:
+    """One run shown on the page (a comparison shows one per strategy).
+
+    Args:
+        name: what the page calls it (the profile, or the strategy in a comparison).
+        config: the run's configuration (the resolved profile's keys).
+        hosts: the host of each rank, by rank.
+        status: ``waiting``, ``running``, ``done`` or ``failed``.
+        started: the state's clock at its first event, or None.
+        summary: the final figures (``exogym.report.summarize``), once finished.
+    """
+
+    name: str
+    config: dict[str, Any]
+    hosts: dict[int, str]
+    status: str = WAITING
+    started: float | None = None
+    summary: dict[str, Any] | None = None
+    ranks: dict[int, RankRow] = field(default_factory=dict)
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        """The run's header for the page."""
+        return {"name": self.name, "config": self.config, "status": self.status,
+                "elapsed_s": None if self.started is None else now - self.started,
+                "summary": None if self.summary is None else _plain(self.summary)}
+
+
+class WebState:
+    """The runs of one command, their ranks and their chart points, shared by the
+    training thread that feeds events and the server threads that read them.
+
+    Args:
+        title: the page's title.
+        clock: the time source in seconds (for heartbeats and the throughput chart).
+    """
+
+    def __init__(self, title: str = "exogym", clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.title = title
+        self.clock = clock
+        self.runs: list[RunInfo] = []
+        self.points: list[dict[str, Any]] = []
+        self.version = 0
+        self.closed = False
+        self.changed = threading.Condition(threading.RLock())
+
+    # ------------------------------------------------------------------ feeding
+
+    def _bump(self) -> None:
+        self.version += 1
+        self.changed.notify_all()
+
+    def begin_run(self, name: str, config: Mapping[str, Any] | None = None,
+                  num_ranks: int = 0, hosts: Sequence[str] | Mapping[int, str] | None = None
+                  ) -> int:
+        """Add a run; the events that follow belong to it. Returns its index."""
+        host_of = dict(enumerate(hosts)) if isinstance(hosts, Sequence) else dict(hosts or {})
+        with self.changed:
+            run = RunInfo(name, {str(k): _plain(v) for k, v in (config or {}).items()}, host_of)
+            index = len(self.runs)
+            for rank in sorted(set(range(num_ranks)) | set(host_of)):
+                run.ranks[rank] = RankRow(index, rank, host_of.get(rank, "local"))
+            self.runs.append(run)
+            self._bump()
+            return index
+
+    def _current(self) -> RunInfo:
+        if not self.runs:
+            self.begin_run("run")
+        return self.runs[-1]
+
+    def on_event(self, event: Mapping[str, Any]) -> None:
+        """Take one metric event (``start``, ``step``, ``done``; others are ignored).
+
+        Every ``step`` event updates its rank's row; it adds a chart point unless the run
+        is longer than ``POINTS_PER_RANK`` steps and the step falls between two kept ones."""
+        kind = event.get("event", "step")
+        if "rank" not in event or kind not in ("start", "step", "done"):
+            return
+        with self.changed:
+            now = self.clock()
+            run = self._current()
+            index = len(self.runs) - 1
+            if run.started is None:
+                run.started = now
+            if run.status == WAITING:
+                run.status = "running"
+            rank = int(event["rank"])
+            row = run.ranks.get(rank)
+            if row is None:
+                row = run.ranks[rank] = RankRow(index, rank, run.hosts.get(rank, "local"))
+            if event.get("host"):
+                row.host = str(event["host"])
+            row.last_seen = now
+            if kind == "start":
+                row.state = "started"
+                row.max_steps = event.get("max_steps", row.max_steps)
+                row.step = int(event.get("step") or 0)
+            elif kind == "done":
+                row.state = "done"
+                row.step = int(event.get("step", row.step))
+                row.bytes_sent = int(event.get("comm_bytes", row.bytes_sent))
+            else:
+                self._step(run, index, row, event, now)
+            self._bump()
+
+    def _step(self, run: RunInfo, index: int, row: RankRow, event: Mapping[str, Any],
+              now: float) -> None:
+        row.state = "training"
+        row.step = int(event["step"])
+        row.loss = _finite(event.get("train_loss", row.loss))
+        row.samples = int(event.get("samples", row.samples))
+        row.wall_s = float(event.get("wall_s", row.wall_s))
+        row.bytes_sent = int(event.get("comm_bytes", row.bytes_sent))
+        val = _finite(event.get("val_global_loss", event.get("val_loss")))
+        if val is not None:
+            row.val_loss = val
+        stride = max(1, int(row.max_steps or 0) // POINTS_PER_RANK)
+        if row.step % stride and val is None and row.step != row.max_steps:
+            return
+        host_rate = sum(r.samples_per_s or 0.0 for r in run.ranks.values() if r.host == row.host)
+        point = {"seq": len(self.points) + 1, "run": index, "rank": row.rank, "host": row.host,
+                 "step": row.step, "loss": row.loss, "bytes": row.bytes_sent,
+                 "t": now - (run.started or now), "host_samples_per_s": host_rate}
+        if val is not None:
+            point["val_loss"] = val
+        self.points.append(point)
+
+    def set_status(self, rank: int, status: str) -> None:
+        """Mark a rank of the current run ``done``, ``failed`` or ``stopped``."""
+        with self.changed:
+            run = self._current()
+            row = run.ranks.get(rank)
+            if row is None:
+                row = run.ranks[rank] = RankRow(len(self.runs) - 1, rank,
+                                                run.hosts.get(rank, "local"))
+            row.state = status
+            self._bump()
+
+    def end_run(self, summary: Mapping[str, Any] | None, failed: bool = False) -> None:
+        """The current run finished (``failed``: it did not); keep its final figures."""
+        with self.changed:
+            run = self._current()
+            if run.status in ("done", "failed") and summary is None:
+                return
+            run.status = "failed" if failed else "done"
+            if summary is not None:
+                run.summary = dict(summary)
+            for row in run.ranks.values():
+                if failed and row.state in (WAITING, "started", "training"):
+                    row.state = "stopped"
+            self._bump()
+
+    def close(self) -> None:
+        """No more events will come: wake the event streams so they can end."""
+        with self.changed:
+            self.closed = True
+            self._bump()
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the newest chart point (0 when there is none)."""
+        with self.changed:
+            return len(self.points)
+
+    def view(self, since: int = 0) -> dict[str, Any]:
+        """Everything the page shows, with the chart points newer than ``since``
+        (0: all of them; the page starts over when it gets ``since == 0``)."""
+        with self.changed:
+            now = self.clock()
+            return {
+                "title": self.title, "version": self.version, "since": since,
+                "seq": len(self.points), "closed": self.closed,
+                "runs": [run.as_json(now) for run in self.runs],
+                "ranks": [row.as_json(now) for run in self.runs
+                          for row in (run.ranks[r] for r in sorted(run.ranks))],
+                "points": self.points[since:],
+            }
+
+    def wait_for_change(self, version: int, timeout: float) -> int:
+        """Block until the version differs from ``version`` (or ``timeout`` seconds pass);
+        return the version now."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.version != version, timeout=timeout)
+            return self.version

@@ -1,0 +1,221 @@
+// The dashboard page: reads /state, then follows /events (server-sent events),
+// and draws the rank table, the charts (plotly.js served by the command) and the
+// run's configuration. No framework, nothing fetched from elsewhere.
+"use strict";
+
+const token = new URLSearchParams(location.search).get("token");
+const query = token ? "?token=" + encodeURIComponent(token) : "";
+const REDRAW_MS = 400;
+
+let view = null;          // the latest state from the server
+let receivedAt = 0;       // Date.now() when it came (heartbeats tick from there)
+let traces = null;        // chart series built from the points
+let chartsDirty = false;
+let revision = 0;         // tells Plotly.react that the (same) arrays grew
+
+function resetTraces() {
+  traces = { lossStep: new Map(), valStep: new Map(), lossBytes: new Map(), rate: new Map() };
+}
+
+function series(map, key, name, extra) {
+  let s = map.get(key);
+  if (!s) {
+    s = Object.assign({ x: [], y: [], name: name, type: "scatter", mode: "lines" }, extra || {});
+    map.set(key, s);
+  }
+  return s;
+}
+
+function runLabel(run) {
+  const runs = view ? view.runs : [];
+  return runs.length > 1 && runs[run] ? runs[run].name + " " : "";
+}
+
+function addPoints(points) {
+  for (const p of points) {
+    const label = runLabel(p.run);
+    const key = p.run + ":" + p.rank;
+    if (p.loss !== null) {
+      const s = series(traces.lossStep, key, label + "rank " + p.rank);
+      s.x.push(p.step); s.y.push(p.loss);
+      const b = series(traces.lossBytes, key, label + "rank " + p.rank);
+      b.x.push(p.bytes); b.y.push(p.loss);
+    }
+    if (p.val_loss !== undefined && p.val_loss !== null && p.rank === 0) {
+      const v = series(traces.valStep, String(p.run), label + "validation",
+                       { mode: "lines+markers", line: { dash: "dot", width: 3 } });
+      v.x.push(p.step); v.y.push(p.val_loss);
+    }
+    const r = series(traces.rate, p.run + ":" + p.host, label + p.host);
+    r.x.push(p.t); r.y.push(p.host_samples_per_s);
+  }
+  chartsDirty = true;
+}
+
+function fmt(value, digits) {
+  if (value === null || value === undefined) return "-";
+  const x = Number(value);
+  return x !== 0 && Math.abs(x) < 0.001 ? x.toExponential(2) : x.toFixed(digits);
+}
+
+function bytes(n) {
+  const units = ["B", "KiB", "MiB", "GiB"];
+  let i = 0;
+  while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return i === 0 ? n.toFixed(0) + " B" : n.toFixed(1) + " " + units[i];
+}
+
+function cell(row, text, cls) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (cls) td.className = cls;
+  row.appendChild(td);
+  return td;
+}
+
+function drawTable() {
+  const table = document.getElementById("ranks");
+  table.classList.toggle("single", view.runs.length <= 1);
+  const body = table.tBodies[0];
+  const rows = [];
+  for (const r of view.ranks) {
+    const tr = document.createElement("tr");
+    tr.id = "rank-" + r.run + "-" + r.rank;
+    tr.className = "rank-row";
+    tr.dataset.run = r.run;
+    tr.dataset.rank = r.rank;
+    tr.dataset.step = r.step;
+    tr.dataset.state = r.state;
+    cell(tr, view.runs[r.run] ? view.runs[r.run].name : "", "run-col");
+    cell(tr, r.host, "host");
+    cell(tr, String(r.rank), "rank");
+    cell(tr, r.state, "state state-" + r.state);
+    cell(tr, r.max_steps ? r.step + "/" + r.max_steps : String(r.step), "step");
+    cell(tr, fmt(r.loss, 4), "loss");
+    cell(tr, fmt(r.val_loss, 4), "val-loss");
+    cell(tr, fmt(r.samples_per_s, 1), "rate");
+    cell(tr, bytes(r.bytes_sent), "sent");
+    const hb = cell(tr, "-", "heartbeat");
+    if (r.heartbeat_age_s !== null) hb.dataset.age = r.heartbeat_age_s;
+    rows.push(tr);
+  }
+  body.replaceChildren(...rows);
+  tickHeartbeats();
+}
+
+function tickHeartbeats() {
+  const since = (Date.now() - receivedAt) / 1000;
+  for (const td of document.querySelectorAll("td.heartbeat[data-age]")) {
+    td.textContent = (Number(td.dataset.age) + since).toFixed(1) + " s ago";
+  }
+}
+
+function drawStatus() {
+  document.getElementById("title").textContent = view.title;
+  document.title = view.title + " · exogym";
+  const run = view.runs[view.runs.length - 1];
+  const status = document.getElementById("status");
+  if (!run) { status.textContent = "waiting for the run to start"; return; }
+  const elapsed = run.elapsed_s === null ? "" : " · " + run.elapsed_s.toFixed(0) + " s";
+  const names = { waiting: "waiting", running: "running", done: "finished", failed: "failed" };
+  status.textContent = run.name + ": " + (names[run.status] || run.status) + elapsed;
+  status.className = "status state-" + (run.status === "running" ? "training" : run.status);
+  const lines = [];
+  for (const r of view.runs) {
+    const s = r.summary;
+    if (!s) continue;
+    const val = s.final_val_global_loss ?? s.final_val_loss;
+    lines.push(r.name + ": " + s.steps + " steps, train loss " + fmt(s.final_train_loss, 4) +
+               ", val loss " + fmt(val, 4) + ", " + bytes(s.bytes_per_node || 0) +
+               " sent per node, " + fmt(s.wall_s, 1) + " s");
+  }
+  document.getElementById("summary").textContent = lines.join(" · ");
+}
+
+let configShown = -1;  // runs whose configuration is drawn (redrawn only when one is added)
+
+function drawConfig() {
+  if (configShown === view.runs.length) return;
+  configShown = view.runs.length;
+  const box = document.getElementById("config");
+  const blocks = view.runs.map((run, i) => {
+    const details = document.createElement("details");
+    details.open = i === view.runs.length - 1;
+    const title = document.createElement("summary");
+    title.textContent = run.name;
+    const list = document.createElement("dl");
+    for (const [key, value] of Object.entries(run.config)) {
+      const item = document.createElement("div");
+      const name = document.createElement("dt");
+      const text = document.createElement("dd");
+      name.textContent = key;
+      text.textContent = typeof value === "object" && value !== null
+        ? JSON.stringify(value) : String(value);
+      item.append(name, text);
+      list.appendChild(item);
+    }
+    details.append(title, list);
+    return details;
+  });
+  box.replaceChildren(...blocks);
+}
+
+function layout(title, xTitle, yTitle, yType) {
+  return { title: { text: title, font: { size: 14 } }, margin: { l: 55, r: 10, t: 35, b: 40 },
+           xaxis: { title: { text: xTitle, standoff: 4 } },
+           yaxis: { title: { text: yTitle }, type: yType || "linear" },
+           legend: { orientation: "h", x: 0, y: -0.2, yanchor: "top" },
+           uirevision: "keep", datarevision: revision };
+}
+
+function ordered(map) {  // traces in run, then rank (or host) order, whatever reported first
+  return [...map.entries()]
+    .sort((a, b) => a[0].localeCompare(b[0], undefined, { numeric: true }))
+    .map((entry) => entry[1]);
+}
+
+function drawCharts() {
+  if (!chartsDirty || typeof Plotly === "undefined") return;
+  chartsDirty = false;
+  revision += 1;
+  const config = { displaylogo: false, displayModeBar: false, responsive: true };
+  Plotly.react("chart-loss-step", [...ordered(traces.lossStep), ...ordered(traces.valStep)],
+               layout("loss vs step", "step", "loss", "log"), config);
+  Plotly.react("chart-loss-bytes", ordered(traces.lossBytes),
+               layout("loss vs bytes sent", "bytes sent by the rank", "training loss", "log"),
+               config);
+  Plotly.react("chart-throughput", ordered(traces.rate),
+               layout("throughput per host", "seconds since the run started", "samples/s"),
+               config);
+}
+
+function apply(next) {
+  if (next.since === 0 || traces === null) resetTraces();
+  view = next;
+  receivedAt = Date.now();
+  addPoints(next.points);
+  drawStatus();
+  drawTable();
+  drawConfig();
+}
+
+function connect() {
+  const line = document.getElementById("connection");
+  const events = new EventSource("events" + query);
+  events.onopen = () => { line.textContent = "live"; };
+  events.onmessage = (message) => {
+    apply(JSON.parse(message.data));
+    if (view.closed) {  // the command is exiting: keep what is shown, stop asking
+      events.close();
+      line.textContent = "the command has exited; this is its final state";
+    }
+  };
+  events.onerror = () => { line.textContent = "reconnecting…"; };
+}
+
+fetch("state" + query)
+  .then((response) => response.json())
+  .then((state) => { if (view === null) apply(state); })
+  .finally(connect);
+setInterval(drawCharts, REDRAW_MS);
+setInterval(tickHeartbeats, 1000);

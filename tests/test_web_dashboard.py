@@ -1,0 +1,500 @@
+"""The dashboard in the browser (``--web``): its state, its server's ``/state`` and
+``/events`` read with urllib, the LAN token, and the page in a real headless Chromium
+(Debian's ``chromium`` and ``chromium-driver``, from tests/setup_system.sh) during a
+real local simulation."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from distributed.app.dashboard import Dashboard
+from distributed.app.fanout import FanOut
+from distributed.app.web import server as web_server
+from distributed.app.web.server import WebDashboard, plotly_js_path
+from distributed.app.web.session import keep_serving
+from distributed.app.web.state import WebState
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMEDRIVER = "/usr/bin/chromedriver"
+#: Tiny settings for the runs that only need the command's server (not its speed).
+TINY = [f"--set={kv}" for kv in ("max_steps=20", "num_nodes=2", "val_interval=10",
+                                   "val_size=64", "num_threads=1", "checkpoint_interval=None")]
+#: A real digits run slow enough to be read twice while it trains (a CNN, two ranks).
+SLOW_RUN = ["digits-diloco", "--set", "num_nodes=2", "--set", "model=cnn", "--set", "hidden=32",
+            "--set", "batch_size=64", "--set", "max_steps=400", "--set", "val_interval=100",
+            "--set", "H=25", "--set", "checkpoint_interval=None", "--set", "num_threads=1"]
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def start(rank: int, max_steps: int = 10) -> dict:
+    return {"event": "start", "rank": rank, "max_steps": max_steps, "step": 0}
+
+
+def step(rank: int, n: int, loss: float = 1.0, **extra) -> dict:
+    return {"event": "step", "rank": rank, "step": n, "train_loss": loss, "samples": 16 * n,
+            "wall_s": 0.5 * n, "comm_bytes": 1000 * n, **extra}
+
+
+def get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+# ---------------------------------------------------------------------------- the state
+
+
+def test_state_keeps_a_row_per_rank_and_a_chart_point_per_step():
+    clock = Clock()
+    state = WebState("t", clock=clock)
+    state.begin_run("digits", {"lr": 0.1, "output_dir": Path("runs/x")}, 2, ["a", "b"])
+    state.on_event(start(0))
+    state.on_event(start(1))
+    clock.now += 1
+    state.on_event(step(0, 1, 2.0))
+    state.on_event(step(1, 1, 2.2))
+    clock.now += 1
+    state.on_event(step(0, 2, 1.5, val_loss=1.7, val_global_loss=1.6))
+    clock.now += 0.5
+    view = state.view()
+    assert view["runs"][0]["config"] == {"lr": 0.1, "output_dir": "runs/x"}
+    assert view["runs"][0]["status"] == "running"
+    rows = {r["rank"]: r for r in view["ranks"]}
+    assert rows[0]["host"] == "a" and rows[1]["host"] == "b"
+    assert rows[0]["step"] == 2 and rows[0]["loss"] == 1.5 and rows[0]["val_loss"] == 1.6
+    assert rows[0]["samples_per_s"] == pytest.approx(32.0)
+    assert rows[0]["bytes_sent"] == 2000 and rows[0]["max_steps"] == 10
+    assert rows[0]["heartbeat_age_s"] == pytest.approx(0.5)
+    assert rows[1]["heartbeat_age_s"] == pytest.approx(1.5)
+    assert [(p["rank"], p["step"]) for p in view["points"]] == [(0, 1), (1, 1), (0, 2)]
+    assert view["points"][2]["val_loss"] == 1.6 and view["points"][2]["t"] == pytest.approx(2.0)
+    assert view["seq"] == 3
+    newer = state.view(since=2)
+    assert newer["since"] == 2 and [p["step"] for p in newer["points"]] == [2]
+
+
+def test_state_keeps_about_two_thousand_points_per_rank_of_a_long_run_and_every_evaluation():
+    state = WebState("t")
+    state.begin_run("long", {}, 1)
+    state.on_event(start(0, max_steps=10_000))
+    for n in range(1, 10_001):
+        state.on_event(step(0, n, **({"val_loss": 0.5} if n % 1001 == 0 else {})))
+    view = state.view()
+    steps = [p["step"] for p in view["points"]]
+    assert 2000 <= len(steps) <= 2020 and steps[-1] == 10_000
+    assert [p["step"] for p in view["points"] if "val_loss" in p] == [1001 * k for k in range(1, 10)]
+    assert view["ranks"][0]["step"] == 10_000  # the row follows every step
+
+
+def test_state_shows_the_final_figures_and_sends_no_nan():
+    state = WebState("t")
+    state.begin_run("digits", {}, 1)
+    state.on_event(start(0))
+    state.on_event(step(0, 1, float("nan")))
+    state.on_event({"event": "done", "rank": 0, "step": 1, "comm_bytes": 5})
+    state.end_run({"steps": 1, "final_train_loss": float("nan"), "wall_s": 2.0})
+    view = state.view()
+    text = json.dumps(view, allow_nan=False)  # the page's JSON.parse rejects NaN
+    assert '"final_train_loss": null' in text
+    assert view["runs"][0]["status"] == "done"
+    assert view["ranks"][0]["state"] == "done" and view["ranks"][0]["bytes_sent"] == 5
+
+
+def test_state_keeps_each_compared_run_apart():
+    state = WebState("t")
+    for name in ("ddp", "diloco"):
+        state.begin_run(name, {"strategy": name}, 2)
+        state.on_event(step(0, 1))
+        state.end_run({"steps": 1})
+    view = state.view()
+    assert [r["name"] for r in view["runs"]] == ["ddp", "diloco"]
+    assert sorted((r["run"], r["rank"]) for r in view["ranks"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [p["run"] for p in view["points"]] == [0, 1]
+
+
+def test_fan_out_feeds_the_terminal_dashboard_and_the_page():
+    out = io.StringIO()
+    terminal = Dashboard(2, console=Console(file=out, width=120), live=False)
+    with WebDashboard() as web:
+        web.begin_run("digits", {}, 2)
+        sink = FanOut(terminal, web)
+        for rank in (0, 1):
+            sink.on_event(start(rank, 2))
+            sink.on_event(step(rank, 2, 0.5))
+        sink.close()
+        sink.finish(sink.summary(1.0))
+        view = web.state.view()
+    assert [r["step"] for r in view["ranks"]] == [2, 2]
+    assert view["runs"][0]["status"] == "done" and view["runs"][0]["summary"]["steps"] == 2
+    assert terminal.ranks[1].step == 2 and "run summary" in out.getvalue()
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+def test_state_endpoint_serves_the_snapshot_as_json():
+    with WebDashboard() as web:
+        web.begin_run("digits", {"lr": 0.1}, 2)
+        web.on_event(step(1, 3, 0.25))
+        status, body = get(f"http://127.0.0.1:{web.port}/state")
+    assert status == 200
+    view = json.loads(body)
+    assert view["runs"][0]["config"] == {"lr": 0.1}
+    assert [(r["rank"], r["step"]) for r in view["ranks"]] == [(0, 0), (1, 3)]
+    assert view["points"][0]["loss"] == 0.25
+
+
+def read_event(stream) -> dict:
+    """The next ``data:`` message of a server-sent event stream (comments skipped)."""
+    data = []
+    while True:
+        line = stream.readline().decode()
+        assert line, "the event stream ended"
+        if line.startswith("data: "):
+            data.append(line[6:].rstrip("\n"))
+        elif line == "\n" and data:
+            return json.loads("".join(data))
+
+
+def test_event_stream_sends_the_whole_state_then_each_change_within_a_second_then_the_end():
+    with WebDashboard() as web:
+        web.begin_run("digits", {}, 1)
+        web.on_event(step(0, 1))
+        with urllib.request.urlopen(f"http://127.0.0.1:{web.port}/events", timeout=10) as stream:
+            assert stream.headers["Content-Type"] == "text/event-stream"
+            first = read_event(stream)
+            assert first["since"] == 0 and [p["step"] for p in first["points"]] == [1]
+            for n in (2, 3):
+                sent = time.monotonic()
+                web.on_event(step(0, n, 0.5))
+                message = read_event(stream)
+                assert time.monotonic() - sent < 1.0
+                assert message["since"] == n - 1
+                assert [p["step"] for p in message["points"]] == [n]
+                assert message["ranks"][0]["step"] == n
+            # the command's end: the page gets the final state, told no more will come
+            web.finish({"steps": 3})
+            stopping = threading.Thread(target=web.stop)
+            stopping.start()
+            last = read_event(stream)
+            while not last["closed"]:
+                last = read_event(stream)
+            stopping.join()
+            assert last["runs"][0]["status"] == "done" and last["runs"][0]["summary"]["steps"] == 3
+
+
+def test_page_its_files_and_plotly_js_from_the_installed_package_are_served():
+    with WebDashboard() as web:
+        base = f"http://127.0.0.1:{web.port}"
+        status, page = get(base + "/")
+        assert status == 200 and b'src="plotly.min.js"' in page and b'src="app.js"' in page
+        assert b"http://" not in page and b"https://" not in page  # nothing from elsewhere
+        assert get(base + "/app.js")[0] == 200 and get(base + "/app.css")[0] == 200
+        status, plotly = get(base + "/plotly.min.js")
+        assert status == 200 and plotly == plotly_js_path().read_bytes()
+        assert get(base + "/nothing-here")[0] == 404
+
+
+def test_lan_dashboard_answers_403_without_its_token():
+    with WebDashboard("0.0.0.0") as web:
+        assert web.token and f"?token={web.token}" in web.url
+        base = f"http://127.0.0.1:{web.port}"
+        for path in ("/", "/state", "/events", "/app.js", "/plotly.min.js"):
+            assert get(base + path)[0] == 403, path
+        assert get(base + "/state?token=wrong")[0] == 403
+        assert get(base + f"/state?token={web.token}")[0] == 200
+        # the page opened with the token keeps it in a cookie for its own requests
+        request = urllib.request.Request(base + f"/?token={web.token}")
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            cookie = answer.headers["Set-Cookie"].split(";")[0]
+        assert get(base + "/app.js", {"Cookie": cookie})[0] == 200
+
+
+def test_loopback_dashboard_needs_no_token_and_listens_on_the_port_asked():
+    from ranks import free_port
+
+    port = free_port()
+    with WebDashboard("127.0.0.1", port) as web:
+        assert web.token is None and web.url == f"http://127.0.0.1:{port}/"
+        assert get(f"http://127.0.0.1:{port}/state")[0] == 200
+
+
+def test_taken_port_and_missing_plotly_fail_before_the_run_with_what_to_do(monkeypatch):
+    with WebDashboard() as web:
+        with pytest.raises(ValueError, match=f"127.0.0.1:{web.port}.*--web-port"):
+            WebDashboard(port=web.port)
+    hide_plotly(monkeypatch)
+    with pytest.raises(ImportError, match=r"pip install 'exogym\[web\]'"):
+        WebDashboard()
+
+
+def hide_plotly(monkeypatch) -> None:
+    """Make plotly look uninstalled (the rest of the import system is left alone)."""
+    find_spec = web_server.importlib.util.find_spec
+    monkeypatch.setattr(web_server.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "plotly" else find_spec(name, *a))
+
+
+def test_web_without_plotly_is_bad_input_naming_the_extra_before_any_run(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli_typer import app
+
+    monkeypatch.chdir(tmp_path)
+    hide_plotly(monkeypatch)
+    result = CliRunner().invoke(app, ["distributed-train", "digits-diloco", "--web"])
+    assert result.exit_code == 2, result.output
+    assert "exogym[web]" in result.output and "Traceback" not in result.output
+    assert "simulating" not in result.output and not (tmp_path / "runs").exists()
+
+
+def test_without_a_terminal_the_page_stops_with_the_command():
+    out = io.StringIO()
+    web = WebDashboard()
+    assert keep_serving(web, Console(file=out, width=200), stdin=io.StringIO("")) is False
+    assert "no terminal is attached" in out.getvalue()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{web.port}/state", timeout=5)
+
+
+# ---------------------------------------------------------------------------- across hosts
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    from sshd_fixture import serve_sshd
+
+    yield from serve_sshd(tmp_path_factory)
+
+
+def test_a_run_across_hosts_shows_each_host_and_rank_on_the_page(sshd, tmp_path):
+    from faces_support import TINY as TINY_KEYS
+    from faces_support import sshd_hosts
+
+    from distributed.app.run import TrainRequest, parse_overrides, train
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps(sshd_hosts(sshd)))
+    request = TrainRequest("digits-diloco", hosts=str(hosts),
+                           overrides=parse_overrides([*TINY_KEYS, f"output_dir={tmp_path / 'o'}"]),
+                           known_hosts=str(sshd.known_hosts), ssh_config=str(sshd.ssh_config),
+                           run_dir=str(tmp_path / "launch"))
+    out = io.StringIO()
+    with WebDashboard() as web:
+        train(request, Console(file=out, width=160), live=False, web=web)
+        status, body = get(f"http://127.0.0.1:{web.port}/state")
+    assert status == 200, out.getvalue()
+    view = json.loads(body)
+    addresses = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    assert [(r["rank"], r["host"], r["step"], r["state"]) for r in view["ranks"]] == [
+        (rank, host, 20, "done") for rank, host in enumerate(addresses)]
+    assert all(r["bytes_sent"] > 0 and r["samples_per_s"] > 0 for r in view["ranks"])
+    assert view["runs"][0]["status"] == "done" and view["runs"][0]["summary"]["steps"] == 20
+    assert sorted({p["host"] for p in view["points"]}) == addresses  # throughput per host
+    assert "[127.0.0.3:2] step 20/20" in out.getvalue()  # the terminal dashboard too
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def start_command(args: list[str], cwd: Path, stdin=subprocess.DEVNULL,
+                  command: str = "distributed-train"):
+    """Start ``cli_typer.py COMMAND ARGS``; its output lines are collected in a list by a
+    thread (so a full pipe never stalls it). Returns the process, the lines, and the URL."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli_typer.py"), command,
+                             *args], cwd=cwd, stdin=stdin, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "COLUMNS": "160", "PYTHONPATH": str(ROOT)})
+    lines: list[str] = []
+    found = threading.Event()
+
+    def collect() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "dashboard: http" in line:
+                found.set()
+        found.set()
+
+    threading.Thread(target=collect, daemon=True).start()
+    found.wait(120)
+    match = next((re.search(r"dashboard: (http://\S+)", x) for x in lines
+                  if "dashboard: http" in x), None)
+    if match is None:
+        proc.kill()
+        proc.wait()
+        pytest.fail("the command printed no dashboard URL:\n" + "".join(lines))
+    return proc, lines, match.group(1)
+
+
+def wait_for(condition, timeout: float, what: str, lines: list[str] | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}" +
+                ("\n" + "".join(lines[-40:]) if lines else ""))
+
+
+def test_cli_web_host_0000_serves_only_with_the_printed_token(tmp_path):
+    proc, lines, url = start_command(["digits-diloco", *TINY, "--web", "--web-host", "0.0.0.0"],
+                                     tmp_path)
+    try:
+        token = re.search(r"\?token=([\w-]+)", url)
+        assert token, url
+        port = int(re.search(r":(\d+)/", url).group(1))
+        assert get(f"http://127.0.0.1:{port}/state")[0] == 403
+        status, body = get(f"http://127.0.0.1:{port}/state?token={token.group(1)}")
+        assert status == 200 and json.loads(body)["title"].startswith("digits-diloco")
+        assert proc.wait(300) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = "".join(lines)
+    assert "the URL's token is required" in output
+    assert "no terminal is attached" in output  # CI: it exits at the end
+
+
+def test_compare_web_shows_each_strategy_as_a_run_until_enter(tmp_path):
+    leader, follower = os.openpty()
+    proc, lines, url = start_command(["digits-base", "--strategies", "ddp,diloco", *TINY,
+                                      "--out", str(tmp_path / "c.png"), "--web"], tmp_path,
+                                     stdin=follower, command="compare")
+    try:
+        wait_for(lambda: any("keeps serving" in x for x in lines), 400, "the end of the runs",
+                 lines)
+        assert any("plot written to" in x for x in lines)  # the page waits after the outputs
+        view = json.loads(get(url + "state")[1])
+        assert [(r["name"], r["status"]) for r in view["runs"]] == [("ddp", "done"),
+                                                                    ("diloco", "done")]
+        assert view["runs"][1]["config"]["strategy"] == "diloco"
+        assert sorted((r["run"], r["step"], r["state"]) for r in view["ranks"]) == [
+            (0, 20, "done"), (0, 20, "done"), (1, 20, "done"), (1, 20, "done")]
+        os.write(leader, b"\n")
+        assert proc.wait(60) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)
+        os.close(follower)
+
+
+@pytest.fixture
+def chromium():
+    """Headless Chromium driven by selenium, logging the page's console."""
+    webdriver = pytest.importorskip("selenium.webdriver",
+                                    reason="selenium is not installed (the dev extra has it)")
+    from selenium.webdriver.chrome.service import Service
+
+    if not (shutil.which("chromium") and os.access(CHROMEDRIVER, os.X_OK)):
+        pytest.skip("chromium or chromedriver is not installed (tests/setup_system.sh installs "
+                    "chromium and chromium-driver)")
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 "--window-size=1400,1000"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+ROWS_JS = """return Array.from(document.querySelectorAll('tr.rank-row')).map(r => ({
+  rank: Number(r.dataset.rank), step: Number(r.dataset.step), state: r.dataset.state,
+  cells: Array.from(r.cells).map(c => c.textContent)}));"""
+POINTS_JS = """const gd = document.getElementById(arguments[0]);
+return gd && gd.data ? gd.data.reduce((n, t) => n + t.x.length, 0) : 0;"""
+
+
+def severe(driver) -> list[dict]:
+    return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def test_page_in_chromium_follows_each_rank_and_keeps_the_final_state(tmp_path, chromium):
+    # stdin is a terminal, so after the run the command keeps serving until Enter
+    leader, follower = os.openpty()
+    proc, lines, url = start_command([*SLOW_RUN, "--web"], tmp_path, stdin=follower)
+    try:
+        chromium.get(url)
+
+        def training() -> list[dict] | None:
+            rows = chromium.execute_script(ROWS_JS)
+            return rows if len(rows) == 2 and all(r["step"] > 0 for r in rows) else None
+
+        first = wait_for(training, 240, "both ranks to report a step", lines)
+        time.sleep(2.0)
+        second = chromium.execute_script(ROWS_JS)
+        assert [r["rank"] for r in second] == [0, 1]
+        for before, after in zip(first, second):
+            assert after["step"] > before["step"], (first, second)
+            assert after["cells"][4].endswith("/400")  # the step column: step/max_steps
+        assert "hidden" in chromium.find_element("id", "config").text
+        for chart in ("chart-loss-step", "chart-loss-bytes", "chart-throughput"):
+            wait_for(lambda c=chart: chromium.execute_script(POINTS_JS, c) > 0, 10,
+                     f"data points in {chart}")
+
+        wait_for(lambda: any("keeps serving" in x for x in lines), 400,
+                 "the end of the run", lines)
+        status = chromium.find_element("id", "status")
+        wait_for(lambda: "finished" in status.text, 10, "the page to show the run finished")
+        final = chromium.execute_script(ROWS_JS)
+        assert [(r["step"], r["state"]) for r in final] == [(400, "done"), (400, "done")]
+        assert "400 steps" in chromium.find_element("id", "summary").text
+        assert severe(chromium) == []
+
+        os.write(leader, b"\n")
+        assert proc.wait(60) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)
+        os.close(follower)
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url + "state", timeout=5)  # the page stopped with the command
+
+
+def test_lan_page_in_chromium_loads_its_scripts_and_state_with_the_token(chromium):
+    with WebDashboard("0.0.0.0") as web:
+        web.begin_run("digits", {"lr": 0.1}, 2)
+        for n in (1, 2, 3):
+            for rank in (0, 1):
+                web.on_event(step(rank, n, 1.0 / n))
+        base = f"http://127.0.0.1:{web.port}/"
+        chromium.get(base)
+        assert "403" in chromium.find_element("tag name", "body").text
+        chromium.get(base + f"?token={web.token}")
+        wait_for(lambda: len(chromium.execute_script(ROWS_JS)) == 2, 20, "the rows")
+        assert chromium.execute_script("return typeof Plotly") == "object"
+        wait_for(lambda: chromium.execute_script(POINTS_JS, "chart-loss-step") == 6, 10,
+                 "the six points of the loss chart")
+        assert [e for e in severe(chromium) if "403" not in e["message"]] == []
