@@ -246,13 +246,24 @@ def candidate_specs(profile: Profile) -> list[CandidateSpec]:
     return specs
 
 
-def _why_not(profile: Profile, spec: CandidateSpec) -> str | None:
-    """None when ``--set strategy=... KEY=...`` turns ``profile`` into ``spec``, else why not."""
-    overrides = {"strategy": spec.name, **spec.settings}
-    problems = profile.with_overrides(overrides).problems()
+def _why_not(profile: Profile, spec: CandidateSpec, new_profile: bool) -> str | None:
+    """None when ``profile`` can run ``spec``, else why not.
+
+    With ``new_profile`` a profile of its own will be written for it (the wizard
+    does), so only the task must be able to run it; otherwise ``--set
+    strategy=... KEY=...`` must turn ``profile`` into it, its other keys fitting.
+    """
+    try:
+        if new_profile:
+            profile_for_strategy(profile, spec.name, spec.settings)
+            return None
+        problems = profile.with_overrides({"strategy": spec.name, **spec.settings}).problems()
+    except ProfileError as exc:
+        problems = [str(exc)]
     if not problems:
         return None
-    first = problems[0].strip().splitlines()[0]
+    lines = [line.strip() for line in problems[0].strip().splitlines() if line.strip()]
+    first = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]
     return f"{first.split(';')[0]} (a profile of its own would run it)"
 
 
@@ -435,7 +446,8 @@ def _links(request: TrainRequest, config: HostsConfig, console: Console,
 
 def measure(request: TrainRequest, console: Console, *, link_mbit: float | None = None,
             warmup: int = 3, steps: int = 10, link_seconds: float = 2.0,
-            specs: Sequence[CandidateSpec] | None = None) -> Measurements:
+            specs: Sequence[CandidateSpec] | None = None,
+            time_hosts: bool = True) -> Measurements:
     """Measure what the predictions need: step times here and on the hosts, and the links.
 
     Args:
@@ -445,6 +457,8 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
         warmup, steps: steps run before timing, and steps timed, on every host.
         link_seconds: how long each link transfer lasts.
         specs: the candidates (default :func:`candidate_specs`).
+        time_hosts: time the step on the hosts; False lets this machine's step
+            stand in for every host (what the wizard's estimates do).
 
     Raises:
         ProfileError, HostsFileError: bad input, before any work.
@@ -474,16 +488,17 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
     timings: tuple[HostTiming, ...] = ()
     links: tuple[LinkMeasurement, ...] = ()
     scale, sd = 1.0, 0.0
-    if on_hosts:
+    if on_hosts and time_hosts:
         assert config is not None
         say(f"timing {steps} steps of {profile.name} on {hosts} host(s) at once, nothing sent")
         timings = _host_steps(request, config, console, warmup, steps)
         host_mean = statistics.fmean(t.step_s for t in timings)
         scale = host_mean / local["own"]
         sd = statistics.fmean(t.step_sd_s for t in timings)
-        if link_mbit is None:
-            say("measuring the link from the master to every worker")
-            links = _links(request, config, console, link_seconds)
+    if on_hosts and link_mbit is None:
+        assert config is not None
+        say("measuring the link from the master to every worker")
+        links = _links(request, config, console, link_seconds)
     throughput = projection.mbit_to_bytes_per_s(link_mbit) if link_mbit is not None \
         else min(m.bytes_per_s for m in links)
     if not throughput > 0:
@@ -501,7 +516,8 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
 
 def recommend(request: TrainRequest, console: Console | None = None, *,
               link_mbit: float | None = None, steps: int = 10,
-              link_seconds: float = 2.0) -> Recommendation:
+              link_seconds: float = 2.0, time_hosts: bool = True,
+              new_profile: bool = False) -> Recommendation:
     """Measure, predict every candidate, pick one and say why.
 
     Args:
@@ -510,6 +526,10 @@ def recommend(request: TrainRequest, console: Console | None = None, *,
         link_mbit: a modelled link in Mbit/s instead of a measured one.
         steps: steps timed on every host.
         link_seconds: how long each link transfer lasts.
+        time_hosts: time the step on the hosts (False: this machine's stands in).
+        new_profile: a profile of its own will be written for the pick (the wizard's
+            case), so any strategy the task can run may be picked, not only those
+            ``--set`` can switch the profile to.
 
     Raises:
         ProfileError, HostsFileError, ValueError: bad input, before any work.
@@ -519,8 +539,8 @@ def recommend(request: TrainRequest, console: Console | None = None, *,
     profile = resolve_profile(request)
     specs = candidate_specs(profile)
     measured = measure(request, console, link_mbit=link_mbit, steps=steps,
-                       link_seconds=link_seconds, specs=specs)
-    rows = predict_candidates(measured, specs, {s.label: _why_not(profile, s) for s in specs})
+                       link_seconds=link_seconds, specs=specs, time_hosts=time_hosts)
+    rows = predict_candidates(measured, specs, {s.label: _why_not(profile, s, new_profile) for s in specs})
     chosen = pick(rows)
     return Recommendation(profile.name, chosen, reason_for(chosen, rows, measured), tuple(rows),
                           measured)
