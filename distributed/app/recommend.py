@@ -395,7 +395,9 @@ def _host_steps(request: TrainRequest, config: HostsConfig, console: Console,
             profile=request.profile, config=request.config, overrides=overrides,
             hosts=config, accept_new_host_keys=request.accept_new_host_keys,
             known_hosts=request.known_hosts, ssh_config=request.ssh_config, run_dir=run_dir,
-            launcher_options={"env": {"EXOGYM_COLLECTIVES": "mirror"}})
+            launcher_options={**request.launcher_options, "env": {
+                **dict(request.launcher_options.get("env") or {}),
+                "EXOGYM_COLLECTIVES": "mirror"}})
         recorder = _StepRecorder()
         with make_launcher(timing, config, console=console,
                            dashboard=recorder) as launcher:  # type: ignore[arg-type]
@@ -420,12 +422,14 @@ def _links(request: TrainRequest, config: HostsConfig, console: Console,
            seconds: float) -> tuple[LinkMeasurement, ...]:
     """One transfer from the master to every worker, through the hosts' own shells."""
     from distributed.hosts.session import HostSession
-    from distributed.hosts.ssh import SSHOptions
+    from distributed.launch.options import split_options
 
-    options = SSHOptions(**ssh_files(request.known_hosts, request.ssh_config),
-                         accept_new_host_keys=request.accept_new_host_keys)
+    launch, options = split_options({**ssh_files(request.known_hosts, request.ssh_config),
+                                "accept_new_host_keys": request.accept_new_host_keys,
+                                **request.launcher_options}, owner="TrainRequest")
     found = []
-    with HostSession(config, ssh=options, console=console) as session:
+    with HostSession(config, ssh=options, console=console,
+                     master_local=launch.master_local) as session:
         errors = session.connect()
         if errors:
             raise RecommendError("cannot reach every host to measure the links: "
