@@ -16,6 +16,7 @@ input (a profile, a hosts file, a host that failed pre-flight, an option).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -130,8 +131,8 @@ def distributed_train(
                                  "(the simulation itself sends nothing over one)")
             rec = choose(request, console, link_mbit=link_mbit)
             console.print(f"strategy auto: {rec.reason}", markup=False, soft_wrap=True)
-            request = run.TrainRequest(**{**request.__dict__, "overrides": {
-                **request.overrides, **rec.overrides}})
+            request = dataclasses.replace(request, overrides={**request.overrides,
+                                                              **rec.overrides})
         if dry_run:
             run.dry_run(request, console)
             return
