@@ -392,10 +392,14 @@ class _StepRecorder:
 
 
 def _host_steps(request: TrainRequest, config: HostsConfig, console: Console,
-                warmup: int, steps: int) -> tuple[HostTiming, ...]:
-    """Time ``steps`` steps after ``warmup`` on every host at once, nothing sent."""
+                warmup: int, steps: int,
+                extra: Mapping[str, Any] | None = None) -> tuple[HostTiming, ...]:
+    """Time ``steps`` steps after ``warmup`` on every host at once, nothing sent.
+
+    ``extra`` adds ``--set`` values (another strategy, the reference's batch).
+    """
     total = warmup + steps
-    overrides = {**request.overrides, "max_steps": total, "val_interval": total + 1,
+    overrides = {**request.overrides, **(extra or {}), "max_steps": total, "val_interval": total + 1,
                  "val_size": 0, "checkpoint_interval": None, "logger": None,
                  "output_dir": PROBE_OUTPUT}
     with tempfile.TemporaryDirectory(prefix="exogym-recommend-") as run_dir:
@@ -456,6 +460,31 @@ def _links(request: TrainRequest, config: HostsConfig, console: Console,
     return tuple(found)
 
 
+def _remote_kinds(profile: Profile, specs: Sequence[CandidateSpec], hosts: int,
+                  local: Mapping[str, float]) -> dict[str, dict[str, Any]]:
+    """The ``--set`` values that time each compute kind and the reference on the hosts.
+
+    Only kinds measured here, other than the profile's own step, and only where
+    ``--set`` alone turns the profile into them.
+    """
+    own = projection.canonical(profile.strategy)
+    batch = int(profile.resolved.run_kwargs.get("batch_size") or 1)
+    wanted: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        if spec.compute in local and spec.compute != own and spec.compute not in wanted:
+            wanted[spec.compute] = {"strategy": spec.name, **spec.settings}
+    wanted["reference"] = {"strategy": "ddp", "batch_size": hosts * batch,
+                           "minibatch_size": batch}
+    usable = {}
+    for kind, extra in wanted.items():
+        try:
+            if not profile.with_overrides(extra).problems():
+                usable[kind] = extra
+        except ProfileError:
+            continue
+    return usable
+
+
 def measure(request: TrainRequest, console: Console, *, link_mbit: float | None = None,
             warmup: int = 3, steps: int = 10, link_seconds: float = 2.0,
             specs: Sequence[CandidateSpec] | None = None,
@@ -486,8 +515,8 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
     on_hosts = config is not None
     if not on_hosts and link_mbit is None:
         raise ValueError("without --hosts nothing crosses a network, so there is no link "
-                             "to measure: give --hosts FILE to measure real hosts, or "
-                             "--link-mbit N to pick for a modelled link of N Mbit/s")
+                         "to measure: give --hosts FILE to measure real hosts, or "
+                         "--link-mbit N to pick for a modelled link of N Mbit/s")
     specs = list(specs or candidate_specs(profile))
 
     def say(text: str) -> None:
@@ -500,6 +529,7 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
     timings: tuple[HostTiming, ...] = ()
     links: tuple[LinkMeasurement, ...] = ()
     scale, sd = 1.0, 0.0
+    remote: dict[str, float] = {}
     if on_hosts and time_hosts:
         assert config is not None
         say(f"timing {steps} steps of {profile.name} on {hosts} host(s) at once, nothing sent")
@@ -507,6 +537,12 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
         host_mean = statistics.fmean(t.step_s for t in timings)
         scale = host_mean / local["own"]
         sd = statistics.fmean(t.step_sd_s for t in timings)
+        # Each kind's own step, and the reference, on the hosts too where --set reaches them
+        # (the same conditions as the run; this machine's ratios stand in for the rest).
+        for kind, extra in _remote_kinds(profile, specs, hosts, local).items():
+            say(f"timing {steps} steps of {kind} on the hosts")
+            found = _host_steps(request, config, console, warmup, steps, extra)
+            remote[kind] = statistics.fmean(t.step_s for t in found)
     if on_hosts and link_mbit is None:
         assert config is not None
         say("measuring the link from the master to every worker")
@@ -516,11 +552,13 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
     if not throughput > 0:
         raise RecommendError("the link measurement received nothing; check that the hosts "
                              "can reach each other, or give --link-mbit")
-    compute = {kind: s * scale for kind, s in local.items() if kind not in ("own", "reference")}
+    compute = {kind: remote.get(kind, s * scale) for kind, s in local.items()
+               if kind not in ("own", "reference")}
     compute.setdefault("ddp", local["own"] * scale)
+    reference = remote.get("reference", local.get("reference", math.inf) * scale)
     # One host doing every host's minibatches each step (gradient accumulation) never
     # spends more per minibatch than a step of one: a larger figure is noise.
-    minibatch_s = min(local.get("reference", math.inf) / hosts * scale, compute["ddp"])
+    minibatch_s = min(reference / hosts, compute["ddp"])
     return Measurements(
         hosts=hosts, num_params=facts.num_params, shapes=facts.shapes, compute_s=compute,
         compute_sd_s=sd, minibatch_s=minibatch_s,
