@@ -3,17 +3,17 @@
 ``cli_typer.py recommend``, ``distributed-train --strategy auto`` and the
 wizard call :func:`recommend`. What it measures:
 
-- **step time on every host**: a short run of the profile through the
-  launcher, one rank per host, with mirrored collectives
-  (``EXOGYM_COLLECTIVES=mirror``: each rank does all of its strategy's own
-  work and sends nothing), all hosts at once as in a real run; the time per
-  step is read from the ranks' step events (``wall_s``).
-- **each candidate's own work, here**: :func:`distributed.planning.estimate.measure_model`
-  times one step of each strategy (AdamW for DDP, DiLoCo and FedAvg; SPARTA's
-  selection; DeMo's transform) and of the reference (one host doing the
-  minibatches of every host, one after the other) on this machine. Their
-  ratios to the profile's own step scale the hosts' measured time, so a host
-  twice as slow as this machine is twice as slow with every strategy.
+- **step time on every host**: short runs through the launcher, one rank per
+  host, all hosts at once as in a real run, with mirrored collectives
+  (``EXOGYM_COLLECTIVES=mirror``: each rank does all of its strategy's own work
+  and sends nothing); the time per step is read from the ranks' step events
+  (``wall_s``). One run of the profile as it is, then one per compute kind
+  (AdamW for DDP, DiLoCo and FedAvg; SPARTA's selection; DeMo's transform) and
+  one of the reference (one host doing the minibatches of every host, one after
+  the other), each where ``--set`` alone reaches it.
+- **what ``--set`` cannot reach, here**: :func:`distributed.planning.estimate.measure_model`
+  times every kind on this machine (twice, keeping the faster); its ratio to the
+  profile's own step scales the hosts' measured time.
 - **the links**: :func:`distributed.hosts.linkspeed.measure_between`, one TCP
   transfer from the master to every worker (the slowest sets the pace of a ring).
 
