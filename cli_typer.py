@@ -5,6 +5,7 @@
     python cli_typer.py check-hosts distributed_hosts.json
     python cli_typer.py profiles
     python cli_typer.py compare digits-base --strategies ddp,diloco,fedavg   # plot in runs/
+    python cli_typer.py recommend chargpt-bench --hosts distributed_hosts.json   # pick a strategy
     python cli_typer.py slurm digits-diloco --nodes 4 --time 1:00:00   # then: sbatch digits-diloco.sbatch
     python cli_typer.py agent            # on each machine: advertise it on the LAN
     python cli_typer.py discover --json  # list the machines that answer
@@ -17,6 +18,7 @@ input (a profile, a hosts file, a host that failed pre-flight, an option).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -64,6 +66,10 @@ WebHost = Annotated[str, typer.Option(
     "--web-host", metavar="ADDRESS",
     help="Address of --web's page: 127.0.0.1 (here only) or 0.0.0.0 (the LAN, token in "
          "the URL).")]
+LinkMbit = Annotated[float | None, typer.Option(
+    "--link-mbit", min=0.001,
+    help="Plan for a modelled link of this many Mbit/s instead of measuring one (needed "
+         "without --hosts).")]
 AcceptNewHostKeys = Annotated[bool, typer.Option(
     "--accept-new-host-keys",
     help="Trust hosts not yet in known_hosts, once, recording their keys (a changed key is "
@@ -90,6 +96,11 @@ def distributed_train(
     config: ConfigFile = None,
     set_: Overrides = None,
     logger: LoggerName = None,
+    strategy: Annotated[str | None, typer.Option(
+        "--strategy", metavar="auto",
+        help="auto: measure the hosts and links first (as `recommend` does), then train with "
+             "the strategy it picks. Without --hosts it needs --link-mbit.")] = None,
+    link_mbit: LinkMbit = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Show what would run where; start nothing.")] = False,
     resume: Annotated[bool, typer.Option(
@@ -124,10 +135,26 @@ def distributed_train(
             max_restarts=max_restarts, sync=sync, accept_new_host_keys=accept_new_host_keys,
             known_hosts=known_hosts, ssh_config=ssh_config,
             run_dir=str(run_dir) if run_dir else None)
+        if strategy is not None and strategy.strip().lower() != "auto":
+            raise ValueError(f"--strategy {strategy!r}: only auto is understood here; to run "
+                             f"another strategy use --set strategy={strategy}")
+        run.resolve_profile(request)  # a bad profile or --set fails here, before anything else
+        if strategy is not None:
+            from distributed.app.recommend import recommend as choose
+
+            if request.hosts is not None and not local:
+                run.hosts_config(request)  # a bad hosts file fails before any measurement
+            elif link_mbit is None:
+                raise ValueError("--strategy auto without --hosts has no network to measure: "
+                                 "give --link-mbit N to pick for a modelled link of N Mbit/s "
+                                 "(the simulation itself sends nothing over one)")
+            rec = choose(request, console, link_mbit=link_mbit)
+            console.print(f"strategy auto: {rec.reason}", markup=False, soft_wrap=True)
+            request = dataclasses.replace(request, overrides={**request.overrides,
+                                                              **rec.overrides})
         if dry_run:
             run.dry_run(request, console)
             return
-        run.resolve_profile(request)  # a bad profile or --set fails here, before anything else
         page = open_web(web, console, host=web_host, port=web_port,
                         title=f"{profile}: distributed-train")
         if not request.multi_host:
@@ -292,6 +319,63 @@ def compare(
                                   title=f"{profile}: validation loss")
         console.print(f"plot written to {written}", markup=False)
         keep_serving(page, console)
+
+
+@app.command("recommend")
+def recommend(
+    ctx: typer.Context,
+    profile: Annotated[str, typer.Argument(help="Profile to plan (see `profiles`).")],
+    hosts: Annotated[Path | None, typer.Option(
+        "--hosts", "-H", dir_okay=False,
+        help="Hosts file: time a step on every host and measure the links.")] = None,
+    link_mbit: LinkMbit = None,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print one JSON object: strategy, reason, candidates, measurements.")
+    ] = False,
+    config: ConfigFile = None,
+    set_: Overrides = None,
+    accept_new_host_keys: AcceptNewHostKeys = False,
+    known_hosts: KnownHosts = None,
+    ssh_config: SSHConfig = None,
+    debug: Debug = False,
+) -> None:
+    """Measure the hosts and links, predict every strategy, and pick one."""
+    with reported_errors(ctx, debug):
+        import json
+
+        from rich.console import Console
+        from rich.table import Table
+
+        from distributed.app import run
+        from distributed.app.recommend import RULE, table_rows
+        from distributed.app.recommend import recommend as choose
+
+        request = run.TrainRequest(
+            profile=profile, config=str(config) if config else None,
+            overrides=run.parse_overrides(set_), hosts=hosts,
+            accept_new_host_keys=accept_new_host_keys, known_hosts=known_hosts,
+            ssh_config=ssh_config)
+        if hosts is not None:
+            run.hosts_config(request)  # a bad hosts file fails before any measurement
+        run.resolve_profile(request)
+        # With --json, progress goes to stderr and stdout holds the object alone.
+        console = Console(stderr=True, highlight=False) if json_out else make_console()
+        rec = choose(request, console, link_mbit=link_mbit)
+        if json_out:
+            print(json.dumps(rec.to_dict(), indent=2))
+            return
+        m = rec.measurements
+        out = make_console()
+        table = Table(title=f"{profile} on {m.hosts} hosts, {m.link} link {m.mbit:.1f} Mbit/s",
+                      title_justify="left")
+        for column in ("strategy", "step", "comm", "speedup", "bytes/step", ""):
+            table.add_column(column, justify="left" if column in ("strategy", "") else "right")
+        for row in table_rows(rec):
+            table.add_row(*row)
+        out.print(table)
+        out.print(f"pick: {rec.reason}", markup=False, soft_wrap=True)
+        out.print(f"rule: {RULE}; speedup over one host doing all {m.hosts} hosts' work.",
+                  markup=False, soft_wrap=True)
 
 
 @app.command("slurm")

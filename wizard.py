@@ -468,8 +468,10 @@ class Wizard:
                                    "gigabit Ethernet: 1000):", f"{DEFAULT_MBIT:g}",
                                    _is_positive_number))
 
-    def estimates(self, profile: Profile, nodes: int, mbit: float, simulated: bool) -> list[str]:
-        """Show each strategy's bytes per step and expected speedup; the usable strategies."""
+    def estimates(self, profile: Profile, nodes: int, mbit: float, simulated: bool,
+                  hosts: HostsConfig | None = None) -> list[str]:
+        """Show each strategy's bytes per step and expected speedup, and the strategy
+        ``recommend`` picks; the usable strategies."""
         from rich.table import Table
 
         from distributed.app.setup import estimate_strategies, usable_strategies
@@ -500,7 +502,26 @@ class Wizard:
         self.console.print("DiLoCo is the default: it communicates once every H steps, so on a "
                            "slow link its machines spend their time computing, not waiting.",
                            highlight=False)
+        self.recommendation(profile, nodes, mbit, hosts)
         return estimates.usable
+
+    def recommendation(self, profile: Profile, nodes: int, mbit: float,
+                       hosts: HostsConfig | None) -> None:
+        """Print what ``recommend`` picks for this link (this machine's step standing in for
+        every host's; ``python cli_typer.py recommend`` times the hosts themselves)."""
+        from distributed.app.recommend import recommend
+
+        overrides = {**self.overrides, "num_nodes": nodes}
+        request = self.request(hosts, profile.name, config=str(self.config_path),
+                               overrides=overrides)
+        try:
+            rec = recommend(request, self.console, link_mbit=mbit, time_hosts=False,
+                            new_profile=True)
+        except Exception as exc:  # noqa: BLE001 - the recommendation is a help, not a requirement
+            self.console.print(f"[yellow]no recommendation ({exc})[/]")
+            return
+        self.console.print(f"Recommended: {rec.reason}", markup=False, highlight=False,
+                           soft_wrap=True)
 
     # ------------------------------------------------------------------ files and run
 
@@ -563,7 +584,7 @@ class Wizard:
                                                              base.values.get("num_nodes", 2))),
                                       _is_int(1, 64)))
         mbit = self.bandwidth(hosts)
-        usable = self.estimates(base, nodes, mbit, simulated=hosts is None)
+        usable = self.estimates(base, nodes, mbit, simulated=hosts is None, hosts=hosts)
         default = self.strategy or (DEFAULT_STRATEGY if DEFAULT_STRATEGY in usable
                                     else usable[0])
         strategy = default if self.strategy else self.ask.select(

@@ -1,10 +1,14 @@
-"""Measure the link to a worker: a short TCP transfer from this machine to the host.
+"""Measure the link to a worker: a short TCP transfer from this machine, or between two hosts.
 
 Over SSH the worker starts a small receiver (standard library only, sent on
 stdin like the pre-flight probe) that listens on a port the system picks and
 counts what arrives; this machine connects to it and sends zeros for a
 second. The receiver's count over its own clock, first byte to last, is the
 bandwidth training traffic from here can expect (TCP, no SSH encryption).
+
+:func:`measure_between` measures the link two hosts train over: the receiver
+runs on one, a sender of the same kind on the other, each through a shell of a
+host session (SSH, or this machine's own shell for a local master).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from distributed.hosts.hostsfile import HostSpec
-from distributed.hosts.remote import SSHShell, probe_command
+from distributed.hosts.remote import Shell, SSHShell, probe_command
 from distributed.hosts.ssh import (
     SSHConnectError,
     SSHOptions,
@@ -48,6 +52,28 @@ def main(message):
     conn.close()
     server.close()
     print(json.dumps({"bytes": total, "seconds": (last - first) if first else 0.0}), flush=True)
+'''
+
+
+SENDER_SOURCE = '''
+import json, socket, time
+
+def main(message):
+    chunk = bytes(256 * 1024)
+    sent = 0
+    try:
+        with socket.create_connection((message["host"], message["port"]),
+                                      timeout=message["timeout"]) as sock:
+            deadline = time.perf_counter() + message["seconds"]
+            while time.perf_counter() < deadline:
+                sock.sendall(chunk)
+                sent += len(chunk)
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(1)  # the receiver closes once it has counted everything
+    except OSError as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return
+    print(json.dumps({"sent": sent}), flush=True)
 '''
 
 
@@ -136,3 +162,44 @@ def measure_link(host: HostSpec, options: SSHOptions | None = None, seconds: flo
             started.close()
         shell.close()
     return LinkMeasurement(host.host, int(result["bytes"]), float(result["seconds"]))
+
+
+def measure_between(sender: Shell, sender_host: HostSpec, receiver: Shell,
+                    receiver_host: HostSpec, address: str, seconds: float = 1.0,
+                    timeout: float = 20.0) -> LinkMeasurement:
+    """Send zeros from one host to another over TCP for ``seconds``; what the receiver got.
+
+    Args:
+        sender: a shell on the sending host (a host session's ``shell(rank)``).
+        sender_host: the sending host, for its ``project_path`` and ``python_env``.
+        receiver: a shell on the receiving host.
+        receiver_host: the receiving host.
+        address: the address the sender reaches the receiver at.
+        seconds: how long to send.
+        timeout: how long any one step may take.
+
+    Raises:
+        LinkError: when either side fails or gives no answer.
+    """
+    listening = sending = None
+    try:
+        listening = receiver.start(
+            probe_command(receiver_host.project_path, receiver_host.python_env),
+            {"code": RECEIVER_SOURCE, "timeout": timeout, "ipv6": ":" in address})
+        port = int(_read_json_line(listening.stdout, timeout, "port")["port"])
+        sending = sender.start(
+            probe_command(sender_host.project_path, sender_host.python_env),
+            {"code": SENDER_SOURCE, "host": address, "port": port, "seconds": seconds,
+             "timeout": timeout})
+        sent = _read_json_line(sending.stdout, timeout + seconds, "count of bytes sent")
+        if "error" in sent:
+            raise LinkError(f"{sender_host.host} cannot send to {address}:{port} "
+                            f"({sent['error']}); a firewall on {receiver_host.host} may block "
+                            "incoming connections")
+        result = _read_json_line(listening.stdout, timeout, "result")
+    finally:
+        for started in (sending, listening):
+            if started is not None:
+                started.close()
+    return LinkMeasurement(f"{sender_host.host} -> {receiver_host.host}", int(result["bytes"]),
+                           float(result["seconds"]))

@@ -1,0 +1,609 @@
+"""Choose the strategy: measure the hosts and their links, predict every candidate, pick one.
+
+``cli_typer.py recommend``, ``distributed-train --strategy auto`` and the
+wizard call :func:`recommend`. What it measures:
+
+- **step time on every host**: short runs through the launcher, one rank per
+  host, all hosts at once as in a real run, with mirrored collectives
+  (``EXOGYM_COLLECTIVES=mirror``: each rank does all of its strategy's own work
+  and sends nothing); the time per step is read from the ranks' step events
+  (``wall_s``). One run of the profile as it is, then one per compute kind
+  (AdamW for DDP, DiLoCo and FedAvg; SPARTA's selection; DeMo's transform) and
+  one of the reference (one host doing the minibatches of every host, one after
+  the other), each where ``--set`` alone reaches it.
+- **what ``--set`` cannot reach, here**: :func:`distributed.planning.estimate.measure_model`
+  times every kind on this machine (twice, keeping the faster); its ratio to the
+  profile's own step scales the hosts' measured time.
+- **the links**: :func:`distributed.hosts.linkspeed.measure_between`, one TCP
+  transfer from the master to every worker (the slowest sets the pace of a ring).
+
+Then ``distributed.planning.projection.predict`` -- the one cost model -- gives
+each candidate's step time, bytes per step and speedup. The speedup is the one
+``bench/multihost.py`` measures: ``N`` hosts' throughput over that of one host
+doing all ``N`` hosts' minibatches each step (gradient accumulation).
+
+The pick (:func:`pick`): the candidate of highest predicted throughput (samples
+per second, i.e. speedup); candidates within :data:`TIE` of it count as equal,
+and among those the one sending fewest bytes per step wins. Only candidates the
+profile can switch to with ``--set`` (its other keys fit the new strategy) may be
+picked; the rest are shown with why not. The model predicts time, not loss:
+DiLoCo with a larger ``H`` sends less and may need more steps for the same loss.
+
+Without hosts (a local simulation) nothing crosses a network: the pick then
+needs a modelled link (``link_mbit``), and the nodes share this machine's cores.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rich.console import Console
+
+from distributed.app.compare import profile_for_strategy
+from distributed.app.hosts_check import ssh_files
+from distributed.app.run import TrainRequest, hosts_config, make_launcher, resolve_profile
+from distributed.hosts.hostsfile import HostsConfig
+from distributed.hosts.linkspeed import LinkError, LinkMeasurement, measure_between
+from distributed.planning import projection
+from distributed.planning.estimate import measure_model
+from distributed.profiles.profile import Profile, ProfileError
+from exogym.report import human_bytes
+
+__all__ = ["Candidate", "HostTiming", "Measurements", "Recommendation", "RecommendError",
+           "TIE", "candidate_specs", "measure", "pick", "predict_candidates", "recommend"]
+
+#: Candidates whose predicted speedup is within this fraction of the best one count as tied.
+TIE = 0.01
+#: DiLoCo's inner steps per round among the candidates (those below the run's max_steps).
+DILOCO_H = (10, 50, 100, 500)
+#: Overrides under which the timing run sends nothing and leaves the profile's results alone.
+PROBE_OUTPUT = "runs/recommend-probe"
+
+
+class RecommendError(RuntimeError):
+    """A measurement failed or nothing can be picked; the message says which and what to do."""
+
+
+@dataclass(frozen=True)
+class HostTiming:
+    """One host's measured training step (the profile's own strategy, nothing sent).
+
+    Args:
+        host: the host's name in the hosts file.
+        step_s: mean seconds per step over the timed steps.
+        step_sd_s: their standard deviation from step to step.
+    """
+
+    host: str
+    step_s: float
+    step_sd_s: float
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What the predictions start from.
+
+    Args:
+        hosts: the hosts (ranks) planned.
+        num_params: the model's trainable parameters.
+        shapes: the trainable tensors' shapes (DeMo's payload depends on them).
+        compute_s: seconds of one step on the hosts per compute kind (``ddp`` for
+            AdamW steps: DDP, DiLoCo, FedAvg; ``sparta``; ``demo``).
+        compute_sd_s: their standard deviation from step to step.
+        minibatch_s: seconds per minibatch of one host doing every host's work.
+        throughput_bytes_per_s: payload bytes per second on the slowest link.
+        link: ``measured`` or ``modelled``.
+        host_steps: every host's measured step (empty when modelled here).
+        links: every link measured (empty when modelled).
+        local_s: the steps timed on this machine, per compute kind and ``own``/``reference``.
+    """
+
+    hosts: int
+    num_params: int
+    shapes: tuple[tuple[int, ...], ...]
+    compute_s: dict[str, float]
+    compute_sd_s: float
+    minibatch_s: float
+    throughput_bytes_per_s: float
+    link: str
+    host_steps: tuple[HostTiming, ...] = ()
+    links: tuple[LinkMeasurement, ...] = ()
+    local_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mbit(self) -> float:
+        """The slowest link in Mbit/s."""
+        return self.throughput_bytes_per_s * 8 / 1e6
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (links with their Mbit/s)."""
+        out = asdict(self)
+        out["shapes"] = [list(s) for s in self.shapes]
+        out["links"] = [{"link": m.host, "bytes": m.bytes, "seconds": m.seconds,
+                         "mbit_per_s": m.mbit_per_s} for m in self.links]
+        out["mbit_per_s"] = self.mbit
+        return out
+
+
+@dataclass(frozen=True)
+class CandidateSpec:
+    """A strategy with its settings, as a row of the recommendation names it.
+
+    Args:
+        label: how tables name it (``DiLoCo H=100``).
+        name: the strategy's name (``diloco``).
+        settings: the profile keys that select it (``{"H": 100}``).
+        compute: the compute kind its step takes (``ddp``, ``sparta``, ``demo``).
+    """
+
+    label: str
+    name: str
+    settings: dict[str, Any]
+    compute: str
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate's prediction, as ``recommend`` prints it and ``--json`` gives it.
+
+    Args:
+        label, name, settings: as in :class:`CandidateSpec`.
+        step_s: predicted seconds per step.
+        comm_s: the part of it spent waiting and communicating.
+        speedup: predicted, over one host doing all hosts' work.
+        wire_bytes: bytes each host puts on its link per step.
+        applies: whether the profile can switch to it with ``--set``.
+        why_not: why it cannot, when it cannot.
+    """
+
+    label: str
+    name: str
+    settings: dict[str, Any]
+    step_s: float
+    comm_s: float
+    speedup: float
+    wire_bytes: float
+    applies: bool = True
+    why_not: str | None = None
+
+    @property
+    def comm_fraction(self) -> float:
+        """Share of the step spent waiting and communicating."""
+        return self.comm_s / self.step_s if self.step_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready row."""
+        return {**asdict(self), "comm_fraction": self.comm_fraction}
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The pick, why, every candidate and the measurements.
+
+    Args:
+        profile: the profile planned.
+        pick: the chosen candidate.
+        reason: one line saying why.
+        candidates: every candidate, in the order shown.
+        measurements: what the predictions start from.
+    """
+
+    profile: str
+    pick: Candidate
+    reason: str
+    candidates: tuple[Candidate, ...]
+    measurements: Measurements
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        """The ``--set`` values that apply the pick to the profile."""
+        return {"strategy": self.pick.name, **self.pick.settings}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` object: ``strategy``, ``reason``, ``candidates``, ``measurements``."""
+        return {"profile": self.profile,
+                "strategy": {"name": self.pick.name, **self.pick.settings},
+                "label": self.pick.label, "reason": self.reason, "rule": RULE,
+                "candidates": [c.to_dict() for c in self.candidates],
+                "measurements": self.measurements.to_dict()}
+
+
+RULE = (f"highest predicted throughput; within {TIE:.0%} of it, fewest bytes per step; "
+        "only strategies the profile can switch to with --set")
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+def candidate_specs(profile: Profile) -> list[CandidateSpec]:
+    """DDP, DiLoCo at every :data:`DILOCO_H` below ``max_steps``, SPARTA, DeMo and FedAvg.
+
+    Each with the profile's own settings where it has them (SPARTA's ``p_sparta``,
+    DeMo's compression, FedAvg's ``H``), else the strategy's defaults.
+    """
+    values = profile.values
+    own = projection.canonical(profile.strategy) if profile.strategy else None
+    max_steps = int(values.get("max_steps") or 0)
+    specs = [CandidateSpec("DDP", "ddp", {}, "ddp")]
+    for H in DILOCO_H:
+        if not max_steps or H < max_steps:
+            specs.append(CandidateSpec(f"DiLoCo H={H}", "diloco", {"H": H}, "ddp"))
+    p = values.get("p_sparta", values.get("p")) if own == "sparta" else None
+    p = p if p is not None else projection.DEFAULTS["sparta"]["p_sparta"]
+    specs.append(CandidateSpec(f"SPARTA p={p:g}", "sparta", {"p_sparta": p}, "sparta"))
+    demo = {k: values[k] for k in ("compression_topk", "compression_chunk")
+            if own == "demo" and values.get(k) is not None}
+    topk = demo.get("compression_topk", projection.DEFAULTS["demo"]["compression_topk"])
+    specs.append(CandidateSpec(f"DeMo top-{topk}", "demo", demo, "demo"))
+    fed_h = values.get("H") if own == "fedavg" else None
+    fed_h = int(fed_h if fed_h is not None else projection.DEFAULTS["fedavg"]["H"])
+    specs.append(CandidateSpec(f"FedAvg H={fed_h}", "fedavg", {"H": fed_h}, "ddp"))
+    return specs
+
+
+def _why_not(profile: Profile, spec: CandidateSpec, new_profile: bool) -> str | None:
+    """None when ``profile`` can run ``spec``, else why not.
+
+    With ``new_profile`` a profile of its own will be written for it (the wizard
+    does), so only the task must be able to run it; otherwise ``--set
+    strategy=... KEY=...`` must turn ``profile`` into it, its other keys fitting.
+    """
+    try:
+        if new_profile:
+            profile_for_strategy(profile, spec.name, spec.settings)
+            return None
+        problems = profile.with_overrides({"strategy": spec.name, **spec.settings}).problems()
+    except ProfileError as exc:
+        problems = [str(exc)]
+    if not problems:
+        return None
+    lines = [line.strip() for line in problems[0].strip().splitlines() if line.strip()]
+    first = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]
+    return f"{first.split(';')[0]} (a profile of its own would run it)"
+
+
+def predict_candidates(measurements: Measurements, specs: Sequence[CandidateSpec],
+                       why_not: Mapping[str, str | None] | None = None) -> list[Candidate]:
+    """Every candidate's prediction from the measurements (``projection.predict``).
+
+    Args:
+        measurements: compute times, spread, reference and link.
+        specs: the candidates.
+        why_not: per label, why the profile cannot switch to it (absent or None: it can).
+    """
+    why_not = why_not or {}
+    rows = []
+    for spec in specs:
+        compute = measurements.compute_s.get(spec.compute, measurements.compute_s["ddp"])
+        settings = projection.relevant_settings(spec.name, spec.settings)
+        p = projection.predict(spec.name, measurements.num_params, measurements.hosts, compute,
+                               measurements.throughput_bytes_per_s,
+                               minibatch_s=measurements.minibatch_s,
+                               compute_sd_s=measurements.compute_sd_s,
+                               shapes=measurements.shapes or None, **settings)
+        reason = why_not.get(spec.label)
+        rows.append(Candidate(spec.label, spec.name, dict(spec.settings), p.step_s, p.comm_s,
+                              p.speedup, p.wire_bytes, reason is None, reason))
+    return rows
+
+
+def pick(candidates: Sequence[Candidate], tie: float = TIE) -> Candidate:
+    """The candidate to run: highest predicted speedup; within ``tie`` of it, fewest bytes.
+
+    Only candidates that apply to the profile are considered.
+
+    Raises:
+        RecommendError: when none applies.
+    """
+    usable = [c for c in candidates if c.applies]
+    if not usable:
+        raise RecommendError("no candidate strategy fits this profile's keys: "
+                             + "; ".join(f"{c.label}: {c.why_not}" for c in candidates))
+    best = max(c.speedup for c in usable)
+    close = [c for c in usable if c.speedup >= best * (1 - tie)]
+    return min(close, key=lambda c: (c.wire_bytes, -c.speedup))
+
+
+def _rate(mbit: float) -> str:
+    return f"{mbit / 1000:.3g} Gbit/s" if mbit >= 1000 else f"{mbit:.3g} Mbit/s"
+
+
+def reason_for(chosen: Candidate, candidates: Sequence[Candidate],
+               measurements: Measurements) -> str:
+    """One line: the pick's communication share and speedup, and what DDP would cost."""
+    hosts = measurements.hosts
+    text = (f"{chosen.label}: communication is {chosen.comm_fraction:.0%} of the step, "
+            f"{chosen.speedup:.2f}x predicted on {hosts} hosts")
+    ddp = next((c for c in candidates if c.name == "ddp"), None)
+    if ddp is not None and ddp is not chosen:
+        text += (f"; DDP would spend {ddp.comm_fraction:.0%} of each step waiting on the "
+                 f"{_rate(measurements.mbit)} link ({ddp.speedup:.2f}x)")
+    elif ddp is chosen:
+        text += f" on the {_rate(measurements.mbit)} link: the link is fast enough for DDP"
+    faster = [c for c in candidates if not c.applies and c.speedup > chosen.speedup * (1 + TIE)]
+    if faster:
+        text += f" ({faster[0].label} would be faster but needs a profile of its own)"
+    return text
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _local_steps(profile: Profile, specs: Sequence[CandidateSpec], hosts: int,
+                 ranks_here: int, say: Callable[[str], None],
+                 steps: int = 20, rounds: int = 2) -> tuple[dict[str, float], Any]:
+    """Seconds of one step on this machine: the profile's own, each compute kind, the reference."""
+    resolved = profile.resolved
+    task = resolved.task_fn(**resolved.task_kwargs)
+    # A first run warms this process up (threads, allocator, caches); its time is not kept.
+    facts = measure_model(profile, ranks_here=ranks_here, num_nodes=hosts, task=task, steps=3)
+    batch = facts.batch_size
+    plans: dict[str, tuple[str, dict[str, Any]]] = {}
+    for spec in specs:
+        plans.setdefault(spec.compute, (spec.name, spec.settings))
+    plans["reference"] = ("ddp", {"batch_size": hosts * batch, "minibatch_size": batch})
+    own = projection.canonical(profile.strategy)
+    timed: list[tuple[str, Profile]] = [("own", profile)]
+    for kind, (name, settings) in plans.items():
+        if kind != "reference" and name == own and own in ("ddp", "sparta", "demo") \
+                and all(profile.values.get(k) == v for k, v in settings.items()):
+            continue  # the profile's own step: measured as "own"
+        try:
+            timed.append((kind, profile_for_strategy(profile, name, settings)))
+        except ProfileError:
+            continue  # the task cannot run it: the DDP time stands in
+    # Every step is timed in each of ``rounds`` passes and the fastest pass kept: other
+    # processes only ever slow a step down, and the ratios between kinds are what count.
+    local: dict[str, float] = {}
+    for number in range(rounds):
+        say(f"timing one step of {', '.join(k for k, _ in timed)} here "
+            f"(pass {number + 1} of {rounds})")
+        for kind, planned in timed:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # built only to be timed
+                seconds = measure_model(planned, ranks_here=ranks_here, num_nodes=hosts,
+                                        task=task, steps=steps).compute_s_per_step
+            local[kind] = min(seconds, local.get(kind, seconds))
+    for kind, (name, _) in plans.items():
+        if kind not in local and name == own:
+            local[kind] = local["own"]
+    return local, facts
+
+
+class _StepRecorder:
+    """Collects the ranks' step events of the timing run (what a dashboard would show)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, dict[int, float]] = {}
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event.get("event") == "step" and "wall_s" in event:
+            self.steps.setdefault(int(event["rank"]), {})[int(event["step"])] = \
+                float(event["wall_s"])
+
+    def on_output(self, line: Any) -> None:
+        """Rank output is not shown while timing."""
+
+
+def _host_steps(request: TrainRequest, config: HostsConfig, console: Console,
+                warmup: int, steps: int,
+                extra: Mapping[str, Any] | None = None) -> tuple[HostTiming, ...]:
+    """Time ``steps`` steps after ``warmup`` on every host at once, nothing sent.
+
+    ``extra`` adds ``--set`` values (another strategy, the reference's batch).
+    """
+    total = warmup + steps
+    overrides = {**request.overrides, **(extra or {}), "max_steps": total, "val_interval": total + 1,
+                 "val_size": 0, "checkpoint_interval": None, "logger": None,
+                 "output_dir": PROBE_OUTPUT}
+    with tempfile.TemporaryDirectory(prefix="exogym-recommend-") as run_dir:
+        timing = TrainRequest(
+            profile=request.profile, config=request.config, overrides=overrides,
+            hosts=config, accept_new_host_keys=request.accept_new_host_keys,
+            known_hosts=request.known_hosts, ssh_config=request.ssh_config, run_dir=run_dir,
+            launcher_options={**request.launcher_options, "env": {
+                **dict(request.launcher_options.get("env") or {}),
+                "EXOGYM_COLLECTIVES": "mirror"}})
+        recorder = _StepRecorder()
+        with make_launcher(timing, config, console=console,
+                           dashboard=recorder) as launcher:  # type: ignore[arg-type]
+            launcher.session.preflight()
+            result = launcher.run()
+    if not result.ok:
+        raise RecommendError(f"timing the profile on the hosts failed: {result.describe()}")
+    timings = []
+    for rank, host in enumerate(config.rank_hosts):
+        walls = recorder.steps.get(rank, {})
+        if warmup not in walls or total not in walls:
+            raise RecommendError(f"rank {rank} on {host.host} reported no step {warmup} or "
+                                 f"{total} while timing; its log is in the launcher's output")
+        each = [walls[k] - walls[k - 1] for k in range(warmup + 1, total + 1)
+                if k in walls and k - 1 in walls]
+        timings.append(HostTiming(host.host, (walls[total] - walls[warmup]) / steps,
+                                  statistics.stdev(each) if len(each) > 1 else 0.0))
+    return tuple(timings)
+
+
+def _links(request: TrainRequest, config: HostsConfig, console: Console,
+           seconds: float) -> tuple[LinkMeasurement, ...]:
+    """One transfer from the master to every worker, through the hosts' own shells."""
+    from distributed.hosts.session import HostSession
+    from distributed.launch.options import split_options
+
+    launch, options = split_options({**ssh_files(request.known_hosts, request.ssh_config),
+                                "accept_new_host_keys": request.accept_new_host_keys,
+                                **request.launcher_options}, owner="TrainRequest")
+    found = []
+    with HostSession(config, ssh=options, console=console,
+                     master_local=launch.master_local) as session:
+        errors = session.connect()
+        if errors:
+            raise RecommendError("cannot reach every host to measure the links: "
+                                 + "; ".join(f"{config.hosts[r].host}: {e}"
+                                             for r, e in errors.items()))
+        master = config.master
+        for worker in config.workers:
+            address = session.targets[worker.rank].hostname
+            try:
+                found.append(measure_between(session.shell(0), master,
+                                             session.shell(worker.rank), worker, address,
+                                             seconds=seconds))
+            except LinkError as exc:
+                raise RecommendError(f"measuring the link {master.host} -> {worker.host} "
+                                     f"failed: {exc}") from exc
+    return tuple(found)
+
+
+def _remote_kinds(profile: Profile, specs: Sequence[CandidateSpec], hosts: int,
+                  local: Mapping[str, float]) -> dict[str, dict[str, Any]]:
+    """The ``--set`` values that time each compute kind and the reference on the hosts.
+
+    Only kinds measured here, other than the profile's own step, and only where
+    ``--set`` alone turns the profile into them.
+    """
+    own = projection.canonical(profile.strategy)
+    batch = int(profile.resolved.run_kwargs.get("batch_size") or 1)
+    wanted: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        if spec.compute in local and spec.compute != own and spec.compute not in wanted:
+            wanted[spec.compute] = {"strategy": spec.name, **spec.settings}
+    wanted["reference"] = {"strategy": "ddp", "batch_size": hosts * batch,
+                           "minibatch_size": batch}
+    usable = {}
+    for kind, extra in wanted.items():
+        try:
+            if not profile.with_overrides(extra).problems():
+                usable[kind] = extra
+        except ProfileError:
+            continue
+    return usable
+
+
+def measure(request: TrainRequest, console: Console, *, link_mbit: float | None = None,
+            warmup: int = 3, steps: int = 10, link_seconds: float = 2.0,
+            specs: Sequence[CandidateSpec] | None = None,
+            time_hosts: bool = True) -> Measurements:
+    """Measure what the predictions need: step times here and on the hosts, and the links.
+
+    Args:
+        request: the profile (and ``--set``) and, for real hosts, the hosts file and SSH files.
+        console: where progress lines go.
+        link_mbit: a modelled link instead of measuring one (required without hosts).
+        warmup, steps: steps run before timing, and steps timed, on every host.
+        link_seconds: how long each link transfer lasts.
+        specs: the candidates (default :func:`candidate_specs`).
+        time_hosts: time the step on the hosts; False lets this machine's step
+            stand in for every host (what the wizard's estimates do).
+
+    Raises:
+        ProfileError, HostsFileError: bad input, before any work.
+        ValueError: no hosts and no ``link_mbit``.
+        RecommendError: a measurement failed.
+    """
+    config = hosts_config(request) if request.multi_host else None  # bad files fail first
+    profile = resolve_profile(request)
+    if link_mbit is not None:
+        link_mbit = float(link_mbit)
+        if not link_mbit > 0:
+            raise ValueError(f"--link-mbit must be a number of Mbit/s > 0, got {link_mbit}")
+    on_hosts = config is not None
+    if not on_hosts and link_mbit is None:
+        raise ValueError("without --hosts nothing crosses a network, so there is no link "
+                         "to measure: give --hosts FILE to measure real hosts, or "
+                         "--link-mbit N to pick for a modelled link of N Mbit/s")
+    specs = list(specs or candidate_specs(profile))
+
+    def say(text: str) -> None:
+        console.print(f"[recommend] {text}", markup=False, highlight=False)
+
+    hosts = config.world_size if on_hosts else int(profile.values.get("num_nodes") or 1)
+    if hosts < 2:
+        raise RecommendError(f"{hosts} rank(s) planned: strategies differ only with 2 or more")
+    local, facts = _local_steps(profile, specs, hosts, 1 if on_hosts else hosts, say)
+    timings: tuple[HostTiming, ...] = ()
+    links: tuple[LinkMeasurement, ...] = ()
+    scale, sd = 1.0, 0.0
+    remote: dict[str, float] = {}
+    if on_hosts and time_hosts:
+        assert config is not None
+        say(f"timing {steps} steps of {profile.name} on {hosts} host(s) at once, nothing sent")
+        timings = _host_steps(request, config, console, warmup, steps)
+        host_mean = statistics.fmean(t.step_s for t in timings)
+        scale = host_mean / local["own"]
+        sd = statistics.fmean(t.step_sd_s for t in timings)
+        # Each kind's own step, and the reference, on the hosts too where --set reaches them
+        # (the same conditions as the run; this machine's ratios stand in for the rest).
+        for kind, extra in _remote_kinds(profile, specs, hosts, local).items():
+            say(f"timing {steps} steps of {kind} on the hosts")
+            found = _host_steps(request, config, console, warmup, steps, extra)
+            remote[kind] = statistics.fmean(t.step_s for t in found)
+    if on_hosts and link_mbit is None:
+        assert config is not None
+        say("measuring the link from the master to every worker")
+        links = _links(request, config, console, link_seconds)
+    throughput = projection.mbit_to_bytes_per_s(link_mbit) if link_mbit is not None \
+        else min(m.bytes_per_s for m in links)
+    if not throughput > 0:
+        raise RecommendError("the link measurement received nothing; check that the hosts "
+                             "can reach each other, or give --link-mbit")
+    compute = {kind: remote.get(kind, s * scale) for kind, s in local.items()
+               if kind not in ("own", "reference")}
+    compute.setdefault("ddp", local["own"] * scale)
+    reference = remote.get("reference", local.get("reference", math.inf) * scale)
+    # One host doing every host's minibatches each step (gradient accumulation) never
+    # spends more per minibatch than a step of one: a larger figure is noise.
+    minibatch_s = min(reference / hosts, compute["ddp"])
+    return Measurements(
+        hosts=hosts, num_params=facts.num_params, shapes=facts.shapes, compute_s=compute,
+        compute_sd_s=sd, minibatch_s=minibatch_s,
+        throughput_bytes_per_s=throughput, link="modelled" if link_mbit is not None
+        else "measured", host_steps=timings, links=links, local_s=local)
+
+
+def recommend(request: TrainRequest, console: Console | None = None, *,
+              link_mbit: float | None = None, steps: int = 10,
+              link_seconds: float = 2.0, time_hosts: bool = True,
+              new_profile: bool = False) -> Recommendation:
+    """Measure, predict every candidate, pick one and say why.
+
+    Args:
+        request: the profile, ``--set`` values, hosts and SSH files.
+        console: where progress lines go (default: stdout).
+        link_mbit: a modelled link in Mbit/s instead of a measured one.
+        steps: steps timed on every host.
+        link_seconds: how long each link transfer lasts.
+        time_hosts: time the step on the hosts (False: this machine's stands in).
+        new_profile: a profile of its own will be written for the pick (the wizard's
+            case), so any strategy the task can run may be picked, not only those
+            ``--set`` can switch the profile to.
+
+    Raises:
+        ProfileError, HostsFileError, ValueError: bad input, before any work.
+        RecommendError: a measurement failed, or nothing fits the profile.
+    """
+    console = console or Console()
+    profile = resolve_profile(request)
+    specs = candidate_specs(profile)
+    measured = measure(request, console, link_mbit=link_mbit, steps=steps,
+                       link_seconds=link_seconds, specs=specs, time_hosts=time_hosts)
+    rows = predict_candidates(measured, specs, {s.label: _why_not(profile, s, new_profile) for s in specs})
+    chosen = pick(rows)
+    return Recommendation(profile.name, chosen, reason_for(chosen, rows, measured), tuple(rows),
+                          measured)
+
+
+def table_rows(rec: Recommendation) -> list[list[str]]:
+    """The candidates as text cells: label, step, comm share, speedup, bytes/step, note."""
+    rows = []
+    for c in rec.candidates:
+        note = "<- pick" if c is rec.pick else ("" if c.applies else "needs its own profile")
+        rows.append([c.label, f"{c.step_s * 1000:.1f} ms", f"{c.comm_fraction:.0%}",
+                     f"{c.speedup:.2f}x", human_bytes(c.wire_bytes), note])
+    return rows
+

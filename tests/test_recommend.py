@@ -1,0 +1,190 @@
+"""Choosing the strategy: ``recommend`` and ``distributed-train --strategy auto``.
+
+The pick rule runs on hand-made predictions. The rest runs for real: the
+profile's steps timed here and on the test sshd's hosts (this machine as the
+master, 127.0.0.2 over SSH), the link between them measured with a TCP
+transfer, and a training run with the strategy picked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from faces_support import sshd_hosts
+from ranks import ROOT
+from safetensors import safe_open
+from sshd_fixture import serve_sshd
+from typer.testing import CliRunner
+
+from cli_typer import app
+from distributed.app.recommend import (
+    Candidate,
+    Measurements,
+    RecommendError,
+    candidate_specs,
+    pick,
+    predict_candidates,
+)
+from distributed.profiles.profile import load_profile
+
+runner = CliRunner()
+#: A tiny digits run: the steps to time are short, and DiLoCo's H stay below max_steps.
+TINY = ["max_steps=60", "val_interval=60", "val_size=32", "num_threads=1",
+        "checkpoint_interval=None"]
+ROW_FIELDS = {"label", "name", "settings", "step_s", "comm_s", "speedup", "wire_bytes",
+              "applies", "comm_fraction"}
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    yield from serve_sshd(tmp_path_factory)
+
+
+def invoke(*args: object):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def sets(pairs: list[str]) -> list[str]:
+    return [part for pair in pairs for part in ("--set", pair)]
+
+
+def ssh_files(sshd) -> list[str]:
+    return ["--known-hosts", str(sshd.known_hosts), "--ssh-config", str(sshd.ssh_config)]
+
+
+def two_hosts(sshd, tmp_path: Path) -> Path:
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps(sshd_hosts(sshd, workers=1)))
+    return path
+
+
+# --------------------------------------------------------------------------- the pick rule
+
+
+def row(label: str, speedup: float, wire: float, applies: bool = True) -> Candidate:
+    return Candidate(label, label.split()[0].lower(), {}, 1.0 / speedup, 0.0, speedup, wire,
+                     applies, None if applies else "its keys do not fit")
+
+
+def test_pick_takes_the_highest_predicted_speedup():
+    rows = [row("ddp", 1.2, 1e7), row("diloco H=10", 1.8, 1e6), row("sparta", 1.5, 1e4)]
+    assert pick(rows).label == "diloco H=10"
+
+
+def test_pick_breaks_a_tie_toward_fewer_bytes():
+    rows = [row("diloco H=100", 1.950, 1e5), row("diloco H=500", 1.945, 2e4),
+            row("ddp", 1.5, 1e7)]
+    assert pick(rows).label == "diloco H=500"  # within 1% of the best: fewer bytes wins
+    assert pick(rows, tie=0.0).label == "diloco H=100"
+
+
+def test_pick_skips_strategies_the_profile_cannot_switch_to():
+    rows = [row("ddp", 1.9, 1e7, applies=False), row("diloco H=10", 1.7, 1e6)]
+    assert pick(rows).label == "diloco H=10"
+    with pytest.raises(RecommendError, match="no candidate strategy fits"):
+        pick([row("ddp", 1.9, 1e7, applies=False)])
+
+
+def test_predictions_follow_the_link_ddp_wins_on_a_fast_one():
+    profile = load_profile("chargpt-bench")
+    specs = candidate_specs(profile)
+    assert [s.label for s in specs][:5] == ["DDP", "DiLoCo H=10", "DiLoCo H=50",
+                                            "DiLoCo H=100", "SPARTA p=0.005"]
+
+    def at(mbit: float) -> list[Candidate]:
+        m = Measurements(hosts=2, num_params=3_257_856, shapes=((3_257_856,),),
+                         compute_s={"ddp": 0.30, "sparta": 0.33, "demo": 0.40},
+                         compute_sd_s=0.0, minibatch_s=0.30,
+                         throughput_bytes_per_s=mbit * 1e6 / 8, link="modelled")
+        return predict_candidates(m, specs)
+
+    slow, fast = at(100), at(100_000)
+    assert pick(slow).name == "diloco" and pick(slow).settings["H"] >= 50
+    ddp_fast = next(c for c in fast if c.name == "ddp")
+    assert ddp_fast.speedup > 1.9 and pick(fast).speedup == pytest.approx(2.0, rel=0.02)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_a_bad_profile_fails_before_any_measurement(tmp_path):
+    result = invoke("recommend", "digits-dilcoo", "--link-mbit", "100")
+    assert result.exit_code == 2, result.output
+    assert "digits-dilcoo" in result.output and "timing" not in result.output
+
+
+def test_a_bad_hosts_file_fails_before_any_measurement(tmp_path):
+    bad = tmp_path / "hosts.json"
+    bad.write_text('{"master": "127.0.0.1", "workers": [{"hots": "x"}]}')
+    result = invoke("recommend", "digits-ddp", "--hosts", bad)
+    assert result.exit_code == 2, result.output
+    assert "hots" in result.output and "timing" not in result.output
+
+
+def test_without_hosts_or_a_modelled_link_it_says_what_to_give():
+    for args in (["recommend", "digits-ddp"], ["distributed-train", "digits-ddp",
+                                                "--strategy", "auto"]):
+        result = invoke(*args)
+        assert result.exit_code == 2, result.output
+        assert "--link-mbit" in result.output and "timing" not in result.output
+
+
+# --------------------------------------------------------------------------- real hosts
+
+
+def test_recommend_json_on_two_hosts_gives_a_pick_and_rows(sshd, tmp_path):
+    hosts = two_hosts(sshd, tmp_path)
+    result = invoke("recommend", "digits-ddp", "--hosts", hosts, "--json", *sets(TINY),
+                    *ssh_files(sshd))
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["strategy"]["name"] in {"ddp", "diloco", "sparta", "demo", "fedavg"}
+    assert answer["reason"].startswith(answer["label"])
+    labels = [c["label"] for c in answer["candidates"]]
+    assert labels[:4] == ["DDP", "DiLoCo H=10", "DiLoCo H=50", "SPARTA p=0.005"]
+    for c in answer["candidates"]:
+        assert ROW_FIELDS <= set(c), c
+        assert c["step_s"] > 0 and c["speedup"] > 0 and c["wire_bytes"] >= 0
+    m = answer["measurements"]
+    assert m["hosts"] == 2 and m["link"] == "measured"
+    assert [t["host"] for t in m["host_steps"]] == ["127.0.0.1", "127.0.0.2"]
+    assert all(t["step_s"] > 0 for t in m["host_steps"])
+    assert m["links"][0]["link"] == "127.0.0.1 -> 127.0.0.2" and m["mbit_per_s"] > 10
+
+
+def test_strategy_auto_trains_with_the_picked_strategy(sshd, tmp_path):
+    hosts = two_hosts(sshd, tmp_path)
+    out = tmp_path / "out"
+    result = invoke("distributed-train", "digits-ddp", "--hosts", hosts, "--strategy", "auto",
+                    "--link-mbit", "1", *sets([*TINY, f"output_dir={out}"]), *ssh_files(sshd))
+    assert result.exit_code == 0, result.output
+    picked = re.search(r"strategy auto: (\w+)(?: H=(\d+))?", result.output)
+    assert picked, result.output
+    # 1 Mbit/s: DDP's traffic would dominate every step; the pick sends far less.
+    assert picked[1] != "DDP" and "DDP would spend" in result.output
+    with safe_open(str(out / "model.safetensors"), "pt") as model:
+        values = json.loads(model.metadata()["profile_values"])
+    assert values["strategy"] == picked[1].lower()
+    if picked[2]:
+        assert values["H"] == int(picked[2])
+
+
+def test_the_wizard_shows_the_recommendation_beside_its_estimates(tmp_path):
+    config = tmp_path / "config.ini"
+    config.write_text((ROOT / "config.ini").read_text())
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "wizard.py"), "--yes", "--no-run", "--config", str(config),
+         "--bandwidth-mbit", "1", *sets([*TINY, "num_nodes=2"])],
+        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    estimates = done.stdout.index("Estimates for 2 machines at 1 Mbit/s")
+    line = next(x for x in done.stdout[estimates:].splitlines() if x.startswith("Recommended:"))
+    assert "communication is" in line and "predicted on 2 hosts" in line
+    assert "DDP would spend" in line  # at 1 Mbit/s DDP is not the pick
