@@ -45,6 +45,9 @@ KnownHosts = Annotated[str | None, typer.Option(
 SSHConfig = Annotated[str | None, typer.Option(
     "--ssh-config", envvar="EXOGYM_SSH_CONFIG",
     help="OpenSSH client config to honour (default ~/.ssh/config).")]
+SSHTimeout = Annotated[float | None, typer.Option(
+    "--ssh-timeout", envvar="EXOGYM_SSH_TIMEOUT", min=0.1,
+    help="Seconds to wait for each host's connection, SSH greeting and login (default 10).")]
 LoggerName = Annotated[str | None, typer.Option(
     "--logger", metavar="csv|wandb|tensorboard|none",
     help="Where the run logs its metrics (into the profile's output folder, logs/); "
@@ -89,6 +92,7 @@ def distributed_train(
         "--local", help="Simulate here even when --hosts is given.")] = False,
     known_hosts: KnownHosts = None,
     ssh_config: SSHConfig = None,
+    ssh_timeout: SSHTimeout = None,
     run_dir: Annotated[Path | None, typer.Option(
         "--run-dir", file_okay=False, help="Where the ranks' logs go (hosts only).")] = None,
     debug: Debug = False,
@@ -103,7 +107,7 @@ def distributed_train(
             overrides=run.logger_override(run.parse_overrides(set_), logger), hosts=hosts,
             local=local, resume=resume,
             max_restarts=max_restarts, sync=sync, accept_new_host_keys=accept_new_host_keys,
-            known_hosts=known_hosts, ssh_config=ssh_config,
+            known_hosts=known_hosts, ssh_config=ssh_config, ssh_timeout=ssh_timeout,
             run_dir=str(run_dir) if run_dir else None)
         if dry_run:
             run.dry_run(request, console)
@@ -131,6 +135,7 @@ def check_hosts(
     accept_new_host_keys: AcceptNewHostKeys = False,
     known_hosts: KnownHosts = None,
     ssh_config: SSHConfig = None,
+    ssh_timeout: SSHTimeout = None,
     debug: Debug = False,
 ) -> None:
     """Pre-flight every host of a hosts file and show the table; start nothing."""
@@ -139,7 +144,7 @@ def check_hosts(
 
         console = make_console()
         report = check(hosts, console, known_hosts=known_hosts, ssh_config=ssh_config,
-                       accept_new_host_keys=accept_new_host_keys)
+                       accept_new_host_keys=accept_new_host_keys, ssh_timeout=ssh_timeout)
         if not report.ok:
             failed = sum(not c.ok for c in report.checks)
             fail(f"{failed} of {len(report.checks)} hosts in {hosts} are not ready; each "

@@ -10,6 +10,7 @@ shows a traceback. Imports only typer and rich at first, so ``--help`` stays fas
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import traceback
 from collections.abc import Iterator
@@ -38,6 +39,24 @@ def fail(message: str, code: int, debug: bool, exc: BaseException | None = None)
     raise typer.Exit(code)
 
 
+#: Libraries whose own log lines (tracebacks included) a person sees only with --debug.
+QUIET_LOGGERS = ("paramiko",)
+
+
+def quiet_library_logs(debug: bool) -> None:
+    """Silence the log output of :data:`QUIET_LOGGERS` (Python's last-resort handler would
+    print their warnings, tracebacks included, on stderr); with ``debug``, show it on stderr."""
+    for name in QUIET_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if getattr(handler, "_exogym", False):
+                logger.removeHandler(handler)
+        handler = logging.StreamHandler() if debug else logging.NullHandler()
+        handler._exogym = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
 @contextlib.contextmanager
 def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
     """Turn the errors a person can fix into exit code 2, a failed run into 1.
@@ -52,6 +71,7 @@ def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
     from distributed.profiles.profile import ProfileError
 
     debug = debug or bool((ctx.obj or {}).get("debug"))
+    quiet_library_logs(debug)
     try:
         yield debug
     except typer.Exit:

@@ -72,6 +72,8 @@ class TrainRequest:
         accept_new_host_keys: trust hosts not yet in known_hosts (recorded once).
         known_hosts: the known_hosts file (default ``$EXOGYM_KNOWN_HOSTS`` or ``~/.ssh/known_hosts``).
         ssh_config: the SSH client config (default ``$EXOGYM_SSH_CONFIG`` or ``~/.ssh/config``).
+        ssh_timeout: seconds to wait for each host's TCP connection, SSH greeting and
+            login (default ``SSHOptions.connect_timeout``).
         run_dir: where the launcher writes the ranks' logs.
         launcher_options: more fields of ``LaunchOptions`` or ``SSHOptions``
             (e.g. ``allow_agent``; see ``distributed.launch.options.split_options``).
@@ -88,6 +90,7 @@ class TrainRequest:
     accept_new_host_keys: bool = False
     known_hosts: str | None = None
     ssh_config: str | None = None
+    ssh_timeout: float | None = None
     run_dir: str | None = None
     launcher_options: Mapping[str, Any] = field(default_factory=dict)
 
@@ -186,7 +189,7 @@ def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Consol
     flat: dict[str, Any] = {
         "run_dir": request.run_dir, "max_restarts": request.max_restarts, "sync": request.sync,
         "accept_new_host_keys": request.accept_new_host_keys,
-        **ssh_files(request.known_hosts, request.ssh_config), **request.launcher_options,
+        **ssh_files(request.known_hosts, request.ssh_config, request.ssh_timeout), **request.launcher_options,
     }
     options, ssh = split_options(flat, owner="TrainRequest(launcher_options=...)")
     return Launcher(config, program, options=options, ssh=ssh, console=console,
@@ -233,6 +236,8 @@ def train_command(request: TrainRequest) -> str:
         args += ["--known-hosts", request.known_hosts]
     if request.ssh_config:
         args += ["--ssh-config", request.ssh_config]
+    if request.ssh_timeout is not None:
+        args += ["--ssh-timeout", f"{request.ssh_timeout:g}"]
     if request.run_dir:
         args += ["--run-dir", request.run_dir]
     return shlex.join(args)

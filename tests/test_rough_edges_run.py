@@ -1,0 +1,136 @@
+"""What a new user tripped over on the way to a run, each through the command line as they
+typed it (``python cli_typer.py ...`` in a subprocess, so stderr is the real one).
+
+SSH errors that say what happened; ``profiles`` fast and tolerant of a bad profile;
+``--resume`` of a finished run; warnings as one plain line; ``--set`` checked before work
+starts; what ``--dry-run`` tells; warnings before a run that cannot go as meant; the
+``--resume`` command after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ranks import ROOT
+
+from distributed.app.console import quiet_library_logs
+
+CLI = [sys.executable, str(ROOT / "cli_typer.py")]
+
+
+def cli(*args: str, cwd: Path | None = None, timeout: float = 300,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the command line as a user would; stdout and stderr apart."""
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or ROOT, timeout=timeout, env=env)
+
+
+# --- 1. SSH errors ------------------------------------------------------------------------
+
+
+class FakeServer:
+    """A TCP server on a loopback address that accepts and then stays silent or closes."""
+
+    def __init__(self, address: str, mode: str) -> None:
+        self.sock = socket.socket()
+        self.sock.bind((address, 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.mode = mode
+        self.held: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.mode == "close":
+                conn.close()
+            else:
+                self.held.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+@pytest.fixture
+def fake_ssh(request) -> Iterator[FakeServer]:
+    server = FakeServer("127.0.0.9", request.param)
+    yield server
+    server.close()
+
+
+def hosts_file(path: Path, worker: str, port: int) -> Path:
+    path.write_text(json.dumps({
+        "master": "127.0.0.1", "workers": [{"host": worker, "ssh_port": port}],
+        "python_env": sys.executable, "project_path": str(ROOT)}))
+    return path
+
+
+NO_TRACE = ("Traceback", "paramiko", "Exception (client)", "No existing session")
+
+
+@pytest.mark.parametrize("fake_ssh", ["silent"], indirect=True)
+def test_check_hosts_says_a_silent_port_sent_no_greeting_and_how_long_it_waited(
+        fake_ssh, tmp_path):
+    hosts = hosts_file(tmp_path / "hosts.json", "127.0.0.9", fake_ssh.port)
+    started = time.monotonic()
+    result = cli("check-hosts", hosts, "--ssh-timeout", "1.5")
+    took = time.monotonic() - started
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    flat = " ".join(out.split())
+    assert (f"127.0.0.9:{fake_ssh.port} accepted the TCP connection but sent no SSH greeting "
+            "in 1.5 s: is sshd running there, or is another service on that port?") in flat
+    for word in NO_TRACE:
+        assert word not in out, out
+    assert took < 30, took  # one wait for the greeting, not one per attempt
+
+
+@pytest.mark.parametrize("fake_ssh", ["close"], indirect=True)
+def test_check_hosts_says_a_closed_connection_closed_at_once(fake_ssh, tmp_path):
+    hosts = hosts_file(tmp_path / "hosts.json", "127.0.0.9", fake_ssh.port)
+    result = cli("check-hosts", hosts, "--ssh-timeout", "5")
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    flat = " ".join(out.split())
+    assert f"127.0.0.9:{fake_ssh.port} closed the connection at once before the SSH greeting " \
+           "(after 0." in flat
+    assert "within 5 s" not in flat and "in 5.0 s" not in flat
+    for word in NO_TRACE:
+        assert word not in out, out
+
+
+@pytest.mark.parametrize("fake_ssh", ["silent"], indirect=True)
+def test_train_on_hosts_reports_the_silent_host_without_traceback(fake_ssh, tmp_path):
+    hosts = hosts_file(tmp_path / "hosts.json", "127.0.0.9", fake_ssh.port)
+    result = cli("distributed-train", "digits-diloco", "--hosts", hosts, "--ssh-timeout", "1",
+                 "--set", "max_steps=2")
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    assert "sent no SSH greeting in 1.0 s" in " ".join(out.split())
+    for word in NO_TRACE:
+        assert word not in out, out
+
+
+def test_paramiko_log_lines_show_only_with_debug():
+    quiet_library_logs(False)
+    assert not logging.getLogger("paramiko").propagate
+    assert all(isinstance(h, logging.NullHandler) for h in logging.getLogger("paramiko").handlers)
+    quiet_library_logs(True)
+    assert any(type(h) is logging.StreamHandler for h in logging.getLogger("paramiko").handlers)
+    quiet_library_logs(False)
