@@ -154,13 +154,13 @@ def check_hosts(
 
 @app.command("profiles")
 def profiles(ctx: typer.Context, config: ConfigFile = None, debug: Debug = False) -> None:
-    """List the profiles of a config file, base_profile resolved."""
-    with reported_errors(ctx, debug):
+    """List the profiles of a config file, base_profile resolved; a bad one with its error."""
+    with reported_errors(ctx, debug) as debug:
         from rich.table import Table
 
-        from distributed.app.setup import SUMMARY_COLUMNS, list_profiles
+        from distributed.app.profile_list import SUMMARY_COLUMNS, list_profiles
 
-        path, entries = list_profiles(config)
+        path, entries = list_profiles(config, full_check=False)
         table = Table(title=f"Profiles in {path}", title_justify="left")
         for name in ("name", *SUMMARY_COLUMNS):
             table.add_column(name, overflow="fold", no_wrap=name == "name")
@@ -171,6 +171,8 @@ def profiles(ctx: typer.Context, config: ConfigFile = None, debug: Debug = False
                     f" — {row['description']}" if row["description"] else "")
             table.add_row(entry.name, *row.values())
         make_console().print(table)
+        if entries and all(entry.why_not for entry in entries):
+            fail(f"no profile in {path} can run; each row above says why.", 2, debug)
 
 
 @app.command("compare")

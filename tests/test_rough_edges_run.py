@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -29,7 +30,9 @@ CLI = [sys.executable, str(ROOT / "cli_typer.py")]
 
 def cli(*args: str, cwd: Path | None = None, timeout: float = 300,
         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the command line as a user would; stdout and stderr apart."""
+    """Run the command line as a user would; stdout and stderr apart (wide, so that a
+    table's cells stay whole)."""
+    env = {**os.environ, "COLUMNS": "400", **(env or {})}
     return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True,
                           cwd=cwd or ROOT, timeout=timeout, env=env)
 
@@ -134,3 +137,76 @@ def test_paramiko_log_lines_show_only_with_debug():
     quiet_library_logs(True)
     assert any(type(h) is logging.StreamHandler for h in logging.getLogger("paramiko").handlers)
     quiet_library_logs(False)
+
+
+# --- 2. profiles ---------------------------------------------------------------------------
+
+
+def cpu_seconds(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run the command line; and the CPU seconds it used (not wall time: the machine may be
+    busy with other work, and the point is what the command itself does)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = cli(*args)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return result, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def test_profiles_lists_the_good_ones_and_marks_the_bad_one_with_its_error(tmp_path):
+    config = tmp_path / "config.ini"
+    config.write_text((ROOT / "config.ini").read_text() + "\n[distributed:broken]\n"
+                      "base_profile = no-such-profile\nmax_steps = 3\n\n"
+                      "[distributed:bad-steps]\nbase_profile = digits-base\nmax_steps = abc\n")
+    result = cli("profiles", "--config", config)
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.split())
+    for name in ("digits-diloco", "digits-ddp", "chargpt-diloco", "broken", "bad-steps"):
+        assert name in out
+    assert "not usable here: no profile 'no-such-profile' (base_profile of 'broken')" in out
+    assert "max_steps must be an integer >= 1 or None, got 'abc'" in out
+    assert out.count("not usable here") == 2
+
+
+def test_profiles_fails_when_no_profile_can_run(tmp_path):
+    config = tmp_path / "config.ini"
+    config.write_text("[distributed:broken]\nbase_profile = nothing\n")
+    result = cli("profiles", "--config", config)
+    assert result.returncode == 2
+    assert "broken" in result.stdout and "no profile" in result.stderr
+
+
+def test_profiles_answers_without_importing_torch():
+    result, cpu = cpu_seconds("profiles")
+    assert result.returncode == 0, result.stderr
+    assert "digits-diloco" in result.stdout
+    assert cpu < 2.0, cpu  # importing torch alone takes 3 s of CPU here
+
+    from distributed.app.profile_list import list_profiles
+
+    code = ("import sys; from distributed.app.profile_list import list_profiles; "
+            "list_profiles(full_check=False); print('torch' in sys.modules)")
+    check = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           cwd=ROOT)
+    assert check.stdout.strip() == "False", check.stderr
+    path, entries = list_profiles(full_check=False)
+    assert all(entry.why_not is None for entry in entries), entries
+
+
+def test_builtin_task_names_known_without_torch_match_the_tasks():
+    from distributed.tasks import BUILTIN_TASK_NAMES
+    from distributed.tasks.builtin import BUILTIN_TASKS
+
+    assert tuple(BUILTIN_TASKS) == BUILTIN_TASK_NAMES
+
+
+# --- 5. --set checked before work starts ---------------------------------------------------
+
+
+def test_set_value_of_the_wrong_type_fails_before_anything_starts():
+    result, cpu = cpu_seconds("distributed-train", "digits-diloco", "--set", "max_steps=abc")
+    assert result.returncode == 2
+    assert "simulating" not in result.stdout + result.stderr
+    assert ("--set max_steps=abc: max_steps must be an integer >= 1 or None, got 'abc' "
+            "(profile digits-diloco)") in " ".join(result.stderr.split())
+    assert cpu < 1.5, cpu  # no torch import before the check
