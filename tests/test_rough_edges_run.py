@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -210,3 +211,88 @@ def test_set_value_of_the_wrong_type_fails_before_anything_starts():
     assert ("--set max_steps=abc: max_steps must be an integer >= 1 or None, got 'abc' "
             "(profile digits-diloco)") in " ".join(result.stderr.split())
     assert cpu < 1.5, cpu  # no torch import before the check
+
+
+# --- 4. shipped profiles do not warn; our warnings are one plain line ----------------------
+
+TINY_RUN = ["--set", "max_steps=2", "--set", "num_nodes=2", "--set", "val_size=16",
+            "--set", "checkpoint_interval=None", "--set", "num_threads=1"]
+
+
+def test_every_shipped_profile_resolves_and_builds_its_strategy_without_a_warning():
+    from distributed.profiles.profile import ProfileSet
+
+    profiles = ProfileSet()
+    for name in profiles.names():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            profile = profiles.get(name)
+            resolved = profile.resolved
+            resolved.strategy_cls(**resolved.strategy_kwargs)
+            if profile.task == "digits":  # cheap to build; the others load more
+                resolved.task_fn(**resolved.task_kwargs)
+
+
+def test_digits_demo_runs_without_a_warning(tmp_path):
+    result = cli("distributed-train", "digits-demo", *TINY_RUN, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr.lower(), result.stderr
+    assert json.loads((tmp_path / "runs/digits-demo/summary.json").read_text())["steps"] == 2
+
+
+def assert_plain_warning(stderr: str, text: str) -> None:
+    """``text`` is on a ``warning: ...`` line; no Python warning form (file:line, category,
+    source line) anywhere."""
+    flat = " ".join(stderr.split())
+    assert f"warning: {text}" in flat, stderr
+    assert "Warning:" not in stderr and ".py:" not in stderr, stderr
+
+
+# --- 7. warnings before the start ----------------------------------------------------------
+
+
+def test_a_run_whose_h_and_batch_cannot_go_as_set_warns_and_still_runs(tmp_path):
+    result = cli("distributed-train", "digits-diloco", *TINY_RUN, "--set", "H=5",
+                 "--set", "batch_size=1000", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert_plain_warning(result.stderr, "H=5 > max_steps=2: DiLoCo would never communicate")
+    assert_plain_warning(result.stderr, "batch_size=1000 is larger than one rank's share of "
+                                        "the data (719 of 1438 training samples over 2 ranks)")
+    assert "simulation finished" in result.stdout
+    assert (tmp_path / "runs/digits-diloco/summary.json").is_file()
+
+
+def test_many_more_ranks_than_cores_is_warned_with_the_numbers():
+    from distributed.app.run import run_warnings
+    from distributed.profiles.profile import load_profile
+
+    profile = load_profile("digits-diloco", overrides={"num_nodes": 65})
+    assert run_warnings(profile, 65, 2) == [
+        "65 ranks on 2 cores (32.5 per core): they take turns, so each step will be slow; "
+        "up to 8 ranks keep it reasonable"]
+    assert run_warnings(profile, 8, 2) == []
+    result = cli("distributed-train", "digits-diloco", "--dry-run", "--set", "num_nodes=65")
+    assert result.returncode == 0, result.stderr
+    cores = os.cpu_count()
+    if cores and 65 > 4 * cores:
+        assert f"note: 65 ranks on {cores} cores" in result.stdout
+
+
+# --- 6. what --dry-run tells ---------------------------------------------------------------
+
+
+def test_dry_run_on_hosts_says_the_hosts_replace_num_nodes_and_the_key_file_is_missing(
+        tmp_path):
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps({
+        "master": "127.0.0.1", "workers": ["127.0.0.2", "127.0.0.3"],
+        "ssh_key_path": str(tmp_path / "no_such_key"), "python_env": sys.executable,
+        "project_path": str(ROOT)}))
+    result = cli("distributed-train", "digits-diloco", "--hosts", hosts, "--dry-run",
+                 "--set", "H=400")
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.split())
+    assert "note: the hosts file's 3 ranks replace the profile's num_nodes=4" in out
+    assert f"note: key file {tmp_path / 'no_such_key'} for " in out
+    assert "(rank 1) does not exist on this machine" in out
+    assert "note: H=400 > max_steps=300: DiLoCo would never communicate" in out

@@ -10,11 +10,14 @@ shows a traceback. Imports only typer and rich at first, so ``--help`` stays fas
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import traceback
+import warnings
 from collections.abc import Iterator
-from typing import NoReturn
+from pathlib import Path
+from typing import NoReturn, TextIO
 
 import typer
 from rich.console import Console
@@ -57,6 +60,39 @@ def quiet_library_logs(debug: bool) -> None:
         logger.propagate = False
 
 
+def _our_folders() -> tuple[Path, ...]:
+    """The folders of this project's packages (exogym may be installed elsewhere)."""
+    folders = [Path(__file__).resolve().parents[1]]
+    spec = importlib.util.find_spec("exogym")
+    if spec is not None and spec.origin:
+        folders.append(Path(spec.origin).resolve().parent)
+    return tuple(folders)
+
+
+_default_showwarning = warnings.showwarning
+
+
+def plain_warnings(debug: bool) -> None:
+    """Show a warning raised from this project's code as one plain line on stderr
+    (``warning: ...`` in yellow, without Python's file, line and source line); with
+    ``debug``, and for other libraries' warnings, Python's usual form."""
+    ours = _our_folders()
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        try:
+            mine = any(Path(filename).resolve().is_relative_to(f) for f in ours)
+        except (OSError, ValueError):
+            mine = False
+        if debug or not mine:
+            _default_showwarning(message, category, filename, lineno, file, line)
+            return
+        Console(stderr=True, highlight=False, soft_wrap=True).print(
+            f"warning: {message}", style="yellow", markup=False)
+
+    warnings.showwarning = show
+
+
 @contextlib.contextmanager
 def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
     """Turn the errors a person can fix into exit code 2, a failed run into 1.
@@ -72,6 +108,7 @@ def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
 
     debug = debug or bool((ctx.obj or {}).get("debug"))
     quiet_library_logs(debug)
+    plain_warnings(debug)
     try:
         yield debug
     except typer.Exit:

@@ -15,9 +15,11 @@ Torch is imported only when a local simulation starts.
 
 from __future__ import annotations
 
+import inspect
 import os
 import shlex
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,13 +35,16 @@ from distributed.hosts.sync import PROJECT_ROOT
 from distributed.launch.launcher import Launcher
 from distributed.launch.options import split_options
 from distributed.launch.program import RankProgram
-from distributed.profiles.profile import Profile, load_profile, parse_overrides
+from distributed.profiles.profile import Profile, ProfileWarning, load_profile, parse_overrides
 from distributed.rank.command import set_args, worker_args
 from distributed.rank.environment import FINAL_MODEL
 from exogym.logger import LOGGER_NAMES
 
 __all__ = ["PreflightError", "RunFailedError", "TrainOutcome", "TrainRequest", "dry_run",
-           "logger_override", "parse_overrides", "train", "train_command"]
+           "logger_override", "parse_overrides", "run_warnings", "train", "train_command"]
+
+#: Ranks per core beyond which a local simulation is warned that it will crawl.
+RANKS_PER_CORE_WARNING = 4
 
 
 class RunFailedError(RuntimeError):
@@ -243,18 +248,86 @@ def train_command(request: TrainRequest) -> str:
     return shlex.join(args)
 
 
+def strategy_setting(profile: Profile, key: str) -> Any:
+    """The value of a strategy argument ``key`` for ``profile``: its own, else the strategy's
+    default; None when the strategy takes no such argument."""
+    resolved = profile.resolved
+    if key in resolved.strategy_kwargs:
+        return resolved.strategy_kwargs[key]
+    parameter = inspect.signature(resolved.strategy_cls).parameters.get(key)
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return None
+    return parameter.default
+
+
+def run_warnings(profile: Profile, ranks: int, cores: int | None = None) -> list[str]:
+    """What will not go as the settings suggest, with the numbers; nothing is refused.
+
+    Args:
+        profile: the resolved profile.
+        ranks: how many ranks run (``num_nodes``, or the hosts file's world size).
+        cores: the CPU cores those ranks share (a local simulation); None to skip that check.
+    """
+    found = []
+    values = profile.values
+    max_steps, H = values.get("max_steps"), strategy_setting(profile, "H")
+    if isinstance(max_steps, int) and isinstance(H, int) and H > max_steps:
+        name = profile.resolved.strategy_cls.__name__.removesuffix("Strategy")
+        found.append(f"H={H} > max_steps={max_steps}: {name} would never communicate (ranks "
+                     f"average every H steps); lower H (--set H={max_steps}) or raise max_steps")
+    if cores and ranks > RANKS_PER_CORE_WARNING * cores:
+        found.append(f"{ranks} ranks on {cores} cores ({ranks / cores:.1f} per core): they "
+                     "take turns, so each step will be slow; up to "
+                     f"{RANKS_PER_CORE_WARNING * cores} ranks keep it reasonable")
+    return found
+
+
+def warn_before_start(profile: Profile, ranks: int, cores: int | None = None) -> None:
+    """Each of :func:`run_warnings` as a ``ProfileWarning`` (one plain line in the CLI)."""
+    for message in run_warnings(profile, ranks, cores):
+        warnings.warn(message, ProfileWarning, stacklevel=2)
+
+
+def dry_run_notes(request: TrainRequest, profile: Profile, config: HostsConfig,
+                  launcher: Launcher) -> list[str]:
+    """What a run on hosts would do differently from what the profile or the hosts file
+    says: the hosts' ranks replacing ``num_nodes``, a key file that is missing here."""
+    notes = []
+    asked = profile.values.get("num_nodes")
+    if asked is not None and asked != config.world_size:
+        notes.append(f"the hosts file's {config.world_size} ranks replace the profile's "
+                     f"num_nodes={asked}")
+    for rank, target in sorted(launcher.session.targets.items()):
+        for key in target.key_files:
+            if not os.path.isfile(key):
+                notes.append(f"key file {key} for {target.label} (rank {rank}) does not exist "
+                             'on this machine: fix "ssh_key_path" in the hosts file or '
+                             "IdentityFile in your ssh config, or connecting will fail")
+    return notes
+
+
 def dry_run(request: TrainRequest, console: Console) -> Profile:
     """Show what the request would run, where, and how; start nothing, connect to nothing."""
     profile = resolve_profile(request)
     if request.multi_host:
-        with make_launcher(request, hosts_config(request), console=console) as launcher:
+        config = hosts_config(request)
+        with make_launcher(request, config, console=console) as launcher:
             launcher.dry_run()
+            notes = dry_run_notes(request, profile, config, launcher)
+        notes += run_warnings(profile, config.world_size)
+        if notes:
+            console.print("", markup=False)
+        for note in notes:
+            console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
         return profile
     console.print(f"Dry run: profile {profile.name} as a local simulation of "
                   f"{profile.values.get('num_nodes', 1)} node(s); nothing is started.",
                   markup=False, highlight=False, soft_wrap=True)
     console.print(f"  command: {worker_command(request)}", markup=False, highlight=False,
                   soft_wrap=True)
+    for note in run_warnings(profile, int(profile.values.get("num_nodes") or 1),
+                             os.cpu_count()):
+        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     return profile
 
 
@@ -287,6 +360,7 @@ def _train_local(request: TrainRequest, profile: Profile, console: Console,
     from exogym.trainer import RankFailedError
 
     nodes = int(profile.values.get("num_nodes") or 1)
+    warn_before_start(profile, nodes, os.cpu_count())
     dashboard = Dashboard(nodes, title=f"{profile.name}: local simulation of {nodes} node(s)",
                           console=console, live=live)
     try:
@@ -311,6 +385,7 @@ def brief_failure(exc: BaseException) -> str:
 def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
                  live: bool | None) -> TrainOutcome:
     config = hosts_config(request)
+    warn_before_start(profile, config.world_size)
     dashboard = Dashboard(config.world_size, [h.host for h in config.rank_hosts],
                           title=f"{profile.name}: {config.world_size} rank(s) on "
                                 f"{len(config.hosts)} host(s)",

@@ -58,6 +58,11 @@ class ProfileError(ValueError):
     """A profile or config file is wrong; the message lists every problem found."""
 
 
+class ProfileWarning(UserWarning):
+    """A profile will run, but not as its settings suggest (``H`` beyond ``max_steps``, a
+    batch larger than a rank's data, many more ranks than cores); warned before it starts."""
+
+
 def parse_value(text: str) -> Any:
     """A config value as Python: numbers, booleans, None, lists, else the string."""
     stripped = text.strip()
