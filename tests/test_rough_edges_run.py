@@ -296,3 +296,61 @@ def test_dry_run_on_hosts_says_the_hosts_replace_num_nodes_and_the_key_file_is_m
     assert f"note: key file {tmp_path / 'no_such_key'} for " in out
     assert "(rank 1) does not exist on this machine" in out
     assert "note: H=400 > max_steps=300: DiLoCo would never communicate" in out
+
+
+# --- 3. --resume of a finished run; totals from the rank rows ------------------------------
+
+RESUMABLE = [*TINY_RUN, "--set", "checkpoint_interval=1", "--set", "H=2"]
+
+
+def result_files(folder: Path) -> dict[str, bytes]:
+    return {name: (folder / name).read_bytes() for name in ("summary.json", "model.safetensors")}
+
+
+def test_resume_of_a_finished_run_says_so_and_leaves_its_results_intact(tmp_path):
+    first = cli("distributed-train", "digits-diloco", *RESUMABLE, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    out = tmp_path / "runs/digits-diloco"
+    before = result_files(out)
+    assert json.loads(before["summary.json"])["steps"] == 2
+
+    again = cli("distributed-train", "digits-diloco", *RESUMABLE, "--resume", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    said = " ".join(again.stdout.split())
+    assert ("runs/digits-diloco already finished at step 2 (max_steps=2); nothing to resume. "
+            "Its results are in runs/digits-diloco/summary.json") in said
+    assert "started" not in said  # no rank was started
+    assert result_files(out) == before
+
+    # The worker alone (as each host runs it) keeps them too.
+    worker = subprocess.run(
+        [sys.executable, "-m", "distributed.worker", "--profile", "digits-diloco", "--resume",
+         "--quiet", *RESUMABLE],
+        capture_output=True, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert worker.returncode == 0, worker.stderr
+    assert "nothing to resume" in worker.stdout
+    assert result_files(out) == before
+
+
+def test_the_run_totals_are_computed_from_the_rank_rows():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from distributed.app.dashboard import Dashboard
+    from exogym.report import summarize
+
+    text = StringIO()
+    dashboard = Dashboard(2, console=Console(file=text, width=200), live=False)
+    for rank in (0, 1):  # ranks resumed at their last step: a start and a done, no step
+        dashboard.on_event({"event": "start", "rank": rank, "step": 2, "max_steps": 2})
+        dashboard.on_event({"event": "done", "rank": rank, "step": 2, "comm_bytes": 300})
+    dashboard.finish(summarize([], 2, 1.0))
+    rows = [line.split("│")[1:-1] for line in text.getvalue().splitlines()
+            if line.startswith("│")]
+    rank_rows = [r for r in rows if len(r) == 7]
+    totals = [r for r in rows if len(r) == 7 and r[0].strip() == "2" and "local" not in r[1]]
+    assert [r[3].strip() for r in rank_rows if "local" in r[1]] == ["2", "2"]
+    assert totals and totals[0][1].strip() == "2", text.getvalue()  # steps, as each rank says
+    assert totals[0][5].strip() == "300 B", text.getvalue()

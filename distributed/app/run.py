@@ -16,6 +16,7 @@ Torch is imported only when a local simulation starts.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import shlex
 import time
@@ -350,7 +351,46 @@ def train(request: TrainRequest, console: Console | None = None, *,
     profile = resolve_profile(request)
     if request.multi_host:
         return _train_hosts(request, profile, console, live)
+    if request.resume:
+        done = finished_run(profile)
+        if done is not None:
+            return done
     return _train_local(request, profile, console, live)
+
+
+def checkpoint_root(profile: Profile) -> Path:
+    """Where a run of ``profile`` keeps its checkpoints (``save_dir/run_name`` of the run)."""
+    return profile.resolved.output_dir / "checkpoints" / profile.name
+
+
+def finished_run(profile: Profile) -> TrainOutcome | None:
+    """The outcome of a local run of ``profile`` that has nothing left to resume: every
+    rank has a checkpoint at ``max_steps`` or later. None when there is work left (or
+    ``max_steps`` is not set, or no checkpoint exists)."""
+    from exogym.checkpoint import list_steps
+
+    max_steps = profile.values.get("max_steps")
+    nodes = int(profile.values.get("num_nodes") or 1)
+    if not isinstance(max_steps, int):
+        return None
+    root = checkpoint_root(profile)
+    newest = [max(list_steps(root, rank), default=0) for rank in range(nodes)]
+    step = min(newest)
+    if step < max_steps:
+        return None
+    out = profile.resolved.output_dir
+    summary_path = out / "summary.json"
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        summary = {}
+    where = f"Its results are in {summary_path}" if summary else \
+        f"Its checkpoints are in {root}"
+    return TrainOutcome(
+        "local", profile, summary, out,
+        f"{out} already finished at step {step} (max_steps={max_steps}); nothing to resume. "
+        f"{where}. To train further, raise max_steps (--resume --set "
+        f"max_steps={2 * max_steps}).")
 
 
 def _train_local(request: TrainRequest, profile: Profile, console: Console,

@@ -85,6 +85,12 @@ def run_profile(name: str | Profile, config: str | None = None,
         fit_kwargs.pop("num_nodes", None)  # the world size is the number of started ranks
         trainer = RankTrainer(env, model, train_dataset, val_dataset)
     final = trainer.fit(**fit_kwargs)
+    if resume and not trainer.summary.get("steps") and (output_dir / "summary.json").is_file():
+        # resumed at its last step: nothing trained, so the finished run's results stand
+        if env is None or env.rank == 0:
+            print(f"{output_dir} had already finished; nothing to resume. Its results are in "
+                  f"{output_dir / 'summary.json'}", flush=True)
+        return trainer
     if env is None or env.rank == 0:
         metadata = {"profile": profile.name,
                     "profile_values": json.dumps(profile.values, default=repr),
