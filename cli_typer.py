@@ -119,6 +119,10 @@ def distributed_train(
                           markup=False)
         try:
             outcome = run.train(request, console)
+        except KeyboardInterrupt as exc:
+            hint = run.resume_hint(request)
+            fail("interrupted (the ranks were stopped)" + (f"; {hint}" if hint else ""), 130,
+                 debug, exc)
         except run.PreflightError as exc:
             cmd = f"python cli_typer.py distributed-train {profile} --local"
             fail(f"{exc}\nFix the problems above (each line names the host and the fix), then "

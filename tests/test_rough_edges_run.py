@@ -354,3 +354,36 @@ def test_the_run_totals_are_computed_from_the_rank_rows():
     assert [r[3].strip() for r in rank_rows if "local" in r[1]] == ["2", "2"]
     assert totals and totals[0][1].strip() == "2", text.getvalue()  # steps, as each rank says
     assert totals[0][5].strip() == "300 B", text.getvalue()
+
+
+# --- 8. Ctrl-C prints the --resume command -------------------------------------------------
+
+
+def test_ctrl_c_after_a_checkpoint_prints_the_exact_resume_command(tmp_path):
+    import signal
+
+    args = ["distributed-train", "digits-diloco", "--set", "max_steps=100000", "--set",
+            "num_nodes=2", "--set", "checkpoint_interval=5", "--set", "num_threads=1",
+            "--set", "val_size=16", "--logger", "none"]
+    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path, start_new_session=True,
+                            env={**os.environ, "COLUMNS": "400"})
+    checkpoints = tmp_path / "runs/digits-diloco/checkpoints/digits-diloco/rank0"
+    try:
+        deadline = time.monotonic() + 240
+        while not list(checkpoints.glob("*.ckpt")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "a checkpoint at step" in err and "runs/digits-diloco/checkpoints" in err, err
+    command = err.strip().splitlines()[-1].strip()
+    assert command == ("python cli_typer.py distributed-train digits-diloco --set "
+                       "max_steps=100000 --set num_nodes=2 --set checkpoint_interval=5 --set "
+                       "num_threads=1 --set val_size=16 --set logger=None --resume"), err

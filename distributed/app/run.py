@@ -15,6 +15,7 @@ Torch is imported only when a local simulation starts.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -32,6 +33,7 @@ from distributed.app.dashboard import Dashboard
 from distributed.app.hosts_check import ssh_files
 from distributed.hosts.hostsfile import HostsConfig, load_hosts
 from distributed.hosts.preflight import PreflightError
+from distributed.hosts.session import is_this_machine
 from distributed.hosts.sync import PROJECT_ROOT
 from distributed.launch.launcher import Launcher
 from distributed.launch.options import split_options
@@ -356,6 +358,30 @@ def train(request: TrainRequest, console: Console | None = None, *,
         if done is not None:
             return done
     return _train_local(request, profile, console, live)
+
+
+def resume_hint(request: TrainRequest) -> str | None:
+    """After an interrupted run: the exact command that continues it, with a line saying
+    where its checkpoint is; None when it has written none (a local run, or a master
+    that is this machine), or cannot have (no ``checkpoint_interval``) on hosts."""
+    from exogym.checkpoint import list_steps
+
+    profile = resolve_profile(request)
+    command = train_command(dataclasses.replace(request, resume=True))
+    root = checkpoint_root(profile)
+    if request.multi_host:
+        config = hosts_config(request)
+        if not is_this_machine(config.master.host):
+            if not profile.values.get("checkpoint_interval"):
+                return None
+            return (f"checkpoints, if any were written, are on the hosts in {root}; to "
+                    f"continue from the newest complete one:\n  {command}")
+        if not root.is_absolute():
+            root = Path(config.master.project_path).expanduser() / root
+    steps = list_steps(root, 0)
+    if not steps:
+        return None
+    return f"a checkpoint at step {steps[-1]} is in {root}; to continue from it:\n  {command}"
 
 
 def checkpoint_root(profile: Profile) -> Path:
