@@ -386,4 +386,4 @@ def test_ctrl_c_after_a_checkpoint_prints_the_exact_resume_command(tmp_path):
     command = err.strip().splitlines()[-1].strip()
     assert command == ("python cli_typer.py distributed-train digits-diloco --set "
                        "max_steps=100000 --set num_nodes=2 --set checkpoint_interval=5 --set "
-                       "num_threads=1 --set val_size=16 --set logger=None --resume"), err
+                       "num_threads=1 --set val_size=16 --set logger=none --resume"), err
