@@ -157,14 +157,18 @@ def check_hosts(
 
 
 @app.command("profiles")
-def profiles(ctx: typer.Context, config: ConfigFile = None, debug: Debug = False) -> None:
+def profiles(ctx: typer.Context, config: ConfigFile = None,
+             check: Annotated[bool, typer.Option(
+                 "--check", help="Also check every key against its task and strategy "
+                                 "(loads them: a few seconds).")] = False,
+             debug: Debug = False) -> None:
     """List the profiles of a config file, base_profile resolved; a bad one with its error."""
     with reported_errors(ctx, debug) as debug:
         from rich.table import Table
 
         from distributed.app.profile_list import SUMMARY_COLUMNS, list_profiles
 
-        path, entries = list_profiles(config, full_check=False)
+        path, entries = list_profiles(config, full_check=check)
         table = Table(title=f"Profiles in {path}", title_justify="left")
         for name in ("name", *SUMMARY_COLUMNS):
             table.add_column(name, overflow="fold", no_wrap=name == "name")

@@ -169,6 +169,18 @@ def test_profiles_lists_the_good_ones_and_marks_the_bad_one_with_its_error(tmp_p
     assert out.count("not usable here") == 2
 
 
+def test_profiles_check_finds_an_unknown_key(tmp_path):
+    config = tmp_path / "config.ini"
+    config.write_text((ROOT / "config.ini").read_text() + "\n[distributed:typo]\n"
+                      "base_profile = digits-diloco\nmax_step = 3\n")
+    quick = cli("profiles", "--config", config)
+    assert quick.returncode == 0 and "not usable" not in quick.stdout
+    checked = cli("profiles", "--config", config, "--check")
+    assert checked.returncode == 0, checked.stderr
+    assert "unknown key 'max_step' (did you mean 'max_steps'?)" in " ".join(
+        checked.stdout.split())
+
+
 def test_profiles_fails_when_no_profile_can_run(tmp_path):
     config = tmp_path / "config.ini"
     config.write_text("[distributed:broken]\nbase_profile = nothing\n")
