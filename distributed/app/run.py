@@ -197,7 +197,8 @@ def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Consol
     flat: dict[str, Any] = {
         "run_dir": request.run_dir, "max_restarts": request.max_restarts, "sync": request.sync,
         "accept_new_host_keys": request.accept_new_host_keys,
-        **ssh_files(request.known_hosts, request.ssh_config, request.ssh_timeout), **request.launcher_options,
+        **ssh_files(request.known_hosts, request.ssh_config, request.ssh_timeout),
+        **request.launcher_options,
     }
     options, ssh = split_options(flat, owner="TrainRequest(launcher_options=...)")
     return Launcher(config, program, options=options, ssh=ssh, console=console,
