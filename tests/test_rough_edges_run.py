@@ -399,3 +399,32 @@ def test_ctrl_c_after_a_checkpoint_prints_the_exact_resume_command(tmp_path):
     assert command == ("python cli_typer.py distributed-train digits-diloco --set "
                        "max_steps=100000 --set num_nodes=2 --set checkpoint_interval=5 --set "
                        "num_threads=1 --set val_size=16 --set logger=none --resume"), err
+
+
+# --- 7, across hosts: the same warnings, and the run still starts --------------------------
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    from sshd_fixture import serve_sshd
+
+    yield from serve_sshd(tmp_path_factory)
+
+
+def test_a_run_on_hosts_warns_about_h_and_the_batch_and_still_runs(sshd, tmp_path):
+    from faces_support import sshd_hosts
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps(sshd_hosts(sshd, workers=1)))
+    out_dir = tmp_path / "out"
+    result = cli("distributed-train", "digits-diloco", "--hosts", hosts,
+                 "--known-hosts", sshd.known_hosts, "--ssh-config", sshd.ssh_config,
+                 *TINY_RUN, "--set", "H=5", "--set", "batch_size=1000",
+                 "--set", f"output_dir={out_dir}")
+    everything = result.stdout + result.stderr
+    assert result.returncode == 0, everything
+    assert_plain_warning(result.stderr, "H=5 > max_steps=2: DiLoCo would never communicate")
+    assert ("warning: batch_size=1000 is larger than one rank's share of the data (719 of "
+            "1438 training samples over 2 ranks)") in " ".join(everything.split())
+    assert "all 2 ranks finished" in result.stdout
+    assert json.loads((out_dir / "summary.json").read_text())["steps"] == 2
