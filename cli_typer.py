@@ -52,6 +52,9 @@ KnownHosts = Annotated[str | None, typer.Option(
 SSHConfig = Annotated[str | None, typer.Option(
     "--ssh-config", envvar="EXOGYM_SSH_CONFIG",
     help="OpenSSH client config to honour (default ~/.ssh/config).")]
+SSHTimeout = Annotated[float | None, typer.Option(
+    "--ssh-timeout", envvar="EXOGYM_SSH_TIMEOUT", min=0.1,
+    help="Seconds to wait for each host's connection, SSH greeting and login (default 10).")]
 LoggerName = Annotated[str | None, typer.Option(
     "--logger", metavar="csv|wandb|tensorboard|none",
     help="Where the run logs its metrics (into the profile's output folder, logs/); "
@@ -115,6 +118,7 @@ def distributed_train(
         "--local", help="Simulate here even when --hosts is given.")] = False,
     known_hosts: KnownHosts = None,
     ssh_config: SSHConfig = None,
+    ssh_timeout: SSHTimeout = None,
     run_dir: Annotated[Path | None, typer.Option(
         "--run-dir", file_okay=False, help="Where the ranks' logs go (hosts only).")] = None,
     web: Web = False,
@@ -133,7 +137,7 @@ def distributed_train(
             overrides=run.logger_override(run.parse_overrides(set_), logger), hosts=hosts,
             local=local, resume=resume,
             max_restarts=max_restarts, sync=sync, accept_new_host_keys=accept_new_host_keys,
-            known_hosts=known_hosts, ssh_config=ssh_config,
+            known_hosts=known_hosts, ssh_config=ssh_config, ssh_timeout=ssh_timeout,
             run_dir=str(run_dir) if run_dir else None)
         if strategy is not None and strategy.strip().lower() != "auto":
             raise ValueError(f"--strategy {strategy!r}: only auto is understood here; to run "
@@ -163,6 +167,10 @@ def distributed_train(
                           markup=False)
         try:
             outcome = run.train(request, console, web=page)
+        except KeyboardInterrupt as exc:
+            hint = run.resume_hint(request)
+            fail("interrupted (the ranks were stopped)" + (f"; {hint}" if hint else ""), 130,
+                 debug, exc)
         except run.PreflightError as exc:
             cmd = f"python cli_typer.py distributed-train {profile} --local"
             fail(f"{exc}\nFix the problems above (each line names the host and the fix), then "
@@ -180,6 +188,7 @@ def check_hosts(
     accept_new_host_keys: AcceptNewHostKeys = False,
     known_hosts: KnownHosts = None,
     ssh_config: SSHConfig = None,
+    ssh_timeout: SSHTimeout = None,
     debug: Debug = False,
 ) -> None:
     """Pre-flight every host of a hosts file and show the table; start nothing."""
@@ -188,7 +197,7 @@ def check_hosts(
 
         console = make_console()
         report = check(hosts, console, known_hosts=known_hosts, ssh_config=ssh_config,
-                       accept_new_host_keys=accept_new_host_keys)
+                       accept_new_host_keys=accept_new_host_keys, ssh_timeout=ssh_timeout)
         if not report.ok:
             failed = sum(not c.ok for c in report.checks)
             fail(f"{failed} of {len(report.checks)} hosts in {hosts} are not ready; each "
@@ -197,14 +206,18 @@ def check_hosts(
 
 
 @app.command("profiles")
-def profiles(ctx: typer.Context, config: ConfigFile = None, debug: Debug = False) -> None:
-    """List the profiles of a config file, base_profile resolved."""
-    with reported_errors(ctx, debug):
+def profiles(ctx: typer.Context, config: ConfigFile = None,
+             check: Annotated[bool, typer.Option(
+                 "--check", help="Also check every key against its task and strategy "
+                                 "(loads them: a few seconds).")] = False,
+             debug: Debug = False) -> None:
+    """List the profiles of a config file, base_profile resolved; a bad one with its error."""
+    with reported_errors(ctx, debug) as debug:
         from rich.table import Table
 
-        from distributed.app.setup import SUMMARY_COLUMNS, list_profiles
+        from distributed.app.profile_list import SUMMARY_COLUMNS, list_profiles
 
-        path, entries = list_profiles(config)
+        path, entries = list_profiles(config, full_check=check)
         table = Table(title=f"Profiles in {path}", title_justify="left")
         for name in ("name", *SUMMARY_COLUMNS):
             table.add_column(name, overflow="fold", no_wrap=name == "name")
@@ -215,6 +228,8 @@ def profiles(ctx: typer.Context, config: ConfigFile = None, debug: Debug = False
                     f" — {row['description']}" if row["description"] else "")
             table.add_row(entry.name, *row.values())
         make_console().print(table)
+        if entries and all(entry.why_not for entry in entries):
+            fail(f"no profile in {path} can run; each row above says why.", 2, debug)
 
 
 @app.command("compare")

@@ -333,6 +333,22 @@ def profile_keys() -> set[str]:
     return {f.name for f in dataclasses.fields(FitArgs) if f.metadata["profile"]}
 
 
+def value_problems(values: Mapping[str, Any]) -> dict[str, str]:
+    """Each of ``values`` (``fit`` arguments by name) that its field's check refuses, with
+    why; names that are not arguments of ``fit`` are left to the caller. Needs no torch."""
+    fields = {f.name: f for f in dataclasses.fields(FitArgs)}
+    problems: dict[str, str] = {}
+    for name, value in values.items():
+        check = fields[name].metadata.get("check") if name in fields else None
+        if check is None:
+            continue
+        try:
+            check(name, value)
+        except (ValueError, TypeError) as exc:
+            problems[name] = str(exc)
+    return problems
+
+
 def fit_signature(types: Mapping[str, Any], returns: Any) -> inspect.Signature:
     """``fit(self, ...)``'s signature: every argument with its default and type.
 

@@ -10,10 +10,14 @@ shows a traceback. Imports only typer and rich at first, so ``--help`` stays fas
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import logging
 import os
 import traceback
+import warnings
 from collections.abc import Iterator
-from typing import NoReturn
+from pathlib import Path
+from typing import NoReturn, TextIO
 
 import typer
 from rich.console import Console
@@ -38,6 +42,57 @@ def fail(message: str, code: int, debug: bool, exc: BaseException | None = None)
     raise typer.Exit(code)
 
 
+#: Libraries whose own log lines (tracebacks included) a person sees only with --debug.
+QUIET_LOGGERS = ("paramiko",)
+
+
+def quiet_library_logs(debug: bool) -> None:
+    """Silence the log output of :data:`QUIET_LOGGERS` (Python's last-resort handler would
+    print their warnings, tracebacks included, on stderr); with ``debug``, show it on stderr."""
+    for name in QUIET_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if getattr(handler, "_exogym", False):
+                logger.removeHandler(handler)
+        handler = logging.StreamHandler() if debug else logging.NullHandler()
+        handler._exogym = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+def _our_folders() -> tuple[Path, ...]:
+    """The folders of this project's packages (exogym may be installed elsewhere)."""
+    folders = [Path(__file__).resolve().parents[1]]
+    spec = importlib.util.find_spec("exogym")
+    if spec is not None and spec.origin:
+        folders.append(Path(spec.origin).resolve().parent)
+    return tuple(folders)
+
+
+_default_showwarning = warnings.showwarning
+
+
+def plain_warnings(debug: bool) -> None:
+    """Show a warning raised from this project's code as one plain line on stderr
+    (``warning: ...`` in yellow, without Python's file, line and source line); with
+    ``debug``, and for other libraries' warnings, Python's usual form."""
+    ours = _our_folders()
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        try:
+            mine = any(Path(filename).resolve().is_relative_to(f) for f in ours)
+        except (OSError, ValueError):
+            mine = False
+        if debug or not mine:
+            _default_showwarning(message, category, filename, lineno, file, line)
+            return
+        Console(stderr=True, highlight=False, soft_wrap=True).print(
+            f"warning: {message}", style="yellow", markup=False)
+
+    warnings.showwarning = show
+
+
 @contextlib.contextmanager
 def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
     """Turn the errors a person can fix into exit code 2, a failed run into 1.
@@ -52,6 +107,8 @@ def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
     from distributed.profiles.profile import ProfileError
 
     debug = debug or bool((ctx.obj or {}).get("debug"))
+    quiet_library_logs(debug)
+    plain_warnings(debug)
     try:
         yield debug
     except typer.Exit:

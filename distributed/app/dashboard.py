@@ -347,15 +347,27 @@ class Dashboard:
                              max(1, len(self.ranks)), wall_s)
 
     def summary_table(self, summary: Mapping[str, Any], title: str = "run summary") -> Group:
-        """Each rank's final figures, then the run's (as ``exogym.report`` names them)."""
+        """Each rank's final figures, then the run's (as ``exogym.report`` names them).
+
+        The run's nodes, steps, train loss and bytes per node are computed from the rank
+        rows above them, so the two tables cannot disagree; validation, speed and wall
+        time come from ``summary``.
+        """
         with self._lock:
             ranks = Table(title=title, title_justify="left")
             for name in ("rank", "host", "status", "steps", "train loss", "samples/s", "sent"):
                 ranks.add_column(name, justify="left" if name in ("host", "status") else "right")
-            for s in (self.ranks[r] for r in sorted(self.ranks)):
+            states = [self.ranks[r] for r in sorted(self.ranks)]
+            for s in states:
                 ranks.add_row(str(s.rank), s.host, s.status, str(s.step),
                               _fmt(s.train_loss, ".4f"), _fmt(s.samples_per_s, ".1f"),
                               human_bytes(s.comm_bytes))
+            if states:
+                losses = [s.train_loss for s in states if s.train_loss is not None]
+                summary = {**summary, "num_nodes": len(states),
+                           "steps": max(s.step for s in states),
+                           "final_train_loss": sum(losses) / len(losses) if losses else None,
+                           "bytes_per_node": sum(s.comm_bytes for s in states) / len(states)}
         run = Table(show_header=True)
         accuracy = summary.get("final_val_accuracy")
         for name in ("nodes", "steps", "train loss", "val loss (avg model)",

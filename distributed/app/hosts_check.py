@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from rich.console import Console
 
@@ -24,10 +25,14 @@ KNOWN_HOSTS_ENV = "EXOGYM_KNOWN_HOSTS"
 SSH_CONFIG_ENV = "EXOGYM_SSH_CONFIG"
 
 
-def ssh_files(known_hosts: str | None = None, ssh_config: str | None = None) -> dict[str, str]:
-    """``known_hosts_path`` and ``ssh_config_path`` (``SSHOptions`` fields) where one is
-    given or its environment variable is set; absent keys keep ``SSHOptions``' defaults."""
-    files = {}
+def ssh_files(known_hosts: str | None = None, ssh_config: str | None = None,
+              timeout: float | None = None) -> dict[str, Any]:
+    """``known_hosts_path``, ``ssh_config_path`` and ``connect_timeout`` (``SSHOptions``
+    fields) where one is given or its environment variable is set; absent keys keep
+    ``SSHOptions``' defaults."""
+    files: dict[str, Any] = {}
+    if timeout is not None:
+        files["connect_timeout"] = float(timeout)
     known_hosts = known_hosts or os.environ.get(KNOWN_HOSTS_ENV)
     ssh_config = ssh_config or os.environ.get(SSH_CONFIG_ENV)
     if known_hosts:
@@ -44,6 +49,7 @@ def check_hosts(
     known_hosts: str | None = None,
     ssh_config: str | None = None,
     accept_new_host_keys: bool = False,
+    ssh_timeout: float | None = None,
     show: bool = True,
     trust_new_keys: Callable[[Sequence[SSHConnectError]], bool] | None = None,
 ) -> PreflightReport:
@@ -55,6 +61,8 @@ def check_hosts(
         known_hosts: the known_hosts file (default ``$EXOGYM_KNOWN_HOSTS`` or ``~/.ssh/known_hosts``).
         ssh_config: the SSH client config (default ``$EXOGYM_SSH_CONFIG`` or ``~/.ssh/config``).
         accept_new_host_keys: trust hosts not yet in known_hosts (recorded once).
+        ssh_timeout: seconds to wait for each host's TCP connection, SSH greeting and
+            login (default ``SSHOptions.connect_timeout``).
         show: print the report as a table.
         trust_new_keys: asked with the hosts whose keys are not in known_hosts
             yet (unless ``accept_new_host_keys``); when it answers True their
@@ -64,7 +72,7 @@ def check_hosts(
         HostsFileError: the hosts file is missing or invalid.
     """
     config = hosts if isinstance(hosts, HostsConfig) else load_hosts(hosts)
-    options = SSHOptions(**ssh_files(known_hosts, ssh_config),
+    options = SSHOptions(**ssh_files(known_hosts, ssh_config, ssh_timeout),
                          accept_new_host_keys=accept_new_host_keys)
     while True:
         with HostSession(config, ssh=options, console=console) as session:

@@ -15,9 +15,13 @@ Torch is imported only when a local simulation starts.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import json
 import os
 import shlex
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,17 +35,21 @@ from distributed.app.hosts_check import ssh_files
 from distributed.app.web.server import WebDashboard
 from distributed.hosts.hostsfile import HostsConfig, load_hosts
 from distributed.hosts.preflight import PreflightError
+from distributed.hosts.session import is_this_machine
 from distributed.hosts.sync import PROJECT_ROOT
 from distributed.launch.launcher import Launcher
 from distributed.launch.options import split_options
 from distributed.launch.program import RankProgram
-from distributed.profiles.profile import Profile, load_profile, parse_overrides
+from distributed.profiles.profile import Profile, ProfileWarning, load_profile, parse_overrides
 from distributed.rank.command import set_args, worker_args
 from distributed.rank.environment import FINAL_MODEL
 from exogym.logger import LOGGER_NAMES
 
 __all__ = ["PreflightError", "RunFailedError", "TrainOutcome", "TrainRequest", "dry_run",
-           "logger_override", "parse_overrides", "train", "train_command"]
+           "logger_override", "parse_overrides", "run_warnings", "train", "train_command"]
+
+#: Ranks per core beyond which a local simulation is warned that it will crawl.
+RANKS_PER_CORE_WARNING = 4
 
 
 class RunFailedError(RuntimeError):
@@ -74,6 +82,8 @@ class TrainRequest:
         accept_new_host_keys: trust hosts not yet in known_hosts (recorded once).
         known_hosts: the known_hosts file (default ``$EXOGYM_KNOWN_HOSTS`` or ``~/.ssh/known_hosts``).
         ssh_config: the SSH client config (default ``$EXOGYM_SSH_CONFIG`` or ``~/.ssh/config``).
+        ssh_timeout: seconds to wait for each host's TCP connection, SSH greeting and
+            login (default ``SSHOptions.connect_timeout``).
         run_dir: where the launcher writes the ranks' logs.
         launcher_options: more fields of ``LaunchOptions`` or ``SSHOptions``
             (e.g. ``allow_agent``; see ``distributed.launch.options.split_options``).
@@ -90,6 +100,7 @@ class TrainRequest:
     accept_new_host_keys: bool = False
     known_hosts: str | None = None
     ssh_config: str | None = None
+    ssh_timeout: float | None = None
     run_dir: str | None = None
     launcher_options: Mapping[str, Any] = field(default_factory=dict)
 
@@ -188,7 +199,8 @@ def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Consol
     flat: dict[str, Any] = {
         "run_dir": request.run_dir, "max_restarts": request.max_restarts, "sync": request.sync,
         "accept_new_host_keys": request.accept_new_host_keys,
-        **ssh_files(request.known_hosts, request.ssh_config), **request.launcher_options,
+        **ssh_files(request.known_hosts, request.ssh_config, request.ssh_timeout),
+        **request.launcher_options,
     }
     options, ssh = split_options(flat, owner="TrainRequest(launcher_options=...)")
     return Launcher(config, program, options=options, ssh=ssh, console=console,
@@ -235,23 +247,93 @@ def train_command(request: TrainRequest) -> str:
         args += ["--known-hosts", request.known_hosts]
     if request.ssh_config:
         args += ["--ssh-config", request.ssh_config]
+    if request.ssh_timeout is not None:
+        args += ["--ssh-timeout", f"{request.ssh_timeout:g}"]
     if request.run_dir:
         args += ["--run-dir", request.run_dir]
     return shlex.join(args)
+
+
+def strategy_setting(profile: Profile, key: str) -> Any:
+    """The value of a strategy argument ``key`` for ``profile``: its own, else the strategy's
+    default; None when the strategy takes no such argument."""
+    resolved = profile.resolved
+    if key in resolved.strategy_kwargs:
+        return resolved.strategy_kwargs[key]
+    parameter = inspect.signature(resolved.strategy_cls).parameters.get(key)
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return None
+    return parameter.default
+
+
+def run_warnings(profile: Profile, ranks: int, cores: int | None = None) -> list[str]:
+    """What will not go as the settings suggest, with the numbers; nothing is refused.
+
+    Args:
+        profile: the resolved profile.
+        ranks: how many ranks run (``num_nodes``, or the hosts file's world size).
+        cores: the CPU cores those ranks share (a local simulation); None to skip that check.
+    """
+    found = []
+    values = profile.values
+    max_steps, H = values.get("max_steps"), strategy_setting(profile, "H")
+    if isinstance(max_steps, int) and isinstance(H, int) and H > max_steps:
+        name = profile.resolved.strategy_cls.__name__.removesuffix("Strategy")
+        found.append(f"H={H} > max_steps={max_steps}: {name} would never communicate (ranks "
+                     f"average every H steps); lower H (--set H={max_steps}) or raise max_steps")
+    if cores and ranks > RANKS_PER_CORE_WARNING * cores:
+        found.append(f"{ranks} ranks on {cores} cores ({ranks / cores:.1f} per core): they "
+                     "take turns, so each step will be slow; up to "
+                     f"{RANKS_PER_CORE_WARNING * cores} ranks keep it reasonable")
+    return found
+
+
+def warn_before_start(profile: Profile, ranks: int, cores: int | None = None) -> None:
+    """Each of :func:`run_warnings` as a ``ProfileWarning`` (one plain line in the CLI)."""
+    for message in run_warnings(profile, ranks, cores):
+        warnings.warn(message, ProfileWarning, stacklevel=2)
+
+
+def dry_run_notes(request: TrainRequest, profile: Profile, config: HostsConfig,
+                  launcher: Launcher) -> list[str]:
+    """What a run on hosts would do differently from what the profile or the hosts file
+    says: the hosts' ranks replacing ``num_nodes``, a key file that is missing here."""
+    notes = []
+    asked = profile.values.get("num_nodes")
+    if asked is not None and asked != config.world_size:
+        notes.append(f"the hosts file's {config.world_size} ranks replace the profile's "
+                     f"num_nodes={asked}")
+    for rank, target in sorted(launcher.session.targets.items()):
+        for key in target.key_files:
+            if not os.path.isfile(key):
+                notes.append(f"key file {key} for {target.label} (rank {rank}) does not exist "
+                             'on this machine: fix "ssh_key_path" in the hosts file or '
+                             "IdentityFile in your ssh config, or connecting will fail")
+    return notes
 
 
 def dry_run(request: TrainRequest, console: Console) -> Profile:
     """Show what the request would run, where, and how; start nothing, connect to nothing."""
     profile = resolve_profile(request)
     if request.multi_host:
-        with make_launcher(request, hosts_config(request), console=console) as launcher:
+        config = hosts_config(request)
+        with make_launcher(request, config, console=console) as launcher:
             launcher.dry_run()
+            notes = dry_run_notes(request, profile, config, launcher)
+        notes += run_warnings(profile, config.world_size)
+        if notes:
+            console.print("", markup=False)
+        for note in notes:
+            console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
         return profile
     console.print(f"Dry run: profile {profile.name} as a local simulation of "
                   f"{profile.values.get('num_nodes', 1)} node(s); nothing is started.",
                   markup=False, highlight=False, soft_wrap=True)
     console.print(f"  command: {worker_command(request)}", markup=False, highlight=False,
                   soft_wrap=True)
+    for note in run_warnings(profile, int(profile.values.get("num_nodes") or 1),
+                             os.cpu_count()):
+        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     return profile
 
 
@@ -276,7 +358,70 @@ def train(request: TrainRequest, console: Console | None = None, *,
     profile = resolve_profile(request)
     if request.multi_host:
         return _train_hosts(request, profile, console, live, web)
+    if request.resume:
+        done = finished_run(profile)
+        if done is not None:
+            return done
     return _train_local(request, profile, console, live, web)
+
+
+def resume_hint(request: TrainRequest) -> str | None:
+    """After an interrupted run: the exact command that continues it, with a line saying
+    where its checkpoint is; None when it has written none (a local run, or a master
+    that is this machine), or cannot have (no ``checkpoint_interval``) on hosts."""
+    from exogym.checkpoint import list_steps
+
+    profile = resolve_profile(request)
+    command = train_command(dataclasses.replace(request, resume=True))
+    root = checkpoint_root(profile)
+    if request.multi_host:
+        config = hosts_config(request)
+        if not is_this_machine(config.master.host):
+            if not profile.values.get("checkpoint_interval"):
+                return None
+            return (f"checkpoints, if any were written, are on the hosts in {root}; to "
+                    f"continue from the newest complete one:\n  {command}")
+        if not root.is_absolute():
+            root = Path(config.master.project_path).expanduser() / root
+    steps = list_steps(root, 0)
+    if not steps:
+        return None
+    return f"a checkpoint at step {steps[-1]} is in {root}; to continue from it:\n  {command}"
+
+
+def checkpoint_root(profile: Profile) -> Path:
+    """Where a run of ``profile`` keeps its checkpoints (``save_dir/run_name`` of the run)."""
+    return profile.resolved.output_dir / "checkpoints" / profile.name
+
+
+def finished_run(profile: Profile) -> TrainOutcome | None:
+    """The outcome of a local run of ``profile`` that has nothing left to resume: every
+    rank has a checkpoint at ``max_steps`` or later. None when there is work left (or
+    ``max_steps`` is not set, or no checkpoint exists)."""
+    from exogym.checkpoint import list_steps
+
+    max_steps = profile.values.get("max_steps")
+    nodes = int(profile.values.get("num_nodes") or 1)
+    if not isinstance(max_steps, int):
+        return None
+    root = checkpoint_root(profile)
+    newest = [max(list_steps(root, rank), default=0) for rank in range(nodes)]
+    step = min(newest)
+    if step < max_steps:
+        return None
+    out = profile.resolved.output_dir
+    summary_path = out / "summary.json"
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        summary = {}
+    where = f"Its results are in {summary_path}" if summary else \
+        f"Its checkpoints are in {root}"
+    return TrainOutcome(
+        "local", profile, summary, out,
+        f"{out} already finished at step {step} (max_steps={max_steps}); nothing to resume. "
+        f"{where}. To train further, raise max_steps (--resume --set "
+        f"max_steps={2 * max_steps}).")
 
 
 def _train_local(request: TrainRequest, profile: Profile, console: Console,
@@ -286,6 +431,7 @@ def _train_local(request: TrainRequest, profile: Profile, console: Console,
     from exogym.trainer import RankFailedError
 
     nodes = int(profile.values.get("num_nodes") or 1)
+    warn_before_start(profile, nodes, os.cpu_count())
     dashboard = Dashboard(nodes, title=f"{profile.name}: local simulation of {nodes} node(s)",
                           console=console, live=live)
     if web is not None:
@@ -313,6 +459,7 @@ def brief_failure(exc: BaseException) -> str:
 def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
                  live: bool | None, web: WebDashboard | None = None) -> TrainOutcome:
     config = hosts_config(request)
+    warn_before_start(profile, config.world_size)
     rank_hosts = [h.host for h in config.rank_hosts]
     dashboard = FanOut(Dashboard(config.world_size, rank_hosts,
                                  title=f"{profile.name}: {config.world_size} rank(s) on "

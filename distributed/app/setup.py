@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from distributed.app.compare import profile_for_strategy
+from distributed.app.profile_list import ProfileEntry, list_profiles
 from distributed.hosts.hostsfile import (
     HostsConfig,
     HostsFileError,
@@ -82,34 +83,6 @@ def measure_link_to(config: HostsConfig, known_hosts: str | None = None,
 
 
 # --------------------------------------------------------------------------- profiles
-
-
-@dataclass(frozen=True)
-class ProfileEntry:
-    """One profile of a config file, as the faces list it.
-
-    Args:
-        name: the profile's name.
-        row: its table row (``Profile.summary``, keyed by ``SUMMARY_COLUMNS``).
-        why_not: the last problem that stops it from running here, or None when it can run.
-    """
-
-    name: str
-    row: dict[str, str]
-    why_not: str | None
-
-
-def list_profiles(config_path: str | Path | None = None) -> tuple[Path, list[ProfileEntry]]:
-    """Every profile of ``config_path`` (default: the project's config.ini), in file order,
-    with its row and why it cannot run here; the file's path first."""
-    profiles = ProfileSet(config_path)
-    entries = []
-    for name in profiles.names():
-        profile = Profile(name, profiles.values(name), str(profiles.path))
-        problems = profile.problems()
-        why = problems[-1].splitlines()[-1].strip() if problems else None
-        entries.append(ProfileEntry(name, profile.summary(), why))
-    return profiles.path, entries
 
 
 def usable_strategies(profile: Profile, strategies: Sequence[str]) -> list[str]:

@@ -175,8 +175,12 @@ class HostSession:
             self.console = Console()
         return self.console
 
-    def connect(self) -> dict[int, SSHConnectError]:
+    def connect(self, *, retry_failed: bool = True) -> dict[int, SSHConnectError]:
         """Open the connections not open yet (or dropped), in parallel.
+
+        Args:
+            retry_failed: try again the hosts this session already failed to reach
+                (otherwise their error stands, and a dead host costs one timeout, not two).
 
         Returns:
             For each rank whose host could not be reached, why.
@@ -184,7 +188,8 @@ class HostSession:
         if self.master_local and 0 not in self._shells:
             self._shells[0] = LocalShell()
         todo = [r for r in self.targets
-                if r not in self._shells or not self._shells[r].alive()]
+                if (r not in self._shells or not self._shells[r].alive())
+                and (retry_failed or r not in self._connect_errors)]
 
         def one(rank: int) -> tuple[int, Shell | SSHConnectError]:
             try:
@@ -259,7 +264,7 @@ class HostSession:
         Raises:
             PreflightError: when a check fails and ``raise_on_failure``.
         """
-        self.connect()
+        self.connect(retry_failed=False)
         logins = {r: self.login(r) for r in range(self.config.world_size)}
         report = run_preflight(
             self.config, dict(self._shells), dict(self._connect_errors), logins,

@@ -22,6 +22,7 @@ import hashlib
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,7 +107,8 @@ class SSHConnectError(Exception):
         target: the host it was about.
         kind: a short tag for the failure (``unknown-host-key``,
             ``changed-host-key``, ``auth``, ``encrypted-key``, ``key-file``,
-            ``refused``, ``timeout``, ``unreachable``, ``dns``, ``ssh``).
+            ``refused``, ``timeout``, ``no-greeting``, ``closed``, ``not-ssh``,
+            ``unreachable``, ``dns``, ``ssh``).
         message: the full, actionable explanation.
         fingerprint: the host key fingerprint, for host key failures.
     """
@@ -224,21 +226,68 @@ def connect(target: SSHTarget, options: SSHOptions) -> tuple[paramiko.SSHClient,
     unknown: list[tuple[str, str]] = []
     client.set_missing_host_key_policy(_policy(options, accepted, unknown))
     timeout = options.connect_timeout
+    sock, greeting = open_ssh_socket(target, options)
     try:
         client.connect(
             target.hostname, port=target.port, username=target.user,
             key_filename=list(target.key_files) or None,
             allow_agent=options.allow_agent, look_for_keys=options.look_for_keys,
             timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
-            channel_timeout=timeout,
+            channel_timeout=timeout, sock=sock,
         )
     except (OSError, EOFError, ValueError, paramiko.SSHException) as exc:
         client.close()
+        sock.close()
+        if not greeting.startswith(b"SSH-"):
+            raise SSHConnectError(target, "not-ssh", (
+                f"{target.hostname}:{target.port} answered {greeting[:40]!r} instead of an SSH "
+                "greeting: another service listens on that port; fix \"ssh_port\" in the "
+                "hosts file")) from None
         raise _explain(target, options, exc, unknown) from None
     transport = client.get_transport()
     if transport is not None and options.keepalive_s > 0:
         transport.set_keepalive(int(max(1, options.keepalive_s)))
     return client, accepted
+
+
+def open_ssh_socket(target: SSHTarget, options: SSHOptions) -> tuple[socket.socket, bytes]:
+    """A TCP connection to ``target`` whose server has begun to greet; and its first bytes.
+
+    The greeting is peeked at, not read, so SSH reads it afterwards. Waiting here
+    for it tells apart what paramiko reports alike (or as "No existing session"):
+    a server that accepts the connection and stays silent, and one that closes it.
+
+    Raises:
+        SSHConnectError: with what happened, how long it waited and what to check.
+    """
+    where = f"{target.hostname}:{target.port}"
+    timeout = options.connect_timeout
+    try:
+        sock = socket.create_connection((target.hostname, target.port), timeout=timeout)
+    except OSError as exc:
+        raise _explain(target, options, exc, []) from None
+    started = time.monotonic()
+    try:
+        greeting = sock.recv(64, socket.MSG_PEEK)
+    except TimeoutError:
+        sock.close()
+        raise SSHConnectError(target, "no-greeting", (
+            f"{where} accepted the TCP connection but sent no SSH greeting in {timeout:.1f} s: "
+            "is sshd running there, or is another service on that port? Check \"ssh_port\" "
+            "in the hosts file, and that the host is not overloaded")) from None
+    except OSError as exc:
+        greeting = b""
+        closed = f"reset the connection ({exc.strerror or exc})"
+    else:
+        closed = "closed the connection at once"
+    if not greeting:
+        sock.close()
+        raise SSHConnectError(target, "closed", (
+            f"{where} {closed} before the SSH greeting (after "
+            f"{time.monotonic() - started:.2f} s): sshd there may refuse this machine "
+            "(hosts.allow, MaxStartups, a firewall), or another service is on that port; check "
+            "\"ssh_port\" in the hosts file and the host's sshd log")) from None
+    return sock, greeting
 
 
 def _explain(target: SSHTarget, options: SSHOptions, exc: BaseException,

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from distributed.hosts.sync import PROJECT_ROOT
-from exogym.fit_args import profile_keys
+from distributed.tasks import BUILTIN_TASK_NAMES
+from exogym.fit_args import profile_keys, value_problems
 
 SECTION_PREFIX = "distributed:"
 DEFAULT_CONFIG = PROJECT_ROOT / "config.ini"
@@ -57,6 +58,11 @@ STRATEGIES = {
 
 class ProfileError(ValueError):
     """A profile or config file is wrong; the message lists every problem found."""
+
+
+class ProfileWarning(UserWarning):
+    """A profile will run, but not as its settings suggest (``H`` beyond ``max_steps``, a
+    batch larger than a rank's data, many more ranks than cores); warned before it starts."""
 
 
 def parse_value(text: str) -> Any:
@@ -92,8 +98,21 @@ def strategy_class(name: str) -> type:
         except (ImportError, AttributeError) as exc:
             raise ProfileError(f"strategy {name!r} cannot be imported: {exc}") from exc
         return cls
-    raise ProfileError(f"unknown strategy {name!r}: use one of {', '.join(sorted(STRATEGIES))} "
-                       "or 'package.module:StrategyClass'")
+    raise ProfileError(unknown_strategy(name))
+
+
+def unknown_strategy(name: str) -> str:
+    """Why ``name`` is not a strategy a profile can give."""
+    return (f"unknown strategy {name!r}: use one of {', '.join(sorted(STRATEGIES))} "
+            "or 'package.module:StrategyClass'")
+
+
+def override_problems(profile: str, overrides: dict[str, Any]) -> list[str]:
+    """Each ``--set`` value of the wrong type for its key, as ``--set key=value: why
+    (profile NAME)``; checked without the task or the strategy, so before any work."""
+    found = value_problems({k: v for k, v in overrides.items() if k in RUN_KEYS})
+    return [f"--set {key}={overrides[key]}: {why} (profile {profile})"
+            for key, why in found.items()]
 
 
 @dataclass(frozen=True)
@@ -223,12 +242,29 @@ class Profile:
         """Every problem with this profile's keys (empty when it is valid)."""
         return list(self._resolution[1])
 
+    def quick_problems(self) -> list[str]:
+        """The problems found without importing the task or the strategy (so without
+        torch): no task, an unknown task or strategy name, a run key's value of the wrong
+        type. An unknown key is found only by :meth:`problems`."""
+        task = self.values.get("task")
+        if task is None:
+            return ["no 'task' key: set task = digits | chargpt | whisper | module:function"]
+        found = []
+        if str(task) not in BUILTIN_TASK_NAMES and ":" not in str(task):
+            found.append(f"unknown task {task!r}: use one of {', '.join(BUILTIN_TASK_NAMES)} "
+                         "or 'package.module:function'")
+        if self.strategy.lower().replace("-", "_") not in STRATEGIES and ":" not in self.strategy:
+            found.append(unknown_strategy(self.strategy))
+        found += value_problems({k: v for k, v in self.values.items() if k in RUN_KEYS}).values()
+        return found
+
     @cached_property
     def _resolution(self) -> tuple[ResolvedProfile | None, tuple[str, ...]]:
         from distributed.tasks.builtin import resolve_task
 
-        if "task" not in self.values:
-            return None, ("no 'task' key: set task = digits | chargpt | whisper | module:function",)
+        quick = self.quick_problems()
+        if quick:
+            return None, tuple(quick)
         try:
             task_fn = resolve_task(self.task)
             strategy_cls = strategy_class(self.strategy)
@@ -251,6 +287,9 @@ class Profile:
 
     def with_overrides(self, overrides: dict[str, Any]) -> Profile:
         """A copy with some keys replaced (``--set key=value``), re-validated."""
+        wrong = override_problems(self.name, overrides)
+        if wrong:
+            raise ProfileError("\n".join(wrong))
         profile = Profile(self.name, {**self.values, **overrides}, self.source)
         problems = profile.problems()
         if problems:
@@ -314,7 +353,14 @@ class ProfileSet:
         return self._resolve(name)
 
     def get(self, name: str, overrides: dict[str, Any] | None = None) -> Profile:
-        """The profile ``name`` with inheritance and ``overrides`` applied, validated."""
+        """The profile ``name`` with inheritance and ``overrides`` applied, validated.
+
+        ``overrides`` of the wrong type fail first, before the task and the strategy are
+        imported (which takes seconds: torch).
+        """
+        wrong = override_problems(name, overrides or {})
+        if wrong:
+            raise ProfileError("\n".join(wrong))
         profile = Profile(name, self._resolve(name), str(self.path))
         problems = profile.problems()
         if problems:

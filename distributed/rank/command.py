@@ -21,9 +21,12 @@ Overrides = Mapping[str, object] | Sequence[str]
 
 
 def override_value(value: object) -> str:
-    """A value as an override writes it: booleans as ``true``/``false``, the rest as ``str``."""
+    """A value as an override writes it: booleans as ``true``/``false``, None as ``none``,
+    the rest as ``str``."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if value is None:
+        return "none"
     return str(value)
 
 

@@ -15,9 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
-from distributed.profiles.profile import Profile, ProfileError, load_profile, parse_overrides
+from distributed.profiles.profile import (
+    Profile,
+    ProfileError,
+    ProfileWarning,
+    load_profile,
+    parse_overrides,
+)
 from distributed.rank.environment import FINAL_MODEL, rank_environment
 from distributed.rank.trainer import RankTrainer
 from exogym.io import atomic_save_safetensors, atomic_write_json
@@ -63,6 +70,9 @@ def run_profile(name: str | Profile, config: str | None = None,
     output_dir = resolved.output_dir
     env = None if local else rank_environment()
     model, train_dataset, val_dataset = resolved.task_fn(**resolved.task_kwargs)
+    ranks = env.world_size if env is not None else int(resolved.run_kwargs.get("num_nodes") or 1)
+    if env is None or env.rank == 0:
+        warn_small_shards(train_dataset, ranks, resolved.run_kwargs.get("batch_size"))
     strategy = resolved.strategy_cls(**resolved.strategy_kwargs)
     fit_kwargs = dict(
         resolved.run_kwargs, strategy=strategy, run_name=profile.name,
@@ -75,6 +85,12 @@ def run_profile(name: str | Profile, config: str | None = None,
         fit_kwargs.pop("num_nodes", None)  # the world size is the number of started ranks
         trainer = RankTrainer(env, model, train_dataset, val_dataset)
     final = trainer.fit(**fit_kwargs)
+    if resume and not trainer.summary.get("steps") and (output_dir / "summary.json").is_file():
+        # resumed at its last step: nothing trained, so the finished run's results stand
+        if env is None or env.rank == 0:
+            print(f"{output_dir} had already finished; nothing to resume. Its results are in "
+                  f"{output_dir / 'summary.json'}", flush=True)
+        return trainer
     if env is None or env.rank == 0:
         metadata = {"profile": profile.name,
                     "profile_values": json.dumps(profile.values, default=repr),
@@ -85,8 +101,34 @@ def run_profile(name: str | Profile, config: str | None = None,
     return trainer
 
 
+def warn_small_shards(train_dataset: Any, ranks: int, batch_size: int | None) -> None:
+    """Warn (``ProfileWarning``) when ``batch_size`` is larger than one rank's share of
+    ``train_dataset``; a dataset without a length, or a factory, is not checked."""
+    if batch_size is None or callable(train_dataset) or not hasattr(train_dataset, "__len__"):
+        return
+    total = len(train_dataset)
+    share = total // max(1, ranks)
+    if batch_size > share:
+        warnings.warn(f"batch_size={batch_size} is larger than one rank's share of the data "
+                      f"({share} of {total} training samples over {ranks} ranks): a step "
+                      "cannot hold batch_size samples; lower batch_size or the number of ranks",
+                      ProfileWarning, stacklevel=2)
+
+
+def _plain_profile_warnings(message: Warning | str, category: type[Warning], filename: str,
+                            lineno: int, line: str | None = None) -> str:
+    """A ``ProfileWarning`` as one plain line; any other warning as Python shows it."""
+    if issubclass(category, ProfileWarning):
+        return f"warning: {message}\n"
+    return _format_warning(message, category, filename, lineno, line)
+
+
+_format_warning = warnings.formatwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.formatwarning = _plain_profile_warnings
 
     try:
         run_profile(args.profile, args.config, parse_overrides(args.overrides), args.resume,

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from distributed.tasks import BUILTIN_TASK_NAMES
 from exogym.digits import DigitsCNN, DigitsMLP, digits_datasets
 
 TaskResult = tuple[nn.Module, Dataset, Dataset]
@@ -215,11 +216,8 @@ def _whisper_task(**kwargs: Any) -> TaskResult:
     return model, train, val
 
 
-BUILTIN_TASKS: dict[str, Callable[..., TaskResult]] = {
-    "digits": digits_task,
-    "chargpt": chargpt_task,
-    "whisper": _whisper_task,
-}
+BUILTIN_TASKS: dict[str, Callable[..., TaskResult]] = dict(zip(
+    BUILTIN_TASK_NAMES, (digits_task, chargpt_task, _whisper_task), strict=True))
 
 
 def resolve_task(name: str) -> Callable[..., TaskResult]:

@@ -1,0 +1,60 @@
+"""The profiles of a config file as the faces list them: a row each, and why one cannot run.
+
+``python cli_typer.py profiles`` lists them without importing torch (a quick
+check: the inheritance, the task and strategy names, the run keys' values), so
+it answers at once; the wizard asks for the full check (every key against the
+task and the strategy, which imports them). A profile that cannot be read or
+run is listed with its error; the others are listed as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from distributed.profiles.profile import SUMMARY_COLUMNS, Profile, ProfileError, ProfileSet
+
+__all__ = ["SUMMARY_COLUMNS", "ProfileEntry", "list_profiles"]
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    """One profile of a config file, as the faces list it.
+
+    Args:
+        name: the profile's name.
+        row: its table row (``Profile.summary``, keyed by ``SUMMARY_COLUMNS``).
+        why_not: the last problem that stops it from running here, or None when it can run.
+    """
+
+    name: str
+    row: dict[str, str]
+    why_not: str | None
+
+
+def list_profiles(config_path: str | Path | None = None, *,
+                  full_check: bool = True) -> tuple[Path, list[ProfileEntry]]:
+    """Every profile of ``config_path`` (default: the project's config.ini), in file order,
+    with its row and why it cannot run here; the file's path first.
+
+    Args:
+        config_path: the profiles file.
+        full_check: check every key against the task and the strategy (imports them, and
+            torch); otherwise only what :meth:`Profile.quick_problems` checks.
+
+    Raises:
+        ProfileError: the file is missing or is not a valid INI file.
+    """
+    profiles = ProfileSet(config_path)
+    entries = []
+    for name in profiles.names():
+        try:
+            profile = Profile(name, profiles.values(name), str(profiles.path))
+        except ProfileError as exc:  # a base_profile that is missing or makes a cycle
+            own = Profile(name, dict(profiles.raw[name]), str(profiles.path))
+            entries.append(ProfileEntry(name, own.summary(), str(exc).split(";")[0]))
+            continue
+        problems = profile.problems() if full_check else profile.quick_problems()
+        why = problems[-1].splitlines()[-1].strip() if problems else None
+        entries.append(ProfileEntry(name, profile.summary(), why))
+    return profiles.path, entries
