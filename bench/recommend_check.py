@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measured speedups this close to the best count as the best")
     parser.add_argument("--quick", action="store_true",
                         help="a small model (n_layer=2, n_embd=128) and short windows")
+    parser.add_argument("--window", type=int, default=None,
+                        help="fewest timed steps per job (longer: less noise; --quick: 10)")
     parser.add_argument("--out", default=str(ROOT / "runs" / "recommend-check"))
     args = parser.parse_args(argv)
     bench_args = build_parser().parse_args(["--profile", args.profile, "--batch-size",
@@ -148,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         args.set = ["n_layer=2", "n_embd=128", "val_size=32", *args.set]
         bench_args.warmup, bench_args.window, bench_args.periods = 5, 10, 1
         bench_args.wait_max, bench_args.retry_cores = 0, math.inf
+    if args.window is not None:
+        if args.window < 1:
+            parser.error(f"--window must be at least 1, got {args.window}")
+        bench_args.window = args.window
     bench_args.set = list(args.set)
     problems = check_requirements(True)
     if problems:
