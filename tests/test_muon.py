@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from toys import assert_models_close, assert_models_differ, toy_dataset
+from toys import CrashAt, assert_models_close, assert_models_differ, toy_dataset
 
 from exogym import RankFailedError, Trainer
 from exogym.strategy import (
@@ -135,16 +135,8 @@ def test_muon_inner_steps_train_in_every_strategy(strategy):
         assert trained(ds.tensors) < token_net()(ds.tensors)
 
 
-class CrashingTokenNet(TokenNet):
-    crash_at: int | None = None
-    steps = 0
-
-    def forward(self, batch):
-        if torch.is_grad_enabled():
-            self.steps += 1
-            if self.steps == self.crash_at:
-                raise RuntimeError("simulated crash")
-        return super().forward(batch)
+class CrashingTokenNet(CrashAt, TokenNet):
+    """TokenNet whose training forward pass raises at step ``crash_at``."""
 
 
 def test_diloco_with_muon_resumes_exactly_where_it_stopped(tmp_path):

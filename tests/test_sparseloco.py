@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from toys import BNNet, TinyNet, assert_models_close, assert_models_differ, tiny_model, toy_dataset
+from toys import BNNet, CrashAt, TinyNet, assert_models_close, assert_models_differ, tiny_model, toy_dataset
 
 from distributed.app.compare import plan_comparison
 from distributed.profiles.profile import load_profile
@@ -130,18 +130,8 @@ def test_counted_bytes_equal_the_formula_and_ranks_agree_bitwise(quant_bits):
     assert_ranks_identical(trainer)
 
 
-class CrashingNet(BNNet):
+class CrashingNet(CrashAt, BNNet):
     """BNNet whose training forward pass raises at step ``crash_at``."""
-
-    crash_at: int | None = None
-    steps = 0
-
-    def forward(self, batch):
-        if torch.is_grad_enabled():
-            self.steps += 1
-            if self.steps == self.crash_at:
-                raise RuntimeError("simulated crash")
-        return super().forward(batch)
 
 
 def test_resumed_run_keeps_the_error_feedback_and_equals_an_uninterrupted_one(tmp_path):

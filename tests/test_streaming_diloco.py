@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from ranks import start_ranks, wait_all
 from safetensors.torch import load_file
-from toys import BNNet, assert_models_close, assert_models_differ, tiny_model, toy_dataset
+from toys import BNNet, CrashAt, assert_models_close, assert_models_differ, tiny_model, toy_dataset
 
 from distributed.profiles.profile import parse_overrides
 from distributed.rank.worker import run_profile
@@ -205,16 +205,8 @@ def test_alpha_one_keeps_the_local_values_and_moves_only_the_global_copy():
     assert_models_differ(mixed, taken)
 
 
-class Crash(Deep):
-    crash_at: int | None = None
-    steps = 0
-
-    def forward(self, batch):
-        if torch.is_grad_enabled():
-            self.steps += 1
-            if self.steps == self.crash_at:
-                raise RuntimeError("simulated crash")
-        return super().forward(batch)
+class Crash(CrashAt, Deep):
+    """Deep whose training forward pass raises at step ``crash_at``."""
 
 
 def resumable(ds, run, tmp_path, crash_at=None, **kwargs):

@@ -50,6 +50,21 @@ class TinyCNN(nn.Module):
         return F.cross_entropy(self.fc2(torch.tanh(self.fc1(h))), y)
 
 
+class CrashAt:
+    """Mixin for a test model: its training forward pass raises at step ``crash_at``
+    (counted per model copy), so a run stops as a crash would, after its checkpoints."""
+
+    crash_at: int | None = None
+    steps = 0
+
+    def forward(self, batch):
+        if torch.is_grad_enabled():
+            self.steps += 1
+            if self.steps == self.crash_at:
+                raise RuntimeError("simulated crash")
+        return super().forward(batch)
+
+
 def toy_images(n: int = 256, classes: int = 3, seed: int = 0) -> TensorDataset:
     """Learnable 1x6x6 images: labels from a fixed random linear map of the pixels."""
     g = torch.Generator().manual_seed(seed)
