@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from toys import BNNet, assert_models_close, tiny_model, toy_dataset
+from toys import BNNet, CrashAt, assert_models_close, tiny_model, toy_dataset
 
 from exogym import RankFailedError, Trainer
 from exogym.checkpoint import (
@@ -24,22 +24,16 @@ def strategy():
                           warmup_steps=2)
 
 
-class Dropout(BNNet):
-    """BatchNorm and dropout: resuming must restore buffers and the RNG too.
-
-    With ``crash_at`` set, the training forward pass of that step raises.
-    """
-
-    crash_at: int | None = None
-    steps = 0
+class DropoutBNNet(BNNet):
+    """BatchNorm and dropout: resuming must restore buffers and the RNG too."""
 
     def forward(self, batch):
-        if torch.is_grad_enabled():
-            self.steps += 1
-            if self.steps == self.crash_at:
-                raise RuntimeError("simulated crash")
         x, y = batch
         return super().forward((torch.nn.functional.dropout(x, 0.2, self.training), y))
+
+
+class Dropout(CrashAt, DropoutBNNet):
+    """DropoutBNNet whose training forward pass raises at step ``crash_at``."""
 
 
 def fit(ds, run, tmp_path, max_steps, crash_at=None, **kwargs):
