@@ -20,6 +20,12 @@ hosts, each pinned to its own core, its uplink shaped with tc tbf):
    of highest measured throughput. Candidates measured within ``--tie`` of the
    best count as equally fast: this machine's noise is larger than that.
 
+A job's step time varies by 10-20% from one launch to the next here (two hosts
+share two cores with the launcher and the kernel's bridge), so each rate is
+measured ``--repeat`` times, each round timing its baselines right before its
+candidates; a candidate's measured speedup is the median of its rounds' speedups,
+each against its own round's reference, and the table shows their range.
+
 Writes ``results.json`` and ``table.md`` into ``--out`` (atomically).
 """
 
@@ -43,6 +49,7 @@ from multihost import (  # noqa: E402 - after the path set-up above
     BenchError,
     Interrupted,
     build_parser,
+    merge_rounds,
     model_facts,
     run_round,
     signals_raise,
@@ -98,18 +105,20 @@ def compare(rate: str, answer: dict[str, Any], runs: list[dict[str, Any]],
         p, m = predicted[label]["speedup"], measured[label]["speedup"]
         rows.append({"rate": rate, "label": label, "predicted_speedup": p,
                      "measured_speedup": m, "error": p / m - 1, "pick": label == chosen,
+                     "measured_range": measured[label].get("speedup_range", [m, m]),
                      "measured_best": m >= best * (1 - tie), "fastest": m == best})
     return rows
 
 
 def markdown(rows: list[dict[str, Any]], answers: dict[str, dict[str, Any]], tie: float) -> str:
     """The table the report quotes."""
-    lines = ["| link | candidate | predicted speedup | measured speedup | error | recommend's "
-             "pick | measured best |", "|---|---|---:|---:|---:|---|---|"]
+    lines = ["| link | candidate | predicted speedup | measured speedup (range) | error | "
+             "recommend's pick | measured best |", "|---|---|---:|---:|---:|---|---|"]
     for r in rows:
         best = "yes" if r["fastest"] else ("tie" if r["measured_best"] else "")
         lines.append(f"| {r['rate']} | {r['label']} | {r['predicted_speedup']:.2f}x | "
-                     f"{r['measured_speedup']:.2f}x | {r['error']:+.1%} | "
+                     f"{r['measured_speedup']:.2f}x ({r['measured_range'][0]:.2f}-"
+                     f"{r['measured_range'][1]:.2f}) | {r['error']:+.1%} | "
                      f"{'pick' if r['pick'] else ''} | {best} |")
     lines.append("")
     for rate, answer in answers.items():
@@ -139,17 +148,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tie", type=float, default=0.03,
                         help="measured speedups this close to the best count as the best")
     parser.add_argument("--quick", action="store_true",
-                        help="a small model (n_layer=2, n_embd=128) and short windows")
+                        help="a small model (n_layer=2, n_embd=128) and 30-step windows")
     parser.add_argument("--window", type=int, default=None,
-                        help="fewest timed steps per job (longer: less noise; --quick: 10)")
+                        help="fewest timed steps per job (longer: less noise; --quick: 30)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rounds per rate (baselines, then every candidate); medians are "
+                             "reported")
     parser.add_argument("--out", default=str(ROOT / "runs" / "recommend-check"))
     args = parser.parse_args(argv)
     bench_args = build_parser().parse_args(["--profile", args.profile, "--batch-size",
                                             str(args.batch_size)])
     if args.quick:
         args.set = ["n_layer=2", "n_embd=128", "val_size=32", *args.set]
-        bench_args.warmup, bench_args.window, bench_args.periods = 5, 10, 1
+        bench_args.warmup, bench_args.window, bench_args.periods = 5, 30, 1
         bench_args.wait_max, bench_args.retry_cores = 0, math.inf
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.window is not None:
         if args.window < 1:
             parser.error(f"--window must be at least 1, got {args.window}")
@@ -181,13 +195,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{rate}: recommend", flush=True)
                 answers[rate] = run_recommend(bed, args, 29400 + number)
                 print(f"  {answers[rate]['reason']}", flush=True)
-                measured = run_round(bench, cases, [{"rate": rate, "overhead": 0.0}], model)
-                rows += compare(rate, answers[rate], measured["runs"], args.tie)
+                rounds = []
+                for round_number in range(1, args.repeat + 1):
+                    print(f"{rate}: round {round_number} of {args.repeat}", flush=True)
+                    rounds.append(run_round(bench, cases, [{"rate": rate, "overhead": 0.0}],
+                                            model))
+                _, measured = merge_rounds(rounds)
+                rows += compare(rate, answers[rate], measured, args.tie)
             table = markdown(rows, answers, args.tie)
             atomic_write_json(out / "results.json", {
                 "created": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,
                 "recommend": answers, "settings": {"profile": args.profile, "set": args.set,
-                                                   "rates": rates, "tie": args.tie}})
+                                                   "rates": rates, "tie": args.tie,
+                                                   "repeat": args.repeat,
+                                                   "window": bench_args.window}})
             atomic_write_text(out / "table.md", table)
             print()
             print(table)
