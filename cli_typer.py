@@ -246,6 +246,10 @@ def compare(
         "--out", "-o", dir_okay=False,
         help="Where to write the plot (PNG; default: compare.png in the comparison's output "
              "folder).")] = None,
+    network: Annotated[str | None, typer.Option(
+        "--network", metavar="RATE",
+        help="Also simulate the time on this network (a rate per host such as 100mbit or "
+             "1gbit): a column and a plot of loss against simulated time.")] = None,
     web: Web = False,
     web_port: WebPort = 0,
     web_host: WebHost = "127.0.0.1",
@@ -278,8 +282,10 @@ def compare(
 
         console = make_console()
         names = [s.strip() for s in strategies.split(",") if s.strip()]
-        plans = plan_comparison(profile, names, str(config) if config else None,
-                                logger_override(parse_overrides(set_), logger))
+        overrides = logger_override(parse_overrides(set_), logger)
+        if network is not None:
+            overrides = {**overrides, "network": network}
+        plans = plan_comparison(profile, names, str(config) if config else None, overrides)
         check_plotting()
         page = open_web(web, console, host=web_host, port=web_port,
                         title=f"{profile}: compare {', '.join(names)}")
@@ -320,7 +326,8 @@ def compare(
         table = Table(title=f"{profile}: {len(results)} strategies", title_justify="left")
         accuracy = any(r.summary.get("final_val_accuracy") is not None for r in results)
         for column in ("strategy", "final val loss", *(("val acc (rank 0)",) if accuracy else ()),
-                       "bytes per node", "vs ddp", "wall time"):
+                       "bytes per node", "vs ddp", "wall time",
+                       *(("simulated time",) if network else ())):
             table.add_column(column, justify="left" if column == "strategy" else "right")
         for r in results:
             val = r.final_val_loss
@@ -328,10 +335,11 @@ def compare(
             relative = f"{r.bytes_per_node / ddp:.2%}" if ddp else "-"
             table.add_row(r.strategy, "-" if val is None else f"{val:.4f}",
                           *(("-" if acc is None else f"{acc:.1%}",) if accuracy else ()),
-                          human_bytes(r.bytes_per_node), relative, f"{r.wall_s:.1f} s")
+                          human_bytes(r.bytes_per_node), relative, f"{r.wall_s:.1f} s",
+                          *((f"{r.summary.get('sim_time_s', 0.0):.2f} s",) if network else ()))
         console.print(table)
         written = plot_comparison(results, out or comparison_folder(plans) / PLOT_NAME,
-                                  title=f"{profile}: validation loss")
+                                  title=f"{profile}: validation loss", network=network)
         console.print(f"plot written to {written}", markup=False)
         keep_serving(page, console)
 

@@ -1,10 +1,9 @@
 """Federated learning on non-IID clients: FedAvg with islands and client sampling vs DiLoCo and DDP.
 
 The training digits are split across 16 simulated clients with label skew
-drawn from a Dirichlet distribution (``exogym.data.dirichlet_partition``):
+drawn from a Dirichlet distribution (``fit(partition="dirichlet:ALPHA")``):
 with a small ``alpha`` each client sees mostly a few classes, as phones or
-hospitals would. Each client's data comes from a dataset factory
-``f(rank, num_nodes, is_train)``, so a client only ever reads its own share.
+hospitals would. A client only ever reads its own share.
 
 Compared, all with AdamW on every client:
 
@@ -27,40 +26,14 @@ from collections.abc import Callable
 import torch
 from rich.console import Console
 from rich.table import Table
-from torch.utils.data import Dataset, Subset
 
 from exogym import Trainer
-from exogym.data import dirichlet_partition
 from exogym.digits import DigitsMLP, digits_datasets, evaluate
+from exogym.partition import dataset_labels, label_histogram, split_by_label
 from exogym.report import human_bytes
 from exogym.strategy import DiLoCoStrategy, FedAvgStrategy, SimpleReduceStrategy, Strategy
 
 LR = 3e-3
-
-
-class NonIIDDigits:
-    """Dataset factory: client ``rank`` trains on its Dirichlet share of the digits.
-
-    Every client validates on the whole validation set.
-
-    Args:
-        alpha: Dirichlet concentration; smaller means more skew.
-        seed: seed of the split into training/validation and of the partition.
-    """
-
-    def __init__(self, alpha: float, seed: int = 0):
-        self.alpha = alpha
-        self.seed = seed
-        self.train, self.val = digits_datasets(seed=seed)
-
-    def parts(self, num_clients: int) -> list[list[int]]:
-        """Indices of the training images each client holds."""
-        return dirichlet_partition(self.train.tensors[1], num_clients, self.alpha, self.seed)
-
-    def __call__(self, rank: int, num_nodes: int, is_train: bool) -> Dataset:
-        if not is_train:
-            return self.val
-        return Subset(self.train, self.parts(num_nodes)[rank])
 
 
 def strategies(h: int) -> dict[str, tuple[str, Callable[[], Strategy]]]:
@@ -86,14 +59,15 @@ def main() -> None:
     args = parser.parse_args()
 
     console = Console()
-    factory = NonIIDDigits(args.alpha, args.seed)
-    parts = factory.parts(args.clients)
+    train, val = digits_datasets(seed=args.seed)
+    partition = f"dirichlet:{args.alpha}"
+    labels = dataset_labels(train)
+    try:
+        parts = split_by_label(labels, partition, args.clients, args.seed)
+    except ValueError as exc:
+        parser.error(f"{exc} (--alpha, --clients, --seed)")
     sizes = sorted(len(p) for p in parts)
-    if sizes[0] == 0:
-        parser.error(f"with alpha={args.alpha} and seed={args.seed} a client got no images; "
-                     "raise --alpha, lower --clients or try another --seed")
-    labels = factory.train.tensors[1]
-    classes = [int((torch.bincount(labels[p], minlength=10) >= 0.05 * len(p)).sum()) for p in parts]
+    classes = [sum(c >= 0.05 * len(p) for c in label_histogram(labels, p)) for p in parts]
     console.print(
         f"{args.clients} clients, Dirichlet alpha={args.alpha}: {sizes[0]}-{sizes[-1]} images "
         f"per client (median {sizes[len(sizes) // 2]}), {sum(classes) / len(classes):.1f} of 10 "
@@ -106,12 +80,13 @@ def main() -> None:
         table.add_column(column, justify="right", no_wrap=True)
     for name, (settings, build) in strategies(args.H).items():
         torch.manual_seed(0)
-        trainer = Trainer(DigitsMLP(), factory, factory)
+        trainer = Trainer(DigitsMLP(), train, val)
         started = time.perf_counter()
         final = trainer.fit(strategy=build(), num_nodes=args.clients, max_steps=args.steps,
-                            batch_size=args.batch_size, val_size=0, logger=None, progress=False)
+                            batch_size=args.batch_size, partition=partition, seed=args.seed,
+                            val_size=0, logger=None, progress=False)
         wall = time.perf_counter() - started
-        loss, acc = evaluate(final, factory.val)
+        loss, acc = evaluate(final, val)
         table.add_row(name, settings, f"{loss:.3f}", f"{acc:.1%}",
                       human_bytes(trainer.summary["bytes_per_node"]), f"{wall:.1f} s")
         console.print(f"  {name:<15} done in {wall:5.1f} s: accuracy {acc:.1%}")

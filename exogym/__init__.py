@@ -16,10 +16,11 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Trainer", "LocalTrainer", "TrainNode", "RankFailedError", "__version__"]
+__all__ = ["Trainer", "LocalTrainer", "TrainNode", "RankFailedError", "Network", "__version__"]
 
 _LAZY = {"Trainer": "exogym.trainer", "LocalTrainer": "exogym.trainer",
-         "RankFailedError": "exogym.trainer", "TrainNode": "exogym.train_node"}
+         "RankFailedError": "exogym.trainer", "TrainNode": "exogym.train_node",
+         "Network": "exogym.network"}
 
 
 def __getattr__(name: str) -> Any:

@@ -58,6 +58,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 
@@ -71,6 +72,7 @@ __all__ = [
     "all_gather",
     "all_reduce_tensors",
     "collectives_mode",
+    "collective_time",
     "comm_bytes",
     "comm_calls",
     "destroy_process_group",
@@ -89,6 +91,7 @@ __all__ = [
     "side_barrier",
     "side_broadcast",
     "side_group_size",
+    "use_clock",
     "use_local_collectives",
     "use_mirror_collectives",
 ]
@@ -112,6 +115,15 @@ _local = None  # SharedMemoryCollectives when every rank shares this machine
 _mirror = False  # every peer holds what this rank holds: nothing is sent
 _mirror_world: int | None = None  # ranks a mirrored world has (None: the process group's)
 _side_group = None  # evaluation, averaging, agreement, barriers: never counted
+
+# The simulated clock (fit(network=...)): this rank's SimClock, the collectives of one
+# all_reduce_tensors call charged together, and the time spent inside counted
+# collectives (wall, and this thread's CPU), which a step's compute time leaves out.
+_clock = None
+_clock_batch: list[tuple[str, int]] | None = None
+_collective_depth = 0
+_collective_wall_s = 0.0
+_collective_cpu_s = 0.0
 
 
 # -- the process group ---------------------------------------------------------------
@@ -368,10 +380,85 @@ def restore_counters(bytes_sent: int, calls: int) -> None:
     _calls = int(calls)
 
 
-def _count(nbytes: int) -> None:
+def _count(nbytes: int, kind: str, group) -> None:
+    """Count one collective's payload, and charge it to the simulated clock if there is one."""
     global _bytes_sent, _calls
     _bytes_sent += int(nbytes)
     _calls += 1
+    if _clock is None:
+        return
+    if _clock_batch is not None:
+        _clock_batch.append((kind, int(nbytes)))
+        return
+    start = _latest_arrival(group)
+    _clock.finish_at(start + _clock.collective_s(kind, nbytes, _group_ranks(group)))
+
+
+# -- the simulated clock ---------------------------------------------------------------
+
+
+def use_clock(clock) -> None:
+    """Charge every training collective of this rank to ``clock`` (an
+    :class:`exogym.simclock.SimClock`); None: no simulated time."""
+    global _clock, _collective_wall_s, _collective_cpu_s
+    _clock = clock
+    _collective_wall_s = _collective_cpu_s = 0.0
+
+
+def collective_time() -> tuple[float, float]:
+    """Seconds this rank has spent inside counted collectives: (wall, this thread's CPU).
+
+    Kept only while a simulated clock is in use (:func:`use_clock`).
+    """
+    return _collective_wall_s, _collective_cpu_s
+
+
+class _Timed:
+    """Adds the time spent inside the outermost counted collective to the totals above."""
+
+    wall = cpu = None
+
+    def __enter__(self) -> None:
+        global _collective_depth
+        _collective_depth += 1
+        if _collective_depth == 1 and _clock is not None:
+            self.wall, self.cpu = time.perf_counter(), time.thread_time()
+
+    def __exit__(self, *exc: object) -> None:
+        global _collective_depth, _collective_wall_s, _collective_cpu_s
+        _collective_depth -= 1
+        if _collective_depth == 0 and self.wall is not None:
+            _collective_wall_s += time.perf_counter() - self.wall
+            _collective_cpu_s += time.thread_time() - self.cpu
+
+
+def _group_ranks(group) -> list[int]:
+    world = group is None or group is dist.group.WORLD
+    if isinstance(group, _MirroredGroup) or world or _mirror:
+        return list(range(group_size(group)))
+    return list(dist.get_process_group_ranks(group))
+
+
+def _latest_arrival(group) -> float:
+    """The latest clock among the ranks of ``group``: when a collective among them can start.
+
+    Uncounted: through shared memory, the side channel (the world) or ``group`` itself.
+    """
+    now = _clock.now
+    if _mirror or not _active() or group_size(group) <= 1:
+        return now
+    t = torch.tensor([now], dtype=torch.float64)
+    world = group is None or group is dist.group.WORLD
+    local = _local_for(t, group, dist.ReduceOp.MAX) if world else None
+    if local is not None:
+        local.all_reduce(t, op=dist.ReduceOp.MAX)
+    elif world:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_side_group)
+    else:
+        if _backend(group) == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
 
 
 def _active() -> bool:
@@ -457,22 +544,24 @@ def all_reduce(tensor: torch.Tensor, op=None, group=None, async_op: bool = False
     """All-reduce ``tensor`` in place (default op: SUM); counts its payload bytes."""
     if not _active():
         return _DoneWork() if async_op else None
-    _count(tensor.numel() * tensor.element_size())
-    if _mirror:
-        _mirror_reduce(tensor, op, group)
-        return _DoneWork() if async_op else None
-    return _in_place(dist.all_reduce, "all_reduce", tensor, group, async_op,
-                     op=dist.ReduceOp.SUM if op is None else op)
+    with _Timed():
+        _count(tensor.numel() * tensor.element_size(), "all_reduce", group)
+        if _mirror:
+            _mirror_reduce(tensor, op, group)
+            return _DoneWork() if async_op else None
+        return _in_place(dist.all_reduce, "all_reduce", tensor, group, async_op,
+                         op=dist.ReduceOp.SUM if op is None else op)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
     """Broadcast ``tensor`` from global rank ``src`` in place; counts its payload bytes."""
     if not _active():
         return _DoneWork() if async_op else None
-    _count(tensor.numel() * tensor.element_size())
-    if _mirror:
-        return _DoneWork() if async_op else None
-    return _in_place(dist.broadcast, "broadcast", tensor, group, async_op, src=src)
+    with _Timed():
+        _count(tensor.numel() * tensor.element_size(), "broadcast", group)
+        if _mirror:
+            return _DoneWork() if async_op else None
+        return _in_place(dist.broadcast, "broadcast", tensor, group, async_op, src=src)
 
 
 def all_gather(
@@ -482,8 +571,9 @@ def all_gather(
     if not _active():
         tensor_list[0].copy_(tensor)
         return _DoneWork() if async_op else None
-    _count(tensor.numel() * tensor.element_size())
-    return _all_gather_uncounted(tensor_list, tensor, group, async_op)
+    with _Timed():
+        _count(tensor.numel() * tensor.element_size(), "all_gather", group)
+        return _all_gather_uncounted(tensor_list, tensor, group, async_op)
 
 
 def _all_gather_uncounted(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group,
@@ -571,6 +661,7 @@ class _Round:
     def __init__(self):
         self._steps: list[tuple[object, Callable[[], None] | None]] = []
         self._done = False
+        self.sim_done: float | None = None  # when it ends on the simulated clock
 
     def add(self, work, finish: Callable[[], None] | None) -> None:
         self._steps.append((work, finish))
@@ -578,12 +669,15 @@ class _Round:
     def wait(self, timeout=None) -> bool:
         """Block until every bucket has arrived; the tensors then hold the result."""
         if not self._done:
-            for work, finish in self._steps:
-                if work is not None:
-                    work.wait()
-                if finish is not None:
-                    finish()
+            with _Timed():
+                for work, finish in self._steps:
+                    if work is not None:
+                        work.wait()
+                    if finish is not None:
+                        finish()
             self._done = True
+            if self.sim_done is not None and _clock is not None:
+                _clock.finish_at(self.sim_done)
         return True
 
     def is_completed(self) -> bool:
@@ -625,7 +719,7 @@ def _quantized_bucket(round_: _Round, members: list[torch.Tensor],
     if residuals is not None:
         _split_into(flat - quant.dequantize(q), residuals)
     wire = quant.to_bytes(q)
-    _count(wire.numel())
+    _count(wire.numel(), "all_gather", group)
     gathered = [torch.empty_like(wire) for _ in range(group_size(group))]
 
     def finish() -> None:
@@ -718,6 +812,47 @@ def all_reduce_tensors(
     if average and world_size is None:
         world_size = group_size(group)
     divide_by = world_size if average else None
+    with _Timed():
+        _reduce_buckets(round_, tensors, residuals, op, group, average, wire_dtype, quantized,
+                        world_size, divide_by, bucket_bytes, chunk, rounding, async_op)
+    if async_op:
+        return round_
+    round_.wait()
+    return None
+
+
+def _reduce_buckets(round_: _Round, tensors: list[torch.Tensor],
+                    residuals: list[torch.Tensor] | None, op, group, average: bool,
+                    wire_dtype, quantized: bool, world_size: int | None,
+                    divide_by: float | None, bucket_bytes: int, chunk: int, rounding: str,
+                    async_op: bool) -> None:
+    """Start :func:`all_reduce_tensors`' buckets into ``round_``; on a simulated clock, the
+    call starts when the last rank arrives and lasts its buckets' time together."""
+    global _clock_batch
+    charged = _clock is not None and _clock_batch is None
+    if charged:
+        start = _latest_arrival(group)
+        _clock_batch = []
+    try:
+        _start_buckets(round_, tensors, residuals, op, group, average, wire_dtype, quantized,
+                       world_size, divide_by, bucket_bytes, chunk, rounding, async_op)
+    finally:
+        if charged:
+            items, _clock_batch = _clock_batch, None
+    if charged:
+        ranks = _group_ranks(group)
+        done = start + sum(_clock.collective_s(kind, payload, ranks) for kind, payload in items)
+        if async_op:
+            round_.sim_done = done
+        else:
+            _clock.finish_at(done)
+
+
+def _start_buckets(round_: _Round, tensors: list[torch.Tensor],
+                   residuals: list[torch.Tensor] | None, op, group, average: bool,
+                   wire_dtype, quantized: bool, world_size: int | None,
+                   divide_by: float | None, bucket_bytes: int, chunk: int, rounding: str,
+                   async_op: bool) -> None:
     for bucket in _buckets(tensors, bucket_bytes):
         members = [tensors[i] for i in bucket]
         if quantized:
@@ -730,7 +865,7 @@ def all_reduce_tensors(
         local = _local_for(members[0], group, op, blocking=not async_op)
         if local is not None:
             # Straight from the tensors into shared memory and back: no flat copy.
-            _count(elements * (wire_dtype or members[0].dtype).itemsize)
+            _count(elements * (wire_dtype or members[0].dtype).itemsize, "all_reduce", group)
 
             def reduce_in_place(local=local, members=members, reduce_op=reduce_op) -> None:
                 local.all_reduce_many(members, reduce_op, wire_dtype=wire_dtype,
@@ -753,10 +888,6 @@ def all_reduce_tensors(
             _split_into(flat, members)
 
         round_.add(work, finish)
-    if async_op:
-        return round_
-    round_.wait()
-    return None
 
 
 # -- the side channel: evaluation, averaging, agreement, barriers (never counted) -------

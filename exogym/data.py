@@ -22,6 +22,13 @@ from torch.utils.data import (
     TensorDataset,
 )
 
+from exogym.partition import (  # dirichlet_partition: its import path before exogym.partition
+    dataset_labels,
+    dirichlet_partition,  # noqa: F401
+    label_histogram,
+    split_by_label,
+)
+
 DatasetOrFactory = Any  # a Dataset, or f(rank, num_nodes, is_train) -> Dataset
 
 def is_factory(obj: Any) -> bool:
@@ -78,11 +85,13 @@ class MinibatchStream:
         shuffle: reshuffle every epoch (seeded, so every run sees the same order).
         seed: the run's seed.
         dataloader_kwargs: extra DataLoader arguments (``collate_fn``, ``num_workers``, ...).
+        partition: how a sharded ``dataset`` is split (:mod:`exogym.partition`): ``'iid'``
+            (a DistributedSampler's even random shards) or a split by label.
     """
 
     def __init__(self, dataset: Dataset, minibatch_size: int, rank: int, num_nodes: int,
                  shard: bool, shuffle: bool, seed: int,
-                 dataloader_kwargs: dict[str, Any] | None = None):
+                 dataloader_kwargs: dict[str, Any] | None = None, partition: str = "iid"):
         self.dataset = dataset
         self.minibatch_size = minibatch_size
         self.rank = rank
@@ -95,15 +104,32 @@ class MinibatchStream:
         self.epoch = 0
         self.taken = 0  # minibatches taken in the current epoch
         self._iter: Iterator | None = None
+        self.part: list[int] | None = None  # this rank's indices under a split by label
+        self.labels_held: list[int] | None = None  # how many of each label it holds
+        if shard and partition != "iid" and not self.iterable:
+            labels = dataset_labels(dataset)
+            parts = split_by_label(labels, partition, num_nodes, seed)
+            self.part = parts[rank]
+            self.labels_held = label_histogram(labels, self.part)
 
     def batches_per_epoch(self) -> int | None:
         """Minibatches in one epoch of this rank's data (None for an iterable dataset)."""
         if self.iterable:
             return None
-        n = shard_length(self.dataset, self.num_nodes) if self.shard else len(self.dataset)
+        if self.part is not None:
+            n = len(self.part)
+        elif self.shard:
+            n = shard_length(self.dataset, self.num_nodes)
+        else:
+            n = len(self.dataset)
         return math.ceil(n / self.minibatch_size)
 
     def _indices(self, epoch: int) -> list[int]:
+        if self.part is not None:
+            if not self.shuffle:
+                return self.part
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 7919 + epoch)
+            return [self.part[i] for i in torch.randperm(len(self.part), generator=gen).tolist()]
         if self.shard:
             sampler = DistributedSampler(self.dataset, num_replicas=self.num_nodes, rank=self.rank,
                                          shuffle=self.shuffle, seed=self.seed)
@@ -210,38 +236,3 @@ def eval_loader(dataset: Dataset, indices: list[int], minibatch_size: int,
     kwargs = {k: v for k, v in loader_kwargs(dataset, dataloader_kwargs).items() if k != "shuffle"}
     return DataLoader(dataset, batch_size=minibatch_size, sampler=indices,
                       **_with_generator(kwargs, 0))
-
-def dirichlet_partition(labels, num_clients: int, alpha: float, seed: int = 0) -> list[list[int]]:
-    """Split sample indices across clients with label skew drawn from Dirichlet(alpha).
-
-    Smaller ``alpha`` gives each client fewer classes (more non-IID); large alpha
-    approaches an even split. Every index lands with exactly one client.
-
-    Args:
-        labels: one class label per sample (sequence or tensor of ints).
-        num_clients: number of parts.
-        alpha: Dirichlet concentration (> 0).
-        seed: seed of the draw.
-    """
-    if num_clients < 1:
-        raise ValueError(f"num_clients must be >= 1, got {num_clients}")
-    if not alpha > 0:
-        raise ValueError(f"alpha must be > 0, got {alpha}")
-    labels = torch.as_tensor(labels).reshape(-1)
-    gen = torch.Generator().manual_seed(seed)
-    parts: list[list[int]] = [[] for _ in range(num_clients)]
-    concentration = torch.full((num_clients,), float(alpha))
-    dirichlet = torch.distributions.Dirichlet(concentration)
-    for cls in torch.unique(labels).tolist():
-        idx = torch.nonzero(labels == cls).reshape(-1)
-        idx = idx[torch.randperm(len(idx), generator=gen)]
-        # torch.distributions has no generator argument: seed the draw explicitly.
-        state = torch.random.get_rng_state()
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-        share = dirichlet.sample()
-        torch.random.set_rng_state(state)
-        cuts = (torch.cumsum(share, 0) * len(idx)).round().long().tolist()[:-1]
-        for client, chunk in enumerate(torch.tensor_split(idx, cuts)):
-            parts[client].extend(chunk.tolist())
-    return parts
-

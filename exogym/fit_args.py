@@ -190,6 +190,81 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
+PARTITION_KINDS = ("iid", "dirichlet:ALPHA", "shards:N")
+
+
+def parse_partition(value: Any) -> tuple[str, float]:
+    """``partition=`` as (kind, parameter): ``('iid', 0)``, ``('dirichlet', 0.3)``, ``('shards', 2)``.
+
+    Raises:
+        ValueError: not one of ``'iid'``, ``'dirichlet:ALPHA'`` (ALPHA > 0) or
+            ``'shards:N'`` (N an integer >= 1).
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"partition must be one of {', '.join(PARTITION_KINDS)}, got {value!r}")
+    kind, sep, param = value.strip().partition(":")
+    if kind == "iid" and not sep:
+        return "iid", 0.0
+    if kind == "dirichlet" and sep:
+        try:
+            alpha = float(param)
+        except ValueError:
+            alpha = math.nan
+        if alpha > 0 and math.isfinite(alpha):
+            return "dirichlet", alpha
+        raise ValueError(f"partition {value!r}: ALPHA in 'dirichlet:ALPHA' must be a number > 0 "
+                         "(0.1: each rank sees mostly a few labels; 100: close to iid)")
+    if kind == "shards" and sep:
+        if param.isdigit() and int(param) >= 1:
+            return "shards", float(int(param))
+        raise ValueError(f"partition {value!r}: N in 'shards:N' must be an integer >= 1 "
+                         "(label-sorted shards per rank)")
+    raise ValueError(f"partition must be one of {', '.join(PARTITION_KINDS)}, got {value!r}")
+
+
+def _partition(name: str, value: Any) -> None:
+    parse_partition(value)
+
+
+SPEED_MODES = ("wall", "clock")
+
+
+def _network(name: str, value: Any) -> None:
+    if value is None:
+        return
+    from exogym.network import Network  # torch-free
+
+    if not isinstance(value, (Network, str)):
+        raise TypeError(f"network must be a rate such as '100mbit' or '1gbit', or an "
+                        f"exogym.Network, got {value!r}")
+    try:
+        Network.coerce(value)
+    except ValueError as exc:
+        raise ValueError(f"network: {exc}") from None
+
+
+def _to_network(value: Any) -> Any:
+    from exogym.network import Network
+
+    return None if value is None else Network.coerce(value)
+
+
+def _rank_speeds(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1e6
+            for v in value):
+        raise ValueError(f"rank_speeds must be a list of positive numbers, one per rank "
+                         f"(1.0: full speed, 0.5: half), got {value!r}")
+
+
+def _speed_mode(name: str, value: Any) -> None:
+    if value not in SPEED_MODES:
+        raise ValueError(f"speed_mode must be 'wall' (a slow rank really takes longer) or "
+                         f"'clock' (only its simulated time does), got {value!r}")
+
+
 # -- the arguments ---------------------------------------------------------------------
 
 
@@ -230,6 +305,12 @@ class RunArgs:
                                    "``minibatch_size='auto'`` may fill.", _fraction, profile=True)
     shuffle: bool = _arg(True, "reshuffle the training shards every epoch.", profile=True,
                          convert=bool)
+    partition: str = _arg(
+        "iid", "how the training set is split across ranks, by label: ``'iid'`` (even, "
+        "random), ``'dirichlet:ALPHA'`` (each label's samples spread by a Dirichlet(ALPHA) "
+        "draw: small ALPHA, few labels per rank), ``'shards:N'`` (label-sorted data cut into "
+        "N shards per rank). Seeded by ``seed``: the same split in a simulation and on hosts.",
+        _partition, profile=True, convert=lambda v: v.strip())
     val_size: int = _arg(64, "validation samples per evaluation (0: no evaluation).",
                          _at_least(0), profile=True)
     val_interval: int = _arg(100, "evaluate every this many steps (and after the last).",
@@ -260,6 +341,31 @@ class RunArgs:
                                    profile=True)
     timeout_s: float = _arg(1800.0, "how long a collective may wait for a peer.",
                             _positive_seconds, profile=True, convert=float)
+    network: Any = _arg(
+        None, "a modelled network for the simulated clock: a rate per host such as "
+        "``'100mbit'`` or ``'1gbit'`` (tc's units), or ``exogym.Network(bandwidth, "
+        "latency_s, rank_bandwidth)``; every history row then gets ``sim_time_s``.",
+        _network, profile=True, convert=_to_network)
+    compute_time_s: float | None = _arg(
+        None, "fixed compute time of a step on the simulated clock (None: each step's "
+        "measured time), so simulated times are deterministic.",
+        lambda n, v: v is None or _positive_seconds(n, v), profile=True,
+        convert=lambda v: None if v is None else float(v))
+    rank_speeds: list[float] | None = _arg(
+        None, "per rank, its compute speed (1.0: full, 0.5: half: its steps take twice as "
+        "long); see ``speed_mode``.", _rank_speeds, profile=True,
+        convert=lambda v: None if v is None else [float(x) for x in v])
+    speed_mode: str = _arg(
+        "wall", "how ``rank_speeds`` slow a rank: ``'wall'`` (default: it really takes "
+        "longer, sleeping after each forward and backward, and its simulated clock "
+        "shows it) or ``'clock'`` (only its simulated time is scaled: fast to run).",
+        _speed_mode, profile=True)
+
+    @property
+    def has_clock(self) -> bool:
+        """True when ranks keep a simulated clock (a network, compute time or speeds given)."""
+        return (self.network is not None or self.compute_time_s is not None
+                or self.rank_speeds is not None)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -271,6 +377,11 @@ class RunArgs:
             if convert is not None:
                 object.__setattr__(self, f.name, convert(value))
         self.minibatch()  # checks batch_size, minibatch_size and gradient_accumulation together
+        if self.rank_speeds is not None and len(self.rank_speeds) != self.num_nodes:
+            raise ValueError(f"rank_speeds has {len(self.rank_speeds)} values for "
+                             f"num_nodes={self.num_nodes}: give one per rank")
+        if self.network is not None:
+            self.network.check_ranks(self.num_nodes)
 
     def minibatch(self) -> int | str:
         """Samples per forward pass: an integer, or ``'auto'`` until measured."""

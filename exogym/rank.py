@@ -263,4 +263,5 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
     finally:
         if watch is not None:
             watch.stop()
+        comm.use_clock(None)
         comm.destroy_process_group()

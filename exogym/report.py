@@ -30,8 +30,13 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def summarize(history: list[dict[str, Any]], num_nodes: int, wall_s: float) -> dict[str, Any]:
-    """Final figures of a run from its history."""
+def summarize(history: list[dict[str, Any]], num_nodes: int, wall_s: float,
+              labels: dict[int, list[int]] | None = None) -> dict[str, Any]:
+    """Final figures of a run from its history.
+
+    ``labels`` (rank -> count of each label in its training part, from the ranks'
+    start events under a non-iid ``partition``) becomes ``label_histogram``.
+    """
     last: dict[int, dict[str, Any]] = {}
     last_eval: dict[str, Any] | None = None
     for row in history:
@@ -50,6 +55,13 @@ def summarize(history: list[dict[str, Any]], num_nodes: int, wall_s: float) -> d
                            if last else 0),
         "wall_s": wall_s,
     }
+    clocks = [r["sim_time_s"] for r in last.values() if r.get("sim_time_s") is not None]
+    if clocks:
+        # the simulated end of the run: when its slowest rank finished
+        summary["sim_time_s"] = max(clocks)
+        summary["sim_time_per_step_s"] = max(clocks) / steps if steps else None
+    if labels:
+        summary["label_histogram"] = {str(rank): list(labels[rank]) for rank in sorted(labels)}
     if last_eval is not None:
         summary["final_val_loss"] = last_eval["val_loss"]
         summary["final_val_global_loss"] = last_eval.get("val_global_loss")
@@ -57,6 +69,20 @@ def summarize(history: list[dict[str, Any]], num_nodes: int, wall_s: float) -> d
             if key.startswith("val_") and key not in ("val_loss", "val_global_loss"):
                 summary[f"final_{key}"] = value
     return summary
+
+
+def label_table(histogram: dict[str, list[int]]) -> Table:
+    """Each rank's training samples per label (a non-iid ``partition``)."""
+    width = max(len(counts) for counts in histogram.values())
+    table = Table(title="training samples per label")
+    table.add_column("rank", justify="right")
+    for label in range(width):
+        table.add_column(str(label), justify="right")
+    table.add_column("total", justify="right")
+    for rank, counts in histogram.items():
+        padded = list(counts) + [0] * (width - len(counts))
+        table.add_row(rank, *(str(c) if c else "." for c in padded), str(sum(counts)))
+    return table
 
 
 @runtime_checkable
@@ -153,7 +179,8 @@ class RunReporter:
         accuracy = summary.get("final_val_accuracy")
         for column in ("nodes", "steps", "train loss", "val loss (avg model)",
                        *((VAL_ACCURACY_COLUMN,) if accuracy is not None else ()), "steps/s",
-                       "sent per node", "wall"):
+                       "sent per node", "wall",
+                       *(("simulated",) if summary.get("sim_time_s") is not None else ())):
             table.add_column(column, justify="right")
 
         def fmt(value: Any, spec: str) -> str:
@@ -167,5 +194,9 @@ class RunReporter:
             fmt(summary.get("steps_per_s"), ".1f"),
             human_bytes(summary.get("bytes_per_node") or 0),
             f"{summary['wall_s']:.1f} s",
+            *((f"{summary['sim_time_s']:.2f} s",) if summary.get("sim_time_s") is not None
+              else ()),
         )
         self.console.print(table)
+        if summary.get("label_histogram"):
+            self.console.print(label_table(summary["label_histogram"]))

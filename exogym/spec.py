@@ -50,6 +50,11 @@ class RunSpec(RunArgs):
         """Plain settings of the run, for logs and the saved run config."""
         plain = self.run_values()
         plain["strategy"] = self.strategy.__config__()
+        if self.network is not None:
+            plain["network"] = {"bandwidth_bits_per_s": self.network.bandwidth,
+                                "latency_s": self.network.latency_s,
+                                "rank_bandwidth_bits_per_s": self.network.rank_bandwidth,
+                                "topology": self.network.topology}
         plain["device_type"] = self.device_type
         plain["model"] = type(self.model).__name__
         plain["trainable_parameters"] = sum(
@@ -111,6 +116,11 @@ def make_run_spec(model: torch.nn.Module, train_dataset: Any, val_dataset: Any,
             f"SimpleReduceStrategy(), got {args.strategy!r}"
         )
     _check_dataset("train_dataset", train_dataset)
+    if args.partition != "iid" and is_factory(train_dataset):
+        raise ValueError(f"partition={args.partition!r} splits a training dataset across the "
+                         "ranks, but train_dataset is a factory f(rank, num_nodes, is_train) "
+                         "that builds each rank's data itself: pass the whole dataset, or "
+                         "leave partition='iid'")
     if args.val_size:
         _check_dataset("val_dataset", val_dataset)
     device_type, device_ids = resolve_devices(args.device, args.devices)

@@ -40,6 +40,7 @@ from exogym.data import (
     to_device,
     validation_subset,
 )
+from exogym.simclock import SimClock
 from exogym.spec import Placement, RunSpec
 
 Emit = Callable[[dict[str, Any]], None]
@@ -99,7 +100,7 @@ class TrainNode:
         self.train_stream = MinibatchStream(
             train_data, spec.minibatch_size, rank, self.num_nodes,
             shard=not is_factory(spec.train_dataset), shuffle=spec.shuffle, seed=spec.seed,
-            dataloader_kwargs=spec.dataloader_kwargs,
+            dataloader_kwargs=spec.dataloader_kwargs, partition=spec.partition,
         )
         self.max_steps = self._agree_on_max_steps()
 
@@ -120,6 +121,12 @@ class TrainNode:
 
         self.step = 0
         self.samples = 0
+        self.clock: SimClock | None = None
+        if spec.has_clock:
+            speed = spec.rank_speeds[rank] if spec.rank_speeds is not None else 1.0
+            self.clock = SimClock(spec.network, speed, spec.compute_time_s)
+            comm.use_clock(self.clock)
+        self._one_thread = self.placement.threads_per_rank(spec) == 1
         self.autocast = (
             torch.autocast(device_type=device.type, dtype=torch.bfloat16)
             if spec.autocast else nullcontext()
@@ -157,9 +164,45 @@ class TrainNode:
             raise TypeError(f"model.forward(batch) must return a scalar loss tensor, got {shape}")
         return loss.reshape(())
 
+    def _mark(self) -> tuple[float, float, float, float]:
+        wall_in, cpu_in = comm.collective_time()
+        return time.perf_counter(), time.thread_time(), wall_in, cpu_in
+
+    def _compute_since(self, mark: tuple[float, float, float, float]) -> float:
+        """Compute seconds since ``mark``, without time inside collectives or asleep.
+
+        On one compute thread, the CPU time of this thread: ranks sharing the
+        machine's cores do not count each other's turns. Otherwise wall time.
+        """
+        wall, cpu, wall_in, cpu_in = self._mark()
+        if self._one_thread:
+            return max(0.0, (cpu - mark[1]) - (cpu_in - mark[3]))
+        return max(0.0, (wall - mark[0]) - (wall_in - mark[2]))
+
+    def _clock_forward_backward(self, mark: tuple[float, float, float, float]) -> None:
+        """Charge the forward and backward passes to the simulated clock (before the
+        strategy's step, whose collectives start when the last rank arrives)."""
+        clock = self.clock
+        measured = self._compute_since(mark)
+        clock.add_compute(clock.compute_time_s if clock.compute_time_s is not None
+                          else measured)
+
+    def _clock_strategy_work(self, mark: tuple[float, float, float, float]) -> None:
+        """Charge the strategy's own work in its step (the optimizer, compression)."""
+        if self.clock.compute_time_s is None:
+            self.clock.add_compute(self._compute_since(mark))
+
+    def _lag(self, mark: tuple[float, float, float, float]) -> None:
+        """A slow rank in ``speed_mode='wall'`` really takes longer: after each step it
+        sleeps off ``1/speed - 1`` times the work it did since ``mark`` (collectives aside)."""
+        clock = self.clock
+        if clock is not None and self.spec.speed_mode == "wall" and clock.speed < 1.0:
+            time.sleep(self._compute_since(mark) * (1.0 / clock.speed - 1.0))
+
     def train_step(self) -> dict[str, Any]:
         """Run one optimizer step (with accumulation) and return its metric event."""
         accumulation = self.spec.accumulation_steps
+        mark = self._mark() if self.clock is not None else None
         self.strategy.zero_grad()
         losses = []
         for _ in range(accumulation):
@@ -170,9 +213,14 @@ class TrainNode:
             self.samples += batch_size_of(batch)
         total = losses[0] if accumulation == 1 else torch.stack(losses).float().sum()
         lr = self.strategy.current_lr
+        if self.clock is not None:
+            self._clock_forward_backward(mark)
+            mark = self._mark()
         self.strategy.step()
+        if self.clock is not None:
+            self._clock_strategy_work(mark)
         self.step += 1
-        return {
+        event = {
             "event": "step",
             "rank": self.rank,
             "step": self.step,
@@ -181,6 +229,9 @@ class TrainNode:
             "comm_bytes": comm.comm_bytes(),
             "samples": self.samples,
         }
+        if self.clock is not None:
+            event["sim_time_s"] = self.clock.now
+        return event
 
     # -- evaluation -----------------------------------------------------------------
 
@@ -259,6 +310,7 @@ class TrainNode:
             "data": self.train_stream.state(),
             "rng": _rng_state(self.device),
             "num_nodes": self.num_nodes,
+            "sim_time_s": None if self.clock is None else self.clock.now,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -272,6 +324,8 @@ class TrainNode:
         _set_rng_state(state["rng"], self.device)
         self.step = state["step"]
         self.samples = state["samples"]
+        if self.clock is not None and state.get("sim_time_s") is not None:
+            self.clock.now = float(state["sim_time_s"])
         comm.restore_counters(state["comm_bytes"], state.get("comm_calls", 0))
 
     def _newest_valid(self, root: Path, below: int) -> tuple[int, dict | None]:
@@ -311,10 +365,14 @@ class TrainNode:
             resumed = self.resume(spec.resume_from)
             if resumed:
                 print(f"rank {self.rank}: resumed from step {resumed}", flush=True)
-        self.emit({"event": "start", "rank": self.rank, "max_steps": self.max_steps,
-                   "step": self.step})
+        opening = {"event": "start", "rank": self.rank, "max_steps": self.max_steps,
+                   "step": self.step}
+        if self.train_stream.labels_held is not None:
+            opening["labels"] = self.train_stream.labels_held
+        self.emit(opening)
         start = time.perf_counter()
         while self.step < self.max_steps:
+            mark = self._mark() if self.clock is not None else None
             event = self.train_step()
             if self.val_loader is not None and (
                 self.step % spec.val_interval == 0 or self.step == self.max_steps
@@ -327,4 +385,5 @@ class TrainNode:
                                 keep=spec.keep_checkpoints)
             event["wall_s"] = time.perf_counter() - start
             self.emit(event)
+            self._lag(mark)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}

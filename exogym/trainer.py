@@ -299,10 +299,13 @@ class Trainer:
         self.history = []
         self.rank_stats = {}
         self.run_config = spec.config()
+        labels: dict[int, list[int]] = {}
 
         def on_event(event: dict[str, Any]) -> None:
             if event.get("event") == "step":
                 self.history.append({k: v for k, v in event.items() if k != "event"})
+            elif event.get("event") == "start" and "labels" in event:
+                labels[event["rank"]] = event["labels"]
             elif event.get("event") == "done":
                 self.rank_stats[event["rank"]] = event
             reporter.on_event(event)
@@ -320,7 +323,8 @@ class Trainer:
         finally:
             reporter.close()
             self.history.sort(key=lambda r: (r["step"], r["rank"]))
-            self.summary = summarize(self.history, spec.num_nodes, time.perf_counter() - started)
+            self.summary = summarize(self.history, spec.num_nodes, time.perf_counter() - started,
+                                     labels)
             peaks = [s.get("peak_rss_bytes", 0) for s in self.rank_stats.values()]
             if peaks:
                 self.summary["peak_rss_bytes_per_rank"] = max(peaks)

@@ -24,6 +24,8 @@ from typer.testing import CliRunner
 from cli_typer import app
 from distributed.app.run import TrainRequest, train_command, worker_command
 from distributed.launch.launcher import Launcher, RankProgram
+from exogym.digits import digits_datasets
+from exogym.partition import dataset_labels, label_histogram, split_by_label
 
 runner = CliRunner()
 
@@ -307,16 +309,23 @@ def test_compare_exits_1_naming_the_strategy_whose_run_failed(tmp_path):
 def test_compare_simulates_each_strategy_and_writes_a_table_and_a_plot(tmp_path):
     out = tmp_path / "plots" / "compare.png"
     result = invoke("compare", "digits-diloco", "--strategies", "ddp,diloco,fedavg",
-                    "--out", out, *sets(*TINY, f"output_dir={tmp_path / 'runs'}", "H=5"))
+                    "--network", "10mbit", "--out", out,
+                    *sets(*TINY, f"output_dir={tmp_path / 'runs'}", "H=5"))
     assert result.exit_code == 0, result.output
     table = result.output[result.output.index("3 strategies"):]
+    assert "simulated time" in table
     rows = {line.split()[1]: line for line in table.splitlines()
             if line.split()[1:2] and line.split()[1] in ("ddp", "diloco", "fedavg")}
     assert set(rows) == {"ddp", "diloco", "fedavg"}
     assert "100.00%" in rows["ddp"] and "20.00%" in rows["diloco"]  # H=5: a fifth of DDP
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    simulated = {}
     for strategy in ("ddp", "diloco", "fedavg"):  # each run kept its own output folder
-        assert json.loads((tmp_path / "runs" / strategy / "summary.json").read_text())["steps"] == 20
+        summary = json.loads((tmp_path / "runs" / strategy / "summary.json").read_text())
+        assert summary["steps"] == 20
+        simulated[strategy] = summary["sim_time_s"]
+    # on 10 Mbit/s DDP's every-step all-reduce costs more simulated time than DiLoCo's
+    assert simulated["ddp"] > simulated["diloco"] > 0
     assert not list(out.parent.glob(".*.tmp"))  # written through a temporary file
 
 
@@ -366,11 +375,19 @@ def test_distributed_train_runs_across_three_hosts_with_the_dashboard(sshd, tmp_
     hosts = write_hosts(tmp_path / "hosts.json", sshd_hosts(sshd))
     out = tmp_path / "net"
     result = invoke("distributed-train", "digits-diloco", "--hosts", hosts, *ssh_files(sshd),
-                    "--run-dir", tmp_path / "launch", *sets(*TINY, f"output_dir={out}"))
+                    "--run-dir", tmp_path / "launch",
+                    *sets(*TINY, f"output_dir={out}", "partition=shards:2"))
     assert result.exit_code == 0, result.output
     assert "Pre-flight: 3 hosts" in result.output
     for rank, host in enumerate(("127.0.0.1", "127.0.0.2", "127.0.0.3")):
         assert f"[{host}:{rank}] step 20/20" in result.output
     assert "all 3 ranks finished" in result.output
-    assert json.loads((out / "summary.json").read_text())["steps"] == 20
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 20
+    # Every host split the data itself, exactly as a simulation splits it (seed 0, digits-base).
+    labels = dataset_labels(digits_datasets(0.2, 0)[0])
+    parts = split_by_label(labels, "shards:2", 3, seed=0)
+    assert summary["label_histogram"] == {str(r): label_histogram(labels, parts[r])
+                                          for r in range(3)}
+    assert "training samples per label" in result.output
     assert (tmp_path / "launch" / "rank2.log").is_file()

@@ -62,12 +62,15 @@ class StrategyResult:
         profile: the resolved profile that ran.
         summary: the trainer's final figures (``exogym.report.summarize``).
         curve: ``(step, bytes sent by rank 0 so far, validation loss)`` at every evaluation.
+        sim_curve: ``(simulated seconds, validation loss)`` at every evaluation, when the
+            run kept a simulated clock (``network=``).
     """
 
     strategy: str
     profile: Profile
     summary: dict[str, Any]
     curve: list[tuple[int, int, float]] = field(default_factory=list)
+    sim_curve: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def final_val_loss(self) -> float | None:
@@ -265,7 +268,11 @@ def run_comparison(plans: Sequence[Profile],
         curve = [(row["step"], int(row["comm_bytes"]),
                   float(row.get("val_global_loss", row["val_loss"])))
                  for row in trainer.history if row["rank"] == 0 and "val_loss" in row]
-        result = StrategyResult(plan.strategy, plan, dict(trainer.summary), curve)
+        sim_curve = [(float(row["sim_time_s"]),
+                      float(row.get("val_global_loss", row["val_loss"])))
+                     for row in trainer.history
+                     if row["rank"] == 0 and "val_loss" in row and "sim_time_s" in row]
+        result = StrategyResult(plan.strategy, plan, dict(trainer.summary), curve, sim_curve)
         results.append(result)
         if on_result is not None:
             on_result(result)
@@ -281,10 +288,13 @@ def check_plotting() -> None:
         raise ImportError("the comparison plot needs matplotlib: pip install 'exogym[examples]'")
 
 
-def comparison_figure(results: Sequence[StrategyResult], title: str | None = None) -> Any:
+def comparison_figure(results: Sequence[StrategyResult], title: str | None = None,
+                      network: str | None = None) -> Any:
     """A matplotlib figure: validation loss against step and against bytes sent, one line
     per strategy. Bytes sent are drawn as they are, 0 included, on a symmetric-log axis
     (linear from 0 to the decade of the smallest count sent), which the axis label says.
+    When the runs kept a simulated clock, a third panel draws the loss against the
+    simulated time on ``network`` (its name labels the axis).
 
     Raises:
         ImportError: when matplotlib is not installed (``pip install 'exogym[examples]'``).
@@ -296,7 +306,9 @@ def comparison_figure(results: Sequence[StrategyResult], title: str | None = Non
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.4))
+    timed = any(r.sim_curve for r in results)
+    fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(16 if timed else 11, 4.4))
+    by_step, by_bytes = axes[0], axes[1]
     # Linear from 0 up to the decade of the smallest count sent, logarithmic above it.
     sent_counts = [b for r in results for _, b, _ in r.curve if b > 0]
     linear_below = 10.0 ** math.floor(math.log10(min(sent_counts))) if sent_counts else 1.0
@@ -315,7 +327,14 @@ def comparison_figure(results: Sequence[StrategyResult], title: str | None = Non
     by_bytes.set_xlim(-0.15 * linear_below, 10.0 ** decades[-1])  # room for the markers at 0
     by_bytes.set_xlabel(f"bytes sent per node\n(symlog axis, linear below {linear_below:g} B: "
                         "0 means nothing sent yet)")
-    for ax in (by_step, by_bytes):
+    if timed:
+        by_time = axes[2]
+        for r in results:
+            if r.sim_curve:
+                seconds, loss = zip(*r.sim_curve)
+                by_time.plot(seconds, loss, marker="o", markersize=3, label=r.strategy)
+        by_time.set_xlabel("simulated time (s)" + (f" on {network}" if network else ""))
+    for ax in axes:
         ax.set_ylabel("validation loss")
         ax.grid(True, alpha=0.3)
         ax.legend()
@@ -326,7 +345,7 @@ def comparison_figure(results: Sequence[StrategyResult], title: str | None = Non
 
 
 def plot_comparison(results: Sequence[StrategyResult], path: str | Path,
-                    title: str | None = None) -> Path:
+                    title: str | None = None, network: str | None = None) -> Path:
     """Draw :func:`comparison_figure` and write the PNG atomically to ``path``.
 
     Raises:
@@ -334,7 +353,7 @@ def plot_comparison(results: Sequence[StrategyResult], path: str | Path,
     """
     import matplotlib.pyplot as plt
 
-    fig = comparison_figure(results, title)
+    fig = comparison_figure(results, title, network)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)

@@ -30,7 +30,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from exogym.report import VAL_ACCURACY_COLUMN, human_bytes, summarize
+from exogym.report import VAL_ACCURACY_COLUMN, human_bytes, label_table, summarize
 
 #: Status of a rank that has not reported yet.
 WAITING = "waiting"
@@ -152,6 +152,7 @@ class Dashboard:
         self.show_summary = show_summary
         self.clock = clock
         self.history: list[dict[str, Any]] = []
+        self.labels: dict[int, list[int]] = {}  # rank -> samples per label (non-iid partition)
         self.ranks: dict[int, RankState] = {}
         self._host_of = dict(enumerate(hosts)) if isinstance(hosts, Sequence) else dict(hosts or {})
         for rank in range(num_ranks or 0):
@@ -198,6 +199,8 @@ class Dashboard:
             state.started_at = now
             state.max_steps = event.get("max_steps", state.max_steps)
             state.step = int(event.get("step") or 0)
+            if "labels" in event:
+                self.labels[state.rank] = list(event["labels"])
             if self.log_every is None and state.max_steps:
                 self.log_every = max(1, int(state.max_steps) // 10)
             resumed = f" from step {state.step}" if state.step else ""
@@ -344,7 +347,7 @@ class Dashboard:
             if wall_s is None:
                 wall_s = 0.0 if self._started is None else self.clock() - self._started
             return summarize(sorted(self.history, key=lambda r: (r["step"], r["rank"])),
-                             max(1, len(self.ranks)), wall_s)
+                             max(1, len(self.ranks)), wall_s, self.labels)
 
     def summary_table(self, summary: Mapping[str, Any], title: str = "run summary") -> Group:
         """Each rank's final figures, then the run's (as ``exogym.report`` names them).
@@ -387,7 +390,10 @@ class Dashboard:
         """Stop redrawing and print the summary table (``summary``: default from the events)."""
         self.close()
         if self.show_summary:
-            self.console.print(self.summary_table(summary or self.summary(), title))
+            summary = summary or self.summary()
+            self.console.print(self.summary_table(summary, title))
+            if summary.get("label_histogram"):
+                self.console.print(label_table(summary["label_histogram"]))
 
     def __enter__(self) -> Dashboard:
         return self

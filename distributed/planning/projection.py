@@ -6,8 +6,9 @@ local work) and the link throughput between hosts. The model then says what
 happens with 2, 8 or 64 hosts, for every strategy, with nothing but arithmetic
 (no torch, no processes), so the CLI and the wizard can use it freely.
 
-Cost model. Ranks compute, then talk; exogym's strategies do not overlap the
-two, so a step takes::
+Cost model. The links and collectives are :mod:`exogym.network`'s model, the
+one the simulator's clock uses too. Ranks compute, then talk; exogym's
+strategies do not overlap the two (Streaming DiLoCo aside), so a step takes::
 
     t_step(N) = t_compute + skew(N) + bytes_sent(N) / throughput + rounds(N) * latency
 
@@ -74,6 +75,13 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from exogym.network import (  # the one cost model of links and collectives
+    Network,
+    allgather_bytes,
+    allgather_rounds,
+    ring_allreduce_bytes,
+    ring_allreduce_rounds,
+)
 from exogym.strategy.facts import (
     BUCKET_BYTES,
     DEMO_CHUNK,
@@ -162,43 +170,6 @@ def _check_positive(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be a number > 0, got {value!r}")
     return float(value)
-
-
-# --------------------------------------------------------------------------- collectives
-
-
-def ring_allreduce_bytes(payload: float, hosts: int) -> float:
-    """Bytes one host sends in a ring all-reduce of ``payload`` bytes: ``2 (N-1)/N * payload``.
-
-    Args:
-        payload: the size of the buffer every host reduces, in bytes.
-        hosts: the number of hosts ``N`` (one host sends nothing).
-    """
-    hosts = _check_hosts(hosts)
-    payload = _check_nonnegative("payload", payload)
-    return 2.0 * (hosts - 1) / hosts * payload
-
-
-def ring_allreduce_rounds(hosts: int, calls: int = 1) -> int:
-    """Sequential message rounds of ``calls`` ring all-reduces: ``2 (N-1)`` each."""
-    return 2 * (_check_hosts(hosts) - 1) * calls
-
-
-def allgather_bytes(payload: float, hosts: int) -> float:
-    """Bytes one host sends in a ring all-gather of ``payload`` bytes per host: ``(N-1) * payload``.
-
-    Args:
-        payload: one host's contribution, in bytes.
-        hosts: the number of hosts ``N``.
-    """
-    hosts = _check_hosts(hosts)
-    payload = _check_nonnegative("payload", payload)
-    return float((hosts - 1) * payload)
-
-
-def allgather_rounds(hosts: int) -> int:
-    """Sequential message rounds of a ring all-gather: ``N - 1``."""
-    return _check_hosts(hosts) - 1
 
 
 # --------------------------------------------------------------------------- per strategy
@@ -486,8 +457,8 @@ def predict_step_time(strategy: str, num_params: int, hosts: int, compute_s: flo
     _check_nonnegative("latency_s", latency_s)
     traffic = step_traffic(strategy, num_params, hosts, **settings)  # type: ignore[arg-type]
     skew = skew_per_step(compute_sd_s, hosts, traffic.period) if traffic.period else 0.0
-    return (compute_s + skew + traffic.bytes_sent / throughput_bytes_per_s
-            + traffic.rounds * latency_s)
+    link = Network(bandwidth=throughput_bytes_per_s * 8.0, latency_s=latency_s)
+    return compute_s + skew + link.transfer_s(traffic.bytes_sent, traffic.rounds)
 
 
 def single_host_step_time(hosts: int, minibatch_s: float) -> float:

@@ -1,0 +1,238 @@
+"""The cost model of links and collectives: how long a collective takes on a network.
+
+This is the one model of the network in the project. The simulator's clock
+(``fit(network=...)``, :mod:`exogym.comm`) charges every training collective
+with it, and the planner behind the wizard and ``recommend``
+(``distributed/planning/projection.py``) predicts step times with it. It needs
+no torch, so the command line can use it freely.
+
+The model. Hosts hang off one switch (the default topology), each on a link
+of ``bandwidth`` (per host, when ``rank_bandwidth`` is given) that sends and
+receives at once. A collective among ``N`` hosts runs as a ring, as gloo's
+and NCCL's do:
+
+- **all-reduce** of ``S`` bytes: a reduce-scatter, then an all-gather; every
+  host sends ``2 (N-1)/N * S`` bytes in ``2 (N-1)`` sequential rounds;
+- **all-gather** of ``s`` bytes per host: every host sends ``(N-1) * s``
+  bytes in ``N-1`` rounds;
+- **broadcast** of ``S`` bytes: a binomial tree, ``ceil(log2 N)`` rounds in
+  each of which a sender sends all ``S`` bytes.
+
+A ring moves at the pace of its slowest link, so the time of a collective is::
+
+    seconds = bytes_sent / (slowest bandwidth in bytes/s) + rounds * latency
+
+``latency`` is the one-way time of one message round (half a round trip).
+What the model leaves out: congestion inside the switch, TCP's slow start
+and loss recovery, and protocol headers (a measured throughput, as
+``recommend`` and ``bench/linkprobe.py`` take, already includes them).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "COLLECTIVES",
+    "Network",
+    "allgather_bytes",
+    "allgather_rounds",
+    "broadcast_bytes",
+    "broadcast_rounds",
+    "collective_bytes",
+    "collective_rounds",
+    "parse_rate",
+    "ring_allreduce_bytes",
+    "ring_allreduce_rounds",
+]
+
+#: The collectives the model times, by the name :mod:`exogym.comm` reports them with.
+COLLECTIVES = ("all_reduce", "all_gather", "broadcast")
+
+# tc's units: bits per second, or bytes per second ("bps"), decimal or binary prefixes.
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?i?)(bit|bps)?\s*$",
+                   re.IGNORECASE)
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+           "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
+
+
+def parse_rate(rate: str | float | int) -> float:
+    """A link rate in bits per second, from tc's syntax (``'100mbit'``, ``'1gbit'``, ``'10mbps'``).
+
+    ``bit`` is bits per second, ``bps`` bytes per second (as in tc); ``k``, ``m``,
+    ``g``, ``t`` are powers of 1000, ``ki``, ``mi``, ... of 1024. A plain number
+    is bits per second.
+
+    Raises:
+        ValueError: not a positive rate in that syntax.
+    """
+    if isinstance(rate, bool):
+        raise ValueError(f"a link rate must be like '100mbit' or '1gbit', got {rate!r}")
+    if isinstance(rate, (int, float)):
+        value = float(rate)
+    else:
+        match = _RATE.match(str(rate)) if isinstance(rate, str) else None
+        if match is None:
+            raise ValueError(f"a link rate must be like '100mbit', '1gbit' or '500kbit' "
+                             f"(tc's units), got {rate!r}")
+        number, prefix, unit = match.groups()
+        value = float(number) * _PREFIX[prefix.lower()] * (8.0 if (unit or "").lower() == "bps"
+                                                           else 1.0)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"a link rate must be more than 0 bit/s, got {rate!r}")
+    return value
+
+
+def _hosts(hosts: int) -> int:
+    if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
+        raise ValueError(f"hosts must be an integer >= 1, got {hosts!r}")
+    return hosts
+
+
+def _payload(payload: float) -> float:
+    if isinstance(payload, bool) or not isinstance(payload, (int, float)) or not payload >= 0:
+        raise ValueError(f"payload must be a number >= 0, got {payload!r}")
+    return float(payload)
+
+
+def ring_allreduce_bytes(payload: float, hosts: int) -> float:
+    """Bytes one host sends in a ring all-reduce of ``payload`` bytes: ``2 (N-1)/N * payload``."""
+    hosts = _hosts(hosts)
+    return 2.0 * (hosts - 1) / hosts * _payload(payload)
+
+
+def ring_allreduce_rounds(hosts: int, calls: int = 1) -> int:
+    """Sequential message rounds of ``calls`` ring all-reduces: ``2 (N-1)`` each."""
+    return 2 * (_hosts(hosts) - 1) * calls
+
+
+def allgather_bytes(payload: float, hosts: int) -> float:
+    """Bytes one host sends in a ring all-gather of ``payload`` bytes per host: ``(N-1) * payload``."""
+    return float((_hosts(hosts) - 1) * _payload(payload))
+
+
+def allgather_rounds(hosts: int, calls: int = 1) -> int:
+    """Sequential message rounds of ``calls`` ring all-gathers: ``N - 1`` each."""
+    return (_hosts(hosts) - 1) * calls
+
+
+def broadcast_rounds(hosts: int, calls: int = 1) -> int:
+    """Sequential rounds of ``calls`` binomial-tree broadcasts: ``ceil(log2 N)`` each."""
+    return math.ceil(math.log2(_hosts(hosts))) * calls
+
+
+def broadcast_bytes(payload: float, hosts: int) -> float:
+    """Bytes on the busiest path of a binomial-tree broadcast: ``payload`` per round."""
+    return broadcast_rounds(hosts) * _payload(payload)
+
+
+def collective_bytes(kind: str, payload: float, hosts: int) -> float:
+    """Bytes a host sends (on the critical path) in one collective of ``kind``."""
+    if kind == "all_reduce":
+        return ring_allreduce_bytes(payload, hosts)
+    if kind == "all_gather":
+        return allgather_bytes(payload, hosts)
+    if kind == "broadcast":
+        return broadcast_bytes(payload, hosts)
+    raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}, got {kind!r}")
+
+
+def collective_rounds(kind: str, hosts: int, calls: int = 1) -> int:
+    """Sequential message rounds of ``calls`` collectives of ``kind`` among ``hosts``."""
+    if kind == "all_reduce":
+        return ring_allreduce_rounds(hosts, calls)
+    if kind == "all_gather":
+        return allgather_rounds(hosts, calls)
+    if kind == "broadcast":
+        return broadcast_rounds(hosts, calls)
+    raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}, got {kind!r}")
+
+
+@dataclass(frozen=True)
+class Network:
+    """A modelled network: hosts on one switch, a link each, a latency per message round.
+
+    Args:
+        bandwidth: every host's link, in bits per second or tc's syntax
+            (``'100mbit'``, ``'1gbit'``).
+        latency_s: one-way latency of one message round, in seconds (0: none).
+        rank_bandwidth: per rank, its own link (bits per second or tc's syntax),
+            overriding ``bandwidth``; a ring runs at its slowest member's pace.
+        topology: ``'switch'``, every host on one switch (the only one modelled).
+
+    Raises:
+        ValueError: a rate, latency or topology that cannot be.
+    """
+
+    bandwidth: float | str
+    latency_s: float = 0.0
+    rank_bandwidth: Sequence[float | str] | None = None
+    topology: str = "switch"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bandwidth", parse_rate(self.bandwidth))
+        latency = self.latency_s
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) \
+                or not (latency >= 0 and math.isfinite(latency)):
+            raise ValueError(f"latency_s must be a number of seconds >= 0, got {latency!r}")
+        object.__setattr__(self, "latency_s", float(latency))
+        if self.rank_bandwidth is not None:
+            if isinstance(self.rank_bandwidth, (str, bytes)) or not isinstance(
+                    self.rank_bandwidth, Sequence) or not self.rank_bandwidth:
+                raise ValueError("rank_bandwidth must be a list of rates, one per rank, got "
+                                 f"{self.rank_bandwidth!r}")
+            object.__setattr__(self, "rank_bandwidth",
+                               tuple(parse_rate(r) for r in self.rank_bandwidth))
+        if self.topology != "switch":
+            raise ValueError(f"topology must be 'switch' (every host on one switch), "
+                             f"got {self.topology!r}")
+
+    @classmethod
+    def coerce(cls, value: Network | str | float) -> Network:
+        """``value`` as a Network: a Network itself, or a rate (``'100mbit'``) with no latency."""
+        if isinstance(value, Network):
+            return value
+        return cls(bandwidth=value)
+
+    def check_ranks(self, num_nodes: int) -> None:
+        """Raise ``ValueError`` unless ``rank_bandwidth`` (when given) has one rate per rank."""
+        if self.rank_bandwidth is not None and len(self.rank_bandwidth) != num_nodes:
+            raise ValueError(f"network.rank_bandwidth has {len(self.rank_bandwidth)} rates "
+                             f"for {num_nodes} ranks: give one per rank")
+
+    def link_bits_per_s(self, ranks: Sequence[int] | None = None) -> float:
+        """The slowest link among ``ranks`` (all of them when None), in bits per second."""
+        if self.rank_bandwidth is None:
+            return float(self.bandwidth)
+        chosen = self.rank_bandwidth if ranks is None else [self.rank_bandwidth[r] for r in ranks]
+        return float(min(chosen))
+
+    def seconds(self, kind: str, payload: float, ranks: Sequence[int], calls: int = 1) -> float:
+        """Time of ``calls`` collectives of ``kind`` moving ``payload`` bytes in all among ``ranks``.
+
+        ``payload`` is what one rank hands to the collectives (what exogym's
+        counters count): the buffer for an all-reduce or a broadcast, its own
+        contribution for an all-gather.
+        """
+        hosts = len(ranks)
+        if hosts <= 1:
+            return 0.0
+        return self.transfer_s(collective_bytes(kind, payload, hosts),
+                               collective_rounds(kind, hosts, calls), ranks)
+
+    def transfer_s(self, bytes_sent: float, rounds: float,
+                   ranks: Sequence[int] | None = None) -> float:
+        """Seconds to send ``bytes_sent`` bytes in ``rounds`` sequential message rounds
+        over the slowest link among ``ranks``: the model's one formula."""
+        return bytes_sent * 8.0 / self.link_bits_per_s(ranks) + rounds * self.latency_s
+
+    def describe(self) -> str:
+        """One line: ``'100 Mbit/s per host, 0.5 ms latency'``."""
+        def rate(bits: float) -> str:
+            return f"{bits / 1e9:g} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:g} Mbit/s"
+        links = (rate(self.bandwidth) + " per host" if self.rank_bandwidth is None
+                 else "links " + ", ".join(rate(b) for b in self.rank_bandwidth))
+        return f"{links}, {self.latency_s * 1e3:g} ms latency"
