@@ -134,6 +134,25 @@ def markdown(rows: list[dict[str, Any]], answers: dict[str, dict[str, Any]], tie
     return "\n".join(lines) + "\n"
 
 
+def bench_arguments(args: argparse.Namespace,
+                    parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """``bench/multihost.py``'s settings for this script's ``--profile``, ``--batch-size``,
+    ``--set``, ``--quick`` (a small model, 30-step windows, no waiting for quiet) and
+    ``--window``; ``--quick`` also adds its model settings to ``args.set``."""
+    bench_args = build_parser().parse_args(["--profile", args.profile, "--batch-size",
+                                            str(args.batch_size)])
+    if args.quick:
+        args.set = ["n_layer=2", "n_embd=128", "val_size=32", *args.set]
+        bench_args.warmup, bench_args.window, bench_args.periods = 5, 30, 1
+        bench_args.wait_max, bench_args.retry_cores = 0, math.inf
+    if args.window is not None:
+        if args.window < 1:
+            parser.error(f"--window must be at least 1, got {args.window}")
+        bench_args.window = args.window
+    bench_args.set = list(args.set)
+    return bench_args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="100mbit,1gbit", help="link rates (tc syntax)")
@@ -156,19 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                              "reported")
     parser.add_argument("--out", default=str(ROOT / "runs" / "recommend-check"))
     args = parser.parse_args(argv)
-    bench_args = build_parser().parse_args(["--profile", args.profile, "--batch-size",
-                                            str(args.batch_size)])
-    if args.quick:
-        args.set = ["n_layer=2", "n_embd=128", "val_size=32", *args.set]
-        bench_args.warmup, bench_args.window, bench_args.periods = 5, 30, 1
-        bench_args.wait_max, bench_args.retry_cores = 0, math.inf
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
-    if args.window is not None:
-        if args.window < 1:
-            parser.error(f"--window must be at least 1, got {args.window}")
-        bench_args.window = args.window
-    bench_args.set = list(args.set)
+    bench_args = bench_arguments(args, parser)
     problems = check_requirements(True)
     if problems:
         print("bench/recommend_check.py cannot run here:\n"

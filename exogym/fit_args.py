@@ -234,9 +234,9 @@ def _network(name: str, value: Any) -> None:
         return
     from exogym.network import Network  # torch-free
 
-    if not isinstance(value, (Network, str)):
-        raise TypeError(f"network must be a rate such as '100mbit' or '1gbit', or an "
-                        f"exogym.Network, got {value!r}")
+    if not isinstance(value, (Network, str, Mapping)):
+        raise TypeError(f"network must be a rate such as '100mbit' or '1gbit', an "
+                        f"exogym.Network, or a mapping of its arguments, got {value!r}")
     try:
         Network.coerce(value)
     except ValueError as exc:
@@ -343,8 +343,9 @@ class RunArgs:
                             _positive_seconds, profile=True, convert=float)
     network: Any = _arg(
         None, "a modelled network for the simulated clock: a rate per host such as "
-        "``'100mbit'`` or ``'1gbit'`` (tc's units), or ``exogym.Network(bandwidth, "
-        "latency_s, rank_bandwidth)``; every history row then gets ``sim_time_s``.",
+        "``'100mbit'`` or ``'1gbit'`` (tc's units), ``exogym.Network(bandwidth, "
+        "latency_s, rank_bandwidth)`` or a dict of those; every history row then gets "
+        "``sim_time_s``.",
         _network, profile=True, convert=_to_network)
     compute_time_s: float | None = _arg(
         None, "fixed compute time of a step on the simulated clock (None: each step's "

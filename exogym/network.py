@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "COLLECTIVES",
@@ -191,10 +192,20 @@ class Network:
                              f"got {self.topology!r}")
 
     @classmethod
-    def coerce(cls, value: Network | str | float) -> Network:
-        """``value`` as a Network: a Network itself, or a rate (``'100mbit'``) with no latency."""
+    def coerce(cls, value: Network | str | float | Mapping[str, Any]) -> Network:
+        """``value`` as a Network: a Network itself, a rate (``'100mbit'``, no latency), or a
+        mapping of its arguments (``{"bandwidth": "1gbit", "latency_s": 0.0002}``, as a
+        profile writes it)."""
         if isinstance(value, Network):
             return value
+        if isinstance(value, Mapping):
+            known = {"bandwidth", "latency_s", "rank_bandwidth", "topology"}
+            unknown = sorted(set(value) - known)
+            if unknown or "bandwidth" not in value:
+                raise ValueError(f"a network needs 'bandwidth' and may have "
+                                 f"{', '.join(sorted(known - {'bandwidth'}))}; got keys "
+                                 f"{sorted(value)}")
+            return cls(**value)
         return cls(bandwidth=value)
 
     def check_ranks(self, num_nodes: int) -> None:

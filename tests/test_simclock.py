@@ -68,6 +68,10 @@ def test_collective_times_follow_the_ring_model():
     mixed = Network("1gbit", rank_bandwidth=["1gbit", "100mbit", "1gbit"])
     assert mixed.seconds("all_reduce", mb, [0, 2]) == pytest.approx(mb * 8 / 1e9)
     assert mixed.seconds("all_reduce", mb, [0, 1]) == pytest.approx(mb * 8 / 1e8)
+    # as a profile writes it
+    assert Network.coerce({"bandwidth": "1gbit", "latency_s": 0.001}) == Network("1gbit", 0.001)
+    with pytest.raises(ValueError, match="needs 'bandwidth'"):
+        Network.coerce({"rate": "1gbit"})
     with pytest.raises(ValueError, match="topology"):
         Network("1gbit", topology="torus")
     with pytest.raises(ValueError, match="latency_s"):

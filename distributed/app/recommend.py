@@ -76,7 +76,7 @@ class HostTiming:
 
     Args:
         host: the host's name in the hosts file.
-        step_s: mean seconds per step over the timed steps.
+        step_s: median seconds per step over the timed steps.
         step_sd_s: their standard deviation from step to step.
     """
 
@@ -425,7 +425,10 @@ def _host_steps(request: TrainRequest, config: HostsConfig, console: Console,
                                  f"{total} while timing; its log is in the launcher's output")
         each = [walls[k] - walls[k - 1] for k in range(warmup + 1, total + 1)
                 if k in walls and k - 1 in walls]
-        timings.append(HostTiming(host.host, (walls[total] - walls[warmup]) / steps,
+        # The median step: a burst of other work on the host (a peer's start-up, the
+        # launcher) during a few of the timed steps must not set the figure.
+        typical = statistics.median(each) if each else (walls[total] - walls[warmup]) / steps
+        timings.append(HostTiming(host.host, typical,
                                   statistics.stdev(each) if len(each) > 1 else 0.0))
     return tuple(timings)
 
