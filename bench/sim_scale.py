@@ -1,0 +1,178 @@
+"""How the simulator scales with the number of ranks K on this machine.
+
+Workload: DiLoCo (H=20), 100 steps per rank of an MLP 784-256-128-10 (235k
+parameters) on synthetic 28x28 samples, batch 32 per rank, one evaluation of
+64 samples at the end. For K = 4, 16, 64, 256 (``--ks``), each in a fresh
+Python process, it prints:
+
+- wall time: the process end to end (Python, torch, the ranks, exit);
+- fit time: ``Trainer.fit`` alone;
+- compute floor: ``K * steps * t_step / cores``, where ``t_step`` is one rank's
+  training step (forward, backward, AdamW) on one thread, timed here first with
+  every core busy with one such loop (the ranks' conditions at best);
+- fit time over the floor;
+- peak memory: the most memory the machine had in use during the run, above
+  what it used before (``MemTotal - MemAvailable``, every process included).
+
+    python bench/sim_scale.py
+    python bench/sim_scale.py --ks 4 16 64 --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _workload():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(),
+                                     nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
+
+        def forward(self, batch):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(20000, 28, 28, generator=g),
+                         torch.randint(0, 10, (20000,), generator=g))
+    return MLP, data
+
+
+def step_seconds(steps: int = 200) -> float:
+    """One rank's step on one thread: forward, backward, AdamW (median of ``steps``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    mlp, data = _workload()
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = data.tensors
+    times = []
+    for i in range(steps + 20):
+        batch = (x[i * 32 % 19968:][:32], y[i * 32 % 19968:][:32])
+        start = time.perf_counter()
+        opt.zero_grad()
+        model(batch).backward()
+        opt.step()
+        if i >= 20:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def fit_once(nodes: int, steps: int) -> dict:
+    """Body of a child process: one fit, its time and the ranks' peak RSS."""
+    import torch
+
+    from exogym import Trainer
+    from exogym.strategy import DiLoCoStrategy
+
+    mlp, data = _workload()
+    torch.manual_seed(0)
+    trainer = Trainer(mlp(), data, data)
+    start = time.perf_counter()
+    trainer.fit(strategy=DiLoCoStrategy(H=20), num_nodes=nodes, max_steps=steps, batch_size=32,
+                val_size=64, val_interval=steps, logger=None, progress=False)
+    return {"fit_s": time.perf_counter() - start}
+
+
+def _used_bytes() -> int:
+    fields = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            fields[key] = int(value.split()[0]) * 1024
+    return fields["MemTotal"] - fields["MemAvailable"]
+
+
+def _timed_child(args: list[str]) -> tuple[float, int, str]:
+    """Run a child; its wall time, the peak memory in use above the start, its stdout."""
+    base = _used_bytes()
+    peak = [base]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.05):
+            peak[0] = max(peak[0], _used_bytes())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, __file__, *args], cwd=ROOT, capture_output=True,
+                         text=True)
+    wall = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{out.stderr[-3000:]}")
+    return wall, peak[0] - base, out.stdout
+
+
+def _busy_step(result_path: str) -> None:
+    Path(result_path).write_text(str(step_seconds()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ks", type=int, nargs="+", default=[4, 16, 64, 256])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--step-child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.step_child:
+        _busy_step(args.step_child)
+        return
+    if args.child:
+        print(json.dumps(fit_once(args.child, args.steps)))
+        return
+    if min(args.ks) < 1 or args.steps < 1:
+        parser.error("--ks and --steps must be >= 1")
+
+    from rich.console import Console
+    from rich.table import Table
+
+    cores = os.cpu_count() or 1
+    # One step loop per core at once: the per-rank step time when every core is busy.
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [str(Path(tmp) / f"step{i}") for i in range(cores)]
+        procs = [subprocess.Popen([sys.executable, __file__, "--step-child", p], cwd=ROOT)
+                 for p in paths]
+        for p in procs:
+            p.wait()
+        t_step = sorted(float(Path(p).read_text()) for p in paths)[cores // 2]
+
+    table = Table(title=f"simulation at scale: DiLoCo H=20, MLP 235k parameters, batch 32, "
+                        f"{args.steps} steps per rank, {cores} cores, one rank-step "
+                        f"{t_step * 1e3:.2f} ms")
+    for col in ("K", "wall s", "fit s", "compute floor s", "fit / floor", "peak memory"):
+        table.add_column(col, justify="right")
+    for k in args.ks:
+        wall, peak, stdout = _timed_child(["--child", str(k), "--steps", str(args.steps)])
+        fit_s = json.loads(stdout.strip().splitlines()[-1])["fit_s"]
+        floor = k * args.steps * t_step / cores
+        table.add_row(str(k), f"{wall:.1f}", f"{fit_s:.1f}", f"{floor:.1f}",
+                      f"{fit_s / floor:.2f}x", f"{peak / 2**30:.2f} GiB")
+        print(f"K={k}: wall {wall:.1f} s, fit {fit_s:.1f} s, floor {floor:.1f} s, "
+              f"{fit_s / floor:.2f}x, peak {peak / 2**30:.2f} GiB", flush=True)
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
