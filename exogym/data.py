@@ -106,11 +106,13 @@ class MinibatchStream:
         self._iter: Iterator | None = None
         self.part: list[int] | None = None  # this rank's indices under a split by label
         self.labels_held: list[int] | None = None  # how many of each label it holds
+        self.labels_by_rank: list[list[int]] | None = None  # the same for every rank
         if shard and partition != "iid" and not self.iterable:
             labels = dataset_labels(dataset)
             parts = split_by_label(labels, partition, num_nodes, seed)
             self.part = parts[rank]
-            self.labels_held = label_histogram(labels, self.part)
+            self.labels_by_rank = [label_histogram(labels, part) for part in parts]
+            self.labels_held = self.labels_by_rank[rank]
 
     def batches_per_epoch(self) -> int | None:
         """Minibatches in one epoch of this rank's data (None for an iterable dataset)."""

@@ -11,8 +11,11 @@ Event kinds (the ``"event"`` key):
 
 - ``"step"``: one per (rank, step) with ``rank``, ``step``, ``train_loss``,
   ``lr``, ``comm_bytes`` (cumulative), ``samples`` (cumulative), ``wall_s``;
-  eval steps add ``val_loss`` and ``val_global_loss``.
-- ``"start"``: a rank is ready (``rank``, ``max_steps``, ``host``).
+  eval steps add ``val_loss`` and ``val_global_loss``; with a simulated clock
+  (``fit(network=...)``) every step adds ``sim_time_s``.
+- ``"start"``: a rank is ready (``rank``, ``max_steps``, ``host``); under a
+  non-iid ``partition`` it adds ``labels`` (its samples per label), and rank 0
+  ``labels_by_rank`` (every rank's).
 - ``"done"``: a rank finished (``rank``, ``step``).
 """
 

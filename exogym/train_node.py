@@ -369,6 +369,8 @@ class TrainNode:
                    "step": self.step}
         if self.train_stream.labels_held is not None:
             opening["labels"] = self.train_stream.labels_held
+            if self.rank == 0:  # every rank's, for a host that sees only its own events
+                opening["labels_by_rank"] = self.train_stream.labels_by_rank
         self.emit(opening)
         start = time.perf_counter()
         while self.step < self.max_steps:

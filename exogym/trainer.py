@@ -306,6 +306,7 @@ class Trainer:
                 self.history.append({k: v for k, v in event.items() if k != "event"})
             elif event.get("event") == "start" and "labels" in event:
                 labels[event["rank"]] = event["labels"]
+                labels.update(enumerate(event.get("labels_by_rank") or []))
             elif event.get("event") == "done":
                 self.rank_stats[event["rank"]] = event
             reporter.on_event(event)
