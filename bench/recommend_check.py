@@ -36,6 +36,7 @@ import io
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,16 +179,56 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
     bench_args = bench_arguments(args, parser)
-    problems = check_requirements(True)
-    if problems:
-        print("bench/recommend_check.py cannot run here:\n"
-              + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
-        return 2
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     for rate in rates:
         rate_bits(rate)
     cases = parse_strategies(args.strategies)
     out = Path(args.out).resolve()
+
+    def measure(bed: Testbed) -> int:
+        bench = Bench(bed, bench_args, out)
+        model = model_facts(args.profile, list(args.set))
+        answers: dict[str, dict[str, Any]] = {}
+        rows: list[dict[str, Any]] = []
+        for number, rate in enumerate(rates):
+            bed.shape(rate)
+            print(f"{rate}: recommend", flush=True)
+            answers[rate] = run_recommend(bed, args, 29400 + number)
+            print(f"  {answers[rate]['reason']}", flush=True)
+            rounds = []
+            for round_number in range(1, args.repeat + 1):
+                print(f"{rate}: round {round_number} of {args.repeat}", flush=True)
+                rounds.append(run_round(bench, cases, [{"rate": rate, "overhead": 0.0}],
+                                        model))
+            _, measured = merge_rounds(rounds)
+            rows += compare(rate, answers[rate], measured, args.tie)
+        table = markdown(rows, answers, args.tie)
+        atomic_write_json(out / "results.json", {
+            "created": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,
+            "recommend": answers, "settings": {"profile": args.profile, "set": args.set,
+                                               "rates": rates, "tie": args.tie,
+                                               "repeat": args.repeat,
+                                               "window": bench_args.window}})
+        atomic_write_text(out / "table.md", table)
+        print()
+        print(table)
+        return 0
+
+    return on_bed("bench/recommend_check.py", bench_args, measure)
+
+
+def on_bed(script: str, bench_args: argparse.Namespace,
+           body: Callable[[Testbed], int]) -> int:
+    """Run ``body`` on a fresh 2-host test bed (pinned hosts, shaped links) and tear it down.
+
+    Returns ``body``'s exit code; 2 when this machine cannot host the bed, 130
+    on Ctrl-C or SIGTERM, 1 on a bench or bed error (printed).
+    """
+    problems = check_requirements(True)
+    if problems:
+        print(f"{script} cannot run here:\n" + "\n".join(f"  - {p}" for p in problems),
+              file=sys.stderr)
+        return 2
     code = 0
     with signals_raise() as state:
         bed = None
@@ -195,32 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             reap_stale_beds()
             bed = Testbed(2, bench_args.subnet, True, queue=bench_args.queue)
             bed.build()
-            bench = Bench(bed, bench_args, out)
-            model = model_facts(args.profile, list(args.set))
-            answers: dict[str, dict[str, Any]] = {}
-            rows: list[dict[str, Any]] = []
-            for number, rate in enumerate(rates):
-                bed.shape(rate)
-                print(f"{rate}: recommend", flush=True)
-                answers[rate] = run_recommend(bed, args, 29400 + number)
-                print(f"  {answers[rate]['reason']}", flush=True)
-                rounds = []
-                for round_number in range(1, args.repeat + 1):
-                    print(f"{rate}: round {round_number} of {args.repeat}", flush=True)
-                    rounds.append(run_round(bench, cases, [{"rate": rate, "overhead": 0.0}],
-                                            model))
-                _, measured = merge_rounds(rounds)
-                rows += compare(rate, answers[rate], measured, args.tie)
-            table = markdown(rows, answers, args.tie)
-            atomic_write_json(out / "results.json", {
-                "created": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows,
-                "recommend": answers, "settings": {"profile": args.profile, "set": args.set,
-                                                   "rates": rates, "tie": args.tie,
-                                                   "repeat": args.repeat,
-                                                   "window": bench_args.window}})
-            atomic_write_text(out / "table.md", table)
-            print()
-            print(table)
+            code = body(bed)
         except Interrupted as exc:
             print(f"\ninterrupted by {exc}", file=sys.stderr)
             code = 130

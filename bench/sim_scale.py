@@ -30,28 +30,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def _workload():
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-    from torch.utils.data import TensorDataset
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(),
-                                     nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
-
-        def forward(self, batch):
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(20000, 28, 28, generator=g),
-                         torch.randint(0, 10, (20000,), generator=g))
-    return MLP, data
+from sim_speed import workload  # noqa: E402 - the same model and data as the speed bench
 
 
 def step_seconds(steps: int = 200) -> float:
@@ -59,7 +41,7 @@ def step_seconds(steps: int = 200) -> float:
     import torch
 
     torch.set_num_threads(1)
-    mlp, data = _workload()
+    mlp, data = workload()
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = data.tensors
@@ -82,7 +64,7 @@ def fit_once(nodes: int, steps: int) -> dict:
     from exogym import Trainer
     from exogym.strategy import DiLoCoStrategy
 
-    mlp, data = _workload()
+    mlp, data = workload()
     torch.manual_seed(0)
     trainer = Trainer(mlp(), data, data)
     start = time.perf_counter()

@@ -23,15 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one_run(name: str, nodes: int, steps: int) -> dict:
-    """Body of the child process: train once and print the figures as JSON."""
+def workload():
+    """The model class (an MLP 784-256-128-10, 235k parameters) and 20,000 synthetic samples."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.utils.data import TensorDataset
-
-    from exogym import Trainer
-    from exogym.strategy import DiLoCoStrategy, FedAvgStrategy, SimpleReduceStrategy
 
     class MLP(nn.Module):
         def __init__(self):
@@ -46,6 +43,17 @@ def one_run(name: str, nodes: int, steps: int) -> dict:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(20000, 28, 28, generator=g),
                          torch.randint(0, 10, (20000,), generator=g))
+    return MLP, data
+
+
+def one_run(name: str, nodes: int, steps: int) -> dict:
+    """Body of the child process: train once and print the figures as JSON."""
+    import torch
+
+    from exogym import Trainer
+    from exogym.strategy import DiLoCoStrategy, FedAvgStrategy, SimpleReduceStrategy
+
+    MLP, data = workload()
     strategies = {
         "ddp": lambda: SimpleReduceStrategy(),
         "diloco": lambda: DiLoCoStrategy(H=20),

@@ -29,7 +29,6 @@ Writes ``results.json`` and ``table.md`` into ``--out`` (atomically).
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -41,10 +40,10 @@ for _path in (str(ROOT), str(Path(__file__).resolve().parent)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from multihost import Bench, BenchError, Interrupted, Window, signals_raise  # noqa: E402
-from netbed import Testbed, TestbedError, check_requirements, rate_bits, reap_stale_beds  # noqa: E402
+from multihost import Bench, Window  # noqa: E402
+from netbed import Testbed, rate_bits  # noqa: E402
 from project_speedup import StrategyCase, parse_strategies  # noqa: E402
-from recommend_check import bench_arguments  # noqa: E402
+from recommend_check import bench_arguments, on_bed  # noqa: E402
 
 from exogym.io import atomic_write_json, atomic_write_text  # noqa: E402
 
@@ -138,49 +137,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
     bench_args = bench_arguments(args, parser)
-    problems = check_requirements(True)
-    if problems:
-        print("bench/sim_validate.py cannot run here:\n"
-              + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
-        return 2
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     for rate in rates:
         rate_bits(rate)
     cases = parse_strategies(args.strategies)
     out = Path(args.out).resolve()
-    code = 0
     started = time.monotonic()
-    with signals_raise() as state:
-        bed = None
-        try:
-            reap_stale_beds()
-            bed = Testbed(2, bench_args.subnet, True, queue=bench_args.queue)
-            bed.build()
-            bench = Bench(bed, bench_args, out)
-            blocks = [measure_rate(bed, bench, rate, cases, args.repeat, args.probe_seconds)
-                      for rate in rates]
-            table = markdown(blocks, args.tolerance)
-            atomic_write_json(out / "results.json", {
-                "created": time.strftime("%Y-%m-%d %H:%M:%S"), "rates": blocks,
-                "settings": {"profile": args.profile, "set": args.set, "repeat": args.repeat,
-                             "window": bench_args.window, "tolerance": args.tolerance},
-                "minutes": (time.monotonic() - started) / 60})
-            atomic_write_text(out / "table.md", table)
-            print()
-            print(table)
-            worst = max(abs(r["error"]) for b in blocks for r in b["rows"])
-            code = 0 if worst <= args.tolerance or math.isnan(worst) else 1
-        except Interrupted as exc:
-            print(f"\ninterrupted by {exc}", file=sys.stderr)
-            code = 130
-        except (BenchError, TestbedError, ValueError, RuntimeError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            code = 1
-        finally:
-            state["cleaning"] = True
-            if bed is not None:
-                bed.close()
-    return code
+
+    def measure(bed: Testbed) -> int:
+        bench = Bench(bed, bench_args, out)
+        blocks = [measure_rate(bed, bench, rate, cases, args.repeat, args.probe_seconds)
+                  for rate in rates]
+        table = markdown(blocks, args.tolerance)
+        atomic_write_json(out / "results.json", {
+            "created": time.strftime("%Y-%m-%d %H:%M:%S"), "rates": blocks,
+            "settings": {"profile": args.profile, "set": args.set, "repeat": args.repeat,
+                         "window": bench_args.window, "tolerance": args.tolerance},
+            "minutes": (time.monotonic() - started) / 60})
+        atomic_write_text(out / "table.md", table)
+        print()
+        print(table)
+        worst = max(abs(r["error"]) for b in blocks for r in b["rows"])
+        return 0 if worst <= args.tolerance else 1
+
+    return on_bed("bench/sim_validate.py", bench_args, measure)
 
 
 if __name__ == "__main__":

@@ -130,26 +130,27 @@ def broadcast_bytes(payload: float, hosts: int) -> float:
     return broadcast_rounds(hosts) * _payload(payload)
 
 
+_MODEL = {"all_reduce": (ring_allreduce_bytes, ring_allreduce_rounds),
+          "all_gather": (allgather_bytes, allgather_rounds),
+          "broadcast": (broadcast_bytes, broadcast_rounds)}
+
+
+def _model(kind: str):
+    try:
+        return _MODEL[kind]
+    except KeyError:
+        raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}, "
+                         f"got {kind!r}") from None
+
+
 def collective_bytes(kind: str, payload: float, hosts: int) -> float:
     """Bytes a host sends (on the critical path) in one collective of ``kind``."""
-    if kind == "all_reduce":
-        return ring_allreduce_bytes(payload, hosts)
-    if kind == "all_gather":
-        return allgather_bytes(payload, hosts)
-    if kind == "broadcast":
-        return broadcast_bytes(payload, hosts)
-    raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}, got {kind!r}")
+    return _model(kind)[0](payload, hosts)
 
 
 def collective_rounds(kind: str, hosts: int, calls: int = 1) -> int:
     """Sequential message rounds of ``calls`` collectives of ``kind`` among ``hosts``."""
-    if kind == "all_reduce":
-        return ring_allreduce_rounds(hosts, calls)
-    if kind == "all_gather":
-        return allgather_rounds(hosts, calls)
-    if kind == "broadcast":
-        return broadcast_rounds(hosts, calls)
-    raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}, got {kind!r}")
+    return _model(kind)[1](hosts, calls)
 
 
 @dataclass(frozen=True)

@@ -186,3 +186,13 @@ def test_measured_compute_excludes_the_wait_in_collectives(digits):
     # in wall time the fast rank took as long as the slow one (it waited), ...
     assert fast["wall_s"] > 0.5 * slow["wall_s"]
     assert math.isfinite(fast["sim_time_s"])
+
+
+def test_a_resumed_run_continues_its_simulated_clock(digits, tmp_path):
+    kwargs = dict(network="100mbit", compute_time_s=COMPUTE, checkpoint_interval=2,
+                  save_dir=str(tmp_path), run_name="clocked")
+    whole = fit(digits, SimpleReduceStrategy(), max_steps=4, **{**kwargs, "run_name": "whole"})
+    fit(digits, SimpleReduceStrategy(), max_steps=2, **kwargs)
+    resumed = fit(digits, SimpleReduceStrategy(), max_steps=4, resume_from="auto", **kwargs)
+    assert [r["step"] for r in resumed.history if r["rank"] == 0] == [3, 4]
+    assert clocks(resumed)[(0, 4)] == pytest.approx(clocks(whole)[(0, 4)])
