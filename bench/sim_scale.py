@@ -11,6 +11,11 @@ Python process, it prints:
   training step (forward, backward, AdamW) on one thread, timed here first with
   every core busy with one such loop (the ranks' conditions at best);
 - fit time over the floor;
+- where the rest goes: the fixed cost of a fit (start-up, the evaluation, the
+  final collection: a fit of one step) and the cost per step beyond the
+  floor's (``(fit - fixed) / (steps - 1)`` against ``K * t_step / cores``);
+- the processes the ranks ran in (more ranks than cores are packed several to
+  a process, :mod:`exogym.packed`);
 - peak memory: the most memory the machine had in use during the run, above
   what it used before (``MemTotal - MemAvailable``, every process included).
 
@@ -58,7 +63,7 @@ def step_seconds(steps: int = 200) -> float:
 
 
 def fit_once(nodes: int, steps: int) -> dict:
-    """Body of a child process: one fit, its time and the ranks' peak RSS."""
+    """Body of a child process: one fit, its time and the processes its ranks ran in."""
     import torch
 
     from exogym import Trainer
@@ -70,7 +75,8 @@ def fit_once(nodes: int, steps: int) -> dict:
     start = time.perf_counter()
     trainer.fit(strategy=DiLoCoStrategy(H=20), num_nodes=nodes, max_steps=steps, batch_size=32,
                 val_size=64, val_interval=steps, logger=None, progress=False)
-    return {"fit_s": time.perf_counter() - start}
+    return {"fit_s": time.perf_counter() - start,
+            "processes": trainer.summary.get("processes", nodes)}
 
 
 def _used_bytes() -> int:
@@ -143,16 +149,23 @@ def main() -> None:
     table = Table(title=f"simulation at scale: DiLoCo H=20, MLP 235k parameters, batch 32, "
                         f"{args.steps} steps per rank, {cores} cores, one rank-step "
                         f"{t_step * 1e3:.2f} ms")
-    for col in ("K", "wall s", "fit s", "compute floor s", "fit / floor", "peak memory"):
+    for col in ("K", "processes", "wall s", "fit s", "compute floor s", "fit / floor",
+                "fixed s", "per step / floor's", "peak memory"):
         table.add_column(col, justify="right")
     for k in args.ks:
         wall, peak, stdout = _timed_child(["--child", str(k), "--steps", str(args.steps)])
-        fit_s = json.loads(stdout.strip().splitlines()[-1])["fit_s"]
+        result = json.loads(stdout.strip().splitlines()[-1])
+        fit_s = result["fit_s"]
+        _, _, one = _timed_child(["--child", str(k), "--steps", "1"])
+        fixed = json.loads(one.strip().splitlines()[-1])["fit_s"]
         floor = k * args.steps * t_step / cores
-        table.add_row(str(k), f"{wall:.1f}", f"{fit_s:.1f}", f"{floor:.1f}",
-                      f"{fit_s / floor:.2f}x", f"{peak / 2**30:.2f} GiB")
-        print(f"K={k}: wall {wall:.1f} s, fit {fit_s:.1f} s, floor {floor:.1f} s, "
-              f"{fit_s / floor:.2f}x, peak {peak / 2**30:.2f} GiB", flush=True)
+        per_step = (fit_s - fixed) / max(1, args.steps - 1) / (k * t_step / cores)
+        table.add_row(str(k), str(result["processes"]), f"{wall:.1f}", f"{fit_s:.1f}",
+                      f"{floor:.1f}", f"{fit_s / floor:.2f}x", f"{fixed:.1f}",
+                      f"{per_step:.2f}x", f"{peak / 2**30:.2f} GiB")
+        print(f"K={k}: {result['processes']} processes, wall {wall:.1f} s, fit {fit_s:.1f} s, "
+              f"floor {floor:.1f} s, {fit_s / floor:.2f}x, fixed {fixed:.1f} s, per step "
+              f"{per_step:.2f}x the floor's, peak {peak / 2**30:.2f} GiB", flush=True)
     Console().print(table)
 
 

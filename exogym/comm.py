@@ -94,6 +94,10 @@ __all__ = [
     "use_clock",
     "use_local_collectives",
     "use_mirror_collectives",
+    "use_packed_world",
+    "enter_step",
+    "pause",
+    "present_ranks",
 ]
 
 MODE_ENV = "EXOGYM_COLLECTIVES"
@@ -108,22 +112,37 @@ from exogym.strategy.facts import (  # noqa: E402 - the planner reads the same n
 
 ReduceOp = dist.ReduceOp
 
-_bytes_sent = 0
-_calls = 0
 _backend_by_group: dict[object, str] = {}
 _local = None  # SharedMemoryCollectives when every rank shares this machine
 _mirror = False  # every peer holds what this rank holds: nothing is sent
 _mirror_world: int | None = None  # ranks a mirrored world has (None: the process group's)
 _side_group = None  # evaluation, averaging, agreement, barriers: never counted
 
-# The simulated clock (fit(network=...)): this rank's SimClock, the collectives of one
-# all_reduce_tensors call charged together, and the time spent inside counted
-# collectives (wall, and this thread's CPU), which a step's compute time leaves out.
-_clock = None
-_clock_batch: list[tuple[str, int]] | None = None
-_collective_depth = 0
-_collective_wall_s = 0.0
-_collective_cpu_s = 0.0
+_packed = None  # PackedWorld when this process runs several ranks in turn (exogym.packed)
+
+
+class _RankState(threading.local):
+    """What belongs to one rank rather than to the process: its counters and clock.
+
+    Thread-local, so that the ranks a packed process runs as threads each keep
+    their own; a process with one rank has one.
+
+    ``clock`` is the simulated clock (``fit(network=...)``), ``clock_batch`` the
+    collectives of one ``all_reduce_tensors`` call charged together, and
+    ``wall_s``/``cpu_s`` the time spent inside counted collectives (wall, and
+    this thread's CPU), which a step's compute time leaves out.
+    """
+
+    bytes_sent = 0
+    calls = 0
+    clock = None
+    clock_batch: list[tuple[str, int]] | None = None
+    depth = 0
+    wall_s = 0.0
+    cpu_s = 0.0
+
+
+_rs = _RankState()
 
 
 # -- the process group ---------------------------------------------------------------
@@ -170,7 +189,7 @@ def destroy_process_group() -> None:
     _drain(raise_errors=False)
     _side_group = None
     _backend_by_group.clear()
-    if _active():
+    if _packed is None and _active():
         dist.destroy_process_group()
 
 
@@ -199,6 +218,8 @@ def new_group(ranks: Sequence[int]):
     """
     if _mirror:
         return _MirroredGroup(len(ranks))
+    if _packed is not None:
+        return _packed.group(ranks)
     return dist.new_group(ranks=list(ranks))
 
 
@@ -206,6 +227,8 @@ def group_size(group=None) -> int:
     """Ranks in ``group`` (default: the world) as the collectives see them; 1 outside a group."""
     if isinstance(group, _MirroredGroup):
         return group.size
+    if _packed is not None:
+        return _packed.size(group)
     if not _active():
         return 1
     if _mirror and _mirror_world is not None and (group is None or group is dist.group.WORLD):
@@ -255,6 +278,62 @@ def use_mirror_collectives(on: bool, world_size: int | None = None) -> None:
     global _mirror, _mirror_world
     _mirror = bool(on)
     _mirror_world = world_size if on else None
+
+
+def use_packed_world(world) -> None:
+    """Route every collective of this process through ``world``, an
+    :class:`exogym.packed.PackedWorld` whose ranks are this process's threads.
+
+    There is no torch process group in such a process, so that code which asks
+    torch.distributed who it is keeps working, ``torch.distributed.get_rank()``,
+    ``get_world_size()`` and ``is_initialized()`` then answer for the calling rank.
+    Meant for a process that runs nothing else (the trainer's packed processes).
+    """
+    global _packed
+    _packed = world
+    get_rank, get_world_size = dist.get_rank, dist.get_world_size
+
+    def packed_rank(group=None) -> int:
+        return world.rank() if group is None or group is dist.group.WORLD else get_rank(group)
+
+    def packed_world_size(group=None) -> int:
+        if group is None or group is dist.group.WORLD:
+            return world.world_size
+        return get_world_size(group)
+
+    dist.get_rank = packed_rank
+    dist.get_world_size = packed_world_size
+    dist.is_initialized = lambda: True
+
+
+def enter_step(step: int, members: Sequence[int] | None = None) -> None:
+    """This rank is at ``step``, where ``members`` are the ranks present (None: every rank).
+
+    Collectives then meet among the present ranks only (a run where ranks leave
+    and rejoin, :mod:`exogym.membership`). Only ranks packed in a process
+    (:mod:`exogym.packed`) can meet among some ranks; elsewhere a ``members``
+    that leaves a rank out is refused.
+    """
+    if _packed is not None:
+        _packed.enter_step(step, members)
+    elif members is not None and _active() and len(set(members)) != dist.get_world_size():
+        raise RuntimeError("only ranks packed in a process can meet without some of their "
+                           "peers (rank_failures runs its ranks that way)")
+
+
+def present_ranks(group=None) -> list[int]:
+    """The ranks of ``group`` (default: the world) present at this rank's step."""
+    return _group_ranks(group)
+
+
+def pause(seconds: float) -> None:
+    """Sleep ``seconds`` without holding up other ranks that share this process."""
+    if seconds <= 0:
+        return
+    if _packed is not None:
+        _packed.sleep(seconds)
+    else:
+        time.sleep(seconds)
 
 
 def _mirror_reduce(tensor: torch.Tensor, op, group) -> None:
@@ -358,40 +437,38 @@ def _drain(raise_errors: bool = True) -> None:
 
 def comm_bytes() -> int:
     """Payload bytes this process has passed to counted collectives so far."""
-    return _bytes_sent
+    return _rs.bytes_sent
 
 
 def comm_calls() -> int:
     """Number of counted collective calls so far."""
-    return _calls
+    return _rs.calls
 
 
 def reset_counters() -> None:
     """Zero the byte and call counters (a rank does this before training)."""
-    global _bytes_sent, _calls
-    _bytes_sent = 0
-    _calls = 0
+    _rs.bytes_sent = 0
+    _rs.calls = 0
 
 
 def restore_counters(bytes_sent: int, calls: int) -> None:
     """Set the byte and call counters (a rank resuming from a checkpoint)."""
-    global _bytes_sent, _calls
-    _bytes_sent = int(bytes_sent)
-    _calls = int(calls)
+    _rs.bytes_sent = int(bytes_sent)
+    _rs.calls = int(calls)
 
 
 def _count(nbytes: int, kind: str, group) -> None:
     """Count one collective's payload, and charge it to the simulated clock if there is one."""
-    global _bytes_sent, _calls
-    _bytes_sent += int(nbytes)
-    _calls += 1
-    if _clock is None:
+    rs = _rs
+    rs.bytes_sent += int(nbytes)
+    rs.calls += 1
+    if rs.clock is None:
         return
-    if _clock_batch is not None:
-        _clock_batch.append((kind, int(nbytes)))
+    if rs.clock_batch is not None:
+        rs.clock_batch.append((kind, int(nbytes)))
         return
     start = _latest_arrival(group)
-    _clock.finish_at(start + _clock.collective_s(kind, nbytes, _group_ranks(group)))
+    rs.clock.finish_at(start + rs.clock.collective_s(kind, nbytes, _group_ranks(group)))
 
 
 # -- the simulated clock ---------------------------------------------------------------
@@ -400,9 +477,8 @@ def _count(nbytes: int, kind: str, group) -> None:
 def use_clock(clock) -> None:
     """Charge every training collective of this rank to ``clock`` (an
     :class:`exogym.simclock.SimClock`); None: no simulated time."""
-    global _clock, _collective_wall_s, _collective_cpu_s
-    _clock = clock
-    _collective_wall_s = _collective_cpu_s = 0.0
+    _rs.clock = clock
+    _rs.wall_s = _rs.cpu_s = 0.0
 
 
 def collective_time() -> tuple[float, float]:
@@ -410,7 +486,7 @@ def collective_time() -> tuple[float, float]:
 
     Kept only while a simulated clock is in use (:func:`use_clock`).
     """
-    return _collective_wall_s, _collective_cpu_s
+    return _rs.wall_s, _rs.cpu_s
 
 
 class _Timed:
@@ -419,20 +495,22 @@ class _Timed:
     wall = cpu = None
 
     def __enter__(self) -> None:
-        global _collective_depth
-        _collective_depth += 1
-        if _collective_depth == 1 and _clock is not None:
+        rs = _rs
+        rs.depth += 1
+        if rs.depth == 1 and rs.clock is not None:
             self.wall, self.cpu = time.perf_counter(), time.thread_time()
 
     def __exit__(self, *exc: object) -> None:
-        global _collective_depth, _collective_wall_s, _collective_cpu_s
-        _collective_depth -= 1
-        if _collective_depth == 0 and self.wall is not None:
-            _collective_wall_s += time.perf_counter() - self.wall
-            _collective_cpu_s += time.thread_time() - self.cpu
+        rs = _rs
+        rs.depth -= 1
+        if rs.depth == 0 and self.wall is not None:
+            rs.wall_s += time.perf_counter() - self.wall
+            rs.cpu_s += time.thread_time() - self.cpu
 
 
 def _group_ranks(group) -> list[int]:
+    if _packed is not None:
+        return list(_packed.members(group))
     world = group is None or group is dist.group.WORLD
     if isinstance(group, _MirroredGroup) or world or _mirror:
         return list(range(group_size(group)))
@@ -444,10 +522,13 @@ def _latest_arrival(group) -> float:
 
     Uncounted: through shared memory, the side channel (the world) or ``group`` itself.
     """
-    now = _clock.now
+    now = _rs.clock.now
     if _mirror or not _active() or group_size(group) <= 1:
         return now
     t = torch.tensor([now], dtype=torch.float64)
+    if _packed is not None:
+        _packed.all_reduce(t, dist.ReduceOp.MAX, group)
+        return float(t.item())
     world = group is None or group is dist.group.WORLD
     local = _local_for(t, group, dist.ReduceOp.MAX) if world else None
     if local is not None:
@@ -462,7 +543,7 @@ def _latest_arrival(group) -> float:
 
 
 def _active() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return _packed is not None or (dist.is_available() and dist.is_initialized())
 
 
 def _backend(group) -> str:
@@ -549,6 +630,8 @@ def all_reduce(tensor: torch.Tensor, op=None, group=None, async_op: bool = False
         if _mirror:
             _mirror_reduce(tensor, op, group)
             return _DoneWork() if async_op else None
+        if _packed is not None:
+            return _packed.all_reduce(tensor, op, group, async_op)
         return _in_place(dist.all_reduce, "all_reduce", tensor, group, async_op,
                          op=dist.ReduceOp.SUM if op is None else op)
 
@@ -561,6 +644,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
         _count(tensor.numel() * tensor.element_size(), "broadcast", group)
         if _mirror:
             return _DoneWork() if async_op else None
+        if _packed is not None:
+            return _packed.broadcast(tensor, src, group, async_op)
         return _in_place(dist.broadcast, "broadcast", tensor, group, async_op, src=src)
 
 
@@ -582,6 +667,8 @@ def _all_gather_uncounted(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
         for out in tensor_list:
             out.copy_(tensor)
         return _DoneWork() if async_op else None
+    if _packed is not None:
+        return _packed.all_gather(tensor_list, tensor, group, async_op)
     local = _local_for(tensor, group)
     if local is not None and all(t.device.type == "cpu" for t in tensor_list):
         local.all_gather(tensor_list, tensor)
@@ -676,8 +763,8 @@ class _Round:
                     if finish is not None:
                         finish()
             self._done = True
-            if self.sim_done is not None and _clock is not None:
-                _clock.finish_at(self.sim_done)
+            if self.sim_done is not None and _rs.clock is not None:
+                _rs.clock.finish_at(self.sim_done)
         return True
 
     def is_completed(self) -> bool:
@@ -686,6 +773,8 @@ class _Round:
 
 
 def _rank() -> int:
+    if _packed is not None:
+        return _packed.rank()
     return dist.get_rank() if _active() else 0
 
 
@@ -696,7 +785,7 @@ def _rounding_generator(device: torch.device) -> torch.Generator:
     default generator (data order, dropout) alone, and repeats after a resume
     from a checkpoint, which restores the counters.
     """
-    return torch.Generator(device=device).manual_seed(1_000_003 * (_rank() + 1) + _calls)
+    return torch.Generator(device=device).manual_seed(1_000_003 * (_rank() + 1) + _rs.calls)
 
 
 def _split_into(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
@@ -828,24 +917,24 @@ def _reduce_buckets(round_: _Round, tensors: list[torch.Tensor],
                     async_op: bool) -> None:
     """Start :func:`all_reduce_tensors`' buckets into ``round_``; on a simulated clock, the
     call starts when the last rank arrives and lasts its buckets' time together."""
-    global _clock_batch
-    charged = _clock is not None and _clock_batch is None
+    rs = _rs
+    charged = rs.clock is not None and rs.clock_batch is None
     if charged:
         start = _latest_arrival(group)
-        _clock_batch = []
+        rs.clock_batch = []
     try:
         _start_buckets(round_, tensors, residuals, op, group, average, wire_dtype, quantized,
                        world_size, divide_by, bucket_bytes, chunk, rounding, async_op)
     finally:
         if charged:
-            items, _clock_batch = _clock_batch, None
+            items, rs.clock_batch = rs.clock_batch, None
     if charged:
         ranks = _group_ranks(group)
-        done = start + sum(_clock.collective_s(kind, payload, ranks) for kind, payload in items)
+        done = start + sum(rs.clock.collective_s(kind, payload, ranks) for kind, payload in items)
         if async_op:
             round_.sim_done = done
         else:
-            _clock.finish_at(done)
+            rs.clock.finish_at(done)
 
 
 def _start_buckets(round_: _Round, tensors: list[torch.Tensor],
@@ -905,11 +994,18 @@ def _copy_back(tensor: torch.Tensor, staged: torch.Tensor) -> None:
 
 def side_group_size() -> int:
     """Ranks on the side channel (1 outside a process group or with one rank)."""
+    if _packed is not None:
+        return _packed.size(_packed.side)
     return 1 if _side_group is None else dist.get_world_size(_side_group)
 
 
 def side_all_reduce(tensor: torch.Tensor, op=None) -> None:
     """All-reduce ``tensor`` in place over the side channel (default op: SUM); uncounted."""
+    if _packed is not None:
+        staged = _to_cpu(tensor)
+        _packed.all_reduce(staged, op, _packed.side)
+        _copy_back(tensor, staged)
+        return
     if _side_group is None:
         return
     staged = _to_cpu(tensor)
@@ -917,8 +1013,24 @@ def side_all_reduce(tensor: torch.Tensor, op=None) -> None:
     _copy_back(tensor, staged)
 
 
-def side_broadcast(tensor: torch.Tensor, src: int = 0) -> None:
-    """Broadcast ``tensor`` from rank ``src`` in place over the side channel; uncounted."""
+def side_broadcast(tensor: torch.Tensor, src: int = 0, ranks: Sequence[int] | None = None) -> None:
+    """Broadcast ``tensor`` from rank ``src`` in place over the side channel; uncounted.
+
+    Args:
+        tensor: the source on ``src``, the destination elsewhere.
+        src: the global rank that sends.
+        ranks: only these ranks take part (``src`` among them; ranks packed in a
+            process only, :mod:`exogym.packed`); default every rank.
+    """
+    if _packed is not None:
+        staged = _to_cpu(tensor)
+        group = _packed.side if ranks is None else _packed.group(ranks, side=True)
+        _packed.broadcast(staged, src, group)
+        _copy_back(tensor, staged)
+        return
+    if ranks is not None and _active() and len(set(ranks)) != dist.get_world_size():
+        raise RuntimeError("a broadcast among some ranks needs them packed in a process "
+                           "(exogym.packed)")
     if _side_group is None:
         return
     staged = _to_cpu(tensor)
@@ -928,6 +1040,12 @@ def side_broadcast(tensor: torch.Tensor, src: int = 0) -> None:
 
 def side_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
     """Gather every rank's ``tensor`` into ``tensor_list`` over the side channel; uncounted."""
+    if _packed is not None:
+        staged_out = [_to_cpu(t) for t in tensor_list]
+        _packed.all_gather(staged_out, _to_cpu(tensor), _packed.side)
+        for target, staged in zip(tensor_list, staged_out):
+            _copy_back(target, staged)
+        return
     if _side_group is None:
         tensor_list[0].detach().copy_(tensor)
         return
@@ -939,5 +1057,7 @@ def side_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> No
 
 def side_barrier() -> None:
     """Wait until every rank has reached this point."""
-    if _side_group is not None:
+    if _packed is not None:
+        _packed.barrier(_packed.side)
+    elif _side_group is not None:
         dist.barrier(group=_side_group)

@@ -79,13 +79,17 @@ def backend_for(device_type: str, devices: Sequence[int] | None, num_nodes: int)
     return "gloo"
 
 
+def available_cores() -> int:
+    """The cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def default_threads(num_nodes: int) -> int:
     """Compute threads per rank: the cores this process may use, shared evenly."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, num_nodes))
+    return max(1, available_cores() // max(1, num_nodes))
 
 
 def loopback_interface() -> str | None:

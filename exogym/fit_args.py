@@ -259,6 +259,12 @@ def _rank_speeds(name: str, value: Any) -> None:
                          f"(1.0: full speed, 0.5: half), got {value!r}")
 
 
+def _rank_failures(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, Sequence)):
+        raise ValueError(f"rank_failures must be a list of (rank, at_step, back_at_step or "
+                         f"None) tuples, got {value!r}")
+
+
 def _speed_mode(name: str, value: Any) -> None:
     if value not in SPEED_MODES:
         raise ValueError(f"speed_mode must be 'wall' (a slow rank really takes longer) or "
@@ -361,6 +367,13 @@ class RunArgs:
         "longer, sleeping after each forward and backward, and its simulated clock "
         "shows it) or ``'clock'`` (only its simulated time is scaled: fast to run).",
         _speed_mode, profile=True)
+    rank_failures: list[tuple[int, int, int | None]] | None = _arg(
+        None, "ranks that leave and rejoin: ``[(rank, at_step, back_at_step or None), ...]``; "
+        "an away rank runs no step and collectives meet among the present ranks; it rejoins "
+        "at the first round boundary from ``back_at_step`` on, with the state of a rank that "
+        "stayed (the rules: :mod:`exogym.membership`). The summary lists every change as "
+        "``membership``.", _rank_failures,
+        convert=lambda v: None if v is None else [tuple(entry) for entry in v])
 
     @property
     def has_clock(self) -> bool:
@@ -383,6 +396,24 @@ class RunArgs:
                              f"num_nodes={self.num_nodes}: give one per rank")
         if self.network is not None:
             self.network.check_ranks(self.num_nodes)
+        if self.rank_failures is not None:
+            from exogym.membership import parse_rank_failures
+
+            parse_rank_failures(self.rank_failures, self.num_nodes)
+            if self.resume_from is not None:
+                raise ValueError("rank_failures and resume_from cannot be combined: an away "
+                                 "rank's checkpoints lag the others'; resume without "
+                                 "rank_failures, or start afresh")
+            self.membership()  # refuses a schedule that leaves no rank, or no state source
+
+    def membership(self):
+        """The :class:`exogym.membership.Membership` of ``rank_failures`` (None without)."""
+        if self.rank_failures is None:
+            return None
+        from exogym.membership import Membership
+
+        round_steps = getattr(self.strategy, "round_steps", 1) if self.strategy is not None else 1
+        return Membership(self.rank_failures, self.num_nodes, round_steps)
 
     def minibatch(self) -> int | str:
         """Samples per forward pass: an integer, or ``'auto'`` until measured."""
@@ -402,10 +433,21 @@ class FitArgs(RunArgs):
         _logger, profile=True)
     log_dir: str = _arg("logs", "folder of the logs (CSV, TensorBoard, W&B's run files).")
     wandb_project: str | None = _arg(None, "log to this W&B project.", profile=True)
+    processes: int | None = _arg(
+        None, "operating-system processes a simulation runs its ranks in. None: one per rank "
+        "while the ranks fit this machine's cores, else one per core, each running its ranks "
+        "in turn (:mod:`exogym.packed`); fewer than ``num_nodes`` packs the ranks that way.",
+        _at_least(1, allow_none=True))
     progress: bool | ProgressSink = _arg(
         True, "show the progress bar and summary table; or an object with "
         "``on_event``/``close``/``finish`` (``exogym.report.ProgressSink``) that shows the "
         "run its own way, e.g. a live dashboard.", _progress)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.processes is not None and self.processes > self.num_nodes:
+            raise ValueError(f"processes={self.processes} is more than num_nodes="
+                             f"{self.num_nodes}: a process runs one rank at least")
 
     @classmethod
     def from_call(cls, owner: str, args: Sequence[Any] = (),
@@ -433,6 +475,22 @@ class FitArgs(RunArgs):
                 raise TypeError(f"{owner} got multiple values for argument {name!r}")
             kwargs[name] = value
         return cls(**kwargs)
+
+
+#: Arguments that only a simulation on one machine has a use for.
+SIMULATION_ONLY = ("processes", "rank_failures")
+
+
+def refuse_simulation_only(values: Mapping[str, Any], where: str) -> None:
+    """Raise when ``values`` give an argument of :data:`SIMULATION_ONLY` a value.
+
+    Raises:
+        ValueError: naming the argument, and ``where`` it cannot apply.
+    """
+    for name in SIMULATION_ONLY:
+        if values.get(name) is not None:
+            raise ValueError(f"{name} is for a simulation on one machine (exogym.Trainer); "
+                             f"{where} has real ranks, one per process: leave {name} out")
 
 
 def fit_arg_names() -> tuple[str, ...]:

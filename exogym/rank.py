@@ -202,19 +202,23 @@ def _exit_lost(lost: list[int], message: str) -> None:
     os._exit(3)
 
 
-def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezvous,
+def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezvous | None,
              emit: Callable[[dict[str, Any]], None],
-             average_final: bool = False) -> dict[str, torch.Tensor]:
+             average_final: bool = False) -> dict[str, torch.Tensor] | None:
     """Train rank ``rank`` of ``spec`` to the end; returns its final model state (CPU).
 
     Args:
         spec: the run; ``spec.minibatch_size`` must be resolved (not 'auto').
         placement: where this machine runs its ranks.
         rank: this rank, ``0 <= rank < spec.num_nodes``.
-        rendezvous: where the ranks meet.
+        rendezvous: where the ranks meet; None for a rank packed with others in
+            this process, whose world (:mod:`exogym.packed`) is joined already.
         emit: receives every metric event of this rank.
         average_final: return the average of all ranks' final states instead of
             this rank's own (multi-host runs, where no parent sees every state).
+
+    Returns:
+        The state; None for a rank that was away at the end (``rank_failures``).
 
     Raises:
         LostRankError: another rank failed or disappeared (multi-host runs).
@@ -226,23 +230,27 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
     if device.type == "cuda":
         torch.cuda.set_device(device)
     comm.use_mirror_collectives(comm.collectives_mode() == "mirror")  # refuses a bad value
-    store = comm.open_store(rendezvous.addr, rendezvous.port,
-                            is_master=rendezvous.store_on_rank0 and rank == 0,
-                            world_size=spec.num_nodes, timeout_s=spec.timeout_s)
-    backend = placement.backend or backend_for(spec.device_type, placement.devices,
-                                               spec.num_nodes)
-    comm.init_process_group(store, rank, spec.num_nodes, backend, spec.timeout_s, device)
+    if rendezvous is not None:
+        store = comm.open_store(rendezvous.addr, rendezvous.port,
+                                is_master=rendezvous.store_on_rank0 and rank == 0,
+                                world_size=spec.num_nodes, timeout_s=spec.timeout_s)
+        backend = placement.backend or backend_for(spec.device_type, placement.devices,
+                                                   spec.num_nodes)
+        comm.init_process_group(store, rank, spec.num_nodes, backend, spec.timeout_s, device)
     watch = None
-    if rendezvous.watch_peers and spec.num_nodes > 1:
+    if rendezvous is not None and rendezvous.watch_peers and spec.num_nodes > 1:
         watch = PeerWatch(rendezvous, rank, spec.num_nodes, on_lost=_exit_lost)
     try:
         comm.reset_counters()
         node = TrainNode(spec, rank, device, emit, placement)
         try:
             state = node.train()
-            if average_final:
-                state = average_state_across_ranks(state)
-            comm.side_barrier()  # nobody leaves while a peer still needs it
+            if node.departed:
+                state = None
+            else:
+                if average_final:
+                    state = average_state_across_ranks(state)
+                comm.side_barrier()  # nobody leaves while a peer still needs it
         except Exception as exc:
             if watch is None:
                 raise
@@ -264,4 +272,5 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
         if watch is not None:
             watch.stop()
         comm.use_clock(None)
-        comm.destroy_process_group()
+        if rendezvous is not None:
+            comm.destroy_process_group()

@@ -41,15 +41,17 @@ def summarize(history: list[dict[str, Any]], num_nodes: int, wall_s: float,
     last_eval: dict[str, Any] | None = None
     for row in history:
         last[row["rank"]] = row
-        if "val_loss" in row and row["rank"] == 0:
+        # the latest evaluation, of the lowest rank that ran it (rows come sorted by step, rank)
+        if "val_loss" in row and (last_eval is None or row["step"] > last_eval["step"]):
             last_eval = row
     steps = max((r["step"] for r in last.values()), default=0)
+    finishers = [r for r in last.values() if r["step"] == steps]  # not ranks that left early
     train_wall = max((r.get("wall_s", 0.0) for r in last.values()), default=0.0)
     summary: dict[str, Any] = {
         "steps": steps,
         "num_nodes": num_nodes,
-        "final_train_loss": (sum(r["train_loss"] for r in last.values()) / len(last)
-                             if last else None),
+        "final_train_loss": (sum(r["train_loss"] for r in finishers) / len(finishers)
+                             if finishers else None),
         "steps_per_s": steps / train_wall if train_wall > 0 else None,
         "bytes_per_node": (sum(r["comm_bytes"] for r in last.values()) / len(last)
                            if last else 0),
@@ -198,5 +200,9 @@ class RunReporter:
               else ()),
         )
         self.console.print(table)
+        for change in summary.get("membership") or []:
+            if change["reason"] != "start":
+                self.console.print(f"step {change['step']}: {change['reason']}; present: ranks "
+                                   f"{', '.join(map(str, change['ranks']))}")
         if summary.get("label_histogram"):
             self.console.print(label_table(summary["label_histogram"]))

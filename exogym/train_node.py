@@ -12,6 +12,7 @@ byte counts stay exact.
 from __future__ import annotations
 
 import copy
+import io
 import random
 import time
 from collections.abc import Callable
@@ -121,6 +122,8 @@ class TrainNode:
 
         self.step = 0
         self.samples = 0
+        self.membership = spec.membership()
+        self.departed = False  # away at the end of the run (rank_failures)
         self.clock: SimClock | None = None
         if spec.has_clock:
             speed = spec.rank_speeds[rank] if spec.rank_speeds is not None else 1.0
@@ -197,7 +200,7 @@ class TrainNode:
         sleeps off ``1/speed - 1`` times the work it did since ``mark`` (collectives aside)."""
         clock = self.clock
         if clock is not None and self.spec.speed_mode == "wall" and clock.speed < 1.0:
-            time.sleep(self._compute_since(mark) * (1.0 / clock.speed - 1.0))
+            comm.pause(self._compute_since(mark) * (1.0 / clock.speed - 1.0))
 
     def train_step(self) -> dict[str, Any]:
         """Run one optimizer step (with accumulation) and return its metric event."""
@@ -288,12 +291,15 @@ class TrainNode:
         """Mean pairwise Pearson correlation of the ranks' trainable parameters."""
         if self.num_nodes == 1:
             return 1.0
+        ranks = comm.side_group_size()  # those present, when ranks come and go
+        if ranks == 1:
+            return 1.0
         flat = torch.cat([p.detach().reshape(-1).float().cpu()
                           for p in self.model.parameters() if p.requires_grad])
-        gathered = [torch.empty_like(flat) for _ in range(self.num_nodes)]
+        gathered = [torch.empty_like(flat) for _ in range(ranks)]
         comm.side_all_gather(gathered, flat)
         corr = torch.corrcoef(torch.stack(gathered))
-        mask = ~torch.eye(self.num_nodes, dtype=torch.bool)
+        mask = ~torch.eye(ranks, dtype=torch.bool)
         return float(corr[mask].mean())
 
     # -- checkpoints ----------------------------------------------------------------
@@ -356,6 +362,61 @@ class TrainNode:
         self.load_state_dict(state)
         return agreed
 
+    # -- ranks that leave and rejoin (rank_failures) ----------------------------------
+
+    def _hand_over(self, step: int) -> None:
+        """At ``step``, where ranks rejoin: the rank that hands them the state sends it,
+        a joining rank receives it; the others take no part (side channel, uncounted)."""
+        membership = self.membership
+        joining = membership.joiners(step)
+        source = membership.source(step)
+        if self.rank != source and self.rank not in joining:
+            return
+        ranks = [source, *joining]
+        if self.rank == source:
+            buffer = io.BytesIO()
+            torch.save({"model": self.model.state_dict(), "strategy": self.strategy.state_dict(),
+                        "step": self.step,
+                        "sim_time_s": None if self.clock is None else self.clock.now}, buffer)
+            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        comm.side_broadcast(size, source, ranks)
+        if self.rank == source:
+            comm.side_broadcast(payload, source, ranks)
+            return
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        comm.side_broadcast(payload, source, ranks)
+        state = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location=self.device,
+                           weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.strategy.load_state_dict(state["strategy"])
+        self.step = state["step"]
+        if self.clock is not None and state["sim_time_s"] is not None:
+            self.clock.now = max(self.clock.now, float(state["sim_time_s"]))
+
+    def _take_part(self) -> bool:
+        """Before each step: join the step's members, after an absence if need be.
+
+        Returns False when this rank is away for the rest of the run.
+        """
+        step = self.step + 1
+        membership = self.membership
+        if membership is None:
+            comm.enter_step(step)
+            return True
+        if not membership.is_present(self.rank, step):
+            back = membership.next_join(self.rank, step)
+            if back is None or back > self.max_steps:
+                self.departed = True
+                return False
+            step = back
+        comm.enter_step(step, membership.present(step))
+        if membership.joiners(step):
+            self._hand_over(step)
+        return True
+
     # -- the loop -------------------------------------------------------------------
 
     def train(self) -> dict[str, torch.Tensor]:
@@ -374,6 +435,8 @@ class TrainNode:
         self.emit(opening)
         start = time.perf_counter()
         while self.step < self.max_steps:
+            if not self._take_part():
+                break
             mark = self._mark() if self.clock is not None else None
             event = self.train_step()
             if self.val_loader is not None and (
@@ -388,4 +451,7 @@ class TrainNode:
             event["wall_s"] = time.perf_counter() - start
             self.emit(event)
             self._lag(mark)
+        if self.membership is not None and not self.departed:
+            # What follows the loop (the final average) meets among the ranks still here.
+            comm.enter_step(self.max_steps + 1, self.membership.present(self.max_steps))
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}

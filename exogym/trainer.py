@@ -39,11 +39,12 @@ import torch
 
 from exogym import comm
 from exogym.averaging import average_state_dicts
-from exogym.devices import loopback_interface
+from exogym.devices import available_cores, loopback_interface
 from exogym.fit_args import FitArgs, fit_args_doc, fit_signature
 from exogym.io import atomic_torch_save
 from exogym.logger import Logger, make_logger
 from exogym.memory import with_measured_minibatch
+from exogym.packed import PackedWorld, process_ranks
 from exogym.rank import Rendezvous, run_rank
 from exogym.report import ProgressSink, RunReporter, summarize
 from exogym.shm_collectives import SharedMemoryCollectives
@@ -223,7 +224,7 @@ def _local_rank_entry(payload: Any, placement: Placement, rank: int,
         state = run_rank(spec, placement, rank,
                          Rendezvous("127.0.0.1", port, store_on_rank0=False), emit)
         path = atomic_torch_save(state, Path(result_dir) / f"rank{rank}.pt", durable=False)
-        emit({"event": "result", "rank": rank, "path": str(path)})
+        emit({"event": "result", "rank": rank, "process": rank, "path": str(path)})
         code = 0
     except BaseException:
         try:
@@ -233,6 +234,104 @@ def _local_rank_entry(payload: Any, placement: Placement, rank: int,
         code = 1
     events.close()
     os._exit(code)
+
+
+def _packed_process_entry(payload: Any, placement: Placement, index: int, processes: int,
+                          events: connection.Connection, result_dir: str,
+                          parent_pid: int) -> None:
+    """Body of one process of a packed simulation: its block of ranks, run in turn.
+
+    Each rank is a thread (:mod:`exogym.packed`); the ranks average their final
+    models among themselves, so the process returns one state, the run's
+    average, written by the first of its ranks still present at the end.
+    """
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    batches = _EventBatches(events)
+    sending = threading.Lock()
+
+    def emit(event: dict[str, Any]) -> None:
+        with sending:
+            batches(event)
+
+    def fail(rank: int) -> None:
+        try:
+            emit({"event": "error", "rank": rank, "traceback": traceback.format_exc()})
+            events.close()
+        except OSError:
+            pass  # the parent is gone
+        os._exit(1)  # the process's other ranks wait on this one: stop them all
+
+    first_rank = -1
+    try:
+        spec: RunSpec = payload.obj if isinstance(payload, _Portable) else payload
+        first_rank = process_ranks(spec.num_nodes, processes, index).start
+        port = int(events.recv())
+        world = PackedWorld(spec.num_nodes, processes, index,
+                            lambda: comm.open_store("127.0.0.1", port, timeout_s=spec.timeout_s),
+                            spec.timeout_s)
+        comm.use_packed_world(world)
+        states: dict[int, dict[str, torch.Tensor]] = {}
+
+        def body(rank: int) -> None:
+            try:
+                world.sit(rank)
+                try:
+                    state = run_rank(spec, placement, rank, None, emit, average_final=True)
+                finally:
+                    world.stand()
+                if state is not None:
+                    states[rank] = state
+            except BaseException:
+                fail(rank)
+
+        threads = [threading.Thread(target=body, args=(rank,), name=f"exogym-rank{rank}",
+                                    daemon=True) for rank in world.here]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        path = None
+        if states:
+            state = states[min(states)]
+            path = str(atomic_torch_save(state, Path(result_dir) / f"process{index}.pt",
+                                         durable=False))
+        emit({"event": "result", "process": index, "path": path})
+    except BaseException:
+        fail(first_rank)
+    events.close()
+    os._exit(0)
+
+
+def simulation_processes(spec: RunSpec, placement: Placement, processes: int | None) -> int | None:
+    """How many processes a simulation packs its ranks into; None: one process per rank.
+
+    Ranks are packed (:mod:`exogym.packed`) when asked (``processes`` below the
+    ranks), when ranks leave and rejoin (``rank_failures``), or when there are
+    more CPU ranks than cores, where one process per core runs the ranks in turn.
+
+    Raises:
+        ValueError: packing was asked for ranks that cannot be packed (not on the
+            CPU, or ``EXOGYM_COLLECTIVES`` set to another mode), naming why.
+    """
+    k = spec.num_nodes
+    packable = spec.device_type == "cpu" and comm.collectives_mode() == "auto"
+    asked = (processes is not None and processes < k) or bool(spec.rank_failures)
+    if asked and not packable:
+        why = (f"the ranks run on {spec.device_type}" if spec.device_type != "cpu" else
+               f"{comm.MODE_ENV}={comm.collectives_mode()} asks for other collectives")
+        what = "rank_failures" if spec.rank_failures else f"processes={processes}"
+        raise ValueError(f"{what} runs several ranks in a process, which needs CPU ranks and "
+                         f"the default collectives, but {why}")
+    if not packable or k == 1:
+        return None
+    if processes is not None:
+        return processes if processes < k or spec.rank_failures else None
+    slots = max(1, available_cores() // placement.threads_per_rank(spec))
+    if spec.rank_failures or k > slots:
+        return min(k, slots)
+    return None
 
 
 class Trainer:
@@ -265,6 +364,7 @@ class Trainer:
         self.devices = devices
         self.history: list[dict[str, Any]] = []
         self.summary: dict[str, Any] = {}
+        self._processes: int | None = None
         self.rank_stats: dict[int, dict[str, Any]] = {}
         self.log_dir: Path | None = None
         self.run_config: dict[str, Any] = {}
@@ -278,6 +378,7 @@ class Trainer:
         spec = make_run_spec(self.model, self.train_dataset, self.val_dataset, fit_args)
         placement = self._placement(spec)
         spec = with_measured_minibatch(spec, placement)
+        self._processes = self._packing(spec, placement, fit_args.processes)
         run_logger = make_logger(fit_args.logger, fit_args.log_dir, fit_args.run_name,
                                  fit_args.wandb_project)
         return self._fit_spec(spec, placement, run_logger, fit_args.progress)
@@ -285,6 +386,10 @@ class Trainer:
     fit.__signature__ = fit_signature(  # type: ignore[attr-defined]
         {"Strategy": Strategy, "Logger": Logger, "ProgressSink": ProgressSink}, torch.nn.Module)
     fit.__doc__ = "Train and return the average of the ranks' final models.\n\n" + fit_args_doc()
+
+    def _packing(self, spec: RunSpec, placement: Placement, processes: int | None) -> int | None:
+        """Processes to pack the ranks into (None: one per rank); see :func:`simulation_processes`."""
+        return simulation_processes(spec, placement, processes)
 
     def _placement(self, spec: RunSpec) -> Placement:
         """Where the ranks run: here, every rank shares this machine."""
@@ -326,6 +431,11 @@ class Trainer:
             self.history.sort(key=lambda r: (r["step"], r["rank"]))
             self.summary = summarize(self.history, spec.num_nodes, time.perf_counter() - started,
                                      labels)
+            if self._processes:
+                self.summary["processes"] = self._processes
+            membership = spec.membership()
+            if membership is not None:
+                self.summary["membership"] = membership.changes(self.summary["steps"])
             peaks = [s.get("peak_rss_bytes", 0) for s in self.rank_stats.values()]
             if peaks:
                 self.summary["peak_rss_bytes_per_rank"] = max(peaks)
@@ -338,19 +448,32 @@ class Trainer:
 
     def _execute(self, spec: RunSpec, placement: Placement,
                  on_event: Callable[[dict[str, Any]], None]) -> list[dict[str, torch.Tensor]]:
-        """Run every rank as a local process; return their final states in rank order."""
+        """Run the ranks as local processes; return their final states in rank order.
+
+        Packed (several ranks to a process), the ranks have averaged their final
+        states already: the one state returned is that average.
+        """
         ctx = _mp_context(spec, placement)
         payload = _Portable(spec)
-        local = SharedMemoryCollectives.for_model(spec.model, spec.num_nodes, ctx, spec.timeout_s)
-        pipes = [ctx.Pipe(duplex=True) for _ in range(spec.num_nodes)]
+        packed = self._processes
+        count = packed or spec.num_nodes
+        local = None if packed else SharedMemoryCollectives.for_model(
+            spec.model, spec.num_nodes, ctx, spec.timeout_s)
+        pipes = [ctx.Pipe(duplex=True) for _ in range(count)]
         store = None
         with tempfile.TemporaryDirectory(prefix="exogym-") as result_dir:
-            procs = [
-                ctx.Process(target=_local_rank_entry, name=f"exogym-rank{rank}",
-                            args=(payload, placement, rank, pipes[rank][1], result_dir,
-                                  os.getpid(), local))
-                for rank in range(spec.num_nodes)
-            ]
+            if packed:
+                procs = [ctx.Process(target=_packed_process_entry, name=f"exogym-ranks{index}",
+                                     args=(payload, placement, index, packed, pipes[index][1],
+                                           result_dir, os.getpid()))
+                         for index in range(packed)]
+            else:
+                procs = [
+                    ctx.Process(target=_local_rank_entry, name=f"exogym-rank{rank}",
+                                args=(payload, placement, rank, pipes[rank][1], result_dir,
+                                      os.getpid(), local))
+                    for rank in range(spec.num_nodes)
+                ]
             try:
                 for p in procs:
                     p.start()
@@ -363,9 +486,12 @@ class Trainer:
                         parent_end.send(store.port)
                     except OSError:
                         pass  # that rank already died: _collect reports how
-                paths = self._collect(procs, [parent_end for parent_end, _ in pipes], on_event)
-                return [torch.load(paths[r], map_location="cpu", weights_only=True)
-                        for r in range(spec.num_nodes)]
+                paths = self._collect(procs, [parent_end for parent_end, _ in pipes], on_event,
+                                      lambda i: _process_name(spec.num_nodes, packed, i))
+                kept = [paths[i] for i in range(count) if paths[i] is not None]
+                if packed:
+                    kept = kept[:1]  # every process holds the same average
+                return [torch.load(path, map_location="cpu", weights_only=True) for path in kept]
             finally:
                 _stop(procs)
                 for parent_end, child_end in pipes:
@@ -375,8 +501,12 @@ class Trainer:
 
     @staticmethod
     def _collect(procs, readers: list[connection.Connection],
-                 on_event: Callable[[dict[str, Any]], None]) -> dict[int, str]:
-        """Handle every rank's events until each has reported its result; raise on failure."""
+                 on_event: Callable[[dict[str, Any]], None],
+                 name: Callable[[int], str] = lambda i: f"rank {i}") -> dict[int, str | None]:
+        """Handle every process's events until each has reported its result; raise on failure.
+
+        Returns each process's result file (None where it has none), by process index.
+        """
         paths: dict[int, str] = {}
         errors: list[dict[str, Any]] = []
         error_deadline = None
@@ -392,7 +522,7 @@ class Trainer:
                 errors.append(event)
                 error_deadline = error_deadline or time.monotonic() + 2.0
             elif kind == "result":
-                paths[event["rank"]] = event["path"]
+                paths[event["process"]] = event["path"]
             else:
                 on_event(event)
 
@@ -416,20 +546,28 @@ class Trainer:
                     if not drain(ready):
                         watching.remove(ready)
                     continue
-                rank = rank_of[ready]  # this rank's process has exited
+                index = rank_of[ready]  # this process has exited
                 watching.remove(ready)
-                reader = readers[rank]
+                reader = readers[index]
                 drain(reader)
                 if reader in watching:
                     watching.remove(reader)
-                if rank not in paths and not any(e["rank"] == rank for e in errors):
-                    procs[rank].join(timeout=1.0)
+                if index not in paths and not errors:
+                    procs[index].join(timeout=1.0)
                     raise RankFailedError(
-                        rank, f"rank {rank} died with exit code {procs[rank].exitcode} "
+                        index, f"{name(index)} died with exit code {procs[index].exitcode} "
                         "before reporting an error (killed, out of memory, or it could not "
                         "unpickle the model/dataset: classes must be importable from a "
                         "module or the main script)")
         return paths
+
+
+def _process_name(world_size: int, processes: int | None, index: int) -> str:
+    """How an error names a simulation's process: its rank, or the ranks it packs."""
+    if not processes:
+        return f"rank {index}"
+    ranks = process_ranks(world_size, processes, index)
+    return f"the process of ranks {ranks.start}..{ranks.stop - 1}"
 
 
 _COMM_MARKERS = ("gloo", "Connection reset", "Connection closed", "DistBackendError",

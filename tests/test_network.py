@@ -142,6 +142,11 @@ def test_network_driver_checks_values_but_leaves_the_device_to_the_hosts():
         trainer.fit(strategy=SimpleReduceStrategy(), device="gpu")
     with pytest.raises(TypeError, match="did you mean 'max_steps'"):
         trainer.fit(strategy=SimpleReduceStrategy(), max_step=2)
+    # What only a simulation can do is refused, not ignored.
+    with pytest.raises(ValueError, match="rank_failures is for a simulation on one machine"):
+        trainer.fit(strategy=SimpleReduceStrategy(), rank_failures=[(0, 2, None)])
+    with pytest.raises(ValueError, match="processes is for a simulation on one machine"):
+        trainer.fit(strategy=SimpleReduceStrategy(), processes=1)
 
 
 def test_network_driver_refuses_an_unknown_launcher_option_when_built():

@@ -177,8 +177,9 @@ class RecordsPath(SimpleReduceStrategy):
 @pytest.mark.parametrize("strategy", ["ddp", "diloco"])
 def test_a_fit_through_shared_memory_equals_one_through_gloo(monkeypatch, strategy):
     ds = toy_dataset()
+    # processes=3: one process per rank, so the ranks meet in shared memory, not packed.
     fit = dict(num_nodes=3, max_steps=6, batch_size=16, val_size=32, val_interval=3,
-               logger=None, progress=False, num_threads=1)
+               logger=None, progress=False, num_threads=1, processes=3)
 
     def make(shared: bool):
         if strategy == "ddp":

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from toys import TinyCNN, assert_models_close, assert_models_differ, tiny_model, toy_dataset, toy_images
 
-from exogym import Trainer
+from exogym import Trainer, comm
 from exogym.strategy import (
     CommunicateOptimizeStrategy,
     CommunicationModule,
@@ -98,7 +97,7 @@ def test_sparta_p0_is_independent_training_and_sends_nothing():
 class SelectionCheck(CommunicationModule):
     """After the SPARTA module, gather this round's selected entries from every rank and compare.
 
-    Uses torch.distributed directly (uncounted), and writes one line per step
+    Uses the comm module's side channel (uncounted), and writes one line per step
     to ``out_dir/rank{r}.txt``: the number of selected entries, and how many
     unselected entries differ between ranks.
     """
@@ -114,7 +113,7 @@ class SelectionCheck(CommunicationModule):
         for param, idx in zip(params, sparse.selection(local_step)):
             flat = param.detach().reshape(-1)
             gathered = [torch.empty_like(flat) for _ in range(num_nodes)]
-            dist.all_gather(gathered, flat)
+            comm.side_all_gather(gathered, flat)
             mask = torch.zeros(flat.numel(), dtype=torch.bool)
             mask[idx] = True
             for other in gathered[1:]:

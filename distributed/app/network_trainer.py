@@ -29,7 +29,7 @@ from distributed.launch.script import run_script_on_hosts, script_program
 from distributed.rank.environment import rank_environment
 from distributed.rank.trainer import RankTrainer
 from exogym._args import unknown_args_error
-from exogym.fit_args import FitArgs
+from exogym.fit_args import FitArgs, refuse_simulation_only
 from exogym.report import summarize
 
 
@@ -87,6 +87,7 @@ class NetworkTrainer:
 
     def _drive(self, kwargs: dict[str, Any]) -> torch.nn.Module:
         world = self.config.world_size
+        refuse_simulation_only(kwargs, "a run across hosts")
         # Names and plain values only: the device, the model and the data are each host's.
         asked = FitArgs.from_call("fit()", (), {"num_nodes": world, **kwargs}).num_nodes
         if asked != world:

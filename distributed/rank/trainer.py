@@ -28,6 +28,7 @@ from distributed.rank.environment import (
     RankEnvironment,
     choose_interface,
 )
+from exogym.fit_args import refuse_simulation_only
 from exogym.io import atomic_save_safetensors
 from exogym.metrics import encode_event
 from exogym.rank import Rendezvous, run_rank
@@ -63,6 +64,12 @@ class RankTrainer(Trainer):
             kwargs["logger"] = None
             kwargs["wandb_project"] = None
         return super().fit(*args, **kwargs)
+
+    def _packing(self, spec: RunSpec, placement: Placement, processes: int | None) -> None:
+        """A host runs its own rank: nothing is packed, and nothing simulated is honoured."""
+        refuse_simulation_only({"processes": processes, "rank_failures": spec.rank_failures},
+                               "a run across hosts")
+        return None
 
     def _placement(self, spec: RunSpec) -> Placement:
         """This host's ranks: by local rank on its GPUs, nccl on CUDA, rank 0's weights broadcast."""

@@ -110,7 +110,10 @@ class AveragingCommunicator(CommunicationModule):
         island = next(i for i in islands if rank in i)
         if len(island) == 1:
             return
-        members = sum(1 for r in island if r in taking_part)
+        present = set(comm.present_ranks())  # every rank, unless some are away
+        members = sum(1 for r in island if r in taking_part and r in present)
+        if members == 0:
+            return  # the island's sampled ranks are all away: its present ranks keep their models
         if rank not in taking_part:
             for t in self.tensors:
                 t.zero_()

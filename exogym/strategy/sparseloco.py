@@ -236,7 +236,8 @@ class SparseLoCoCommunicator(CommunicationModule):
             e.copy_(flat.view(-1)[:plan.numel].view_as(e))
             payloads.append(payload)
         mine = torch.cat(payloads)
-        gathered = [torch.empty_like(mine) for _ in range(num_nodes)]
+        ranks = comm.group_size()  # the ranks present: fewer than num_nodes while some are away
+        gathered = [torch.empty_like(mine) for _ in range(ranks)]
         comm.all_gather(gathered, mine)
         if self.buffers:
             comm.all_reduce_tensors(self.buffers, average=True)
@@ -248,7 +249,7 @@ class SparseLoCoCommunicator(CommunicationModule):
             for payload in gathered:
                 idx, values = plan.decode(payload[offsets[i]:offsets[i + 1]])
                 total.scatter_add_(1, idx.to(master.device), values.to(master.device))
-            mean = total.view(-1)[:plan.numel].div_(num_nodes)
+            mean = total.view(-1)[:plan.numel].div_(ranks)
             master.grad = mean.view_as(master).to(master.dtype)
         self.outer_optim.step()
         for master, p in zip(self.master, self.params):

@@ -217,6 +217,14 @@ class Strategy(ABC):
             torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.max_norm)
 
     @property
+    def round_steps(self) -> int:
+        """Steps per round: how often the ranks meet to agree (DiLoCo's ``H``; 1 for
+        per-step strategies). A rank coming back after an absence joins when a round
+        begins (:mod:`exogym.membership`)."""
+        h = getattr(self, "H", None)
+        return h if isinstance(h, int) and h >= 1 else 1
+
+    @property
     def current_lr(self) -> float:
         """Learning rate the next optimizer step uses (first parameter group)."""
         return float(self.optim.param_groups[0]["lr"])

@@ -1,0 +1,103 @@
+"""Several ranks per process (exogym.packed): the same run, fewer processes, many more ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from exogym import Trainer
+from exogym.strategy import DiLoCoStrategy, FedAvgStrategy, SimpleReduceStrategy, SPARTAStrategy
+from tests.toys import assert_models_close, tiny_model, toy_dataset, trainable_count
+
+QUIET = dict(logger=None, progress=False)
+
+
+def run(strategy, num_nodes=4, max_steps=6, processes=None, **kwargs):
+    ds = toy_dataset()
+    trainer = Trainer(tiny_model(), ds, ds)
+    model = trainer.fit(strategy=strategy, num_nodes=num_nodes, max_steps=max_steps,
+                        batch_size=8, val_size=32, val_interval=3, processes=processes,
+                        **QUIET, **kwargs)
+    return trainer, model
+
+
+def rows(trainer):
+    return [(r["rank"], r["step"], r["train_loss"], r["comm_bytes"]) for r in trainer.history]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: SimpleReduceStrategy(optim_spec="sgd", lr=0.1),
+    lambda: DiLoCoStrategy(H=2, inner_optim="sgd", lr=0.1),
+    lambda: FedAvgStrategy(H=2, island_size=2, inner_optim="sgd", lr=0.1),
+    lambda: SPARTAStrategy(p_sparta=0.1, inner_optim="sgd", lr=0.1),
+], ids=["ddp", "diloco", "fedavg-islands", "sparta"])
+def test_packed_ranks_train_as_one_process_per_rank(make):
+    separate, separate_model = run(make(), processes=4)
+    packed, packed_model = run(make(), processes=2)
+    alone, alone_model = run(make(), processes=1)
+    for trainer in (packed, alone):
+        assert len(trainer.history) == len(separate.history) == 4 * 6
+        for a, b in zip(rows(separate), rows(trainer)):
+            assert a[:2] == b[:2] and a[3] == b[3]  # same rows, same bytes counted
+            assert math.isclose(a[2], b[2], rel_tol=1e-5, abs_tol=1e-6)
+    assert_models_close(separate_model, packed_model, atol=1e-5)
+    assert_models_close(packed_model, alone_model, atol=1e-5)
+
+
+def test_more_ranks_than_cores_are_packed_by_default():
+    trainer, model = run(DiLoCoStrategy(H=3), num_nodes=6, max_steps=3)
+    assert {r["rank"] for r in trainer.history} == set(range(6))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_128_ranks_train_diloco_with_exact_byte_counts():
+    trainer, model = run(DiLoCoStrategy(H=5), num_nodes=128, max_steps=10)
+    assert len(trainer.history) == 128 * 10
+    # two outer rounds of 4 bytes per trainable parameter, on every rank
+    expected = 2 * 4 * trainable_count(tiny_model())
+    assert {r["comm_bytes"] for r in trainer.history if r["step"] == 10} == {expected}
+    assert trainer.summary["bytes_per_node"] == expected
+    # DiLoCo leaves every rank with the same model after a round: one validation loss
+    assert len({round(r["val_loss"], 6) for r in trainer.history if r["step"] == 10}) == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_model_that_asks_torch_distributed_its_rank_gets_its_own():
+    import torch.distributed as dist
+
+    class Reports(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = tiny_model()
+            self.ranks = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+        def forward(self, batch):
+            self.ranks[dist.get_rank()] = dist.get_world_size()
+            return self.inner(batch)
+
+    ds = toy_dataset()
+    final = Trainer(Reports(), ds, ds).fit(strategy=DiLoCoStrategy(H=2), num_nodes=4,
+                                           max_steps=2, batch_size=8, val_size=0,
+                                           processes=2, **QUIET)
+    # each rank wrote the world size into its own slot; the average over ranks is 4/4 each
+    torch.testing.assert_close(final.ranks, torch.ones(4))
+
+
+def test_processes_is_checked_before_any_rank_starts(monkeypatch):
+    ds = toy_dataset()
+    trainer = Trainer(tiny_model(), ds, ds)
+    with pytest.raises(ValueError, match="processes=5 is more than num_nodes=4"):
+        trainer.fit(strategy=SimpleReduceStrategy(), num_nodes=4, max_steps=1, processes=5,
+                    **QUIET)
+    with pytest.raises(ValueError, match="processes must be"):
+        trainer.fit(strategy=SimpleReduceStrategy(), num_nodes=4, max_steps=1, processes=0,
+                    **QUIET)
+    monkeypatch.setenv("EXOGYM_COLLECTIVES", "torch")
+    with pytest.raises(ValueError, match="processes=2 runs several ranks in a process.*"
+                                         "EXOGYM_COLLECTIVES=torch"):
+        trainer.fit(strategy=SimpleReduceStrategy(), num_nodes=4, max_steps=1, processes=2,
+                    **QUIET)
+    assert trainer.history == []
