@@ -9,6 +9,7 @@ instead (no sampler, shuffled per rank). The stream keeps its position
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +18,6 @@ import torch
 from torch.utils.data import (
     DataLoader,
     Dataset,
-    DistributedSampler,
     IterableDataset,
     TensorDataset,
 )
@@ -133,10 +133,8 @@ class MinibatchStream:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 7919 + epoch)
             return [self.part[i] for i in torch.randperm(len(self.part), generator=gen).tolist()]
         if self.shard:
-            sampler = DistributedSampler(self.dataset, num_replicas=self.num_nodes, rank=self.rank,
-                                         shuffle=self.shuffle, seed=self.seed)
-            sampler.set_epoch(epoch)
-            return list(sampler)
+            return shard_indices(len(self.dataset), self.num_nodes, self.rank, self.shuffle,
+                                 self.seed, epoch)
         if self.shuffle:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 7919 + epoch)
             return torch.randperm(len(self.dataset), generator=gen).tolist()
@@ -188,6 +186,27 @@ class MinibatchStream:
         self.epoch = int(state["epoch"])
         self.taken = int(state["taken"])
         self._iter = None
+
+@functools.lru_cache(maxsize=8)
+def _permutation(n: int, seed: int) -> torch.Tensor:
+    """``torch.randperm(n)`` seeded with ``seed``; shared by the ranks a process runs."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+
+
+def shard_indices(n: int, num_replicas: int, rank: int, shuffle: bool, seed: int,
+                  epoch: int) -> list[int]:
+    """The indices ``DistributedSampler(drop_last=False)`` gives ``rank`` in ``epoch``.
+
+    The same list, computed from one permutation of the dataset per epoch that
+    the ranks of a process share (each rank would otherwise draw and convert
+    the whole permutation, a cost that grows with the number of ranks).
+    """
+    order = _permutation(n, seed + epoch) if shuffle else torch.arange(n)
+    total = -(-n // num_replicas) * num_replicas
+    if total > n:  # padded by repeating the order from its start, as the sampler does
+        order = torch.cat([order] * -(-total // n))[:total]
+    return order[rank:total:num_replicas].tolist()
+
 
 def _tensor_batches(dataset: TensorDataset, indices: list[int],
                     minibatch_size: int) -> Iterator[list[torch.Tensor]]:

@@ -159,3 +159,19 @@ def test_a_factory_cannot_be_partitioned(digits):
         Trainer(DigitsMLP(), factory, factory).fit(strategy=DiLoCoStrategy(H=2), num_nodes=2,
                                                    max_steps=1, partition="shards:1",
                                                    progress=False, logger=None)
+
+
+@pytest.mark.parametrize("n", [1, 7, 100, 2000])
+@pytest.mark.parametrize("ranks", [1, 3, 8, 128])
+def test_iid_shards_are_the_distributed_samplers(n, ranks):
+    from torch.utils.data import DistributedSampler
+
+    from exogym.data import shard_indices
+
+    for shuffle in (True, False):
+        for epoch in (0, 3):
+            for rank in sorted({0, ranks // 2, ranks - 1}):
+                sampler = DistributedSampler(range(n), num_replicas=ranks, rank=rank,
+                                             shuffle=shuffle, seed=42)
+                sampler.set_epoch(epoch)
+                assert shard_indices(n, ranks, rank, shuffle, 42, epoch) == list(sampler)
