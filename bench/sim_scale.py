@@ -6,10 +6,14 @@ parameters) on synthetic 28x28 samples, batch 32 per rank, one evaluation of
 Python process, it prints:
 
 - wall time: the process end to end (Python, torch, the ranks, exit);
-- fit time: ``Trainer.fit`` alone;
+- fit time: ``Trainer.fit`` alone (the child has built a torch optimizer first,
+  as any training script does: torch._dynamo's one-time import is wall time);
 - compute floor: ``K * steps * t_step / cores``, where ``t_step`` is one rank's
-  training step (forward, backward, AdamW) on one thread, timed here first with
-  every core busy with one such loop (the ranks' conditions at best);
+  training step (gathering a shuffled batch, forward, backward, AdamW built as
+  the trainer builds it) on one thread, timed right before
+  each K's runs with every core busy with one such loop (the ranks' conditions
+  at best; timed anew for each K because this machine's speed drifts by tens
+  of percent from minute to minute);
 - fit time over the floor;
 - where the rest goes: the fixed cost of a fit (start-up, the evaluation, the
   final collection: a fit of one step) and the cost per step beyond the
@@ -41,19 +45,29 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 from sim_speed import workload  # noqa: E402 - the same model and data as the speed bench
 
 
-def step_seconds(steps: int = 200) -> float:
-    """One rank's step on one thread: forward, backward, AdamW (median of ``steps``)."""
+def step_seconds(steps: int = 500, start_at: float = 0.0) -> float:
+    """One rank's step on one thread (median of ``steps``): gather a shuffled batch, forward,
+    backward, AdamW built as the trainer builds it (fused kernel and all).
+
+    Starts at the wall-clock time ``start_at``, so that loops in several processes overlap.
+    """
     import torch
+
+    from exogym.strategy import OptimSpec
 
     torch.set_num_threads(1)
     mlp, data = workload()
     model = mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = OptimSpec(torch.optim.AdamW).build(model)
     x, y = data.tensors
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     times = []
+    while time.time() < start_at:
+        time.sleep(0.001)
     for i in range(steps + 20):
-        batch = (x[i * 32 % 19968:][:32], y[i * 32 % 19968:][:32])
         start = time.perf_counter()
+        idx = order[i * 32 % 19968:][:32]
+        batch = (x.index_select(0, idx), y.index_select(0, idx))
         opt.zero_grad()
         model(batch).backward()
         opt.step()
@@ -63,12 +77,18 @@ def step_seconds(steps: int = 200) -> float:
 
 
 def fit_once(nodes: int, steps: int) -> dict:
-    """Body of a child process: one fit, its time and the processes its ranks ran in."""
+    """Body of a child process: one fit, its time and the processes its ranks ran in.
+
+    Like any training script, the child has built a torch optimizer before it
+    trains, which imports torch._dynamo once (about a second here): that import
+    is in the wall time, not in the fit time.
+    """
     import torch
 
     from exogym import Trainer
     from exogym.strategy import DiLoCoStrategy
 
+    torch.optim.AdamW(torch.nn.Linear(1, 1).parameters())
     mlp, data = workload()
     torch.manual_seed(0)
     trainer = Trainer(mlp(), data, data)
@@ -111,8 +131,23 @@ def _timed_child(args: list[str]) -> tuple[float, int, str]:
     return wall, peak[0] - base, out.stdout
 
 
-def _busy_step(result_path: str) -> None:
-    Path(result_path).write_text(str(step_seconds()))
+def _busy_step(result_path: str, start_at: float) -> None:
+    Path(result_path).write_text(str(step_seconds(start_at=start_at)))
+
+
+def floor_step(cores: int) -> float:
+    """One rank-step's seconds with every core running one step loop at once (their median)."""
+    import tempfile
+
+    start_at = time.time() + 5.0  # after every child has imported torch
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [str(Path(tmp) / f"step{i}") for i in range(cores)]
+        procs = [subprocess.Popen([sys.executable, __file__, "--step-child", p,
+                                   "--start-at", str(start_at)], cwd=ROOT)
+                 for p in paths]
+        for p in procs:
+            p.wait()
+        return sorted(float(Path(p).read_text()) for p in paths)[cores // 2]
 
 
 def main() -> None:
@@ -121,9 +156,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--step-child", help=argparse.SUPPRESS)
+    parser.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step_child:
-        _busy_step(args.step_child)
+        _busy_step(args.step_child, args.start_at)
         return
     if args.child:
         print(json.dumps(fit_once(args.child, args.steps)))
@@ -135,24 +171,13 @@ def main() -> None:
     from rich.table import Table
 
     cores = os.cpu_count() or 1
-    # One step loop per core at once: the per-rank step time when every core is busy.
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = [str(Path(tmp) / f"step{i}") for i in range(cores)]
-        procs = [subprocess.Popen([sys.executable, __file__, "--step-child", p], cwd=ROOT)
-                 for p in paths]
-        for p in procs:
-            p.wait()
-        t_step = sorted(float(Path(p).read_text()) for p in paths)[cores // 2]
-
     table = Table(title=f"simulation at scale: DiLoCo H=20, MLP 235k parameters, batch 32, "
-                        f"{args.steps} steps per rank, {cores} cores, one rank-step "
-                        f"{t_step * 1e3:.2f} ms")
-    for col in ("K", "processes", "wall s", "fit s", "compute floor s", "fit / floor",
-                "fixed s", "per step / floor's", "peak memory"):
+                        f"{args.steps} steps per rank, {cores} cores")
+    for col in ("K", "processes", "rank-step ms", "wall s", "fit s", "compute floor s",
+                "fit / floor", "fixed s", "per step / floor's", "peak memory"):
         table.add_column(col, justify="right")
     for k in args.ks:
+        t_step = floor_step(cores)
         wall, peak, stdout = _timed_child(["--child", str(k), "--steps", str(args.steps)])
         result = json.loads(stdout.strip().splitlines()[-1])
         fit_s = result["fit_s"]
@@ -160,10 +185,12 @@ def main() -> None:
         fixed = json.loads(one.strip().splitlines()[-1])["fit_s"]
         floor = k * args.steps * t_step / cores
         per_step = (fit_s - fixed) / max(1, args.steps - 1) / (k * t_step / cores)
-        table.add_row(str(k), str(result["processes"]), f"{wall:.1f}", f"{fit_s:.1f}",
+        table.add_row(str(k), str(result["processes"]), f"{t_step * 1e3:.2f}", f"{wall:.1f}",
+                      f"{fit_s:.1f}",
                       f"{floor:.1f}", f"{fit_s / floor:.2f}x", f"{fixed:.1f}",
                       f"{per_step:.2f}x", f"{peak / 2**30:.2f} GiB")
-        print(f"K={k}: {result['processes']} processes, wall {wall:.1f} s, fit {fit_s:.1f} s, "
+        print(f"K={k}: {result['processes']} processes, rank-step {t_step * 1e3:.2f} ms, "
+              f"wall {wall:.1f} s, fit {fit_s:.1f} s, "
               f"floor {floor:.1f} s, {fit_s / floor:.2f}x, fixed {fixed:.1f} s, per step "
               f"{per_step:.2f}x the floor's, peak {peak / 2**30:.2f} GiB", flush=True)
     Console().print(table)

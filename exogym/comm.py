@@ -965,6 +965,13 @@ def _start_buckets(round_: _Round, tensors: list[torch.Tensor],
             else:
                 reduce_in_place()
             continue
+        if _packed is not None and wire_dtype in (None, members[0].dtype) \
+                and all(t.device.type == "cpu" for t in members):
+            # Ranks packed in this process reduce the tensors themselves: no flat copy.
+            _count(elements * members[0].element_size(), "all_reduce", group)
+            round_.add(_packed.all_reduce_many(members, reduce_op, group, divide_by, async_op),
+                       None)
+            continue
         flat = torch.cat([t.reshape(-1) for t in members])
         if wire_dtype is not None and flat.dtype != wire_dtype:
             flat = flat.to(wire_dtype)

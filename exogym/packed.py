@@ -400,6 +400,47 @@ class PackedWorld:
 
         return self._finish(self._arrive(group or self.world, tensor, complete), async_op)
 
+    def all_reduce_many(self, tensors: Sequence[torch.Tensor], op: Any = None,
+                        group: PackedGroup | None = None, divide_by: float | None = None,
+                        async_op: bool = False):
+        """Reduce each of ``tensors`` in place across the present members of ``group``, as
+        one collective (a bucket of :func:`exogym.comm.all_reduce_tensors`), then divide
+        by ``divide_by`` if given; the same result as one reduction of their concatenation."""
+        op = ReduceOp.SUM if op is None else op
+
+        def complete(meeting: _Meeting, key: tuple[str, int, int]) -> None:
+            lists = [meeting.parts[r] for r in meeting.here]
+            acc = torch.cat([t.detach().reshape(-1) for t in lists[0]])
+            for others in lists[1:]:
+                offset = 0
+                for t in others:
+                    n = t.numel()
+                    _combine(acc[offset:offset + n], t.detach().reshape(-1), op)
+                    offset += n
+            procs = self._processes(meeting.present)
+            if len(procs) > 1:
+                got = self._exchange(key, procs, _to_bytes(acc), procs)
+                total = None
+                for p in procs:
+                    part = acc if p == self.index else _from_bytes(got[p], acc)[0]
+                    if total is None:
+                        total = part.clone()
+                    else:
+                        _combine(total, part, op)
+                acc = total
+            if op == ReduceOp.AVG:
+                acc.div_(len(meeting.present))
+            if divide_by is not None:
+                acc.div_(divide_by)
+            for members in lists:
+                offset = 0
+                for t in members:
+                    n = t.numel()
+                    t.detach().copy_(acc[offset:offset + n].view_as(t))
+                    offset += n
+
+        return self._finish(self._arrive(group or self.world, list(tensors), complete), async_op)
+
     def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor,
                    group: PackedGroup | None = None, async_op: bool = False):
         """Every present member's ``tensor`` into ``tensor_list``, in rank order."""
