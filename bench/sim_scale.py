@@ -10,10 +10,10 @@ Python process, it prints:
   as any training script does: torch._dynamo's one-time import is wall time);
 - compute floor: ``K * steps * t_step / cores``, where ``t_step`` is one rank's
   training step (gathering a shuffled batch, forward, backward, AdamW built as
-  the trainer builds it) on one thread, timed right before
-  each K's runs with every core busy with one such loop (the ranks' conditions
-  at best; timed anew for each K because this machine's speed drifts by tens
-  of percent from minute to minute);
+  the trainer builds it) on one thread, timed with every core busy with one
+  such loop (the ranks' conditions at best), right before and right after each
+  K's runs, the two averaged: this machine's speed drifts by tens of percent
+  from minute to minute;
 - fit time over the floor;
 - where the rest goes: the fixed cost of a fit (start-up, the evaluation, the
   final collection: a fit of one step) and the cost per step beyond the
@@ -177,12 +177,13 @@ def main() -> None:
                 "fit / floor", "fixed s", "per step / floor's", "peak memory"):
         table.add_column(col, justify="right")
     for k in args.ks:
-        t_step = floor_step(cores)
+        before = floor_step(cores)
         wall, peak, stdout = _timed_child(["--child", str(k), "--steps", str(args.steps)])
         result = json.loads(stdout.strip().splitlines()[-1])
         fit_s = result["fit_s"]
         _, _, one = _timed_child(["--child", str(k), "--steps", "1"])
         fixed = json.loads(one.strip().splitlines()[-1])["fit_s"]
+        t_step = (before + floor_step(cores)) / 2
         floor = k * args.steps * t_step / cores
         per_step = (fit_s - fixed) / max(1, args.steps - 1) / (k * t_step / cores)
         table.add_row(str(k), str(result["processes"]), f"{t_step * 1e3:.2f}", f"{wall:.1f}",

@@ -68,6 +68,7 @@ class DiLoCoCommunicator(CommunicationModule):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.master = [p.detach().clone() for p in self.params]
+        self.deltas: list[torch.Tensor] | None = None
         self.outer_optim = self.outer_optim_spec.build(self.master)
         if self.error_feedback:
             self.residuals = [torch.zeros_like(t, dtype=torch.float32)
@@ -78,7 +79,11 @@ class DiLoCoCommunicator(CommunicationModule):
                     local_step: int) -> None:
         if (local_step + 1) % self.H != 0:
             return
-        deltas = [m - p.detach() for m, p in zip(self.master, self.params)]
+        if self.deltas is None:  # kept from round to round: no fresh memory to fault in each time
+            self.deltas = [torch.empty_like(m) for m in self.master]
+        deltas = self.deltas
+        for delta, m, p in zip(deltas, self.master, self.params):
+            torch.sub(m, p.detach(), out=delta)
         comm.all_reduce_tensors(deltas + self.buffers, average=True, dtype=self.comm_dtype,
                                 error_feedback=self.residuals)
         for master, delta in zip(self.master, deltas):
