@@ -149,6 +149,13 @@ def _combine(acc: torch.Tensor, other: torch.Tensor, op: Any) -> None:
                          f"PRODUCT, not {op!r}")
 
 
+def _divided(acc: torch.Tensor, by: float) -> torch.Tensor:
+    """``acc / by`` in ``acc``'s dtype (floor division for integers, as an average of them)."""
+    if acc.is_floating_point():
+        return acc.div_(by)
+    return acc.div(by, rounding_mode="floor").to(acc.dtype)
+
+
 class PackedWorld:
     """The ranks of one process of a packed simulation, and their collectives.
 
@@ -369,36 +376,27 @@ class PackedWorld:
 
     # -- collectives --------------------------------------------------------------------
 
+    def _across_processes(self, key: tuple[str, int, int], present: tuple[int, ...],
+                          acc: torch.Tensor, op: Any) -> torch.Tensor:
+        """This process's partial result combined with the other processes' (in process
+        order, so that every process computes bitwise the same result)."""
+        procs = self._processes(present)
+        if len(procs) == 1:
+            return acc
+        got = self._exchange(key, procs, _to_bytes(acc), procs)
+        total = None
+        for p in procs:
+            part = acc if p == self.index else _from_bytes(got[p], acc)[0]
+            if total is None:
+                total = part.clone()
+            else:
+                _combine(total, part, op)
+        return total
+
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, group: PackedGroup | None = None,
                    async_op: bool = False):
         """Reduce ``tensor`` in place across the present members of ``group``."""
-        op = ReduceOp.SUM if op is None else op
-
-        def complete(meeting: _Meeting, key: tuple[str, int, int]) -> None:
-            parts = [meeting.parts[r] for r in meeting.here]
-            acc = parts[0].detach().clone(memory_format=torch.contiguous_format)
-            for t in parts[1:]:
-                _combine(acc, t, op)
-            procs = self._processes(meeting.present)
-            if len(procs) > 1:
-                got = self._exchange(key, procs, _to_bytes(acc), procs)
-                total = None
-                for p in procs:
-                    part = acc if p == self.index else _from_bytes(got[p], acc)[0]
-                    if total is None:
-                        total = part.clone()
-                    else:
-                        _combine(total, part, op)
-                acc = total
-            if op == ReduceOp.AVG:
-                if acc.is_floating_point():
-                    acc.div_(len(meeting.present))
-                else:
-                    acc = acc.div(len(meeting.present), rounding_mode="floor").to(acc.dtype)
-            for t in parts:
-                t.copy_(acc)
-
-        return self._finish(self._arrive(group or self.world, tensor, complete), async_op)
+        return self.all_reduce_many([tensor], op, group, None, async_op)
 
     def all_reduce_many(self, tensors: Sequence[torch.Tensor], op: Any = None,
                         group: PackedGroup | None = None, divide_by: float | None = None,
@@ -417,21 +415,11 @@ class PackedWorld:
                     n = t.numel()
                     _combine(acc[offset:offset + n], t.detach().reshape(-1), op)
                     offset += n
-            procs = self._processes(meeting.present)
-            if len(procs) > 1:
-                got = self._exchange(key, procs, _to_bytes(acc), procs)
-                total = None
-                for p in procs:
-                    part = acc if p == self.index else _from_bytes(got[p], acc)[0]
-                    if total is None:
-                        total = part.clone()
-                    else:
-                        _combine(total, part, op)
-                acc = total
+            acc = self._across_processes(key, meeting.present, acc, op)
             if op == ReduceOp.AVG:
-                acc.div_(len(meeting.present))
+                acc = _divided(acc, len(meeting.present))
             if divide_by is not None:
-                acc.div_(divide_by)
+                acc = _divided(acc, divide_by)
             for members in lists:
                 offset = 0
                 for t in members:
