@@ -94,6 +94,8 @@ class Membership:
                     f"{self.round_steps} steps)" if before is not None else
                     f"rank_failures: rank {rank} leaves at step {at}, but it left for good before")
             spans.append((at, join))
+        self._changes = self._change_steps()
+        self._present: dict[int, frozenset[int]] = {}
         self._check()
 
     def _round_start(self, step: int) -> int:
@@ -111,7 +113,7 @@ class Membership:
         return sorted(steps)
 
     def _check(self) -> None:
-        for step in self._change_steps():
+        for step in self._changes:
             present = self.present(step)
             if not present:
                 raise ValueError(f"rank_failures: every rank is away at step {step}; at least one "
@@ -131,7 +133,13 @@ class Membership:
 
     def present(self, step: int) -> frozenset[int]:
         """The ranks that run step ``step``."""
-        return frozenset(r for r in range(self.num_nodes) if self.is_present(r, step))
+        # Membership only changes at a few steps: the set of the latest change holds.
+        at = max((s for s in self._changes if s <= step), default=1)
+        found = self._present.get(at)
+        if found is None:
+            found = self._present[at] = frozenset(
+                r for r in range(self.num_nodes) if self.is_present(r, at))
+        return found
 
     def joiners(self, step: int) -> list[int]:
         """Ranks that are back at ``step`` after being away at ``step - 1``."""
@@ -158,7 +166,7 @@ class Membership:
             gone = sorted(set(range(self.num_nodes)) - set(out[0]["ranks"]))
             out[0]["reason"] = "start; " + _ranks_phrase(gone, "away")
         previous = self.present(1)
-        for step in self._change_steps():
+        for step in self._changes:
             if step <= 1 or step > max_steps:
                 continue
             now = self.present(step)
