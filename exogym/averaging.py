@@ -36,8 +36,13 @@ def _mean_as(mean: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return mean.round().to(like.dtype)
 
 
-def average_state_dicts(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Element-wise mean of several state dicts with the same keys, each tensor in its dtype."""
+def state_sums(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Element-wise float64 sums of several state dicts with the same keys, in order.
+
+    Boolean tensors and other values keep the first state's value. With
+    :func:`average_of_sums`, an average can be taken in parts (the ranks of
+    each process of a packed simulation) and finished in one place.
+    """
     if not states:
         raise ValueError("no states to average")
     keys = list(states[0].keys())
@@ -51,11 +56,35 @@ def average_state_dicts(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[st
         if not isinstance(first, torch.Tensor) or first.dtype == torch.bool:
             out[key] = first
             continue
-        total = torch.zeros_like(first, dtype=torch.float64)
-        for state in states:
+        total = first.to(torch.float64, copy=True)
+        for state in states[1:]:
             total += state[key].to(torch.float64)
-        out[key] = _mean_as(total / len(states), first)
+        out[key] = total
     return out
+
+
+def average_of_sums(parts: Sequence[tuple[Mapping[str, torch.Tensor], int]],
+                    like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The mean from partial sums (:func:`state_sums`) and how many states each holds,
+    each tensor in ``like``'s dtype."""
+    count = sum(n for _, n in parts)
+    if not parts or count == 0:
+        raise ValueError("no states to average")
+    out: dict[str, torch.Tensor] = {}
+    for key, first in parts[0][0].items():
+        if not isinstance(first, torch.Tensor) or first.dtype == torch.bool:
+            out[key] = first
+            continue
+        total = first.clone()
+        for sums, _ in parts[1:]:
+            total += sums[key]
+        out[key] = _mean_as(total / count, like[key])
+    return out
+
+
+def average_state_dicts(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Element-wise mean of several state dicts with the same keys, each tensor in its dtype."""
+    return average_of_sums([(state_sums(states), len(states))], states[0])
 
 
 def _buckets(tensors: Sequence[torch.Tensor]) -> Iterator[list[int]]:

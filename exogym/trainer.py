@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from exogym import comm
-from exogym.averaging import average_state_dicts
+from exogym.averaging import average_of_sums, average_state_dicts, state_sums
 from exogym.devices import available_cores, loopback_interface
 from exogym.fit_args import FitArgs, fit_args_doc, fit_signature
 from exogym.io import atomic_torch_save
@@ -241,9 +241,9 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
                           parent_pid: int) -> None:
     """Body of one process of a packed simulation: its block of ranks, run in turn.
 
-    Each rank is a thread (:mod:`exogym.packed`); the ranks average their final
-    models among themselves, so the process returns one state, the run's
-    average, written by the first of its ranks still present at the end.
+    Each rank is a thread (:mod:`exogym.packed`). The process writes the float64
+    sum of its ranks' final states (those still present at the end) and their
+    count; the parent finishes the average from every process's part.
     """
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
@@ -278,7 +278,7 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
             try:
                 world.sit(rank)
                 try:
-                    state = run_rank(spec, placement, rank, None, emit, average_final=True)
+                    state = run_rank(spec, placement, rank, None, emit)
                 finally:
                     world.stand()
                 if state is not None:
@@ -294,8 +294,8 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
             thread.join()
         path = None
         if states:
-            state = states[min(states)]
-            path = str(atomic_torch_save(state, Path(result_dir) / f"process{index}.pt",
+            part = {"sums": state_sums([states[r] for r in sorted(states)]), "count": len(states)}
+            path = str(atomic_torch_save(part, Path(result_dir) / f"process{index}.pt",
                                          durable=False))
         emit({"event": "result", "process": index, "path": path})
     except BaseException:
@@ -450,8 +450,8 @@ class Trainer:
                  on_event: Callable[[dict[str, Any]], None]) -> list[dict[str, torch.Tensor]]:
         """Run the ranks as local processes; return their final states in rank order.
 
-        Packed (several ranks to a process), the ranks have averaged their final
-        states already: the one state returned is that average.
+        Packed (several ranks to a process), each process sums its ranks' states:
+        the one state returned is the average of them all.
         """
         ctx = _mp_context(spec, placement)
         payload = _Portable(spec)
@@ -488,10 +488,12 @@ class Trainer:
                         pass  # that rank already died: _collect reports how
                 paths = self._collect(procs, [parent_end for parent_end, _ in pipes], on_event,
                                       lambda i: _process_name(spec.num_nodes, packed, i))
-                kept = [paths[i] for i in range(count) if paths[i] is not None]
+                kept = [torch.load(paths[i], map_location="cpu", weights_only=True)
+                        for i in range(count) if paths[i] is not None]
                 if packed:
-                    kept = kept[:1]  # every process holds the same average
-                return [torch.load(path, map_location="cpu", weights_only=True) for path in kept]
+                    parts = [(part["sums"], part["count"]) for part in kept]
+                    return [average_of_sums(parts, spec.model.state_dict())]
+                return kept
             finally:
                 _stop(procs)
                 for parent_end, child_end in pipes:

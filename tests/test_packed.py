@@ -101,3 +101,18 @@ def test_processes_is_checked_before_any_rank_starts(monkeypatch):
         trainer.fit(strategy=SimpleReduceStrategy(), num_nodes=4, max_steps=1, processes=2,
                     **QUIET)
     assert trainer.history == []
+
+
+def test_an_average_taken_in_parts_equals_one_taken_at_once():
+    from exogym.averaging import average_of_sums, average_state_dicts, state_sums
+
+    g = torch.Generator().manual_seed(0)
+    states = [{"w": torch.randn(3, 4, generator=g), "n": torch.tensor(i * 3, dtype=torch.int64),
+               "on": torch.tensor([True, False])} for i in range(5)]
+    parts = [(state_sums(states[:2]), 2), (state_sums(states[2:]), 3)]
+    whole = average_state_dicts(states)
+    split = average_of_sums(parts, states[0])
+    assert split.keys() == whole.keys()
+    torch.testing.assert_close(split["w"], whole["w"], atol=1e-7, rtol=0)
+    assert split["n"].dtype == torch.int64 and split["n"].item() == whole["n"].item() == 6
+    assert torch.equal(split["on"], states[0]["on"])
