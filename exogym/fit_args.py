@@ -397,14 +397,12 @@ class RunArgs:
         if self.network is not None:
             self.network.check_ranks(self.num_nodes)
         if self.rank_failures is not None:
-            from exogym.membership import parse_rank_failures
-
-            parse_rank_failures(self.rank_failures, self.num_nodes)
             if self.resume_from is not None:
                 raise ValueError("rank_failures and resume_from cannot be combined: an away "
                                  "rank's checkpoints lag the others'; resume without "
                                  "rank_failures, or start afresh")
-            self.membership()  # refuses a schedule that leaves no rank, or no state source
+            self.membership()  # checks each entry, and refuses a schedule that leaves no rank
+            # or no rank to hand a returning one the state
 
     def membership(self):
         """The :class:`exogym.membership.Membership` of ``rank_failures`` (None without)."""

@@ -54,10 +54,7 @@ import numpy as np
 import torch
 
 from exogym.comm import ReduceOp
-
-
-class PeerTimeoutError(RuntimeError):
-    """A peer did not reach a collective in time."""
+from exogym.shm_collectives import PeerTimeoutError
 
 
 def process_ranks(world_size: int, processes: int, index: int) -> range:
@@ -189,7 +186,7 @@ class PackedWorld:
         self._stores: list[Any] = []
         self._lock = threading.Lock()  # guards the meetings, groups and store pool
         self._meetings: dict[tuple[str, int, int], _Meeting] = {}
-        self._groups: dict[tuple[int, ...], PackedGroup] = {}
+        self._groups: dict[tuple[bool, tuple[int, ...]], PackedGroup] = {}  # by (side, ranks)
         self._baton = threading.Lock()
         self._holder: _Seat | None = None  # whose random state the globals hold
         self._local = threading.local()

@@ -47,9 +47,15 @@ def test_packed_ranks_train_as_one_process_per_rank(make):
 
 
 def test_more_ranks_than_cores_are_packed_by_default():
-    trainer, model = run(DiLoCoStrategy(H=3), num_nodes=6, max_steps=3)
-    assert {r["rank"] for r in trainer.history} == set(range(6))
+    from exogym.devices import available_cores
+
+    cores = available_cores()
+    trainer, model = run(DiLoCoStrategy(H=3), num_nodes=cores + 2, max_steps=3)
+    assert trainer.summary["processes"] == cores  # one process per core
+    assert {r["rank"] for r in trainer.history} == set(range(cores + 2))
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    separate, _ = run(DiLoCoStrategy(H=3), num_nodes=min(2, cores), max_steps=1)
+    assert "processes" not in separate.summary  # ranks that fit the cores: one process each
 
 
 @pytest.mark.slow
