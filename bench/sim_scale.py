@@ -11,10 +11,11 @@ Python process, it prints:
 - compute floor: ``K * steps * t_step / cores``, where ``t_step`` is one rank's
   training step (gathering a shuffled batch, forward, backward, AdamW built as
   the trainer builds it) on one thread, timed with every core busy with one
-  such loop (the ranks' conditions at best), right before and right after each
-  K's runs, the two averaged: this machine's speed drifts by tens of percent
-  from minute to minute;
-- fit time over the floor;
+  such loop (the ranks' conditions at best);
+- fit time over the floor. This machine's speed drifts by tens of percent from
+  minute to minute, so each K is fitted ``--repeat`` times (3) with the floor
+  timed between the fits, each fit is set against the mean of the floors right
+  before and right after it, and the table shows the median fit and the range;
 - where the rest goes: the fixed cost of a fit (start-up, the evaluation, the
   final collection: a fit of one step) and the cost per step beyond the
   floor's (``(fit - fixed) / (steps - 1)`` against ``K * t_step / cores``);
@@ -39,6 +40,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the children run this file, from a checkout not installed
+    sys.path.insert(0, str(ROOT))
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -154,6 +157,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ks", type=int, nargs="+", default=[4, 16, 64, 256])
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="fits per K; the table shows the median one (default 3)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--step-child", help=argparse.SUPPRESS)
     parser.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -164,36 +169,48 @@ def main() -> None:
     if args.child:
         print(json.dumps(fit_once(args.child, args.steps)))
         return
-    if min(args.ks) < 1 or args.steps < 1:
-        parser.error("--ks and --steps must be >= 1")
+    if min(args.ks) < 1 or args.steps < 1 or args.repeat < 1:
+        parser.error("--ks, --steps and --repeat must be >= 1")
 
     from rich.console import Console
     from rich.table import Table
 
     cores = os.cpu_count() or 1
     table = Table(title=f"simulation at scale: DiLoCo H=20, MLP 235k parameters, batch 32, "
-                        f"{args.steps} steps per rank, {cores} cores")
+                        f"{args.steps} steps per rank, {cores} cores, median of "
+                        f"{args.repeat} fits per K")
     for col in ("K", "processes", "rank-step ms", "wall s", "fit s", "compute floor s",
-                "fit / floor", "fixed s", "per step / floor's", "peak memory"):
+                "fit / floor", "range", "fixed s", "per step / floor's", "peak memory"):
         table.add_column(col, justify="right")
     for k in args.ks:
-        before = floor_step(cores)
-        wall, peak, stdout = _timed_child(["--child", str(k), "--steps", str(args.steps)])
-        result = json.loads(stdout.strip().splitlines()[-1])
-        fit_s = result["fit_s"]
+        # floor, fit, floor, fit, ..., floor: each fit against the floors on either side.
+        floors = [floor_step(cores)]
+        runs = []
+        for _ in range(args.repeat):
+            wall, peak, stdout = _timed_child(["--child", str(k), "--steps", str(args.steps)])
+            result = json.loads(stdout.strip().splitlines()[-1])
+            floors.append(floor_step(cores))
+            t_step = (floors[-2] + floors[-1]) / 2
+            floor = k * args.steps * t_step / cores
+            runs.append({"wall": wall, "peak": peak, "fit": result["fit_s"], "t_step": t_step,
+                         "floor": floor, "ratio": result["fit_s"] / floor,
+                         "processes": result["processes"]})
         _, _, one = _timed_child(["--child", str(k), "--steps", "1"])
         fixed = json.loads(one.strip().splitlines()[-1])["fit_s"]
-        t_step = (before + floor_step(cores)) / 2
-        floor = k * args.steps * t_step / cores
-        per_step = (fit_s - fixed) / max(1, args.steps - 1) / (k * t_step / cores)
-        table.add_row(str(k), str(result["processes"]), f"{t_step * 1e3:.2f}", f"{wall:.1f}",
-                      f"{fit_s:.1f}",
-                      f"{floor:.1f}", f"{fit_s / floor:.2f}x", f"{fixed:.1f}",
-                      f"{per_step:.2f}x", f"{peak / 2**30:.2f} GiB")
-        print(f"K={k}: {result['processes']} processes, rank-step {t_step * 1e3:.2f} ms, "
-              f"wall {wall:.1f} s, fit {fit_s:.1f} s, "
-              f"floor {floor:.1f} s, {fit_s / floor:.2f}x, fixed {fixed:.1f} s, per step "
-              f"{per_step:.2f}x the floor's, peak {peak / 2**30:.2f} GiB", flush=True)
+        ratios = sorted(r["ratio"] for r in runs)
+        mid = sorted(runs, key=lambda r: r["ratio"])[len(runs) // 2]
+        peak = max(r["peak"] for r in runs)
+        t_step = mid["t_step"]
+        per_step = (mid["fit"] - fixed) / max(1, args.steps - 1) / (k * t_step / cores)
+        spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}x"
+        table.add_row(str(k), str(mid["processes"]), f"{t_step * 1e3:.2f}", f"{mid['wall']:.1f}",
+                      f"{mid['fit']:.1f}", f"{mid['floor']:.1f}", f"{mid['ratio']:.2f}x",
+                      spread, f"{fixed:.1f}", f"{per_step:.2f}x", f"{peak / 2**30:.2f} GiB")
+        print(f"K={k}: {mid['processes']} processes, rank-step {t_step * 1e3:.2f} ms, "
+              f"wall {mid['wall']:.1f} s, fit {mid['fit']:.1f} s, floor {mid['floor']:.1f} s, "
+              f"{mid['ratio']:.2f}x (fits: {', '.join(f'{r:.2f}x' for r in ratios)}), "
+              f"fixed {fixed:.1f} s, per step {per_step:.2f}x the floor's, "
+              f"peak {peak / 2**30:.2f} GiB", flush=True)
     Console().print(table)
 
 

@@ -267,6 +267,9 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
     try:
         spec: RunSpec = payload.obj if isinstance(payload, _Portable) else payload
         first_rank = process_ranks(spec.num_nodes, processes, index).start
+        # torch's thread count is per thread: this one sums the final states, and with
+        # the ranks' count it does not wait on a core another process is using.
+        torch.set_num_threads(placement.threads_per_rank(spec))
         port = int(events.recv())
         world = PackedWorld(spec.num_nodes, processes, index,
                             lambda: comm.open_store("127.0.0.1", port, timeout_s=spec.timeout_s),
