@@ -5,12 +5,16 @@ A dataset given to the trainer is sharded across ranks with a
 ``f(rank, num_nodes, is_train) -> Dataset`` builds each rank's own dataset
 instead (no sampler, shuffled per rank). The stream keeps its position
 (epoch, minibatches taken) so a checkpoint can resume exactly where it was.
+Under ``fit(balance='batch')`` a rank's samples per step change with its
+speed (:meth:`MinibatchStream.set_step_samples`); the position is then kept
+in samples.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -104,6 +108,11 @@ class MinibatchStream:
         self.epoch = 0
         self.taken = 0  # minibatches taken in the current epoch
         self._iter: Iterator | None = None
+        self.step_samples: int | None = None  # samples per step (set_step_samples)
+        self.position = 0  # with step_samples: samples handed out in the current epoch
+        self.last_size = 0  # with step_samples: samples in the minibatch last handed out
+        self._step_taken = 0  # with step_samples: samples of the current step handed out
+        self._sizes: deque[int] = deque()  # sizes of the minibatches still to come
         self.part: list[int] | None = None  # this rank's indices under a split by label
         self.labels_held: list[int] | None = None  # how many of each label it holds
         self.labels_by_rank: list[list[int]] | None = None  # the same for every rank
@@ -147,6 +156,9 @@ class MinibatchStream:
             it = iter(loader)
             for _ in range(self.taken):
                 next(it)
+        elif self.step_samples is not None:
+            self._start_steps()
+            return
         else:
             indices = self._indices(self.epoch)[self.taken * self.minibatch_size:]
             if type(self.dataset) is TensorDataset and not self.loader_kwargs:
@@ -156,6 +168,53 @@ class MinibatchStream:
                                 **_with_generator(self.loader_kwargs, self.seed + self.epoch))
             it = iter(loader)
         self._iter = it
+
+    def _start_steps(self) -> None:
+        """Go on through this epoch in minibatches that end where each step's
+        ``step_samples`` end (and at the end of the epoch)."""
+        indices = self._indices(self.epoch)[self.position:]
+        chunks: list[list[int]] = []
+        start, need = 0, self.step_samples - self._step_taken
+        while start < len(indices):
+            size = min(self.minibatch_size, need, len(indices) - start)
+            chunks.append(indices[start:start + size])
+            start += size
+            need -= size
+            if need == 0:
+                need = self.step_samples
+        self._sizes = deque(len(chunk) for chunk in chunks)
+        if type(self.dataset) is TensorDataset and not self.loader_kwargs:
+            self._iter = _tensor_chunks(self.dataset, chunks)
+            return
+        kwargs = {k: v for k, v in self.loader_kwargs.items() if k != "drop_last"}
+        self._iter = iter(DataLoader(self.dataset, batch_sampler=chunks,
+                                     **_with_generator(kwargs, self.seed + self.epoch)))
+
+    def set_step_samples(self, samples: int) -> None:
+        """Hand out ``samples`` samples per step from now on (``fit(balance='batch')``,
+        :mod:`exogym.balance`); call between steps.
+
+        A step's samples come in minibatches of at most ``minibatch_size``: the
+        last may be smaller, and so is one cut by the end of an epoch (the step
+        then goes on in the next epoch, so it always gets ``samples``).
+        ``drop_last`` in ``dataloader_kwargs`` does not apply. The position is
+        kept in samples, so a checkpoint resumes at the same sample whatever the
+        step's size.
+
+        Raises:
+            ValueError: the dataset is iterable (it streams fixed minibatches).
+        """
+        if self.iterable:
+            raise ValueError("balance='batch' needs a training dataset with len() and indexing: "
+                             f"rank {self.rank}'s is an IterableDataset, which streams fixed "
+                             "minibatches; use a map-style Dataset or balance='none'")
+        if samples == self.step_samples:
+            return
+        if self.step_samples is None:  # from fixed minibatches, at a step's end
+            self.position = self.taken * self.minibatch_size
+        self.step_samples = samples
+        self._step_taken = 0
+        self._iter = None
 
     def __iter__(self) -> MinibatchStream:
         return self
@@ -170,21 +229,37 @@ class MinibatchStream:
                 self._iter = None
                 self.epoch += 1
                 self.taken = 0
+                self.position = 0
                 continue
             self.taken += 1
+            if self.step_samples is not None:
+                self.last_size = self._sizes.popleft()
+                self.position += self.last_size
+                self._step_taken = (self._step_taken + self.last_size) % self.step_samples
             return batch
         raise ValueError(
             f"rank {self.rank}'s training data is empty: no minibatch in a whole epoch"
         )
 
     def state(self) -> dict[str, int]:
-        """Position to resume from."""
-        return {"epoch": self.epoch, "taken": self.taken}
+        """Position to resume from (with ``step_samples``, in samples too)."""
+        state = {"epoch": self.epoch, "taken": self.taken}
+        if self.step_samples is not None:
+            state["position"] = self.position
+        return state
 
     def restore(self, state: dict[str, int]) -> None:
-        """Continue from a position returned by :meth:`state`."""
+        """Continue from a position returned by :meth:`state`.
+
+        A position in samples read without ``step_samples`` continues at the
+        next whole minibatch.
+        """
         self.epoch = int(state["epoch"])
         self.taken = int(state["taken"])
+        self.position = int(state.get("position", self.taken * self.minibatch_size))
+        if "position" in state and self.step_samples is None:
+            self.taken = -(-self.position // self.minibatch_size)
+        self._step_taken = 0
         self._iter = None
 
 @functools.lru_cache(maxsize=8)
@@ -219,6 +294,14 @@ def _tensor_batches(dataset: TensorDataset, indices: list[int],
     for chunk in order.split(minibatch_size):
         # index_select on dim 0 is t[chunk], without advanced indexing's general machinery.
         yield [t.index_select(0, chunk) for t in dataset.tensors]
+
+
+def _tensor_chunks(dataset: TensorDataset,
+                   chunks: list[list[int]]) -> Iterator[list[torch.Tensor]]:
+    """Minibatches of a plain TensorDataset, one per list of indices in ``chunks``."""
+    for chunk in chunks:
+        index = torch.as_tensor(chunk, dtype=torch.long)
+        yield [t.index_select(0, index) for t in dataset.tensors]
 
 
 def validation_subset(dataset: Dataset, val_size: int, seed: int) -> list[int]:

@@ -271,6 +271,47 @@ def _speed_mode(name: str, value: Any) -> None:
                          f"'clock' (only its simulated time does), got {value!r}")
 
 
+BALANCE_MODES = ("none", "batch", "steps")
+
+#: Strategies that weight their average by samples, for each ``balance`` mode.
+BALANCED_STRATEGIES = {"batch": "SimpleReduceStrategy", "steps": "DiLoCoStrategy"}
+
+
+def _balance(name: str, value: Any) -> None:
+    if value not in BALANCE_MODES:
+        raise ValueError(f"balance must be 'none', 'batch' (per-step strategies: each rank's "
+                         f"batch follows its speed) or 'steps' (round-based strategies: each "
+                         f"rank's inner steps per round follow its speed), got {value!r}")
+
+
+def balance_problem(mode: str, strategy: Any) -> str | None:
+    """Why ``strategy`` cannot run with ``balance=mode``, or None when it can.
+
+    ``'batch'`` needs a strategy that meets every step (``round_steps == 1``),
+    ``'steps'`` one that meets once per round of several steps; both need a
+    strategy that weights its average across ranks by samples (its
+    ``balance_modes`` name the mode).
+    """
+    if mode == "none" or strategy is None:
+        return None
+    name = type(strategy).__name__
+    rounds = getattr(strategy, "round_steps", 1)
+    if mode == "batch" and rounds > 1:
+        return (f"balance='batch' changes each rank's batch at every step, but {name} meets "
+                f"once per round of H={rounds} steps: use balance='steps' (inner steps per "
+                f"round follow each rank's speed), or a per-step strategy such as "
+                f"SimpleReduceStrategy")
+    if mode == "steps" and rounds == 1:
+        return (f"balance='steps' changes each rank's inner steps per round, but {name} meets "
+                f"at every step: use balance='batch' (batch sizes follow each rank's speed), "
+                f"or a round-based strategy such as DiLoCoStrategy(H=20)")
+    if mode not in getattr(strategy, "balance_modes", ()):
+        return (f"balance={mode!r} needs a strategy that weights its average across ranks by "
+                f"the samples each trained; {name} does not: use {BALANCED_STRATEGIES[mode]}, "
+                f"or balance='none' with {name}")
+    return None
+
+
 # -- the arguments ---------------------------------------------------------------------
 
 
@@ -367,6 +408,15 @@ class RunArgs:
         "longer, sleeping after each forward and backward, and its simulated clock "
         "shows it) or ``'clock'`` (only its simulated time is scaled: fast to run).",
         _speed_mode, profile=True)
+    balance: str = _arg(
+        "none", "share the work by each rank's measured speed, so fast ranks do not wait "
+        "for slow ones: ``'none'``; ``'batch'`` (per-step strategies: each rank's batch "
+        "follows its throughput, the global batch stays ``num_nodes * batch_size`` and "
+        "gradients are averaged weighted by samples); ``'steps'`` (round-based strategies: "
+        "each rank's inner steps per round follow its speed, the round's average weighted "
+        "by samples). Speeds are measured in the first steps and again as the run goes; "
+        "the summary lists each rank's share as ``balance`` (:mod:`exogym.balance`).",
+        _balance, profile=True)
     rank_failures: list[tuple[int, int, int | None]] | None = _arg(
         None, "ranks that leave and rejoin: ``[(rank, at_step, back_at_step or None), ...]``; "
         "an away rank runs no step and collectives meet among the present ranks; it rejoins "
@@ -396,6 +446,13 @@ class RunArgs:
                              f"num_nodes={self.num_nodes}: give one per rank")
         if self.network is not None:
             self.network.check_ranks(self.num_nodes)
+        problem = balance_problem(self.balance, self.strategy)
+        if problem is not None:
+            raise ValueError(problem)
+        if self.balance != "none" and self.rank_failures is not None:
+            raise ValueError(f"balance={self.balance!r} and rank_failures cannot be combined: "
+                             "every rank takes part in agreeing on the shares, an away rank "
+                             "cannot; leave one of them out")
         if self.rank_failures is not None:
             if self.resume_from is not None:
                 raise ValueError("rank_failures and resume_from cannot be combined: an away "

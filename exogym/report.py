@@ -64,6 +64,9 @@ def summarize(history: list[dict[str, Any]], num_nodes: int, wall_s: float,
         summary["sim_time_per_step_s"] = max(clocks) / steps if steps else None
     if labels:
         summary["label_histogram"] = {str(rank): list(labels[rank]) for rank in sorted(labels)}
+    balance = balance_summary(history)
+    if balance is not None:
+        summary["balance"] = balance
     if last_eval is not None:
         summary["final_val_loss"] = last_eval["val_loss"]
         summary["final_val_global_loss"] = last_eval.get("val_global_loss")
@@ -71,6 +74,59 @@ def summarize(history: list[dict[str, Any]], num_nodes: int, wall_s: float,
             if key.startswith("val_") and key not in ("val_loss", "val_global_loss"):
                 summary[f"final_{key}"] = value
     return summary
+
+
+def balance_summary(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``summary['balance']`` from a run's step rows (sorted by step, then rank); None when
+    the run was not balanced (``fit(balance=...)``, :mod:`exogym.balance`).
+
+    ``{"mode": "batch" | "steps", "ranks": [{"rank", "speed", "batch_size" | "inner_steps",
+    "share", "samples"}], "changes": [{"step", "shares", "speeds"}]}``: each rank's final
+    share (``speed``: measured, relative to the fastest rank; ``share``: its part of the
+    sum of the shares; ``samples``: what it trained in the run), and each step from which
+    the shares were new.
+    """
+    key = next((k for k in ("batch_size", "inner_steps") if any(k in row for row in history)),
+               None)
+    if key is None:
+        return None
+    last: dict[int, dict[str, Any]] = {}
+    by_step: dict[int, dict[int, dict[str, Any]]] = {}
+    for row in history:
+        if key in row:
+            last[row["rank"]] = row
+            by_step.setdefault(row["step"], {})[row["rank"]] = row
+    changes: list[dict[str, Any]] = []
+    previous = None
+    for step in sorted(by_step):
+        rows = [by_step[step][rank] for rank in sorted(by_step[step])]
+        shares = [row[key] for row in rows]
+        if shares != previous:
+            changes.append({"step": step, "shares": shares,
+                            "speeds": [row.get("measured_speed") for row in rows]})
+            previous = shares
+    total = sum(row[key] for row in last.values()) or 1
+    ranks = [{"rank": rank, "speed": row.get("measured_speed"), key: row[key],
+              "share": row[key] / total, "samples": row.get("samples")}
+             for rank, row in sorted(last.items())]
+    return {"mode": "batch" if key == "batch_size" else "steps", "ranks": ranks,
+            "changes": changes}
+
+
+def balance_table(balance: dict[str, Any]) -> Table:
+    """Each rank's final share under ``balance`` (``summary['balance']``)."""
+    key = "batch_size" if balance["mode"] == "batch" else "inner_steps"
+    table = Table(title=f"balance={balance['mode']}: each rank's share "
+                        f"({len(balance['changes'])} setting(s) over the run)")
+    for column in ("rank", "measured speed", key.replace("_", " ") +
+                   (" per round" if key == "inner_steps" else ""), "share", "samples trained"):
+        table.add_column(column, justify="right")
+    for rank in balance["ranks"]:
+        speed = rank.get("speed")
+        table.add_row(str(rank["rank"]), "-" if speed is None else f"{speed:.2f}",
+                      str(rank[key]), f"{rank['share']:.1%}",
+                      "-" if rank.get("samples") is None else str(rank["samples"]))
+    return table
 
 
 def label_table(histogram: dict[str, list[int]]) -> Table:
@@ -204,5 +260,7 @@ class RunReporter:
             if change["reason"] != "start":
                 self.console.print(f"step {change['step']}: {change['reason']}; present: ranks "
                                    f"{', '.join(map(str, change['ranks']))}")
+        if summary.get("balance"):
+            self.console.print(balance_table(summary["balance"]))
         if summary.get("label_histogram"):
             self.console.print(label_table(summary["label_histogram"]))

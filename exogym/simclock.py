@@ -43,9 +43,13 @@ class SimClock:
     now: float = 0.0
     comm_s: float = field(default=0.0)  # simulated time spent in collectives, waiting included
 
-    def add_compute(self, measured_s: float) -> float:
-        """Advance by one step's compute; returns the simulated seconds added."""
-        base = self.compute_time_s if self.compute_time_s is not None else measured_s
+    def add_compute(self, measured_s: float, work: float = 1.0) -> float:
+        """Advance by one step's compute; returns the simulated seconds added.
+
+        ``work`` scales a fixed ``compute_time_s``: the step's samples over
+        ``batch_size`` (a rank whose batch ``fit(balance='batch')`` changed).
+        """
+        base = self.compute_time_s * work if self.compute_time_s is not None else measured_s
         seconds = max(0.0, base) / self.speed
         self.now += seconds
         return seconds

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset
 
 from exogym.data import is_factory
 from exogym.devices import default_threads, resolve_devices
@@ -121,6 +122,11 @@ def make_run_spec(model: torch.nn.Module, train_dataset: Any, val_dataset: Any,
                          "ranks, but train_dataset is a factory f(rank, num_nodes, is_train) "
                          "that builds each rank's data itself: pass the whole dataset, or "
                          "leave partition='iid'")
+    if args.balance == "batch" and isinstance(train_dataset, IterableDataset):
+        raise ValueError("balance='batch' gives each rank its own number of samples per step, "
+                         "which needs a training dataset with len() and indexing: an "
+                         "IterableDataset streams fixed minibatches; use a map-style Dataset "
+                         "or balance='none'")
     if args.val_size:
         _check_dataset("val_dataset", val_dataset)
     device_type, device_ids = resolve_devices(args.device, args.devices)

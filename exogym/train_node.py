@@ -25,6 +25,7 @@ import torch
 
 from exogym import comm
 from exogym.averaging import average_across_ranks, averaged_tensors
+from exogym.balance import Balancer
 from exogym.checkpoint import (
     CheckpointError,
     checkpoint_path,
@@ -130,6 +131,14 @@ class TrainNode:
             self.clock = SimClock(spec.network, speed, spec.compute_time_s)
             comm.use_clock(self.clock)
         self._one_thread = self.placement.threads_per_rank(spec) == 1
+        self.balance = Balancer.for_run(spec, rank, self.max_steps)  # fit(balance=...)
+        if self.balance is not None and self.membership is not None:
+            raise ValueError(f"balance={spec.balance!r} cannot run with ranks that come and go: "
+                             "every rank takes part in agreeing on the shares; leave one of "
+                             "them out")
+        self._last_loss = float("nan")  # reported by an idle step (balance='steps')
+        if self.balance is not None:
+            self.train_stream.set_step_samples(self.balance.batch_size)
         self.autocast = (
             torch.autocast(device_type=device.type, dtype=torch.bfloat16)
             if spec.autocast else nullcontext()
@@ -182,13 +191,12 @@ class TrainNode:
             return max(0.0, (cpu - mark[1]) - (cpu_in - mark[3]))
         return max(0.0, (wall - mark[0]) - (wall_in - mark[2]))
 
-    def _clock_forward_backward(self, mark: tuple[float, float, float, float]) -> None:
+    def _clock_forward_backward(self, mark: tuple[float, float, float, float],
+                                work: float = 1.0) -> None:
         """Charge the forward and backward passes to the simulated clock (before the
-        strategy's step, whose collectives start when the last rank arrives)."""
-        clock = self.clock
-        measured = self._compute_since(mark)
-        clock.add_compute(clock.compute_time_s if clock.compute_time_s is not None
-                          else measured)
+        strategy's step, whose collectives start when the last rank arrives); ``work``:
+        the step's samples over ``batch_size``."""
+        self.clock.add_compute(self._compute_since(mark), work)
 
     def _clock_strategy_work(self, mark: tuple[float, float, float, float]) -> None:
         """Charge the strategy's own work in its step (the optimizer, compression)."""
@@ -204,6 +212,8 @@ class TrainNode:
 
     def train_step(self) -> dict[str, Any]:
         """Run one optimizer step (with accumulation) and return its metric event."""
+        if self.balance is not None:
+            return self._balanced_step()
         accumulation = self.spec.accumulation_steps
         mark = self._mark() if self.clock is not None else None
         self.strategy.zero_grad()
@@ -223,11 +233,14 @@ class TrainNode:
         if self.clock is not None:
             self._clock_strategy_work(mark)
         self.step += 1
+        return self._step_event(float(total) / accumulation, lr)
+
+    def _step_event(self, train_loss: float, lr: float) -> dict[str, Any]:
         event = {
             "event": "step",
             "rank": self.rank,
             "step": self.step,
-            "train_loss": float(total) / accumulation,
+            "train_loss": train_loss,
             "lr": lr,
             "comm_bytes": comm.comm_bytes(),
             "samples": self.samples,
@@ -235,6 +248,67 @@ class TrainNode:
         if self.clock is not None:
             event["sim_time_s"] = self.clock.now
         return event
+
+    # -- a step under balance (exogym.balance) ------------------------------------------
+
+    def _balanced_step(self) -> dict[str, Any]:
+        """One step with this rank's share of the work: its own batch size
+        (``balance='batch'``), or, past its inner steps of the round, an idle step
+        that only meets the strategy's collectives (``balance='steps'``)."""
+        balance = self.balance
+        trains = balance.begin_step(self.step + 1)
+        self.strategy.average_weight = balance.weight
+        lr = self.strategy.current_lr
+        if not trains:
+            self.strategy.idle_step()
+            self.step += 1
+            event = self._step_event(self._last_loss, lr)
+            event["idle"] = True
+            event.update(balance.event_fields())
+            return event
+        samples = balance.batch_size
+        self.train_stream.set_step_samples(samples)
+        mark = self._mark()
+        clock_before = None if self.clock is None else (self.clock.now, self.clock.comm_s)
+        self.strategy.zero_grad()
+        self._last_loss = self._mean_loss_backward(samples)
+        if self.clock is not None:
+            self._clock_forward_backward(mark, samples / self.spec.batch_size)
+            strategy_mark = self._mark()
+        self.strategy.step()
+        if self.clock is not None:
+            self._clock_strategy_work(strategy_mark)
+        balance.record(samples, self._balanced_seconds(mark, clock_before))
+        self.step += 1
+        event = self._step_event(self._last_loss, lr)
+        event.update(balance.event_fields())
+        return event
+
+    def _mean_loss_backward(self, samples: int) -> float:
+        """Forward and backward over the stream's next ``samples`` samples, in minibatches;
+        the gradient is that of the mean loss over them. Returns that mean loss."""
+        total = 0.0
+        taken = 0
+        while taken < samples:
+            batch = to_device(next(self.train_stream), self.device)
+            size = self.train_stream.last_size
+            loss = self._loss(self.model, batch)
+            (loss * (size / samples) if size != samples else loss).backward()
+            total += float(loss.detach()) * size
+            taken += size
+        self.samples += samples
+        return total / samples
+
+    def _balanced_seconds(self, mark: tuple[float, float, float, float],
+                          clock_before: tuple[float, float] | None) -> float:
+        """The compute time of the step since ``mark``, as the balancer measures it:
+        simulated with ``speed_mode='clock'``, else measured (collectives aside), with
+        the time a slow simulated rank sleeps it off (``speed_mode='wall'``)."""
+        clock = self.clock
+        if clock is not None and self.spec.speed_mode == "clock":
+            now, comm_s = clock_before
+            return (clock.now - now) - (clock.comm_s - comm_s)
+        return self._compute_since(mark) / (clock.speed if clock is not None else 1.0)
 
     # -- evaluation -----------------------------------------------------------------
 
@@ -317,6 +391,7 @@ class TrainNode:
             "rng": _rng_state(self.device),
             "num_nodes": self.num_nodes,
             "sim_time_s": None if self.clock is None else self.clock.now,
+            "balance": None if self.balance is None else self.balance.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -327,6 +402,8 @@ class TrainNode:
         self.model.load_state_dict(state["model"])
         self.strategy.load_state_dict(state["strategy"])
         self.train_stream.restore(state["data"])
+        if self.balance is not None and state.get("balance") is not None:
+            self.balance.load_state_dict(state["balance"])
         _set_rng_state(state["rng"], self.device)
         self.step = state["step"]
         self.samples = state["samples"]
@@ -439,6 +516,8 @@ class TrainNode:
                 break
             mark = self._mark() if self.clock is not None else None
             event = self.train_step()
+            if self.balance is not None:  # new shares from the next step, in the checkpoint too
+                self.balance.end_step(self.step)
             if self.val_loader is not None and (
                 self.step % spec.val_interval == 0 or self.step == self.max_steps
             ):

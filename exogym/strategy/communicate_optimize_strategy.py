@@ -8,6 +8,7 @@ modules (e.g. sparse averaging every step plus a DiLoCo round every H steps).
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -83,6 +84,15 @@ class CommunicateOptimizeStrategy(Strategy):
         self.optim.step()
         self._communicate()
         super().step()
+
+    def idle_step(self) -> None:
+        """No inner step; the communication modules run as after any step (a round's
+        average among them), then the schedule advances."""
+        self._communicate()
+        with warnings.catch_warnings():
+            # an idle step may come first after a resume: no optimizer step yet here
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self._advance_schedule()
 
     def _communicate(self) -> None:
         for module in self.communication_modules:

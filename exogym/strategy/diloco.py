@@ -84,6 +84,9 @@ class DiLoCoCommunicator(CommunicationModule):
         deltas = self.deltas
         for delta, m, p in zip(deltas, self.master, self.params):
             torch.sub(m, p.detach(), out=delta)
+        weight = self.strategy.average_weight if self.strategy is not None else 1.0
+        if weight != 1.0:  # balance: each rank's change weighted by the samples it trained
+            torch._foreach_mul_(deltas + self.buffers, weight)
         comm.all_reduce_tensors(deltas + self.buffers, average=True, dtype=self.comm_dtype,
                                 error_feedback=self.residuals)
         for master, delta in zip(self.master, deltas):
@@ -163,7 +166,13 @@ class DiLoCoStrategy(CommunicateOptimizeStrategy):
         error_feedback: carry each round's quantization residual into the next
             round (quantized ``comm_dtype`` only; checkpointed).
         **kwargs: inner optimizer, schedule and clipping arguments of ``Strategy``.
+
+    Under ``fit(balance='steps')`` (:mod:`exogym.balance`) a slow rank trains fewer
+    inner steps per round and the round's average weights each rank's change by the
+    samples it trained; the bytes are those of any round.
     """
+
+    balance_modes = ("batch", "steps")
 
     def __init__(
         self,

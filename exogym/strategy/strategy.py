@@ -80,6 +80,15 @@ class Strategy(ABC):
     #: evaluating "the average model" needs no communication (AllReduce).
     keeps_ranks_identical: bool = False
 
+    #: The ``fit(balance=...)`` modes this strategy implements (:mod:`exogym.balance`): it
+    #: multiplies what it averages across ranks by :attr:`average_weight`.
+    balance_modes: tuple[str, ...] = ()
+
+    #: This rank's factor in an average across ranks, set before each step under
+    #: ``balance``: the mean over ranks of ``average_weight * value`` is the average
+    #: weighted by the samples each rank trained. 1.0: a plain mean.
+    average_weight: float = 1.0
+
     def __init__(
         self,
         optim_spec: OptimSpec | str | type | None = None,
@@ -240,6 +249,19 @@ class Strategy(ABC):
                     callback(lr)
         self.local_step += 1
 
+    def idle_step(self) -> None:
+        """A step in which this rank trains nothing (``balance='steps'``): it still takes
+        part in the step's collectives, so ranks that train it meet it there.
+
+        Only a strategy whose ``balance_modes`` include ``'steps'`` is asked to idle.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot idle through a step: "
+                                  "balance='steps' needs a strategy that supports it")
+
+    def _advance_schedule(self) -> None:
+        """Advance the schedule and ``local_step`` as a step does (an idle one too)."""
+        Strategy.step(self)
+
     # -- checkpoints ---------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -285,6 +307,7 @@ class SimpleReduceStrategy(Strategy):
     """
 
     keeps_ranks_identical = True
+    balance_modes = ("batch",)
 
     def __init__(self, optim_spec: OptimSpec | str | None = None, max_norm: float | None = None,
                  **kwargs: Any):
@@ -296,7 +319,10 @@ class SimpleReduceStrategy(Strategy):
             for p in params:
                 if p.grad is None:  # unused this step here, maybe not elsewhere
                     p.grad = torch.zeros_like(p)
-            comm.all_reduce_tensors([p.grad for p in params], average=True)
+            grads = [p.grad for p in params]
+            if self.average_weight != 1.0:  # balance='batch': weighted by samples
+                torch._foreach_mul_(grads, self.average_weight)
+            comm.all_reduce_tensors(grads, average=True)
         self.clip_grads()
         self.optim.step()
         super().step()

@@ -1,0 +1,280 @@
+"""Load balancing across ranks of unequal speed: ``fit(balance='none' | 'batch' | 'steps')``.
+
+A rank that computes half as fast makes every other rank wait for it at each
+collective. With ``balance`` each rank's share of the work follows its
+measured speed, so the ranks reach their collectives together.
+
+``'batch'`` (per-step strategies, e.g. AllReduce)
+    Rank ``i`` trains on ``b_i`` samples per step: ``b_i`` proportional to its
+    measured throughput (samples per second), ``sum(b_i) = K * batch_size``
+    (the global batch is unchanged), every ``b_i >= 1`` (rounded by largest
+    remainders). Its gradient is that of its mean loss over its ``b_i``
+    samples (in minibatches of at most ``minibatch_size``), and the strategy
+    averages the ranks' gradients with weights ``b_i / sum(b_j)``: the update
+    is the one AllReduce (DDP) makes on the union of the ranks' batches, equal
+    up to float rounding.
+
+``'steps'`` (round-based strategies, e.g. DiLoCo; Dynamic Local Updates as in
+Async Local-SGD, arXiv:2401.09135)
+    A round is ``H`` steps on every rank: the step counter, ``max_steps``,
+    evaluations, checkpoints and the learning-rate schedule count them alike on
+    all ranks. Rank ``i`` trains the first ``H_i = max(1, round(H * s_i))`` steps
+    of each round (``s_i``: its speed relative to the fastest rank) and idles
+    through the rest: an idle step computes nothing and takes no time, it only
+    takes part in the strategy's collectives, so a slow rank arrives at the
+    round's average when the fast ones do. The average weights each rank's
+    change by the samples it trained in the round (``H_i * batch_size``).
+
+**Measuring.** Each rank times the steps it trains: its compute (forward,
+backward, the strategy's local work), without the time spent in collectives,
+waiting for peers included. In a simulation with ``rank_speeds`` and
+``speed_mode='wall'`` a slow rank's time includes the time it is made to sleep;
+with ``speed_mode='clock'`` the simulated compute time is used instead, which
+is exact and repeatable with ``compute_time_s`` (it then scales with a step's
+samples). The first step after a start or resume is a warm-up and not counted.
+
+**When shares change.** The ranks first agree after :data:`PROBE_STEPS`
+steps, then again every :data:`BATCH_INTERVAL` steps (``'batch'``) or at the
+end of every round (``'steps'``), each time from the median throughput of
+every rank's steps since the last agreement, averaged with the previous
+estimate (weight :data:`SMOOTHING` on the new one: timing noise averages out,
+a lasting change shows within two agreements), so a rank slowed by other work
+gets less. New shares take effect from the next step (``'batch'``) or the next
+round (``'steps'``; in the first round, from the step after the probe, a rank
+that has already trained its ``H_i`` steps idling through the rest). A
+measurement that moves no rank's relative speed by more than
+:data:`TOLERANCE` keeps the shares.
+
+**Agreement.** Each rank writes its throughput into its own slot of a vector
+of ``K`` zeros and the ranks sum the vector over the side channel (uncounted),
+so every rank holds the same numbers and computes the same shares. Training
+traffic is unchanged: the same collectives with the same bytes.
+
+**Data and epochs.** A rank reads its own shard at its own pace. With
+``'batch'`` the run's length in steps is what ``num_epochs`` gives with equal
+shares (all ranks together see the data ``num_epochs`` times), but a fast
+rank goes round its shard more often than a slow one, and a step's batch may
+span the end of an epoch. With ``'steps'`` a slow rank trains fewer steps, so
+it reads fewer samples.
+
+The model ``fit`` returns is the plain average of the ranks' final models, as
+without ``balance`` (with DiLoCo the ranks agree at each round's end; a last
+round cut short by ``max_steps`` is averaged plainly).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from exogym import comm
+
+if TYPE_CHECKING:
+    from exogym.spec import RunSpec
+
+__all__ = ["Balancer", "batch_shares", "round_shares", "PROBE_STEPS", "BATCH_INTERVAL",
+           "TOLERANCE", "SMOOTHING"]
+
+#: Steps every rank trains before the first agreement (the first one is a warm-up).
+PROBE_STEPS = 3
+#: Steps between two agreements with ``balance='batch'`` (``'steps'``: every round).
+BATCH_INTERVAL = 10
+#: Largest change of any rank's relative speed that keeps the shares as they are.
+TOLERANCE = 0.05
+#: Weight of a new measurement in a rank's throughput estimate (the rest: the previous one).
+SMOOTHING = 0.5
+
+
+def batch_shares(throughputs: list[float], total: int, minimum: int = 1) -> list[int]:
+    """Integers proportional to ``throughputs`` that sum to ``total``, each ``>= minimum``.
+
+    Each rank gets the floor of its quota ``total * t_i / sum(t)`` (at least
+    ``minimum``); what is left goes one by one to the largest remainders, and
+    an excess (from raising a share to ``minimum``) is taken from the shares
+    furthest above their quota. Ties go to the lower rank.
+
+    Raises:
+        ValueError: ``total`` cannot give every rank ``minimum``, or a throughput is not
+            positive.
+    """
+    count = len(throughputs)
+    if total < count * minimum:
+        raise ValueError(f"{total} samples cannot give each of {count} ranks {minimum}")
+    if any(not t > 0 for t in throughputs):
+        raise ValueError(f"throughputs must be positive, got {throughputs}")
+    whole = sum(throughputs)
+    quotas = [total * t / whole for t in throughputs]
+    shares = [max(minimum, math.floor(q)) for q in quotas]
+    while sum(shares) < total:
+        i = max(range(count), key=lambda r: (quotas[r] - shares[r], -r))
+        shares[i] += 1
+    while sum(shares) > total:
+        i = max((r for r in range(count) if shares[r] > minimum),
+                key=lambda r: (shares[r] - quotas[r], -r))
+        shares[i] -= 1
+    return shares
+
+
+def round_shares(speeds: list[float], round_steps: int) -> list[int]:
+    """Inner steps per round: ``max(1, round(H * s_i))`` for relative speeds ``s_i`` (halves
+    round up)."""
+    return [max(1, min(round_steps, math.floor(round_steps * s + 0.5))) for s in speeds]
+
+
+class Balancer:
+    """This rank's copy of every rank's share of the work, agreed with the other ranks.
+
+    Every rank holds one and calls it at the same steps; the agreements run over
+    the side channel, so all copies hold the same shares. The semantics are in
+    this module's docstring.
+
+    Args:
+        mode: ``'batch'`` or ``'steps'``.
+        rank: this rank.
+        num_nodes: how many ranks there are.
+        batch_size: samples per rank per step with equal shares.
+        round_steps: steps per round of the strategy (``H``; 1 for per-step strategies).
+        max_steps: the run's steps (no agreement after the last).
+    """
+
+    def __init__(self, mode: str, rank: int, num_nodes: int, batch_size: int,
+                 round_steps: int, max_steps: int):
+        if mode not in ("batch", "steps"):
+            raise ValueError(f"a Balancer's mode is 'batch' or 'steps', got {mode!r}")
+        self.mode = mode
+        self.rank = rank
+        self.num_nodes = num_nodes
+        self.base_batch = batch_size
+        self.round_steps = round_steps
+        self.max_steps = max_steps
+        self.shares = [batch_size if mode == "batch" else round_steps] * num_nodes
+        self.speeds: list[float] | None = None  # relative to the fastest; None until agreed
+        self.throughputs: list[float] | None = None  # every rank's estimate, samples/s
+        self.counts = [0] * num_nodes  # 'steps': steps each rank trained in this round
+        self._window: list[float] = []  # this rank's throughputs since the last agreement
+        self._warm = False
+
+    @classmethod
+    def for_run(cls, spec: RunSpec, rank: int, max_steps: int) -> Balancer | None:
+        """The balancer of a run spec's ``balance`` (None for ``'none'``)."""
+        mode = spec.balance
+        if mode == "none":
+            return None
+        return cls(mode, rank, spec.num_nodes, spec.batch_size, spec.strategy.round_steps,
+                   max_steps)
+
+    # -- the plan of a step ------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        """Samples this rank trains on in a step."""
+        return self.shares[self.rank] if self.mode == "batch" else self.base_batch
+
+    def trains(self, rank: int, step: int) -> bool:
+        """Whether ``rank`` trains at ``step`` (1-based) rather than idles."""
+        if self.mode == "batch" or self.speeds is None:
+            return True
+        return (step - 1) % self.round_steps < self.shares[rank]
+
+    def begin_step(self, step: int) -> bool:
+        """Start ``step`` (1-based); returns whether this rank trains in it."""
+        if self.mode == "steps":
+            if (step - 1) % self.round_steps == 0:
+                self.counts = [0] * self.num_nodes
+            for rank in range(self.num_nodes):
+                self.counts[rank] += self.trains(rank, step)
+        return self.trains(self.rank, step)
+
+    @property
+    def weight(self) -> float:
+        """This rank's factor in an average across ranks: the mean over ranks of
+        ``weight * value`` is the average weighted by the samples trained (in this
+        step for ``'batch'``, in this round so far for ``'steps'``)."""
+        counts = self.shares if self.mode == "batch" else self.counts
+        total = sum(counts)
+        return counts[self.rank] * self.num_nodes / total if total else 1.0
+
+    # -- measuring and agreeing --------------------------------------------------------
+
+    def record(self, samples: int, seconds: float) -> None:
+        """One trained step of this rank: ``samples`` in ``seconds`` of compute."""
+        if not self._warm:
+            self._warm = True
+            return
+        if seconds > 0:
+            self._window.append(samples / seconds)
+
+    def due(self, step: int) -> bool:
+        """Whether the ranks agree on new shares after ``step``."""
+        if step >= self.max_steps:
+            return False
+        if self.mode == "batch":
+            return step >= PROBE_STEPS and (step - PROBE_STEPS) % BATCH_INTERVAL == 0
+        return step % self.round_steps == 0 or (self.speeds is None and step == PROBE_STEPS)
+
+    def end_step(self, step: int) -> bool:
+        """After ``step``: agree on new shares when due; returns whether they changed."""
+        return self.agree() if self.due(step) else False
+
+    def agree(self) -> bool:
+        """Exchange throughputs (side channel) and set the shares; True when they changed.
+
+        A rank with no timed step since the last agreement sends 0, and then every
+        rank keeps its shares.
+        """
+        mine = statistics.median(self._window) if self._window else 0.0
+        self._window = []
+        vector = torch.zeros(self.num_nodes, dtype=torch.float64)
+        vector[self.rank] = mine
+        comm.side_all_reduce(vector)
+        measured = vector.tolist()
+        if not all(t > 0 for t in measured):
+            return False
+        if self.throughputs is None:
+            throughputs = measured
+        else:
+            throughputs = [SMOOTHING * new + (1.0 - SMOOTHING) * old
+                           for new, old in zip(measured, self.throughputs)]
+        self.throughputs = throughputs
+        fastest = max(throughputs)
+        speeds = [t / fastest for t in throughputs]
+        if self.speeds is not None and max(
+                abs(new - old) for new, old in zip(speeds, self.speeds)) <= TOLERANCE:
+            return False
+        self.speeds = speeds
+        if self.mode == "batch":
+            shares = batch_shares(throughputs, self.base_batch * self.num_nodes)
+        else:
+            shares = round_shares(speeds, self.round_steps)
+        changed = shares != self.shares
+        self.shares = shares
+        return changed
+
+    # -- reporting and checkpoints -----------------------------------------------------
+
+    def event_fields(self) -> dict[str, Any]:
+        """What a step event carries: this rank's share (``batch_size`` or ``inner_steps``
+        per round) and, once measured, its ``measured_speed`` relative to the fastest."""
+        fields: dict[str, Any] = {
+            "batch_size" if self.mode == "batch" else "inner_steps": self.shares[self.rank]}
+        if self.speeds is not None:
+            fields["measured_speed"] = self.speeds[self.rank]
+        return fields
+
+    def state_dict(self) -> dict[str, Any]:
+        """The agreed shares and this round's counts (the same on every rank)."""
+        return {"shares": list(self.shares), "speeds": self.speeds, "counts": list(self.counts),
+                "throughputs": self.throughputs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s result; the next step is a warm-up again."""
+        self.shares = list(state["shares"])
+        self.speeds = None if state["speeds"] is None else list(state["speeds"])
+        self.counts = list(state["counts"])
+        self.throughputs = state.get("throughputs")
+        self._window = []
+        self._warm = False
+
