@@ -73,6 +73,12 @@ LinkMbit = Annotated[float | None, typer.Option(
     "--link-mbit", min=0.001,
     help="Plan for a modelled link of this many Mbit/s instead of measuring one (needed "
          "without --hosts).")]
+Balance = Annotated[str | None, typer.Option(
+    "--balance", metavar="none|batch|steps",
+    help="Share the work by each rank's measured speed, so fast hosts do not wait for slow "
+         "ones: batch (per-step strategies such as ddp: batch sizes follow speed), steps "
+         "(round-based ones such as diloco: inner steps per round follow speed). Default: the "
+         "profile's `balance`, else none.")]
 AcceptNewHostKeys = Annotated[bool, typer.Option(
     "--accept-new-host-keys",
     help="Trust hosts not yet in known_hosts, once, recording their keys (a changed key is "
@@ -99,6 +105,7 @@ def distributed_train(
     config: ConfigFile = None,
     set_: Overrides = None,
     logger: LoggerName = None,
+    balance: Balance = None,
     strategy: Annotated[str | None, typer.Option(
         "--strategy", metavar="auto",
         help="auto: measure the hosts and links first (as `recommend` does), then train with "
@@ -134,7 +141,8 @@ def distributed_train(
         console = make_console()
         request = run.TrainRequest(
             profile=profile, config=str(config) if config else None,
-            overrides=run.logger_override(run.parse_overrides(set_), logger), hosts=hosts,
+            overrides=run.balance_override(run.logger_override(run.parse_overrides(set_), logger),
+                                           balance), hosts=hosts,
             local=local, resume=resume,
             max_restarts=max_restarts, sync=sync, accept_new_host_keys=accept_new_host_keys,
             known_hosts=known_hosts, ssh_config=ssh_config, ssh_timeout=ssh_timeout,
@@ -425,15 +433,18 @@ def slurm(
         "--master-port", help="Rendezvous port (default: derived from the job id).")] = None,
     config: ConfigFile = None,
     set_: Overrides = None,
+    balance: Balance = None,
     debug: Debug = False,
 ) -> None:
     """Write an sbatch script that runs PROFILE on a SLURM cluster; print how to submit it."""
     with reported_errors(ctx, debug):
+        from distributed.app.run import balance_override
         from distributed.app.slurm import SlurmJob, submit_hint, write_sbatch_script
 
+        balanced = [f"{key}={value}" for key, value in balance_override({}, balance).items()]
         job = SlurmJob(profile=profile, nodes=nodes, gpus_per_node=gpus_per_node, time=time,
                        partition=partition, config=str(config) if config else None,
-                       overrides=list(set_ or []), master_port=master_port)
+                       overrides=list(set_ or []) + balanced, master_port=master_port)
         if project_path:
             job.project_path = project_path
         if python:

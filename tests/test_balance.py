@@ -297,3 +297,33 @@ def test_the_summary_table_shows_each_ranks_share():
     assert "balance=steps" in text and "inner steps per round" in text
     assert "0.50" in text and "33.3%" in text and "56" in text
 
+
+def test_balance_is_a_profile_key_and_the_train_commands_take_balance(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli_typer import app
+    from distributed.profiles.profile import ProfileError, load_profile
+
+    profile = load_profile("digits-diloco", overrides={"balance": "steps"})
+    assert profile.resolved.run_kwargs["balance"] == "steps"
+    with pytest.raises(ProfileError, match="SimpleReduceStrategy meets at every step"):
+        load_profile("digits-ddp", overrides={"balance": "steps"})
+    with pytest.raises(ProfileError, match="balance must be"):
+        load_profile("digits-ddp", overrides={"balance": "fast"})
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["distributed-train", "digits-diloco", "--dry-run",
+                                 "--balance", "steps"])
+    assert result.exit_code == 0, result.output
+    assert "--profile digits-diloco --set balance=steps" in result.output
+    result = runner.invoke(app, ["distributed-train", "digits-ddp", "--dry-run",
+                                 "--balance", "steps"])
+    assert result.exit_code == 2 and "use balance='batch'" in result.output, result.output
+    result = runner.invoke(app, ["distributed-train", "digits-ddp", "--dry-run",
+                                 "--balance", "fast"])
+    assert result.exit_code == 2 and "--balance 'fast' is not a mode" in result.output
+    script = tmp_path / "job.sbatch"
+    result = runner.invoke(app, ["slurm", "digits-diloco", "--nodes", "2", "--out", str(script),
+                                 "--balance", "steps"])
+    assert result.exit_code == 0, result.output
+    assert "--profile digits-diloco --set balance=steps" in script.read_text()

@@ -30,7 +30,13 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from exogym.report import VAL_ACCURACY_COLUMN, human_bytes, label_table, summarize
+from exogym.report import (
+    VAL_ACCURACY_COLUMN,
+    balance_table,
+    human_bytes,
+    label_table,
+    summarize,
+)
 
 #: Status of a rank that has not reported yet.
 WAITING = "waiting"
@@ -392,6 +398,8 @@ class Dashboard:
         if self.show_summary:
             summary = summary or self.summary()
             self.console.print(self.summary_table(summary, title))
+            if summary.get("balance"):
+                self.console.print(balance_table(summary["balance"]))
             if summary.get("label_histogram"):
                 self.console.print(label_table(summary["label_histogram"]))
 

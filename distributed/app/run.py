@@ -43,6 +43,7 @@ from distributed.launch.program import RankProgram
 from distributed.profiles.profile import Profile, ProfileWarning, load_profile, parse_overrides
 from distributed.rank.command import set_args, worker_args
 from distributed.rank.environment import FINAL_MODEL
+from exogym.fit_args import BALANCE_MODES
 from exogym.logger import LOGGER_NAMES
 
 __all__ = ["PreflightError", "RunFailedError", "TrainOutcome", "TrainRequest", "dry_run",
@@ -154,6 +155,29 @@ def logger_override(overrides: Mapping[str, Any] | None, logger: str | None) -> 
         raise ValueError(f"--logger {logger!r} is not a logger: give one of "
                          f"{', '.join(LOGGER_NAMES)} or none")
     merged["logger"] = None if name == "none" else name
+    return merged
+
+
+def balance_override(overrides: Mapping[str, Any] | None, balance: str | None) -> dict[str, Any]:
+    """``overrides`` with the profile's ``balance`` key replaced by ``--balance``'s value
+    (:mod:`exogym.balance`); it travels like any ``--set``, to every host.
+
+    Args:
+        overrides: the parsed ``--set`` values.
+        balance: ``'none'``, ``'batch'`` or ``'steps'``; None leaves the profile's own.
+
+    Raises:
+        ValueError: for any other value.
+    """
+    merged = dict(overrides or {})
+    if balance is None:
+        return merged
+    mode = balance.strip().lower()
+    if mode not in BALANCE_MODES:
+        raise ValueError(f"--balance {balance!r} is not a mode: give none, batch (per-step "
+                         "strategies: batch sizes follow each rank's speed) or steps "
+                         "(round-based strategies: inner steps per round follow it)")
+    merged["balance"] = mode
     return merged
 
 

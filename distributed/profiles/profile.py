@@ -35,7 +35,7 @@ from typing import Any
 
 from distributed.hosts.sync import PROJECT_ROOT
 from distributed.tasks import BUILTIN_TASK_NAMES
-from exogym.fit_args import profile_keys, value_problems
+from exogym.fit_args import balance_problem, profile_keys, value_problems
 
 SECTION_PREFIX = "distributed:"
 DEFAULT_CONFIG = PROJECT_ROOT / "config.ini"
@@ -105,6 +105,20 @@ def unknown_strategy(name: str) -> str:
     """Why ``name`` is not a strategy a profile can give."""
     return (f"unknown strategy {name!r}: use one of {', '.join(sorted(STRATEGIES))} "
             "or 'package.module:StrategyClass'")
+
+
+def strategy_balance_problem(mode: str, strategy_cls: type,
+                             strategy_kwargs: dict[str, Any]) -> str | None:
+    """Why the strategy a profile builds cannot run with ``balance=mode``
+    (:func:`exogym.fit_args.balance_problem`); None when it can, or when the strategy
+    cannot be built from these keys (the run names that problem)."""
+    if mode == "none":
+        return None
+    try:
+        strategy = strategy_cls(**strategy_kwargs)
+    except (TypeError, ValueError):
+        return None
+    return balance_problem(mode, strategy)
 
 
 def override_problems(profile: str, overrides: dict[str, Any]) -> list[str]:
@@ -197,7 +211,7 @@ class ResolvedProfile:
 SUMMARY_COLUMNS = ("task", "strategy", "nodes", "key settings", "description")
 #: The keys its "key settings" column shows, where a profile sets them.
 SUMMARY_KEYS = ("batch_size", "max_steps", "lr", "H", "p_sparta", "island_size",
-                "sparta_interval", "compression_topk")
+                "sparta_interval", "compression_topk", "balance")
 
 
 @dataclass(frozen=True)
@@ -282,6 +296,9 @@ class Profile:
         if unknown:
             return None, tuple(unknown)
         task, strategy, run = routing.split(self.values)
+        mismatch = strategy_balance_problem(run.get("balance", "none"), strategy_cls, strategy)
+        if mismatch is not None:
+            return None, (mismatch,)
         output_dir = Path(str(self.values.get("output_dir") or Path("runs") / self.name))
         return ResolvedProfile(task_fn, strategy_cls, routing, task, strategy, run, output_dir), ()
 
