@@ -241,6 +241,23 @@ class MinibatchStream:
             f"rank {self.rank}'s training data is empty: no minibatch in a whole epoch"
         )
 
+    def reshard(self, index: int, count: int) -> None:
+        """Read shard ``index`` of ``count`` from now on (ranks that come and go, :mod:`exogym.elastic`).
+
+        The epoch goes on: the new shard is entered at the fraction of an epoch
+        the old one had reached, so samples near the change may be seen twice or
+        skipped in that epoch; the next epoch is whole. A split by label, a
+        dataset that is not sharded (a factory) and an iterable dataset keep
+        what they read.
+        """
+        if (index, count) == (self.rank, self.num_nodes) or not self.shard \
+                or self.part is not None or self.iterable:
+            return
+        done = self.taken / max(1, self.batches_per_epoch() or 1)
+        self.rank, self.num_nodes = index, count
+        self.taken = int(done * (self.batches_per_epoch() or 1))
+        self._iter = None
+
     def state(self) -> dict[str, int]:
         """Position to resume from (with ``step_samples``, in samples too)."""
         state = {"epoch": self.epoch, "taken": self.taken}

@@ -15,7 +15,12 @@ that drop out and come back. The rules, the same for every strategy:
   strategy's state such as DiLoCo's outer parameters and optimizers, the step
   counter and the simulated clock) from the lowest-numbered rank that was
   present at the step before, over the side channel (not counted as training
-  traffic). It keeps its own data shard and its place in it.
+  traffic), and its place in the epoch.
+- The data is re-sharded over the present ranks whenever they change: each
+  takes the shard of its place among them (the first of 3 present ranks
+  reads shard 0 of 3), entered at the fraction of the epoch already done
+  (:meth:`exogym.data.MinibatchStream.reshard`). A split by label and
+  per-rank datasets (a factory) are not re-sharded.
 - While ranks are away, every collective meets among the present ranks only:
   averages are over them, so a round that loses a rank mid-way completes
   among the others, and every survivor applies the same outer step.
@@ -78,6 +83,9 @@ class Membership:
         ValueError: a rank leaves again before it has rejoined, every rank is away
             at some step, or a rank rejoins where no rank stayed to hand it the state.
     """
+
+    #: Present ranks read the data shard of their place among them (exogym.data).
+    reshards = True
 
     def __init__(self, failures: Sequence[Failure], num_nodes: int, round_steps: int = 1):
         self.num_nodes = num_nodes
@@ -154,6 +162,11 @@ class Membership:
             if at <= step and (join is None or step < join):
                 return join
         return step
+
+    def shard(self, rank: int, step: int) -> tuple[int, int]:
+        """``rank``'s place among the ranks present at ``step`` and their number."""
+        present = sorted(self.present(step))
+        return present.index(rank), len(present)
 
     def source(self, step: int) -> int:
         """The rank that hands the state to the ranks joining at ``step``."""

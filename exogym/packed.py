@@ -344,11 +344,12 @@ class PackedWorld:
         return sorted({self._owner[r] for r in ranks})
 
     def _exchange(self, key: tuple[str, int, int], procs: list[int], mine: bytes | None,
-                  read: list[int]) -> dict[int, bytes]:
+                  read: list[int], partial_ok: bool = False) -> dict[int, bytes]:
         """Post this process's part (if any) and read the parts of ``read`` through the store.
 
         Every process in ``procs`` calls this once per key; the last to finish
-        deletes the key's entries.
+        deletes the key's entries. ``partial_ok``: the caller can do without the
+        parts of processes that are gone (a subclass's business, :mod:`exogym.elastic`).
         """
         if self._open_store is None:
             raise RuntimeError("a collective spans processes, but this packed world has no store")
@@ -374,21 +375,25 @@ class PackedWorld:
     # -- collectives --------------------------------------------------------------------
 
     def _across_processes(self, key: tuple[str, int, int], present: tuple[int, ...],
-                          acc: torch.Tensor, op: Any) -> torch.Tensor:
+                          acc: torch.Tensor, op: Any) -> tuple[torch.Tensor, int]:
         """This process's partial result combined with the other processes' (in process
-        order, so that every process computes bitwise the same result)."""
+        order, so that every process computes bitwise the same result), and how many
+        ranks the result covers."""
         procs = self._processes(present)
         if len(procs) == 1:
-            return acc
-        got = self._exchange(key, procs, _to_bytes(acc), procs)
+            return acc, len(present)
+        got = self._exchange(key, procs, _to_bytes(acc), procs, partial_ok=True)
         total = None
         for p in procs:
+            if p != self.index and p not in got:
+                continue  # a process whose ranks were lost meanwhile (exogym.elastic)
             part = acc if p == self.index else _from_bytes(got[p], acc)[0]
             if total is None:
                 total = part.clone()
             else:
                 _combine(total, part, op)
-        return total
+        return total, sum(1 for r in present if self._owner[r] == self.index or
+                          self._owner[r] in got)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, group: PackedGroup | None = None,
                    async_op: bool = False):
@@ -412,11 +417,12 @@ class PackedWorld:
                     n = t.numel()
                     _combine(acc[offset:offset + n], t.detach().reshape(-1), op)
                     offset += n
-            acc = self._across_processes(key, meeting.present, acc, op)
+            acc, counted = self._across_processes(key, meeting.present, acc, op)
             if op == ReduceOp.AVG:
-                acc = _divided(acc, len(meeting.present))
+                acc = _divided(acc, counted)
             if divide_by is not None:
-                acc = _divided(acc, divide_by)
+                # An average asked of the present ranks is over those that took part.
+                acc = _divided(acc, counted if divide_by == len(meeting.present) else divide_by)
             for members in lists:
                 offset = 0
                 for t in members:

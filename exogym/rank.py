@@ -28,6 +28,7 @@ import torch
 from exogym import comm
 from exogym.averaging import average_state_across_ranks
 from exogym.devices import backend_for, rank_device
+from exogym.elastic import ElasticMembership, ElasticWorld, MembershipStop, PeerLost
 from exogym.spec import Placement, RunSpec
 from exogym.train_node import TrainNode
 
@@ -42,12 +43,16 @@ class Rendezvous:
         store_on_rank0: rank 0 hosts the store (multi-host); otherwise the store
             already exists (hosted by a local simulation's parent, or torchrun's agent).
         watch_peers: run the heartbeat watch (multi-host runs).
+        min_nodes: ranks that come and go (:mod:`exogym.elastic`): the store is the
+            launcher's, collectives meet through it, and the run goes on while at
+            least this many ranks remain. None: every rank is needed (a process group).
     """
 
     addr: str
     port: int
     store_on_rank0: bool = True
     watch_peers: bool = False
+    min_nodes: int | None = None
 
 
 class LostRankError(RuntimeError):
@@ -67,20 +72,28 @@ class PeerWatch:
         interval_s: seconds between heartbeats.
         silent_after_s: a peer whose heartbeat has not moved for this long is lost.
         on_lost: called from the watch thread with the lost ranks (e.g. to exit).
+        judge_peers: judge the peers' silence; False where the launcher judges it
+            (:mod:`exogym.elastic`): then only the store's own loss is reported,
+            once it has not answered for ``silent_after_s`` (a link that drops
+            for a while is not a dead master).
     """
 
     def __init__(self, rendezvous: Rendezvous, rank: int, world_size: int,
                  interval_s: float = 0.5, silent_after_s: float = 20.0,
-                 on_lost: Callable[[list[int], str], None] | None = None):
+                 on_lost: Callable[[list[int], str], None] | None = None,
+                 judge_peers: bool = True):
         self.store = comm.open_store(rendezvous.addr, rendezvous.port, timeout_s=10)
         self.rank = rank
         self.world_size = world_size
         self.interval_s = interval_s
         self.silent_after_s = silent_after_s
         self.on_lost = on_lost
+        self.judge_peers = judge_peers
+        self.rendezvous = rendezvous
         self.beats = 0
         self.seen: dict[int, tuple[str, float]] = {}
         self.store_lost = False
+        self._failing_since: float | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="exogym-peer-watch", daemon=True)
@@ -92,9 +105,12 @@ class PeerWatch:
     def _poll(self) -> None:
         now = time.monotonic()
         with self._lock:
+            if self.store is None:  # a call timed out: its late answer must not be misread
+                self.store = comm.open_store(self.rendezvous.addr, self.rendezvous.port,
+                                             timeout_s=10)
             self.beats += 1
             self.store.set(self._key("beat", self.rank), str(self.beats))
-            for peer in range(self.world_size):
+            for peer in range(self.world_size if self.judge_peers else 0):
                 if peer == self.rank:
                     continue
                 key = self._key("beat", peer)
@@ -106,8 +122,18 @@ class PeerWatch:
         while not self._stop.wait(self.interval_s):
             try:
                 self._poll()
-            except Exception:  # noqa: BLE001 - the store itself is gone
-                self.store_lost = True
+                self._failing_since = None
+            except Exception as exc:  # noqa: BLE001 - the store itself is gone, or out of reach
+                self.store = None
+                now = time.monotonic()
+                if self._failing_since is None:
+                    self._failing_since = now
+                # A refused or reset connection: the store's process is gone (its host
+                # answers); a timeout may be a link that comes back, so it gets longer.
+                gone = any(m in str(exc) for m in ("refused", "reset", "Broken pipe"))
+                patience = min(3.0, self.silent_after_s) if gone else self.silent_after_s
+                if self.judge_peers or now - self._failing_since > patience:
+                    self.store_lost = True
             lost = self.silent()
             if lost and self.on_lost is not None and not self._stop.is_set():
                 self.on_lost(lost, self.describe(lost))
@@ -116,6 +142,8 @@ class PeerWatch:
     def silent(self, after_s: float | None = None) -> list[int]:
         """Peers whose heartbeat has not moved for ``after_s`` seconds (rank 0 if the store died)."""
         after_s = self.silent_after_s if after_s is None else after_s
+        if self.store_lost and not self.judge_peers:
+            return [-1]  # the launcher's store: the master host
         if self.store_lost and self.rank != 0:
             return [0]
         now = time.monotonic()
@@ -175,6 +203,11 @@ class PeerWatch:
 
     def describe(self, lost: list[int]) -> str:
         """A sentence naming the lost ranks."""
+        if lost == [-1]:
+            where = f"{self.rendezvous.addr}:{self.rendezvous.port}"
+            return (f"lost the master: the launcher's store at {where} stopped answering (the "
+                    "master host died, or the launcher was stopped); continue the run with "
+                    "--resume from the newest checkpoint every rank has")
         if not lost:
             return "a peer connection failed, but every rank still answers"
         if self.store_lost and lost == [0]:
@@ -230,7 +263,21 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
     if device.type == "cuda":
         torch.cuda.set_device(device)
     comm.use_mirror_collectives(comm.collectives_mode() == "mirror")  # refuses a bad value
-    if rendezvous is not None:
+    elastic = rendezvous is not None and rendezvous.min_nodes is not None
+    membership = None
+    if elastic:
+        assert rendezvous is not None and rendezvous.min_nodes is not None
+        where = rendezvous
+
+        def client() -> Any:
+            return comm.open_store(where.addr, where.port, timeout_s=spec.timeout_s)
+
+        world = ElasticWorld(spec.num_nodes, rank, client, spec.timeout_s)
+        comm.use_packed_world(world)
+        world.sit(rank)
+        membership = ElasticMembership(world, rank, spec.num_nodes, spec.strategy.round_steps,
+                                       rendezvous.min_nodes)
+    elif rendezvous is not None:
         store = comm.open_store(rendezvous.addr, rendezvous.port,
                                 is_master=rendezvous.store_on_rank0 and rank == 0,
                                 world_size=spec.num_nodes, timeout_s=spec.timeout_s)
@@ -239,10 +286,13 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
         comm.init_process_group(store, rank, spec.num_nodes, backend, spec.timeout_s, device)
     watch = None
     if rendezvous is not None and rendezvous.watch_peers and spec.num_nodes > 1:
-        watch = PeerWatch(rendezvous, rank, spec.num_nodes, on_lost=_exit_lost)
+        # Where ranks come and go, the launcher judges them; a rank only gives up on the
+        # launcher's store itself, after a minute without an answer.
+        watch = PeerWatch(rendezvous, rank, spec.num_nodes, on_lost=_exit_lost,
+                          silent_after_s=60.0 if elastic else 20.0, judge_peers=not elastic)
     try:
         comm.reset_counters()
-        node = TrainNode(spec, rank, device, emit, placement)
+        node = TrainNode(spec, rank, device, emit, placement, membership)
         try:
             state = node.train()
             if node.departed:
@@ -251,9 +301,24 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
                 if average_final:
                     state = average_state_across_ranks(state)
                 comm.side_barrier()  # nobody leaves while a peer still needs it
+            if membership is not None:
+                membership.finish()
+                present = sorted(membership.present(node.max_steps))
+                emit({"event": "final_membership", "rank": rank, "present": present,
+                      "changes": membership.changes(node.max_steps)})
+        except MembershipStop as exc:
+            raise LostRankError(exc.lost, f"rank {rank}: {exc}") from exc
+        except PeerLost as exc:
+            assert membership is not None
+            why = (f"{exc}; {type(spec.strategy).__name__} cannot leave a lost rank out of a "
+                   "step, so the run stops (round-based strategies and DDP go on)")
+            membership.stop(why)
+            raise LostRankError([], f"rank {rank}: {why}") from exc
         except Exception as exc:
             if watch is None:
                 raise
+            if elastic and comm.is_connection_error(exc):
+                raise LostRankError([], f"rank {rank}: {watch.describe([-1])}") from exc
             if not comm.is_connection_error(exc):
                 # Our own failure: tell the peers what happened, keep our traceback.
                 watch.report_failure(f"{type(exc).__name__}: {exc}".splitlines()[0])

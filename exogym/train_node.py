@@ -42,6 +42,7 @@ from exogym.data import (
     to_device,
     validation_subset,
 )
+from exogym.elastic import MembershipStop, RankDropped
 from exogym.simclock import SimClock
 from exogym.spec import Placement, RunSpec
 
@@ -83,7 +84,7 @@ class TrainNode:
     """
 
     def __init__(self, spec: RunSpec, rank: int, device: torch.device, emit: Emit,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, membership: Any = None):
         self.spec = spec
         self.rank = rank
         self.num_nodes = spec.num_nodes
@@ -95,7 +96,12 @@ class TrainNode:
 
         self.model = copy.deepcopy(spec.model).to(device)
         self.model.train()
-        if self.placement.broadcast_init and self.num_nodes > 1:
+        # Which ranks train each step: fixed by rank_failures (a simulation), or agreed as
+        # the run goes (exogym.elastic). A rank that rejoins a running round takes no part
+        # in the start's agreements: a peer hands it the state when it is admitted.
+        self.membership = membership if membership is not None else spec.membership()
+        joining = bool(getattr(self.membership, "joining", False))
+        if self.placement.broadcast_init and self.num_nodes > 1 and not joining:
             self._broadcast_initial_state()
 
         train_data = build_dataset(spec.train_dataset, rank, self.num_nodes, True)
@@ -104,7 +110,7 @@ class TrainNode:
             shard=not is_factory(spec.train_dataset), shuffle=spec.shuffle, seed=spec.seed,
             dataloader_kwargs=spec.dataloader_kwargs, partition=spec.partition,
         )
-        self.max_steps = self._agree_on_max_steps()
+        self.max_steps = self._agree_on_max_steps(agree=not joining)
 
         self.val_loader = self.val_shard_loader = None
         if spec.val_size > 0:
@@ -123,7 +129,6 @@ class TrainNode:
 
         self.step = 0
         self.samples = 0
-        self.membership = spec.membership()
         self.departed = False  # away at the end of the run (rank_failures)
         self.clock: SimClock | None = None
         if spec.has_clock:
@@ -155,7 +160,7 @@ class TrainNode:
         for t in [p.data for p in self.model.parameters()] + list(self.model.buffers()):
             comm.side_broadcast(t, src=0)
 
-    def _agree_on_max_steps(self) -> int:
+    def _agree_on_max_steps(self, agree: bool = True) -> int:
         if self.spec.max_steps is not None:
             return self.spec.max_steps
         per_epoch = self.train_stream.batches_per_epoch()
@@ -163,6 +168,8 @@ class TrainNode:
             raise ValueError("max_steps is required when the training dataset is iterable "
                              "(it has no length to count epochs by)")
         steps = max(1, self.spec.num_epochs * per_epoch // self.spec.accumulation_steps)
+        if not agree:
+            return steps  # a rejoining rank: the hand-over brings the run's number
         # Ranks with different factory-built datasets must still stop together.
         return int(self._side_reduce([steps], comm.ReduceOp.MIN)[0])
 
@@ -453,7 +460,8 @@ class TrainNode:
         if self.rank == source:
             buffer = io.BytesIO()
             torch.save({"model": self.model.state_dict(), "strategy": self.strategy.state_dict(),
-                        "step": self.step,
+                        "step": self.step, "max_steps": self.max_steps,
+                        "data": self.train_stream.state(),
                         "sim_time_s": None if self.clock is None else self.clock.now}, buffer)
             payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
             size = torch.tensor([payload.numel()], dtype=torch.int64)
@@ -470,6 +478,10 @@ class TrainNode:
         self.model.load_state_dict(state["model"])
         self.strategy.load_state_dict(state["strategy"])
         self.step = state["step"]
+        self.max_steps = state["max_steps"]
+        self.strategy.max_steps = self.max_steps
+        if getattr(membership, "reshards", False):  # the epoch goes on where the run is
+            self.train_stream.restore(state["data"])
         if self.clock is not None and state["sim_time_s"] is not None:
             self.clock.now = max(self.clock.now, float(state["sim_time_s"]))
 
@@ -492,14 +504,36 @@ class TrainNode:
         comm.enter_step(step, membership.present(step))
         if membership.joiners(step):
             self._hand_over(step)
+        if getattr(membership, "reshards", False):
+            self.train_stream.reshard(*membership.shard(self.rank, step))
         return True
 
     # -- the loop -------------------------------------------------------------------
 
+    def _one_step(self, start: float) -> None:
+        """Train one step and emit its event (with evaluation and checkpoint when due)."""
+        spec = self.spec
+        mark = self._mark() if self.clock is not None else None
+        event = self.train_step()
+        if self.balance is not None:  # new shares from the next step, in the checkpoint too
+            self.balance.end_step(self.step)
+        if self.val_loader is not None and (
+            self.step % spec.val_interval == 0 or self.step == self.max_steps
+        ):
+            event.update(self.evaluate())
+        if spec.correlation_interval and self.step % spec.correlation_interval == 0:
+            event["correlation"] = self.correlation()
+        if spec.checkpoint_interval and self.step % spec.checkpoint_interval == 0:
+            save_checkpoint(self.state_dict(), self.checkpoint_root, self.rank, self.step,
+                            keep=spec.keep_checkpoints)
+        event["wall_s"] = time.perf_counter() - start
+        self.emit(event)
+        self._lag(mark)
+
     def train(self) -> dict[str, torch.Tensor]:
         """Train to ``max_steps`` and return this rank's final model state (on the CPU)."""
         spec = self.spec
-        if spec.resume_from:
+        if spec.resume_from and not getattr(self.membership, "joining", False):
             resumed = self.resume(spec.resume_from)
             if resumed:
                 print(f"rank {self.rank}: resumed from step {resumed}", flush=True)
@@ -512,24 +546,20 @@ class TrainNode:
         self.emit(opening)
         start = time.perf_counter()
         while self.step < self.max_steps:
-            if not self._take_part():
-                break
-            mark = self._mark() if self.clock is not None else None
-            event = self.train_step()
-            if self.balance is not None:  # new shares from the next step, in the checkpoint too
-                self.balance.end_step(self.step)
-            if self.val_loader is not None and (
-                self.step % spec.val_interval == 0 or self.step == self.max_steps
-            ):
-                event.update(self.evaluate())
-            if spec.correlation_interval and self.step % spec.correlation_interval == 0:
-                event["correlation"] = self.correlation()
-            if spec.checkpoint_interval and self.step % spec.checkpoint_interval == 0:
-                save_checkpoint(self.state_dict(), self.checkpoint_root, self.rank, self.step,
-                                keep=spec.keep_checkpoints)
-            event["wall_s"] = time.perf_counter() - start
-            self.emit(event)
-            self._lag(mark)
+            try:
+                if not self._take_part():
+                    break
+                self._one_step(start)
+            except RankDropped as exc:
+                # Declared lost while it ran (frozen, or cut off): what it did since is
+                # dropped; the next round admits it again with the run's state.
+                print(f"rank {self.rank}: {exc}", flush=True)
+                continue
+            except MembershipStop:
+                if self.step:  # a round boundary: every survivor holds the same state
+                    save_checkpoint(self.state_dict(), self.checkpoint_root, self.rank,
+                                    self.step, keep=spec.keep_checkpoints)
+                raise
         if self.membership is not None and not self.departed:
             # What follows the loop (the final average) meets among the ranks still here.
             comm.enter_step(self.max_steps + 1, self.membership.present(self.max_steps))

@@ -446,7 +446,8 @@ class Trainer:
                 run_logger.finish(self.summary, failed=failed)
         reporter.finish(self.summary)
         final = copy.deepcopy(self.model)
-        final.load_state_dict(average_state_dicts(states))
+        if states:  # none for a host's rank that was away at the end (exogym.elastic)
+            final.load_state_dict(average_state_dicts(states))
         return final
 
     def _execute(self, spec: RunSpec, placement: Placement,

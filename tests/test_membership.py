@@ -119,15 +119,17 @@ def per_rank_data(rank: int, num_nodes: int, is_train: bool) -> TensorDataset:
     return TensorDataset(x, (x.sum(1) > 0).long())
 
 
+@pytest.mark.parametrize("dataset", [per_rank_data, None], ids=["per-rank-data", "resharded"])
 @pytest.mark.parametrize("make", [
     lambda: SimpleReduceStrategy(optim_spec="sgd", lr=0.1),
     lambda: DiLoCoStrategy(H=2, inner_optim="sgd", lr=0.1),
 ], ids=["ddp", "diloco"])
-def test_a_rank_away_from_the_start_leaves_the_others_training_as_a_smaller_run(make):
-    away, away_model = run(make(), [(2, 1, None)], max_steps=6, dataset=per_rank_data,
-                           val_size=0)
-    two, two_model = run(make(), None, num_nodes=2, max_steps=6, dataset=per_rank_data,
-                         val_size=0)
+def test_a_rank_away_from_the_start_leaves_the_others_training_as_a_smaller_run(make, dataset):
+    # A shared dataset is re-sharded over the two present ranks: the same shards as a run
+    # of two; per-rank datasets (a factory) are each rank's own anyway.
+    shared = toy_dataset() if dataset is None else dataset
+    away, away_model = run(make(), [(2, 1, None)], max_steps=6, dataset=shared, val_size=0)
+    two, two_model = run(make(), None, num_nodes=2, max_steps=6, dataset=shared, val_size=0)
     assert steps_of(away, 2) == []
     assert [(r["rank"], r["step"], r["comm_bytes"]) for r in away.history] == \
         [(r["rank"], r["step"], r["comm_bytes"]) for r in two.history]

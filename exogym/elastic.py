@@ -1,0 +1,383 @@
+"""Ranks on real hosts that come and go: collectives and membership agreed through one store.
+
+A run across hosts with ``min_nodes`` set keeps training while at least that
+many hosts remain. Its ranks do not form a torch process group, which dies
+with any member; they meet through the rendezvous store the launcher hosts in
+its own process (so that no rank's death takes it away), as the processes of a
+packed simulation do (:mod:`exogym.packed`): each rank posts its part of a
+collective under a key made of the group, the step and the collective's
+number, and reads its peers' parts. On top of that:
+
+- **Losses.** The launcher declares a rank lost (its process exited, its host
+  dropped the connection, or its heartbeat stopped for the deadline: frozen,
+  asleep, cut off) by bumping the rank's *loss generation* in the store. A
+  rank waiting for a lost peer's part seals the peer's slot with a tombstone
+  (an atomic compare-and-set): whatever the slot then holds, a part or the
+  tombstone, is final, so every survivor combines exactly the same parts. An
+  average is over the parts combined. A round therefore completes among the
+  live ranks, and every survivor applies the same outer step; a per-step
+  strategy's step completes among the survivors too, who carry on from it.
+- **Membership.** At every round boundary (each step of a per-step strategy),
+  the first rank to arrive decides the members of the round with a
+  compare-and-set: the members of the last round that were not lost since,
+  plus the ranks that are back and ready. Every rank reads that one
+  decision. Members are numbered among themselves for the data: each takes
+  the shard of its place among the members (:meth:`exogym.data.MinibatchStream.reshard`).
+- **Rejoining.** A rank that finds itself declared lost (a process that was
+  frozen and thawed, or cut off and reconnected), or a process the launcher
+  started again on a host that came back, acknowledges its loss generation
+  and waits. The next round's decision admits it; at that boundary the
+  lowest-numbered member that stayed hands it the model, the strategy's state
+  and the step counter over the side channel (:meth:`exogym.train_node.TrainNode._hand_over`).
+- **Too few hosts.** A decision that leaves fewer than ``min_nodes`` members
+  says so; every rank then writes a checkpoint and stops, naming the lost hosts.
+- **The master.** The store lives in the launcher. If the launcher's host
+  dies, the ranks lose the store: they stop, naming it, and a run with a
+  ``checkpoint_interval`` continues with ``--resume`` from the newest
+  checkpoint every rank has.
+
+Collectives that need every member (a gather, a broadcast from a lost rank)
+cannot complete without a lost peer: they raise :class:`PeerLost`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from exogym.packed import PackedWorld
+from exogym.shm_collectives import PeerTimeoutError
+
+NAMESPACE = "exogym/elastic"
+#: What a lost rank's slot of a collective holds once a survivor has sealed it.
+TOMBSTONE = b"\x00lost"
+_POSTED = b"1"
+
+
+class RankDropped(RuntimeError):
+    """This rank was declared lost while it ran (frozen, asleep or cut off): it must rejoin."""
+
+
+class PeerLost(RuntimeError):
+    """A collective that needs every member lost one (a gather, a broadcast from it)."""
+
+
+class MembershipStop(RuntimeError):
+    """Fewer than ``min_nodes`` ranks remain: the run stops.
+
+    Args:
+        message: which hosts were lost and why, and what remains.
+        lost: the ranks lost.
+    """
+
+    def __init__(self, message: str, lost: Sequence[int]):
+        super().__init__(message)
+        self.lost = list(lost)
+
+
+def key(*parts: object) -> str:
+    """A key of the elastic protocol in the store."""
+    return "/".join([NAMESPACE, *map(str, parts)])
+
+
+def loss_generation(store: Any, rank: int) -> int:
+    """How many times ``rank`` has been declared lost (0: never)."""
+    return int(store.add(key("lost", rank), 0))
+
+
+def declare_lost(store: Any, rank: int, why: str) -> int:
+    """Declare ``rank`` lost (the launcher does); returns its new loss generation."""
+    generation = int(store.add(key("lost", rank), 1))
+    store.set(key("why", rank, generation), why)
+    return generation
+
+
+def ready_generation(store: Any, rank: int) -> int:
+    """The loss generation ``rank`` last acknowledged, ready to rejoin (0: none)."""
+    return int(store.add(key("ready", rank), 0))
+
+
+class ElasticWorld(PackedWorld):
+    """One rank of a run across hosts, meeting its peers through the launcher's store.
+
+    A :class:`~exogym.packed.PackedWorld` with one rank per process, whose
+    exchanges survive lost peers (see the module).
+
+    Args:
+        world_size: ranks in the run.
+        rank: this process's rank.
+        open_store: opens a client of the launcher's store.
+        timeout_s: how long a rank waits for a peer that is not declared lost.
+    """
+
+    def __init__(self, world_size: int, rank: int, open_store: Callable[[], Any],
+                 timeout_s: float = 1800.0):
+        super().__init__(world_size, world_size, rank, open_store, timeout_s,
+                         namespace=key("c"))
+        self.rank_id = rank
+        self.store = open_store()
+        #: Each member's loss generation when the current round admitted it.
+        self.generations: dict[int, int] = {r: 0 for r in range(world_size)}
+
+    def lost_since_admitted(self, rank: int) -> bool:
+        """True when ``rank`` has been declared lost since the current round admitted it."""
+        return loss_generation(self.store, rank) > self.generations.get(rank, 0)
+
+    def _check_self(self) -> None:
+        if self.lost_since_admitted(self.rank_id):
+            raise RankDropped(f"rank {self.rank_id} was declared lost by the launcher "
+                              "(it stopped answering): it rejoins at the next round")
+
+    def _await_slot(self, slot: str, peer: int) -> bytes:
+        """The final content of ``peer``'s slot: its part's mark, or the tombstone."""
+        store = self.store
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.001
+        while True:
+            if store.check([slot]):
+                return store.get(slot)
+            self._check_self()
+            if self.lost_since_admitted(peer):
+                # Seal it: a part that arrives later is refused, so all survivors agree.
+                return store.compare_set(slot, "", TOMBSTONE)
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(
+                    f"rank {self.rank_id}: rank {peer} neither reached the collective nor was "
+                    f"declared lost within {self.timeout_s:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _exchange(self, key_: tuple[str, int, int], procs: list[int], mine: bytes | None,
+                  read: list[int], partial_ok: bool = False) -> dict[int, bytes]:
+        name = f"{self.namespace}/{key_[0]}/{key_[1]}/{key_[2]}"
+        store = self.store
+        got: dict[int, bytes] = {}
+        sealed = []
+        with self._aside():
+            if mine is not None:
+                slot = f"{name}/{self.index}"
+                store.set(slot + "/d", mine)
+                if store.compare_set(slot, "", _POSTED) != _POSTED:
+                    store.delete_key(slot + "/d")
+                    raise RankDropped(f"rank {self.rank_id} was declared lost and its part of a "
+                                      "collective refused: it rejoins at the next round")
+            for p in read:
+                if p == self.index:
+                    continue
+                mark = self._await_slot(f"{name}/{p}", p)
+                if mark == _POSTED:
+                    got[p] = store.get(f"{name}/{p}/d")
+                elif not partial_ok:
+                    raise PeerLost(f"rank {p} was lost during a collective that needs every "
+                                   "member (a gather, or a broadcast from it)")
+                else:
+                    sealed.append(p)
+            # The parts' readers: the processes whose slot was not sealed.
+            if store.add(f"{name}/n", 1) == len(procs) - len(sealed):
+                for p in [*got, *([self.index] if mine is not None else [])]:
+                    store.delete_key(f"{name}/{p}/d")
+                    store.delete_key(f"{name}/{p}")
+                store.delete_key(f"{name}/n")
+        return got
+
+
+def _phrase(ranks: Sequence[int], hosts: dict[int, str], verb: str) -> str:
+    named = ", ".join(f"{hosts[r]} (rank {r})" if r in hosts else f"rank {r}" for r in ranks)
+    return f"{named} {verb}"
+
+
+class ElasticMembership:
+    """Which ranks train each round of a run across hosts, decided as the run goes.
+
+    The same questions as :class:`exogym.membership.Membership` (which a
+    simulation's ``rank_failures`` fixes in advance), answered from the
+    decisions in the store (see the module).
+
+    Args:
+        world: this rank's :class:`ElasticWorld`.
+        rank: this rank.
+        num_nodes: ranks in the run.
+        round_steps: steps per round of the strategy (``Strategy.round_steps``).
+        min_nodes: the run stops when fewer ranks than this remain.
+    """
+
+    #: Members take the data shard of their place among the members (exogym.data).
+    reshards = True
+
+    def __init__(self, world: ElasticWorld, rank: int, num_nodes: int, round_steps: int,
+                 min_nodes: int):
+        self.world = world
+        self.store = world.store
+        self.rank = rank
+        self.num_nodes = num_nodes
+        self.round_steps = max(1, int(round_steps))
+        self.min_nodes = min_nodes
+        self.decisions: dict[int, dict[str, Any]] = {}
+        #: True for a process that starts after this rank was lost: it joins a running round.
+        self.joining = loss_generation(self.store, rank) > 0
+
+    # -- decisions --------------------------------------------------------------------
+
+    def _round_start(self, step: int) -> int:
+        h = self.round_steps
+        return (max(1, step) - 1) // h * h + 1
+
+    def _hosts(self) -> dict[int, str]:
+        names = {}
+        for r in range(self.num_nodes):
+            k = key("host", r)
+            if self.store.check([k]):
+                names[r] = self.store.get(k).decode()
+        return names
+
+    def _propose(self, start: int) -> dict[str, Any]:
+        lost = {r: loss_generation(self.store, r) for r in range(self.num_nodes)}
+        earlier = [s for s in self.decisions if s < start]
+        hosts = self._hosts()
+        if not earlier:
+            members = list(range(self.num_nodes))
+            return {"step": start, "ranks": members, "gens": lost, "joined": [], "left": [],
+                    "reason": "start", "hosts": [hosts.get(r, f"rank {r}") for r in members],
+                    "stop": None}
+        previous = self.decisions[max(earlier)]
+        gens = {int(r): g for r, g in previous["gens"].items()}
+        stay = [r for r in previous["ranks"] if lost[r] == gens[r]]
+        ready = {r: ready_generation(self.store, r) for r in range(self.num_nodes)}
+        joined = [r for r in range(self.num_nodes)
+                  if r not in stay and lost[r] > 0 and ready[r] == lost[r]]
+        left = sorted(set(previous["ranks"]) - set(stay) - set(joined))
+        members = sorted(stay + joined)
+        parts = []
+        if left:
+            whys = []
+            for r in left:
+                k = key("why", r, lost[r])
+                whys.append(self.store.get(k).decode() if self.store.check([k]) else "lost")
+            parts.append(_phrase(left, hosts, "lost") + f" ({'; '.join(whys)})")
+        if joined:
+            parts.append(_phrase(joined, hosts, "rejoined"))
+        stop = None
+        if len(members) < self.min_nodes:
+            stop = (f"{'; '.join(parts) or 'ranks lost'}: {len(members)} of {self.num_nodes} "
+                    f"ranks remain, fewer than min_nodes={self.min_nodes}")
+        return {"step": start, "ranks": members, "gens": {r: lost[r] for r in members},
+                "joined": joined, "left": left, "reason": "; ".join(parts) or "no change",
+                "hosts": [hosts.get(r, f"rank {r}") for r in members], "stop": stop}
+
+    def decision(self, step: int) -> dict[str, Any]:
+        """The members of the round that contains ``step`` (deciding them if this rank is first)."""
+        start = self._round_start(step)
+        found = self.decisions.get(start)
+        if found is None:
+            k = key("members", start)
+            if self.store.check([k]):
+                raw = self.store.get(k)
+            else:
+                # "by" makes each rank's proposal its own: only the winner logs the decision.
+                proposal = json.dumps({**self._propose(start), "by": self.rank}).encode()
+                raw = self.store.compare_set(k, "", proposal)
+                if raw == proposal:
+                    self.store.set(key("latest"), str(start))
+                    stop = json.loads(raw)["stop"]
+                    if stop:  # the launcher watches for it: the job is over, nothing rejoins
+                        self.store.set(key("stop"), stop)
+                    if json.loads(raw)["reason"] not in ("no change",):
+                        self.store.append(key("log"), raw + b"\n")
+            found = self.decisions[start] = json.loads(raw)
+            gens = {int(r): int(g) for r, g in found["gens"].items()}
+            found["gens"] = gens
+            self.world.generations.update(gens)
+        if found.get("stop"):
+            raise MembershipStop(found["stop"], found["left"])
+        return found
+
+    # -- what TrainNode asks (the same as Membership) -----------------------------------
+
+    def is_present(self, rank: int, step: int) -> bool:
+        """True when ``rank`` trains step ``step``; for this rank, False once it was declared lost."""
+        if rank == self.rank and self.world.lost_since_admitted(rank):
+            return False
+        return rank in self.decision(step)["ranks"]
+
+    def present(self, step: int) -> frozenset[int]:
+        """The ranks that train step ``step``."""
+        return frozenset(self.decision(step)["ranks"])
+
+    def joiners(self, step: int) -> list[int]:
+        """Ranks that rejoin at ``step`` (a round boundary)."""
+        if step != self._round_start(step):
+            return []
+        return list(self.decision(step)["joined"])
+
+    def source(self, step: int) -> int:
+        """The member that hands the state to the ranks rejoining at ``step``."""
+        decided = self.decision(step)
+        return min(set(decided["ranks"]) - set(decided["joined"]))
+
+    def shard(self, rank: int, step: int) -> tuple[int, int]:
+        """``rank``'s place among the members of ``step`` and their number: its data shard."""
+        members = self.decision(step)["ranks"]
+        return members.index(rank), len(members)
+
+    def next_join(self, rank: int, step: int) -> int | None:
+        """Wait until this rank is admitted again; the step it rejoins at.
+
+        Acknowledges its loss generation (ready to rejoin), then follows the
+        round decisions until one admits it. Raises :class:`MembershipStop` if
+        the run stops meanwhile, ``PeerTimeoutError`` after the world's timeout.
+        """
+        if rank != self.rank:
+            raise ValueError("only a rank's own return can be waited for")
+        store = self.store
+        deadline = time.monotonic() + self.world.timeout_s
+        generation = loss_generation(store, rank)
+        store.set(key("ready", rank), str(generation))
+        latest = key("latest")
+        start = self._round_start(step)
+        if store.check([latest]):
+            start = max(start, int(store.get(latest)))
+        while True:
+            if store.check([key("finished")]):
+                return None  # the run ended while this rank was away
+            now = loss_generation(store, rank)
+            if now != generation:  # lost again while waiting: acknowledge that one
+                generation = now
+                store.set(key("ready", rank), str(generation))
+            k = key("members", start)
+            if store.check([k]):
+                decided = json.loads(store.get(k))
+                if decided.get("stop"):
+                    raise MembershipStop(decided["stop"], decided["left"])
+                gens = {int(r): int(g) for r, g in decided["gens"].items()}
+                if rank in decided["joined"] and gens.get(rank) == generation:
+                    decided["gens"] = gens
+                    self.decisions = {start: decided}
+                    self.world.generations.update(gens)
+                    self.joining = False
+                    return start
+                start += self.round_steps
+                continue
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(f"rank {rank} waited {self.world.timeout_s:.0f} s to rejoin")
+            time.sleep(0.05)
+
+    def stop(self, reason: str) -> None:
+        """Stop the run for every rank (the launcher watches for it)."""
+        self.store.compare_set(key("stop"), "", reason)
+
+    def finish(self) -> None:
+        """Say the run has ended (a rank still waiting to rejoin then stops waiting)."""
+        self.store.set(key("finished"), "1")
+
+    def changes(self, max_steps: int | None = None) -> list[dict[str, Any]]:
+        """Every decided change of membership: ``{"step", "ranks", "hosts", "reason"}``."""
+        log = key("log")
+        out = []
+        if self.store.check([log]):
+            for line in self.store.get(log).decode().splitlines():
+                entry = json.loads(line)
+                if max_steps is None or entry["step"] <= max_steps:
+                    out.append({k: entry[k] for k in ("step", "ranks", "hosts", "reason")})
+        return sorted(out, key=lambda e: e["step"])
