@@ -118,6 +118,16 @@ def distributed_train(
     max_restarts: Annotated[int, typer.Option(
         "--max-restarts", min=0,
         help="Restart the whole job up to N times after a rank fails (hosts only).")] = 0,
+    min_nodes: Annotated[int | None, typer.Option(
+        "--min-nodes", min=1,
+        help="Keep training while at least N hosts remain: a lost host (killed, unreachable, "
+             "frozen) is dropped, probed, and rejoins at the next round when it answers "
+             "(hosts only; default: the profile's min_nodes, else every host is needed).")
+    ] = None,
+    lost_after: Annotated[float | None, typer.Option(
+        "--lost-after", min=0.1,
+        help="With --min-nodes: seconds without a heartbeat before a host is dropped "
+             "(default 10).")] = None,
     accept_new_host_keys: AcceptNewHostKeys = False,
     sync: Annotated[bool, typer.Option(
         "--sync", help="Copy this checkout's tracked files to every host first.")] = False,
@@ -141,8 +151,9 @@ def distributed_train(
         console = make_console()
         request = run.TrainRequest(
             profile=profile, config=str(config) if config else None,
-            overrides=run.balance_override(run.logger_override(run.parse_overrides(set_), logger),
-                                           balance), hosts=hosts,
+            overrides=run.elastic_override(
+                run.balance_override(run.logger_override(run.parse_overrides(set_), logger),
+                                     balance), min_nodes, lost_after), hosts=hosts,
             local=local, resume=resume,
             max_restarts=max_restarts, sync=sync, accept_new_host_keys=accept_new_host_keys,
             known_hosts=known_hosts, ssh_config=ssh_config, ssh_timeout=ssh_timeout,

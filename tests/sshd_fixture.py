@@ -158,3 +158,46 @@ def serve_sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHD]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+class HostSSHD:
+    """A second sshd, for one more address, with the first one's keys: a host that can be
+    switched off (``stop``) and on again (``start``), as a machine that drops out.
+
+    Args:
+        server: the running test server whose keys and port it shares.
+        address: the address it listens on (not one of ``ADDRESSES``).
+    """
+
+    def __init__(self, server: SSHD, address: str):
+        self.server = server
+        self.address = address
+        home = server.key_path.parent
+        self.config = home / f"sshd_config_{address}"
+        text = (home / "sshd_config").read_text().splitlines()
+        self.config.write_text("\n".join(
+            [f"ListenAddress {address}:{server.port}"] +
+            [line for line in text if not line.startswith("ListenAddress")]) + "\n")
+        self.log = home / f"sshd_{address}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        with server.known_hosts.open("a") as f:
+            f.write(server.known_hosts_line(address))
+
+    def start(self) -> None:
+        """Start it and wait until it greets."""
+        binary = _sshd_binary()
+        assert binary is not None
+        self.proc = subprocess.Popen([binary, "-D", "-f", str(self.config), "-E", str(self.log)],
+                                     stdin=subprocess.DEVNULL)
+        _wait_ready(self.proc, (self.address,), self.server.port, self.log)
+
+    def stop(self) -> None:
+        """Stop it by its PID; connections it already serves stay up, as with a real sshd."""
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None

@@ -43,7 +43,8 @@ WAITING = "waiting"
 #: Seconds of recent steps the time left is estimated from.
 RATE_WINDOW_S = 30.0
 STATUS_STYLES = {WAITING: "dim", "started": "cyan", "training": "green", "done": "bold green",
-                 "failed": "bold red", "stopped": "yellow"}
+                 "failed": "bold red", "stopped": "yellow", "lost": "bold red",
+                 "rejoining": "magenta"}
 
 
 @dataclass
@@ -53,7 +54,8 @@ class RankState:
     Args:
         rank: the rank.
         host: where it runs (``local`` in a simulation).
-        status: ``waiting``, ``started``, ``training``, ``done``, ``failed`` or ``stopped``.
+        status: ``waiting``, ``started``, ``training``, ``done``, ``failed`` or ``stopped``;
+            where hosts come and go (``min_nodes``), also ``lost`` and ``rejoining``.
         step: its last reported step.
         max_steps: the steps it will run, once it has said.
         train_loss: training loss of its last step.
@@ -159,6 +161,8 @@ class Dashboard:
         self.clock = clock
         self.history: list[dict[str, Any]] = []
         self.labels: dict[int, list[int]] = {}  # rank -> samples per label (non-iid partition)
+        #: Every change of membership (hosts that came and went): step, ranks, hosts, reason.
+        self.membership: list[dict[str, Any]] = []
         self.ranks: dict[int, RankState] = {}
         self._host_of = dict(enumerate(hosts)) if isinstance(hosts, Sequence) else dict(hosts or {})
         for rank in range(num_ranks or 0):
@@ -183,8 +187,18 @@ class Dashboard:
         return state
 
     def on_event(self, event: dict[str, Any]) -> None:
-        """Take one metric event (``start``, ``step``, ``done``; others are ignored)."""
+        """Take one metric event (``start``, ``step``, ``done``; from the launcher of a run
+        whose hosts come and go, ``host`` and ``membership``; others are ignored)."""
         kind = event.get("event", "step")
+        if kind == "host" and "rank" in event:
+            self.set_status(int(event["rank"]), str(event["state"]))
+            return
+        if kind == "membership":
+            self.membership.append({k: event[k] for k in ("step", "ranks", "hosts", "reason")})
+            if event.get("reason") != "start":
+                self._log(f"step {event['step']}: {event['reason']}; training on "
+                          f"{', '.join(event['hosts'])}")
+            return
         if "rank" not in event or kind not in ("start", "step", "done"):
             return
         with self._lock:
@@ -243,7 +257,8 @@ class Dashboard:
                            style="dim" if getattr(line, "stream", "") == "stderr" else None)
 
     def set_status(self, rank: int, status: str) -> None:
-        """Mark a rank's outcome (``done``, ``failed``, ``stopped``), e.g. from the launcher."""
+        """Mark a rank's state (``done``, ``failed``, ``stopped``, ``lost``, ``rejoining``,
+        ``training``), e.g. from the launcher."""
         line = None
         with self._lock:
             state = self._state(rank)
@@ -352,8 +367,11 @@ class Dashboard:
         with self._lock:
             if wall_s is None:
                 wall_s = 0.0 if self._started is None else self.clock() - self._started
-            return summarize(sorted(self.history, key=lambda r: (r["step"], r["rank"])),
-                             max(1, len(self.ranks)), wall_s, self.labels)
+            summary = summarize(sorted(self.history, key=lambda r: (r["step"], r["rank"])),
+                                max(1, len(self.ranks)), wall_s, self.labels)
+            if self.membership:
+                summary["membership"] = list(self.membership)
+            return summary
 
     def summary_table(self, summary: Mapping[str, Any], title: str = "run summary") -> Group:
         """Each rank's final figures, then the run's (as ``exogym.report`` names them).
@@ -400,6 +418,11 @@ class Dashboard:
             self.console.print(self.summary_table(summary, title))
             if summary.get("balance"):
                 self.console.print(balance_table(summary["balance"]))
+            for change in summary.get("membership") or []:
+                if change["reason"] != "start":
+                    self.console.print(f"step {change['step']}: {change['reason']}; training on "
+                                       f"{', '.join(change['hosts'])}", markup=False,
+                                       highlight=False, soft_wrap=True)
             if summary.get("label_histogram"):
                 self.console.print(label_table(summary["label_histogram"]))
 

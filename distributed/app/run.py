@@ -40,7 +40,13 @@ from distributed.hosts.sync import PROJECT_ROOT
 from distributed.launch.launcher import Launcher
 from distributed.launch.options import split_options
 from distributed.launch.program import RankProgram
-from distributed.profiles.profile import Profile, ProfileWarning, load_profile, parse_overrides
+from distributed.profiles.profile import (
+    LAUNCH_KEYS,
+    Profile,
+    ProfileWarning,
+    load_profile,
+    parse_overrides,
+)
 from distributed.rank.command import set_args, worker_args
 from distributed.rank.environment import FINAL_MODEL
 from exogym.fit_args import BALANCE_MODES
@@ -181,6 +187,28 @@ def balance_override(overrides: Mapping[str, Any] | None, balance: str | None) -
     return merged
 
 
+def elastic_override(overrides: Mapping[str, Any] | None, min_nodes: int | None,
+                     lost_after: float | None = None) -> dict[str, Any]:
+    """``overrides`` with the profile's ``min_nodes``/``lost_after`` keys replaced by
+    ``--min-nodes``/``--lost-after`` (None leaves the profile's own).
+
+    With ``min_nodes`` a run across hosts goes on while at least that many hosts
+    remain: lost hosts are dropped and rejoin when they answer again
+    (:mod:`distributed.launch.elastic`).
+    """
+    merged = dict(overrides or {})
+    if min_nodes is not None:
+        merged["min_nodes"] = min_nodes
+    if lost_after is not None:
+        merged["lost_after"] = lost_after
+    return merged
+
+
+def launch_settings(profile: Profile) -> dict[str, Any]:
+    """The launcher's settings a profile carries (``min_nodes``, ``lost_after``)."""
+    return {k: profile.values[k] for k in sorted(LAUNCH_KEYS) if profile.values.get(k) is not None}
+
+
 def resolve_profile(request: TrainRequest) -> Profile:
     """The request's profile, inheritance and overrides applied, validated."""
     return load_profile(request.profile, request.config, dict(request.overrides) or None)
@@ -224,6 +252,7 @@ def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Consol
         "run_dir": request.run_dir, "max_restarts": request.max_restarts, "sync": request.sync,
         "accept_new_host_keys": request.accept_new_host_keys,
         **ssh_files(request.known_hosts, request.ssh_config, request.ssh_timeout),
+        **launch_settings(resolve_profile(request)),
         **request.launcher_options,
     }
     options, ssh = split_options(flat, owner="TrainRequest(launcher_options=...)")
@@ -504,9 +533,14 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
         dashboard.set_status(rank.rank, "done" if rank.ok else
                              "stopped" if rank.stopped else "failed")
     if not result.ok:
-        dashboard.finish(dashboard.summary(time.monotonic() - started), title="run (failed)")
+        failed = dashboard.summary(time.monotonic() - started)
+        if launcher.membership:
+            failed["membership"] = launcher.membership
+        dashboard.finish(failed, title="run (failed)")
         raise RunFailedError(result.describe(), result)
     summary = dashboard.summary(time.monotonic() - started)
+    if launcher.membership:  # hosts came and went (min_nodes)
+        summary["membership"] = launcher.membership
     dashboard.finish(summary)
     out = profile.resolved.output_dir
     where = out if out.is_absolute() else Path(config.master.project_path) / out

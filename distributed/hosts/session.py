@@ -312,6 +312,27 @@ class HostSession:
         atomic_write_bytes(local_path, data)
         return local_path
 
+    def reconnect(self, rank: int) -> Shell | SSHConnectError:
+        """Drop ``rank``'s host connection and open a fresh one (a host that may have gone).
+
+        Returns:
+            The new shell, or why the host could not be reached.
+        """
+        old = self._shells.pop(rank, None)
+        if old is not None:
+            old.close()
+        if self.is_local(rank):
+            self._shells[rank] = LocalShell()
+            return self._shells[rank]
+        try:
+            client, _ = connect(self.targets[rank], self.ssh)
+        except SSHConnectError as exc:
+            self._connect_errors[rank] = exc
+            return exc
+        self._connect_errors.pop(rank, None)
+        shell = self._shells[rank] = SSHShell(client, self.targets[rank].label)
+        return shell
+
     def close(self) -> None:
         """Close every connection."""
         for shell in self._shells.values():

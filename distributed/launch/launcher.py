@@ -65,6 +65,7 @@ from distributed.hosts.preflight import PreflightError, PreflightReport
 from distributed.hosts.remote import BOOTSTRAP_SOURCE, rank_command
 from distributed.hosts.session import HostSession, is_this_machine
 from distributed.hosts.ssh import SSHOptions
+from distributed.launch.elastic import ElasticAttempt
 from distributed.launch.options import (
     SECRET_ENV_NAMES,
     LaunchOptions,
@@ -80,7 +81,7 @@ from distributed.launch.results import (
     OutputLine,
     RankResult,
 )
-from distributed.rank.environment import DEVICE_VARIABLE, RUN_DIR_VARIABLE
+from distributed.rank.environment import DEVICE_VARIABLE, MIN_NODES_VARIABLE, RUN_DIR_VARIABLE
 from exogym.io import atomic_write_text
 
 if TYPE_CHECKING:
@@ -161,6 +162,18 @@ class Launcher:
             self._owns_session = False
         self.session = session
         self.config = session.config
+        if options.min_nodes is not None:
+            if options.min_nodes > self.config.world_size:
+                raise ValueError(f"min_nodes={options.min_nodes} is more than the "
+                                 f"{self.config.world_size} rank(s) of the hosts file")
+            if not session.master_local:
+                raise ValueError(
+                    f"min_nodes needs the launcher on the master host "
+                    f"({self.config.master.host}): the run's store lives in the launcher, so "
+                    "that no rank's loss takes it away; start the run from that machine")
+        #: Every change of membership of the last attempt (``min_nodes``), as summary.json
+        #: records it: ``{"step", "ranks", "hosts", "reason"}``.
+        self.membership: list[dict[str, Any]] = []
 
         project_root = session.project_root
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -246,6 +259,8 @@ class Launcher:
                     env["NCCL_SOCKET_IFNAME"] = host.interface
                 if host.device:
                     env[DEVICE_VARIABLE] = host.device
+                if self.options.min_nodes is not None:
+                    env[MIN_NODES_VARIABLE] = str(self.options.min_nodes)
                 plans.append(RankPlan(
                     rank=rank, host=host, local=self.session.is_local(host.rank),
                     login=self.session.login(host.rank),
@@ -362,6 +377,19 @@ class Launcher:
             on_output=lambda line: self._deliver(self._on_output, line),
             on_event=lambda event: self._deliver(self._on_event, event),
             exits=self._exits)
+        if self.options.min_nodes is not None:
+            self._say(f"starting {len(plans)} rank(s); the run goes on while at least "
+                      f"{self.options.min_nodes} remain; logs in {self.run_dir}")
+            elastic = ElasticAttempt(plans, self.session, context, self.run_dir, restart,
+                                     self.options.min_nodes, self.options.lost_after,
+                                     self.options.probe_interval,
+                                     lambda text, style: self._say(text, style=style),
+                                     lambda: self._interrupted)
+            try:
+                return elastic.run()
+            finally:
+                self.membership = elastic.membership
+                elastic.close()
         runs = [RankRun(plan, self.session.shell(plan.host.rank),
                         self.run_dir / f"rank{plan.rank}.log", restart, context)
                 for plan in plans]

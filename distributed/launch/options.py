@@ -51,6 +51,14 @@ class LaunchOptions:
         master_local: run rank 0 here without SSH (``None``: when the master
             is this machine, see ``distributed.hosts.session.is_this_machine``).
         probe_timeout: seconds a host's pre-flight probe may take (default 60).
+        min_nodes: keep training while at least this many ranks remain
+            (:mod:`exogym.elastic`): a lost rank is dropped, its host probed and
+            the rank started again when the host answers; it rejoins at the next
+            round. ``None`` (default): every rank is needed, a lost one stops the job.
+        lost_after: with ``min_nodes``, seconds without a heartbeat after which a
+            rank is declared lost (frozen, asleep, cut off); default 10.
+        probe_interval: with ``min_nodes``, seconds between attempts to reach the
+            host of a lost rank again; default 1.
 
     ``project_root``, ``master_local`` and ``probe_timeout`` configure the host
     session the launcher opens; leave them unset when giving it a session.
@@ -66,8 +74,23 @@ class LaunchOptions:
     project_root: str | os.PathLike[str] | None = None
     master_local: bool | None = None
     probe_timeout: float | None = None
+    min_nodes: int | None = None
+    lost_after: float = 10.0
+    probe_interval: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.min_nodes is not None and (not isinstance(self.min_nodes, int) or
+                                           isinstance(self.min_nodes, bool) or
+                                           self.min_nodes < 1):
+            raise ValueError(f"min_nodes must be a whole number >= 1 (or None: every rank is "
+                             f"needed), got {self.min_nodes!r}")
+        if self.min_nodes is not None and self.max_restarts:
+            raise ValueError("min_nodes and max_restarts do not go together: with min_nodes a "
+                             "lost rank rejoins the running job, nothing is restarted; use one")
+        for name in ("lost_after", "probe_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) \
                 or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be a whole number >= 0, got "

@@ -84,16 +84,25 @@ class AttemptResult:
         first_failure: the rank whose failure stopped the job, if one did.
         interrupted: the signal name (``SIGINT``/``SIGTERM``) when the
             launcher was interrupted.
+        survived: for a job whose ranks come and go (``min_nodes``): True when it
+            finished among the ranks present at its end (ranks lost on the way
+            are not failures); None for a job that needs every rank.
+        stop_reason: why such a job stopped early (too few ranks remained).
     """
 
     restart: int
     ranks: tuple[RankResult, ...]
     first_failure: RankResult | None
     interrupted: str | None
+    survived: bool | None = None
+    stop_reason: str | None = None
 
     @property
     def ok(self) -> bool:
-        """True when every rank exited with code 0."""
+        """True when every rank exited with code 0 (with ``min_nodes``: when the job
+        finished among the ranks present at its end)."""
+        if self.survived is not None:
+            return self.interrupted is None and self.survived
         return self.interrupted is None and all(r.ok for r in self.ranks)
 
 
@@ -136,10 +145,22 @@ class LaunchResult:
 
     def describe(self) -> str:
         """The outcome in a few lines: who failed first, how, and its last lines."""
+        last = self.attempts[-1] if self.attempts else None
         if self.ok:
+            away = [r for r in self.ranks if not r.ok]
+            if away:
+                names = "; ".join(f"rank {r.rank} on {r.host}: {r.reason}" for r in away)
+                return (f"{len(self.ranks) - len(away)} of {len(self.ranks)} ranks finished "
+                        f"({names}) (logs in {self.run_dir})")
             return f"all {len(self.ranks)} ranks finished (logs in {self.run_dir})"
         if self.interrupted:
             return f"interrupted by {self.interrupted}; every rank was stopped"
+        if last is not None and last.stop_reason:
+            lost = self.first_failure
+            where = f" (first lost: rank {lost.rank} on {lost.host}, {lost.reason})" if lost \
+                else ""
+            return (f"stopped: {last.stop_reason}{where}; every rank wrote a checkpoint at the "
+                    f"last round it completed (logs in {self.run_dir})")
         failed = self.first_failure
         if failed is None:
             bad = [r for r in self.ranks if not r.ok]

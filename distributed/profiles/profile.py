@@ -40,7 +40,9 @@ from exogym.fit_args import balance_problem, profile_keys, value_problems
 SECTION_PREFIX = "distributed:"
 DEFAULT_CONFIG = PROJECT_ROOT / "config.ini"
 
-PROFILE_KEYS = {"base_profile", "task", "strategy", "description", "output_dir"}
+#: Keys for the launcher of a run across hosts (``distributed.launch.options.LaunchOptions``).
+LAUNCH_KEYS = {"min_nodes", "lost_after"}
+PROFILE_KEYS = {"base_profile", "task", "strategy", "description", "output_dir", *LAUNCH_KEYS}
 RUN_KEYS = profile_keys()  # the arguments of fit a profile may set
 
 STRATEGIES = {
@@ -270,6 +272,7 @@ class Profile:
         if self.strategy.lower().replace("-", "_") not in STRATEGIES and ":" not in self.strategy:
             found.append(unknown_strategy(self.strategy))
         found += value_problems({k: v for k, v in self.values.items() if k in RUN_KEYS}).values()
+        found += launch_key_problems(self.values)
         return found
 
     @cached_property
@@ -400,3 +403,18 @@ def load_profile(name: str, config: str | Path | None = None,
                  overrides: dict[str, Any] | None = None) -> Profile:
     """Read ``config`` and return profile ``name`` (with ``overrides``)."""
     return ProfileSet(config).get(name, overrides)
+
+
+def launch_key_problems(values: dict[str, Any]) -> list[str]:
+    """What is wrong with the launcher's keys of a profile (``min_nodes``, ``lost_after``)."""
+    found = []
+    nodes = values.get("min_nodes")
+    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
+        found.append(f"min_nodes must be a whole number >= 1 (the fewest hosts a run across "
+                     f"hosts goes on with), got {nodes!r}")
+    after = values.get("lost_after")
+    if after is not None and (isinstance(after, bool) or not isinstance(after, (int, float))
+                              or after <= 0):
+        found.append(f"lost_after must be a number of seconds > 0 (how long a host may be "
+                     f"silent before it is dropped), got {after!r}")
+    return found

@@ -23,6 +23,9 @@ FINAL_MODEL = "model.safetensors"
 RUN_DIR_VARIABLE = "EXOGYM_RUN_DIR"
 #: A host's ``device`` from the hosts file, as the launcher passes it to the rank.
 DEVICE_VARIABLE = "EXOGYM_DEVICE"
+#: Set by the launcher for a run that goes on while this many ranks remain
+#: (:mod:`exogym.elastic`); the rendezvous store is then the launcher's.
+MIN_NODES_VARIABLE = "EXOGYM_MIN_NODES"
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class RankEnvironment:
         master_addr, master_port: where rank 0's rendezvous store listens.
         local_rank, local_world_size: position among the ranks on this machine.
         agent_store: the store is hosted by torchrun's agent, not by rank 0.
+        min_nodes: ranks come and go while at least this many remain; the store is
+            the launcher's (None: every rank is needed, rank 0 hosts the store).
     """
 
     rank: int
@@ -43,6 +48,7 @@ class RankEnvironment:
     local_rank: int = 0
     local_world_size: int = 1
     agent_store: bool = False
+    min_nodes: int | None = None
 
 
 def rank_environment(env: dict[str, str] | None = None) -> RankEnvironment | None:
@@ -67,8 +73,19 @@ def rank_environment(env: dict[str, str] | None = None) -> RankEnvironment | Non
         raise ValueError(f"RANK={rank} must be in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
     if not 0 < port < 65536:
         raise ValueError(f"MASTER_PORT={port} is not a port number")
+    min_nodes = None
+    if env.get(MIN_NODES_VARIABLE):
+        try:
+            min_nodes = int(env[MIN_NODES_VARIABLE])
+        except ValueError:
+            raise ValueError(f"{MIN_NODES_VARIABLE}={env[MIN_NODES_VARIABLE]!r} must be an "
+                             "integer") from None
+        if not 1 <= min_nodes <= world:
+            raise ValueError(f"{MIN_NODES_VARIABLE}={min_nodes} must be in 1..WORLD_SIZE "
+                             f"(WORLD_SIZE={world})")
     return RankEnvironment(rank, world, env["MASTER_ADDR"], port, local_rank, local_world,
-                           agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+                           agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                           min_nodes=min_nodes)
 
 
 def choose_interface(master_addr: str) -> str | None:

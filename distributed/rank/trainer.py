@@ -52,6 +52,11 @@ class RankTrainer(Trainer):
             trainer_kwargs["device"] = os.environ.get(DEVICE_VARIABLE) or None
         super().__init__(model, train_dataset, val_dataset, **trainer_kwargs)
         self.environment = environment
+        #: Whether this rank writes the run's final model and summary: rank 0, or where
+        #: ranks come and go (``min_nodes``), the lowest rank present at the end.
+        self.writes_outputs = environment.rank == 0
+        #: Every change of membership (``min_nodes`` runs): ``{"step", "ranks", "hosts", "reason"}``.
+        self.membership: list[dict[str, Any]] | None = None
 
     def fit(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
         """Same arguments as :meth:`exogym.Trainer.fit`; ``num_nodes`` defaults to the world size."""
@@ -63,7 +68,10 @@ class RankTrainer(Trainer):
         if env.rank != 0:  # rank 0 writes the run's logs, to a tracker too
             kwargs["logger"] = None
             kwargs["wandb_project"] = None
-        return super().fit(*args, **kwargs)
+        final = super().fit(*args, **kwargs)
+        if self.membership is not None:
+            self.summary["membership"] = self.membership
+        return final
 
     def _packing(self, spec: RunSpec, placement: Placement, processes: int | None) -> None:
         """A host runs its own rank: nothing is packed, and nothing simulated is honoured."""
@@ -91,13 +99,22 @@ class RankTrainer(Trainer):
 
         def emit(event: dict[str, Any]) -> None:
             print(encode_event(event), flush=True)
+            if event.get("event") == "final_membership":
+                # Ranks came and went: the lowest one present at the end writes the outputs.
+                self.membership = event["changes"]
+                self.writes_outputs = event["present"][:1] == [env.rank]
             on_event(event)
 
+        elastic = env.min_nodes is not None
         rendezvous = Rendezvous(env.master_addr, env.master_port,
-                                store_on_rank0=not env.agent_store, watch_peers=True)
+                                store_on_rank0=not env.agent_store and not elastic,
+                                watch_peers=True, min_nodes=env.min_nodes)
         state = run_rank(spec, placement, env.rank, rendezvous, emit, average_final=True)
+        if state is None:  # away at the end of a run whose ranks come and go
+            self.writes_outputs = False
+            return []
         run_dir = os.environ.get(RUN_DIR_VARIABLE)
-        if env.rank == 0 and run_dir:
+        if self.writes_outputs and run_dir:
             atomic_save_safetensors(state, Path(run_dir) / FINAL_MODEL,
                                     {"config": json.dumps(spec.config(), default=repr)})
         return [state]

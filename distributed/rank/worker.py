@@ -91,7 +91,7 @@ def run_profile(name: str | Profile, config: str | None = None,
             print(f"{output_dir} had already finished; nothing to resume. Its results are in "
                   f"{output_dir / 'summary.json'}", flush=True)
         return trainer
-    if env is None or env.rank == 0:
+    if env is None or trainer.writes_outputs:
         metadata = {"profile": profile.name,
                     "profile_values": json.dumps(profile.values, default=repr),
                     "config": json.dumps(trainer.run_config, default=repr)}

@@ -97,6 +97,8 @@ class RunInfo:
         status: ``waiting``, ``running``, ``done`` or ``failed``.
         started: the state's clock at its first event, or None.
         summary: the final figures (``exogym.report.summarize``), once finished.
+        membership: every change of membership where hosts come and go
+            (``min_nodes``): ``{"step", "ranks", "hosts", "reason"}``.
     """
 
     name: str
@@ -106,12 +108,14 @@ class RunInfo:
     started: float | None = None
     summary: dict[str, Any] | None = None
     ranks: dict[int, RankRow] = field(default_factory=dict)
+    membership: list[dict[str, Any]] = field(default_factory=list)
 
     def as_json(self, now: float) -> dict[str, Any]:
         """The run's header for the page."""
         return {"name": self.name, "config": self.config, "status": self.status,
                 "elapsed_s": None if self.started is None else now - self.started,
-                "summary": None if self.summary is None else _plain(self.summary)}
+                "summary": None if self.summary is None else _plain(self.summary),
+                "membership": _plain(self.membership)}
 
 
 class WebState:
@@ -164,6 +168,15 @@ class WebState:
         Every ``step`` event updates its rank's row; it adds a chart point unless the run
         is longer than ``POINTS_PER_RANK`` steps and the step falls between two kept ones."""
         kind = event.get("event", "step")
+        if kind == "host" and "rank" in event:  # a host lost or rejoining (min_nodes)
+            self.set_status(int(event["rank"]), str(event["state"]))
+            return
+        if kind == "membership":
+            with self.changed:
+                self._current().membership.append(
+                    {k: _plain(event[k]) for k in ("step", "ranks", "hosts", "reason")})
+                self._bump()
+            return
         if "rank" not in event or kind not in ("start", "step", "done"):
             return
         with self.changed:
@@ -216,7 +229,8 @@ class WebState:
         self.points.append(point)
 
     def set_status(self, rank: int, status: str) -> None:
-        """Mark a rank of the current run ``done``, ``failed`` or ``stopped``."""
+        """Mark a rank of the current run ``done``, ``failed``, ``stopped``, ``lost``,
+        ``rejoining`` or ``training``."""
         with self.changed:
             run = self._current()
             row = run.ranks.get(rank)

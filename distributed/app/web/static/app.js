@@ -129,6 +129,11 @@ function drawStatus() {
                ", val loss " + fmt(val, 4) + ", " + bytes(s.bytes_per_node || 0) +
                " sent per node, " + fmt(s.wall_s, 1) + " s");
   }
+  for (const change of run.membership || []) {
+    if (change.reason === "start") continue;
+    lines.push("step " + change.step + ": " + change.reason + "; training on " +
+               change.hosts.join(", "));
+  }
   document.getElementById("summary").textContent = lines.join(" · ");
 }
 

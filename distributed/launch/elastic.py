@@ -1,0 +1,306 @@
+"""One start of a job whose ranks come and go (``min_nodes``): the launcher's side.
+
+The ranks meet through a rendezvous store that lives here, in the launcher's
+process (:mod:`exogym.elastic` says what the ranks do with it), so no rank's
+death takes it away. While the job runs, this watch:
+
+- declares a rank lost when its process exits with an error or its connection
+  drops (at once), or when its heartbeat has not moved for ``lost_after``
+  seconds (a frozen process, a sleeping laptop, a cut link); the other ranks
+  carry on among themselves;
+- probes a lost rank's host every ``probe_interval`` seconds over a fresh SSH
+  connection; once it answers, starts the rank again, and the rank rejoins at
+  the next round with the state a live peer hands it. A rank whose process
+  lived through its loss (thawed, reconnected) rejoins by itself;
+- reports every change of membership as an event (``{"event": "membership",
+  ...}``) and each host's state (``{"event": "host", "state": "lost" |
+  "rejoining" | "training"}``) for the dashboards;
+- stops every rank when the ranks decide that fewer than ``min_nodes`` remain
+  (they write a checkpoint first), naming the lost hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from distributed.hosts.session import HostSession
+from distributed.launch.program import RankPlan
+from distributed.launch.rank_run import ExitQueue, RankRun, RankRunContext
+from distributed.launch.results import AttemptResult, RankResult
+
+#: Seconds a rank may take from its start to its first heartbeat (imports, data).
+START_ALLOWANCE_S = 120.0
+
+
+class ElasticAttempt:
+    """Runs, watches and heals one start of a ``min_nodes`` job.
+
+    Args:
+        plans: how each rank is started, in rank order.
+        session: the host session (connections, reconnects).
+        context: what the ranks share with the launcher (output, events, exits).
+        run_dir: where each rank's log goes.
+        restart: which start of the job this is.
+        min_nodes: the fewest ranks the job goes on with.
+        lost_after: seconds of heartbeat silence after which a rank is lost.
+        probe_interval: seconds between attempts to reach a lost rank's host.
+        say: prints one launcher message (text, style).
+        interrupted: the signal that interrupted the launcher, if any.
+    """
+
+    def __init__(self, plans: Sequence[RankPlan], session: HostSession,
+                 context: RankRunContext, run_dir: Path, restart: int, min_nodes: int,
+                 lost_after: float, probe_interval: float,
+                 say: Callable[[str, str | None], None],
+                 interrupted: Callable[[], str | None]) -> None:
+        self.plans = list(plans)
+        self.session = session
+        self.context = context
+        self.run_dir = run_dir
+        self.restart = restart
+        self.min_nodes = min_nodes
+        self.lost_after = lost_after
+        self.probe_interval = probe_interval
+        self.say = say
+        self.interrupted = interrupted
+        self.exits: ExitQueue = context.exits
+        self.runs: dict[int, RankRun] = {}
+        self.earlier: dict[int, list[RankResult]] = {}  # results of a rank's lost processes
+        self.lost: dict[int, str] = {}  # rank -> why, while it is away
+        self.state: dict[int, str] = {}
+        self.beats: dict[int, tuple[str, float]] = {}
+        self.logged = 0
+        self.membership: list[dict[str, Any]] = []
+        self.stop_reason: str | None = None
+        self.first_lost: int | None = None
+        self._ending = threading.Event()
+        self._session_lock = threading.Lock()
+        self._probing: set[int] = set()
+        self._results: dict[int, RankResult] = {}
+        # Here, not at the top: the launcher's module stays free of torch until a run needs it.
+        from exogym import comm
+        from exogym import elastic as protocol
+
+        self.protocol = protocol
+        master = self.plans[0]
+        self.store = comm.open_store(master.master_addr, master.master_port, is_master=True,
+                                     timeout_s=30)
+
+    # ------------------------------------------------------------------ events
+
+    def _host(self, rank: int, state: str, reason: str = "") -> None:
+        if self.state.get(rank) == state:
+            return
+        self.state[rank] = state
+        plan = self.plans[rank]
+        self.context.on_event({"event": "host", "rank": rank, "host": plan.host.host,
+                               "state": state, "reason": reason})
+
+    def _read_log(self) -> None:
+        """New membership decisions, as events (and the host states they imply)."""
+        log = self.protocol.key("log")
+        if not self.store.check([log]):
+            return
+        lines = self.store.get(log).decode().splitlines()
+        for line in lines[self.logged:]:
+            decided = json.loads(line)
+            entry = {k: decided[k] for k in ("step", "ranks", "hosts", "reason")}
+            self.membership.append(entry)
+            self.context.on_event({"event": "membership", **entry})
+            if decided["reason"] != "start":
+                self.say(f"step {entry['step']}: {entry['reason']}; training on "
+                         f"{', '.join(entry['hosts'])}", "yellow")
+            for rank in decided["ranks"]:
+                if rank not in self.lost or rank in decided["joined"]:
+                    self.lost.pop(rank, None)
+                    self._host(rank, "training")
+        self.logged = len(lines)
+
+    # ------------------------------------------------------------------ losses
+
+    def _lose(self, rank: int, why: str) -> None:
+        if rank in self.lost:
+            return
+        self.protocol.declare_lost(self.store, rank, why)
+        self.lost[rank] = why
+        if self.first_lost is None:
+            self.first_lost = rank
+        plan = self.plans[rank]
+        self.say(f"[{plan.host.host}:{rank}] lost ({why}); the others carry on", "red")
+        self._host(rank, "lost", why)
+
+    def _watch_heartbeats(self, now: float) -> None:
+        for rank, run in self.runs.items():
+            if rank in self.lost or not run.running:
+                continue
+            beat_key = f"exogym/beat/{rank}"
+            value = self.store.get(beat_key).decode() if self.store.check([beat_key]) else ""
+            seen = self.beats.get(rank)
+            if seen is None or seen[0] != value:
+                self.beats[rank] = (value, now)
+                continue
+            allowed = self.lost_after if value else self.lost_after + START_ALLOWANCE_S
+            if now - seen[1] > allowed:
+                self._lose(rank, f"no heartbeat for {self.lost_after:g} s: frozen, asleep or "
+                                 "cut off")
+
+    def _watch_returns(self, now: float) -> None:
+        """Ranks that acknowledged their loss are back and wait for the next round."""
+        for rank in list(self.lost):
+            generation = self.protocol.loss_generation(self.store, rank)
+            if self.protocol.ready_generation(self.store, rank) == generation:
+                self._host(rank, "rejoining")
+                self.beats[rank] = ("", now)
+
+    # ------------------------------------------------------------------ bringing ranks back
+
+    def _start(self, rank: int, shell: Any) -> RankRun:
+        plan = self.plans[rank]
+        run = RankRun(plan, shell, self.run_dir / f"rank{rank}.log", self.restart, self.context)
+        self.runs[rank] = run
+        run.start()
+        return run
+
+    def _probe(self, rank: int, ended: RankRun) -> None:
+        """Collect the ended run of a lost rank, reach its host again, start the rank there."""
+        self.earlier.setdefault(rank, []).append(self._finish(ended))
+        plan = self.plans[rank]
+        tries = 0
+        while not self._ending.wait(self.probe_interval):
+            with self._session_lock:
+                outcome = self.session.reconnect(plan.host.rank)
+            tries += 1
+            if isinstance(outcome, Exception):
+                if tries == 1:
+                    self.say(f"[{plan.host.host}:{rank}] unreachable ({outcome}); probing every "
+                             f"{self.probe_interval:g} s", None)
+                continue
+            if self._ending.is_set():
+                break
+            self.say(f"[{plan.host.host}:{rank}] reachable again: starting rank {rank}; it "
+                     "rejoins at the next round", "green")
+            self._start(rank, outcome)
+            break
+        self._probing.discard(rank)
+
+    def _bring_back(self, rank: int, ended: RankRun) -> None:
+        if rank in self._probing or self._ending.is_set():
+            return
+        self._probing.add(rank)
+        threading.Thread(target=self._probe, args=(rank, ended), daemon=True,
+                         name=f"probe-rank{rank}").start()
+
+    # ------------------------------------------------------------------ the run
+
+    def _exited(self, rank: int, code: int | None) -> None:
+        run = self.runs[rank]
+        if code == 0 or run.stop_requested or self.stop_reason or self.interrupted():
+            return
+        if self.store.check([self.protocol.key("finished")]) and rank not in self.lost:
+            return  # the run was over; its own failure to leave is in its result
+        self._lose(rank, run.describe_exit())
+        self._bring_back(rank, run)
+
+    def _finish(self, run: RankRun) -> RankResult:
+        """The run's result (finishing it once)."""
+        found = self._results.get(id(run))
+        if found is None:
+            found = self._results[id(run)] = run.finish()
+        return found
+
+    def _stop_all(self) -> None:
+        for run in self.runs.values():
+            if run.running and not run.stop_requested:
+                run.stop_requested = True
+                threading.Thread(target=run.stop, daemon=True,
+                                 name=f"stop-rank{run.plan.rank}").start()
+
+    def run(self) -> AttemptResult:
+        """Start every rank and watch until the job ends; every rank's result."""
+        for plan in self.plans:
+            self.store.set(self.protocol.key("host", plan.rank), plan.host.host)
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(self.plans)))) as pool:
+            list(pool.map(lambda p: self._start(p.rank, self.session.shell(p.host.rank)),
+                          self.plans))
+        stopping_since: float | None = None
+        forced = False
+        while True:
+            now = time.monotonic()
+            if self.interrupted() and stopping_since is None:
+                self.say(f"{self.interrupted()} received: stopping every rank", "yellow")
+                stopping_since = now
+                self._ending.set()
+                self._stop_all()
+            try:
+                item = self.exits.get(timeout=0.2)
+            except queue.Empty:
+                item = None
+            if item is not None:
+                self._exited(*item)
+            try:
+                self._read_log()
+                if stopping_since is None:
+                    self._watch_heartbeats(now)
+                    self._watch_returns(now)
+                    if self.store.check([self.protocol.key("stop")]):
+                        self.stop_reason = self.store.get(self.protocol.key("stop")).decode()
+                        self.say(f"stopping: {self.stop_reason}", "red")
+                        stopping_since = now
+                        self._ending.set()
+                    elif self.store.check([self.protocol.key("finished")]):
+                        # The run is over: ranks still away will not be needed.
+                        self._ending.set()
+                        for rank in list(self.lost):
+                            run = self.runs[rank]
+                            if run.running and not run.stop_requested:
+                                run.stop_requested = True
+                                threading.Thread(target=run.stop, daemon=True).start()
+            except Exception as exc:  # noqa: BLE001 - the store is ours; keep watching
+                self.say(f"store error while watching: {exc}", "red")
+            running = [r for r in self.runs.values() if r.running]
+            if not running and not self._probing and (self._ending.is_set() or not self.lost):
+                break
+            if not running and len(self.lost) == len(self.plans) and not self._ending.is_set():
+                self.stop_reason = "every rank was lost; nothing is left to carry on"
+                self.say(f"stopping: {self.stop_reason}", "red")
+                self._ending.set()
+            grace = self.context.grace_period
+            if stopping_since is not None and not forced and now - stopping_since > grace + 15:
+                forced = True
+                for run in running:
+                    run.force_close()
+        self._ending.set()
+        self._read_log()
+        results = []
+        for rank in range(len(self.plans)):
+            result = self._finish(self.runs[rank])
+            if rank in self.lost and result.exit_code != 0:
+                result = _lost_result(result, self.lost[rank])
+            results.append(result)
+        first = None
+        if self.stop_reason is not None and self.first_lost is not None:
+            earlier = self.earlier.get(self.first_lost)
+            first = _lost_result(earlier[0] if earlier else results[self.first_lost],
+                                 self.lost.get(self.first_lost) or "lost")
+        survived = self.stop_reason is None and not self.interrupted() and all(
+            r.ok for r in results if r.rank not in self.lost)
+        return AttemptResult(restart=self.restart, ranks=tuple(results), first_failure=first,
+                             interrupted=self.interrupted(), survived=survived,
+                             stop_reason=self.stop_reason)
+
+    def close(self) -> None:
+        """Stop probing and close the store (the ranks are gone by now)."""
+        self._ending.set()
+        del self.store
+
+
+def _lost_result(result: RankResult, why: str) -> RankResult:
+    return replace(result, reason=f"lost: {why}; it did not rejoin before the end")

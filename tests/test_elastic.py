@@ -1,0 +1,210 @@
+"""The pieces of runs whose ranks come and go, each on its own: the store-based collectives
+that survive a lost peer, the round decisions, the settings and what the dashboards show.
+
+The whole thing over SSH is in ``test_elastic_hosts.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from io import StringIO
+
+import pytest
+import torch
+from ranks import free_port
+from rich.console import Console
+
+from distributed.app.dashboard import Dashboard
+from distributed.app.web.state import WebState
+from distributed.launch.options import LaunchOptions
+from distributed.profiles.profile import launch_key_problems
+from distributed.rank.environment import rank_environment
+from exogym import comm
+from exogym.elastic import (
+    ElasticMembership,
+    ElasticWorld,
+    MembershipStop,
+    RankDropped,
+    declare_lost,
+    key,
+)
+
+
+@pytest.fixture
+def store():
+    server = comm.open_store("127.0.0.1", free_port(), is_master=True, timeout_s=20)
+    yield server
+    del server
+
+
+def worlds(store, n=3, timeout_s=20.0):
+    port = store.port
+    return [ElasticWorld(n, r, lambda: comm.open_store("127.0.0.1", port, timeout_s=20),
+                         timeout_s) for r in range(n)]
+
+
+def run_ranks(worlds_, body):
+    """``body(world, rank)`` in one thread per rank; their results (or exceptions)."""
+    out: dict[int, object] = {}
+
+    def one(world, rank):
+        world.sit(rank)
+        try:
+            out[rank] = body(world, rank)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            out[rank] = exc
+        finally:
+            world.stand()
+
+    threads = [threading.Thread(target=one, args=(w, r)) for r, w in enumerate(worlds_)]
+    for t in threads:
+        t.start()
+    return threads, out
+
+
+def test_an_all_reduce_completes_among_the_survivors_and_every_survivor_gets_the_same(store):
+    ws = worlds(store)
+    seen = threading.Event()
+
+    def body(world, rank):
+        world.enter_step(5, None)
+        t = torch.full((4,), float(rank + 1))
+        if rank == 2:
+            seen.wait(10)  # never arrives before it is declared lost
+        world.all_reduce_many([t], comm.ReduceOp.SUM, divide_by=3)
+        return t
+
+    threads, out = run_ranks(ws, body)
+    import time
+    time.sleep(0.5)
+    declare_lost(store, 2, "killed")
+    threads[0].join(10)
+    threads[1].join(10)
+    seen.set()
+    threads[2].join(10)
+    # The average is over the two that took part: (1 + 2) / 2.
+    assert torch.equal(out[0], torch.full((4,), 1.5)) and torch.equal(out[0], out[1])
+    # The lost rank's late part is refused: it learns it was dropped.
+    assert isinstance(out[2], RankDropped)
+
+
+def test_a_part_that_arrived_before_the_loss_counts_for_every_survivor(store):
+    ws = worlds(store)
+    posted = threading.Event()
+
+    def body(world, rank):
+        world.enter_step(1, None)
+        t = torch.full((2,), float(rank + 1))
+        if rank != 2:
+            posted.wait(10)  # rank 2 has posted its part and was declared lost since
+        world.all_reduce(t, comm.ReduceOp.SUM)
+        return t
+
+    threads, out = run_ranks(ws, body)
+    slot = f"{ws[0].namespace}/w/1/0/2"
+    import time
+    deadline = time.monotonic() + 10
+    while not store.check([slot]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    declare_lost(store, 2, "killed after it posted")
+    posted.set()
+    for t in threads:
+        t.join(10)
+    # Its part stands for both survivors (the slot was posted, so it is never sealed) ...
+    assert torch.equal(out[0], torch.full((2,), 6.0)) and torch.equal(out[1], out[0])
+    # ... and the lost rank either completes the same collective or learns it was dropped.
+    assert isinstance(out[2], RankDropped) or torch.equal(out[2], out[0])
+    assert ws[2].lost_since_admitted(2)
+
+
+def membership(store, n=3, h=5, min_nodes=2):
+    ws = worlds(store, n)
+    return ws, [ElasticMembership(w, r, n, h, min_nodes) for r, w in enumerate(ws)]
+
+
+def test_the_first_rank_at_a_boundary_decides_and_the_others_read_the_same(store):
+    for r, host in enumerate(["a", "b", "c"]):
+        store.set(key("host", r), host)
+    _, ms = membership(store)
+    assert ms[1].present(1) == {0, 1, 2}
+    assert ms[0].present(3) == {0, 1, 2}  # the same round: decided once
+    declare_lost(store, 2, "exited with code -9")
+    assert ms[0].present(4) == {0, 1, 2}  # inside the round nothing changes
+    assert ms[0].present(6) == {0, 1}  # the next round drops it
+    assert ms[1].present(6) == {0, 1} and ms[1].shard(1, 6) == (1, 2)
+    change = json.loads(store.get(key("log")).decode().splitlines()[-1])
+    assert change["step"] == 6 and change["hosts"] == ["a", "b"]
+    assert change["reason"] == "c (rank 2) lost (exited with code -9)"
+
+
+def test_a_returning_rank_is_admitted_at_the_next_round_with_a_source(store):
+    ws, ms = membership(store)
+    ms[0].present(1)
+    ms[1].present(1)
+    declare_lost(store, 2, "frozen")
+    assert ms[0].present(6) == {0, 1}
+    ms[1].present(6)
+    assert not ms[2].is_present(2, 6)  # it knows it was dropped
+    got = {}
+    waiter = threading.Thread(target=lambda: got.setdefault("at", ms[2].next_join(2, 6)))
+    waiter.start()
+    import time
+    time.sleep(0.3)  # it has said it is ready
+    assert ms[0].present(11) == {0, 1, 2}
+    waiter.join(10)
+    assert got["at"] == 11
+    assert ms[0].joiners(11) == [2] and ms[0].source(11) == 0
+    assert ms[2].is_present(2, 12)
+
+
+def test_too_few_ranks_stop_the_run_naming_the_host(store):
+    store.set(key("host", 1), "laptop")
+    _, ms = membership(store, n=2, min_nodes=2)
+    ms[0].present(1)
+    declare_lost(store, 1, "no heartbeat for 10 s")
+    with pytest.raises(MembershipStop, match="laptop.*fewer than min_nodes=2"):
+        ms[0].present(6)
+    assert store.check([key("stop")])
+
+
+def test_launch_settings_are_checked_before_anything_starts():
+    with pytest.raises(ValueError, match="min_nodes must be a whole number >= 1"):
+        LaunchOptions(min_nodes=0)
+    with pytest.raises(ValueError, match="do not go together"):
+        LaunchOptions(min_nodes=2, max_restarts=1)
+    with pytest.raises(ValueError, match="lost_after must be a number of seconds > 0"):
+        LaunchOptions(min_nodes=2, lost_after=0)
+    assert launch_key_problems({"min_nodes": "two"})[0].startswith("min_nodes must be")
+    assert launch_key_problems({"min_nodes": 2, "lost_after": 5}) == []
+    env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+    assert rank_environment({**env, "EXOGYM_MIN_NODES": "2"}).min_nodes == 2
+    with pytest.raises(ValueError, match="EXOGYM_MIN_NODES=4 must be in 1..WORLD_SIZE"):
+        rank_environment({**env, "EXOGYM_MIN_NODES": "4"})
+
+
+def test_the_dashboards_show_lost_and_rejoining_hosts_and_record_the_membership():
+    console = Console(file=StringIO(), width=200)
+    board = Dashboard(3, ["a", "b", "c"], console=console, live=False)
+    web = WebState()
+    web.begin_run("p", {}, 3, ["a", "b", "c"])
+    events = [
+        {"event": "membership", "step": 1, "ranks": [0, 1, 2], "hosts": ["a", "b", "c"],
+         "reason": "start"},
+        {"event": "host", "rank": 2, "host": "c", "state": "lost", "reason": "killed"},
+        {"event": "membership", "step": 21, "ranks": [0, 1], "hosts": ["a", "b"],
+         "reason": "c (rank 2) lost (killed)"},
+        {"event": "host", "rank": 2, "host": "c", "state": "rejoining", "reason": ""},
+    ]
+    for e in events[:3]:
+        board.on_event(e)
+        web.on_event(e)
+    assert board.ranks[2].status == "lost"
+    assert web.runs[0].ranks[2].state == "lost"
+    board.on_event(events[3])
+    web.on_event(events[3])
+    assert board.ranks[2].status == "rejoining" and web.runs[0].ranks[2].state == "rejoining"
+    assert [m["ranks"] for m in board.summary()["membership"]] == [[0, 1, 2], [0, 1]]
+    assert web.runs[0].as_json(0.0)["membership"][1]["reason"] == "c (rank 2) lost (killed)"
+    board.finish()
+    assert "step 21: c (rank 2) lost (killed); training on a, b" in console.file.getvalue()

@@ -1,0 +1,343 @@
+"""Hosts that drop out and come back, for real: three "hosts" over SSH, DiLoCo on digits.
+
+Rank 0 runs on this machine (127.0.0.1), rank 1 logs in to the test sshd on
+127.0.0.2, and rank 2 to a second sshd of its own on 127.0.0.7, which the
+tests switch off and on as a machine that goes away. With ``min_nodes`` the
+launcher hosts the run's store, declares lost ranks, probes their hosts and
+starts them again; the ranks carry on among themselves and take a returning
+rank back at the next round (:mod:`exogym.elastic`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from io import StringIO
+from pathlib import Path
+
+import pytest
+import torch
+from ranks import ROOT, free_port
+from rich.console import Console
+from safetensors.torch import load_file
+from sshd_fixture import HostSSHD, serve_sshd
+
+from distributed.hosts.ssh import SSHOptions
+from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram
+
+THIRD = "127.0.0.7"
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    yield from serve_sshd(tmp_path_factory)
+
+
+@pytest.fixture
+def third(sshd):
+    host = HostSSHD(sshd, THIRD)
+    host.start()
+    yield host
+    host.stop()
+
+
+def hosts(sshd):
+    worker = {"ssh_port": sshd.port}
+    return {"master": "127.0.0.1",
+            "workers": [{"host": "127.0.0.2", **worker}, {"host": THIRD, **worker}],
+            "ssh_user": sshd.user, "ssh_key_path": str(sshd.key_path),
+            "python_env": sys.executable, "project_path": str(ROOT), "master_port": free_port()}
+
+
+def launcher(sshd, program, tmp_path, on_event, **options):
+    ssh = SSHOptions(known_hosts_path=sshd.known_hosts, ssh_config_path=sshd.ssh_config,
+                     allow_agent=False, look_for_keys=False, connect_timeout=3)
+    return Launcher(hosts(sshd), program,
+                    options=LaunchOptions(run_dir=tmp_path / "launch", grace_period=2,
+                                          probe_interval=1.0, **options),
+                    ssh=ssh, console=Console(file=StringIO(), width=200),
+                    on_output=lambda line: None, on_event=on_event)
+
+
+def rank_pid(rank: int, marker: str) -> int | None:
+    """The worker process of ``rank`` whose command line holds ``marker``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            environ = (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if argv[1:3] == ["-m", "distributed.worker"] and any(marker in a for a in argv) \
+                and f"RANK={rank}" in environ:
+            return int(entry.name)
+    return None
+
+
+class Watch:
+    """The run's events, and waiting for one."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self.changed = threading.Condition()
+
+    def __call__(self, event: dict) -> None:
+        with self.changed:
+            self.events.append(event)
+            self.changed.notify_all()
+
+    def wait_for(self, test, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                for event in self.events:
+                    if test(event):
+                        return event
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no such event within {timeout} s; last: "
+                                         f"{self.events[-3:]}")
+                self.changed.wait(left)
+
+    def membership(self) -> list[dict]:
+        return [e for e in self.events if e.get("event") == "membership"]
+
+    def val_losses(self) -> list[tuple[int, float]]:
+        return [(e["step"], e["val_global_loss"]) for e in self.events
+                if e.get("event") == "step" and "val_global_loss" in e and e["rank"] == 0]
+
+
+def program(out: Path, max_steps: int, *extra: str) -> RankProgram:
+    return RankProgram.from_profile("digits-diloco", overrides=[
+        f"max_steps={max_steps}", "val_interval=500", "val_size=256", "num_threads=1",
+        "checkpoint_interval=None", "num_nodes=3", f"output_dir={out}", *extra])
+
+
+def test_a_killed_host_is_dropped_and_rejoins_when_it_answers_again(sshd, third, tmp_path):
+    out = tmp_path / "net"
+    watch = Watch()
+    with launcher(sshd, program(out, 24000), tmp_path, watch, min_nodes=2) as job:
+        runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
+        runner.start()
+        watch.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 2
+                       and e["step"] >= 2000, 120)
+        third.stop()  # the host goes away: its rank dies, and nothing answers there
+        pid = rank_pid(2, str(out))
+        assert pid is not None
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        lost = watch.wait_for(lambda e: e.get("event") == "membership" and e["ranks"] == [0, 1],
+                              60)
+        survivors_round = watch.wait_for(
+            lambda e: e.get("event") == "step" and e["rank"] == 0 and e["step"] >= lost["step"]
+            + 20, 60)
+        assert survivors_round["step"] > lost["step"]
+        time.sleep(2)
+        third.start()
+        back_at = time.monotonic()
+        rejoined = watch.wait_for(lambda e: e.get("event") == "membership"
+                                  and e["ranks"] == [0, 1, 2] and e["step"] > lost["step"], 90)
+        runner.join(timeout=300)
+    result = job.result
+    assert result.ok, result.describe()
+    assert "rejoined" in rejoined["reason"] and THIRD in rejoined["reason"]
+    assert "lost" in lost["reason"] and THIRD in lost["reason"]
+    assert time.monotonic() - killed_at < 400
+    assert [m["ranks"] for m in watch.membership()] == [[0, 1, 2], [0, 1], [0, 1, 2]]
+    assert job.membership[1]["hosts"] == ["127.0.0.1", "127.0.0.2"]
+    # The rejoined rank trained again, from the step it was handed.
+    assert any(e.get("event") == "step" and e["rank"] == 2 and e["step"] >= rejoined["step"]
+               for e in watch.events)
+    del back_at
+    losses = watch.val_losses()
+    at_loss = [v for s, v in losses if s <= lost["step"]][-1]
+    assert math.isfinite(losses[-1][1]) and losses[-1][1] < at_loss
+    final = load_file(out / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in final.values())
+
+
+def test_a_frozen_rank_is_dropped_within_the_deadline_and_rejoins_after_it_thaws(
+        sshd, third, tmp_path):
+    out = tmp_path / "net"
+    watch = Watch()
+    with launcher(sshd, program(out, 30000), tmp_path, watch, min_nodes=2) as job:
+        runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
+        runner.start()
+        watch.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 2
+                       and e["step"] >= 2000, 120)
+        pid = rank_pid(2, str(out))
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # a laptop's lid closes
+        frozen_at = time.monotonic()
+        try:
+            dropped = watch.wait_for(lambda e: e.get("event") == "host" and e["rank"] == 2
+                                     and e["state"] == "lost", 30)
+            dropped_after = time.monotonic() - frozen_at
+            lost = watch.wait_for(lambda e: e.get("event") == "membership"
+                                  and e["ranks"] == [0, 1], 30)
+            # The others carry on while it sleeps.
+            carried = watch.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 0
+                                     and e["step"] >= lost["step"] + 200, 30)
+            assert carried
+            time.sleep(max(0.0, 30 - (time.monotonic() - frozen_at)))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        thawed_at = time.monotonic()
+        rejoined = watch.wait_for(lambda e: e.get("event") == "membership"
+                                  and e["ranks"] == [0, 1, 2] and e["step"] > lost["step"], 60)
+        runner.join(timeout=300)
+    result = job.result
+    assert result.ok, result.describe()
+    assert dropped_after <= 10 + 3, dropped_after  # the deadline (10 s) and the watch's tick
+    assert "no heartbeat" in dropped["reason"]
+    assert rejoined["step"] > lost["step"]
+    # Rejoining did not stall the others: rank 0 kept stepping after the thaw.
+    after = [e["wall_s"] for e in watch.events if e.get("event") == "step" and e["rank"] == 0
+             and e.get("wall_s") is not None and e["step"] >= rejoined["step"] - 40]
+    gaps = [b - a for a, b in zip(after, after[1:])]
+    assert max(gaps) < 5.0, max(gaps)
+    assert time.monotonic() - thawed_at < 300
+    # The same process rejoined (it was never restarted): one start in its log.
+    log = (tmp_path / "launch" / "rank2.log").read_text()
+    assert log.count("# exogym launcher: rank 2 on") == 1
+
+
+def test_min_nodes_stops_cleanly_naming_the_host_and_resume_continues(sshd, third, tmp_path):
+    out = tmp_path / "net"
+    watch = Watch()
+    with launcher(sshd, program(out, 20000, "checkpoint_interval=1000"), tmp_path, watch,
+                  min_nodes=3) as job:
+        runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
+        runner.start()
+        watch.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 2
+                       and e["step"] >= 2500, 120)
+        third.stop()
+        pid = rank_pid(2, str(out))
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        runner.join(timeout=120)
+    result = job.result
+    assert not result.ok
+    text = result.describe()
+    assert "min_nodes=3" in text and THIRD in text, text
+    survivors = {r.rank: r for r in result.ranks}
+    assert survivors[0].exit_code == 1 and survivors[1].exit_code == 1, text
+    assert "fewer than min_nodes" in "\n".join(survivors[0].last_lines)
+    from exogym.checkpoint import list_steps
+    root = out / "checkpoints" / "digits-diloco"
+    common = set(list_steps(root, 0)) & set(list_steps(root, 1)) & set(list_steps(root, 2))
+    assert common, "no checkpoint every rank has"
+    # The host is back: --resume continues from the newest checkpoint all three have.
+    third.start()
+    watch = Watch()
+    resumed = RankProgram.from_profile("digits-diloco", overrides=[
+        "max_steps=20000", "val_interval=500", "val_size=256", "num_threads=1",
+        "checkpoint_interval=1000", "num_nodes=3", f"output_dir={out}"], resume=True)
+    with launcher(sshd, resumed, tmp_path, watch, min_nodes=3) as job:
+        again = job.run()
+    assert again.ok, again.describe()
+    starts = {e["rank"]: e["step"] for e in watch.events if e.get("event") == "start"}
+    assert starts == {0: max(common), 1: max(common), 2: max(common)}
+    assert (out / "model.safetensors").is_file()
+
+
+def test_a_host_whose_link_goes_down_for_20_s_is_dropped_and_rejoins(tmp_path):
+    from netns import netns_available
+
+    reason = netns_available()
+    if reason is not None:
+        pytest.skip(reason)
+    sys.path.insert(0, str(ROOT / "bench"))
+    from netbed import Testbed, _run
+
+    out = tmp_path / "net"
+    watch = Watch()
+    with Testbed(2, subnet="10.213.91", pin=False) as bed:
+        config = {"master": bed.uplink_address,
+                  "workers": [h.address for h in bed.hosts], "ssh_user": "root",
+                  "ssh_key_path": str(bed.key_path), "python_env": sys.executable,
+                  "project_path": str(ROOT), "master_port": free_port()}
+        ssh = SSHOptions(known_hosts_path=bed.known_hosts, ssh_config_path=bed.ssh_config,
+                         allow_agent=False, look_for_keys=False, connect_timeout=3)
+        cut = bed.hosts[1]  # rank 2's host
+        job = Launcher(config, program(out, 40000), options=LaunchOptions(
+            run_dir=tmp_path / "launch", grace_period=2, probe_interval=1.0, min_nodes=2),
+            ssh=ssh, console=Console(file=StringIO(), width=200), on_output=lambda line: None,
+            on_event=watch)
+        with job:
+            runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
+            runner.start()
+            watch.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 2
+                           and e["step"] >= 2000, 120)
+            _run("ip", "-n", cut.namespace, "link", "set", cut.interface, "down")
+            down_at = time.monotonic()
+            try:
+                lost = watch.wait_for(lambda e: e.get("event") == "membership"
+                                      and e["ranks"] == [0, 1], 40)
+                watch.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 0
+                               and e["step"] >= lost["step"] + 200, 30)
+                time.sleep(max(0.0, 20 - (time.monotonic() - down_at)))
+            finally:
+                _run("ip", "-n", cut.namespace, "link", "set", cut.interface, "up")
+            rejoined = watch.wait_for(lambda e: e.get("event") == "membership"
+                                      and e["ranks"] == [0, 1, 2] and e["step"] > lost["step"],
+                                      120)
+            runner.join(timeout=300)
+        result = job.result
+    assert result.ok, result.describe()
+    assert [m["ranks"] for m in watch.membership()] == [[0, 1, 2], [0, 1], [0, 1, 2]]
+    assert "no heartbeat" in lost["reason"] and cut.address in lost["reason"]
+    assert cut.address in rejoined["reason"]
+    losses = watch.val_losses()
+    at_loss = [v for s, v in losses if s <= lost["step"]][-1]
+    assert losses[-1][1] < at_loss
+
+
+def test_when_the_master_dies_every_rank_stops_and_resume_continues(sshd, third, tmp_path):
+    import json
+    import subprocess
+
+    out = tmp_path / "net"
+    hosts_file = tmp_path / "hosts.json"
+    hosts_file.write_text(json.dumps(hosts(sshd)))
+    settings = ["max_steps=12000", "val_interval=500", "val_size=256", "num_threads=1",
+                "checkpoint_interval=1000", f"output_dir={out}"]
+    command = [sys.executable, "cli_typer.py", "distributed-train", "digits-diloco",
+               "--hosts", str(hosts_file), "--min-nodes", "2", "--known-hosts",
+               str(sshd.known_hosts), "--ssh-config", str(sshd.ssh_config),
+               "--run-dir", str(tmp_path / "launch")]
+    for pair in settings:
+        command += ["--set", pair]
+    env = {**os.environ, "CI": "true"}
+    cli = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)
+    from exogym.checkpoint import list_steps
+    root = out / "checkpoints" / "digits-diloco"
+    deadline = time.monotonic() + 180
+    while not all(2000 in list_steps(root, r) for r in range(3)):
+        assert cli.poll() is None and time.monotonic() < deadline, cli.stdout.read().decode()
+        time.sleep(0.2)
+    # The master host dies: the launcher (with the run's store) and its rank 0 at once.
+    master_rank = rank_pid(0, str(out))
+    cli.kill()
+    if master_rank is not None:
+        os.kill(master_rank, signal.SIGKILL)
+    cli.wait()
+    cli.stdout.close()
+    deadline = time.monotonic() + 30
+    while any(rank_pid(r, str(out)) for r in range(3)):
+        assert time.monotonic() < deadline, "ranks kept running after the master died"
+        time.sleep(0.2)
+    common = set(list_steps(root, 0)) & set(list_steps(root, 1)) & set(list_steps(root, 2))
+    newest = max(common)
+    done = subprocess.run([*command, "--resume"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"resumed from step {newest}" in done.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 12000
