@@ -300,12 +300,31 @@ class Testbed:
                 "",
             ]))
             host.sshd_log = self.workdir / f"sshd.{host.index}.log"
-            command = self.in_host(host, binary, "-D", "-f", str(config), "-E",
-                                   str(host.sshd_log))
-            host.sshd = subprocess.Popen(command, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.start_sshd(host, wait=False)
         for host in self.hosts:
             self._wait_for_sshd(host)
+
+    def start_sshd(self, host: Host, wait: bool = True) -> None:
+        """Start ``host``'s sshd (again, after :meth:`stop_sshd`): the host answers SSH."""
+        binary = sshd_binary()
+        assert binary is not None and host.sshd_log is not None
+        config = self.workdir / f"sshd_config.{host.index}"
+        command = self.in_host(host, binary, "-D", "-f", str(config), "-E", str(host.sshd_log))
+        host.sshd = subprocess.Popen(command, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if wait:
+            self._wait_for_sshd(host)
+
+    def stop_sshd(self, host: Host) -> None:
+        """Stop ``host``'s sshd by its PID: no new SSH connection reaches the host (those
+        it already serves stay up, as with a real sshd)."""
+        if host.sshd is not None:
+            host.sshd.terminate()
+            try:
+                host.sshd.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                host.sshd.kill()
+                host.sshd.wait()
 
     def _wait_for_sshd(self, host: Host) -> None:
         deadline = time.monotonic() + 15

@@ -42,3 +42,22 @@ def test_digits_models_return_a_loss_and_learn(cls):
     assert model.training
     assert evaluate(model, val)[1] > 0.6
     assert model.training  # evaluate puts it back
+
+
+def test_the_digits_are_read_from_scikit_learns_file_without_importing_it():
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from exogym.digits import load_digits_tensors
+
+    x, y = load_digits_tensors()
+    data = load_digits()
+    assert torch.equal(x, torch.tensor(data.data, dtype=torch.float32) / 16.0)
+    assert torch.equal(y, torch.tensor(data.target, dtype=torch.long))
+    probe = ("import sys; from exogym.digits import load_digits_tensors; "
+             "load_digits_tensors(); print('sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"

@@ -120,7 +120,8 @@ class ElasticAttempt:
                          f"{', '.join(entry['hosts'])}", "yellow")
             for rank in decided["ranks"]:
                 if rank not in self.lost or rank in decided["joined"]:
-                    self.lost.pop(rank, None)
+                    if self.lost.pop(rank, None) is not None:
+                        self.beats.pop(rank, None)  # judged afresh from its next beat
                     self._host(rank, "training")
         self.logged = len(lines)
 
@@ -164,6 +165,10 @@ class ElasticAttempt:
 
     def _start(self, rank: int, shell: Any) -> RankRun:
         plan = self.plans[rank]
+        # A new process beats from 1 once it runs: until then the key holds nothing,
+        # and the watch gives it the time to start (not the last process's silence).
+        self.store.delete_key(f"exogym/beat/{rank}")
+        self.beats[rank] = ("", time.monotonic())
         run = RankRun(plan, shell, self.run_dir / f"rank{rank}.log", self.restart, self.context)
         self.runs[rank] = run
         run.start()

@@ -1,0 +1,239 @@
+"""What a lost host costs a run whose hosts come and go (``--min-nodes``), measured for real.
+
+Three hosts: the master (this machine, with the launcher and rank 0) and two
+network namespaces with an sshd each (:mod:`netbed`), DiLoCo (H=20) on digits
+with ``min_nodes=2``. Each scenario hits rank 2's host once and prints, from
+the launcher's receipt of the ranks' events:
+
+- **time lost**: from the hit to the survivors' next completed round (a step
+  of rank 0 that ends a round) — what the loss cost the others. Target: 15 s;
+- **back to work**: from the host answering again to the returning rank's
+  first completed round — target: one round plus 10 s;
+- the round time before the hit, the membership changes and the final
+  validation loss against the one at the hit.
+
+Scenarios (``--scenarios``):
+
+- ``kill``: its sshd stopped, then its rank killed (``kill -9``); the sshd is
+  started again after ``--away`` seconds (the launcher's probe then starts the
+  rank anew);
+- ``freeze``: its rank stopped (``SIGSTOP``) for ``--away`` seconds, then
+  continued (the same process rejoins; it is dropped after ``lost_after``);
+- ``link``: its link set down for ``--away`` seconds, then up.
+
+    python bench/elastic_hosts.py
+    python bench/elastic_hosts.py --scenarios kill --away 5
+
+Needs root, iproute2 and sshd (``tests/setup_system.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from io import StringIO
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, Path(__file__).resolve().parent):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from netbed import Testbed, _run, check_requirements  # noqa: E402
+
+H = 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _rank_pid(rank: int, marker: str) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            environ = (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if argv[1:3] == ["-m", "distributed.worker"] and any(marker in a for a in argv) \
+                and f"RANK={rank}" in environ:
+            return int(entry.name)
+    return None
+
+
+class _Stamped(StringIO):
+    """The launcher's messages on stderr, each with the time it came (BENCH_DEBUG=1)."""
+
+    def write(self, text: str) -> int:
+        if text.strip():
+            sys.stderr.write(f"{time.strftime('%H:%M:%S')}.{int(time.time() % 1 * 1000):03d} "
+                             f"{text}")
+        return len(text)
+
+
+def _show(line: object) -> None:
+    if getattr(line, "rank", None) == 2:
+        _Stamped().write(f"{line}\n")
+
+
+class Events:
+    """Every event the launcher hands over, stamped with its time of arrival."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[float, dict]] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, event: dict) -> None:
+        with self.cond:
+            self.items.append((time.monotonic(), event))
+            self.cond.notify_all()
+
+    def wait(self, test, timeout: float, after: float = 0.0) -> tuple[float, dict]:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for t, e in self.items:
+                    if t >= after and test(e):
+                        return t, e
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no such event within {timeout:.0f} s")
+                self.cond.wait(left)
+
+
+def round_end(rank: int):
+    return lambda e: e.get("event") == "step" and e["rank"] == rank and e["step"] % H == 0
+
+
+def scenario(name: str, away: float, max_steps: int, batch_size: int) -> dict:
+    from rich.console import Console
+
+    from distributed.hosts.ssh import SSHOptions
+    from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram
+
+    out = Path(tempfile.mkdtemp(prefix=f"elastic-{name}-"))
+    events = Events()
+    with Testbed(2, subnet="10.213.93", pin=False) as bed:
+        cut = bed.hosts[1]
+        hosts = {"master": bed.uplink_address, "workers": [h.address for h in bed.hosts],
+                 "ssh_user": "root", "ssh_key_path": str(bed.key_path),
+                 "python_env": sys.executable, "project_path": str(ROOT),
+                 "master_port": _free_port()}
+        ssh = SSHOptions(known_hosts_path=bed.known_hosts, ssh_config_path=bed.ssh_config,
+                         allow_agent=False, look_for_keys=False, connect_timeout=3)
+        program = RankProgram.from_profile("digits-diloco", overrides=[
+            f"max_steps={max_steps}", f"H={H}", f"batch_size={batch_size}",
+            "val_interval=200", "val_size=256",
+            "num_threads=1", "checkpoint_interval=None", "num_nodes=3",
+            f"output_dir={out / 'run'}"])
+        job = Launcher(hosts, program, options=LaunchOptions(
+            run_dir=out / "launch", grace_period=2, min_nodes=2),
+            ssh=ssh, console=Console(file=_Stamped() if os.environ.get("BENCH_DEBUG") else
+                                     StringIO()),
+            on_output=_show if os.environ.get("BENCH_DEBUG") else lambda line: None,
+            on_event=events)
+        result = {}
+        with job:
+            runner = threading.Thread(target=lambda: result.setdefault("r", job.run()))
+            runner.start()
+            events.wait(lambda e: e.get("event") == "step" and e["rank"] == 2
+                        and e["step"] >= 10 * H, 180)
+            t1, e1 = events.wait(round_end(0), 60, after=time.monotonic())
+            t2, e2 = events.wait(lambda e: round_end(0)(e) and e["step"] == e1["step"] + H,
+                                 60)
+            round_s = t2 - t1
+            pid = _rank_pid(2, str(out))
+            if name == "kill":
+                bed.stop_sshd(cut)
+                hit = time.monotonic()
+                os.kill(pid, signal.SIGKILL)
+            elif name == "freeze":
+                hit = time.monotonic()
+                os.kill(pid, signal.SIGSTOP)
+            else:
+                hit = time.monotonic()
+                _run("ip", "-n", cut.namespace, "link", "set", cut.interface, "down")
+            t_lost, lost = events.wait(lambda e: e.get("event") == "membership"
+                                       and e["ranks"] == [0, 1], 120, after=hit)
+            t_round, _ = events.wait(round_end(0), 120, after=t_lost)
+            time.sleep(max(0.0, away - (time.monotonic() - hit)))
+            if name == "kill":
+                bed.start_sshd(cut)
+            elif name == "freeze":
+                os.kill(pid, signal.SIGCONT)
+            else:
+                _run("ip", "-n", cut.namespace, "link", "set", cut.interface, "up")
+            back = time.monotonic()
+            # Running again: a new process's start, its readiness, or its admission.
+            t_start, _ = events.wait(
+                lambda e: (e.get("event") in ("start", "host") and e.get("rank") == 2 and
+                           e.get("state", "rejoining") == "rejoining") or
+                (e.get("event") == "membership" and e["ranks"] == [0, 1, 2]), 180, after=back)
+            t_join, joined = events.wait(lambda e: e.get("event") == "membership"
+                                         and e["ranks"] == [0, 1, 2], 180, after=back)
+            t_first, _ = events.wait(lambda e: round_end(2)(e) and e["step"] > joined["step"],
+                                     120, after=t_join)
+            runner.join(timeout=600)
+        launch = result["r"]
+    losses = [(e["step"], e["val_global_loss"]) for _, e in events.items
+              if e.get("event") == "step" and e["rank"] == 0 and "val_global_loss" in e]
+    at_hit = [v for s, v in losses if s <= lost["step"]][-1]
+    return {"scenario": name, "ok": launch.ok, "round_s": round_s,
+            "lost_s": t_round - hit, "declared_s": t_lost - hit,
+            "back_s": t_first - back, "joined_s": t_join - back, "started_s": t_start - back,
+            "changes": [(m["step"], len(m["ranks"])) for _, m in events.items
+                        if m.get("event") == "membership"],
+            "val_at_hit": at_hit, "val_final": losses[-1][1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenarios", nargs="+", default=["kill", "freeze", "link"],
+                        choices=["kill", "freeze", "link"])
+    parser.add_argument("--away", type=float, default=20.0,
+                        help="seconds the host stays away (default 20)")
+    parser.add_argument("--max-steps", type=int, default=40000)
+    parser.add_argument("--batch-size", type=int, default=256,
+                        help="samples per step and rank (default 256: a step of a few ms, "
+                             "so the rounds are not all event traffic)")
+    args = parser.parse_args()
+    missing = check_requirements(pin=False)
+    if missing:
+        sys.exit("cannot build the test bed:\n  " + "\n  ".join(missing))
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"hosts that come and go: DiLoCo H={H} on digits, batch "
+                        f"{args.batch_size}, 3 hosts, min_nodes=2, away {args.away:g} s")
+    for col in ("scenario", "round", "declared lost", "time lost (target 15 s)",
+                "back to work (target round + 10 s)", "membership", "val loss at hit -> end",
+                "finished"):
+        table.add_column(col, justify="right")
+    for name in args.scenarios:
+        r = scenario(name, args.away, args.max_steps, args.batch_size)
+        print(f"{name}: round {r['round_s']:.2f} s, declared lost after {r['declared_s']:.1f} s, "
+              f"time lost {r['lost_s']:.1f} s, back to work {r['back_s']:.1f} s after the host "
+              f"answered (running after {r['started_s']:.1f} s, admitted after "
+              f"{r['joined_s']:.1f} s), membership {r['changes']}, "
+              f"val loss {r['val_at_hit']:.4f} -> {r['val_final']:.4f}, ok={r['ok']}",
+              flush=True)
+        table.add_row(name, f"{r['round_s']:.2f} s", f"{r['declared_s']:.1f} s",
+                      f"{r['lost_s']:.1f} s", f"{r['back_s']:.1f} s",
+                      " -> ".join(str(n) for _, n in r["changes"]),
+                      f"{r['val_at_hit']:.4f} -> {r['val_final']:.4f}", str(r["ok"]))
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
