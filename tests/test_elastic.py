@@ -208,3 +208,66 @@ def test_the_dashboards_show_lost_and_rejoining_hosts_and_record_the_membership(
     assert web.runs[0].as_json(0.0)["membership"][1]["reason"] == "c (rank 2) lost (killed)"
     board.finish()
     assert "step 21: c (rank 2) lost (killed); training on a, b" in console.file.getvalue()
+
+
+def _events(log_path):
+    from exogym.metrics import decode_line
+
+    return [e for e in map(decode_line, log_path.read_text().splitlines()) if e is not None]
+
+
+def test_ddp_survivors_go_on_from_the_step_they_all_completed(store, tmp_path):
+    """A per-step strategy: a rank killed mid-run; the others' steps complete among
+    themselves and they stay identical (local worker processes, the test as launcher)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ranks import ROOT, rank_env
+
+    for r in range(3):
+        store.set(key("host", r), f"host{r}")
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "distributed.worker", "--profile", "digits-ddp", "--quiet",
+            "--set", "max_steps=3000", "--set", "num_threads=1", "--set", "val_interval=3000",
+            "--set", "checkpoint_interval=None", "--set", "num_nodes=3",
+            "--set", f"output_dir={out}"]
+    procs = []
+    for r in range(3):
+        with open(tmp_path / f"rank{r}.log", "wb") as log:
+            procs.append(subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                          env=rank_env(r, 3, store.port, EXOGYM_MIN_NODES="2")))
+    deadline = time.monotonic() + 120
+    while not any(e.get("step", 0) >= 300 for e in _events(tmp_path / "rank2.log")):
+        assert time.monotonic() < deadline and procs[2].poll() is None
+        time.sleep(0.1)
+    procs[2].send_signal(signal.SIGKILL)
+    procs[2].wait()
+    declare_lost(store, 2, "killed")
+    assert [p.wait(timeout=180) for p in procs[:2]] == [0, 0]
+    ends = [[e for e in _events(tmp_path / f"rank{r}.log") if e.get("event") == "step"][-1]
+            for r in range(2)]
+    assert ends[0]["step"] == ends[1]["step"] == 3000
+    assert ends[0]["val_loss"] == ends[1]["val_loss"]  # DDP: the survivors stay identical
+    summary = json.loads((out / "summary.json").read_text())
+    assert [m["ranks"] for m in summary["membership"]] == [[0, 1, 2], [0, 1]]
+    assert summary["membership"][1]["reason"] == "host2 (rank 2) lost (killed)"
+
+
+def test_the_live_dashboard_shows_each_hosts_share_of_the_work():
+    console = Console(file=StringIO(), width=200)
+    board = Dashboard(2, ["fast", "slow"], console=console, live=False)
+    board.on_event({"event": "step", "rank": 0, "step": 1, "train_loss": 1.0, "samples": 21,
+                    "wall_s": 0.1, "comm_bytes": 0, "batch_size": 21})
+    board.on_event({"event": "step", "rank": 1, "step": 1, "train_loss": 1.0, "samples": 11,
+                    "wall_s": 0.1, "comm_bytes": 0, "batch_size": 11})
+    out = Console(file=StringIO(), width=200)
+    out.print(board.render())
+    text = out.file.getvalue()
+    assert "share" in text and "batch 21" in text and "batch 11" in text
+    plain = Dashboard(1, ["a"], console=console, live=False)
+    plain.on_event({"event": "step", "rank": 0, "step": 1, "train_loss": 1.0})
+    out = Console(file=StringIO(), width=200)
+    out.print(plain.render())
+    assert "share" not in out.file.getvalue()

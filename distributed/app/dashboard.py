@@ -67,6 +67,7 @@ class RankState:
         last_seen: this process's clock when it last reported, or None.
         started_at: this process's clock at its start event, or None.
         recent: ``(clock, step)`` of its recent step events, for the step rate.
+        share: its share of the work under ``balance`` (``batch 21``, ``12 steps/round``).
     """
 
     rank: int
@@ -82,6 +83,7 @@ class RankState:
     comm_bytes: int = 0
     last_seen: float | None = None
     started_at: float | None = None
+    share: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     recent: deque[tuple[float, int]] = field(default_factory=deque)
 
@@ -238,6 +240,10 @@ class Dashboard:
         state.samples = int(event.get("samples", state.samples))
         state.wall_s = float(event.get("wall_s", state.wall_s))
         state.comm_bytes = int(event.get("comm_bytes", state.comm_bytes))
+        if "batch_size" in event:  # balance='batch' (exogym.balance)
+            state.share = f"batch {event['batch_size']}"
+        elif "inner_steps" in event:  # balance='steps'
+            state.share = f"{event['inner_steps']} steps/round"
         state.recent.append((now, state.step))
         while len(state.recent) > 2 and now - state.recent[0][0] > RATE_WINDOW_S:
             state.recent.popleft()
@@ -323,9 +329,10 @@ class Dashboard:
             table = Table(title=f"{self.title}  ({elapsed:.0f} s{left})",
                           title_justify="left", expand=False)
             accuracy = any(s.val_accuracy is not None for s in states)
+            shares = any(s.share is not None for s in states)
             for name in ("rank", "host", "status", "step", "loss", "val loss",
-                         *(("val acc",) if accuracy else ()), "samples/s", "sent",
-                         "last report"):
+                         *(("val acc",) if accuracy else ()), "samples/s",
+                         *(("share",) if shares else ()), "sent", "last report"):
                 table.add_column(name, justify="left" if name in ("host", "status") else "right",
                                  no_wrap=True)
             for s in states:
@@ -334,7 +341,8 @@ class Dashboard:
                 table.add_row(str(s.rank), s.host, Text(s.status, STATUS_STYLES.get(s.status, "")),
                               step, _fmt(s.train_loss, ".4f"), _fmt(s.val_loss, ".4f"),
                               *((_fmt(s.val_accuracy, ".1%"),) if accuracy else ()),
-                              _fmt(s.samples_per_s, ".1f"), human_bytes(s.comm_bytes), ago)
+                              _fmt(s.samples_per_s, ".1f"), *((s.share or "-",) if shares else ()),
+                              human_bytes(s.comm_bytes), ago)
             if states:
                 reported = [s for s in states if s.train_loss is not None]
                 rates = [s.samples_per_s for s in states if s.samples_per_s is not None]
@@ -348,6 +356,7 @@ class Dashboard:
                     _fmt(sum(s.train_loss for s in reported) / len(reported) if reported
                          else None, ".4f"),
                     "", *(("",) if accuracy else ()), _fmt(sum(rates) if rates else None, ".1f"),
+                    *(("",) if shares else ()),
                     human_bytes(sum(s.comm_bytes for s in states)),
                     "-" if not seen else f"{now - max(seen):.1f} s ago", style="bold")
             return table
