@@ -363,6 +363,10 @@ class ElasticMembership:
                 raise PeerTimeoutError(f"rank {rank} waited {self.world.timeout_s:.0f} s to rejoin")
             time.sleep(0.05)
 
+    def drop(self, reason: str) -> None:
+        """Declare this rank lost itself (its hand-over failed): it rejoins at a later round."""
+        declare_lost(self.store, self.rank, reason)
+
     def stop(self, reason: str) -> None:
         """Stop the run for every rank (the launcher watches for it)."""
         self.store.compare_set(key("stop"), "", reason)

@@ -42,7 +42,7 @@ from exogym.data import (
     to_device,
     validation_subset,
 )
-from exogym.elastic import MembershipStop, RankDropped
+from exogym.elastic import MembershipStop, PeerLost, RankDropped
 from exogym.simclock import SimClock
 from exogym.spec import Placement, RunSpec
 
@@ -310,12 +310,23 @@ class TrainNode:
                           clock_before: tuple[float, float] | None) -> float:
         """The compute time of the step since ``mark``, as the balancer measures it:
         simulated with ``speed_mode='clock'``, else measured (collectives aside), with
-        the time a slow simulated rank sleeps it off (``speed_mode='wall'``)."""
+        the time a slow simulated rank sleeps it off (``speed_mode='wall'``).
+
+        A rank with its machine to itself (a real host) is timed by the wall clock:
+        a host held back by a CPU quota, a throttled chip or other work takes longer
+        to reach the collectives, while its thread's CPU time stays the same. Ranks
+        sharing a machine's cores are timed as :meth:`_compute_since` does.
+        """
         clock = self.clock
         if clock is not None and self.spec.speed_mode == "clock":
             now, comm_s = clock_before
             return (clock.now - now) - (clock.comm_s - comm_s)
-        return self._compute_since(mark) / (clock.speed if clock is not None else 1.0)
+        if self.placement.ranks_per_machine == 1:
+            wall, _, wall_in, _ = self._mark()
+            seconds = max(0.0, (wall - mark[0]) - (wall_in - mark[2]))
+        else:
+            seconds = self._compute_since(mark)
+        return seconds / (clock.speed if clock is not None else 1.0)
 
     # -- evaluation -----------------------------------------------------------------
 
@@ -503,7 +514,15 @@ class TrainNode:
             step = back
         comm.enter_step(step, membership.present(step))
         if membership.joiners(step):
-            self._hand_over(step)
+            try:
+                self._hand_over(step)
+            except PeerLost as exc:
+                if self.rank not in membership.joiners(step):
+                    raise
+                # The rank handing over the state was lost meanwhile: try a later round.
+                membership.drop(f"rank {membership.source(step)} was lost while handing over "
+                                "the state")
+                raise RankDropped(str(exc)) from exc
         if getattr(membership, "reshards", False):
             self.train_stream.reshard(*membership.shard(self.rank, step))
         return True

@@ -38,6 +38,9 @@ from distributed.launch.results import AttemptResult, RankResult
 
 #: Seconds a rank may take from its start to its first heartbeat (imports, data).
 START_ALLOWANCE_S = 120.0
+#: A rank whose process failed this many times with an error of its own (not a lost
+#: host: a bug a restart would repeat) is left out for the rest of the run.
+MAX_FAILED_STARTS = 3
 
 
 class ElasticAttempt:
@@ -178,6 +181,15 @@ class ElasticAttempt:
         """Collect the ended run of a lost rank, reach its host again, start the rank there."""
         self.earlier.setdefault(rank, []).append(self._finish(ended))
         plan = self.plans[rank]
+        # An exit code of its own (not a signal, not a dropped connection) is the program
+        # failing, which a restart would repeat: only so many of those.
+        failed = [r for r in self.earlier[rank] if r.exit_code is not None and 0 < r.exit_code < 128]
+        if len(failed) >= MAX_FAILED_STARTS:
+            self.say(f"[{plan.host.host}:{rank}] failed {len(failed)} times with an error of its "
+                     f"own ({failed[-1].reason}); it is not started again (see "
+                     f"{failed[-1].log_path})", "red")
+            self._probing.discard(rank)
+            return
         tries = 0
         while not self._ending.wait(self.probe_interval):
             with self._session_lock:
