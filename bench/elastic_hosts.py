@@ -45,7 +45,7 @@ for path in (ROOT, Path(__file__).resolve().parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from netbed import Testbed, _run, check_requirements  # noqa: E402
+from netbed import Testbed, _run, check_requirements, worker_pid  # noqa: E402
 
 H = 20
 
@@ -54,21 +54,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def _rank_pid(rank: int, marker: str) -> int | None:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            environ = (entry / "environ").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if argv[1:3] == ["-m", "distributed.worker"] and any(marker in a for a in argv) \
-                and f"RANK={rank}" in environ:
-            return int(entry.name)
-    return None
 
 
 class _Stamped(StringIO):
@@ -152,7 +137,7 @@ def scenario(name: str, away: float, max_steps: int, batch_size: int) -> dict:
             t2, e2 = events.wait(lambda e: round_end(0)(e) and e["step"] == e1["step"] + H,
                                  60)
             round_s = t2 - t1
-            pid = _rank_pid(2, str(out))
+            pid = worker_pid(2, str(out))
             if name == "kill":
                 bed.stop_sshd(cut)
                 hit = time.monotonic()

@@ -484,6 +484,23 @@ class Testbed:
         return left
 
 
+def worker_pid(rank: int, marker: str) -> int | None:
+    """The process of ``rank`` (``python -m distributed.worker``, not its supervisor) whose
+    command line holds ``marker`` (e.g. its output folder), on this machine or in a bed's host."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            environ = (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if argv[1:3] == ["-m", "distributed.worker"] and any(marker in a for a in argv) \
+                and f"RANK={rank}" in environ:
+            return int(entry.name)
+    return None
+
+
 def reap_stale_beds() -> list[str]:
     """Remove the beds of earlier benchmarks whose process died without cleaning up.
 

@@ -29,6 +29,9 @@ from sshd_fixture import HostSSHD, serve_sshd
 from distributed.hosts.ssh import SSHOptions
 from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram
 
+sys.path.insert(0, str(ROOT / "bench"))
+from netbed import Testbed, _run, worker_pid  # noqa: E402 - the bench's test bed and helpers
+
 THIRD = "127.0.0.7"
 
 
@@ -61,22 +64,6 @@ def launcher(sshd, program, tmp_path, on_event, **options):
                                           probe_interval=1.0, **options),
                     ssh=ssh, console=Console(file=StringIO(), width=200),
                     on_output=lambda line: None, on_event=on_event)
-
-
-def rank_pid(rank: int, marker: str) -> int | None:
-    """The worker process of ``rank`` whose command line holds ``marker``."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            environ = (entry / "environ").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if argv[1:3] == ["-m", "distributed.worker"] and any(marker in a for a in argv) \
-                and f"RANK={rank}" in environ:
-            return int(entry.name)
-    return None
 
 
 class Watch:
@@ -124,16 +111,23 @@ def program(out: Path, max_steps: int, *extra: str) -> RankProgram:
         "checkpoint_interval=None", "num_nodes=3", f"output_dir={out}", *extra])
 
 
+def start_in_background(job: Launcher, watch: Watch, rank2_step: int) -> threading.Thread:
+    """Run ``job`` in a thread (its result lands in ``job.result``); return once rank 2 has
+    reached ``rank2_step``."""
+    runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
+    runner.start()
+    watch.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 2
+                   and e["step"] >= rank2_step, 120)
+    return runner
+
+
 def test_a_killed_host_is_dropped_and_rejoins_when_it_answers_again(sshd, third, tmp_path):
     out = tmp_path / "net"
     watch = Watch()
     with launcher(sshd, program(out, 18000), tmp_path, watch, min_nodes=2) as job:
-        runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
-        runner.start()
-        watch.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 2
-                       and e["step"] >= 2000, 120)
+        runner = start_in_background(job, watch, 2000)
         third.stop()  # the host goes away: its rank dies, and nothing answers there
-        pid = rank_pid(2, str(out))
+        pid = worker_pid(2, str(out))
         assert pid is not None
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
@@ -184,11 +178,8 @@ def test_a_frozen_rank_is_dropped_within_the_deadline_and_rejoins_after_it_thaws
     out = tmp_path / "net"
     watch = Watch()
     with launcher(sshd, program(out, 24000), tmp_path, watch, min_nodes=2) as job:
-        runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
-        runner.start()
-        watch.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 2
-                       and e["step"] >= 2000, 120)
-        pid = rank_pid(2, str(out))
+        runner = start_in_background(job, watch, 2000)
+        pid = worker_pid(2, str(out))
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)  # a laptop's lid closes
         frozen_at = time.monotonic()
@@ -230,12 +221,9 @@ def test_min_nodes_stops_cleanly_naming_the_host_and_resume_continues(sshd, thir
     watch = Watch()
     with launcher(sshd, program(out, 6000, "checkpoint_interval=1000"), tmp_path, watch,
                   min_nodes=3) as job:
-        runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
-        runner.start()
-        watch.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 2
-                       and e["step"] >= 2500, 120)
+        runner = start_in_background(job, watch, 2500)
         third.stop()
-        pid = rank_pid(2, str(out))
+        pid = worker_pid(2, str(out))
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         runner.join(timeout=120)
@@ -270,9 +258,6 @@ def test_a_host_whose_link_goes_down_for_20_s_is_dropped_and_rejoins(tmp_path):
     reason = netns_available()
     if reason is not None:
         pytest.skip(reason)
-    sys.path.insert(0, str(ROOT / "bench"))
-    from netbed import Testbed, _run
-
     out = tmp_path / "net"
     watch = Watch()
     with Testbed(2, subnet="10.213.91", pin=False) as bed:
@@ -288,10 +273,7 @@ def test_a_host_whose_link_goes_down_for_20_s_is_dropped_and_rejoins(tmp_path):
             ssh=ssh, console=Console(file=StringIO(), width=200), on_output=lambda line: None,
             on_event=watch)
         with job:
-            runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
-            runner.start()
-            watch.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 2
-                           and e["step"] >= 2000, 120)
+            runner = start_in_background(job, watch, 2000)
             _run("ip", "-n", cut.namespace, "link", "set", cut.interface, "down")
             down_at = time.monotonic()
             try:
@@ -341,14 +323,14 @@ def test_when_the_master_dies_every_rank_stops_and_resume_continues(sshd, third,
         assert cli.poll() is None and time.monotonic() < deadline, cli.stdout.read().decode()
         time.sleep(0.2)
     # The master host dies: the launcher (with the run's store) and its rank 0 at once.
-    master_rank = rank_pid(0, str(out))
+    master_rank = worker_pid(0, str(out))
     cli.kill()
     if master_rank is not None:
         os.kill(master_rank, signal.SIGKILL)
     cli.wait()
     cli.stdout.close()
     deadline = time.monotonic() + 30
-    while any(rank_pid(r, str(out)) for r in range(3)):
+    while any(worker_pid(r, str(out)) for r in range(3)):
         assert time.monotonic() < deadline, "ranks kept running after the master died"
         time.sleep(0.2)
     common = set(list_steps(root, 0)) & set(list_steps(root, 1)) & set(list_steps(root, 2))
