@@ -177,6 +177,7 @@ def test_launch_settings_are_checked_before_anything_starts():
         LaunchOptions(min_nodes=2, lost_after=0)
     assert launch_key_problems({"min_nodes": "two"})[0].startswith("min_nodes must be")
     assert launch_key_problems({"min_nodes": 2, "lost_after": 5}) == []
+    assert "do not go together" in launch_key_problems({"min_nodes": 2, "balance": "steps"})[0]
     env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
     assert rank_environment({**env, "EXOGYM_MIN_NODES": "2"}).min_nodes == 2
     with pytest.raises(ValueError, match="EXOGYM_MIN_NODES=4 must be in 1..WORLD_SIZE"):

@@ -412,6 +412,10 @@ def launch_key_problems(values: dict[str, Any]) -> list[str]:
     if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
         found.append(f"min_nodes must be a whole number >= 1 (the fewest hosts a run across "
                      f"hosts goes on with), got {nodes!r}")
+    if nodes is not None and str(values.get("balance") or "none").lower() != "none":
+        found.append(f"min_nodes={nodes} and balance={values['balance']} do not go together: "
+                     "shares are agreed among every rank, so hosts cannot come and go; drop "
+                     "one of them")
     after = values.get("lost_after")
     if after is not None and (isinstance(after, bool) or not isinstance(after, (int, float))
                               or after <= 0):
