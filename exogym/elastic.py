@@ -36,8 +36,10 @@ number, and reads its peers' parts. On top of that:
   ``checkpoint_interval`` continues with ``--resume`` from the newest
   checkpoint every rank has.
 
-Collectives that need every member (a gather, a broadcast from a lost rank)
-cannot complete without a lost peer: they raise :class:`PeerLost`.
+In a gather that loses a member, the member's part reads as all bits set
+(NaN in a floating tensor): DeMo skips such a part as it skips a rank without
+a gradient, so its step completes among the survivors too. A broadcast from a
+rank that is lost cannot complete: it raises :class:`PeerLost`.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class RankDropped(RuntimeError):
 
 
 class PeerLost(RuntimeError):
-    """A collective that needs every member lost one (a gather, a broadcast from it)."""
+    """A collective that cannot do without a member lost it (a broadcast from it)."""
 
 
 class MembershipStop(RuntimeError):
@@ -170,8 +172,7 @@ class ElasticWorld(PackedWorld):
                 if mark == _POSTED:
                     got[p] = store.get(f"{name}/{p}/d")
                 elif not partial_ok:
-                    raise PeerLost(f"rank {p} was lost during a collective that needs every "
-                                   "member (a gather, or a broadcast from it)")
+                    raise PeerLost(f"rank {p} was lost during a broadcast from it")
                 else:
                     sealed.append(p)
             # The parts' readers: the processes whose slot was not sealed.

@@ -447,11 +447,19 @@ class PackedWorld:
             if len(procs) > 1:
                 like = sources[meeting.here[0]]
                 mine = b"".join(_to_bytes(sources[r]) for r in meeting.here)
-                got = self._exchange(key, procs, mine, procs)
+                got = self._exchange(key, procs, mine, procs, partial_ok=True)
                 for p in procs:
                     if p == self.index:
                         continue
                     theirs = [r for r in meeting.present if self._owner[r] == p]
+                    if p not in got:
+                        # Lost meanwhile (exogym.elastic): its part reads as all bits set,
+                        # NaN in a floating tensor, which a strategy skips as an absent part.
+                        raw = torch.full((like.numel() * like.element_size(),), 255,
+                                         dtype=torch.uint8)
+                        absent = raw.view(like.dtype).view(like.shape)
+                        sources.update((r, absent) for r in theirs)
+                        continue
                     stacked = _from_bytes(got[p], like, len(theirs))
                     sources.update(zip(theirs, stacked))
             for r in meeting.here:

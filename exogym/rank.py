@@ -310,8 +310,7 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
             raise LostRankError(exc.lost, f"rank {rank}: {exc}") from exc
         except PeerLost as exc:
             assert membership is not None
-            why = (f"{exc}; {type(spec.strategy).__name__} cannot leave a lost rank out of a "
-                   "step, so the run stops (round-based strategies and DDP go on)")
+            why = f"{exc}: {type(spec.strategy).__name__} cannot go on without it"
             membership.stop(why)
             raise LostRankError([], f"rank {rank}: {why}") from exc
         except Exception as exc:

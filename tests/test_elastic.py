@@ -7,6 +7,7 @@ The whole thing over SSH is in ``test_elastic_hosts.py``.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from io import StringIO
 
@@ -217,9 +218,13 @@ def _events(log_path):
     return [e for e in map(decode_line, log_path.read_text().splitlines()) if e is not None]
 
 
-def test_ddp_survivors_go_on_from_the_step_they_all_completed(store, tmp_path):
+@pytest.mark.parametrize("profile, identical", [
+    ("digits-ddp", True), ("digits-demo", True), ("digits-sparta", False)])
+def test_per_step_survivors_go_on_from_the_step_they_all_completed(store, tmp_path, profile,
+                                                                   identical):
     """A per-step strategy: a rank killed mid-run; the others' steps complete among
-    themselves and they stay identical (local worker processes, the test as launcher)."""
+    themselves and they stay identical (local worker processes, the test as launcher).
+    In DeMo's gather the lost rank's part reads as absent (NaN), and is skipped."""
     import signal
     import subprocess
     import sys
@@ -230,7 +235,7 @@ def test_ddp_survivors_go_on_from_the_step_they_all_completed(store, tmp_path):
     for r in range(3):
         store.set(key("host", r), f"host{r}")
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "distributed.worker", "--profile", "digits-ddp", "--quiet",
+    args = [sys.executable, "-m", "distributed.worker", "--profile", profile, "--quiet",
             "--set", "max_steps=3000", "--set", "num_threads=1", "--set", "val_interval=3000",
             "--set", "checkpoint_interval=None", "--set", "num_nodes=3",
             "--set", f"output_dir={out}"]
@@ -250,7 +255,9 @@ def test_ddp_survivors_go_on_from_the_step_they_all_completed(store, tmp_path):
     ends = [[e for e in _events(tmp_path / f"rank{r}.log") if e.get("event") == "step"][-1]
             for r in range(2)]
     assert ends[0]["step"] == ends[1]["step"] == 3000
-    assert ends[0]["val_loss"] == ends[1]["val_loss"]  # DDP: the survivors stay identical
+    if identical:  # SPARTA averages a few parameters a step: its ranks differ
+        assert ends[0]["val_loss"] == ends[1]["val_loss"]
+    assert math.isfinite(ends[0]["val_loss"]) and math.isfinite(ends[1]["val_loss"])
     summary = json.loads((out / "summary.json").read_text())
     assert [m["ranks"] for m in summary["membership"]] == [[0, 1, 2], [0, 1]]
     assert summary["membership"][1]["reason"] == "host2 (rank 2) lost (killed)"
