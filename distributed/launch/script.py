@@ -40,7 +40,8 @@ def script_program(script: str | None = None, args: Sequence[str] | None = None)
 def run_script_on_hosts(config: HostsConfig, program: RankProgram,
                         on_event: Callable[[dict[str, Any]], None] | None = None,
                         launcher_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Run ``program`` on every host and return the final model state rank 0 saved.
+    """Run ``program`` on every host and return the final model state rank 0 saved (with
+    ``min_nodes``, the lowest rank present at the end).
 
     Args:
         config: the hosts.
@@ -60,5 +61,7 @@ def run_script_on_hosts(config: HostsConfig, program: RankProgram,
         result = job.run()
         result.raise_for_failure()
         local = job.run_dir / FINAL_MODEL
-        job.fetch(0, FINAL_MODEL, local)
+        # Where hosts came and went (min_nodes), the lowest rank present at the end wrote it.
+        writer = job.membership[-1]["ranks"][0] if job.membership else 0
+        job.fetch(writer, FINAL_MODEL, local)
     return load_file(local)
