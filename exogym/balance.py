@@ -27,7 +27,11 @@ Async Local-SGD, arXiv:2401.09135)
 
 **Measuring.** Each rank times the steps it trains: its compute (forward,
 backward, the strategy's local work), without the time spent in collectives,
-waiting for peers included. In a simulation with ``rank_speeds`` and
+waiting for peers included. A rank with its machine to itself (a real host)
+reads the wall clock, so a host held back by a CPU quota, a throttled chip or
+other work shows as slower; ranks sharing a machine's cores with one thread
+each (a simulation) read their thread's CPU time, so that they do not count
+each other's turns. In a simulation with ``rank_speeds`` and
 ``speed_mode='wall'`` a slow rank's time includes the time it is made to sleep;
 with ``speed_mode='clock'`` the simulated compute time is used instead, which
 is exact and repeatable with ``compute_time_s`` (it then scales with a step's

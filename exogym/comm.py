@@ -484,7 +484,9 @@ def use_clock(clock) -> None:
 def collective_time() -> tuple[float, float]:
     """Seconds this rank has spent inside counted collectives: (wall, this thread's CPU).
 
-    Kept only while a simulated clock is in use (:func:`use_clock`).
+    Kept always: a step's compute time leaves them out, for the simulated clock
+    (:func:`use_clock`, which starts them again from 0) and for ``fit(balance=...)``,
+    whose fast ranks would otherwise count their wait for a slow one as their own work.
     """
     return _rs.wall_s, _rs.cpu_s
 
@@ -497,7 +499,7 @@ class _Timed:
     def __enter__(self) -> None:
         rs = _rs
         rs.depth += 1
-        if rs.depth == 1 and rs.clock is not None:
+        if rs.depth == 1:
             self.wall, self.cpu = time.perf_counter(), time.thread_time()
 
     def __exit__(self, *exc: object) -> None:

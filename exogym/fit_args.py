@@ -278,13 +278,13 @@ BALANCED_STRATEGIES = {"batch": "SimpleReduceStrategy", "steps": "DiLoCoStrategy
 
 
 def _balance(name: str, value: Any) -> None:
-    if value not in BALANCE_MODES:
+    if value is not None and value not in BALANCE_MODES:
         raise ValueError(f"balance must be 'none', 'batch' (per-step strategies: each rank's "
                          f"batch follows its speed) or 'steps' (round-based strategies: each "
                          f"rank's inner steps per round follow its speed), got {value!r}")
 
 
-def balance_problem(mode: str, strategy: Any) -> str | None:
+def balance_problem(mode: str | None, strategy: Any) -> str | None:
     """Why ``strategy`` cannot run with ``balance=mode``, or None when it can.
 
     ``'batch'`` needs a strategy that meets every step (``round_steps == 1``),
@@ -292,7 +292,7 @@ def balance_problem(mode: str, strategy: Any) -> str | None:
     strategy that weights its average across ranks by samples (its
     ``balance_modes`` name the mode).
     """
-    if mode == "none" or strategy is None:
+    if mode in ("none", None) or strategy is None:  # None: a profile's `balance = none`
         return None
     name = type(strategy).__name__
     rounds = getattr(strategy, "round_steps", 1)
@@ -415,8 +415,9 @@ class RunArgs:
         "gradients are averaged weighted by samples); ``'steps'`` (round-based strategies: "
         "each rank's inner steps per round follow its speed, the round's average weighted "
         "by samples). Speeds are measured in the first steps and again as the run goes; "
-        "the summary lists each rank's share as ``balance`` (:mod:`exogym.balance`).",
-        _balance, profile=True)
+        "the summary lists each rank's share as ``balance`` (:mod:`exogym.balance`). "
+        "None (what ``balance = none`` in a profile reads as) is ``'none'``.",
+        _balance, profile=True, convert=lambda v: "none" if v is None else v)
     rank_failures: list[tuple[int, int, int | None]] | None = _arg(
         None, "ranks that leave and rejoin: ``[(rank, at_step, back_at_step or None), ...]``; "
         "an away rank runs no step and collectives meet among the present ranks; it rejoins "

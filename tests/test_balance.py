@@ -11,10 +11,14 @@ from __future__ import annotations
 import copy
 import io
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from ranks import ROOT, free_port, rank_env
 from rich.console import Console
 from torch.utils.data import IterableDataset, TensorDataset
 from toys import TinyNet, tiny_model, toy_dataset
@@ -22,14 +26,16 @@ from toys import TinyNet, tiny_model, toy_dataset
 from exogym import Trainer
 from exogym.balance import Balancer, batch_shares, round_shares
 from exogym.checkpoint import checkpoint_path
-from exogym.fit_args import FitArgs
+from exogym.fit_args import FitArgs, RunArgs
 from exogym.report import RunReporter
+from exogym.spec import Placement, make_run_spec
 from exogym.strategy import (
     DiLoCoStrategy,
     FedAvgStrategy,
     OptimSpec,
     SimpleReduceStrategy,
 )
+from exogym.train_node import TrainNode
 
 SPEEDS = [1.0, 0.5]
 CLOCK = dict(rank_speeds=SPEEDS, speed_mode="clock", compute_time_s=0.1)
@@ -247,6 +253,50 @@ def test_speeds_are_measured_again_as_the_run_goes_so_a_rank_slowed_later_gets_l
     assert inner[(0, 16)] == 4
 
 
+class HeldBack(TinyNet):
+    """A TinyNet whose training forward waits 0.1 s without using the CPU: a rank on a
+    host held back by a CPU quota or a throttled chip."""
+
+    def forward(self, batch):
+        if torch.is_grad_enabled():
+            time.sleep(0.1)
+        return super().forward(batch)
+
+
+@pytest.mark.parametrize("ranks_per_machine, counted", [(1, True), (2, False)])
+def test_a_rank_with_a_host_to_itself_is_timed_by_the_wall_clock(ranks_per_machine, counted):
+    # On a real host (one rank per machine) a step's wall time is what keeps the others
+    # waiting: time the rank's CPU thread alone and a host held to half its core by a
+    # quota looks as fast as the others. Ranks sharing a machine's cores, each on one
+    # thread (a simulation), count their own CPU time: the others' turns are not theirs.
+    ds = toy_dataset()
+    spec = make_run_spec(HeldBack(), ds, ds, RunArgs(
+        strategy=SimpleReduceStrategy(optim_spec=OptimSpec(torch.optim.SGD, lr=LR)),
+        num_nodes=1, max_steps=2, batch_size=8, balance="batch", num_threads=1, val_size=0,
+        device="cpu"))
+    node = TrainNode(spec, 0, torch.device("cpu"), emit=lambda event: None,
+                     placement=Placement(ranks_per_machine=ranks_per_machine))
+    timed: list[float] = []
+    node.balance.record = lambda samples, seconds: timed.append(seconds)
+    node.train_step()
+    assert (timed[0] >= 0.1) if counted else (timed[0] < 0.05), timed
+
+
+def test_real_ranks_time_their_own_work_so_a_held_back_host_gets_a_smaller_batch(tmp_path):
+    # Two rank processes over TCP, as on two hosts: each has its machine to itself, so
+    # it is timed by the wall clock, without the time inside collectives. Rank 1 waits
+    # 50 ms a step without using the CPU (a CPU quota); rank 0 waits as long for it in
+    # every all-reduce, and that wait is not rank 0's work.
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "tests/scripts/balance_rank.py"], cwd=ROOT,
+                              env=rank_env(rank, 2, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    last = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert last[0]["batch_size"] >= 12 and last[1]["batch_size"] <= 4, last
+
+
 # --------------------------------------------------------------------------- checks
 
 
@@ -299,10 +349,14 @@ def test_balance_is_a_profile_key_and_the_train_commands_take_balance(tmp_path):
     from typer.testing import CliRunner
 
     from cli_typer import app
-    from distributed.profiles.profile import ProfileError, load_profile
+    from distributed.profiles.profile import ProfileError, load_profile, parse_overrides
 
     profile = load_profile("digits-diloco", overrides={"balance": "steps"})
     assert profile.resolved.run_kwargs["balance"] == "steps"
+    # `balance = none` (a profile, --set, --balance none on a host) reads as None: no balance
+    profile = load_profile("digits-ddp", overrides=parse_overrides(["balance=none"]))
+    none = RunArgs(strategy=SimpleReduceStrategy(), balance=profile.resolved.run_kwargs["balance"])
+    assert none.balance == "none"
     with pytest.raises(ProfileError, match="SimpleReduceStrategy meets at every step"):
         load_profile("digits-ddp", overrides={"balance": "steps"})
     with pytest.raises(ProfileError, match="balance must be"):
