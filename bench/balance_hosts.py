@@ -85,8 +85,9 @@ DiLoCo round (H steps), a DDP step. Ranks meet at its ends, so its wall time
 
 With ``--repeat`` every figure is the median over the passes; each pass's
 speedups are taken against that pass's fast-host-alone run, and the table
-shows their range. Writes ``results.json`` to ``--out``. Prints figures,
-asserts nothing. Latency is not emulated (no ``netem`` in this kernel).
+shows their range. Writes ``results.json`` and every job's rank logs
+(``logs/``) to ``--out``. Prints figures, asserts nothing. Latency is not
+emulated (no ``netem`` in this kernel).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ import argparse
 import errno
 import os
 import resource
+import shutil
 import statistics
 import sys
 import threading
@@ -689,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{group.members()}); links {args.rate}", flush=True)
             bed.shape(args.rate)
             bench = BalanceBench(bed, args, out)
+            shutil.rmtree(out / "logs", ignore_errors=True)  # rank logs of an earlier run
             runs = run_all(bench, group, args)
             rows = summarize(runs)
             print()
