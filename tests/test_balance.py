@@ -245,12 +245,15 @@ def test_speeds_are_measured_again_as_the_run_goes_so_a_rank_slowed_later_gets_l
     trainer = Trainer(SlowsDown(), flagged, flagged)
     strategy = DiLoCoStrategy(optim_spec=OptimSpec(torch.optim.SGD, lr=LR), H=4)
     # measured compute on the simulated clock: equal speeds, until rank 1 slows down
-    trainer.fit(strategy=strategy, num_nodes=2, max_steps=16, batch_size=8, balance="steps",
+    trainer.fit(strategy=strategy, num_nodes=2, max_steps=20, batch_size=8, balance="steps",
                 network="1gbit", speed_mode="clock", num_threads=1, **QUIET)
     inner = by_rank_and_step(trainer, "inner_steps")
     assert inner[(1, 4)] >= 2  # first measured about as fast as rank 0 (timing noise aside)
-    assert inner[(1, 16)] == 1  # slowed many times over in round 2: one inner step a round
-    assert inner[(0, 16)] == 4
+    # slowed many times over from round 2 on: the smoothed speed (each agreement weighs the
+    # new measurement and the old estimate half and half) falls below 3/8 within two more
+    # agreements, and the rank is left one inner step a round
+    assert inner[(1, 8)] > inner[(1, 20)] == 1
+    assert inner[(0, 20)] == 4
 
 
 class HeldBack(TinyNet):
