@@ -24,8 +24,8 @@ root group first), also on errors and SIGINT/SIGTERM.
 
 **The model.** The ``chargpt-bench`` profile (``config.ini``: a character GPT
 of 3.3M parameters, one compute thread), about 0.25 s per step of 16 samples
-on one core here, so a run of 200 steps takes about a minute and a pass of
-the bench about 9 minutes; long enough per step that the quota's 100 ms
+on one core here, so a DiLoCo run of 320 steps takes about a minute and a
+half alone and a pass of the bench about 11 minutes; long enough per step that the quota's 100 ms
 period slows every step alike rather than some steps fully and others not.
 chargpt-bench rather than the digits profiles: a digits step takes a few
 milliseconds, which a 100 ms quota period would stall at random.
@@ -33,17 +33,20 @@ milliseconds, which a 100 ms quota period would stall at random.
 **Runs**, in this order in each of ``--repeat`` passes (a ratio compares runs
 made minutes apart, not on a machine whose speed drifted):
 
-- DiLoCo (H=``--H``), ``--steps`` steps, batch ``--batch-size`` per rank:
+- DiLoCo (H=``--H``, 40), ``--steps`` steps, batch ``--batch-size`` per rank:
   the fast host alone (host 0, one rank), both hosts with ``balance=none``,
-  both hosts with ``balance=steps``;
-- DDP, ``--ddp-steps`` steps, batch ``--ddp-batch`` per rank (64): the fast
+  both hosts with ``balance=steps``. A round's average (13 MB each way at
+  1gbit, the slow host's part of it held to its quota) costs about 0.3 s, 5%
+  of a round of 20 steps; with 40 steps per round, about 2.5%;
+- DDP, ``--ddp-steps`` steps, batch ``--ddp-batch`` per rank (128): the fast
   host alone, both hosts with ``balance=none``, both with ``balance=batch``.
   A larger batch than DiLoCo's: DDP all-reduces the whole gradient (13 MB)
   every step, 0.13-0.17 s at 1gbit here, the slow host's share of that work
   held to its quota too; balance moves compute, not that transfer, so the
   compute per step decides how much of the ideal 1.5x is reachable. With 32
   samples per host the transfer was about a fifth of a balanced step and the
-  speedup 1.18x; with 64, about a tenth.
+  speedup 1.18x; with 64, about a tenth and the speedup 1.24-1.39x over
+  three runs; with 128, about a twentieth.
 
 **Definitions.** A *period* is the steps between two communications: a
 DiLoCo round (H steps), a DDP step. Ranks meet at its ends, so its wall time
@@ -579,13 +582,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="See the module docstring for every definition.")
     parser.add_argument("--only", choices=("diloco", "ddp"), help="one strategy's runs only")
-    parser.add_argument("--steps", type=int, default=200, help="steps of each DiLoCo run")
-    parser.add_argument("--H", type=int, default=20, help="DiLoCo's steps per round")
+    parser.add_argument("--steps", type=int, default=320, help="steps of each DiLoCo run")
+    parser.add_argument("--H", type=int, default=40, help="DiLoCo's steps per round")
     parser.add_argument("--batch-size", type=int, default=16, help="DiLoCo's samples per rank")
-    parser.add_argument("--ddp-steps", type=int, default=40, help="steps of each DDP run")
-    parser.add_argument("--ddp-batch", type=int, default=64, help="DDP's samples per rank")
-    parser.add_argument("--val-every", type=int, default=40,
-                        help="DiLoCo's steps between evaluations (a multiple of H; default 40)")
+    parser.add_argument("--ddp-steps", type=int, default=30, help="steps of each DDP run")
+    parser.add_argument("--ddp-batch", type=int, default=128, help="DDP's samples per rank")
+    parser.add_argument("--val-every", type=int, default=80,
+                        help="DiLoCo's steps between evaluations (a multiple of H; default 80)")
     parser.add_argument("--ddp-val-every", type=int, default=20,
                         help="DDP's steps between evaluations (default 20)")
     parser.add_argument("--val-size", type=int, default=128, help="validation sequences")

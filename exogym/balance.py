@@ -18,8 +18,10 @@ measured speed, so the ranks reach their collectives together.
 Async Local-SGD, arXiv:2401.09135)
     A round is ``H`` steps on every rank: the step counter, ``max_steps``,
     evaluations, checkpoints and the learning-rate schedule count them alike on
-    all ranks. Rank ``i`` trains the first ``H_i = max(1, round(H * s_i))`` steps
-    of each round (``s_i``: its speed relative to the fastest rank) and idles
+    all ranks. Rank ``i`` trains the first ``H_i`` steps of each round, ``H * s_i``
+    (``s_i``: its speed relative to the fastest rank) rounded down or up to a whole
+    step, whichever gives more samples per unit of round time (:func:`round_shares`;
+    at least 1), and idles
     through the rest: an idle step computes nothing and takes no time, it only
     takes part in the strategy's collectives, so a slow rank arrives at the
     round's average when the fast ones do. The average weights each rank's
@@ -80,7 +82,7 @@ if TYPE_CHECKING:
     from exogym.spec import RunSpec
 
 __all__ = ["Balancer", "batch_shares", "round_shares", "PROBE_STEPS", "BATCH_INTERVAL",
-           "TOLERANCE", "SMOOTHING"]
+           "TOLERANCE", "SMOOTHING", "ROUND_UP_GAIN"]
 
 #: Steps every rank trains before the first agreement (the first one is a warm-up).
 PROBE_STEPS = 3
@@ -90,6 +92,9 @@ BATCH_INTERVAL = 10
 TOLERANCE = 0.05
 #: Weight of a new measurement in a rank's throughput estimate (the rest: the previous one).
 SMOOTHING = 0.5
+#: Least relative gain in modelled samples per second for which ``'steps'`` rounds a
+#: rank's inner steps up rather than down (see :func:`round_shares`).
+ROUND_UP_GAIN = 0.02
 
 
 def batch_shares(throughputs: list[float], total: int, minimum: int = 1) -> list[int]:
@@ -123,9 +128,34 @@ def batch_shares(throughputs: list[float], total: int, minimum: int = 1) -> list
 
 
 def round_shares(speeds: list[float], round_steps: int) -> list[int]:
-    """Inner steps per round: ``max(1, round(H * s_i))`` for relative speeds ``s_i`` (halves
-    round up)."""
-    return [max(1, min(round_steps, math.floor(round_steps * s + 0.5))) for s in speeds]
+    """Inner steps per round for relative speeds ``s_i``: ``H * s_i`` rounded down or up,
+    at least 1 and at most ``H``, whichever gives the most samples per unit of round time.
+
+    A round lasts ``max(H, max_i(H_i / s_i))`` fast-rank steps. Rounding a rank's share up
+    adds its one step of samples but may make it the last to arrive, so the round
+    (and every rank's wait) grows to ``H_i / s_i``; rounding down keeps the round at
+    ``H``. Ranks whose rounding up would be cheapest are rounded up first, and a
+    rounding up is taken only when it raises the modelled samples per unit of time by
+    more than :data:`ROUND_UP_GAIN` (the rank that arrives last also holds up the
+    collective, on a measured speed that is itself only an estimate).
+    """
+    down = [max(1, min(round_steps, math.floor(round_steps * s))) for s in speeds]
+    up = [max(1, min(round_steps, math.ceil(round_steps * s))) for s in speeds]
+
+    def throughput(shares: list[int]) -> float:
+        span = max([round_steps] + [n / s for n, s in zip(shares, speeds) if s > 0])
+        return sum(shares) / span
+
+    best, shares = down, list(down)
+    best_rate = throughput(down)
+    candidates = sorted((r for r in range(len(speeds)) if up[r] > down[r] and speeds[r] > 0),
+                        key=lambda r: (up[r] / speeds[r], r))
+    for rank in candidates:
+        shares[rank] = up[rank]
+        rate = throughput(shares)
+        if rate > best_rate * (1.0 + ROUND_UP_GAIN):
+            best, best_rate = list(shares), rate
+    return best
 
 
 class Balancer:

@@ -87,7 +87,11 @@ def test_batch_shares_follow_throughput_sum_to_the_global_batch_and_give_each_ra
 
 def test_round_shares_are_inner_steps_in_proportion_to_speed_at_least_one():
     assert round_shares([1.0, 0.5], 8) == [8, 4]
-    assert round_shares([1.0, 0.25, 0.01], 10) == [10, 3, 1]  # 2.5 rounds up; never 0
+    assert round_shares([1.0, 0.25, 0.01], 10) == [10, 3, 1]  # never 0; 2.5 up: the slowest sets the round
+    # 9.68 -> 9: a tenth step would make the rank last by 0.66 step for 0.1% more samples/s
+    assert round_shares([1.0, 0.484], 20) == [20, 9]
+    assert round_shares([1.0, 0.495], 20) == [20, 10]  # 2.4% more samples/s: rounded up
+    assert round_shares([1.0, 0.7], 4) == [4, 3] and round_shares([1.0, 0.62], 4) == [4, 2]
 
 
 def test_a_balancer_idles_a_slow_rank_past_its_inner_steps_and_weights_the_round_by_them():
