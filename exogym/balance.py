@@ -49,7 +49,10 @@ gets less. New shares take effect from the next step (``'batch'``) or the next
 round (``'steps'``; in the first round, from the step after the probe, a rank
 that has already trained its ``H_i`` steps idling through the rest). A
 measurement that moves no rank's relative speed by more than
-:data:`TOLERANCE` keeps the shares.
+:data:`TOLERANCE` keeps the batch shares (``'batch'``). Inner steps (``'steps'``)
+follow every estimate: they are whole steps, so they move only when an
+estimate crosses a rounding boundary, and a speed that drifted a little from
+the one first agreed on is not left to make a rank late at every round.
 
 **Agreement.** Each rank writes its throughput into its own slot of a vector
 of ``K`` zeros and the ranks sum the vector over the side channel (uncounted),
@@ -88,7 +91,7 @@ __all__ = ["Balancer", "batch_shares", "round_shares", "PROBE_STEPS", "BATCH_INT
 PROBE_STEPS = 3
 #: Steps between two agreements with ``balance='batch'`` (``'steps'``: every round).
 BATCH_INTERVAL = 10
-#: Largest change of any rank's relative speed that keeps the shares as they are.
+#: Largest change of any rank's relative speed that keeps the batch shares as they are.
 TOLERANCE = 0.05
 #: Weight of a new measurement in a rank's throughput estimate (the rest: the previous one).
 SMOOTHING = 0.5
@@ -275,9 +278,9 @@ class Balancer:
         self.throughputs = throughputs
         fastest = max(throughputs)
         speeds = [t / fastest for t in throughputs]
-        if self.speeds is not None and max(
+        if self.mode == "batch" and self.speeds is not None and max(
                 abs(new - old) for new, old in zip(speeds, self.speeds)) <= TOLERANCE:
-            return False
+            return False  # a sample more or less per rank: not worth chasing the noise
         self.speeds = speeds
         if self.mode == "batch":
             shares = batch_shares(throughputs, self.base_batch * self.num_nodes)

@@ -24,6 +24,7 @@ from torch.utils.data import IterableDataset, TensorDataset
 from toys import TinyNet, tiny_model, toy_dataset
 
 from exogym import Trainer
+from exogym import balance as balance_module
 from exogym.balance import Balancer, batch_shares, round_shares
 from exogym.checkpoint import checkpoint_path
 from exogym.fit_args import FitArgs, RunArgs
@@ -102,6 +103,35 @@ def test_a_balancer_idles_a_slow_rank_past_its_inner_steps_and_weights_the_round
     assert balancer.counts == [4, 2]
     assert balancer.weight == pytest.approx(2 * 2 / 6)  # its samples over the mean of the ranks'
     assert balancer.begin_step(5) and balancer.counts == [1, 1]  # a new round
+
+
+def agreements(monkeypatch, balancer: Balancer, rounds: list[list[float]]) -> list[list[int]]:
+    """The shares after each agreement, every rank measuring the throughputs of ``rounds``."""
+    measured = iter(rounds)
+
+    def side_all_reduce(vector, op=None):
+        vector.copy_(torch.tensor(next(measured), dtype=vector.dtype))
+
+    monkeypatch.setattr(balance_module.comm, "side_all_reduce", side_all_reduce)
+    shares = []
+    for _ in rounds:
+        balancer._window = [1.0]  # this rank timed a step (its value comes from ``rounds``)
+        balancer.agree()
+        shares.append(list(balancer.shares))
+    return shares
+
+
+def test_inner_steps_follow_a_small_drift_that_batch_shares_ignore(monkeypatch):
+    # rank 1 first measured at 0.51 of rank 0's speed, then at 0.47 round after round: its
+    # estimate drifts to 0.49, within TOLERANCE of 0.51, but 20 of 40 steps would now make
+    # it late at every round: the inner steps move to 19
+    rounds = [[100.0, 51.0], [100.0, 47.0], [100.0, 47.0]]
+    steps = Balancer("steps", rank=0, num_nodes=2, batch_size=16, round_steps=40, max_steps=400)
+    assert agreements(monkeypatch, steps, rounds) == [[40, 20], [40, 19], [40, 19]]
+    assert steps.speeds[1] == pytest.approx(0.48)
+    batch = Balancer("batch", rank=0, num_nodes=2, batch_size=16, round_steps=1, max_steps=400)
+    first = agreements(monkeypatch, batch, rounds)
+    assert first[0] == first[1] == first[2]  # a sample more or less: kept
 
 
 # --------------------------------------------------------------------------- batch
