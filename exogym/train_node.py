@@ -372,7 +372,7 @@ class TrainNode:
         total, count = self._eval_loss(self.model, self.val_loader, sums)
         local = total / max(count, 1)
         extra = {f"val_{name}": num / den for name, (num, den) in sums.items() if den}
-        if self.num_nodes == 1 or self.strategy.keeps_ranks_identical:
+        if self.num_nodes == 1 or self.strategy.ranks_identical:
             return {"val_loss": local, "val_global_loss": local, **extra}
         # Every rank scores the average model on its slice of the validation set.
         total, count = self._eval_loss(self._average_model(), self.val_shard_loader)

@@ -15,6 +15,7 @@ from exogym.strategy import (
     FedAvgStrategy,
     OptimSpec,
     SimpleReduceStrategy,
+    SPARTADiLoCoStrategy,
 )
 from exogym.strategy.federated_averaging import island_plan
 
@@ -264,3 +265,23 @@ def test_cpu_optimizers_take_the_fused_or_foreach_kernel_unless_the_user_chose()
             opt.step()
     assert_models_close(ours, torchs)
     assert_models_differ(ours, model)
+
+
+@pytest.mark.parametrize("strategy", [
+    DiLoCoStrategy(optim_spec="adam", lr=0.02, H=4),
+    SPARTADiLoCoStrategy(optim_spec="adam", lr=0.02, H=4, p_sparta=0.1),
+], ids=["diloco", "sparta-diloco"])
+def test_at_a_round_end_the_ranks_are_identical_and_the_average_model_is_each_rank_s(strategy):
+    ds = toy_dataset(512)
+    trainer = Trainer(tiny_model(), ds, ds)
+    trainer.fit(strategy=strategy, num_nodes=3, max_steps=8, batch_size=16, val_size=128,
+                val_interval=2, logger=None, progress=False)
+    rows = {(r["rank"], r["step"]): r for r in trainer.history if "val_loss" in r}
+    for step in (4, 8):  # round ends: one model on every rank, scored without averaging
+        losses = {rows[rank, step]["val_loss"] for rank in range(3)}
+        assert len(losses) == 1
+        assert {rows[rank, step]["val_global_loss"] for rank in range(3)} == losses
+    for step in (2, 6):  # inside a round the ranks differ; the average model is another
+        losses = [rows[rank, step]["val_loss"] for rank in range(3)]
+        assert len(set(losses)) == 3
+        assert rows[0, step]["val_global_loss"] not in losses

@@ -95,6 +95,7 @@ class CommunicateOptimizeStrategy(Strategy):
             self._advance_schedule()
 
     def _communicate(self) -> None:
+        self.synced_at = None  # a module that averages the whole model sets it again
         for module in self.communication_modules:
             module.communicate(self.model, self.rank, self.num_nodes, self.local_step)
 

@@ -96,6 +96,10 @@ class DiLoCoCommunicator(CommunicationModule):
             master.grad = None
         for p, master in zip(self.params, self.master):
             p.copy_(master)
+        if self.strategy is not None:
+            # Every rank applied the same outer step to the same numbers (the all-reduce's
+            # result is the same everywhere): the models are identical after this step.
+            self.strategy.synced_at = local_step + 1
 
     def state_dict(self) -> dict[str, Any]:
         state = {"master": [m.clone() for m in self.master],

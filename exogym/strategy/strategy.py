@@ -80,6 +80,11 @@ class Strategy(ABC):
     #: evaluating "the average model" needs no communication (AllReduce).
     keeps_ranks_identical: bool = False
 
+    #: The ``local_step`` at which this strategy last made every rank hold the same model
+    #: (set by a strategy whose step ends with a full average, e.g. a DiLoCo round), so
+    #: that an evaluation right then needs no average model; None: not known.
+    synced_at: int | None = None
+
     #: The ``fit(balance=...)`` modes this strategy implements (:mod:`exogym.balance`): it
     #: multiplies what it averages across ranks by :attr:`average_weight`.
     balance_modes: tuple[str, ...] = ()
@@ -248,6 +253,12 @@ class Strategy(ABC):
                 for callback in self.lr_callbacks:
                     callback(lr)
         self.local_step += 1
+
+    @property
+    def ranks_identical(self) -> bool:
+        """Whether every rank holds the same model now: always for a strategy that
+        :attr:`keeps_ranks_identical`, or right after a step that averaged the whole model."""
+        return self.keeps_ranks_identical or self.synced_at == self.local_step
 
     def idle_step(self) -> None:
         """A step in which this rank trains nothing (``balance='steps'``): it still takes
