@@ -41,8 +41,10 @@ samples). The first step after a start or resume is a warm-up and not counted.
 
 **When shares change.** The ranks first agree after :data:`PROBE_STEPS`
 steps, then again every :data:`BATCH_INTERVAL` steps (``'batch'``) or at the
-end of every round (``'steps'``), each time from the median throughput of
-every rank's steps since the last agreement, averaged with the previous
+end of every round (``'steps'``), each time from every rank's throughput
+over its steps since the last agreement (their samples over their seconds:
+a round lasts the sum of its steps, so a few slow steps count as they do
+there, which a median of steps would hide), averaged with the previous
 estimate (weight :data:`SMOOTHING` on the new one: timing noise averages out,
 a lasting change shows within two agreements), so a rank slowed by other work
 gets less. New shares take effect from the next step (``'batch'``) or the next
@@ -74,7 +76,6 @@ round cut short by ``max_steps`` is averaged plainly).
 from __future__ import annotations
 
 import math
-import statistics
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -191,7 +192,7 @@ class Balancer:
         self.speeds: list[float] | None = None  # relative to the fastest; None until agreed
         self.throughputs: list[float] | None = None  # every rank's estimate, samples/s
         self.counts = [0] * num_nodes  # 'steps': steps each rank trained in this round
-        self._window: list[float] = []  # this rank's throughputs since the last agreement
+        self._window: list[tuple[int, float]] = []  # (samples, seconds) since the last agreement
         self._warm = False
 
     @classmethod
@@ -242,7 +243,7 @@ class Balancer:
             self._warm = True
             return
         if seconds > 0:
-            self._window.append(samples / seconds)
+            self._window.append((samples, seconds))
 
     def due(self, step: int) -> bool:
         """Whether the ranks agree on new shares after ``step``."""
@@ -262,7 +263,8 @@ class Balancer:
         A rank with no timed step since the last agreement sends 0, and then every
         rank keeps its shares.
         """
-        mine = statistics.median(self._window) if self._window else 0.0
+        seconds = sum(t for _, t in self._window)
+        mine = sum(n for n, _ in self._window) / seconds if seconds > 0 else 0.0
         self._window = []
         vector = torch.zeros(self.num_nodes, dtype=torch.float64)
         vector[self.rank] = mine

@@ -115,10 +115,19 @@ def agreements(monkeypatch, balancer: Balancer, rounds: list[list[float]]) -> li
     monkeypatch.setattr(balance_module.comm, "side_all_reduce", side_all_reduce)
     shares = []
     for _ in rounds:
-        balancer._window = [1.0]  # this rank timed a step (its value comes from ``rounds``)
+        balancer._window = [(16, 1.0)]  # this rank timed a step (its value comes from ``rounds``)
         balancer.agree()
         shares.append(list(balancer.shares))
     return shares
+
+
+def test_a_rank_s_throughput_is_its_samples_over_its_seconds_so_a_few_slow_steps_count():
+    balancer = Balancer("steps", rank=0, num_nodes=1, batch_size=16, round_steps=4, max_steps=40)
+    balancer.record(16, 9.0)  # the first step after a start: a warm-up, not counted
+    for seconds in (0.25, 0.25, 1.0, 0.25):  # a round lasts their sum, 1.75 s
+        balancer.record(16, seconds)
+    balancer.agree()
+    assert balancer.throughputs == [pytest.approx(64 / 1.75)]  # not the median step's 64
 
 
 def test_inner_steps_follow_a_small_drift_that_batch_shares_ignore(monkeypatch):
