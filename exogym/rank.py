@@ -63,6 +63,10 @@ class LostRankError(RuntimeError):
         self.lost = lost
 
 
+#: Seconds a watch waits to reconnect to a store whose process was found gone.
+RECONNECT_S = 2.0
+
+
 class PeerWatch:
     """Heartbeats through the rendezvous store, to name a lost rank.
 
@@ -94,6 +98,7 @@ class PeerWatch:
         self.seen: dict[int, tuple[str, float]] = {}
         self.store_lost = False
         self._failing_since: float | None = None
+        self._gone = False  # in this spell of failures, the store's process was found gone
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="exogym-peer-watch", daemon=True)
@@ -105,9 +110,10 @@ class PeerWatch:
     def _poll(self) -> None:
         now = time.monotonic()
         with self._lock:
-            if self.store is None:  # a call timed out: its late answer must not be misread
+            if self.store is None:  # a call failed: its late answer must not be misread
+                # Once the store's process was found gone, a reconnection is a quick check.
                 self.store = comm.open_store(self.rendezvous.addr, self.rendezvous.port,
-                                             timeout_s=10)
+                                             timeout_s=RECONNECT_S if self._gone else 10)
             self.beats += 1
             self.store.set(self._key("beat", self.rank), str(self.beats))
             for peer in range(self.world_size if self.judge_peers else 0):
@@ -123,6 +129,7 @@ class PeerWatch:
             try:
                 self._poll()
                 self._failing_since = None
+                self._gone = False
             except Exception as exc:  # noqa: BLE001 - the store itself is gone, or out of reach
                 self.store = None
                 now = time.monotonic()
@@ -130,8 +137,11 @@ class PeerWatch:
                     self._failing_since = now
                 # A refused or reset connection: the store's process is gone (its host
                 # answers); a timeout may be a link that comes back, so it gets longer.
-                gone = any(m in str(exc) for m in ("refused", "reset", "Broken pipe"))
-                patience = min(3.0, self.silent_after_s) if gone else self.silent_after_s
+                # Reconnecting to a closed port then times out (the client retries a
+                # refused connection): the spell is still the store's loss.
+                self._gone = self._gone or any(
+                    m in str(exc) for m in ("refused", "reset", "Broken pipe"))
+                patience = min(3.0, self.silent_after_s) if self._gone else self.silent_after_s
                 if self.judge_peers or now - self._failing_since > patience:
                     self.store_lost = True
             lost = self.silent()

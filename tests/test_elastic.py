@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from io import StringIO
 
 import pytest
@@ -279,3 +280,72 @@ def test_the_live_dashboard_shows_each_hosts_share_of_the_work():
     out = Console(file=StringIO(), width=200)
     out.print(plain.render())
     assert "share" not in out.file.getvalue()
+
+
+def _probe_after(tmp_path, exit_codes: list[int | None]) -> tuple[list[str], list[int]]:
+    """What the launcher's probe of a lost rank 1 says and starts after earlier endings
+    with ``exit_codes`` (the last one the run that just ended)."""
+    from types import SimpleNamespace
+
+    from distributed.launch.elastic import ElasticAttempt
+    from distributed.launch.results import RankResult
+
+    def result(code: int | None) -> RankResult:
+        return RankResult(rank=1, host="h1", exit_code=code, reason=f"ended with {code}",
+                          stopped=False, duration_s=1.0, log_path=tmp_path / "rank1.log",
+                          last_lines=())
+
+    said: list[str] = []
+    started: list[int] = []
+    attempt = SimpleNamespace(
+        earlier={1: [result(code) for code in exit_codes[:-1]]},
+        plans={1: SimpleNamespace(host=SimpleNamespace(host="h1", rank=1))},
+        _finish=lambda run: result(exit_codes[-1]),
+        say=lambda text, style=None: said.append(text),
+        _probing={1}, _ending=threading.Event(), probe_interval=0.01,
+        _session_lock=threading.Lock(),
+        session=SimpleNamespace(reconnect=lambda host_rank: "shell"),
+        _start=lambda rank, shell: started.append(rank))
+    ElasticAttempt._probe(attempt, 1, object())
+    assert 1 not in attempt._probing
+    return said, started
+
+
+def test_a_rank_whose_program_fails_three_times_is_not_started_again(tmp_path):
+    said, started = _probe_after(tmp_path, [1, 137, None, 2, 1])  # three errors of its own
+    assert started == [] and len(said) == 1
+    assert "failed 3 times with an error of its own" in said[0] and "ended with 1" in said[0]
+    # killed by a signal (128 + N) or cut off (None): not the program's fault, started again
+    said, started = _probe_after(tmp_path, [1, 137, None, 137, 2])
+    assert started == [1] and "reachable again: starting rank 1" in said[-1]
+
+
+def test_a_rank_that_loses_the_launcher_s_store_says_it_lost_the_master():
+    from exogym.rank import PeerWatch, Rendezvous
+
+    port = free_port()
+    server = comm.open_store("127.0.0.1", port, is_master=True, world_size=None)
+    lost = []
+    done = threading.Event()
+
+    def on_lost(ranks, message):
+        lost.append((ranks, message))
+        done.set()
+
+    watch = PeerWatch(Rendezvous("127.0.0.1", port, store_on_rank0=False, min_nodes=2), rank=1,
+                      world_size=3, interval_s=0.1, silent_after_s=60.0, on_lost=on_lost,
+                      judge_peers=False)
+    try:
+        time.sleep(0.5)
+        assert not lost  # peers are the launcher's to judge: nothing while the store answers
+        del server  # the launcher's process is gone: connections are refused
+        started = time.monotonic()
+        assert done.wait(15.0)
+        took = time.monotonic() - started
+    finally:
+        watch.stop()
+    ranks, message = lost[0]
+    assert ranks == [-1]
+    assert message.startswith(f"lost the master: the launcher's store at 127.0.0.1:{port}")
+    assert "--resume" in message
+    assert took < 10.0  # a refused connection counts after 3 s, not the 60 s a silent link gets
