@@ -42,9 +42,12 @@ samples). The first step after a start or resume is a warm-up and not counted.
 **When shares change.** The ranks first agree after :data:`PROBE_STEPS`
 steps, then again every :data:`BATCH_INTERVAL` steps (``'batch'``) or at the
 end of every round (``'steps'``), each time from every rank's throughput
-over its steps since the last agreement (their samples over their seconds:
-a round lasts the sum of its steps, so a few slow steps count as they do
-there, which a median of steps would hide), averaged with the previous
+over its steps since the last agreement: with ``'steps'`` their samples over
+their seconds (a round lasts the sum of its steps, so a few slow steps count
+as they do there, which a median of steps would hide); with ``'batch'`` the
+median step's (every step meets, so a fast rank waits out a slow rank's
+occasional slow step whatever the shares, and the typical step sets the
+pace); averaged with the previous
 estimate (weight :data:`SMOOTHING` on the new one: timing noise averages out,
 a lasting change shows within two agreements), so a rank slowed by other work
 gets less. New shares take effect from the next step (``'batch'``) or the next
@@ -76,6 +79,7 @@ round cut short by ``max_steps`` is averaged plainly).
 from __future__ import annotations
 
 import math
+import statistics
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -263,8 +267,12 @@ class Balancer:
         A rank with no timed step since the last agreement sends 0, and then every
         rank keeps its shares.
         """
-        seconds = sum(t for _, t in self._window)
-        mine = sum(n for n, _ in self._window) / seconds if seconds > 0 else 0.0
+        if not self._window:
+            mine = 0.0
+        elif self.mode == "steps":  # a round lasts the sum of its steps
+            mine = sum(n for n, _ in self._window) / sum(t for _, t in self._window)
+        else:  # every step meets: the typical step, not a few slow ones, sets the pace
+            mine = statistics.median(n / t for n, t in self._window)
         self._window = []
         vector = torch.zeros(self.num_nodes, dtype=torch.float64)
         vector[self.rank] = mine

@@ -121,13 +121,19 @@ def agreements(monkeypatch, balancer: Balancer, rounds: list[list[float]]) -> li
     return shares
 
 
-def test_a_rank_s_throughput_is_its_samples_over_its_seconds_so_a_few_slow_steps_count():
+def test_steps_throughput_is_samples_over_seconds_and_batch_s_the_median_step_s():
     balancer = Balancer("steps", rank=0, num_nodes=1, batch_size=16, round_steps=4, max_steps=40)
     balancer.record(16, 9.0)  # the first step after a start: a warm-up, not counted
     for seconds in (0.25, 0.25, 1.0, 0.25):  # a round lasts their sum, 1.75 s
         balancer.record(16, seconds)
     balancer.agree()
     assert balancer.throughputs == [pytest.approx(64 / 1.75)]  # not the median step's 64
+    # with 'batch' every step meets, so the typical step is what the shares should match
+    batch = Balancer("batch", rank=0, num_nodes=1, batch_size=16, round_steps=1, max_steps=40)
+    for seconds in (9.0, 0.25, 0.25, 1.0, 0.25):
+        batch.record(16, seconds)
+    batch.agree()
+    assert batch.throughputs == [pytest.approx(64.0)]
 
 
 def test_inner_steps_follow_a_small_drift_that_batch_shares_ignore(monkeypatch):
