@@ -284,7 +284,7 @@ def _balance(name: str, value: Any) -> None:
                          f"rank's inner steps per round follow its speed), got {value!r}")
 
 
-def balance_problem(mode: str | None, strategy: Any) -> str | None:
+def balance_problem(mode: str, strategy: Any) -> str | None:
     """Why ``strategy`` cannot run with ``balance=mode``, or None when it can.
 
     ``'batch'`` needs a strategy that meets every step (``round_steps == 1``),
@@ -292,7 +292,7 @@ def balance_problem(mode: str | None, strategy: Any) -> str | None:
     strategy that weights its average across ranks by samples (its
     ``balance_modes`` name the mode).
     """
-    if mode in ("none", None) or strategy is None:  # None: a profile's `balance = none`
+    if mode == "none" or strategy is None:
         return None
     name = type(strategy).__name__
     rounds = getattr(strategy, "round_steps", 1)

@@ -299,7 +299,8 @@ class Profile:
         if unknown:
             return None, tuple(unknown)
         task, strategy, run = routing.split(self.values)
-        mismatch = strategy_balance_problem(run.get("balance", "none"), strategy_cls, strategy)
+        # `balance = none` in a profile reads as None
+        mismatch = strategy_balance_problem(run.get("balance") or "none", strategy_cls, strategy)
         if mismatch is not None:
             return None, (mismatch,)
         output_dir = Path(str(self.values.get("output_dir") or Path("runs") / self.name))
