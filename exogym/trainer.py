@@ -371,6 +371,8 @@ class Trainer:
         self.rank_stats: dict[int, dict[str, Any]] = {}
         self.log_dir: Path | None = None
         self.run_config: dict[str, Any] = {}
+        #: The heading of the summary table shown when a fit ends.
+        self.summary_title = "run summary"
 
     def fit(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
         fit_args = FitArgs.from_call("fit()", args, kwargs)
@@ -444,7 +446,7 @@ class Trainer:
                 self.summary["peak_rss_bytes_per_rank"] = max(peaks)
             if run_logger is not None:
                 run_logger.finish(self.summary, failed=failed)
-        reporter.finish(self.summary)
+        reporter.finish(self.summary, title=self.summary_title)
         final = copy.deepcopy(self.model)
         if states:  # none for a host's rank that was away at the end (exogym.elastic)
             final.load_state_dict(average_state_dicts(states))

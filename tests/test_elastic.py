@@ -349,3 +349,50 @@ def test_a_rank_that_loses_the_launcher_s_store_says_it_lost_the_master():
     assert message.startswith(f"lost the master: the launcher's store at 127.0.0.1:{port}")
     assert "--resume" in message
     assert took < 10.0  # a refused connection counts after 3 s, not the 60 s a silent link gets
+
+
+def test_a_rank_away_when_the_run_ends_says_so_and_leaves_the_outputs_to_the_others(
+        store, tmp_path):
+    """A rank frozen past its loss wakes after the survivors finished: it ends cleanly,
+    says the run ended while it was away, and writes neither model nor summary."""
+    import signal
+    import subprocess
+    import sys
+
+    from ranks import ROOT, rank_env
+
+    for r in range(3):
+        store.set(key("host", r), f"host{r}")
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "distributed.worker", "--profile", "digits-diloco",
+            "--set", "max_steps=1500", "--set", "num_threads=1", "--set", "val_interval=500",
+            "--set", "checkpoint_interval=None", "--set", "num_nodes=3",
+            "--set", f"output_dir={out}"]
+    procs = []
+    for r in range(3):
+        with open(tmp_path / f"rank{r}.log", "wb") as log:
+            procs.append(subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                          env=rank_env(r, 3, store.port, EXOGYM_MIN_NODES="2")))
+    try:
+        deadline = time.monotonic() + 120
+        while not any(e.get("step", 0) >= 200 for e in _events(tmp_path / "rank2.log")):
+            assert time.monotonic() < deadline and procs[2].poll() is None
+            time.sleep(0.1)
+        procs[2].send_signal(signal.SIGSTOP)
+        declare_lost(store, 2, "no heartbeat")
+        assert [p.wait(timeout=180) for p in procs[:2]] == [0, 0]
+        summary = (out / "summary.json").read_bytes()
+        model = (out / "model.safetensors").read_bytes()
+    finally:
+        procs[2].send_signal(signal.SIGCONT)
+    assert procs[2].wait(timeout=60) == 0
+    log = (tmp_path / "rank2.log").read_text()
+    assert "rank 2: the run ended while this rank was away" in log, log[-2000:]
+    assert "ranks 0, 1 finished it, and rank 0 wrote the final model" in log
+    assert "rank 2's own steps (not the run's)" in log
+    final = [e for e in _events(tmp_path / "rank2.log") if e.get("event") == "final_membership"]
+    assert final and final[0]["present"] == [0, 1]
+    # The outputs are the survivors' alone.
+    assert (out / "summary.json").read_bytes() == summary
+    assert (out / "model.safetensors").read_bytes() == model
+    assert json.loads(summary)["steps"] == 1500

@@ -102,7 +102,14 @@ class RankTrainer(Trainer):
             if event.get("event") == "final_membership":
                 # Ranks came and went: the lowest one present at the end writes the outputs.
                 self.membership = event["changes"]
-                self.writes_outputs = event["present"][:1] == [env.rank]
+                present = event["present"]
+                self.writes_outputs = present[:1] == [env.rank]
+                if env.rank not in present:
+                    self.summary_title = f"rank {env.rank}'s own steps (not the run's)"
+                    print(f"rank {env.rank}: the run ended while this rank was away (it was "
+                          f"dropped and not yet back); ranks {', '.join(map(str, present))} "
+                          f"finished it, and rank {present[0]} wrote the final model and "
+                          "summary", file=sys.stderr, flush=True)
             on_event(event)
 
         elastic = env.min_nodes is not None
