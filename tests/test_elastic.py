@@ -396,3 +396,32 @@ def test_a_rank_away_when_the_run_ends_says_so_and_leaves_the_outputs_to_the_oth
     assert (out / "summary.json").read_bytes() == summary
     assert (out / "model.safetensors").read_bytes() == model
     assert json.loads(summary)["steps"] == 1500
+
+
+def test_a_lost_rank_that_acknowledges_after_the_run_ended_is_not_shown_rejoining(store):
+    """The launcher marks a lost rank "rejoining" once it acknowledges its loss, but not
+    when the run is already over: there is no round left for it."""
+    from types import SimpleNamespace
+
+    from distributed.launch.elastic import ElasticAttempt
+    from exogym import elastic
+
+    declare_lost(store, 1, "no heartbeat")
+    store.set(key("ready", 1), "1")
+    events: list[dict] = []
+
+    def attempt(ending: bool) -> SimpleNamespace:
+        stand_in = SimpleNamespace(
+            lost={1: "no heartbeat"}, protocol=elastic, store=store, beats={}, state={},
+            _ending=threading.Event(), plans={1: SimpleNamespace(host=SimpleNamespace(host="h1"))},
+            context=SimpleNamespace(on_event=events.append))
+        stand_in._host = lambda rank, state, reason="": ElasticAttempt._host(
+            stand_in, rank, state, reason)
+        if ending:
+            stand_in._ending.set()
+        return stand_in
+
+    ElasticAttempt._watch_returns(attempt(ending=True), time.monotonic())
+    assert events == []
+    ElasticAttempt._watch_returns(attempt(ending=False), time.monotonic())
+    assert [(e["rank"], e["state"]) for e in events] == [(1, "rejoining")]

@@ -158,6 +158,8 @@ class ElasticAttempt:
 
     def _watch_returns(self, now: float) -> None:
         """Ranks that acknowledged their loss are back and wait for the next round."""
+        if self._ending.is_set():  # the run is over: there is no round left to rejoin
+            return
         for rank in list(self.lost):
             generation = self.protocol.loss_generation(self.store, rank)
             if self.protocol.ready_generation(self.store, rank) == generation:
