@@ -219,6 +219,38 @@ def _events(log_path):
     return [e for e in map(decode_line, log_path.read_text().splitlines()) if e is not None]
 
 
+def _start_workers(store, tmp_path, profile: str, *settings: str, quiet: bool = False):
+    """Three local worker processes of ``profile`` meeting through ``store`` with
+    ``min_nodes=2`` (the test is their launcher); their processes and output folder.
+    Each rank's output goes to ``tmp_path/rank{r}.log``."""
+    import subprocess
+    import sys
+
+    from ranks import ROOT, rank_env
+
+    for r in range(3):
+        store.set(key("host", r), f"host{r}")
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "distributed.worker", "--profile", profile,
+            *(["--quiet"] if quiet else [])]
+    for pair in (*settings, "num_threads=1", "checkpoint_interval=None", "num_nodes=3",
+                 f"output_dir={out}"):
+        args += ["--set", pair]
+    procs = []
+    for r in range(3):
+        with open(tmp_path / f"rank{r}.log", "wb") as log:
+            procs.append(subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                          env=rank_env(r, 3, store.port, EXOGYM_MIN_NODES="2")))
+    return procs, out
+
+
+def _wait_for_step(tmp_path, procs, rank: int, step: int) -> None:
+    deadline = time.monotonic() + 120
+    while not any(e.get("step", 0) >= step for e in _events(tmp_path / f"rank{rank}.log")):
+        assert time.monotonic() < deadline and procs[rank].poll() is None
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("profile, identical", [
     ("digits-ddp", True), ("digits-demo", True), ("digits-sparta", False)])
 def test_per_step_survivors_go_on_from_the_step_they_all_completed(store, tmp_path, profile,
@@ -227,28 +259,10 @@ def test_per_step_survivors_go_on_from_the_step_they_all_completed(store, tmp_pa
     themselves and they stay identical (local worker processes, the test as launcher).
     In DeMo's gather the lost rank's part reads as absent (NaN), and is skipped."""
     import signal
-    import subprocess
-    import sys
-    import time
 
-    from ranks import ROOT, rank_env
-
-    for r in range(3):
-        store.set(key("host", r), f"host{r}")
-    out = tmp_path / "run"
-    args = [sys.executable, "-m", "distributed.worker", "--profile", profile, "--quiet",
-            "--set", "max_steps=3000", "--set", "num_threads=1", "--set", "val_interval=3000",
-            "--set", "checkpoint_interval=None", "--set", "num_nodes=3",
-            "--set", f"output_dir={out}"]
-    procs = []
-    for r in range(3):
-        with open(tmp_path / f"rank{r}.log", "wb") as log:
-            procs.append(subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                          env=rank_env(r, 3, store.port, EXOGYM_MIN_NODES="2")))
-    deadline = time.monotonic() + 120
-    while not any(e.get("step", 0) >= 300 for e in _events(tmp_path / "rank2.log")):
-        assert time.monotonic() < deadline and procs[2].poll() is None
-        time.sleep(0.1)
+    procs, out = _start_workers(store, tmp_path, profile, "max_steps=3000", "val_interval=3000",
+                                quiet=True)
+    _wait_for_step(tmp_path, procs, 2, 300)
     procs[2].send_signal(signal.SIGKILL)
     procs[2].wait()
     declare_lost(store, 2, "killed")
@@ -356,28 +370,11 @@ def test_a_rank_away_when_the_run_ends_says_so_and_leaves_the_outputs_to_the_oth
     """A rank frozen past its loss wakes after the survivors finished: it ends cleanly,
     says the run ended while it was away, and writes neither model nor summary."""
     import signal
-    import subprocess
-    import sys
 
-    from ranks import ROOT, rank_env
-
-    for r in range(3):
-        store.set(key("host", r), f"host{r}")
-    out = tmp_path / "run"
-    args = [sys.executable, "-m", "distributed.worker", "--profile", "digits-diloco",
-            "--set", "max_steps=1500", "--set", "num_threads=1", "--set", "val_interval=500",
-            "--set", "checkpoint_interval=None", "--set", "num_nodes=3",
-            "--set", f"output_dir={out}"]
-    procs = []
-    for r in range(3):
-        with open(tmp_path / f"rank{r}.log", "wb") as log:
-            procs.append(subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                          env=rank_env(r, 3, store.port, EXOGYM_MIN_NODES="2")))
+    procs, out = _start_workers(store, tmp_path, "digits-diloco", "max_steps=1500",
+                                "val_interval=500")
     try:
-        deadline = time.monotonic() + 120
-        while not any(e.get("step", 0) >= 200 for e in _events(tmp_path / "rank2.log")):
-            assert time.monotonic() < deadline and procs[2].poll() is None
-            time.sleep(0.1)
+        _wait_for_step(tmp_path, procs, 2, 200)
         procs[2].send_signal(signal.SIGSTOP)
         declare_lost(store, 2, "no heartbeat")
         assert [p.wait(timeout=180) for p in procs[:2]] == [0, 0]
