@@ -7,6 +7,7 @@ made its own namespaces asks for the real thing (tests/test_discovery.py).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
@@ -21,6 +22,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 _NO_MACHINES = Path(tempfile.mkdtemp(prefix="exogym-tests-")) / "discovered.json"
 _NO_MACHINES.write_text("[]\n", encoding="utf-8")
 os.environ["EXOGYM_DISCOVERED"] = str(_NO_MACHINES)
+
+
+#: Library loggers the commands configure (``distributed.app.console.QUIET_LOGGERS``, named
+#: here so that this file imports nothing of the project's).
+LIBRARY_LOGGERS = ("paramiko",)
+
+
+@pytest.fixture(autouse=True)
+def restore_library_loggers():
+    """Put the library loggers back as they were after every test.
+
+    A command run in this process (``CliRunner``, or :func:`quiet_library_logs` called
+    directly) installs a handler on ``paramiko`` and stops it propagating; with ``--debug``
+    that handler writes to the runner's stream, closed once the command returns. Left in
+    place, the next test would see another test's handlers, level and propagation, and
+    pass or fail by the order the tests ran in.
+    """
+    saved = []
+    for name in LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, list(logger.handlers), logger.level, logger.propagate,
+                      logger.disabled))
+    yield
+    for logger, handlers, level, propagate, disabled in saved:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate
+        logger.disabled = disabled
 
 
 @pytest.fixture

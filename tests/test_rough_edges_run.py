@@ -140,6 +140,19 @@ def test_paramiko_log_lines_show_only_with_debug():
     quiet_library_logs(False)
 
 
+def test_quiet_library_logs_replaces_its_own_handler_and_keeps_the_users():
+    """Each command calls it again in the same process (the wizard, CliRunner): its handler
+    must not pile up, and a handler someone else put on paramiko stays."""
+    logger = logging.getLogger("paramiko")
+    theirs = logging.NullHandler()
+    logger.addHandler(theirs)
+    for debug in (False, True, True, False, False):
+        quiet_library_logs(debug)
+    ours = [h for h in logger.handlers if getattr(h, "_exogym", False)]
+    assert len(ours) == 1 and type(ours[0]) is logging.NullHandler
+    assert theirs in logger.handlers and not logger.propagate
+
+
 # --- 2. profiles ---------------------------------------------------------------------------
 
 
