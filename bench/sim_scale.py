@@ -20,7 +20,7 @@ Python process, it prints:
   final collection: a fit of one step) and the cost per step beyond the
   floor's (``(fit - fixed) / (steps - 1)`` against ``K * t_step / cores``);
 - the processes the ranks ran in (more ranks than cores are packed several to
-  a process, :mod:`exogym.packed`);
+  a process, :mod:`exogym.comm.packed`);
 - peak memory: the most memory the machine had in use during the run, above
   what it used before (``MemTotal - MemAvailable``, every process included).
 

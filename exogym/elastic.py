@@ -1,22 +1,16 @@
-"""Ranks on real hosts that come and go: collectives and membership agreed through one store.
+"""Which ranks train each round of a run across hosts that come and go (``min_nodes``).
 
 A run across hosts with ``min_nodes`` set keeps training while at least that
-many hosts remain. Its ranks do not form a torch process group, which dies
-with any member; they meet through the rendezvous store the launcher hosts in
-its own process (so that no rank's death takes it away), as the processes of a
-packed simulation do (:mod:`exogym.packed`): each rank posts its part of a
-collective under a key made of the group, the step and the collective's
-number, and reads its peers' parts. On top of that:
+many hosts remain. Its ranks meet through the rendezvous store the launcher
+hosts in its own process (so that no rank's death takes it away), for control
+only; their tensors travel on gloo groups formed for each membership
+(:mod:`exogym.comm.elastic`). This module is the membership those groups follow:
 
 - **Losses.** The launcher declares a rank lost (its process exited, its host
   dropped the connection, or its heartbeat stopped for the deadline: frozen,
-  asleep, cut off) by bumping the rank's *loss generation* in the store. A
-  rank waiting for a lost peer's part seals the peer's slot with a tombstone
-  (an atomic compare-and-set): whatever the slot then holds, a part or the
-  tombstone, is final, so every survivor combines exactly the same parts. An
-  average is over the parts combined. A round therefore completes among the
-  live ranks, and every survivor applies the same outer step; a per-step
-  strategy's step completes among the survivors too, who carry on from it.
+  asleep, cut off) by bumping the rank's *loss generation* in the store. The
+  survivors of a collective that loses it complete the collective without it
+  (:mod:`exogym.comm.elastic` says how they agree).
 - **Membership.** At every round boundary (each step of a per-step strategy),
   the first rank to arrive decides the members of the round with a
   compare-and-set: the members of the last round that were not lost since,
@@ -27,8 +21,9 @@ number, and reads its peers' parts. On top of that:
   frozen and thawed, or cut off and reconnected), or a process the launcher
   started again on a host that came back, acknowledges its loss generation
   and waits. The next round's decision admits it; at that boundary the
-  lowest-numbered member that stayed hands it the model, the strategy's state
-  and the step counter over the side channel (:meth:`exogym.train_node.TrainNode._hand_over`).
+  members form a new group, and the lowest-numbered member that stayed hands
+  it the model, the strategy's state and the step counter, point to point
+  (:meth:`exogym.train_node.TrainNode._hand_over`).
 - **Too few hosts.** A decision that leaves fewer than ``min_nodes`` members
   says so; every rank then writes a checkpoint and stops, naming the lost hosts.
 - **The master.** The store lives in the launcher. If the launcher's host
@@ -36,152 +31,54 @@ number, and reads its peers' parts. On top of that:
   ``checkpoint_interval`` continues with ``--resume`` from the newest
   checkpoint every rank has.
 
-In a gather that loses a member, the member's part reads as all bits set
-(NaN in a floating tensor): DeMo skips such a part as it skips a rank without
-a gradient, so its step completes among the survivors too. A broadcast from a
-rank that is lost cannot complete: it raises :class:`PeerLost`.
+Every value in the store is a small control message (:mod:`exogym.comm.store`);
+the log of membership changes is one key per change.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from exogym.packed import PackedWorld
-from exogym.shm_collectives import PeerTimeoutError
+from exogym.comm.backend import PeerLost, PeerTimeoutError, RankDropped
+from exogym.comm.elastic import NAMESPACE, ElasticGroups, key, loss_generation
+from exogym.comm.store import ControlStore
+from exogym.membership import MembershipStop
 
-NAMESPACE = "exogym/elastic"
-#: What a lost rank's slot of a collective holds once a survivor has sealed it.
-TOMBSTONE = b"\x00lost"
-_POSTED = b"1"
-
-
-class RankDropped(RuntimeError):
-    """This rank was declared lost while it ran (frozen, asleep or cut off): it must rejoin."""
+__all__ = ["ElasticMembership", "MembershipStop", "NAMESPACE", "PeerLost", "RankDropped",
+           "declare_lost", "key", "loss_generation", "membership_log", "ready_generation"]
 
 
-class PeerLost(RuntimeError):
-    """A collective that cannot do without a member lost it (a broadcast from it)."""
-
-
-class MembershipStop(RuntimeError):
-    """Fewer than ``min_nodes`` ranks remain: the run stops.
-
-    Args:
-        message: which hosts were lost and why, and what remains.
-        lost: the ranks lost.
-    """
-
-    def __init__(self, message: str, lost: Sequence[int]):
-        super().__init__(message)
-        self.lost = list(lost)
-
-
-def key(*parts: object) -> str:
-    """A key of the elastic protocol in the store."""
-    return "/".join([NAMESPACE, *map(str, parts)])
-
-
-def loss_generation(store: Any, rank: int) -> int:
-    """How many times ``rank`` has been declared lost (0: never)."""
-    return int(store.add(key("lost", rank), 0))
-
-
-def declare_lost(store: Any, rank: int, why: str) -> int:
+def declare_lost(store: ControlStore, rank: int, why: str) -> int:
     """Declare ``rank`` lost (the launcher does); returns its new loss generation."""
-    generation = int(store.add(key("lost", rank), 1))
-    store.set(key("why", rank, generation), why)
+    generation = store.add(key("lost", rank), 1)
+    store.set(key("why", rank, generation), why[:2000])
     return generation
 
 
-def ready_generation(store: Any, rank: int) -> int:
+def ready_generation(store: ControlStore, rank: int) -> int:
     """The loss generation ``rank`` last acknowledged, ready to rejoin (0: none)."""
-    return int(store.add(key("ready", rank), 0))
+    return store.add(key("ready", rank), 0)
 
 
-class ElasticWorld(PackedWorld):
-    """One rank of a run across hosts, meeting its peers through the launcher's store.
+def log_change(store: ControlStore, decision: bytes) -> None:
+    """Add a decided change of membership to the run's log (one key per entry)."""
+    number = store.add(key("log", "n"), 1)
+    store.set(key("log", number), decision)
 
-    A :class:`~exogym.packed.PackedWorld` with one rank per process, whose
-    exchanges survive lost peers (see the module).
 
-    Args:
-        world_size: ranks in the run.
-        rank: this process's rank.
-        open_store: opens a client of the launcher's store.
-        timeout_s: how long a rank waits for a peer that is not declared lost.
-    """
-
-    def __init__(self, world_size: int, rank: int, open_store: Callable[[], Any],
-                 timeout_s: float = 1800.0):
-        super().__init__(world_size, world_size, rank, open_store, timeout_s,
-                         namespace=key("c"))
-        self.rank_id = rank
-        self.store = open_store()
-        #: Each member's loss generation when the current round admitted it.
-        self.generations: dict[int, int] = {r: 0 for r in range(world_size)}
-
-    def lost_since_admitted(self, rank: int) -> bool:
-        """True when ``rank`` has been declared lost since the current round admitted it."""
-        return loss_generation(self.store, rank) > self.generations.get(rank, 0)
-
-    def _check_self(self) -> None:
-        if self.lost_since_admitted(self.rank_id):
-            raise RankDropped(f"rank {self.rank_id} was declared lost by the launcher "
-                              "(it stopped answering): it rejoins at the next round")
-
-    def _await_slot(self, slot: str, peer: int) -> bytes:
-        """The final content of ``peer``'s slot: its part's mark, or the tombstone."""
-        store = self.store
-        deadline = time.monotonic() + self.timeout_s
-        delay = 0.001
-        while True:
-            if store.check([slot]):
-                return store.get(slot)
-            self._check_self()
-            if self.lost_since_admitted(peer):
-                # Seal it: a part that arrives later is refused, so all survivors agree.
-                return store.compare_set(slot, "", TOMBSTONE)
-            if time.monotonic() > deadline:
-                raise PeerTimeoutError(
-                    f"rank {self.rank_id}: rank {peer} neither reached the collective nor was "
-                    f"declared lost within {self.timeout_s:.0f} s")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-
-    def _exchange(self, key_: tuple[str, int, int], procs: list[int], mine: bytes | None,
-                  read: list[int], partial_ok: bool = False) -> dict[int, bytes]:
-        name = f"{self.namespace}/{key_[0]}/{key_[1]}/{key_[2]}"
-        store = self.store
-        got: dict[int, bytes] = {}
-        sealed = []
-        with self._aside():
-            if mine is not None:
-                slot = f"{name}/{self.index}"
-                store.set(slot + "/d", mine)
-                if store.compare_set(slot, "", _POSTED) != _POSTED:
-                    store.delete_key(slot + "/d")
-                    raise RankDropped(f"rank {self.rank_id} was declared lost and its part of a "
-                                      "collective refused: it rejoins at the next round")
-            for p in read:
-                if p == self.index:
-                    continue
-                mark = self._await_slot(f"{name}/{p}", p)
-                if mark == _POSTED:
-                    got[p] = store.get(f"{name}/{p}/d")
-                elif not partial_ok:
-                    raise PeerLost(f"rank {p} was lost during a broadcast from it")
-                else:
-                    sealed.append(p)
-            # The parts' readers: the processes whose slot was not sealed.
-            if store.add(f"{name}/n", 1) == len(procs) - len(sealed):
-                for p in [*got, *([self.index] if mine is not None else [])]:
-                    store.delete_key(f"{name}/{p}/d")
-                    store.delete_key(f"{name}/{p}")
-                store.delete_key(f"{name}/n")
-        return got
+def membership_log(store: ControlStore, after: int = 0) -> list[dict[str, Any]]:
+    """The decided changes of membership logged after the first ``after``, in order."""
+    count = store.add(key("log", "n"), 0)
+    out = []
+    for number in range(after + 1, count + 1):
+        raw = store.get_if_set(key("log", number))
+        if raw is None:  # numbered but not written yet: read it next time
+            break
+        out.append(json.loads(raw))
+    return out
 
 
 def _phrase(ranks: Sequence[int], hosts: dict[int, str], verb: str) -> str:
@@ -190,14 +87,15 @@ def _phrase(ranks: Sequence[int], hosts: dict[int, str], verb: str) -> str:
 
 
 class ElasticMembership:
-    """Which ranks train each round of a run across hosts, decided as the run goes.
+    """Which ranks train each round of a run across hosts, decided as the run goes
+    (a :class:`exogym.membership.RunMembership`).
 
     The same questions as :class:`exogym.membership.Membership` (which a
     simulation's ``rank_failures`` fixes in advance), answered from the
     decisions in the store (see the module).
 
     Args:
-        world: this rank's :class:`ElasticWorld`.
+        world: this rank's collectives (:class:`exogym.comm.elastic.ElasticGroups`).
         rank: this rank.
         num_nodes: ranks in the run.
         round_steps: steps per round of the strategy (``Strategy.round_steps``).
@@ -207,7 +105,7 @@ class ElasticMembership:
     #: Members take the data shard of their place among the members (exogym.data).
     reshards = True
 
-    def __init__(self, world: ElasticWorld, rank: int, num_nodes: int, round_steps: int,
+    def __init__(self, world: ElasticGroups, rank: int, num_nodes: int, round_steps: int,
                  min_nodes: int):
         self.world = world
         self.store = world.store
@@ -285,7 +183,7 @@ class ElasticMembership:
                     if stop:  # the launcher watches for it: the job is over, nothing rejoins
                         self.store.set(key("stop"), stop)
                     if json.loads(raw)["reason"] not in ("no change",):
-                        self.store.append(key("log"), raw + b"\n")
+                        log_change(self.store, raw)
             found = self.decisions[start] = json.loads(raw)
             gens = {int(r): int(g) for r, g in found["gens"].items()}
             found["gens"] = gens
@@ -378,11 +276,7 @@ class ElasticMembership:
 
     def changes(self, max_steps: int | None = None) -> list[dict[str, Any]]:
         """Every decided change of membership: ``{"step", "ranks", "hosts", "reason"}``."""
-        log = key("log")
-        out = []
-        if self.store.check([log]):
-            for line in self.store.get(log).decode().splitlines():
-                entry = json.loads(line)
-                if max_steps is None or entry["step"] <= max_steps:
-                    out.append({k: entry[k] for k in ("step", "ranks", "hosts", "reason")})
+        out = [{k: entry[k] for k in ("step", "ranks", "hosts", "reason")}
+               for entry in membership_log(self.store)
+               if max_steps is None or entry["step"] <= max_steps]
         return sorted(out, key=lambda e: e["step"])

@@ -492,7 +492,7 @@ class FitArgs(RunArgs):
     processes: int | None = _arg(
         None, "operating-system processes a simulation runs its ranks in. None: one per rank "
         "while the ranks fit this machine's cores, else one per core, each running its ranks "
-        "in turn (:mod:`exogym.packed`); fewer than ``num_nodes`` packs the ranks that way.",
+        "in turn (:mod:`exogym.comm.packed`); fewer than ``num_nodes`` packs the ranks that way.",
         _at_least(1, allow_none=True))
     progress: bool | ProgressSink = _arg(
         True, "show the progress bar and summary table; or an object with "

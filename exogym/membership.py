@@ -33,9 +33,67 @@ find a rank that stayed to take the state from.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 Failure = tuple[int, int, int | None]
+
+
+class MembershipStop(RuntimeError):
+    """Fewer than ``min_nodes`` ranks remain: the run stops.
+
+    Args:
+        message: which hosts were lost and why, and what remains.
+        lost: the ranks lost.
+    """
+
+    def __init__(self, message: str, lost: Sequence[int]):
+        super().__init__(message)
+        self.lost = list(lost)
+
+
+class RunMembership(Protocol):
+    """Which ranks train each step of a run whose ranks come and go.
+
+    Two implementations answer the same questions: :class:`Membership`, fixed in
+    advance by a simulation's ``rank_failures``, and
+    :class:`exogym.elastic.ElasticMembership`, decided as a run across hosts
+    goes. The training loop (:class:`exogym.train_node.TrainNode`) asks only these.
+    """
+
+    #: Present ranks read the data shard of their place among them.
+    reshards: bool
+    #: This process starts while its run is under way: it joins a running round.
+    joining: bool
+
+    def is_present(self, rank: int, step: int) -> bool:
+        """True when ``rank`` trains step ``step``."""
+
+    def present(self, step: int) -> frozenset[int]:
+        """The ranks that train step ``step``."""
+
+    def joiners(self, step: int) -> list[int]:
+        """Ranks that rejoin at ``step``."""
+
+    def source(self, step: int) -> int:
+        """The member that hands the state to the ranks rejoining at ``step``."""
+
+    def shard(self, rank: int, step: int) -> tuple[int, int]:
+        """``rank``'s place among the members of ``step`` and their number."""
+
+    def next_join(self, rank: int, step: int) -> int | None:
+        """The step at which ``rank``, away at ``step``, trains again (None: never)."""
+
+    def changes(self, max_steps: int) -> list[dict[str, Any]]:
+        """Every change of membership up to ``max_steps``."""
+
+    def drop(self, reason: str) -> None:
+        """This rank could not rejoin (its hand-over failed): it tries a later round."""
+
+    def stop(self, reason: str) -> None:
+        """Stop the run for every rank."""
+
+    def finish(self) -> None:
+        """The run has ended for this rank."""
 
 
 def parse_rank_failures(value: Any, num_nodes: int) -> list[Failure]:
@@ -86,6 +144,8 @@ class Membership:
 
     #: Present ranks read the data shard of their place among them (exogym.data).
     reshards = True
+    #: Every rank of a simulation starts with the run.
+    joining = False
 
     def __init__(self, failures: Sequence[Failure], num_nodes: int, round_steps: int = 1):
         self.num_nodes = num_nodes
@@ -193,6 +253,17 @@ class Membership:
             out.append({"step": step, "ranks": sorted(now), "reason": "; ".join(parts)})
             previous = now
         return out
+
+
+    def drop(self, reason: str) -> None:
+        """A simulated hand-over cannot lose its source: reaching here is a bug."""
+        raise RuntimeError(f"a simulated rank cannot be dropped: {reason}")
+
+    def stop(self, reason: str) -> None:
+        """Nothing to tell: a simulated run stops with the error that stopped it."""
+
+    def finish(self) -> None:
+        """Nothing to tell: every rank of a simulation ends with the run."""
 
 
 def _ranks_phrase(ranks: list[int], verb: str) -> str:

@@ -27,8 +27,12 @@ import torch
 
 from exogym import comm
 from exogym.averaging import average_state_across_ranks
+from exogym.comm.elastic import ElasticGroups
+from exogym.comm.mirror import Mirror
+from exogym.comm.shared_memory import SharedMemoryBackend, SharedMemoryCollectives
+from exogym.comm.torch_group import TorchGroup
 from exogym.devices import backend_for, rank_device
-from exogym.elastic import ElasticMembership, ElasticWorld, MembershipStop, PeerLost
+from exogym.elastic import ElasticMembership, MembershipStop, PeerLost
 from exogym.spec import Placement, RunSpec
 from exogym.train_node import TrainNode
 
@@ -245,9 +249,36 @@ def _exit_lost(lost: list[int], message: str) -> None:
     os._exit(3)
 
 
+def _join(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezvous,
+          device: torch.device, shared_memory: SharedMemoryCollectives | None
+          ) -> tuple[comm.Collectives, ElasticMembership | None]:
+    """The transport this rank's collectives travel on, chosen once (and the membership
+    of a run whose hosts come and go)."""
+    if rendezvous.min_nodes is not None:
+        where = rendezvous
+
+        def client() -> comm.ControlStore:
+            return comm.open_store(where.addr, where.port, timeout_s=spec.timeout_s)
+
+        groups = ElasticGroups(spec.num_nodes, rank, client, spec.timeout_s)
+        membership = ElasticMembership(groups, rank, spec.num_nodes, spec.strategy.round_steps,
+                                       rendezvous.min_nodes)
+        return groups, membership
+    store = comm.open_store(rendezvous.addr, rendezvous.port,
+                            is_master=rendezvous.store_on_rank0 and rank == 0,
+                            world_size=spec.num_nodes, timeout_s=spec.timeout_s)
+    backend = placement.backend or backend_for(spec.device_type, placement.devices,
+                                               spec.num_nodes)
+    group = TorchGroup(store, rank, spec.num_nodes, backend, spec.timeout_s, device)
+    if shared_memory is not None:
+        return SharedMemoryBackend(shared_memory.bind(rank), group), None
+    return group, None
+
+
 def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezvous | None,
-             emit: Callable[[dict[str, Any]], None],
-             average_final: bool = False) -> dict[str, torch.Tensor] | None:
+             emit: Callable[[dict[str, Any]], None], average_final: bool = False,
+             shared_memory: SharedMemoryCollectives | None = None
+             ) -> dict[str, torch.Tensor] | None:
     """Train rank ``rank`` of ``spec`` to the end; returns its final model state (CPU).
 
     Args:
@@ -255,10 +286,12 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
         placement: where this machine runs its ranks.
         rank: this rank, ``0 <= rank < spec.num_nodes``.
         rendezvous: where the ranks meet; None for a rank packed with others in
-            this process, whose world (:mod:`exogym.packed`) is joined already.
+            this process, whose world (:mod:`exogym.comm.packed`) is joined already.
         emit: receives every metric event of this rank.
         average_final: return the average of all ranks' final states instead of
             this rank's own (multi-host runs, where no parent sees every state).
+        shared_memory: buffers the rank processes of this machine share; the world's
+            CPU collectives then travel through them (a local simulation).
 
     Returns:
         The state; None for a rank that was away at the end (``rank_failures``).
@@ -272,28 +305,12 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
     device = rank_device(spec.device_type, placement.devices, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    comm.use_mirror_collectives(comm.collectives_mode() == "mirror")  # refuses a bad value
+    mirror = comm.collectives_mode() == "mirror"  # refuses a bad value
     elastic = rendezvous is not None and rendezvous.min_nodes is not None
     membership = None
-    if elastic:
-        assert rendezvous is not None and rendezvous.min_nodes is not None
-        where = rendezvous
-
-        def client() -> Any:
-            return comm.open_store(where.addr, where.port, timeout_s=spec.timeout_s)
-
-        world = ElasticWorld(spec.num_nodes, rank, client, spec.timeout_s)
-        comm.use_packed_world(world)
-        world.sit(rank)
-        membership = ElasticMembership(world, rank, spec.num_nodes, spec.strategy.round_steps,
-                                       rendezvous.min_nodes)
-    elif rendezvous is not None:
-        store = comm.open_store(rendezvous.addr, rendezvous.port,
-                                is_master=rendezvous.store_on_rank0 and rank == 0,
-                                world_size=spec.num_nodes, timeout_s=spec.timeout_s)
-        backend = placement.backend or backend_for(spec.device_type, placement.devices,
-                                                   spec.num_nodes)
-        comm.init_process_group(store, rank, spec.num_nodes, backend, spec.timeout_s, device)
+    if rendezvous is not None:
+        chosen, membership = _join(spec, placement, rank, rendezvous, device, shared_memory)
+        comm.use_backend(Mirror(chosen) if mirror else chosen)
     watch = None
     if rendezvous is not None and rendezvous.watch_peers and spec.num_nodes > 1:
         # Where ranks come and go, the launcher judges them; a rank only gives up on the

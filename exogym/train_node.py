@@ -33,6 +33,7 @@ from exogym.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from exogym.comm import PeerLost, RankDropped
 from exogym.data import (
     MinibatchStream,
     batch_size_of,
@@ -42,11 +43,52 @@ from exogym.data import (
     to_device,
     validation_subset,
 )
-from exogym.elastic import MembershipStop, PeerLost, RankDropped
+from exogym.membership import MembershipStop, RunMembership
 from exogym.simclock import SimClock
 from exogym.spec import Placement, RunSpec
 
 Emit = Callable[[dict[str, Any]], None]
+
+
+def flatten_tensors(value: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """The tensors inside a nested state (dicts, lists, tuples), in order, and the state
+    with each replaced by a placeholder: ``{"state": ..., "tensors": [(shape, dtype)]}``."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            tensors.append(v.detach().to("cpu").contiguous())
+            return _Slot(len(tensors) - 1)
+        if isinstance(v, dict):
+            return type(v)((k, walk(x)) for k, x in v.items())
+        if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+            return type(v)(walk(x) for x in v)
+        return v
+
+    state = walk(value)
+    return tensors, {"state": state, "tensors": [(tuple(t.shape), t.dtype) for t in tensors]}
+
+
+def unflatten_tensors(skeleton: dict[str, Any], tensors: list[torch.Tensor]) -> Any:
+    """The state :func:`flatten_tensors` took apart, with ``tensors`` back in their places."""
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, _Slot):
+            return tensors[v.index]
+        if isinstance(v, dict):
+            return type(v)((k, walk(x)) for k, x in v.items())
+        if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+            return type(v)(walk(x) for x in v)
+        return v
+
+    return walk(skeleton["state"])
+
+
+class _Slot:
+    """Where a tensor stood in a flattened state."""
+
+    def __init__(self, index: int):
+        self.index = index
 
 
 def _seed_everything(seed: int) -> None:
@@ -81,10 +123,12 @@ class TrainNode:
         emit: where metric events go (the parent's pipe in simulation, stdout lines on a host).
         placement: where this machine runs its ranks (default: every rank here, no
             broadcast of rank 0's initial weights).
+        membership: which ranks train each step, when ranks come and go (default:
+            the run's ``rank_failures``, or every rank always).
     """
 
     def __init__(self, spec: RunSpec, rank: int, device: torch.device, emit: Emit,
-                 placement: Placement | None = None, membership: Any = None):
+                 placement: Placement | None = None, membership: RunMembership | None = None):
         self.spec = spec
         self.rank = rank
         self.num_nodes = spec.num_nodes
@@ -100,7 +144,7 @@ class TrainNode:
         # the run goes (exogym.elastic). A rank that rejoins a running round takes no part
         # in the start's agreements: a peer hands it the state when it is admitted.
         self.membership = membership if membership is not None else spec.membership()
-        joining = bool(getattr(self.membership, "joining", False))
+        joining = self.membership is not None and self.membership.joining
         if self.placement.broadcast_init and self.num_nodes > 1 and not joining:
             self._broadcast_initial_state()
 
@@ -459,42 +503,66 @@ class TrainNode:
 
     # -- ranks that leave and rejoin (rank_failures) ----------------------------------
 
+    def _handed_state(self) -> dict[str, Any]:
+        """What a rank that rejoins takes from a member that stayed."""
+        return {"model": self.model.state_dict(), "strategy": self.strategy.state_dict(),
+                "step": self.step, "max_steps": self.max_steps,
+                "data": self.train_stream.state(),
+                "sim_time_s": None if self.clock is None else self.clock.now}
+
     def _hand_over(self, step: int) -> None:
         """At ``step``, where ranks rejoin: the rank that hands them the state sends it,
-        a joining rank receives it; the others take no part (side channel, uncounted)."""
+        a joining rank receives it; the others take no part (side channel, uncounted).
+
+        The state streams tensor by tensor (a backend sends a large one in chunks,
+        point to point across hosts), after a small description of its structure,
+        so it is never held whole in a buffer. Its bytes and time are reported as a
+        ``hand_over`` event.
+        """
         membership = self.membership
         joining = membership.joiners(step)
         source = membership.source(step)
         if self.rank != source and self.rank not in joining:
             return
         ranks = [source, *joining]
+        started = time.perf_counter()
         if self.rank == source:
+            tensors, skeleton = flatten_tensors(self._handed_state())
             buffer = io.BytesIO()
-            torch.save({"model": self.model.state_dict(), "strategy": self.strategy.state_dict(),
-                        "step": self.step, "max_steps": self.max_steps,
-                        "data": self.train_stream.state(),
-                        "sim_time_s": None if self.clock is None else self.clock.now}, buffer)
-            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
+            torch.save(skeleton, buffer)
+            description = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            size = torch.tensor([description.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
         comm.side_broadcast(size, source, ranks)
+        if self.rank != source:
+            description = torch.empty(int(size.item()), dtype=torch.uint8)
+        comm.side_broadcast(description, source, ranks)
+        if self.rank != source:
+            skeleton = torch.load(io.BytesIO(description.numpy().tobytes()), weights_only=False)
+            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in skeleton["tensors"]]
+        for t in tensors:
+            comm.side_broadcast(t, source, ranks)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors) + description.numel()
+        seconds = time.perf_counter() - started
+        self.emit({"event": "hand_over", "rank": self.rank, "step": step, "source": source,
+                   "joiners": list(joining), "bytes": nbytes, "seconds": seconds})
         if self.rank == source:
-            comm.side_broadcast(payload, source, ranks)
+            print(f"rank {self.rank}: handed the state to rank(s) {', '.join(map(str, joining))} "
+                  f"at step {step}: {nbytes / 2**20:.1f} MiB in {seconds:.2f} s", flush=True)
             return
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        comm.side_broadcast(payload, source, ranks)
-        state = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location=self.device,
-                           weights_only=False)
+        state = unflatten_tensors(skeleton, tensors)
         self.model.load_state_dict(state["model"])
         self.strategy.load_state_dict(state["strategy"])
         self.step = state["step"]
         self.max_steps = state["max_steps"]
         self.strategy.max_steps = self.max_steps
-        if getattr(membership, "reshards", False):  # the epoch goes on where the run is
+        if membership.reshards:  # the epoch goes on where the run is
             self.train_stream.restore(state["data"])
         if self.clock is not None and state["sim_time_s"] is not None:
             self.clock.now = max(self.clock.now, float(state["sim_time_s"]))
+        print(f"rank {self.rank}: took the state from rank {source} at step {step}: "
+              f"{nbytes / 2**20:.1f} MiB in {seconds:.2f} s", flush=True)
 
     def _take_part(self) -> bool:
         """Before each step: join the step's members, after an absence if need be.
@@ -523,7 +591,7 @@ class TrainNode:
                 membership.drop(f"rank {membership.source(step)} was lost while handing over "
                                 "the state")
                 raise RankDropped(str(exc)) from exc
-        if getattr(membership, "reshards", False):
+        if membership.reshards:
             self.train_stream.reshard(*membership.shard(self.rank, step))
         return True
 
@@ -552,7 +620,7 @@ class TrainNode:
     def train(self) -> dict[str, torch.Tensor]:
         """Train to ``max_steps`` and return this rank's final model state (on the CPU)."""
         spec = self.spec
-        if spec.resume_from and not getattr(self.membership, "joining", False):
+        if spec.resume_from and not (self.membership is not None and self.membership.joining):
             resumed = self.resume(spec.resume_from)
             if resumed:
                 print(f"rank {self.rank}: resumed from step {resumed}", flush=True)

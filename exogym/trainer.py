@@ -12,7 +12,7 @@ one it returns.
 CPU ranks with one thread each are forked straight from this process; other
 ranks come from a fork server that has imported torch once. Either way starting
 K ranks costs milliseconds rather than K imports of torch. Training collectives
-among the local ranks go through shared memory (:mod:`exogym.shm_collectives`)
+among the local ranks go through shared memory (:mod:`exogym.comm.shared_memory`)
 rather than loopback sockets. If any rank fails, the others are stopped at once
 and the failing rank's traceback is raised.
 """
@@ -39,15 +39,16 @@ import torch
 
 from exogym import comm
 from exogym.averaging import average_of_sums, average_state_dicts, state_sums
+from exogym.comm.mailbox import new_run_id, remove_segments
+from exogym.comm.packed import PackedWorld, process_ranks
+from exogym.comm.shared_memory import SharedMemoryCollectives
 from exogym.devices import available_cores, loopback_interface
 from exogym.fit_args import FitArgs, fit_args_doc, fit_signature
 from exogym.io import atomic_torch_save
 from exogym.logger import Logger, make_logger
 from exogym.memory import with_measured_minibatch
-from exogym.packed import PackedWorld, process_ranks
 from exogym.rank import Rendezvous, run_rank
 from exogym.report import ProgressSink, RunReporter, summarize
-from exogym.shm_collectives import SharedMemoryCollectives
 from exogym.spec import Placement, RunSpec, make_run_spec
 from exogym.strategy.strategy import Strategy
 
@@ -218,11 +219,10 @@ def _local_rank_entry(payload: Any, placement: Placement, rank: int,
         iface = loopback_interface()
         if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
-        if local is not None:
-            comm.use_local_collectives(local.bind(rank))
         port = int(events.recv())
         state = run_rank(spec, placement, rank,
-                         Rendezvous("127.0.0.1", port, store_on_rank0=False), emit)
+                         Rendezvous("127.0.0.1", port, store_on_rank0=False), emit,
+                         shared_memory=local)
         path = atomic_torch_save(state, Path(result_dir) / f"rank{rank}.pt", durable=False)
         emit({"event": "result", "rank": rank, "process": rank, "path": str(path)})
         code = 0
@@ -238,10 +238,10 @@ def _local_rank_entry(payload: Any, placement: Placement, rank: int,
 
 def _packed_process_entry(payload: Any, placement: Placement, index: int, processes: int,
                           events: connection.Connection, result_dir: str,
-                          parent_pid: int) -> None:
+                          parent_pid: int, run_id: str) -> None:
     """Body of one process of a packed simulation: its block of ranks, run in turn.
 
-    Each rank is a thread (:mod:`exogym.packed`). The process writes the float64
+    Each rank is a thread (:mod:`exogym.comm.packed`). The process writes the float64
     sum of its ranks' final states (those still present at the end) and their
     count; the parent finishes the average from every process's part.
     """
@@ -273,8 +273,8 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
         port = int(events.recv())
         world = PackedWorld(spec.num_nodes, processes, index,
                             lambda: comm.open_store("127.0.0.1", port, timeout_s=spec.timeout_s),
-                            spec.timeout_s)
-        comm.use_packed_world(world)
+                            spec.timeout_s, run_id=run_id)
+        comm.use_backend(world)
         states: dict[int, dict[str, torch.Tensor]] = {}
 
         def body(rank: int) -> None:
@@ -295,6 +295,7 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
             thread.start()
         for thread in threads:
             thread.join()
+        world.close()
         path = None
         if states:
             part = {"sums": state_sums([states[r] for r in sorted(states)]), "count": len(states)}
@@ -310,7 +311,7 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
 def simulation_processes(spec: RunSpec, placement: Placement, processes: int | None) -> int | None:
     """How many processes a simulation packs its ranks into; None: one process per rank.
 
-    Ranks are packed (:mod:`exogym.packed`) when asked (``processes`` below the
+    Ranks are packed (:mod:`exogym.comm.packed`) when asked (``processes`` below the
     ranks), when ranks leave and rejoin (``rank_failures``), or when there are
     more CPU ranks than cores, where one process per core runs the ranks in turn.
 
@@ -467,11 +468,12 @@ class Trainer:
             spec.model, spec.num_nodes, ctx, spec.timeout_s)
         pipes = [ctx.Pipe(duplex=True) for _ in range(count)]
         store = None
+        run_id = new_run_id()
         with tempfile.TemporaryDirectory(prefix="exogym-") as result_dir:
             if packed:
                 procs = [ctx.Process(target=_packed_process_entry, name=f"exogym-ranks{index}",
                                      args=(payload, placement, index, packed, pipes[index][1],
-                                           result_dir, os.getpid()))
+                                           result_dir, os.getpid(), run_id))
                          for index in range(packed)]
             else:
                 procs = [
@@ -505,6 +507,7 @@ class Trainer:
                 for parent_end, child_end in pipes:
                     parent_end.close()
                     child_end.close()
+                remove_segments(run_id)  # what a process that died left in shared memory
                 del store
 
     @staticmethod

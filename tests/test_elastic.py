@@ -1,4 +1,4 @@
-"""The pieces of runs whose ranks come and go, each on its own: the store-based collectives
+"""The pieces of runs whose ranks come and go, each on its own: the gloo groups and votes
 that survive a lost peer, the round decisions, the settings and what the dashboards show.
 
 The whole thing over SSH is in ``test_elastic_hosts.py``.
@@ -23,13 +23,14 @@ from distributed.launch.options import LaunchOptions
 from distributed.profiles.profile import launch_key_problems
 from distributed.rank.environment import rank_environment
 from exogym import comm
+from exogym.comm.elastic import ElasticGroups
 from exogym.elastic import (
     ElasticMembership,
-    ElasticWorld,
     MembershipStop,
     RankDropped,
     declare_lost,
     key,
+    membership_log,
 )
 
 
@@ -40,10 +41,10 @@ def store():
     del server
 
 
-def worlds(store, n=3, timeout_s=20.0):
+def worlds(store, n=3, timeout_s=20.0, cls=ElasticGroups):
     port = store.port
-    return [ElasticWorld(n, r, lambda: comm.open_store("127.0.0.1", port, timeout_s=20),
-                         timeout_s) for r in range(n)]
+    return [cls(n, r, lambda: comm.open_store("127.0.0.1", port, timeout_s=20), timeout_s)
+            for r in range(n)]
 
 
 def run_ranks(worlds_, body):
@@ -51,13 +52,10 @@ def run_ranks(worlds_, body):
     out: dict[int, object] = {}
 
     def one(world, rank):
-        world.sit(rank)
         try:
             out[rank] = body(world, rank)
         except BaseException as exc:  # noqa: BLE001 - the test looks at it
             out[rank] = exc
-        finally:
-            world.stand()
 
     threads = [threading.Thread(target=one, args=(w, r)) for r, w in enumerate(worlds_)]
     for t in threads:
@@ -78,46 +76,88 @@ def test_an_all_reduce_completes_among_the_survivors_and_every_survivor_gets_the
         return t
 
     threads, out = run_ranks(ws, body)
-    import time
     time.sleep(0.5)
     declare_lost(store, 2, "killed")
     threads[0].join(10)
     threads[1].join(10)
     seen.set()
     threads[2].join(10)
-    # The average is over the two that took part: (1 + 2) / 2.
+    # The average is over the two that completed it: (1 + 2) / 2.
     assert torch.equal(out[0], torch.full((4,), 1.5)) and torch.equal(out[0], out[1])
-    # The lost rank's late part is refused: it learns it was dropped.
+    # The lost rank's late vote is refused: it learns it was dropped.
     assert isinstance(out[2], RankDropped)
+    # The survivors go on in a group of their own.
+    assert ws[0].group_ranks() == [0, 1] == ws[1].group_ranks()
 
 
-def test_a_part_that_arrived_before_the_loss_counts_for_every_survivor(store):
-    ws = worlds(store)
-    posted = threading.Event()
+class _VotesLate(ElasticGroups):
+    """Votes only once the test lets it."""
+
+    go = threading.Event()
+
+    def _vote(self, name, call, members, ok):
+        self.go.wait(10)
+        return super()._vote(name, call, members, ok)
+
+
+def test_a_member_lost_after_it_voted_counts_for_every_survivor(store):
+    ws = worlds(store, cls=_VotesLate)
+    _VotesLate.go = threading.Event()
+    ws[2].go = threading.Event()
+    ws[2].go.set()  # rank 2 votes at once; the others wait
 
     def body(world, rank):
         world.enter_step(1, None)
         t = torch.full((2,), float(rank + 1))
-        if rank != 2:
-            posted.wait(10)  # rank 2 has posted its part and was declared lost since
-        world.all_reduce(t, comm.ReduceOp.SUM)
+        world.all_reduce_many([t], comm.ReduceOp.SUM)
         return t
 
     threads, out = run_ranks(ws, body)
-    slot = f"{ws[0].namespace}/w/1/0/2"
-    import time
     deadline = time.monotonic() + 10
-    while not store.check([slot]) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and not any(
+            k for k in [key("v", "start", "1", 2)] if store.check([k])):
         time.sleep(0.01)
-    declare_lost(store, 2, "killed after it posted")
-    posted.set()
+    declare_lost(store, 2, "killed after it voted")
+    _VotesLate.go.set()
     for t in threads:
         t.join(10)
-    # Its part stands for both survivors (the slot was posted, so it is never sealed) ...
+    # Its vote stands (it was cast, so it is never sealed): the sum holds its part too.
     assert torch.equal(out[0], torch.full((2,), 6.0)) and torch.equal(out[1], out[0])
-    # ... and the lost rank either completes the same collective or learns it was dropped.
-    assert isinstance(out[2], RankDropped) or torch.equal(out[2], out[0])
-    assert ws[2].lost_since_admitted(2)
+    assert torch.equal(out[2], out[0])
+    assert ws[0].lost_since_admitted(2)
+
+
+def test_a_16_mib_tensor_is_all_reduced_and_handed_over_point_to_point(store):
+    """Real transports carry any size: no tensor goes through the store."""
+    ws = worlds(store)
+    n = 4 << 20  # 16 MiB of float32
+
+    def body(world, rank):
+        world.enter_step(1, None)
+        t = torch.full((n,), float(rank + 1))
+        world.all_reduce_many([t], comm.ReduceOp.SUM, divide_by=3)
+        state = torch.arange(n, dtype=torch.float32) if rank == 0 else torch.zeros(n)
+        if rank != 1:  # rank 1 takes no part in the hand-over
+            world.side_broadcast(state, 0, [0, 2])
+        return t, state
+
+    threads, out = run_ranks(ws, body)
+    for t in threads:
+        t.join(60)
+    for rank in range(3):
+        assert not isinstance(out[rank], BaseException), out[rank]
+        assert torch.equal(out[rank][0], torch.full((n,), 2.0))
+    assert torch.equal(out[2][1], torch.arange(n, dtype=torch.float32))
+    assert torch.equal(out[1][1], torch.zeros(n))
+
+
+def test_the_store_refuses_a_value_over_64_kib_in_the_writer(store):
+    store.set("small", b"x" * comm.MAX_VALUE_BYTES)
+    with pytest.raises(comm.ControlValueTooLarge, match="'big'.*65,537 bytes"):
+        store.set("big", b"x" * (comm.MAX_VALUE_BYTES + 1))
+    with pytest.raises(comm.ControlValueTooLarge):
+        store.compare_set("big", "", b"x" * (comm.MAX_VALUE_BYTES + 1))
+    assert not store.check(["big"])
 
 
 def membership(store, n=3, h=5, min_nodes=2):
@@ -135,7 +175,7 @@ def test_the_first_rank_at_a_boundary_decides_and_the_others_read_the_same(store
     assert ms[0].present(4) == {0, 1, 2}  # inside the round nothing changes
     assert ms[0].present(6) == {0, 1}  # the next round drops it
     assert ms[1].present(6) == {0, 1} and ms[1].shard(1, 6) == (1, 2)
-    change = json.loads(store.get(key("log")).decode().splitlines()[-1])
+    change = membership_log(store)[-1]
     assert change["step"] == 6 and change["hosts"] == ["a", "b"]
     assert change["reason"] == "c (rank 2) lost (exited with code -9)"
 

@@ -1,4 +1,4 @@
-"""Several ranks per process (exogym.packed): the same run, fewer processes, many more ranks."""
+"""Several ranks per process (exogym.comm.packed): the same run, fewer processes, many more ranks."""
 
 from __future__ import annotations
 

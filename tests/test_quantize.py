@@ -12,6 +12,7 @@ import torch
 from ranks import free_port
 
 from exogym import comm
+from exogym.comm.shared_memory import SharedMemoryCollectives
 from exogym.quantize import (
     DTYPES,
     dequantize,
@@ -20,7 +21,6 @@ from exogym.quantize import (
     quantize,
     to_bytes,
 )
-from exogym.shm_collectives import SharedMemoryCollectives
 from exogym.strategy.facts import quantized_payload_bytes, value_bytes_of
 
 CTX = mp.get_context("fork")

@@ -12,7 +12,11 @@ import torch.distributed as dist
 from toys import BNNet, tiny_model, toy_dataset
 
 from exogym import Trainer, comm
-from exogym.shm_collectives import PeerTimeoutError, SharedMemoryCollectives
+from exogym.comm.shared_memory import (
+    PeerTimeoutError,
+    SharedMemoryBackend,
+    SharedMemoryCollectives,
+)
 from exogym.strategy import DiLoCoStrategy, SimpleReduceStrategy
 
 CTX = mp.get_context("fork")
@@ -169,8 +173,9 @@ class RecordsPath(SimpleReduceStrategy):
         self.want_shared_memory = want_shared_memory
 
     def step(self):
-        if (comm._local is not None) != self.want_shared_memory:
-            raise AssertionError(f"shared-memory collectives in use: {comm._local is not None}")
+        shared = isinstance(comm.backend(), SharedMemoryBackend)
+        if shared != self.want_shared_memory:
+            raise AssertionError(f"shared-memory collectives in use: {shared}")
         super().step()
 
 

@@ -21,7 +21,6 @@ death takes it away. While the job runs, this watch:
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -109,12 +108,8 @@ class ElasticAttempt:
 
     def _read_log(self) -> None:
         """New membership decisions, as events (and the host states they imply)."""
-        log = self.protocol.key("log")
-        if not self.store.check([log]):
-            return
-        lines = self.store.get(log).decode().splitlines()
-        for line in lines[self.logged:]:
-            decided = json.loads(line)
+        for decided in self.protocol.membership_log(self.store, self.logged):
+            self.logged += 1
             entry = {k: decided[k] for k in ("step", "ranks", "hosts", "reason")}
             self.membership.append(entry)
             self.context.on_event({"event": "membership", **entry})
@@ -126,7 +121,6 @@ class ElasticAttempt:
                     if self.lost.pop(rank, None) is not None:
                         self.beats.pop(rank, None)  # judged afresh from its next beat
                     self._host(rank, "training")
-        self.logged = len(lines)
 
     # ------------------------------------------------------------------ losses
 

@@ -1,11 +1,12 @@
-"""Collectives through shared memory, for ranks that share one machine.
+"""Collectives through shared memory, for the rank processes of one machine.
 
 In a local simulation every rank is a process on this machine, so a collective
 need not cross a socket: each rank copies its contribution into its own slot
 of a shared buffer and meets the others; the last rank to arrive reduces every
-slot into a result row (elements in rank order, so every rank gets bitwise the
-same result), then wakes the others, who copy the result out. Large tensors,
-or many tensors of an all-reduce bucket, pass in chunks of one slot.
+slot into a result row (in rank order, :func:`exogym.comm.backend.reduce_rows`,
+so every rank gets bitwise the same result, the same as packed ranks get),
+then wakes the others, who copy the result out. Large tensors, or many
+tensors of an all-reduce bucket, pass in chunks of one slot.
 
 One meeting per chunk is all a collective costs. A second meeting (so that no
 rank overwrites a slot a slower peer is still reading) is not needed because
@@ -19,31 +20,38 @@ The meeting: an arrival counter under a lock; a rank that is not the last
 waits on its own semaphore, which the last rank posts once the reduction is
 done. Posts never mix between meetings: a rank waits at most once per meeting.
 
-:mod:`exogym.comm` sends a collective here when the tensors are on the CPU,
-the group is the whole world and the operation is supported; anything else (a
-subgroup, a GPU tensor under NCCL, an unusual reduce op) goes to
-``torch.distributed`` as before. Byte counts do not change: the comm module
-counts the payload before choosing the path.
+:class:`SharedMemoryBackend` is the rank's transport: a collective of the whole
+world on CPU tensors goes through shared memory (asynchronous ones on a thread
+of their own, in the order they were started); anything else (a subgroup, a
+GPU tensor under NCCL, an unusual reduce op) goes to ``torch.distributed``.
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from exogym.comm import ReduceOp, collectives_mode
+from exogym.comm.backend import (
+    Collectives,
+    DoneWork,
+    PeerTimeoutError,
+    ReduceOp,
+    collectives_mode,
+    copy_back,
+    done,
+    reduce_rows,
+)
+from exogym.comm.torch_group import TorchGroup
 
 TOTAL_BYTES = 32 * 1024 * 1024
 MIN_SLOT_BYTES = 64 * 1024
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
-
-
-class PeerTimeoutError(RuntimeError):
-    """A peer did not reach a shared-memory collective in time."""
 
 
 def _op_kind(op: Any) -> str | None:
@@ -251,9 +259,9 @@ class SharedMemoryCollectives:
 
 
 def _reduce(kind: str, parts: torch.Tensor, out: torch.Tensor, k: int) -> None:
-    """``out`` = the reduction over the first dimension of ``parts`` (``k`` rows)."""
+    """``out`` = the reduction over the first dimension of ``parts`` (``k`` rows), in rank order."""
     if kind in ("sum", "avg"):
-        torch.sum(parts, dim=0, out=out)
+        reduce_rows(list(parts), out, ReduceOp.SUM)
         if kind == "avg":
             out.div_(k)
     elif kind == "max":
@@ -269,3 +277,194 @@ def _room_for(nbytes: int) -> bool:
     except (OSError, AttributeError):
         return True  # no /dev/shm to measure (macOS): torch maps memory another way
     return stat.f_bavail * stat.f_frsize > 2 * nbytes
+
+
+class _Future:
+    """A collective the background thread runs; ``wait()`` returns once it has run."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+
+class _Background:
+    """One thread that runs shared-memory collectives in the order they were started."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="exogym-collectives", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> _Future:
+        future = _Future()
+        self._jobs.put((future, job))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, job = self._jobs.get()
+            try:
+                job()
+            except BaseException as exc:  # handed to whoever waits on it
+                future._error = exc
+            finally:
+                future._event.set()
+
+
+class SharedMemoryBackend(Collectives):
+    """A simulated rank's transport: shared memory for the world's CPU collectives,
+    ``torch.distributed`` (``fallback``) for the rest.
+
+    Asynchronous collectives through shared memory run on one background thread
+    in the order they were started (every rank starts them in the same order, so
+    they meet); a blocking one first waits for those still running.
+
+    Args:
+        shm: the shared buffers, bound to this rank.
+        fallback: the process group, for what shared memory does not carry.
+    """
+
+    name = "shared memory"
+
+    def __init__(self, shm: SharedMemoryCollectives, fallback: TorchGroup):
+        self.shm = shm
+        self.fallback = fallback
+        self._background: _Background | None = None
+        self._last_started: _Future | None = None
+
+    # -- who, where: the process group's ---------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self.fallback.active
+
+    def rank(self) -> int:
+        return self.fallback.rank()
+
+    def world_size(self) -> int:
+        return self.fallback.world_size()
+
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        return self.fallback.new_group(ranks)
+
+    def group_ranks(self, group: Any = None) -> list[int]:
+        return self.fallback.group_ranks(group)
+
+    def group_size(self, group: Any = None) -> int:
+        return self.fallback.group_size(group)
+
+    # -- which path ----------------------------------------------------------------------
+
+    def _carries(self, tensor: torch.Tensor, group: Any, op: Any = None) -> bool:
+        import torch.distributed as dist
+
+        return (group is None or group is dist.group.WORLD) and self.shm.supports(tensor, op)
+
+    def _start(self, job: Callable[[], None]) -> _Future:
+        if self._background is None:
+            self._background = _Background()
+        self._last_started = self._background.submit(job)
+        return self._last_started
+
+    def drain(self, raise_errors: bool = True) -> None:
+        """Wait until every collective started in the background has run."""
+        last, self._last_started = self._last_started, None
+        if last is not None:
+            try:
+                last.wait()
+            except BaseException:
+                if raise_errors:
+                    raise
+
+    def _staged(self, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        """``tensor``, or its CPU copy where the process group would stage it."""
+        return tensor.detach().to("cpu") if self.fallback.needs_staging(tensor, group) else tensor
+
+    def _run(self, job: Callable[[], None], async_op: bool) -> Any:
+        if async_op:
+            return self._start(job)
+        self.drain()
+        job()
+        return None
+
+    # -- training collectives ------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None, group: Any = None,
+                   async_op: bool = False) -> Any:
+        staged = self._staged(tensor, group)
+        if not self._carries(staged, group, op):
+            return self.fallback.all_reduce(tensor, op, group, async_op)
+        self.drain()
+        self.shm.all_reduce(staged, op)
+        copy_back(tensor, staged)
+        return done(async_op)
+
+    def all_reduce_many(self, tensors: Sequence[torch.Tensor], op: Any = None,
+                        group: Any = None, divide_by: float | None = None,
+                        wire_dtype: torch.dtype | None = None, async_op: bool = False) -> Any:
+        members = list(tensors)
+        if not self._carries(members[0], group, op):
+            return super().all_reduce_many(members, op, group, divide_by, wire_dtype, async_op)
+
+        def reduce_in_place() -> None:
+            self.shm.all_reduce_many(members, op, wire_dtype=wire_dtype, divide_by=divide_by)
+
+        return self._run(reduce_in_place, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None,
+                  async_op: bool = False) -> Any:
+        staged = self._staged(tensor, group)
+        if not self._carries(staged, group):
+            return self.fallback.broadcast(tensor, src, group, async_op)
+        self.drain()
+        self.shm.broadcast(staged, src)
+        copy_back(tensor, staged)
+        return done(async_op)
+
+    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor,
+                   group: Any = None, async_op: bool = False) -> Any:
+        if not (self._carries(tensor, group) and all(t.device.type == "cpu" for t in tensor_list)):
+            return self.fallback.all_gather(tensor_list, tensor, group, async_op)
+        return self._run(lambda: self.shm.all_gather(tensor_list, tensor), async_op)
+
+    def latest(self, value: float, group: Any = None) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        if not self._carries(t, group, ReduceOp.MAX):
+            return self.fallback.latest(value, group)
+        self.drain()
+        self.shm.all_reduce(t, op=ReduceOp.MAX)
+        return float(t.item())
+
+    # -- the side channel: the process group's own gloo group --------------------------
+
+    def side_size(self) -> int:
+        return self.fallback.side_size()
+
+    def side_all_reduce(self, tensor: torch.Tensor, op: Any = None) -> None:
+        self.fallback.side_all_reduce(tensor, op)
+
+    def side_broadcast(self, tensor: torch.Tensor, src: int,
+                       ranks: Sequence[int] | None = None) -> None:
+        self.fallback.side_broadcast(tensor, src, ranks)
+
+    def side_all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        self.fallback.side_all_gather(tensor_list, tensor)
+
+    def side_barrier(self) -> None:
+        self.fallback.side_barrier()
+
+    def close(self) -> None:
+        self.drain(raise_errors=False)
+        self.fallback.close()
+
+
+__all__ = ["DoneWork", "PeerTimeoutError", "SharedMemoryBackend", "SharedMemoryCollectives"]

@@ -1,0 +1,574 @@
+"""Collectives among hosts that come and go: a gloo group for each membership, and a vote.
+
+A run across hosts with ``min_nodes`` cannot use one ``torch.distributed``
+process group for its whole life: such a group dies with any member. Here a
+rank's collectives travel on a gloo group (``ProcessGroupGloo``: ring and
+tree algorithms, so the master's link carries no more than any other
+member's) formed for the members of the moment, under a store prefix of its
+own, and formed anew when the members change; the launcher's store carries
+only control messages (:mod:`exogym.comm.store`). The protocol:
+
+- **Forming.** Every member of a new membership builds the group at the same
+  round boundary (:meth:`ElasticGroups.enter_step`), in a thread of its own,
+  while it watches the store: if a member is declared lost meanwhile, the
+  group is given up.
+- **Every collective is voted.** A member runs the collective on a private
+  copy of its tensors, then votes ``ok`` or ``fail`` in the store. It waits
+  for every other member's vote; a member the launcher declares lost before
+  voting has its vote sealed as lost (an atomic compare-and-set), so every
+  survivor reads the same final votes. All ``ok``: every member takes the
+  result. Otherwise the members that voted form the next group (named after
+  the failed collective, so they all name it alike) and run the collective
+  again from their untouched inputs. A round therefore completes among the
+  live ranks, every survivor applies the same outer step, and a per-step
+  strategy continues from the last step every survivor completed. An average
+  asked of the group's members is over those that completed it.
+- **Waiting is bounded by the launcher's verdict.** A collective waits for a
+  slow member as long as it lives (a slow host at a round's end is not a
+  failure); once the launcher declares a member lost (its process exited, its
+  connection dropped, or ``lost_after`` seconds without a heartbeat), the
+  survivors give the collective up at once. gloo's own timeout is only the
+  backstop for a member that neither answers nor is declared lost.
+- **A rank declared lost itself** (frozen, cut off) finds its vote refused
+  and raises :class:`~exogym.comm.backend.RankDropped`: it rejoins at a later
+  round.
+
+In a gather that loses a member, the member's part reads as all bits set (NaN
+in a floating tensor). A broadcast from a member that is lost cannot complete:
+it raises :class:`~exogym.comm.backend.PeerLost`. A broadcast among some ranks
+(the state handed to a rank that rejoins) travels point to point from the
+source, in chunks of :data:`CHUNK_BYTES`.
+
+Tensors on a GPU are staged through the CPU (gloo).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from exogym.comm.backend import (
+    Collectives,
+    PeerLost,
+    PeerTimeoutError,
+    RankDropped,
+    ReduceOp,
+    combine,
+    copy_back,
+    divided,
+    done,
+    split_into,
+    to_cpu,
+)
+from exogym.comm.store import ControlStore
+
+NAMESPACE = "exogym/elastic"
+#: What a lost member's vote reads once a survivor has sealed it.
+TOMBSTONE = b"\x00lost"
+_OK, _FAIL = b"ok", b"fail"
+#: A broadcast among some ranks (a hand-over) sends at most this much per message.
+CHUNK_BYTES = 16 << 20
+#: How often a waiting rank looks in the store for lost members.
+LOSS_CHECK_S = 0.2
+#: Collectives a group runs again, each time among fewer or other members, before
+#: the run gives up on it.
+MAX_ATTEMPTS = 20
+
+
+def key(*parts: object) -> str:
+    """A key of the elastic protocol in the store."""
+    return "/".join([NAMESPACE, *map(str, parts)])
+
+
+def loss_generation(store: ControlStore, rank: int) -> int:
+    """How many times ``rank`` has been declared lost (0: never)."""
+    return store.add(key("lost", rank), 0)
+
+
+class _Group:
+    """A formed gloo group of some members (or a member alone, with no group at all)."""
+
+    def __init__(self, name: str, members: tuple[int, ...], rank: int, pg: Any):
+        self.name = name
+        self.members = members
+        self.index = members.index(rank)
+        self.pg = pg
+        self.calls = 0
+        self.transfers = 0  # point-to-point hand-overs: only their two ends count them
+
+    def next_call(self) -> int:
+        self.calls += 1
+        return self.calls
+
+
+class ElasticSubgroup:
+    """A group of ranks that ``new_group`` returns: formed among its present members on use."""
+
+    def __init__(self, ranks: Sequence[int]):
+        self.ranks = tuple(sorted(set(ranks)))
+        self.formed: _Group | None = None
+
+
+def _digest(members: Sequence[int]) -> str:
+    return hashlib.blake2b(",".join(map(str, members)).encode(), digest_size=6).hexdigest()
+
+
+class ElasticGroups(Collectives):
+    """One rank of a run across hosts whose ranks come and go (see the module).
+
+    Args:
+        world_size: ranks in the run.
+        rank: this process's rank.
+        open_store: opens a client of the launcher's store (one for the rank, one
+            for each group it forms).
+        timeout_s: how long a rank waits for a member that neither arrives nor is
+            declared lost; also gloo's own timeout.
+        hosts: each rank's host, for errors (optional).
+    """
+
+    name = "elastic gloo groups"
+
+    def __init__(self, world_size: int, rank: int, open_store: Callable[[], ControlStore],
+                 timeout_s: float = 1800.0, hosts: dict[int, str] | None = None):
+        self._world_size = world_size
+        self._rank = rank
+        self._open_store = open_store
+        self.timeout_s = float(timeout_s)
+        self.store = open_store()
+        self.hosts = dict(hosts or {})
+        #: Each member's loss generation when the current round admitted it.
+        self.generations: dict[int, int] = {r: 0 for r in range(world_size)}
+        self._wanted: tuple[int, ...] = tuple(range(world_size))
+        self._wanted_name = "start"
+        self._group: _Group | None = None
+        self._graveyard: list[Any] = []  # groups given up: never destroyed while a call may hang
+        self._lock = threading.Lock()
+        #: What the rank waits for now, for a watchdog's message (None: nothing).
+        self.waiting_for: str | None = None
+
+    # -- who, where -----------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return True
+
+    def rank(self) -> int:
+        return self._rank
+
+    def world_size(self) -> int:
+        return self._world_size
+
+    def _host(self, rank: int) -> str:
+        host = self.hosts.get(rank)
+        if host is None:
+            raw = self.store.get_if_set(key("host", rank))
+            host = raw.decode() if raw else "?"
+            self.hosts[rank] = host
+        return f"rank {rank} ({host})"
+
+    def lost_since_admitted(self, rank: int) -> bool:
+        """True when ``rank`` has been declared lost since the current round admitted it."""
+        return loss_generation(self.store, rank) > self.generations.get(rank, 0)
+
+    def check_self(self) -> None:
+        """Raise :class:`RankDropped` once this rank has been declared lost."""
+        if self.lost_since_admitted(self._rank):
+            raise RankDropped(f"rank {self._rank} was declared lost by the launcher "
+                              "(it stopped answering): it rejoins at the next round")
+
+    # -- membership ----------------------------------------------------------------------
+
+    def enter_step(self, step: int, members: Sequence[int] | None) -> None:
+        wanted = tuple(range(self._world_size)) if members is None else tuple(sorted(members))
+        if self._rank not in wanted:
+            raise RuntimeError(f"rank {self._rank} entered step {step}, where it is no member "
+                               f"(members {list(wanted)})")
+        current = self._group
+        if current is not None and current.members == wanted:
+            self._wanted = wanted
+            return
+        if wanted != self._wanted or current is None:
+            self._wanted = wanted
+            self._wanted_name = f"s{step}-{_digest(wanted)}"
+            self._abandon()
+            self._main()  # every member forms it now, at the round boundary
+
+    def group_ranks(self, group: Any = None) -> list[int]:
+        if isinstance(group, ElasticSubgroup):
+            members = self._group.members if self._group is not None else self._wanted
+            return [r for r in group.ranks if r in members]
+        return list(self._group.members if self._group is not None else self._wanted)
+
+    def new_group(self, ranks: Sequence[int]) -> ElasticSubgroup:
+        return ElasticSubgroup(ranks)
+
+    # -- forming groups ------------------------------------------------------------------
+
+    def _abandon(self, group: _Group | None = None) -> None:
+        """Give up ``group`` (default: the current one); its calls may still hang, so it is
+        kept, never destroyed."""
+        group = group or self._group
+        if group is None:
+            return
+        if group is self._group:
+            self._group = None
+        if group.pg is not None:
+            self._graveyard.append(group.pg)
+
+    def _main(self) -> _Group:
+        if self._group is None:
+            self._group = self._form(self._wanted_name, self._wanted)
+        return self._group
+
+    def _resolve(self, group: Any) -> _Group:
+        main = self._main()
+        if not isinstance(group, ElasticSubgroup):
+            return main
+        members = tuple(r for r in group.ranks if r in main.members)
+        formed = group.formed
+        if formed is None or formed.members != members or not formed.name.startswith(main.name):
+            if formed is not None:
+                self._graveyard.append(formed.pg)
+            group.formed = self._form(f"{main.name}/sub-{_digest(members)}", members)
+        return group.formed
+
+    def _form(self, name: str, members: tuple[int, ...]) -> _Group:
+        """The group ``name`` of ``members``, formed with every member (voted; on a loss,
+        formed again among those left)."""
+        for _ in range(MAX_ATTEMPTS):
+            if len(members) == 1:
+                return _Group(name, members, self._rank, None)
+            index = members.index(self._rank)
+            built: dict[str, Any] = {}
+            client = self._open_store()
+
+            def build(client: ControlStore = client, index: int = index,
+                      members: tuple[int, ...] = members, name: str = name,
+                      built: dict[str, Any] = built) -> None:
+                try:
+                    built["pg"] = dist.ProcessGroupGloo(
+                        dist.PrefixStore(key("pg", name) + "/", client.raw), index, len(members),
+                        timedelta(seconds=self.timeout_s))
+                except Exception as exc:  # noqa: BLE001 - voted on below
+                    built["error"] = exc
+
+            thread = threading.Thread(target=build, name=f"exogym-form-{name}", daemon=True)
+            thread.start()
+            ok = self._await(lambda thread=thread: not thread.is_alive(), members,
+                             f"forming the group of ranks {list(members)}")
+            ok = ok and "pg" in built
+            committed, survivors = self._vote(name, "form", members, ok)
+            if committed:
+                return _Group(name, members, self._rank, built["pg"])
+            if "pg" in built:
+                self._graveyard.append(built["pg"])
+            name, members = f"{name}/f", survivors
+        raise RuntimeError(f"rank {self._rank}: could not form a group after {MAX_ATTEMPTS} "
+                           f"attempts (last: ranks {list(members)})")
+
+    # -- waiting and voting --------------------------------------------------------------
+
+    def _await(self, finished: Callable[[], bool], members: Sequence[int], what: str) -> bool:
+        """Wait until ``finished()``; False as soon as a member is declared lost.
+
+        Raises :class:`RankDropped` if this rank is declared lost meanwhile, and
+        :class:`PeerTimeoutError` after the rank's timeout.
+        """
+        if finished():
+            return True
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        next_check = start + LOSS_CHECK_S
+        delay = 0.0002
+        self.waiting_for = what
+        try:
+            while not finished():
+                now = time.monotonic()
+                if now >= next_check:
+                    self.check_self()
+                    if any(self.lost_since_admitted(m) for m in members if m != self._rank):
+                        return False
+                    next_check = now + LOSS_CHECK_S
+                if now > deadline:
+                    raise PeerTimeoutError(
+                        f"rank {self._rank}: {what} did not finish within {self.timeout_s:.0f} s, "
+                        "and no member was declared lost")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.02)
+        finally:
+            self.waiting_for = None
+        return True
+
+    def _completes(self, work: Any, members: Sequence[int], what: str) -> bool:
+        """Wait for ``work`` (a gloo call) to complete; False if it failed, or once a member
+        is declared lost (the call is then given up: a thread of its own still waits on it
+        until gloo's timeout, as gloo's waits cannot be cut short without closing the
+        connection)."""
+        failed: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001 - a peer's connection failed: voted on
+                failed.append(exc)
+
+        waiter = threading.Thread(target=wait, name="exogym-gloo-wait", daemon=True)
+        waiter.start()
+        return self._await(lambda: not waiter.is_alive(), members, what) and not failed
+
+    def _final_vote(self, slot: str, peer: int, what: str) -> bytes:
+        """``peer``'s vote in ``slot``, or the tombstone once it is declared lost."""
+        store = self.store
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.0002
+        next_check = time.monotonic() + LOSS_CHECK_S
+        while True:
+            found = store.get_if_set(slot)
+            if found is not None:
+                return found
+            now = time.monotonic()
+            if now >= next_check:
+                self.check_self()
+                if self.lost_since_admitted(peer):
+                    # Seal it: a vote that arrives later is refused, so all survivors agree.
+                    return store.compare_set(slot, "", TOMBSTONE)
+                next_check = now + LOSS_CHECK_S
+            if now > deadline:
+                raise PeerTimeoutError(
+                    f"rank {self._rank}: {self._host(peer)} neither finished {what} nor was "
+                    f"declared lost within {self.timeout_s:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def _vote(self, name: str, call: str, members: tuple[int, ...],
+              ok: bool) -> tuple[bool, tuple[int, ...]]:
+        """Vote on call ``call`` of group ``name``; (every member ok, the members that voted)."""
+        store = self.store
+        base = key("v", name, call)
+        mine = _OK if ok else _FAIL
+        if store.compare_set(f"{base}/{self._rank}", "", mine) != mine:
+            raise RankDropped(f"rank {self._rank} was declared lost and its vote refused: it "
+                              "rejoins at the next round")
+        what = f"call {call} of group {name}"
+        self.waiting_for = f"votes on {what}"
+        try:
+            finals = {m: mine if m == self._rank else self._final_vote(f"{base}/{m}", m, what)
+                      for m in members}
+        finally:
+            self.waiting_for = None
+        survivors = tuple(m for m in members if finals[m] != TOMBSTONE)
+        if store.add(f"{base}/n", 1) == len(survivors):  # the last reader tidies up
+            for m in members:
+                store.delete_key(f"{base}/{m}")
+            store.delete_key(f"{base}/n")
+        return all(v == _OK for v in finals.values()), survivors
+
+    def _reliably(self, group: Any, what: str,
+                  launch: Callable[[_Group], Any]) -> tuple[_Group, tuple[int, ...]]:
+        """Run ``launch(group)`` until every member of some group completes it.
+
+        Returns the group that completed it and the members of the group it was
+        first asked of (by position, for a gather)."""
+        first = self._resolve(group)
+        asked = first.members
+        for _ in range(MAX_ATTEMPTS):
+            formed = self._resolve(group)
+            call = formed.next_call()
+            ok = True
+            if formed.pg is not None:
+                try:
+                    work = launch(formed)
+                except (RankDropped, PeerLost):
+                    raise
+                except Exception:  # noqa: BLE001 - a peer's connection failed: voted on
+                    ok = False
+                else:
+                    ok = self._completes(work, formed.members,
+                                         f"{what} (call {call} of group {formed.name})")
+            else:
+                launch(formed)
+                return formed, asked
+            committed, survivors = self._vote(formed.name, str(call), formed.members, ok)
+            if committed:
+                return formed, asked
+            self._regroup(group, formed, survivors, call)
+        raise RuntimeError(f"rank {self._rank}: {what} failed {MAX_ATTEMPTS} times")
+
+    def _regroup(self, group: Any, failed: _Group, survivors: tuple[int, ...], call: int) -> None:
+        """After a failed call: the survivors form the next group."""
+        if isinstance(group, ElasticSubgroup):
+            self._abandon(failed)
+            # The main group may have lost the same member: a subgroup follows the main one.
+            group.formed = self._form(f"{failed.name}/c{call}", survivors)
+            return
+        self._abandon(failed)
+        self._wanted = survivors
+        self._wanted_name = f"{failed.name}/c{call}"
+        self._group = self._form(self._wanted_name, survivors)
+
+    # -- the collectives -----------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None, group: Any = None,
+                   async_op: bool = False) -> Any:
+        self.all_reduce_many([tensor], op, group, None, None)
+        return done(async_op)
+
+    def all_reduce_many(self, tensors: Sequence[torch.Tensor], op: Any = None,
+                        group: Any = None, divide_by: float | None = None,
+                        wire_dtype: torch.dtype | None = None, async_op: bool = False) -> Any:
+        members = list(tensors)
+        op = ReduceOp.SUM if op is None else op
+        asked = len(self.group_ranks(group))
+        flat: list[torch.Tensor] = []
+
+        def launch(formed: _Group) -> Any:
+            # A fresh private copy each time: a call given up may still write into its own.
+            flat[:] = [torch.cat([t.detach().reshape(-1).to("cpu") for t in members])]
+            if wire_dtype is not None and flat[0].dtype != wire_dtype:
+                flat[0] = flat[0].to(wire_dtype)
+            if formed.pg is None:
+                return None
+            options = dist.AllreduceOptions()
+            options.reduceOp = ReduceOp.SUM if op == ReduceOp.AVG else op
+            return formed.pg.allreduce([flat[0]], options)
+
+        formed, _ = self._reliably(group, "an all-reduce", launch)
+        result = flat[0]
+        if op == ReduceOp.AVG:
+            result = divided(result, len(formed.members))
+        if divide_by is not None:
+            if result.dtype != members[0].dtype:
+                result = result.to(members[0].dtype)
+            # An average asked of the members is over those that completed it.
+            result = divided(result, len(formed.members) if divide_by == asked else divide_by)
+        split_into(result, members)
+        return done(async_op)
+
+    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor,
+                   group: Any = None, async_op: bool = False) -> Any:
+        asked = self.group_ranks(group)
+        if len(tensor_list) != len(asked):
+            raise ValueError(f"all_gather needs one output tensor per present rank of the group "
+                             f"({len(asked)}), got {len(tensor_list)}")
+        outs: list[torch.Tensor] = []
+        source = to_cpu(tensor).contiguous()
+
+        def launch(formed: _Group) -> Any:
+            outs[:] = [torch.empty_like(source) for _ in formed.members]
+            if formed.pg is None:
+                outs[0].copy_(source)
+                return None
+            return formed.pg.allgather([outs], [source.clone()])
+
+        formed, _ = self._reliably(group, "an all-gather", launch)
+        by_rank = dict(zip(formed.members, outs))
+        for target, rank in zip(tensor_list, asked):
+            part = by_rank.get(rank)
+            if part is None:  # lost meanwhile: all bits set (NaN), which a strategy skips
+                raw = torch.full((source.numel() * source.element_size(),), 255, dtype=torch.uint8)
+                part = raw.view(source.dtype).view(source.shape)
+            copy_back(target, part.to(target.device))
+        return done(async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None,
+                  async_op: bool = False) -> Any:
+        staged: list[torch.Tensor] = []
+
+        def launch(formed: _Group) -> Any:
+            if src not in formed.members:
+                raise PeerLost(f"{self._host(src)} was lost during a broadcast from it")
+            staged[:] = [to_cpu(tensor).clone().contiguous()]
+            if formed.pg is None:
+                return None
+            options = dist.BroadcastOptions()
+            options.rootRank = formed.members.index(src)
+            options.rootTensor = 0
+            return formed.pg.broadcast([staged[0]], options)
+
+        if src not in self.group_ranks(group):
+            raise PeerLost(f"{self._host(src)} is not a present member for a broadcast from it")
+        self._reliably(group, "a broadcast", launch)
+        if self._rank != src:
+            copy_back(tensor, staged[0].to(tensor.device))
+        return done(async_op)
+
+    def latest(self, value: float, group: Any = None) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        self.all_reduce_many([t], ReduceOp.MAX, group)
+        return float(t.item())
+
+    # -- the side channel: the same groups, uncounted -------------------------------------
+
+    def side_size(self) -> int:
+        return len(self.group_ranks())
+
+    def side_all_reduce(self, tensor: torch.Tensor, op: Any = None) -> None:
+        staged = to_cpu(tensor)
+        self.all_reduce_many([staged], op)
+        copy_back(tensor, staged)
+
+    def side_broadcast(self, tensor: torch.Tensor, src: int,
+                       ranks: Sequence[int] | None = None) -> None:
+        if ranks is None:
+            self.broadcast(tensor, src)
+            return
+        if self._rank != src and self._rank not in ranks:
+            return
+        self._point_to_point(tensor, src, [r for r in ranks if r != src])
+
+    def _point_to_point(self, tensor: torch.Tensor, src: int, receivers: list[int]) -> None:
+        """``src`` sends ``tensor`` to each of ``receivers`` in chunks; the others take part
+        in nothing. A receiver that is lost meanwhile is skipped by the sender; a sender
+        lost meanwhile makes a receiver raise :class:`PeerLost`."""
+        formed = self._main()
+        if src not in formed.members:
+            raise PeerLost(f"{self._host(src)} was lost before it could hand over the state")
+        flat = to_cpu(tensor).contiguous().view(-1)
+        raw = flat.view(torch.uint8) if flat.numel() else flat
+        if self._rank == src:
+            targets = [r for r in receivers if r in formed.members]
+        else:
+            targets = [self._rank]
+        formed.transfers += 1
+        tag = (1 << 20) + formed.transfers
+        for lo in range(0, raw.numel(), CHUNK_BYTES):
+            piece = raw[lo:lo + CHUNK_BYTES]
+            for target in list(targets):
+                peer = target if self._rank == src else src
+                if self._rank == src:
+                    work = formed.pg.send([piece.clone()], formed.members.index(target), tag)
+                else:
+                    buffer = torch.empty_like(piece)
+                    work = formed.pg.recv([buffer], formed.members.index(src), tag)
+                ok = self._completes(work, [peer], f"handing over the state "
+                                     f"({'to' if self._rank == src else 'from'} "
+                                     f"{self._host(peer)})")
+                if not ok:
+                    if self._rank != src:
+                        raise PeerLost(f"{self._host(src)} was lost while handing over the state")
+                    targets.remove(target)  # the joiner is gone: the others carry on
+                    continue
+                if self._rank != src:
+                    piece.copy_(buffer)
+        if self._rank != src:
+            copy_back(tensor, flat.view_as(tensor).to(tensor.device))
+
+    def side_all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        self.all_gather(tensor_list, tensor)
+
+    def side_barrier(self) -> None:
+        self.all_reduce_many([torch.zeros(1)])
+
+    def close(self) -> None:
+        self._abandon()
+
+
+__all__ = ["CHUNK_BYTES", "ElasticGroups", "ElasticSubgroup", "NAMESPACE", "TOMBSTONE",
+           "combine", "key", "loss_generation"]
