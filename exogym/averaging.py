@@ -13,6 +13,7 @@ the strategies that average models and for evaluating the average model.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -130,3 +131,17 @@ def average_across_ranks(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def average_state_across_ranks(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every rank gets the average of all ranks' ``state`` (see :func:`average_across_ranks`)."""
     return dict(zip(state.keys(), average_across_ranks(list(state.values()))))
+
+
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """A digest of a state's names, dtypes, shapes and bytes: equal states, equal digests
+    (how the ranks of a run show that they ended with the same model)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, value in state.items():
+        digest.update(name.encode())
+        if isinstance(value, torch.Tensor):
+            t = value.detach().to("cpu").contiguous()
+            digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            if t.numel():
+                digest.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()

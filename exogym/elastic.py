@@ -137,7 +137,8 @@ class ElasticMembership:
         hosts = self._hosts()
         if not earlier:
             members = list(range(self.num_nodes))
-            return {"step": start, "ranks": members, "gens": lost, "joined": [], "left": [],
+            return {"step": start, "epoch": start, "ranks": members, "gens": lost, "joined": [],
+                    "left": [],
                     "reason": "start", "hosts": [hosts.get(r, f"rank {r}") for r in members],
                     "stop": None}
         previous = self.decisions[max(earlier)]
@@ -161,8 +162,11 @@ class ElasticMembership:
         if len(members) < self.min_nodes:
             stop = (f"{'; '.join(parts) or 'ranks lost'}: {len(members)} of {self.num_nodes} "
                     f"ranks remain, fewer than min_nodes={self.min_nodes}")
-        return {"step": start, "ranks": members, "gens": {r: lost[r] for r in members},
-                "joined": joined, "left": left, "reason": "; ".join(parts) or "no change",
+        # A new membership begins (its ranks form a group of their own) where ranks change.
+        epoch = start if joined or left else previous.get("epoch", start)
+        return {"step": start, "epoch": epoch, "ranks": members,
+                "gens": {r: lost[r] for r in members}, "joined": joined, "left": left,
+                "reason": "; ".join(parts) or "no change",
                 "hosts": [hosts.get(r, f"rank {r}") for r in members], "stop": stop}
 
     def decision(self, step: int) -> dict[str, Any]:
@@ -203,6 +207,10 @@ class ElasticMembership:
     def present(self, step: int) -> frozenset[int]:
         """The ranks that train step ``step``."""
         return frozenset(self.decision(step)["ranks"])
+
+    def epoch(self, step: int) -> int:
+        """The step at which the membership of ``step`` began."""
+        return int(self.decision(step)["epoch"])
 
     def joiners(self, step: int) -> list[int]:
         """Ranks that rejoin at ``step`` (a round boundary)."""

@@ -71,6 +71,9 @@ class RunMembership(Protocol):
     def present(self, step: int) -> frozenset[int]:
         """The ranks that train step ``step``."""
 
+    def epoch(self, step: int) -> int:
+        """The step at which the membership of ``step`` began (where ranks last changed)."""
+
     def joiners(self, step: int) -> list[int]:
         """Ranks that rejoin at ``step``."""
 
@@ -208,6 +211,10 @@ class Membership:
             found = self._present[at] = frozenset(
                 r for r in range(self.num_nodes) if self.is_present(r, at))
         return found
+
+    def epoch(self, step: int) -> int:
+        """The step at which the membership of ``step`` began (where ranks last changed)."""
+        return max((s for s in self._changes if s <= step), default=1)
 
     def joiners(self, step: int) -> list[int]:
         """Ranks that are back at ``step`` after being away at ``step - 1``."""

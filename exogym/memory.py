@@ -15,6 +15,8 @@ import copy
 import dataclasses
 import math
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -132,3 +134,175 @@ def with_measured_minibatch(spec: RunSpec, placement: Placement | None = None) -
         return spec
     size, _ = probe_minibatch(spec, spec.max_memory_usage, placement)
     return dataclasses.replace(spec, minibatch_size=size)
+
+
+# -- the training state a rank holds, accounted before any rank starts --------------------
+
+#: What a rank's process holds before any model: the interpreter, torch and its libraries
+#: (measured: 0.3-0.4 GiB of resident memory per process on Linux).
+RUNTIME_BYTES = 400 * 2**20
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """A rank's training state in bytes: what memory holds besides activations and the runtime.
+
+    Args:
+        parameters: the model's parameters and buffers.
+        gradients: one gradient per trainable parameter.
+        optimizer: the inner optimizer's state (Adam: two copies of the parameters).
+        strategy: what the strategy keeps per rank (e.g. DiLoCo's deltas).
+        shared: what the strategy keeps that is the same on every rank (DiLoCo's outer
+            parameters and optimizer): held once by ranks packed in one process.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    strategy: int
+    shared: int
+
+    @property
+    def per_rank(self) -> int:
+        """The whole state of one rank with a process of its own."""
+        return self.parameters + self.gradients + self.optimizer + self.strategy + self.shared
+
+    def on_machine(self, ranks: int, processes: int) -> int:
+        """Bytes ``ranks`` ranks in ``processes`` processes hold, runtimes included."""
+        own = self.per_rank - self.shared
+        return ranks * own + processes * (self.shared + RUNTIME_BYTES)
+
+    def describe(self) -> str:
+        """The parts, for a message."""
+        parts = [("parameters", self.parameters), ("gradients", self.gradients),
+                 ("optimizer", self.optimizer), ("strategy", self.strategy + self.shared)]
+        return ", ".join(f"{name} {gib(n)}" for name, n in parts if n)
+
+
+def gib(nbytes: int) -> str:
+    """``nbytes`` for a person: MiB below a GiB, else GiB."""
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.2f} GiB"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every parameter and buffer on the meta device: no memory, same shapes."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"),
+                                         requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def account_state(model: torch.nn.Module, strategy: Any, num_nodes: int) -> StateBytes:
+    """The training state one rank of ``strategy`` on ``model`` holds, counted on shapes.
+
+    The strategy is set up and run through one round on a copy of the model on the
+    meta device (no memory, no data), so that what it creates lazily (an
+    optimizer's moments, DiLoCo's deltas and outer momentum) is counted too.
+    """
+    from exogym.strategy.diloco import _OuterState
+
+    meta = _meta_copy(model)
+    strategy = copy.deepcopy(strategy)
+    strategy.max_steps = max(1, strategy.round_steps)
+    strategy._init_node(meta, 0, num_nodes)
+    trainable = [p for p in meta.parameters() if p.requires_grad]
+    try:
+        for _ in range(strategy.round_steps):
+            for p in trainable:
+                p.grad = torch.empty_like(p)
+            strategy.step()
+    except Exception:  # noqa: BLE001 - a strategy whose step needs real values: its set-up counts
+        pass
+    model_ids = {id(t) for t in list(meta.parameters()) + list(meta.buffers())}
+    optimizer_ids: set[int] = set()
+    optimizer = 0
+    for state in strategy.optim.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and id(value) not in optimizer_ids:
+                optimizer_ids.add(id(value))
+                optimizer += _nbytes(value)
+    counted = model_ids | optimizer_ids
+    own = shared = 0
+
+    def walk(value: Any, is_shared: bool, seen: set[int]) -> None:
+        nonlocal own, shared
+        if id(value) in seen or isinstance(value, torch.nn.Module):
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            if id(value) not in counted:
+                counted.add(id(value))
+                if is_shared:
+                    shared += _nbytes(value)
+                else:
+                    own += _nbytes(value)
+            return
+        if isinstance(value, dict):
+            for v in value.values():
+                walk(v, is_shared, seen)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v, is_shared, seen)
+        elif isinstance(value, torch.optim.Optimizer):
+            walk(list(value.state.values()), is_shared, seen)
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            walk(vars(value), is_shared or isinstance(value, _OuterState), seen)
+
+    walk(vars(strategy), False, set())
+    params = sum(_nbytes(t) for t in list(meta.parameters()) + list(meta.buffers()))
+    return StateBytes(parameters=params, gradients=sum(_nbytes(p) for p in trainable),
+                      optimizer=optimizer, strategy=own, shared=shared)
+
+
+def available_memory() -> int:
+    """Bytes of RAM this machine can give a new run now (Linux: MemAvailable; else all of it)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total_memory(torch.device("cpu"))
+
+
+def check_memory(spec: RunSpec, ranks: int, processes: int,
+                 available: int | None = None) -> StateBytes:
+    """Refuse a run whose training state does not fit this machine's memory, before any
+    rank starts; returns the state accounted.
+
+    Only CPU ranks are checked (a GPU's memory is the minibatch probe's business).
+
+    Args:
+        spec: the run.
+        ranks: ranks this machine runs.
+        processes: the processes they run in (fewer than ``ranks`` when packed).
+        available: bytes of memory there are (default :func:`available_memory`).
+
+    Raises:
+        ValueError: naming the bytes per rank, the memory available and what to change.
+    """
+    state = account_state(spec.model, spec.strategy, spec.num_nodes)
+    if spec.device_type != "cpu":
+        return state
+    need = state.on_machine(ranks, processes)
+    have = available_memory() if available is None else available
+    if need > have:
+        packing = (f"{ranks} ranks in {processes} processes" if processes != ranks
+                   else f"{ranks} rank{'s' if ranks > 1 else ''}")
+        raise ValueError(
+            f"the run needs about {gib(need)} of memory on this machine before any "
+            f"activation, and {gib(have)} is available: {packing}, each holding "
+            f"{gib(state.per_rank)} of training state ({state.describe()}), plus "
+            f"{gib(RUNTIME_BYTES)} of runtime per process. Use fewer ranks on this machine "
+            "(num_nodes, or more hosts), pack ranks into fewer processes (processes=) so "
+            "that what every rank holds the same is held once, lower minibatch_size, or "
+            "train a smaller model")
+    return state

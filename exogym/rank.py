@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from exogym import comm
-from exogym.averaging import average_state_across_ranks
+from exogym.averaging import average_state_across_ranks, state_digest
 from exogym.comm.elastic import ElasticGroups
 from exogym.comm.mirror import Mirror
 from exogym.comm.shared_memory import SharedMemoryBackend, SharedMemoryCollectives
@@ -48,8 +48,12 @@ class Rendezvous:
             already exists (hosted by a local simulation's parent, or torchrun's agent).
         watch_peers: run the heartbeat watch (multi-host runs).
         min_nodes: ranks that come and go (:mod:`exogym.elastic`): the store is the
-            launcher's, collectives meet through it, and the run goes on while at
-            least this many ranks remain. None: every rank is needed (a process group).
+            launcher's, the ranks meet on groups formed for each membership, and the run
+            goes on while at least this many ranks remain. None: every rank is needed
+            (a process group).
+        lost_after: with ``min_nodes``, the seconds of silence after which the launcher
+            declares a rank lost; a group that does not form within it plus
+            :data:`FORM_MARGIN_S` is given up.
     """
 
     addr: str
@@ -57,6 +61,11 @@ class Rendezvous:
     store_on_rank0: bool = True
     watch_peers: bool = False
     min_nodes: int | None = None
+    lost_after: float = 10.0
+
+
+#: Seconds a group of hosts that come and go may take to form beyond ``lost_after``.
+FORM_MARGIN_S = 30.0
 
 
 class LostRankError(RuntimeError):
@@ -69,6 +78,8 @@ class LostRankError(RuntimeError):
 
 #: Seconds a watch waits to reconnect to a store whose process was found gone.
 RECONNECT_S = 2.0
+#: Seconds a rank waits in one collective before it says what it waits for.
+WAIT_REPORT_S = 20.0
 
 
 class PeerWatch:
@@ -84,12 +95,17 @@ class PeerWatch:
             (:mod:`exogym.elastic`): then only the store's own loss is reported,
             once it has not answered for ``silent_after_s`` (a link that drops
             for a while is not a dead master).
+        on_wait: called from the watch thread with a ``waiting`` event when this
+            rank has waited in one collective for :data:`WAIT_REPORT_S` seconds
+            (and again every as many seconds while it still waits there), so that
+            the launcher can say what a run that makes no progress waits for.
     """
 
     def __init__(self, rendezvous: Rendezvous, rank: int, world_size: int,
                  interval_s: float = 0.5, silent_after_s: float = 20.0,
                  on_lost: Callable[[list[int], str], None] | None = None,
-                 judge_peers: bool = True):
+                 judge_peers: bool = True,
+                 on_wait: Callable[[dict[str, Any]], None] | None = None):
         self.store = comm.open_store(rendezvous.addr, rendezvous.port, timeout_s=10)
         self.rank = rank
         self.world_size = world_size
@@ -97,6 +113,8 @@ class PeerWatch:
         self.silent_after_s = silent_after_s
         self.on_lost = on_lost
         self.judge_peers = judge_peers
+        self.on_wait = on_wait
+        self._reported_wait_at = 0.0
         self.rendezvous = rendezvous
         self.beats = 0
         self.seen: dict[int, tuple[str, float]] = {}
@@ -128,8 +146,20 @@ class PeerWatch:
                 if peer not in self.seen or self.seen[peer][0] != value:
                     self.seen[peer] = (value, now)
 
+    def _report_wait(self) -> None:
+        wait = comm.waiting()
+        if wait is None or self.on_wait is None:
+            return
+        what, seconds = wait
+        now = time.monotonic()
+        if seconds >= WAIT_REPORT_S and now - self._reported_wait_at >= WAIT_REPORT_S:
+            self._reported_wait_at = now
+            self.on_wait({"event": "waiting", "rank": self.rank, "what": what,
+                          "since_s": round(seconds, 1)})
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
+            self._report_wait()
             try:
                 self._poll()
                 self._failing_since = None
@@ -257,10 +287,11 @@ def _join(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezvous
     if rendezvous.min_nodes is not None:
         where = rendezvous
 
-        def client() -> comm.ControlStore:
-            return comm.open_store(where.addr, where.port, timeout_s=spec.timeout_s)
+        def client(timeout_s: float) -> comm.ControlStore:
+            return comm.open_store(where.addr, where.port, timeout_s=timeout_s)
 
-        groups = ElasticGroups(spec.num_nodes, rank, client, spec.timeout_s)
+        groups = ElasticGroups(spec.num_nodes, rank, client, spec.timeout_s,
+                               form_timeout_s=rendezvous.lost_after + FORM_MARGIN_S)
         membership = ElasticMembership(groups, rank, spec.num_nodes, spec.strategy.round_steps,
                                        rendezvous.min_nodes)
         return groups, membership
@@ -316,15 +347,18 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
         # Where ranks come and go, the launcher judges them; a rank only gives up on the
         # launcher's store itself, after a minute without an answer.
         watch = PeerWatch(rendezvous, rank, spec.num_nodes, on_lost=_exit_lost,
-                          silent_after_s=60.0 if elastic else 20.0, judge_peers=not elastic)
+                          silent_after_s=60.0 if elastic else 20.0, judge_peers=not elastic,
+                          on_wait=emit)
     try:
         comm.reset_counters()
         node = TrainNode(spec, rank, device, emit, placement, membership)
         try:
             state = node.train()
+            digest = None
             if node.departed:
                 state = None
             else:
+                digest = state_digest(state)
                 if average_final:
                     state = average_state_across_ranks(state)
                 comm.side_barrier()  # nobody leaves while a peer still needs it
@@ -357,7 +391,7 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
             raise LostRankError(lost, f"rank {rank}: {message}") from exc
         emit({"event": "done", "rank": rank, "step": node.step,
               "comm_bytes": comm.comm_bytes(), "comm_calls": comm.comm_calls(),
-              "peak_rss_bytes": peak_rss_bytes()})
+              "peak_rss_bytes": peak_rss_bytes(), "model_digest": digest})
         return state
     finally:
         if watch is not None:

@@ -580,7 +580,7 @@ class TrainNode:
                 self.departed = True
                 return False
             step = back
-        comm.enter_step(step, membership.present(step))
+        comm.enter_step(step, membership.present(step), membership.epoch(step))
         if membership.joiners(step):
             try:
                 self._hand_over(step)
@@ -625,7 +625,7 @@ class TrainNode:
             if resumed:
                 print(f"rank {self.rank}: resumed from step {resumed}", flush=True)
         opening = {"event": "start", "rank": self.rank, "max_steps": self.max_steps,
-                   "step": self.step}
+                   "step": self.step, "round_steps": self.strategy.round_steps}
         if self.train_stream.labels_held is not None:
             opening["labels"] = self.train_stream.labels_held
             if self.rank == 0:  # every rank's, for a host that sees only its own events
@@ -649,5 +649,6 @@ class TrainNode:
                 raise
         if self.membership is not None and not self.departed:
             # What follows the loop (the final average) meets among the ranks still here.
-            comm.enter_step(self.max_steps + 1, self.membership.present(self.max_steps))
+            comm.enter_step(self.max_steps + 1, self.membership.present(self.max_steps),
+                            self.membership.epoch(self.max_steps))
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}

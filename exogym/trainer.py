@@ -46,7 +46,7 @@ from exogym.devices import available_cores, loopback_interface
 from exogym.fit_args import FitArgs, fit_args_doc, fit_signature
 from exogym.io import atomic_torch_save
 from exogym.logger import Logger, make_logger
-from exogym.memory import with_measured_minibatch
+from exogym.memory import StateBytes, check_memory, with_measured_minibatch
 from exogym.rank import Rendezvous, run_rank
 from exogym.report import ProgressSink, RunReporter, summarize
 from exogym.spec import Placement, RunSpec, make_run_spec
@@ -369,6 +369,8 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.summary: dict[str, Any] = {}
         self._processes: int | None = None
+        #: The training state a rank holds, accounted before the run (exogym.memory).
+        self.state_bytes: StateBytes | None = None
         self.rank_stats: dict[int, dict[str, Any]] = {}
         self.log_dir: Path | None = None
         self.run_config: dict[str, Any] = {}
@@ -385,6 +387,7 @@ class Trainer:
         placement = self._placement(spec)
         spec = with_measured_minibatch(spec, placement)
         self._processes = self._packing(spec, placement, fit_args.processes)
+        self.state_bytes = self._check_memory(spec, placement)
         run_logger = make_logger(fit_args.logger, fit_args.log_dir, fit_args.run_name,
                                  fit_args.wandb_project)
         return self._fit_spec(spec, placement, run_logger, fit_args.progress)
@@ -396,6 +399,10 @@ class Trainer:
     def _packing(self, spec: RunSpec, placement: Placement, processes: int | None) -> int | None:
         """Processes to pack the ranks into (None: one per rank); see :func:`simulation_processes`."""
         return simulation_processes(spec, placement, processes)
+
+    def _check_memory(self, spec: RunSpec, placement: Placement) -> StateBytes:
+        """Refuse a run whose ranks' training state does not fit this machine's memory."""
+        return check_memory(spec, spec.num_nodes, self._processes or spec.num_nodes)
 
     def _placement(self, spec: RunSpec) -> Placement:
         """Where the ranks run: here, every rank shares this machine."""
@@ -445,6 +452,8 @@ class Trainer:
             peaks = [s.get("peak_rss_bytes", 0) for s in self.rank_stats.values()]
             if peaks:
                 self.summary["peak_rss_bytes_per_rank"] = max(peaks)
+            if self.state_bytes is not None:
+                self.summary["state_bytes_per_rank"] = self.state_bytes.per_rank
             if run_logger is not None:
                 run_logger.finish(self.summary, failed=failed)
         reporter.finish(self.summary, title=self.summary_title)

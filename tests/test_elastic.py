@@ -43,7 +43,7 @@ def store():
 
 def worlds(store, n=3, timeout_s=20.0, cls=ElasticGroups):
     port = store.port
-    return [cls(n, r, lambda: comm.open_store("127.0.0.1", port, timeout_s=20), timeout_s)
+    return [cls(n, r, lambda t: comm.open_store("127.0.0.1", port, timeout_s=t), timeout_s)
             for r in range(n)]
 
 

@@ -47,6 +47,7 @@ from distributed.launch.launcher import (
     launch,
     split_options,
 )
+from distributed.launch.progress import ProgressWatch
 from distributed.launch.script import run_script_on_hosts
 from exogym.metrics import METRIC_PREFIX
 
@@ -122,6 +123,22 @@ RANK_SCRIPTS = {
         if restart == 0:
             time.sleep(120)  # the first start never finishes: rank 2 dies
         print(f"done at step {step} after restart {restart}", flush=True)
+    """,
+    # steps a few times, then stops advancing: rank 0 says it waits in an all-reduce,
+    # rank 1 hangs in its own step without a word
+    "stall.py": """
+        import json, os, time
+        rank = int(os.environ["RANK"])
+        print(PREFIX + json.dumps({"event": "start", "rank": rank, "step": 0,
+                                   "round_steps": 1}), flush=True)
+        for step in range(1, 6):
+            print(PREFIX + json.dumps({"event": "step", "rank": rank, "step": step}),
+                  flush=True)
+            time.sleep(0.05)
+        if rank == 0:
+            print(PREFIX + json.dumps({"event": "waiting", "rank": 0, "since_s": 1.0,
+                                       "what": "an all-reduce of 16.0 MiB"}), flush=True)
+        time.sleep(120)
     """,
     "marker.py": """
         import os
@@ -402,6 +419,38 @@ def test_rank_exit_code_and_last_lines_name_the_failure(run):
     assert "rank 1 on 127.0.0.2 (127.0.0.2:1) failed: exited with code 3" in str(caught.value)
     assert "boom 2" in str(caught.value)
     assert caught.value.result is result
+
+
+def test_a_run_that_makes_no_progress_is_stopped_naming_what_each_rank_waits_for(run):
+    launcher = run.launcher(run.hosts([run.worker("127.0.0.2")]),
+                            RankProgram.from_script("stall.py"), stall_after=3.0)
+    started = time.monotonic()
+    with launcher:
+        result = launcher.run()
+    assert time.monotonic() - started < 60
+    assert not result.ok and all(r.stopped for r in result.ranks)
+    message = result.describe()
+    assert message.startswith("stopped: no progress for "), message
+    assert "after step 5" in message
+    assert "rank 0 on 127.0.0.1 waits for an all-reduce of 16.0 MiB" in message
+    assert "no wait reported by rank 1 on 127.0.0.2" in message
+
+
+def test_progress_bound_is_ten_measured_rounds_and_at_least_five_minutes():
+    now = [0.0]
+    watch = ProgressWatch(clock=lambda: now[0])
+    watch.on_event({"event": "start", "rank": 0, "round_steps": 20})
+    assert watch.stalled() is None and watch.bound_s() == 300.0
+    for step in range(1, 41):  # 2 s a step: 40 s a round of 20 steps
+        now[0] += 2.0
+        watch.on_event({"event": "step", "rank": 0, "step": step, "host": "a"})
+    assert watch.round_s() == 40.0 and watch.bound_s() == 400.0
+    now[0] += 399.0
+    assert watch.stalled() is None
+    now[0] += 2.0
+    assert watch.stalled().startswith("no progress for 401 s (the bound: 10 rounds of 40.0 s")
+    fixed = ProgressWatch(stall_s=5.0, clock=lambda: now[0])
+    assert fixed.stalled() is None  # not training yet: no bound runs
 
 
 DRIVER = """

@@ -32,6 +32,7 @@ from typing import Any
 
 from distributed.hosts.session import HostSession
 from distributed.launch.program import RankPlan
+from distributed.launch.progress import ProgressWatch
 from distributed.launch.rank_run import ExitQueue, RankRun, RankRunContext
 from distributed.launch.results import AttemptResult, RankResult
 
@@ -40,6 +41,9 @@ START_ALLOWANCE_S = 120.0
 #: A rank whose process failed this many times with an error of its own (not a lost
 #: host: a bug a restart would repeat) is left out for the rest of the run.
 MAX_FAILED_STARTS = 3
+#: The exit code of a rank that refused its settings before it started training
+#: (``python -m distributed.worker`` exits with it on a bad value).
+REFUSED_EXIT = 2
 
 
 class ElasticAttempt:
@@ -56,13 +60,16 @@ class ElasticAttempt:
         probe_interval: seconds between attempts to reach a lost rank's host.
         say: prints one launcher message (text, style).
         interrupted: the signal that interrupted the launcher, if any.
+        progress: the run's progress, which stops a run that makes none
+            (:mod:`distributed.launch.progress`).
     """
 
     def __init__(self, plans: Sequence[RankPlan], session: HostSession,
                  context: RankRunContext, run_dir: Path, restart: int, min_nodes: int,
                  lost_after: float, probe_interval: float,
                  say: Callable[[str, str | None], None],
-                 interrupted: Callable[[], str | None]) -> None:
+                 interrupted: Callable[[], str | None],
+                 progress: ProgressWatch | None = None) -> None:
         self.plans = list(plans)
         self.session = session
         self.context = context
@@ -82,6 +89,8 @@ class ElasticAttempt:
         self.logged = 0
         self.membership: list[dict[str, Any]] = []
         self.stop_reason: str | None = None
+        self.checkpointed = False  # the ranks decided to stop and wrote a checkpoint
+        self.progress = progress or ProgressWatch()
         self.first_lost: int | None = None
         self._ending = threading.Event()
         self._session_lock = threading.Lock()
@@ -132,8 +141,23 @@ class ElasticAttempt:
         if self.first_lost is None:
             self.first_lost = rank
         plan = self.plans[rank]
-        self.say(f"[{plan.host.host}:{rank}] lost ({why}); the others carry on", "red")
         self._host(rank, "lost", why)
+        if len(self.lost) == len(self.plans) and not self._ending.is_set():
+            # Nothing is left to hand a restarted rank the run's state: stop, naming the
+            # first loss (starting every rank again would only repeat it).
+            first = self.plans[self.first_lost]
+            self._stop(f"every rank was lost; the first, rank {self.first_lost} on "
+                       f"{first.host.host}: {self.lost[self.first_lost]}")
+            return
+        self.say(f"[{plan.host.host}:{rank}] lost ({why}); the others carry on", "red")
+
+    def _stop(self, reason: str) -> None:
+        """Stop the run: no rank is brought back, every rank still running is stopped."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self.say(f"stopping: {reason}", "red")
+        self._ending.set()
+        self._stop_all()
 
     def _watch_heartbeats(self, now: float) -> None:
         for rank, run in self.runs.items():
@@ -219,8 +243,15 @@ class ElasticAttempt:
             return
         if self.store.check([self.protocol.key("finished")]) and rank not in self.lost:
             return  # the run was over; its own failure to leave is in its result
+        if code == REFUSED_EXIT:
+            # Settings the rank refused (a model too large for its host, a bad value): a
+            # start anywhere would refuse the same.
+            line = run.last_lines[-1] if run.last_lines else run.describe_exit()
+            self._stop(f"rank {rank} on {run.host} refused to start: {line}")
+            return
         self._lose(rank, run.describe_exit())
-        self._bring_back(rank, run)
+        if not self._ending.is_set():
+            self._bring_back(rank, run)
 
     def _finish(self, run: RankRun) -> RankResult:
         """The run's result (finishing it once)."""
@@ -263,11 +294,16 @@ class ElasticAttempt:
                 if stopping_since is None:
                     self._watch_heartbeats(now)
                     self._watch_returns(now)
+                    stalled = self.progress.stalled()
                     if self.store.check([self.protocol.key("stop")]):
                         self.stop_reason = self.store.get(self.protocol.key("stop")).decode()
+                        self.checkpointed = True
                         self.say(f"stopping: {self.stop_reason}", "red")
                         stopping_since = now
                         self._ending.set()
+                    elif stalled:
+                        self._stop(stalled)
+                        stopping_since = now
                     elif self.store.check([self.protocol.key("finished")]):
                         # The run is over: ranks still away will not be needed.
                         self._ending.set()
@@ -278,13 +314,11 @@ class ElasticAttempt:
                                 threading.Thread(target=run.stop, daemon=True).start()
             except Exception as exc:  # noqa: BLE001 - the store is ours; keep watching
                 self.say(f"store error while watching: {exc}", "red")
+            if self.stop_reason is not None and stopping_since is None:
+                stopping_since = now  # stopped from a rank's exit (every rank lost, a refusal)
             running = [r for r in self.runs.values() if r.running]
             if not running and not self._probing and (self._ending.is_set() or not self.lost):
                 break
-            if not running and len(self.lost) == len(self.plans) and not self._ending.is_set():
-                self.stop_reason = "every rank was lost; nothing is left to carry on"
-                self.say(f"stopping: {self.stop_reason}", "red")
-                self._ending.set()
             grace = self.context.grace_period
             if stopping_since is not None and not forced and now - stopping_since > grace + 15:
                 forced = True
@@ -307,7 +341,7 @@ class ElasticAttempt:
             r.ok for r in results if r.rank not in self.lost)
         return AttemptResult(restart=self.restart, ranks=tuple(results), first_failure=first,
                              interrupted=self.interrupted(), survived=survived,
-                             stop_reason=self.stop_reason)
+                             stop_reason=self.stop_reason, checkpointed=self.checkpointed)
 
     def close(self) -> None:
         """Stop probing and close the store (the ranks are gone by now)."""

@@ -73,6 +73,7 @@ from distributed.launch.options import (
     split_options,
 )
 from distributed.launch.program import RankPlan, RankProgram
+from distributed.launch.progress import ProgressWatch
 from distributed.launch.rank_run import ExitQueue, RankRun, RankRunContext
 from distributed.launch.results import (
     AttemptResult,
@@ -81,7 +82,12 @@ from distributed.launch.results import (
     OutputLine,
     RankResult,
 )
-from distributed.rank.environment import DEVICE_VARIABLE, MIN_NODES_VARIABLE, RUN_DIR_VARIABLE
+from distributed.rank.environment import (
+    DEVICE_VARIABLE,
+    LOST_AFTER_VARIABLE,
+    MIN_NODES_VARIABLE,
+    RUN_DIR_VARIABLE,
+)
 from exogym.io import atomic_write_text
 
 if TYPE_CHECKING:
@@ -261,6 +267,7 @@ class Launcher:
                     env[DEVICE_VARIABLE] = host.device
                 if self.options.min_nodes is not None:
                     env[MIN_NODES_VARIABLE] = str(self.options.min_nodes)
+                    env[LOST_AFTER_VARIABLE] = f"{self.options.lost_after:g}"
                 plans.append(RankPlan(
                     rank=rank, host=host, local=self.session.is_local(host.rank),
                     login=self.session.login(host.rank),
@@ -371,12 +378,17 @@ class Launcher:
         plans = self.plan(restart)
         self._exits = queue.SimpleQueue()
         grace = self.options.grace_period
+        progress = ProgressWatch(self.options.stall_after)
+
+        def on_event(event: dict[str, Any]) -> None:
+            progress.on_event(event)
+            self._deliver(self._on_event, event)
+
         context = RankRunContext(
             bootstrap={"code": BOOTSTRAP_SOURCE, "env": self.secrets, "grace": grace},
             grace_period=grace, redact=self._redact,
             on_output=lambda line: self._deliver(self._on_output, line),
-            on_event=lambda event: self._deliver(self._on_event, event),
-            exits=self._exits)
+            on_event=on_event, exits=self._exits)
         if self.options.min_nodes is not None:
             self._say(f"starting {len(plans)} rank(s); the run goes on while at least "
                       f"{self.options.min_nodes} remain; logs in {self.run_dir}")
@@ -384,7 +396,7 @@ class Launcher:
                                      self.options.min_nodes, self.options.lost_after,
                                      self.options.probe_interval,
                                      lambda text, style: self._say(text, style=style),
-                                     lambda: self._interrupted)
+                                     lambda: self._interrupted, progress)
             try:
                 return elastic.run()
             finally:
@@ -401,11 +413,17 @@ class Launcher:
         pending = {r.plan.rank for r in runs}
         first: RankRun | None = None
         stopping_since: float | None = None
+        stalled: str | None = None
         forced = False
         while pending:
             if self._interrupted and stopping_since is None:
                 self._say(f"{self._interrupted} received: stopping every rank", style="yellow")
                 stopping_since = self._stop_all(runs)
+            if stopping_since is None and first is None:
+                stalled = progress.stalled()
+                if stalled:
+                    self._say(f"stopping: {stalled}", style="red")
+                    stopping_since = self._stop_all(runs)
             try:
                 item = self._exits.get(timeout=0.2)
             except queue.Empty:
@@ -429,7 +447,7 @@ class Launcher:
         ranks = tuple(run.finish() for run in runs)
         failure = ranks[first.plan.rank] if first is not None else None
         return AttemptResult(restart=restart, ranks=ranks, first_failure=failure,
-                             interrupted=self._interrupted)
+                             interrupted=self._interrupted, stop_reason=stalled)
 
     def _stop_all(self, runs: Sequence[RankRun]) -> float:
         """Stop every rank still running, in parallel, without waiting; the time it began."""

@@ -59,6 +59,9 @@ class LaunchOptions:
             rank is declared lost (frozen, asleep, cut off); default 10.
         probe_interval: with ``min_nodes``, seconds between attempts to reach the
             host of a lost rank again; default 1.
+        stall_after: stop a run whose steps make no progress for this many seconds,
+            naming what its ranks wait for (:mod:`distributed.launch.progress`);
+            ``None`` (default): 10 of its measured rounds, at least 5 minutes.
 
     ``project_root``, ``master_local`` and ``probe_timeout`` configure the host
     session the launcher opens; leave them unset when giving it a session.
@@ -77,6 +80,7 @@ class LaunchOptions:
     min_nodes: int | None = None
     lost_after: float = 10.0
     probe_interval: float = 1.0
+    stall_after: float | None = None
 
     def __post_init__(self) -> None:
         if self.min_nodes is not None and (not isinstance(self.min_nodes, int) or
@@ -87,8 +91,10 @@ class LaunchOptions:
         if self.min_nodes is not None and self.max_restarts:
             raise ValueError("min_nodes and max_restarts do not go together: with min_nodes a "
                              "lost rank rejoins the running job, nothing is restarted; use one")
-        for name in ("lost_after", "probe_interval"):
+        for name in ("lost_after", "probe_interval", "stall_after"):
             value = getattr(self, name)
+            if name == "stall_after" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) \

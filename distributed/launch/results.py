@@ -87,7 +87,10 @@ class AttemptResult:
         survived: for a job whose ranks come and go (``min_nodes``): True when it
             finished among the ranks present at its end (ranks lost on the way
             are not failures); None for a job that needs every rank.
-        stop_reason: why such a job stopped early (too few ranks remained).
+        stop_reason: why the job stopped early: too few ranks remained, every rank was
+            lost, a rank refused to start, or the run made no progress.
+        checkpointed: with ``stop_reason``, the ranks wrote a checkpoint as they stopped
+            (they do when too few remain).
     """
 
     restart: int
@@ -96,6 +99,7 @@ class AttemptResult:
     interrupted: str | None
     survived: bool | None = None
     stop_reason: str | None = None
+    checkpointed: bool = False
 
     @property
     def ok(self) -> bool:
@@ -159,8 +163,10 @@ class LaunchResult:
             lost = self.first_failure
             where = f" (first lost: rank {lost.rank} on {lost.host}, {lost.reason})" if lost \
                 else ""
-            return (f"stopped: {last.stop_reason}{where}; every rank wrote a checkpoint at the "
-                    f"last round it completed (logs in {self.run_dir})")
+            if last.checkpointed:
+                return (f"stopped: {last.stop_reason}{where}; every rank wrote a checkpoint at "
+                        f"the last round it completed (logs in {self.run_dir})")
+            return f"stopped: {last.stop_reason}{where} (logs in {self.run_dir})"
         failed = self.first_failure
         if failed is None:
             bad = [r for r in self.ranks if not r.ok]

@@ -26,6 +26,8 @@ DEVICE_VARIABLE = "EXOGYM_DEVICE"
 #: Set by the launcher for a run that goes on while this many ranks remain
 #: (:mod:`exogym.elastic`); the rendezvous store is then the launcher's.
 MIN_NODES_VARIABLE = "EXOGYM_MIN_NODES"
+#: With ``min_nodes``: the seconds of silence after which the launcher declares a rank lost.
+LOST_AFTER_VARIABLE = "EXOGYM_LOST_AFTER"
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class RankEnvironment:
         agent_store: the store is hosted by torchrun's agent, not by rank 0.
         min_nodes: ranks come and go while at least this many remain; the store is
             the launcher's (None: every rank is needed, rank 0 hosts the store).
+        lost_after: with ``min_nodes``, the launcher's deadline for a silent rank.
     """
 
     rank: int
@@ -49,6 +52,7 @@ class RankEnvironment:
     local_world_size: int = 1
     agent_store: bool = False
     min_nodes: int | None = None
+    lost_after: float = 10.0
 
 
 def rank_environment(env: dict[str, str] | None = None) -> RankEnvironment | None:
@@ -83,9 +87,16 @@ def rank_environment(env: dict[str, str] | None = None) -> RankEnvironment | Non
         if not 1 <= min_nodes <= world:
             raise ValueError(f"{MIN_NODES_VARIABLE}={min_nodes} must be in 1..WORLD_SIZE "
                              f"(WORLD_SIZE={world})")
+    lost_after = 10.0
+    if env.get(LOST_AFTER_VARIABLE):
+        try:
+            lost_after = float(env[LOST_AFTER_VARIABLE])
+        except ValueError:
+            raise ValueError(f"{LOST_AFTER_VARIABLE}={env[LOST_AFTER_VARIABLE]!r} must be a "
+                             "number of seconds") from None
     return RankEnvironment(rank, world, env["MASTER_ADDR"], port, local_rank, local_world,
                            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                           min_nodes=min_nodes)
+                           min_nodes=min_nodes, lost_after=lost_after)
 
 
 def choose_interface(master_addr: str) -> str | None:

@@ -30,6 +30,7 @@ from distributed.rank.environment import (
 )
 from exogym.fit_args import refuse_simulation_only
 from exogym.io import atomic_save_safetensors
+from exogym.memory import StateBytes, check_memory
 from exogym.metrics import encode_event
 from exogym.rank import Rendezvous, run_rank
 from exogym.spec import Placement, RunSpec
@@ -79,6 +80,11 @@ class RankTrainer(Trainer):
                                "a run across hosts")
         return None
 
+    def _check_memory(self, spec: RunSpec, placement: Placement) -> StateBytes:
+        """Refuse a rank whose training state, with this host's other ranks, does not fit."""
+        ranks = self.environment.local_world_size
+        return check_memory(spec, ranks, ranks)
+
     def _placement(self, spec: RunSpec) -> Placement:
         """This host's ranks: by local rank on its GPUs, nccl on CUDA, rank 0's weights broadcast."""
         env = self.environment
@@ -115,7 +121,8 @@ class RankTrainer(Trainer):
         elastic = env.min_nodes is not None
         rendezvous = Rendezvous(env.master_addr, env.master_port,
                                 store_on_rank0=not env.agent_store and not elastic,
-                                watch_peers=True, min_nodes=env.min_nodes)
+                                watch_peers=True, min_nodes=env.min_nodes,
+                                lost_after=env.lost_after)
         state = run_rank(spec, placement, env.rank, rendezvous, emit, average_final=True)
         if state is None:  # away at the end of a run whose ranks come and go
             self.writes_outputs = False

@@ -10,6 +10,8 @@ Built in:
 - ``chargpt``: a small character-level GPT on a text file; by default on the
   Python standard library's own source text, present on every install.
 - ``whisper``: Whisper fine-tuning (see ``distributed.tasks.whisper.task``).
+- ``gpt``: a GPT-2 style model on synthetic tokens, at the sizes users train
+  (23M parameters by default, 124M as GPT-2 small; ``distributed.tasks.tokens``).
 
 Any ``package.module:function`` with the same contract works too.
 """
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from distributed.tasks import BUILTIN_TASK_NAMES
+from distributed.tasks.tokens import Block
 from exogym.digits import DigitsCNN, DigitsMLP, digits_datasets
 
 TaskResult = tuple[nn.Module, Dataset, Dataset]
@@ -96,35 +99,6 @@ class CharDataset(Dataset):
         s = self.starts[i]
         chunk = self.data[s:s + self.block_size + 1]
         return chunk[:-1], chunk[1:]
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int):
-        super().__init__()
-        self.n_head = n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.proj = nn.Linear(n_embd, n_embd)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-
-class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head)
-        self.ln2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
-                                 nn.Linear(4 * n_embd, n_embd))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
 
 
 class CharGPT(nn.Module):
@@ -216,8 +190,14 @@ def _whisper_task(**kwargs: Any) -> TaskResult:
     return model, train, val
 
 
+def _gpt_task(**kwargs: Any) -> TaskResult:
+    from distributed.tasks.tokens import gpt_task
+
+    return gpt_task(**kwargs)
+
+
 BUILTIN_TASKS: dict[str, Callable[..., TaskResult]] = dict(zip(
-    BUILTIN_TASK_NAMES, (digits_task, chargpt_task, _whisper_task), strict=True))
+    BUILTIN_TASK_NAMES, (digits_task, chargpt_task, _whisper_task, _gpt_task), strict=True))
 
 
 def resolve_task(name: str) -> Callable[..., TaskResult]:
@@ -246,6 +226,10 @@ def task_arg_names(fn: Callable[..., Any]) -> set[str] | None:
         except ImportError:
             return None
         fn = build_whisper_task
+    elif fn is _gpt_task:
+        from distributed.tasks.tokens import gpt_task
+
+        fn = gpt_task
     params = inspect.signature(fn).parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None

@@ -7,6 +7,9 @@ Markov chain in which each token is followed by one of a few tokens of its own,
 so that the loss falls well below ``log(vocab_size)`` as the model learns the
 chain. Every host generates the same stream from the same seed.
 
+This module imports torch only (the blocks are the character GPT's too), so a
+benchmark can build the same model beside another toolkit.
+
 Sizes: the defaults (``vocab_size=8192, n_layer=6, n_embd=512``) give 23.1M
 parameters, whose token embedding (8192 x 512 float32) is one 16 MiB tensor;
 ``vocab_size=50257, n_layer=12, n_head=12, n_embd=768, block_size=1024`` is
@@ -20,7 +23,39 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from distributed.tasks.builtin import Block
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention."""
+
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: attention, then an MLP, each with a residual."""
+
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
 
 #: Tokens that may follow each token in the synthetic stream.
 FOLLOWERS = 4

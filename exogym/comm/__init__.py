@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -99,6 +99,7 @@ __all__ = [
     "destroy_process_group",
     "enter_step",
     "group_size",
+    "held_once",
     "init_process_group",
     "is_connection_error",
     "is_initialized",
@@ -120,6 +121,7 @@ __all__ = [
     "use_local_collectives",
     "use_mirror_collectives",
     "use_packed_world",
+    "waiting",
 ]
 
 _backend: Collectives = Collectives()  # a world of one until a rank joins its transport
@@ -285,16 +287,17 @@ def group_size(group: Any = None) -> int:
     return _backend.group_size(group)
 
 
-def enter_step(step: int, members: Sequence[int] | None = None) -> None:
+def enter_step(step: int, members: Sequence[int] | None = None, epoch: int | None = None) -> None:
     """This rank is at ``step``, where ``members`` are the ranks present (None: every rank).
 
     Collectives then meet among the present ranks only (a run where ranks leave
     and rejoin, :mod:`exogym.membership`). Only backends whose ranks may be
     away (packed ranks, hosts that come and go) take a ``members`` that leaves a
-    rank out.
+    rank out. ``epoch``: the step at which this membership began (hosts that come
+    and go form a new group for each).
     """
     if _backend.active:
-        _backend.enter_step(step, members)
+        _backend.enter_step(step, members, epoch)
 
 
 def present_ranks(group: Any = None) -> list[int]:
@@ -302,6 +305,18 @@ def present_ranks(group: Any = None) -> list[int]:
     if not _backend.active:
         return [0]
     return _backend.group_ranks(group)
+
+
+def held_once(key: Any, make: Callable[[], Any]) -> Any:
+    """State that is identical on every rank this process runs, held once for them all.
+
+    Ranks packed in a process (:mod:`exogym.comm.packed`) get the one object the
+    first of them made with ``make()``; a process with one rank gets its own. A
+    strategy keeps there what every rank provably holds the same (DiLoCo's outer
+    parameters and outer optimizer), so memory grows with the ranks by less than a
+    copy of the training state each.
+    """
+    return _backend.held_once(key, make)
 
 
 def pause(seconds: float) -> None:
@@ -369,16 +384,38 @@ def collective_time() -> tuple[float, float]:
     return _rs.wall_s, _rs.cpu_s
 
 
+_inside: list[Any] = [None, 0.0]  # what this process's rank waits in now, and since when
+
+
+def waiting() -> tuple[str, float] | None:
+    """What this process's rank is waiting in now, and for how many seconds (None: it is
+    not inside a collective). Read by a rank's heartbeat thread, which reports a long wait."""
+    what, since = _inside
+    if what is None:
+        return None
+    detail = getattr(_backend, "waiting_for", None)
+    return (f"{what}: {detail}" if detail else what), time.monotonic() - since
+
+
 class _Timed:
-    """Adds the time spent inside the outermost counted collective to the totals above."""
+    """Adds the time spent inside the outermost counted collective to the totals above,
+    and says what the rank waits in meanwhile (:func:`waiting`).
+
+    Args:
+        what: the collective, in words (for :func:`waiting`).
+    """
 
     wall = cpu = None
+
+    def __init__(self, what: str = "a collective"):
+        self.what = what
 
     def __enter__(self) -> None:
         rs = _rs
         rs.depth += 1
         if rs.depth == 1:
             self.wall, self.cpu = time.perf_counter(), time.thread_time()
+            _inside[:] = [self.what, time.monotonic()]
 
     def __exit__(self, *exc: object) -> None:
         rs = _rs
@@ -386,6 +423,11 @@ class _Timed:
         if rs.depth == 0 and self.wall is not None:
             rs.wall_s += time.perf_counter() - self.wall
             rs.cpu_s += time.thread_time() - self.cpu
+            _inside[0] = None
+
+
+def _mib(tensor: torch.Tensor) -> str:
+    return f"{tensor.numel() * tensor.element_size() / 2**20:.1f} MiB"
 
 
 def _group_ranks(group: Any) -> list[int]:
@@ -407,7 +449,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None, async_op
     """All-reduce ``tensor`` in place (default op: SUM); counts its payload bytes."""
     if not _backend.active:
         return DoneWork() if async_op else None
-    with _Timed():
+    with _Timed(f"an all-reduce of {_mib(tensor)}"):
         _count(tensor.numel() * tensor.element_size(), "all_reduce", group)
         return _backend.all_reduce(tensor, op, group, async_op)
 
@@ -416,7 +458,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: b
     """Broadcast ``tensor`` from global rank ``src`` in place; counts its payload bytes."""
     if not _backend.active:
         return DoneWork() if async_op else None
-    with _Timed():
+    with _Timed(f"a broadcast of {_mib(tensor)} from rank {src}"):
         _count(tensor.numel() * tensor.element_size(), "broadcast", group)
         return _backend.broadcast(tensor, src, group, async_op)
 
@@ -427,7 +469,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
     if not _backend.active:
         tensor_list[0].copy_(tensor)
         return DoneWork() if async_op else None
-    with _Timed():
+    with _Timed(f"an all-gather of {_mib(tensor)}"):
         _count(tensor.numel() * tensor.element_size(), "all_gather", group)
         return _backend.all_gather(tensor_list, tensor, group, async_op)
 
@@ -502,7 +544,7 @@ class _Round:
     def wait(self, timeout: Any = None) -> bool:
         """Block until every bucket has arrived; the tensors then hold the result."""
         if not self._done:
-            with _Timed():
+            with _Timed("an all-reduce started earlier"):
                 for work in self._works:
                     work.wait()
             self._done = True
@@ -638,7 +680,8 @@ def all_reduce_tensors(
     if average and world_size is None:
         world_size = group_size(group)
     divide_by = world_size if average else None
-    with _Timed():
+    total = sum(t.numel() * t.element_size() for t in tensors) / 2**20
+    with _Timed(f"an all-reduce of {len(tensors)} tensors ({total:.1f} MiB)"):
         _reduce_buckets(round_, tensors, residuals, op, group, wire_dtype, quantized,
                         divide_by, bucket_bytes, chunk, rounding, async_op)
     if async_op:
@@ -685,6 +728,23 @@ def _reduce_buckets(round_: _Round, tensors: list[torch.Tensor],
 # -- the side channel: evaluation, averaging, agreement, barriers (never counted) -------
 
 
+class _Side:
+    """Says what the rank waits in during an uncounted side-channel call (:func:`waiting`)."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.outer = False
+
+    def __enter__(self) -> None:
+        self.outer = _inside[0] is None
+        if self.outer:
+            _inside[:] = [self.what, time.monotonic()]
+
+    def __exit__(self, *exc: object) -> None:
+        if self.outer:
+            _inside[0] = None
+
+
 def side_group_size() -> int:
     """Ranks on the side channel (1 outside a process group or with one rank)."""
     return _backend.side_size() if _backend.active else 1
@@ -693,7 +753,8 @@ def side_group_size() -> int:
 def side_all_reduce(tensor: torch.Tensor, op: Any = None) -> None:
     """All-reduce ``tensor`` in place over the side channel (default op: SUM); uncounted."""
     if _backend.active:
-        _backend.side_all_reduce(tensor, op)
+        with _Side("an agreement among the ranks (side channel)"):
+            _backend.side_all_reduce(tensor, op)
 
 
 def side_broadcast(tensor: torch.Tensor, src: int = 0, ranks: Sequence[int] | None = None) -> None:
@@ -707,13 +768,15 @@ def side_broadcast(tensor: torch.Tensor, src: int = 0, ranks: Sequence[int] | No
             ranks, hosts that come and go).
     """
     if _backend.active:
-        _backend.side_broadcast(tensor, src, ranks)
+        with _Side(f"{_mib(tensor)} from rank {src} (side channel)"):
+            _backend.side_broadcast(tensor, src, ranks)
 
 
 def side_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
     """Gather every rank's ``tensor`` into ``tensor_list`` over the side channel; uncounted."""
     if _backend.active:
-        _backend.side_all_gather(tensor_list, tensor)
+        with _Side("a gather among the ranks (side channel)"):
+            _backend.side_all_gather(tensor_list, tensor)
     else:
         tensor_list[0].detach().copy_(tensor)
 
@@ -721,4 +784,5 @@ def side_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> No
 def side_barrier() -> None:
     """Wait until every rank has reached this point."""
     if _backend.active:
-        _backend.side_barrier()
+        with _Side("every rank at a barrier (side channel)"):
+            _backend.side_barrier()

@@ -193,8 +193,10 @@ class Collectives:
         """How many ranks of ``group`` are present."""
         return len(self.group_ranks(group))
 
-    def enter_step(self, step: int, members: Sequence[int] | None) -> None:
-        """The calling rank is at ``step``, where ``members`` are present (None: all)."""
+    def enter_step(self, step: int, members: Sequence[int] | None,
+                   epoch: int | None = None) -> None:
+        """The calling rank is at ``step``, where ``members`` are present (None: all), a
+        membership that began at step ``epoch``."""
         if members is not None and len(set(members)) != self.world_size():
             raise RuntimeError(f"the {self.name} collectives cannot meet without some of their "
                                "ranks (rank_failures runs its ranks packed in processes; "
@@ -203,6 +205,11 @@ class Collectives:
     def pause(self, seconds: float) -> None:
         """Sleep without holding up ranks that share this process."""
         time.sleep(seconds)
+
+    def held_once(self, key: Any, make: Callable[[], Any]) -> Any:
+        """An object every rank of this process shares, made by the first that asks
+        (``make()``); a backend with one rank per process makes one for each."""
+        return make()
 
     # -- training collectives (uncounted here) ---------------------------------------
 

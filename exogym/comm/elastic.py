@@ -9,9 +9,9 @@ own, and formed anew when the members change; the launcher's store carries
 only control messages (:mod:`exogym.comm.store`). The protocol:
 
 - **Forming.** Every member of a new membership builds the group at the same
-  round boundary (:meth:`ElasticGroups.enter_step`), in a thread of its own,
-  while it watches the store: if a member is declared lost meanwhile, the
-  group is given up.
+  round boundary (:meth:`ElasticGroups.enter_step`), within ``form_timeout_s``
+  (``lost_after`` plus 30 s on real hosts); a group that does not form is voted
+  on as a failed call is.
 - **Every collective is voted.** A member runs the collective on a private
   copy of its tensors, then votes ``ok`` or ``fail`` in the store. It waits
   for every other member's vote; a member the launcher declares lost before
@@ -36,16 +36,20 @@ only control messages (:mod:`exogym.comm.store`). The protocol:
 In a gather that loses a member, the member's part reads as all bits set (NaN
 in a floating tensor). A broadcast from a member that is lost cannot complete:
 it raises :class:`~exogym.comm.backend.PeerLost`. A broadcast among some ranks
-(the state handed to a rank that rejoins) travels point to point from the
-source, in chunks of :data:`CHUNK_BYTES`.
+(the state handed to a rank that rejoins) travels on a group of the source and
+the joining ranks only, in chunks of :data:`CHUNK_BYTES`.
+
+A call given up may stay blocked in gloo's own threads until gloo's timeout,
+and destroying its group would wait for it: such a group is kept until the
+process ends (:func:`_keep_forever`), and no thread of ours ever waits on gloo.
 
 Tensors on a GPU are staged through the CPU (gloo).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -101,7 +105,8 @@ class _Group:
         self.index = members.index(rank)
         self.pg = pg
         self.calls = 0
-        self.transfers = 0  # point-to-point hand-overs: only their two ends count them
+        self.transfers = 0  # hand-over groups formed: only their members count them
+        self.transfer_groups: dict[tuple[int, ...], Any] = {}  # by members
 
     def next_call(self) -> int:
         self.calls += 1
@@ -129,27 +134,31 @@ class ElasticGroups(Collectives):
         open_store: opens a client of the launcher's store (one for the rank, one
             for each group it forms).
         timeout_s: how long a rank waits for a member that neither arrives nor is
-            declared lost; also gloo's own timeout.
+            declared lost; also gloo's own timeout for a call.
+        form_timeout_s: how long forming a group may take (a member that does not come
+            within it fails the group, which is then voted on).
         hosts: each rank's host, for errors (optional).
     """
 
     name = "elastic gloo groups"
 
-    def __init__(self, world_size: int, rank: int, open_store: Callable[[], ControlStore],
-                 timeout_s: float = 1800.0, hosts: dict[int, str] | None = None):
+    def __init__(self, world_size: int, rank: int, open_store: Callable[[float], ControlStore],
+                 timeout_s: float = 1800.0, form_timeout_s: float = 60.0,
+                 hosts: dict[int, str] | None = None):
         self._world_size = world_size
         self._rank = rank
         self._open_store = open_store
         self.timeout_s = float(timeout_s)
-        self.store = open_store()
+        self.form_timeout_s = float(min(form_timeout_s, timeout_s))
+        self.store = open_store(self.timeout_s)
         self.hosts = dict(hosts or {})
         #: Each member's loss generation when the current round admitted it.
         self.generations: dict[int, int] = {r: 0 for r in range(world_size)}
         self._wanted: tuple[int, ...] = tuple(range(world_size))
-        self._wanted_name = "start"
+        self._epoch: int | None = 1  # the step the current membership began at (None: dropped)
+        self._wanted_name = f"e1-{_digest(self._wanted)}"
         self._group: _Group | None = None
-        self._graveyard: list[Any] = []  # groups given up: never destroyed while a call may hang
-        self._lock = threading.Lock()
+        self._given_up: list[tuple[Any, Any]] = []  # (group, its call that may still hang)
         #: What the rank waits for now, for a watchdog's message (None: nothing).
         self.waiting_for: str | None = None
 
@@ -180,25 +189,34 @@ class ElasticGroups(Collectives):
     def check_self(self) -> None:
         """Raise :class:`RankDropped` once this rank has been declared lost."""
         if self.lost_since_admitted(self._rank):
-            raise RankDropped(f"rank {self._rank} was declared lost by the launcher "
-                              "(it stopped answering): it rejoins at the next round")
+            self._dropped("was declared lost by the launcher (it stopped answering)")
+
+    def _dropped(self, why: str) -> None:
+        """This rank is out of the run's groups until a round admits it again."""
+        self._abandon()
+        self._epoch = None
+        raise RankDropped(f"rank {self._rank} {why}: it rejoins at the next round")
 
     # -- membership ----------------------------------------------------------------------
 
-    def enter_step(self, step: int, members: Sequence[int] | None) -> None:
+    def enter_step(self, step: int, members: Sequence[int] | None,
+                   epoch: int | None = None) -> None:
+        """At ``step``: a membership that began at step ``epoch`` gets a group of its own,
+        formed by every member now, at the round boundary; within a membership the group
+        is whatever its losses left of it."""
         wanted = tuple(range(self._world_size)) if members is None else tuple(sorted(members))
         if self._rank not in wanted:
             raise RuntimeError(f"rank {self._rank} entered step {step}, where it is no member "
                                f"(members {list(wanted)})")
-        current = self._group
-        if current is not None and current.members == wanted:
-            self._wanted = wanted
+        epoch = 1 if epoch is None else int(epoch)
+        if epoch == self._epoch and self._group is not None:
             return
-        if wanted != self._wanted or current is None:
-            self._wanted = wanted
-            self._wanted_name = f"s{step}-{_digest(wanted)}"
+        if epoch != self._epoch:
             self._abandon()
-            self._main()  # every member forms it now, at the round boundary
+            self._epoch = epoch
+            self._wanted_name = f"e{epoch}-{_digest(wanted)}"
+        self._wanted = wanted
+        self._main()
 
     def group_ranks(self, group: Any = None) -> list[int]:
         if isinstance(group, ElasticSubgroup):
@@ -211,16 +229,18 @@ class ElasticGroups(Collectives):
 
     # -- forming groups ------------------------------------------------------------------
 
-    def _abandon(self, group: _Group | None = None) -> None:
-        """Give up ``group`` (default: the current one); its calls may still hang, so it is
-        kept, never destroyed."""
+    def _abandon(self, group: _Group | None = None, pending: Any = None) -> None:
+        """Give up ``group`` (default: the current one), whose call ``pending`` may still be
+        blocked in gloo (None: none is)."""
         group = group or self._group
         if group is None:
             return
         if group is self._group:
             self._group = None
         if group.pg is not None:
-            self._graveyard.append(group.pg)
+            self._given_up.append((group.pg, pending))
+        self._given_up.extend((pg, None) for pg in group.transfer_groups.values())
+        group.transfer_groups = {}
 
     def _main(self) -> _Group:
         if self._group is None:
@@ -235,7 +255,7 @@ class ElasticGroups(Collectives):
         formed = group.formed
         if formed is None or formed.members != members or not formed.name.startswith(main.name):
             if formed is not None:
-                self._graveyard.append(formed.pg)
+                self._abandon(formed)
             group.formed = self._form(f"{main.name}/sub-{_digest(members)}", members)
         return group.formed
 
@@ -243,35 +263,35 @@ class ElasticGroups(Collectives):
         """The group ``name`` of ``members``, formed with every member (voted; on a loss,
         formed again among those left)."""
         for _ in range(MAX_ATTEMPTS):
-            if len(members) == 1:
-                return _Group(name, members, self._rank, None)
-            index = members.index(self._rank)
-            built: dict[str, Any] = {}
-            client = self._open_store()
-
-            def build(client: ControlStore = client, index: int = index,
-                      members: tuple[int, ...] = members, name: str = name,
-                      built: dict[str, Any] = built) -> None:
-                try:
-                    built["pg"] = dist.ProcessGroupGloo(
-                        dist.PrefixStore(key("pg", name) + "/", client.raw), index, len(members),
-                        timedelta(seconds=self.timeout_s))
-                except Exception as exc:  # noqa: BLE001 - voted on below
-                    built["error"] = exc
-
-            thread = threading.Thread(target=build, name=f"exogym-form-{name}", daemon=True)
-            thread.start()
-            ok = self._await(lambda thread=thread: not thread.is_alive(), members,
-                             f"forming the group of ranks {list(members)}")
-            ok = ok and "pg" in built
+            pg, ok = self._build(name, members)
+            if pg is None and ok:
+                return _Group(name, members, self._rank, None)  # a member alone
             committed, survivors = self._vote(name, "form", members, ok)
             if committed:
-                return _Group(name, members, self._rank, built["pg"])
-            if "pg" in built:
-                self._graveyard.append(built["pg"])
+                return _Group(name, members, self._rank, pg)
+            if pg is not None:
+                self._given_up.append((pg, None))
             name, members = f"{name}/f", survivors
         raise RuntimeError(f"rank {self._rank}: could not form a group after {MAX_ATTEMPTS} "
                            f"attempts (last: ranks {list(members)})")
+
+    def _build(self, name: str, members: tuple[int, ...]) -> tuple[Any, bool]:
+        """A gloo group of ``members`` under the store prefix ``name`` (None alone), and
+        whether it formed within ``form_timeout_s``."""
+        if len(members) == 1:
+            return None, True
+        self.waiting_for = f"forming group {name} of {', '.join(map(self._host, members))}"
+        client = self._open_store(self.form_timeout_s)
+        try:
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(key("pg", name) + "/", client.raw),
+                                       members.index(self._rank), len(members),
+                                       timedelta(seconds=self.form_timeout_s))
+        except Exception:  # noqa: BLE001 - a member did not come in time: voted on
+            return None, False
+        finally:
+            self.waiting_for = None
+        pg.set_timeout(timedelta(seconds=self.timeout_s))
+        return pg, True
 
     # -- waiting and voting --------------------------------------------------------------
 
@@ -307,21 +327,15 @@ class ElasticGroups(Collectives):
         return True
 
     def _completes(self, work: Any, members: Sequence[int], what: str) -> bool:
-        """Wait for ``work`` (a gloo call) to complete; False if it failed, or once a member
-        is declared lost (the call is then given up: a thread of its own still waits on it
-        until gloo's timeout, as gloo's waits cannot be cut short without closing the
-        connection)."""
-        failed: list[BaseException] = []
-
-        def wait() -> None:
-            try:
-                work.wait()
-            except BaseException as exc:  # noqa: BLE001 - a peer's connection failed: voted on
-                failed.append(exc)
-
-        waiter = threading.Thread(target=wait, name="exogym-gloo-wait", daemon=True)
-        waiter.start()
-        return self._await(lambda: not waiter.is_alive(), members, what) and not failed
+        """Wait for ``work`` (a gloo collective) to complete; False if it failed, or once a
+        member is declared lost (the call is then given up where it stands)."""
+        if not self._await(work.is_completed, members, what):
+            return False
+        try:
+            work.wait()
+        except Exception:  # noqa: BLE001 - a peer's connection failed: voted on
+            return False
+        return True
 
     def _final_vote(self, slot: str, peer: int, what: str) -> bytes:
         """``peer``'s vote in ``slot``, or the tombstone once it is declared lost."""
@@ -354,8 +368,7 @@ class ElasticGroups(Collectives):
         base = key("v", name, call)
         mine = _OK if ok else _FAIL
         if store.compare_set(f"{base}/{self._rank}", "", mine) != mine:
-            raise RankDropped(f"rank {self._rank} was declared lost and its vote refused: it "
-                              "rejoins at the next round")
+            self._dropped("was declared lost and its vote refused")
         what = f"call {call} of group {name}"
         self.waiting_for = f"votes on {what}"
         try:
@@ -382,33 +395,33 @@ class ElasticGroups(Collectives):
             formed = self._resolve(group)
             call = formed.next_call()
             ok = True
-            if formed.pg is not None:
-                try:
-                    work = launch(formed)
-                except (RankDropped, PeerLost):
-                    raise
-                except Exception:  # noqa: BLE001 - a peer's connection failed: voted on
-                    ok = False
-                else:
-                    ok = self._completes(work, formed.members,
-                                         f"{what} (call {call} of group {formed.name})")
-            else:
+            if formed.pg is None:
                 launch(formed)
                 return formed, asked
+            work = None
+            try:
+                work = launch(formed)
+            except (RankDropped, PeerLost):
+                raise
+            except Exception:  # noqa: BLE001 - a peer's connection failed: voted on
+                ok = False
+            else:
+                ok = self._completes(work, formed.members,
+                                     f"{what} (call {call} of group {formed.name})")
             committed, survivors = self._vote(formed.name, str(call), formed.members, ok)
             if committed:
                 return formed, asked
-            self._regroup(group, formed, survivors, call)
+            self._regroup(group, formed, survivors, call, None if ok else work)
         raise RuntimeError(f"rank {self._rank}: {what} failed {MAX_ATTEMPTS} times")
 
-    def _regroup(self, group: Any, failed: _Group, survivors: tuple[int, ...], call: int) -> None:
-        """After a failed call: the survivors form the next group."""
+    def _regroup(self, group: Any, failed: _Group, survivors: tuple[int, ...], call: int,
+                 pending: Any) -> None:
+        """After a failed call (``pending``: its work, if it may still hang): the survivors
+        form the next group."""
+        self._abandon(failed, pending)
         if isinstance(group, ElasticSubgroup):
-            self._abandon(failed)
-            # The main group may have lost the same member: a subgroup follows the main one.
             group.formed = self._form(f"{failed.name}/c{call}", survivors)
             return
-        self._abandon(failed)
         self._wanted = survivors
         self._wanted_name = f"{failed.name}/c{call}"
         self._group = self._form(self._wanted_name, survivors)
@@ -524,39 +537,45 @@ class ElasticGroups(Collectives):
         self._point_to_point(tensor, src, [r for r in ranks if r != src])
 
     def _point_to_point(self, tensor: torch.Tensor, src: int, receivers: list[int]) -> None:
-        """``src`` sends ``tensor`` to each of ``receivers`` in chunks; the others take part
-        in nothing. A receiver that is lost meanwhile is skipped by the sender; a sender
-        lost meanwhile makes a receiver raise :class:`PeerLost`."""
-        formed = self._main()
-        if src not in formed.members:
+        """``src`` sends ``tensor`` to ``receivers`` on a group of their own, in chunks; the
+        others take part in nothing. If a member of that group is lost meanwhile, the
+        sender gives the transfer up and goes on, and a receiver raises :class:`PeerLost`
+        (it tries again at a later round)."""
+        main = self._main()
+        ranks = tuple(sorted({src, *receivers} & set(main.members)))
+        if src not in ranks:
             raise PeerLost(f"{self._host(src)} was lost before it could hand over the state")
+        if self._rank not in ranks or len(ranks) == 1:
+            return
+        pg = main.transfer_groups.get(ranks)
+        ok = True
+        if pg is None:  # formed once, for every tensor the hand-over sends
+            main.transfers += 1
+            pg, ok = self._build(f"{main.name}/h{main.transfers}", ranks)
+            if ok:
+                main.transfer_groups[ranks] = pg
         flat = to_cpu(tensor).contiguous().view(-1)
         raw = flat.view(torch.uint8) if flat.numel() else flat
-        if self._rank == src:
-            targets = [r for r in receivers if r in formed.members]
-        else:
-            targets = [self._rank]
-        formed.transfers += 1
-        tag = (1 << 20) + formed.transfers
-        for lo in range(0, raw.numel(), CHUNK_BYTES):
-            piece = raw[lo:lo + CHUNK_BYTES]
-            for target in list(targets):
-                peer = target if self._rank == src else src
-                if self._rank == src:
-                    work = formed.pg.send([piece.clone()], formed.members.index(target), tag)
-                else:
-                    buffer = torch.empty_like(piece)
-                    work = formed.pg.recv([buffer], formed.members.index(src), tag)
-                ok = self._completes(work, [peer], f"handing over the state "
-                                     f"({'to' if self._rank == src else 'from'} "
-                                     f"{self._host(peer)})")
-                if not ok:
-                    if self._rank != src:
-                        raise PeerLost(f"{self._host(src)} was lost while handing over the state")
-                    targets.remove(target)  # the joiner is gone: the others carry on
-                    continue
-                if self._rank != src:
-                    piece.copy_(buffer)
+        for lo in range(0, raw.numel(), CHUNK_BYTES) if ok else ():
+            piece = raw[lo:lo + CHUNK_BYTES] if self._rank == src else raw[lo:lo + CHUNK_BYTES].clone()
+            options = dist.BroadcastOptions()
+            options.rootRank = ranks.index(src)
+            options.rootTensor = 0
+            work = pg.broadcast([piece], options)
+            what = (f"handing over the state to {', '.join(self._host(r) for r in receivers)}"
+                    if self._rank == src else f"taking the state from {self._host(src)}")
+            if not self._completes(work, ranks, what):
+                self._given_up.append((pg, work))
+                main.transfer_groups.pop(ranks, None)
+                ok = False
+                break
+            if self._rank != src:
+                raw[lo:lo + CHUNK_BYTES].copy_(piece)
+        if not ok:
+            if self._rank != src:
+                raise PeerLost(f"the hand-over from {self._host(src)} failed: a rank of it was "
+                               "lost or did not come")
+            return  # the joiners that are left try again at a later round
         if self._rank != src:
             copy_back(tensor, flat.view_as(tensor).to(tensor.device))
 
@@ -568,6 +587,16 @@ class ElasticGroups(Collectives):
 
     def close(self) -> None:
         self._abandon()
+        for pg, pending in self._given_up:
+            if pending is not None and not pending.is_completed():
+                _keep_forever((pg, pending))
+        self._given_up = []
+
+
+def _keep_forever(obj: Any) -> None:
+    """Never destroy ``obj``: a gloo group with a call still blocked in its threads would
+    wait for that call in its destructor (until gloo's timeout) when the process ends."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 __all__ = ["CHUNK_BYTES", "ElasticGroups", "ElasticSubgroup", "NAMESPACE", "TOMBSTONE",

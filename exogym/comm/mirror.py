@@ -67,8 +67,9 @@ class Mirror(Collectives):
     def group_ranks(self, group: Any = None) -> list[int]:
         return list(range(self.group_size(group)))
 
-    def enter_step(self, step: int, members: Sequence[int] | None) -> None:
-        self.inner.enter_step(step, members)
+    def enter_step(self, step: int, members: Sequence[int] | None,
+                   epoch: int | None = None) -> None:
+        self.inner.enter_step(step, members, epoch)
 
     def pause(self, seconds: float) -> None:
         self.inner.pause(seconds)

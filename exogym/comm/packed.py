@@ -180,6 +180,7 @@ class PackedWorld(Collectives):
         self.world = PackedGroup(range(world_size), "w")
         self.side = PackedGroup(range(world_size), "s")
         self._mailbox = Mailbox(run_id, index, timeout_s) if run_id is not None else None
+        self._held: dict[Any, Any] = {}  # state every rank of the process shares (held_once)
 
     # -- seats and the baton ------------------------------------------------------------
 
@@ -241,7 +242,8 @@ class PackedWorld(Collectives):
         """The calling thread's rank."""
         return self._seat().rank
 
-    def enter_step(self, step: int, members: Sequence[int] | None) -> None:
+    def enter_step(self, step: int, members: Sequence[int] | None,
+                   epoch: int | None = None) -> None:
         """The calling rank is at ``step``; ``members`` are the ranks present there (None: all)."""
         seat = self._seat()
         if step != seat.step:
@@ -349,6 +351,13 @@ class PackedWorld(Collectives):
     def pause(self, seconds: float) -> None:
         if seconds > 0:
             self.sleep(seconds)
+
+    def held_once(self, key: Any, make: Callable[[], Any]) -> Any:
+        with self._lock:
+            found = self._held.get(key)
+            if found is None:
+                found = self._held[key] = make()
+        return found
 
     # -- across processes ----------------------------------------------------------------
 

@@ -67,9 +67,15 @@ class DiLoCoCommunicator(CommunicationModule):
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self.master = [p.detach().clone() for p in self.params]
+        # Every rank holds the same outer parameters and applies the same outer step: ranks
+        # that share a process share them (comm.held_once), and the first of them to
+        # finish a round's all-reduce applies its outer step for all.
+        modules = self.strategy.communication_modules if self.strategy is not None else [self]
+        self.outer = comm.held_once(("diloco-outer", modules.index(self)),
+                                    lambda: _OuterState(self.params, self.outer_optim_spec))
+        self.master = self.outer.master
+        self.outer_optim = self.outer.optim
         self.deltas: list[torch.Tensor] | None = None
-        self.outer_optim = self.outer_optim_spec.build(self.master)
         if self.error_feedback:
             self.residuals = [torch.zeros_like(t, dtype=torch.float32)
                               for t in self.params + self.buffers]
@@ -89,11 +95,13 @@ class DiLoCoCommunicator(CommunicationModule):
             torch._foreach_mul_(deltas + self.buffers, weight)
         comm.all_reduce_tensors(deltas + self.buffers, average=True, dtype=self.comm_dtype,
                                 error_feedback=self.residuals)
-        for master, delta in zip(self.master, deltas):
-            master.grad = delta
-        self.outer_optim.step()
-        for master in self.master:
-            master.grad = None
+        if self.outer.applied != local_step:  # the all-reduce gave every rank the same deltas
+            for master, delta in zip(self.master, deltas):
+                master.grad = delta
+            self.outer_optim.step()
+            for master in self.master:
+                master.grad = None
+            self.outer.applied = local_step
         for p, master in zip(self.params, self.master):
             p.copy_(master)
         if self.strategy is not None:
@@ -120,6 +128,20 @@ class DiLoCoCommunicator(CommunicationModule):
                 for r, saved in zip(self.residuals, state["residuals"]):
                     r.copy_(saved)
         self.outer_optim.load_state_dict(state["outer_optim"])
+
+
+class _OuterState:
+    """DiLoCo's outer parameters and optimizer, and the round whose outer step they hold.
+
+    Args:
+        params: the trainable parameters they start from.
+        spec: the outer optimizer.
+    """
+
+    def __init__(self, params: list[torch.Tensor], spec: OptimSpec):
+        self.master = [p.detach().clone() for p in params]
+        self.optim = spec.build(self.master)
+        self.applied: int | None = None  # local_step of the last round applied
 
 
 def check_error_feedback(error_feedback: bool, comm_dtype: str) -> None:

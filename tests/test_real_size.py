@@ -1,0 +1,203 @@
+"""Every data path at the size users train: a GPT of 23M parameters with a 16 MiB tensor.
+
+Its token embedding (8192 x 512 float32) is one 16 MiB tensor, twice what torch's
+rendezvous store would carry, so a tensor that went through the store would fail
+here. Each run is a few steps of small batches, to stay well under two minutes on
+two cores:
+
+- a simulation packed several ranks to a process ends with the model of one
+  process per rank (K=4 and K=8 on two cores);
+- three hosts over SSH with ``min_nodes=2``: a host killed after the first round
+  and started again, the membership 3 -> 2 -> 3, and every rank ends with the
+  same finite model;
+- the same profile through ``torchrun`` and through the SSH launcher (without
+  ``min_nodes``) ends with the simulation's model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from io import StringIO
+
+import pytest
+import torch
+from ranks import ROOT, free_port
+from rich.console import Console
+from safetensors.torch import load_file
+from sshd_fixture import HostSSHD, serve_sshd
+
+from distributed.hosts.ssh import SSHOptions
+from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram
+from distributed.profiles.profile import parse_overrides
+from distributed.rank.worker import run_profile
+from distributed.tasks.tokens import gpt_task
+from exogym import Trainer
+from exogym.strategy import DiLoCoStrategy
+
+sys.path.insert(0, str(ROOT / "bench"))
+from netbed import worker_pid  # noqa: E402 - the bench's helper
+
+THIRD = "127.0.0.7"
+#: The profile's model at 23M parameters, with short sequences and small batches.
+SMALL_STEPS = ["block_size=32", "tokens=30000", "batch_size=2", "val_size=8", "num_threads=1",
+               "checkpoint_interval=None", "warmup_steps=0"]
+
+
+def assert_real_size(model: torch.nn.Module) -> None:
+    params = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    assert params >= 20_000_000 and largest >= 16 * 2**20, (params, largest)
+
+
+def assert_states_equal(a: dict, b: dict, atol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key].float(), b[key].float(), atol=atol, rtol=0, msg=key)
+
+
+# -- simulation: packed ranks ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_nodes", [4, 8])
+def test_a_packed_simulation_of_a_23m_model_ends_with_the_unpacked_model(num_nodes):
+    model, train, val = gpt_task(block_size=32, tokens=30000)
+    assert_real_size(model)
+    ends = {}
+    for processes in (num_nodes, 2):  # one process per rank; then packed onto the two cores
+        trainer = Trainer(model, train, val)
+        final = trainer.fit(strategy=DiLoCoStrategy(H=2, inner_optim="adamw", lr=1e-3),
+                            num_nodes=num_nodes, max_steps=4, batch_size=2, val_size=8,
+                            val_interval=4, num_threads=1, processes=processes, logger=None,
+                            progress=False)
+        assert trainer.summary.get("processes") == (processes if processes < num_nodes else None)
+        ends[processes] = (final.state_dict(), [r["comm_bytes"] for r in trainer.history])
+    assert ends[2][1] == ends[num_nodes][1]  # the same bytes counted, row for row
+    assert_states_equal(ends[2][0], ends[num_nodes][0])
+
+
+# -- hosts over SSH ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    yield from serve_sshd(tmp_path_factory)
+
+
+@pytest.fixture
+def third(sshd):
+    host = HostSSHD(sshd, THIRD)
+    host.start()
+    yield host
+    host.stop()
+
+
+def launcher(sshd, workers, program, tmp_path, on_event, **options):
+    worker = {"ssh_port": sshd.port}
+    hosts = {"master": "127.0.0.1", "workers": [{"host": h, **worker} for h in workers],
+             "ssh_user": sshd.user, "ssh_key_path": str(sshd.key_path),
+             "python_env": sys.executable, "project_path": str(ROOT),
+             "master_port": free_port()}
+    ssh = SSHOptions(known_hosts_path=sshd.known_hosts, ssh_config_path=sshd.ssh_config,
+                     allow_agent=False, look_for_keys=False, connect_timeout=5)
+    return Launcher(hosts, program,
+                    options=LaunchOptions(run_dir=tmp_path / "launch", grace_period=2, **options),
+                    ssh=ssh, console=Console(file=StringIO(), width=200),
+                    on_output=lambda line: None, on_event=on_event)
+
+
+class Events:
+    """The run's events, and waiting for one."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self.changed = threading.Condition()
+
+    def __call__(self, event: dict) -> None:
+        with self.changed:
+            self.events.append(event)
+            self.changed.notify_all()
+
+    def wait_for(self, test, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                for event in self.events:
+                    if test(event):
+                        return event
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no such event within {timeout} s; "
+                                         f"last: {self.events[-3:]}")
+                self.changed.wait(left)
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e.get("event") == kind]
+
+
+def test_three_hosts_with_min_nodes_lose_a_host_and_take_it_back_at_23m(sshd, third, tmp_path):
+    out = tmp_path / "net"
+    events = Events()
+    program = RankProgram.from_profile("gpt-diloco", overrides=SMALL_STEPS + [
+        "num_nodes=3", "H=4", "max_steps=100", "val_interval=50", f"output_dir={out}"])
+    with launcher(sshd, ["127.0.0.2", THIRD], program, tmp_path, events, min_nodes=2,
+                  probe_interval=1.0) as job:
+        runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
+        runner.start()
+        # After the first round: rank 2's host goes away and its process dies.
+        events.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 2
+                        and e["step"] >= 5, 120)
+        third.stop()
+        pid = worker_pid(2, str(out))
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        events.wait_for(lambda e: e.get("event") == "membership" and e["ranks"] == [0, 1], 60)
+        third.start()  # the host answers again: the launcher starts its rank there
+        rejoined = events.wait_for(lambda e: e.get("event") == "membership"
+                                   and e["ranks"] == [0, 1, 2] and e["step"] > 1, 100)
+        runner.join(timeout=200)
+    result = job.result
+    assert result.ok, result.describe()
+    assert [m["ranks"] for m in events.of("membership")] == [[0, 1, 2], [0, 1], [0, 1, 2]]
+    handed = [e for e in events.of("hand_over") if e["rank"] == 2]
+    assert handed and handed[-1]["step"] == rejoined["step"]
+    assert handed[-1]["bytes"] > 4 * 23_000_000 * 4  # model, Adam moments, outer state
+    done = {e["rank"]: e for e in events.of("done")}
+    assert sorted(done) == [0, 1, 2] and all(d["step"] == 100 for d in done.values())
+    # Every rank ended with the same model (a DiLoCo round ends the run) ...
+    assert len({d["model_digest"] for d in done.values()}) == 1, done
+    final = load_file(out / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in final.values())
+    assert max(t.numel() * t.element_size() for t in final.values()) >= 16 * 2**20
+
+
+def test_a_23m_model_through_torchrun_and_over_ssh_equals_the_simulation(sshd, tmp_path):
+    settings = SMALL_STEPS + ["num_nodes=2", "H=4", "max_steps=8", "val_interval=8"]
+    run_profile("gpt-diloco", overrides=parse_overrides(
+        settings + [f"output_dir={tmp_path / 'sim'}"]), progress=False, local=True)
+    simulated = load_file(tmp_path / "sim" / "model.safetensors")
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
+        env.pop(key, None)
+    torchrun = shutil.which("torchrun")
+    starter = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    sets = [arg for s in settings + [f"output_dir={tmp_path / 'torchrun'}"] for arg in ("--set", s)]
+    done = subprocess.run(starter + ["--nnodes", "1", "--nproc-per-node", "2", "--master-port",
+                                     str(free_port()), "-m", "distributed.worker", "--profile",
+                                     "gpt-diloco", "--quiet", *sets],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert_states_equal(load_file(tmp_path / "torchrun" / "model.safetensors"), simulated)
+
+    program = RankProgram.from_profile("gpt-diloco",
+                                       overrides=settings + [f"output_dir={tmp_path / 'ssh'}"])
+    with launcher(sshd, ["127.0.0.2"], program, tmp_path, lambda event: None) as job:
+        result = job.run()
+    assert result.ok, result.describe()
+    assert_states_equal(load_file(tmp_path / "ssh" / "model.safetensors"), simulated)
