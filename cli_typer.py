@@ -128,6 +128,11 @@ def distributed_train(
         "--lost-after", min=0.1,
         help="With --min-nodes: seconds without a heartbeat before a host is dropped "
              "(default 10).")] = None,
+    stall_after: Annotated[float | None, typer.Option(
+        "--stall-after", min=1,
+        help="Stop a run across hosts whose steps make no progress for this many seconds, "
+             "naming what each rank waits for (default: 10 measured rounds, at least 300 "
+             "s).")] = None,
     accept_new_host_keys: AcceptNewHostKeys = False,
     sync: Annotated[bool, typer.Option(
         "--sync", help="Copy this checkout's tracked files to every host first.")] = False,
@@ -153,7 +158,8 @@ def distributed_train(
             profile=profile, config=str(config) if config else None,
             overrides=run.elastic_override(
                 run.balance_override(run.logger_override(run.parse_overrides(set_), logger),
-                                     balance), min_nodes, lost_after), hosts=hosts,
+                                     balance), min_nodes, lost_after, stall_after),
+            hosts=hosts,
             local=local, resume=resume,
             max_restarts=max_restarts, sync=sync, accept_new_host_keys=accept_new_host_keys,
             known_hosts=known_hosts, ssh_config=ssh_config, ssh_timeout=ssh_timeout,

@@ -363,6 +363,13 @@ class Testbed:
                  "latency", self.queue)
         self.rate = rate
 
+    def shape_uplink(self, rate: str) -> None:
+        """Shape what this machine (the launcher's host) sends into the bed to ``rate``."""
+        bits = rate_bits(rate)
+        burst = max(32 * 1024, int(bits / 8 * 0.004))
+        _run("tc", "qdisc", "replace", "dev", self.uplink, "root", "tbf", "rate", rate, "burst",
+             str(burst), "latency", self.queue)
+
     def counters(self) -> Counters:
         """Bytes sent so far by every host's veth and received by the root uplink."""
         host_tx = []

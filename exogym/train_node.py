@@ -186,6 +186,7 @@ class TrainNode:
                              "every rank takes part in agreeing on the shares; leave one of "
                              "them out")
         self._last_loss = float("nan")  # reported by an idle step (balance='steps')
+        self._comm_wall_seen = comm.collective_time()[0]
         if self.balance is not None:
             self.train_stream.set_step_samples(self.balance.batch_size)
         self.autocast = (
@@ -287,6 +288,7 @@ class TrainNode:
         return self._step_event(float(total) / accumulation, lr)
 
     def _step_event(self, train_loss: float, lr: float) -> dict[str, Any]:
+        comm_wall = comm.collective_time()[0]
         event = {
             "event": "step",
             "rank": self.rank,
@@ -295,7 +297,10 @@ class TrainNode:
             "lr": lr,
             "comm_bytes": comm.comm_bytes(),
             "samples": self.samples,
+            # seconds this step spent inside counted collectives (waiting for peers included)
+            "comm_s": comm_wall - self._comm_wall_seen,
         }
+        self._comm_wall_seen = comm_wall
         if self.clock is not None:
             event["sim_time_s"] = self.clock.now
         return event

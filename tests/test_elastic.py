@@ -151,6 +151,35 @@ def test_a_16_mib_tensor_is_all_reduced_and_handed_over_point_to_point(store):
     assert torch.equal(out[1][1], torch.zeros(n))
 
 
+def test_a_joiner_whose_source_is_lost_during_the_hand_over_tries_a_later_round(store):
+    port = store.port
+    ws = [ElasticGroups(3, r, lambda t: comm.open_store("127.0.0.1", port, timeout_s=t), 20.0,
+                        form_timeout_s=3.0) for r in range(3)]
+
+    def body(world, rank):
+        world.enter_step(1, None)
+        if rank == 0:
+            declare_lost(store, 0, "killed while handing over")  # it never sends
+            return "source gone"
+        if rank == 2:
+            state = torch.zeros(5 << 20)  # 20 MiB: more than one chunk
+            started = time.monotonic()
+            try:
+                world.side_broadcast(state, 0, [0, 2])
+            except comm.PeerLost as exc:
+                return exc, time.monotonic() - started, state
+        return "not in the hand-over"
+
+    threads, out = run_ranks(ws, body)
+    for t in threads:
+        t.join(30)
+    error, waited, state = out[2]
+    assert isinstance(error, comm.PeerLost) and "rank 0" in str(error), error
+    assert waited < 10
+    assert torch.equal(state, torch.zeros(5 << 20))  # nothing was written half
+    assert out[1] == "not in the hand-over"
+
+
 def test_the_store_refuses_a_value_over_64_kib_in_the_writer(store):
     store.set("small", b"x" * comm.MAX_VALUE_BYTES)
     with pytest.raises(comm.ControlValueTooLarge, match="'big'.*65,537 bytes"):

@@ -81,6 +81,32 @@ def test_a_packed_simulation_of_a_23m_model_ends_with_the_unpacked_model(num_nod
     assert_states_equal(ends[2][0], ends[num_nodes][0])
 
 
+def test_a_run_too_large_for_this_machine_is_refused_before_any_rank_starts(monkeypatch):
+    import exogym.memory
+    from exogym.memory import RUNTIME_BYTES, account_state, gib
+
+    model, train, val = gpt_task(block_size=32, tokens=30000)
+    state = account_state(model, DiLoCoStrategy(H=2), 8)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    # parameters, gradients, Adam's two moments; DiLoCo's deltas, outer parameters, momentum
+    assert (state.parameters, state.gradients) == (params, params)
+    assert 0 <= state.optimizer - 2 * params < 4096  # and Adam's step counters
+    assert (state.strategy, state.shared) == (params, 2 * params)
+    monkeypatch.setattr(exogym.memory, "available_memory", lambda: 2 * 2**30)
+    trainer = Trainer(model, train, val)
+    with pytest.raises(ValueError) as refused:
+        trainer.fit(strategy=DiLoCoStrategy(H=2), num_nodes=8, max_steps=2, batch_size=2,
+                    processes=8, logger=None, progress=False)
+    message = str(refused.value)
+    need = 8 * (state.per_rank + RUNTIME_BYTES)
+    assert f"needs about {gib(need)}" in message and "2.00 GiB is available" in message
+    assert f"8 ranks, each holding {gib(state.per_rank)} of training state" in message
+    assert "pack ranks into fewer processes" in message and "smaller model" in message
+    assert trainer.history == []  # refused before any rank started
+    # Packed in 2 processes, DiLoCo's outer state is held once a process: less to hold.
+    assert state.on_machine(8, 2) == need - 6 * (state.shared + RUNTIME_BYTES)
+
+
 # -- hosts over SSH ------------------------------------------------------------------------
 
 

@@ -188,9 +188,11 @@ def balance_override(overrides: Mapping[str, Any] | None, balance: str | None) -
 
 
 def elastic_override(overrides: Mapping[str, Any] | None, min_nodes: int | None,
-                     lost_after: float | None = None) -> dict[str, Any]:
-    """``overrides`` with the profile's ``min_nodes``/``lost_after`` keys replaced by
-    ``--min-nodes``/``--lost-after`` (None leaves the profile's own).
+                     lost_after: float | None = None,
+                     stall_after: float | None = None) -> dict[str, Any]:
+    """``overrides`` with the profile's ``min_nodes``/``lost_after``/``stall_after`` keys
+    replaced by ``--min-nodes``/``--lost-after``/``--stall-after`` (None leaves the
+    profile's own).
 
     With ``min_nodes`` a run across hosts goes on while at least that many hosts
     remain: lost hosts are dropped and rejoin when they answer again
@@ -201,11 +203,14 @@ def elastic_override(overrides: Mapping[str, Any] | None, min_nodes: int | None,
         merged["min_nodes"] = min_nodes
     if lost_after is not None:
         merged["lost_after"] = lost_after
+    if stall_after is not None:
+        merged["stall_after"] = stall_after
     return merged
 
 
 def launch_settings(profile: Profile) -> dict[str, Any]:
-    """The launcher's settings a profile carries (``min_nodes``, ``lost_after``)."""
+    """The launcher's settings a profile carries (``min_nodes``, ``lost_after``,
+    ``stall_after``)."""
     return {k: profile.values[k] for k in sorted(LAUNCH_KEYS) if profile.values.get(k) is not None}
 
 

@@ -41,7 +41,7 @@ SECTION_PREFIX = "distributed:"
 DEFAULT_CONFIG = PROJECT_ROOT / "config.ini"
 
 #: Keys for the launcher of a run across hosts (``distributed.launch.options.LaunchOptions``).
-LAUNCH_KEYS = {"min_nodes", "lost_after"}
+LAUNCH_KEYS = {"min_nodes", "lost_after", "stall_after"}
 PROFILE_KEYS = {"base_profile", "task", "strategy", "description", "output_dir", *LAUNCH_KEYS}
 RUN_KEYS = profile_keys()  # the arguments of fit a profile may set
 
@@ -407,7 +407,8 @@ def load_profile(name: str, config: str | Path | None = None,
 
 
 def launch_key_problems(values: dict[str, Any]) -> list[str]:
-    """What is wrong with the launcher's keys of a profile (``min_nodes``, ``lost_after``)."""
+    """What is wrong with the launcher's keys of a profile (``min_nodes``, ``lost_after``,
+    ``stall_after``)."""
     found = []
     nodes = values.get("min_nodes")
     if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
@@ -422,4 +423,9 @@ def launch_key_problems(values: dict[str, Any]) -> list[str]:
                               or after <= 0):
         found.append(f"lost_after must be a number of seconds > 0 (how long a host may be "
                      f"silent before it is dropped), got {after!r}")
+    stall = values.get("stall_after")
+    if stall is not None and (isinstance(stall, bool) or not isinstance(stall, (int, float))
+                              or stall <= 0):
+        found.append(f"stall_after must be a number of seconds > 0 (how long a run across "
+                     f"hosts may make no progress before it is stopped), got {stall!r}")
     return found

@@ -261,7 +261,13 @@ class ElasticGroups(Collectives):
 
     def _form(self, name: str, members: tuple[int, ...]) -> _Group:
         """The group ``name`` of ``members``, formed with every member (voted; on a loss,
-        formed again among those left)."""
+        formed again among those left).
+
+        Raises:
+            RuntimeError: twice in a row every member was there and alive, yet the group
+                did not form (the hosts cannot reach each other's gloo ports).
+        """
+        alike = 0
         for _ in range(MAX_ATTEMPTS):
             pg, ok = self._build(name, members)
             if pg is None and ok:
@@ -271,6 +277,14 @@ class ElasticGroups(Collectives):
                 return _Group(name, members, self._rank, pg)
             if pg is not None:
                 self._given_up.append((pg, None))
+            alike = alike + 1 if survivors == members else 0
+            if alike == 2:
+                raise RuntimeError(
+                    f"rank {self._rank}: the group of {', '.join(map(self._host, members))} did "
+                    f"not form twice in {self.form_timeout_s:.0f} s although every member is "
+                    "alive: the hosts cannot reach each other's gloo connections (check "
+                    "that each host reaches the others' addresses on any port, and "
+                    "GLOO_SOCKET_IFNAME)")
             name, members = f"{name}/f", survivors
         raise RuntimeError(f"rank {self._rank}: could not form a group after {MAX_ATTEMPTS} "
                            f"attempts (last: ranks {list(members)})")
