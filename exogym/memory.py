@@ -188,6 +188,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _storage(t: torch.Tensor) -> int:
+    """The identity of the memory ``t`` lives in (on the meta device too)."""
+    return t.untyped_storage()._cdata
+
+
 def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` with every parameter and buffer on the meta device: no memory, same shapes."""
     memo: dict[int, Any] = {}
@@ -214,21 +219,24 @@ def account_state(model: torch.nn.Module, strategy: Any, num_nodes: int) -> Stat
     strategy._init_node(meta, 0, num_nodes)
     trainable = [p for p in meta.parameters() if p.requires_grad]
     try:
-        for _ in range(strategy.round_steps):
+        # A step creates the optimizer's state; a step that ends a round, the strategy's
+        # (reached by moving its counter there: a round of H steps on meta is still H steps).
+        for step in (0, max(0, strategy.round_steps - 1)) if strategy.round_steps > 1 else (0,):
+            strategy.local_step = max(strategy.local_step, step)
             for p in trainable:
                 p.grad = torch.empty_like(p)
             strategy.step()
     except Exception:  # noqa: BLE001 - a strategy whose step needs real values: its set-up counts
         pass
-    model_ids = {id(t) for t in list(meta.parameters()) + list(meta.buffers())}
-    optimizer_ids: set[int] = set()
+    # Tensors are told apart by their storage: a view or ``p.data`` of a parameter is
+    # the parameter's memory, not more of it.
+    counted = {_storage(t) for t in list(meta.parameters()) + list(meta.buffers())}
     optimizer = 0
     for state in strategy.optim.state.values():
         for value in state.values():
-            if isinstance(value, torch.Tensor) and id(value) not in optimizer_ids:
-                optimizer_ids.add(id(value))
+            if isinstance(value, torch.Tensor) and _storage(value) not in counted:
+                counted.add(_storage(value))
                 optimizer += _nbytes(value)
-    counted = model_ids | optimizer_ids
     own = shared = 0
 
     def walk(value: Any, is_shared: bool, seen: set[int]) -> None:
@@ -237,8 +245,8 @@ def account_state(model: torch.nn.Module, strategy: Any, num_nodes: int) -> Stat
             return
         seen.add(id(value))
         if isinstance(value, torch.Tensor):
-            if id(value) not in counted:
-                counted.add(id(value))
+            if _storage(value) not in counted:
+                counted.add(_storage(value))
                 if is_shared:
                     shared += _nbytes(value)
                 else:

@@ -122,3 +122,61 @@ def test_an_average_taken_in_parts_equals_one_taken_at_once():
     torch.testing.assert_close(split["w"], whole["w"], atol=1e-7, rtol=0)
     assert split["n"].dtype == torch.int64 and split["n"].item() == whole["n"].item() == 6
     assert torch.equal(split["on"], states[0]["on"])
+
+
+def _crossing_groups(index: int, port: int, run_id: str, out) -> None:
+    from exogym import comm
+    from exogym.comm.packed import PackedWorld
+
+    world = PackedWorld(4, 2, index, lambda: comm.open_store("127.0.0.1", port, timeout_s=30),
+                        30, run_id=run_id)
+    comm.use_backend(world)
+    wrong = []
+
+    def body(rank: int) -> None:
+        world.sit(rank)
+        try:
+            group = world.group([0, 2] if rank in (0, 2) else [1, 3])
+            partner = {0: 2, 2: 0, 1: 3, 3: 1}[rank]
+            for step in range(1, 150):
+                world.enter_step(step, None)
+                t = torch.full((100,), float(rank * 1000 + step))
+                world.all_reduce_many([t], None, group)
+                if not torch.all(t == float((rank + partner) * 1000 + 2 * step)):
+                    wrong.append((rank, step, t[0].item()))
+        finally:
+            world.stand()
+
+    import threading
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in world.here]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    world.close()
+    out.put(wrong)
+
+
+def test_two_groups_meeting_at_once_across_processes_never_read_each_others_parts():
+    """Each process runs one rank of each group: while one waits for the other process's
+    part, its process's other rank posts its own. Neither may take the other's place in
+    shared memory (a segment is reused only once its own process is done with it too)."""
+    import multiprocessing as mp
+
+    from exogym import comm
+    from exogym.comm.mailbox import new_run_id, remove_segments
+
+    store = comm.open_store("127.0.0.1", 0, is_master=True)
+    run_id = new_run_id()
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_crossing_groups, args=(i, store.port, run_id, out))
+             for i in range(2)]
+    for p in procs:
+        p.start()
+    wrong = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(10)
+    assert remove_segments(run_id) == 0  # every process removed its own segments
+    assert wrong == [[], []]

@@ -351,29 +351,33 @@ class ElasticGroups(Collectives):
             return False
         return True
 
-    def _final_vote(self, slot: str, peer: int, what: str) -> bytes:
-        """``peer``'s vote in ``slot``, or the tombstone once it is declared lost."""
+    def _final_votes(self, base: str, members: tuple[int, ...], what: str) -> dict[int, bytes]:
+        """Every other member's vote under ``base``, or the tombstone for one declared lost
+        before it voted (sealed here, so a vote that comes later is refused and every
+        survivor reads the same)."""
         store = self.store
+        slots = {m: f"{base}/{m}" for m in members if m != self._rank}
+        if not slots:
+            return {}
         deadline = time.monotonic() + self.timeout_s
-        delay = 0.0002
         next_check = time.monotonic() + LOSS_CHECK_S
-        while True:
-            found = store.get_if_set(slot)
-            if found is not None:
-                return found
+        delay = 0.0002
+        while not store.check(list(slots.values())):  # one round trip while all is well
             now = time.monotonic()
             if now >= next_check:
                 self.check_self()
-                if self.lost_since_admitted(peer):
-                    # Seal it: a vote that arrives later is refused, so all survivors agree.
-                    return store.compare_set(slot, "", TOMBSTONE)
+                for peer, slot in slots.items():
+                    if not store.check([slot]) and self.lost_since_admitted(peer):
+                        store.compare_set(slot, "", TOMBSTONE)
                 next_check = now + LOSS_CHECK_S
             if now > deadline:
+                missing = [p for p, slot in slots.items() if not store.check([slot])]
                 raise PeerTimeoutError(
-                    f"rank {self._rank}: {self._host(peer)} neither finished {what} nor was "
-                    f"declared lost within {self.timeout_s:.0f} s")
+                    f"rank {self._rank}: {', '.join(map(self._host, missing))} neither finished "
+                    f"{what} nor was declared lost within {self.timeout_s:.0f} s")
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
+        return dict(zip(slots, store.multi_get(list(slots.values()))))
 
     def _vote(self, name: str, call: str, members: tuple[int, ...],
               ok: bool) -> tuple[bool, tuple[int, ...]]:
@@ -386,8 +390,7 @@ class ElasticGroups(Collectives):
         what = f"call {call} of group {name}"
         self.waiting_for = f"votes on {what}"
         try:
-            finals = {m: mine if m == self._rank else self._final_vote(f"{base}/{m}", m, what)
-                      for m in members}
+            finals = {self._rank: mine, **self._final_votes(base, members, what)}
         finally:
             self.waiting_for = None
         survivors = tuple(m for m in members if finals[m] != TOMBSTONE)

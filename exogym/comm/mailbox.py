@@ -80,6 +80,7 @@ class _Segment:
         # While in use: the key readers count themselves done under, how many will,
         # and the part's other keys, removed with it.
         self.busy: tuple[str, int, tuple[str, ...]] | None = None
+        self.holding = False  # this process still reads its own part from it
 
     def remove(self) -> None:
         try:
@@ -121,7 +122,7 @@ class Mailbox:
         still = []
         for segment in self._busy:
             count_key, readers, keys = segment.busy
-            if store.add(count_key, 0) >= readers:
+            if not segment.holding and store.add(count_key, 0) >= readers:
                 for key in (count_key, *keys):
                     store.delete_key(key)
                 segment.busy = None
@@ -152,8 +153,15 @@ class Mailbox:
                 raise RuntimeError(f"could not create {size:,} bytes of shared memory at "
                                    f"{path} for a collective: {exc}") from exc
         segment.busy = (count_key, readers, keys)
+        segment.holding = True
         self._busy.append(segment)
         return segment
+
+    @staticmethod
+    def release(segment: _Segment) -> None:
+        """This process is done with its own part in ``segment``: once every reader has
+        counted itself done too, the segment may be reused."""
+        segment.holding = False
 
     @staticmethod
     def announce(store: Any, key: str, segment: _Segment, offset: int, nbytes: int) -> None:

@@ -466,6 +466,8 @@ class PackedWorld(Collectives):
                     reduce_rows([row(r) for r in present], out, op)
                 for p in views:
                     store.add(f"{name}/read/{p}", 1)
+                with self._lock:
+                    Mailbox.release(segment)
                 deliver(lo, hi, out)
 
     def _gather_across(self, key: tuple[str, int, int], meeting: _Meeting,
@@ -503,6 +505,9 @@ class PackedWorld(Collectives):
                         for i, r in enumerate(theirs):
                             got[r].append(view[i * n:(i + 1) * n].clone())
                         store.add(f"{name}/read/{p}", 1)
+                if sending:
+                    with self._lock:
+                        Mailbox.release(segment)
         return got
 
     # -- collectives ----------------------------------------------------------------------

@@ -87,6 +87,10 @@ class ControlStore:
             raise
         return True
 
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of ``keys``, in one round trip (waiting for them as :meth:`get` does)."""
+        return self.raw.multi_get(list(keys))
+
     def get_if_set(self, key: str) -> bytes | None:
         """The value of ``key``, or None at once when it is not set."""
         return self.raw.get(key) if self.raw.check([key]) else None
