@@ -137,6 +137,8 @@ def child(argv: list[str]) -> None:
 
     from distributed.tasks.tokens import gpt_task
 
+    runtime = _rss_bytes()  # the interpreter and torch, before any model
+
     model, train, val = gpt_task(block_size=SIM["block_size"], tokens=SIM["tokens"],
                                  **MODELS[args.model])
     common = dict(max_steps=SIM["max_steps"], batch_size=SIM["batch_size"],
@@ -146,15 +148,26 @@ def child(argv: list[str]) -> None:
     started = time.perf_counter()
     if args.which == "ours":
         from exogym import Trainer
+        from exogym.memory import measure_peak
         from exogym.strategy import DiLoCoStrategy
 
         trainer = Trainer(model, train, val, device="cpu")
         trainer.fit(strategy=DiLoCoStrategy(inner_optim="adamw", lr=SIM["lr"], H=SIM["H"]),
                     num_nodes=args.nodes, logger=None, progress=False, **common)
-        out.update(state_bytes=trainer.summary.get("state_bytes_per_rank"),
+        state = trainer.state_bytes
+        batch = tuple(torch.stack(parts) for parts in zip(*(train[i] for i in
+                                                            range(SIM["batch_size"]))))
+        # One forward and backward on a model copy: its peak less the copy and its gradients.
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        activations = max(0, measure_peak(model, batch, torch.device("cpu"), False) - 2 * params)
+        processes = trainer.summary.get("processes") or args.nodes
+        per_process = -(-args.nodes // processes)
+        budget = (per_process * (state.per_rank - state.shared) + state.shared + activations
+                  + runtime)
+        out.update(state_bytes=state.per_rank, shared_bytes=state.shared,
                    peak_rss_bytes=trainer.summary.get("peak_rss_bytes_per_rank"),
-                   processes=trainer.summary.get("processes") or args.nodes,
-                   final_loss=trainer.history[-1]["train_loss"])
+                   processes=processes, activation_bytes=activations, runtime_bytes=runtime,
+                   budget_bytes=budget, final_loss=trainer.history[-1]["train_loss"])
     else:
         import exogym
         from exogym import Trainer
@@ -172,6 +185,13 @@ def child(argv: list[str]) -> None:
         out["processes"] = args.nodes
     out["fit_s"] = time.perf_counter() - started
     Path(args.result).write_text(json.dumps(out))
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def sim(models: list[str], nodes: list[int], gym: Path | None, work: Path) -> list[dict]:
@@ -218,18 +238,31 @@ def sim_tables(rows: list[dict]) -> None:
                       f"{ours['pss_bytes'] / gym['pss_bytes']:.2f}x" if gym else "-")
     console.print(table)
     memory = Table(title="memory of this project's runs: the state accounted before the run "
-                         "against what was measured")
-    for col in ("model", "K", "state per rank (accounted)", "peak RSS per process",
+                         "against what was measured (peak / accounted: a process's peak over "
+                         "its ranks' state, one forward and backward's activations and the "
+                         "runtime)")
+    for col in ("model", "K", "state per rank (accounted)", "held once a process",
+                "activations", "runtime", "peak RSS per process", "peak / accounted",
                 "summed PSS", "PSS per rank"):
         memory.add_column(col, justify="right")
     for r in rows:
         ours = r["ours"]
-        memory.add_row(r["model"], str(r["nodes"]),
-                       f"{(ours['state_bytes'] or 0) / gib:.2f} GiB",
+        memory.add_row(r["model"], str(r["nodes"]), f"{ours['state_bytes'] / gib:.2f} GiB",
+                       f"{ours['shared_bytes'] / gib:.2f} GiB",
+                       f"{ours['activation_bytes'] / gib:.2f} GiB",
+                       f"{ours['runtime_bytes'] / gib:.2f} GiB",
                        f"{(ours['peak_rss_bytes'] or 0) / gib:.2f} GiB",
+                       f"{(ours['peak_rss_bytes'] or 0) / ours['budget_bytes']:.2f}x",
                        f"{ours['pss_bytes'] / gib:.2f} GiB",
                        f"{ours['pss_bytes'] / r['nodes'] / gib:.2f} GiB")
     console.print(memory)
+    for name in dict.fromkeys(r["model"] for r in rows):
+        mine = sorted((r for r in rows if r["model"] == name), key=lambda r: r["nodes"])
+        for a, b in zip(mine, mine[1:]):
+            grow = (b["ours"]["pss_bytes"] - a["ours"]["pss_bytes"]) / (b["nodes"] - a["nodes"])
+            console.print(f"{name}: from K={a['nodes']} to K={b['nodes']} the summed PSS grows "
+                          f"{grow / gib:.2f} GiB a rank, against {b['ours']['state_bytes'] / gib:.2f}"
+                          " GiB of training state a rank")
 
 
 # -- three hosts ------------------------------------------------------------------------------

@@ -75,6 +75,13 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = 
     return _atomic(path, lambda f: f.write(data), mode)
 
 
+def atomic_copy_stream(path: str | os.PathLike, source: IO[bytes],
+                       chunk_bytes: int = 8 << 20) -> Path:
+    """Copy the readable ``source`` to ``path`` atomically, ``chunk_bytes`` at a time (a
+    file of any size passes through a fixed amount of memory)."""
+    return _atomic(path, lambda f: shutil.copyfileobj(source, f, chunk_bytes))
+
+
 def atomic_write_text(path: str | os.PathLike, text: str, mode: int | None = None) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     return atomic_write_bytes(path, text.encode("utf-8"), mode)

@@ -47,7 +47,7 @@ from distributed.hosts.sync import (
     sync_files,
     tracked_files,
 )
-from exogym.io import atomic_write_bytes
+from exogym.io import atomic_copy_stream
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -280,7 +280,8 @@ class HostSession:
 
     def fetch(self, rank: int, path: str | os.PathLike[str],
               local_path: str | os.PathLike[str]) -> Path:
-        """Copy a file from ``rank``'s host to ``local_path`` (written atomically).
+        """Copy a file from ``rank``'s host to ``local_path`` (written atomically), in chunks:
+        a final model of any size passes through a fixed amount of the launcher's memory.
 
         Args:
             rank: whose host holds the file.
@@ -298,19 +299,18 @@ class HostSession:
         host = self.config.hosts[rank]
         source = Path(path) if Path(path).is_absolute() else Path(host.project_path) / path
         if self.is_local(rank):
-            data = source.expanduser().read_bytes()
-        else:
-            if rank not in self._shells:
-                errors = self.connect()
-                if rank in errors:
-                    raise errors[rank]
-            shell = self._shells[rank]
-            assert isinstance(shell, SSHShell)
-            with shell.client.open_sftp() as sftp, \
-                    sftp.open(sftp_path(source.as_posix()), "rb") as f:
-                data = f.read()
-        atomic_write_bytes(local_path, data)
-        return local_path
+            with open(source.expanduser(), "rb") as f:
+                return atomic_copy_stream(local_path, f)
+        if rank not in self._shells:
+            errors = self.connect()
+            if rank in errors:
+                raise errors[rank]
+        shell = self._shells[rank]
+        assert isinstance(shell, SSHShell)
+        with shell.client.open_sftp() as sftp, \
+                sftp.open(sftp_path(source.as_posix()), "rb") as f:
+            f.prefetch(max_concurrent_requests=64)  # read ahead while the copy writes
+            return atomic_copy_stream(local_path, f)
 
     def reconnect(self, rank: int) -> Shell | SSHConnectError:
         """Drop ``rank``'s host connection and open a fresh one (a host that may have gone).

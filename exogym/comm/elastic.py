@@ -84,6 +84,11 @@ LOSS_CHECK_S = 0.2
 #: Collectives a group runs again, each time among fewer or other members, before
 #: the run gives up on it.
 MAX_ATTEMPTS = 20
+#: What torch says when a wait with a timeout ends before its collective did.
+_SLICE_ENDED = "Operation timed out!"
+#: How long a rank polls the store quickly (every 2 ms at most) for its peers' votes
+#: before it slows down (to every 20 ms).
+QUICK_POLL_S = 1.0
 
 
 def key(*parts: object) -> str:
@@ -309,47 +314,33 @@ class ElasticGroups(Collectives):
 
     # -- waiting and voting --------------------------------------------------------------
 
-    def _await(self, finished: Callable[[], bool], members: Sequence[int], what: str) -> bool:
-        """Wait until ``finished()``; False as soon as a member is declared lost.
-
-        Raises :class:`RankDropped` if this rank is declared lost meanwhile, and
-        :class:`PeerTimeoutError` after the rank's timeout.
-        """
-        if finished():
-            return True
-        start = time.monotonic()
-        deadline = start + self.timeout_s
-        next_check = start + LOSS_CHECK_S
-        delay = 0.0002
-        self.waiting_for = what
-        try:
-            while not finished():
-                now = time.monotonic()
-                if now >= next_check:
-                    self.check_self()
-                    if any(self.lost_since_admitted(m) for m in members if m != self._rank):
-                        return False
-                    next_check = now + LOSS_CHECK_S
-                if now > deadline:
-                    raise PeerTimeoutError(
-                        f"rank {self._rank}: {what} did not finish within {self.timeout_s:.0f} s, "
-                        "and no member was declared lost")
-                time.sleep(delay)
-                delay = min(delay * 2, 0.02)
-        finally:
-            self.waiting_for = None
-        return True
-
     def _completes(self, work: Any, members: Sequence[int], what: str) -> bool:
         """Wait for ``work`` (a gloo collective) to complete; False if it failed, or once a
-        member is declared lost (the call is then given up where it stands)."""
-        if not self._await(work.is_completed, members, what):
-            return False
+        member is declared lost (the call is then given up where it stands).
+
+        It waits in slices of :data:`LOSS_CHECK_S` (a collective's wait may time out and be
+        waited on again; gloo's own waits of a send or receive may not, which is why the
+        hand-over is a broadcast too), looking for lost members between them.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        self.waiting_for = what
         try:
-            work.wait()
-        except Exception:  # noqa: BLE001 - a peer's connection failed: voted on
-            return False
-        return True
+            while True:
+                try:
+                    work.wait(timedelta(seconds=LOSS_CHECK_S))
+                    return True
+                except Exception as exc:  # noqa: BLE001 - a peer's connection failed: voted on
+                    if _SLICE_ENDED not in str(exc):
+                        return False
+                self.check_self()
+                if any(self.lost_since_admitted(m) for m in members if m != self._rank):
+                    return False
+                if time.monotonic() > deadline:
+                    raise PeerTimeoutError(
+                        f"rank {self._rank}: {what} did not finish within "
+                        f"{self.timeout_s:.0f} s, and no member was declared lost")
+        finally:
+            self.waiting_for = None
 
     def _final_votes(self, base: str, members: tuple[int, ...], what: str) -> dict[int, bytes]:
         """Every other member's vote under ``base``, or the tombstone for one declared lost
@@ -359,8 +350,9 @@ class ElasticGroups(Collectives):
         slots = {m: f"{base}/{m}" for m in members if m != self._rank}
         if not slots:
             return {}
-        deadline = time.monotonic() + self.timeout_s
-        next_check = time.monotonic() + LOSS_CHECK_S
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        next_check = start + LOSS_CHECK_S
         delay = 0.0002
         while not store.check(list(slots.values())):  # one round trip while all is well
             now = time.monotonic()
@@ -376,7 +368,7 @@ class ElasticGroups(Collectives):
                     f"rank {self._rank}: {', '.join(map(self._host, missing))} neither finished "
                     f"{what} nor was declared lost within {self.timeout_s:.0f} s")
             time.sleep(delay)
-            delay = min(delay * 2, 0.02)
+            delay = min(delay * 2, 0.002 if now - start < QUICK_POLL_S else 0.02)
         return dict(zip(slots, store.multi_get(list(slots.values()))))
 
     def _vote(self, name: str, call: str, members: tuple[int, ...],
