@@ -64,6 +64,25 @@ def state_sums(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.
     return out
 
 
+class RunningSum:
+    """Float64 sums of states added one at a time (:func:`state_sums` of all of them, held
+    as one sum rather than every state), in the order they are added."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] | None = None
+        self.count = 0
+
+    def add(self, state: Mapping[str, torch.Tensor], count: int = 1) -> None:
+        """Add ``state`` (a state, or already a float64 sum of ``count`` states)."""
+        if self.sums is None:
+            self.sums = state_sums([state]) if count == 1 else dict(state)
+        else:
+            for key, total in self.sums.items():
+                if isinstance(total, torch.Tensor) and total.dtype == torch.float64:
+                    total += state[key].to(torch.float64)
+        self.count += count
+
+
 def average_of_sums(parts: Sequence[tuple[Mapping[str, torch.Tensor], int]],
                     like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The mean from partial sums (:func:`state_sums`) and how many states each holds,

@@ -656,4 +656,5 @@ class TrainNode:
             # What follows the loop (the final average) meets among the ranks still here.
             comm.enter_step(self.max_steps + 1, self.membership.present(self.max_steps),
                             self.membership.epoch(self.max_steps))
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        # On the CPU the model's own tensors: nothing trains them any more.
+        return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}

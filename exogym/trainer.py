@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from exogym import comm
-from exogym.averaging import average_of_sums, average_state_dicts, state_sums
+from exogym.averaging import RunningSum, average_of_sums, average_state_dicts
 from exogym.comm.mailbox import new_run_id, remove_segments
 from exogym.comm.packed import PackedWorld, process_ranks
 from exogym.comm.shared_memory import SharedMemoryCollectives
@@ -275,7 +275,12 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
                             lambda: comm.open_store("127.0.0.1", port, timeout_s=spec.timeout_s),
                             spec.timeout_s, run_id=run_id)
         comm.use_backend(world)
-        states: dict[int, dict[str, torch.Tensor]] = {}
+        # The process's ranks' final states, summed as they end, in rank order: a state
+        # waits only for those of lower ranks that have not ended yet.
+        total = RunningSum()
+        ended: dict[int, dict[str, torch.Tensor] | None] = {}
+        order = list(world.here)
+        summing = threading.Lock()
 
         def body(rank: int) -> None:
             try:
@@ -284,8 +289,12 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
                     state = run_rank(spec, placement, rank, None, emit)
                 finally:
                     world.stand()
-                if state is not None:
-                    states[rank] = state
+                with summing:
+                    ended[rank] = state  # None: away at the end (rank_failures)
+                    while order and order[0] in ended:
+                        done = ended.pop(order.pop(0))
+                        if done is not None:
+                            total.add(done)
             except BaseException:
                 fail(rank)
 
@@ -297,8 +306,8 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
             thread.join()
         world.close()
         path = None
-        if states:
-            part = {"sums": state_sums([states[r] for r in sorted(states)]), "count": len(states)}
+        if total.count:
+            part = {"sums": total.sums, "count": total.count}
             path = str(atomic_torch_save(part, Path(result_dir) / f"process{index}.pt",
                                          durable=False))
         emit({"event": "result", "process": index, "path": path})
@@ -505,12 +514,21 @@ class Trainer:
                         pass  # that rank already died: _collect reports how
                 paths = self._collect(procs, [parent_end for parent_end, _ in pipes], on_event,
                                       lambda i: _process_name(spec.num_nodes, packed, i))
-                kept = [torch.load(paths[i], map_location="cpu", weights_only=True)
-                        for i in range(count) if paths[i] is not None]
-                if packed:
-                    parts = [(part["sums"], part["count"]) for part in kept]
-                    return [average_of_sums(parts, spec.model.state_dict())]
-                return kept
+                # One state (or process's sum) loaded at a time: the parent holds one sum,
+                # never every rank's model.
+                total = RunningSum()
+                for i in range(count):
+                    if paths[i] is None:
+                        continue
+                    loaded = torch.load(paths[i], map_location="cpu", weights_only=True)
+                    if packed:
+                        total.add(loaded["sums"], loaded["count"])
+                    else:
+                        total.add(loaded)
+                    del loaded
+                if not total.count:
+                    return []
+                return [average_of_sums([(total.sums, total.count)], spec.model.state_dict())]
             finally:
                 _stop(procs)
                 for parent_end, child_end in pipes:
