@@ -11,8 +11,10 @@ as accounted before the run (parameters, gradients, optimizer, strategy) and
 each rank's measured peak resident memory. exo-explore/gym is not on PyPI
 under a usable name (``exogym`` there is an empty placeholder): point
 ``--gym`` at a checkout of https://github.com/exo-explore/gym (``git clone``
-it anywhere); its ``exogym`` is imported from there in a process of its own.
-Without ``--gym`` only this project runs.
+it anywhere); its ``exogym`` is imported from there in a process of its own (it needs
+``einops`` installed). gym binds gloo to ``lo0``, macOS's loopback: on Linux
+its runs happen in a network namespace that has an interface of that name
+(root needed). Without ``--gym`` only this project runs.
 
 ``hosts``: three hosts at 1 Gbit/s: this machine (the launcher and rank 0)
 and two network namespaces with an sshd each (:mod:`netbed`), every link
@@ -25,10 +27,10 @@ rank ``kill -9``) and answers again after ``--away`` seconds: the time from its
 answer to the returning rank's first completed round ("back to work"),
 against one round plus the state's transfer time at the link rate plus 10 s.
 
-    python bench/real_size.py sim --gym ../gym
-    python bench/real_size.py sim --models 23m --nodes 8 --gym ../gym
+    sudo python bench/real_size.py sim --gym ../gym
+    sudo python bench/real_size.py sim --models 23m --nodes 8 --gym ../gym
     sudo python bench/real_size.py hosts
-    python bench/real_size.py sim hosts --gym ../gym --json real_size.json
+    sudo python bench/real_size.py sim hosts --gym ../gym --json real_size.json
 
 ``hosts`` needs root, iproute2 and sshd (``tests/setup_system.sh``).
 """
@@ -93,15 +95,16 @@ def _pss_kib(pid: int) -> int:
     return 0
 
 
-def tree_pss_bytes(root: int) -> int:
-    """The summed PSS of ``root`` and every process below it."""
+def tree_pss_bytes(root: int) -> tuple[int, dict[int, int]]:
+    """The summed PSS of ``root`` and every process below it, and each one's."""
     tree = _children()
-    total, todo = 0, [root]
+    each: dict[int, int] = {}
+    todo = [root]
     while todo:
         pid = todo.pop()
-        total += _pss_kib(pid)
+        each[pid] = _pss_kib(pid) * 1024
         todo.extend(tree.get(pid, []))
-    return total * 1024
+    return sum(each.values()), each
 
 
 def measured(command: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
@@ -112,14 +115,21 @@ def measured(command: list[str], env: dict[str, str], log: Path) -> dict[str, An
         proc = subprocess.Popen([*command, "--result", str(result)], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
         peak = 0
+        each_peak: dict[int, int] = {}
         while proc.poll() is None:
-            peak = max(peak, tree_pss_bytes(proc.pid))
+            total, each = tree_pss_bytes(proc.pid)
+            peak = max(peak, total)
+            for pid, pss in each.items():
+                each_peak[pid] = max(each_peak.get(pid, 0), pss)
             time.sleep(0.2)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         tail = log.read_text()[-3000:]
         raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{tail}")
-    return {"wall_s": wall, "pss_bytes": peak, **json.loads(result.read_text())}
+    workers = [pss for pid, pss in each_peak.items() if pid != proc.pid]
+    return {"wall_s": wall, "pss_bytes": peak,
+            "worker_pss_bytes": max(workers) if workers else each_peak.get(proc.pid, 0),
+            **json.loads(result.read_text())}
 
 
 # -- the simulated runs (each in a process of its own) -------------------------------------
@@ -141,6 +151,16 @@ def child(argv: list[str]) -> None:
 
     model, train, val = gpt_task(block_size=SIM["block_size"], tokens=SIM["tokens"],
                                  **MODELS[args.model])
+    activations = 0
+    if args.which == "ours":
+        from exogym.memory import measure_peak
+
+        # One forward and backward on a model copy, first thing (a heap with nothing freed
+        # in it yet): its peak less the copy and its gradients.
+        batch = tuple(torch.stack(parts) for parts in zip(*(train[i] for i in
+                                                            range(SIM["batch_size"]))))
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        activations = max(0, measure_peak(model, batch, torch.device("cpu"), False) - 2 * params)
     common = dict(max_steps=SIM["max_steps"], batch_size=SIM["batch_size"],
                   minibatch_size=SIM["batch_size"], val_size=SIM["batch_size"],
                   val_interval=SIM["max_steps"])
@@ -148,22 +168,18 @@ def child(argv: list[str]) -> None:
     started = time.perf_counter()
     if args.which == "ours":
         from exogym import Trainer
-        from exogym.memory import measure_peak
+        from exogym.memory import RUNTIME_BYTES
         from exogym.strategy import DiLoCoStrategy
 
         trainer = Trainer(model, train, val, device="cpu")
         trainer.fit(strategy=DiLoCoStrategy(inner_optim="adamw", lr=SIM["lr"], H=SIM["H"]),
                     num_nodes=args.nodes, logger=None, progress=False, **common)
         state = trainer.state_bytes
-        batch = tuple(torch.stack(parts) for parts in zip(*(train[i] for i in
-                                                            range(SIM["batch_size"]))))
-        # One forward and backward on a model copy: its peak less the copy and its gradients.
-        params = sum(p.numel() * p.element_size() for p in model.parameters())
-        activations = max(0, measure_peak(model, batch, torch.device("cpu"), False) - 2 * params)
         processes = trainer.summary.get("processes") or args.nodes
         per_process = -(-args.nodes // processes)
-        budget = (per_process * (state.per_rank - state.shared) + state.shared + activations
-                  + runtime)
+        # A process's ranks' state (one set of gradients: its ranks step in turn), one
+        # forward and backward's activations, and the runtime measured here.
+        budget = state.on_machine(per_process, 1) - RUNTIME_BYTES + activations + runtime
         out.update(state_bytes=state.per_rank, shared_bytes=state.shared,
                    peak_rss_bytes=trainer.summary.get("peak_rss_bytes_per_rank"),
                    processes=processes, activation_bytes=activations, runtime_bytes=runtime,
@@ -181,7 +197,7 @@ def child(argv: list[str]) -> None:
         trainer.fit(num_epochs=1, num_nodes=args.nodes,
                     strategy=DiLoCoStrategy(optim_spec=OptimSpec(torch.optim.AdamW,
                                                                  lr=SIM["lr"]), H=SIM["H"]),
-                    **common)
+                    run_name="real-size", disable_logging=True, **common)
         out["processes"] = args.nodes
     out["fit_s"] = time.perf_counter() - started
     Path(args.result).write_text(json.dumps(out))
@@ -194,7 +210,52 @@ def _rss_bytes() -> int:
     return 0
 
 
+class GymNamespace:
+    """A network namespace where exo-explore/gym can run on Linux.
+
+    gym sets ``GLOO_SOCKET_IFNAME=lo0``, macOS's loopback, before it joins its ranks;
+    Linux has no such interface. Inside this namespace ``lo`` is up and a dummy
+    interface named ``lo0`` (one end of a veth pair) carries an address of its own.
+    Needs root; removed on exit.
+    """
+
+    def __init__(self) -> None:
+        self.name = f"exogym-gym-{os.getpid()}"
+
+    def __enter__(self) -> GymNamespace:
+        if sys.platform != "linux":
+            self.name = ""
+            return self
+        if os.geteuid() != 0:
+            raise SystemExit("exo-explore/gym binds gloo to an interface named lo0 (macOS's "
+                             "loopback); on Linux this bench runs it in a network namespace "
+                             "that has one, which needs root (sudo)")
+        for command in (["ip", "netns", "add", self.name],
+                        ["ip", "-n", self.name, "link", "set", "lo", "up"],
+                        ["ip", "-n", self.name, "link", "add", "lo0", "type", "veth", "peer",
+                         "name", "lo0peer"],
+                        ["ip", "-n", self.name, "addr", "add", "10.250.0.1/24", "dev", "lo0"],
+                        ["ip", "-n", self.name, "link", "set", "lo0peer", "up"],
+                        ["ip", "-n", self.name, "link", "set", "lo0", "up"]):
+            subprocess.run(command, check=True, capture_output=True)
+        return self
+
+    def prefix(self) -> list[str]:
+        """What a command runs under to be inside the namespace."""
+        return ["ip", "netns", "exec", self.name] if self.name else []
+
+    def __exit__(self, *exc: object) -> None:
+        if self.name:
+            subprocess.run(["ip", "netns", "delete", self.name], capture_output=True)
+
+
 def sim(models: list[str], nodes: list[int], gym: Path | None, work: Path) -> list[dict]:
+    with GymNamespace() as space:
+        return _sim(models, nodes, gym, work, space)
+
+
+def _sim(models: list[str], nodes: list[int], gym: Path | None, work: Path,
+         space: GymNamespace) -> list[dict]:
     rows = []
     base = dict(os.environ)
     for name in models:
@@ -208,7 +269,7 @@ def sim(models: list[str], nodes: list[int], gym: Path | None, work: Path) -> li
                   f"{row['ours']['pss_bytes'] / 2**30:.2f} GiB", flush=True)
             if gym is not None:
                 env = dict(base, PYTHONPATH=f"{gym}{os.pathsep}{ROOT}")
-                row["gym"] = measured([*command, "--which", "gym"], env,
+                row["gym"] = measured([*space.prefix(), *command, "--which", "gym"], env,
                                       work / f"gym-{name}-{k}.log")
                 print(f"{name} K={k} gym: {row['gym']['wall_s']:.1f} s, "
                       f"{row['gym']['pss_bytes'] / 2**30:.2f} GiB", flush=True)
@@ -220,7 +281,7 @@ def sim_tables(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=180)
     gib = 2**30
     table = Table(title=f"simulation: DiLoCo H={SIM['H']}, {SIM['max_steps']} steps of "
                         f"{SIM['batch_size']} x {SIM['block_size']} tokens per rank, this "
@@ -237,24 +298,27 @@ def sim_tables(rows: list[dict]) -> None:
                       f"{ours['wall_s'] / gym['wall_s']:.2f}x" if gym else "-",
                       f"{ours['pss_bytes'] / gym['pss_bytes']:.2f}x" if gym else "-")
     console.print(table)
-    memory = Table(title="memory of this project's runs: the state accounted before the run "
-                         "against what was measured (peak / accounted: a process's peak over "
-                         "its ranks' state, one forward and backward's activations and the "
-                         "runtime)")
-    for col in ("model", "K", "state per rank (accounted)", "held once a process",
-                "activations", "runtime", "peak RSS per process", "peak / accounted",
-                "summed PSS", "PSS per rank"):
+    memory = Table(title="memory of this project's runs: accounted before the run (a process's "
+                         "ranks' training state, one forward and backward's activations, the "
+                         "runtime) against the peak measured (PSS: shared pages split among "
+                         "the processes that share them; RSS counts them whole)")
+    for col in ("model", "K", "ranks a process", "state per rank (accounted)",
+                "held once a process", "activations", "runtime", "accounted a process",
+                "peak PSS a process", "peak / accounted", "peak RSS a process", "summed PSS"):
         memory.add_column(col, justify="right")
     for r in rows:
         ours = r["ours"]
-        memory.add_row(r["model"], str(r["nodes"]), f"{ours['state_bytes'] / gib:.2f} GiB",
+        memory.add_row(r["model"], str(r["nodes"]),
+                       str(-(-r["nodes"] // ours["processes"])),
+                       f"{ours['state_bytes'] / gib:.2f} GiB",
                        f"{ours['shared_bytes'] / gib:.2f} GiB",
                        f"{ours['activation_bytes'] / gib:.2f} GiB",
                        f"{ours['runtime_bytes'] / gib:.2f} GiB",
+                       f"{ours['budget_bytes'] / gib:.2f} GiB",
+                       f"{ours['worker_pss_bytes'] / gib:.2f} GiB",
+                       f"{ours['worker_pss_bytes'] / ours['budget_bytes']:.2f}x",
                        f"{(ours['peak_rss_bytes'] or 0) / gib:.2f} GiB",
-                       f"{(ours['peak_rss_bytes'] or 0) / ours['budget_bytes']:.2f}x",
-                       f"{ours['pss_bytes'] / gib:.2f} GiB",
-                       f"{ours['pss_bytes'] / r['nodes'] / gib:.2f} GiB")
+                       f"{ours['pss_bytes'] / gib:.2f} GiB")
     console.print(memory)
     for name in dict.fromkeys(r["model"] for r in rows):
         mine = sorted((r for r in rows if r["model"] == name), key=lambda r: r["nodes"])
@@ -418,7 +482,7 @@ def hosts_table(rows: list[dict], model: str, rate: str) -> None:
                       f"{r['efficiency']:.2f}" if r["efficiency"] else "-",
                       f"{r['back_s']:.1f} s" if "back_s" in r else "-",
                       f"{r['target_s']:.1f} s" if "target_s" in r else "-", str(r["ok"]))
-    Console().print(table)
+    Console(width=180).print(table)
 
 
 def main() -> None:
@@ -440,9 +504,17 @@ def main() -> None:
     parser.add_argument("--host-steps", type=int, default=HOSTS["max_steps"])
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args()
-    if args.gym is not None and not (args.gym / "exogym" / "trainer.py").is_file():
-        raise SystemExit(f"--gym {args.gym}: no exogym/trainer.py there; clone "
-                         "https://github.com/exo-explore/gym and give its folder")
+    if args.gym is not None:
+        if not (args.gym / "exogym" / "trainer.py").is_file():
+            raise SystemExit(f"--gym {args.gym}: no exogym/trainer.py there; clone "
+                             "https://github.com/exo-explore/gym and give its folder")
+        tried = subprocess.run([sys.executable, "-c", "import exogym.trainer"], cwd=ROOT,
+                               env=dict(os.environ, PYTHONPATH=str(args.gym)),
+                               capture_output=True, text=True)
+        if tried.returncode != 0:
+            raise SystemExit(f"--gym {args.gym}: its exogym does not import here "
+                             f"({tried.stderr.strip().splitlines()[-1]}); install what it "
+                             "needs (einops, at least: pip install einops)")
     work = Path(tempfile.mkdtemp(prefix="real-size-"))
     print(f"logs in {work}", flush=True)
     report: dict[str, Any] = {"cores": os.cpu_count(), "sim_workload": SIM,

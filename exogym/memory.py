@@ -149,7 +149,8 @@ class StateBytes:
 
     Args:
         parameters: the model's parameters and buffers.
-        gradients: one gradient per trainable parameter.
+        gradients: one gradient per trainable parameter, held only while a rank steps
+            (ranks packed in one process step in turn: they need one set between them).
         optimizer: the inner optimizer's state (Adam: two copies of the parameters).
         strategy: what the strategy keeps per rank (e.g. DiLoCo's deltas).
         shared: what the strategy keeps that is the same on every rank (DiLoCo's outer
@@ -169,8 +170,8 @@ class StateBytes:
 
     def on_machine(self, ranks: int, processes: int) -> int:
         """Bytes ``ranks`` ranks in ``processes`` processes hold, runtimes included."""
-        own = self.per_rank - self.shared
-        return ranks * own + processes * (self.shared + RUNTIME_BYTES)
+        own = self.parameters + self.optimizer + self.strategy
+        return ranks * own + processes * (self.gradients + self.shared + RUNTIME_BYTES)
 
     def describe(self) -> str:
         """The parts, for a message."""

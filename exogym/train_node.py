@@ -282,6 +282,7 @@ class TrainNode:
             self._clock_forward_backward(mark)
             mark = self._mark()
         self.strategy.step()
+        self.strategy.zero_grad()  # nothing reads them any more: ranks in turn hold one set
         if self.clock is not None:
             self._clock_strategy_work(mark)
         self.step += 1
@@ -332,6 +333,7 @@ class TrainNode:
             self._clock_forward_backward(mark, samples / self.spec.batch_size)
             strategy_mark = self._mark()
         self.strategy.step()
+        self.strategy.zero_grad()
         if self.clock is not None:
             self._clock_strategy_work(strategy_mark)
         balance.record(samples, self._balanced_seconds(mark, clock_before))

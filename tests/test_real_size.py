@@ -88,10 +88,10 @@ def test_a_run_too_large_for_this_machine_is_refused_before_any_rank_starts(monk
     model, train, val = gpt_task(block_size=32, tokens=30000)
     state = account_state(model, DiLoCoStrategy(H=2), 8)
     params = sum(p.numel() * 4 for p in model.parameters())
-    # parameters, gradients, Adam's two moments; DiLoCo's deltas, outer parameters, momentum
+    # parameters, gradients, Adam's two moments; DiLoCo's outer parameters and momentum
     assert (state.parameters, state.gradients) == (params, params)
     assert 0 <= state.optimizer - 2 * params < 4096  # and Adam's step counters
-    assert (state.strategy, state.shared) == (params, 2 * params)
+    assert (state.strategy, state.shared) == (0, 2 * params)  # the deltas use the parameters
     monkeypatch.setattr(exogym.memory, "available_memory", lambda: 2 * 2**30)
     trainer = Trainer(model, train, val)
     with pytest.raises(ValueError) as refused:
@@ -103,8 +103,9 @@ def test_a_run_too_large_for_this_machine_is_refused_before_any_rank_starts(monk
     assert f"8 ranks, each holding {gib(state.per_rank)} of training state" in message
     assert "pack ranks into fewer processes" in message and "smaller model" in message
     assert trainer.history == []  # refused before any rank started
-    # Packed in 2 processes, DiLoCo's outer state is held once a process: less to hold.
-    assert state.on_machine(8, 2) == need - 6 * (state.shared + RUNTIME_BYTES)
+    # Packed in 2 processes, DiLoCo's outer state and one set of gradients (the ranks step
+    # in turn) are held once a process: less to hold.
+    assert state.on_machine(8, 2) == need - 6 * (state.shared + state.gradients + RUNTIME_BYTES)
 
 
 # -- hosts over SSH ------------------------------------------------------------------------

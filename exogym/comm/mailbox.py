@@ -32,9 +32,9 @@ from exogym.comm.backend import PeerTimeoutError
 #: Smallest segment created (a part that small is common: scalars, small buckets).
 MIN_SEGMENT_BYTES = 1 << 20
 #: Segments a process keeps for reuse beyond those in use.
-KEEP_FREE = 4
+KEEP_FREE = 2
 #: Mapped segments of other processes a reader keeps open.
-KEEP_MAPPED = 32
+KEEP_MAPPED = 8
 
 
 def segment_dir() -> Path:

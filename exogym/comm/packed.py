@@ -72,7 +72,7 @@ from exogym.comm.mailbox import Mailbox
 from exogym.comm.store import ControlStore
 
 #: The most of each rank's tensor one cross-process exchange carries.
-WINDOW_BYTES = 16 << 20
+WINDOW_BYTES = 4 << 20
 #: A reduction whose parts (over every rank) reach this many bytes is split into one
 #: slice per process; a smaller one is reduced whole by every process.
 SPLIT_BYTES = 1 << 20

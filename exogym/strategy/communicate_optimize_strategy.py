@@ -53,6 +53,9 @@ class CommunicationModule(ABC):
 class CommunicateOptimizeStrategy(Strategy):
     """Inner optimizer step, then each communication module in turn.
 
+    The gradients are released after the inner step, before the modules run: a
+    module communicates (and changes) parameters, never gradients.
+
     Args:
         communication_modules: modules run after every inner step, in order.
         optim_spec: the inner optimizer (default AdamW).
@@ -82,6 +85,9 @@ class CommunicateOptimizeStrategy(Strategy):
     def step(self) -> None:
         self.clip_grads()
         self.optim.step()
+        # The modules communicate parameters, not gradients: the gradients go before a
+        # round, which may wait for peers (ranks packed in a process then hold none).
+        self.zero_grad()
         self._communicate()
         super().step()
 

@@ -75,7 +75,6 @@ class DiLoCoCommunicator(CommunicationModule):
                                     lambda: _OuterState(self.params, self.outer_optim_spec))
         self.master = self.outer.master
         self.outer_optim = self.outer.optim
-        self.deltas: list[torch.Tensor] | None = None
         if self.error_feedback:
             self.residuals = [torch.zeros_like(t, dtype=torch.float32)
                               for t in self.params + self.buffers]
@@ -85,11 +84,11 @@ class DiLoCoCommunicator(CommunicationModule):
                     local_step: int) -> None:
         if (local_step + 1) % self.H != 0:
             return
-        if self.deltas is None:  # kept from round to round: no fresh memory to fault in each time
-            self.deltas = [torch.empty_like(m) for m in self.master]
-        deltas = self.deltas
-        for delta, m, p in zip(deltas, self.master, self.params):
-            torch.sub(m, p.detach(), out=delta)
+        # The parameters' own memory holds the deltas (they take the outer parameters'
+        # values at the end of the round anyway): a round needs no buffer of its own.
+        deltas = [p.detach() for p in self.params]
+        for delta, m in zip(deltas, self.master):
+            delta.neg_().add_(m)  # master - local, rounded as a subtraction is
         weight = self.strategy.average_weight if self.strategy is not None else 1.0
         if weight != 1.0:  # balance: each rank's change weighted by the samples it trained
             torch._foreach_mul_(deltas + self.buffers, weight)
