@@ -104,12 +104,35 @@ def _can_fork(spec: RunSpec, placement: Placement) -> bool:
     in a forked child that starts a thread pool its parent already used), and
     no other Python thread running here (a lock another thread holds at the
     fork stays held forever in the child: a notebook, a live display, a
-    second fit in parallel). The ranks are forked before the rendezvous store
-    starts its own thread.
+    second fit in parallel), nor a library's own thread (a gloo group's loop,
+    a TCP store's server, left by an earlier run in this process: the child
+    inherits their locks in whatever state they were). The ranks are forked
+    before the rendezvous store starts its own thread.
     """
     return (sys.platform.startswith("linux") and spec.device_type == "cpu"
             and placement.threads_per_rank(spec) == 1 and threading.active_count() == 1
-            and "fork" in mp.get_all_start_methods())
+            and not _library_threads() and "fork" in mp.get_all_start_methods())
+
+
+def _library_threads() -> list[str]:
+    """Names of this process's native threads that a library started and named.
+
+    Threads nobody named (the main thread, OpenMP's workers) carry the
+    process's own name; torch and gloo name theirs (``pt_gloo_runloop``,
+    ``gloo_tcp_loop``, ``pt_tcpstore_uv``). Empty where /proc is absent.
+    """
+    try:
+        with open("/proc/self/comm") as f:
+            own = f.read().strip()
+        names = []
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/comm") as f:
+                name = f.read().strip()
+            if name != own:
+                names.append(name)
+        return names
+    except OSError:
+        return []
 
 
 _frozen = False

@@ -414,16 +414,11 @@ def test_torch_scheduler_class_is_honoured():
     assert [round(r["lr"], 4) for r in trainer.history] == [0.1, 0.1, 0.05, 0.05, 0.025]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux only")
-def test_ranks_are_forked_only_while_no_other_thread_runs():
-    # A lock another thread holds at a fork stays held in the child forever (glibc's
-    # resolver lock once hung a rank): with a second thread alive, ranks come from
-    # the fork server instead.
+def _two_cpu_ranks(ds):
+    """The spec and placement of two CPU ranks on this machine, for the fork checks."""
     from exogym.fit_args import RunArgs
     from exogym.spec import Placement, make_run_spec
-    from exogym.trainer import _can_fork
 
-    ds = toy_dataset()
     spec = make_run_spec(tiny_model(), ds, ds, RunArgs(
         strategy=SimpleReduceStrategy(), num_nodes=2, num_epochs=1,
         max_steps=2, batch_size=8, minibatch_size=None, gradient_accumulation=None,
@@ -431,7 +426,18 @@ def test_ranks_are_forked_only_while_no_other_thread_runs():
         seed=0, num_threads=1, dataloader_kwargs=None, save_dir="ckpt", checkpoint_interval=None,
         keep_checkpoints=1, resume_from=None, correlation_interval=None, run_name=None,
         log_interval=1, timeout_s=60))
-    placement = Placement(ranks_per_machine=2)
+    return spec, Placement(ranks_per_machine=2)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux only")
+def test_ranks_are_forked_only_while_no_other_thread_runs():
+    # A lock another thread holds at a fork stays held in the child forever (glibc's
+    # resolver lock once hung a rank): with a second thread alive, ranks come from
+    # the fork server instead.
+    from exogym.trainer import _can_fork, _library_threads
+
+    ds = toy_dataset()
+    spec, placement = _two_cpu_ranks(ds)
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     baseline = threading.active_count()
@@ -445,8 +451,32 @@ def test_ranks_are_forked_only_while_no_other_thread_runs():
     finally:
         stop.set()
         other.join()
-    if baseline == 1:  # other tests' threads may linger in this process
+    if baseline == 1 and not _library_threads():  # other tests' threads may linger here
         assert _can_fork(spec, placement)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux only")
+def test_ranks_are_not_forked_while_a_library_thread_runs():
+    # An earlier run's gloo loop or TCP store server (native threads Python does not
+    # count) once aborted a forked rank with "Invalid argument".
+    import datetime
+
+    import torch.distributed as dist
+
+    from exogym.trainer import _can_fork, _library_threads
+
+    ds = toy_dataset()
+    spec, placement = _two_cpu_ranks(ds)
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
+    try:
+        assert "pt_tcpstore_uv" in _library_threads()
+        assert not _can_fork(spec, placement)
+        trainer = Trainer(tiny_model(), ds, ds)  # ranks come from the fork server
+        trainer.fit(strategy=SimpleReduceStrategy(), num_nodes=2, max_steps=2, batch_size=8,
+                    val_size=0, num_threads=1, **QUIET)
+        assert len(trainer.history) == 4
+    finally:
+        del server
 
 
 class Pipe:
