@@ -448,7 +448,11 @@ def host_run(bed: Any, model: str, rate: str, min_nodes: int | None, kill: bool,
     return row
 
 
-def hosts_part(model: str, rate: str, away: float, work: Path, max_steps: int) -> list[dict]:
+RUNS = {"plain": (None, False), "min_nodes": (2, False), "kill": (2, True)}
+
+
+def hosts_part(model: str, rate: str, away: float, work: Path, max_steps: int,
+               runs: list[str]) -> list[dict]:
     from netbed import Testbed, check_requirements
 
     missing = check_requirements(pin=False)
@@ -458,8 +462,11 @@ def hosts_part(model: str, rate: str, away: float, work: Path, max_steps: int) -
     with Testbed(2, subnet="10.213.95", pin=False) as bed:
         bed.shape(rate)
         bed.shape_uplink(rate)
-        for min_nodes, kill in ((None, False), (2, False), (2, True)):
-            row = host_run(bed, model, rate, min_nodes, kill, away, work, max_steps)
+        for name in runs:
+            min_nodes, kill = RUNS[name]
+            # A killed host must have rounds left to come back to: three times the steps.
+            steps = 3 * max_steps if kill else max_steps
+            row = host_run(bed, model, rate, min_nodes, kill, away, work, steps)
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -501,7 +508,10 @@ def main() -> None:
     parser.add_argument("--rate", default="1gbit", help="every host's link (default 1gbit)")
     parser.add_argument("--away", type=float, default=10.0,
                         help="seconds the killed host stays away (default 10)")
-    parser.add_argument("--host-steps", type=int, default=HOSTS["max_steps"])
+    parser.add_argument("--host-steps", type=int, default=HOSTS["max_steps"],
+                        help="steps of a run across hosts (the kill run: three times as many)")
+    parser.add_argument("--host-runs", nargs="+", default=list(RUNS), choices=list(RUNS),
+                        help="runs across hosts: plain (without min_nodes), min_nodes, kill")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args()
     if args.gym is not None:
@@ -524,7 +534,7 @@ def main() -> None:
         sim_tables(report["sim"])
     if "hosts" in args.parts:
         report["hosts"] = hosts_part(args.host_model, args.rate, args.away, work,
-                                     args.host_steps)
+                                     args.host_steps, args.host_runs)
         hosts_table(report["hosts"], args.host_model, args.rate)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

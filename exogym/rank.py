@@ -359,7 +359,10 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
                 state = None
             else:
                 digest = state_digest(state)
-                if average_final:
+                synced = node.strategy.synced_at == node.strategy.local_step
+                if average_final and not synced:
+                    # (a run that ends with a round that averaged the whole model, buffers
+                    # too, as DiLoCo's does, needs no average: every rank holds it already)
                     state = average_state_across_ranks(state)
                 comm.side_barrier()  # nobody leaves while a peer still needs it
             if membership is not None:

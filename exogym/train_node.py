@@ -12,7 +12,6 @@ byte counts stay exact.
 from __future__ import annotations
 
 import copy
-import io
 import random
 import time
 from collections.abc import Callable
@@ -43,52 +42,12 @@ from exogym.data import (
     to_device,
     validation_subset,
 )
+from exogym.handover import hand_over
 from exogym.membership import MembershipStop, RunMembership
 from exogym.simclock import SimClock
 from exogym.spec import Placement, RunSpec
 
 Emit = Callable[[dict[str, Any]], None]
-
-
-def flatten_tensors(value: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """The tensors inside a nested state (dicts, lists, tuples), in order, and the state
-    with each replaced by a placeholder: ``{"state": ..., "tensors": [(shape, dtype)]}``."""
-    tensors: list[torch.Tensor] = []
-
-    def walk(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            tensors.append(v.detach().to("cpu").contiguous())
-            return _Slot(len(tensors) - 1)
-        if isinstance(v, dict):
-            return type(v)((k, walk(x)) for k, x in v.items())
-        if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
-            return type(v)(walk(x) for x in v)
-        return v
-
-    state = walk(value)
-    return tensors, {"state": state, "tensors": [(tuple(t.shape), t.dtype) for t in tensors]}
-
-
-def unflatten_tensors(skeleton: dict[str, Any], tensors: list[torch.Tensor]) -> Any:
-    """The state :func:`flatten_tensors` took apart, with ``tensors`` back in their places."""
-
-    def walk(v: Any) -> Any:
-        if isinstance(v, _Slot):
-            return tensors[v.index]
-        if isinstance(v, dict):
-            return type(v)((k, walk(x)) for k, x in v.items())
-        if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
-            return type(v)(walk(x) for x in v)
-        return v
-
-    return walk(skeleton["state"])
-
-
-class _Slot:
-    """Where a tensor stood in a flattened state."""
-
-    def __init__(self, index: int):
-        self.index = index
 
 
 def _seed_everything(seed: int) -> None:
@@ -521,10 +480,9 @@ class TrainNode:
         """At ``step``, where ranks rejoin: the rank that hands them the state sends it,
         a joining rank receives it; the others take no part (side channel, uncounted).
 
-        The state streams tensor by tensor (a backend sends a large one in chunks,
-        point to point across hosts), after a small description of its structure,
-        so it is never held whole in a buffer. Its bytes and time are reported as a
-        ``hand_over`` event.
+        The state streams after a small description of its structure, small tensors
+        together and large ones alone (:mod:`exogym.handover`), so it is never held whole
+        in a buffer. Its bytes and time are reported as a ``hand_over`` event.
         """
         membership = self.membership
         joining = membership.joiners(step)
@@ -533,24 +491,8 @@ class TrainNode:
             return
         ranks = [source, *joining]
         started = time.perf_counter()
-        if self.rank == source:
-            tensors, skeleton = flatten_tensors(self._handed_state())
-            buffer = io.BytesIO()
-            torch.save(skeleton, buffer)
-            description = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-            size = torch.tensor([description.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        comm.side_broadcast(size, source, ranks)
-        if self.rank != source:
-            description = torch.empty(int(size.item()), dtype=torch.uint8)
-        comm.side_broadcast(description, source, ranks)
-        if self.rank != source:
-            skeleton = torch.load(io.BytesIO(description.numpy().tobytes()), weights_only=False)
-            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in skeleton["tensors"]]
-        for t in tensors:
-            comm.side_broadcast(t, source, ranks)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors) + description.numel()
+        state, nbytes = hand_over(self._handed_state() if self.rank == source else None,
+                                  source, ranks, self.rank)
         seconds = time.perf_counter() - started
         self.emit({"event": "hand_over", "rank": self.rank, "step": step, "source": source,
                    "joiners": list(joining), "bytes": nbytes, "seconds": seconds})
@@ -558,7 +500,6 @@ class TrainNode:
             print(f"rank {self.rank}: handed the state to rank(s) {', '.join(map(str, joining))} "
                   f"at step {step}: {nbytes / 2**20:.1f} MiB in {seconds:.2f} s", flush=True)
             return
-        state = unflatten_tensors(skeleton, tensors)
         self.model.load_state_dict(state["model"])
         self.strategy.load_state_dict(state["strategy"])
         self.step = state["step"]

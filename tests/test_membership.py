@@ -169,3 +169,23 @@ def test_the_returning_rank_takes_the_simulated_clock_of_the_others():
     assert clock[(1, 6)] == pytest.approx(clock[(0, 6)])
     # while rank 1 was away, rank 0's round at step 4 had no peer to wait for or send to
     assert clock[(0, 4)] - clock[(0, 3)] == pytest.approx(0.1)
+
+
+def test_a_handed_over_state_sends_a_repeated_tensor_once_and_rebuilds_it_unshared():
+    from exogym.handover import BUCKET_BYTES, _buckets, flatten_tensors, unflatten_tensors
+
+    weight = torch.randn(4, 3)
+    state = {"model": {"w": weight, "n": torch.tensor(7, dtype=torch.int64)},
+             "strategy": {"master": [weight.clone()], "moments": [torch.zeros(5), torch.zeros(5)],
+                          "step": torch.tensor(3.0), "flag": torch.tensor([True, False])},
+             "step": 12}
+    tensors, skeleton = flatten_tensors(state)
+    # the master equals the weight and the two zero moments are alike: each is sent once
+    assert len(tensors) == 5
+    rebuilt = unflatten_tensors(skeleton, [t.clone() for t in tensors])
+    assert torch.equal(rebuilt["strategy"]["master"][0], weight) and rebuilt["step"] == 12
+    a, b = rebuilt["strategy"]["moments"]
+    a.add_(1.0)  # a tensor that stood in two places arrives as two tensors
+    assert torch.equal(b, torch.zeros(5))
+    assert rebuilt["model"]["n"].dtype == torch.int64 and rebuilt["model"]["n"].item() == 7
+    assert _buckets([1, 2, BUCKET_BYTES, 3]) == [[0, 1], [2], [3]]
