@@ -48,6 +48,7 @@ Tensors on a GPU are staged through the CPU (gloo).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import hashlib
 import time
@@ -79,6 +80,8 @@ TOMBSTONE = b"\x00lost"
 _OK, _FAIL = b"ok", b"fail"
 #: A broadcast among some ranks (a hand-over) sends at most this much per message.
 CHUNK_BYTES = 16 << 20
+#: Chunks of such a broadcast posted before the first of them is waited on.
+IN_FLIGHT = 4
 #: How often a waiting rank looks in the store for lost members.
 LOSS_CHECK_S = 0.2
 #: Collectives a group runs again, each time among fewer or other members, before
@@ -565,16 +568,28 @@ class ElasticGroups(Collectives):
                 main.transfer_groups[ranks] = pg
         flat = to_cpu(tensor).contiguous().view(-1)
         raw = flat.view(torch.uint8) if flat.numel() else flat
-        for lo in range(0, raw.numel(), CHUNK_BYTES) if ok else ():
-            piece = raw[lo:lo + CHUNK_BYTES] if self._rank == src else raw[lo:lo + CHUNK_BYTES].clone()
-            options = dist.BroadcastOptions()
-            options.rootRank = ranks.index(src)
-            options.rootTensor = 0
-            work = pg.broadcast([piece], options)
-            what = (f"handing over the state to {', '.join(self._host(r) for r in receivers)}"
-                    if self._rank == src else f"taking the state from {self._host(src)}")
+        what = (f"handing over the state to {', '.join(self._host(r) for r in receivers)}"
+                if self._rank == src else f"taking the state from {self._host(src)}")
+        # Up to IN_FLIGHT chunks are posted at once, so the link never waits for a chunk's
+        # completion to be seen before the next one starts. A receiver takes each chunk
+        # into a buffer of its own and copies it in once it is whole.
+        pending: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
+        starts = iter(range(0, raw.numel(), CHUNK_BYTES) if ok else ())
+        while ok:
+            for lo in starts:
+                piece = (raw[lo:lo + CHUNK_BYTES] if self._rank == src
+                         else torch.empty_like(raw[lo:lo + CHUNK_BYTES]))
+                options = dist.BroadcastOptions()
+                options.rootRank = ranks.index(src)
+                options.rootTensor = 0
+                pending.append((lo, piece, pg.broadcast([piece], options)))
+                if len(pending) >= IN_FLIGHT:
+                    break
+            if not pending:
+                break
+            lo, piece, work = pending.popleft()
             if not self._completes(work, ranks, what):
-                self._given_up.append((pg, work))
+                self._given_up.extend((pg, w) for _, _, w in [(lo, piece, work), *pending])
                 main.transfer_groups.pop(ranks, None)
                 ok = False
                 break
