@@ -126,6 +126,26 @@ def test_state_shows_the_final_figures_and_sends_no_nan():
     assert view["ranks"][0]["state"] == "done" and view["ranks"][0]["bytes_sent"] == 5
 
 
+def test_state_gives_a_finished_run_its_own_duration_not_the_time_since_it_started():
+    clock = Clock()
+    state = WebState("t", clock=clock)
+    state.begin_run("digits", {}, 1)
+    state.on_event(start(0))
+    clock.now += 12
+    assert state.view()["runs"][0]["elapsed_s"] == pytest.approx(12.0)  # running: it counts
+    state.end_run({"steps": 10, "wall_s": 20.7})
+    clock.now += 130  # a page opened (or reloaded) two minutes after the run
+    assert state.view()["runs"][0]["elapsed_s"] == pytest.approx(20.7)
+    # a run that failed (no summary) lasted from its first event to its end
+    state.begin_run("second", {}, 1)
+    state.on_event(start(0))
+    clock.now += 5
+    state.end_run(None, failed=True)
+    clock.now += 60
+    assert [r["elapsed_s"] for r in state.view()["runs"]] == [pytest.approx(20.7),
+                                                              pytest.approx(5.0)]
+
+
 def test_state_keeps_each_compared_run_apart():
     state = WebState("t")
     for name in ("ddp", "diloco"):
@@ -498,3 +518,33 @@ def test_lan_page_in_chromium_loads_its_scripts_and_state_with_the_token(chromiu
         wait_for(lambda: chromium.execute_script(POINTS_JS, "chart-loss-step") == 6, 10,
                  "the six points of the loss chart")
         assert [e for e in severe(chromium) if "403" not in e["message"]] == []
+
+
+def test_page_in_chromium_counts_while_running_then_shows_the_runs_own_duration(chromium):
+    clock = Clock()
+    with WebDashboard() as web:
+        web.state.clock = clock
+        web.begin_run("digits", {}, 1)
+        web.on_event(start(0, 2))
+        clock.now += 11
+        web.on_event(step(0, 1))
+        chromium.get(f"http://127.0.0.1:{web.port}/")
+        status = chromium.find_element("id", "status")
+        wait_for(lambda: "running" in status.text, 20, "the running run in the header")
+        seconds = int(re.search(r"· (\d+) s$", status.text).group(1))
+        assert seconds >= 11
+        # between messages the page counts on by itself
+        wait_for(lambda: int(re.search(r"· (\d+) s$", status.text).group(1)) > seconds, 5,
+                 "the header to count on")
+        web.on_event(step(0, 2))
+        web.finish({"steps": 2, "wall_s": 20.7})
+        wait_for(lambda: "finished" in status.text, 10, "the finished run in the header")
+        assert status.text == "digits: finished · 20.7 s"
+        time.sleep(2.0)
+        assert status.text == "digits: finished · 20.7 s"  # it does not count on
+        clock.now += 140  # opened again two minutes later
+        chromium.refresh()
+        status = chromium.find_element("id", "status")
+        wait_for(lambda: "finished" in status.text, 20, "the finished run after a reload")
+        assert status.text == "digits: finished · 20.7 s"
+        assert severe(chromium) == []

@@ -96,6 +96,7 @@ class RunInfo:
         hosts: the host of each rank, by rank.
         status: ``waiting``, ``running``, ``done`` or ``failed``.
         started: the state's clock at its first event, or None.
+        ended: the state's clock when it finished or failed, or None while it runs.
         summary: the final figures (``exogym.report.summarize``), once finished.
         membership: every change of membership where hosts come and go
             (``min_nodes``): ``{"step", "ranks", "hosts", "reason"}``.
@@ -106,14 +107,26 @@ class RunInfo:
     hosts: dict[int, str]
     status: str = WAITING
     started: float | None = None
+    ended: float | None = None
     summary: dict[str, Any] | None = None
     ranks: dict[int, RankRow] = field(default_factory=dict)
     membership: list[dict[str, Any]] = field(default_factory=list)
 
+    def elapsed_s(self, now: float) -> float | None:
+        """Seconds the run has lasted: up to ``now`` while it runs; once over, its own
+        duration, which stays put: the summary's ``wall_s`` (the figure the terminal's
+        summary shows) when it has one, else from its first event to its end."""
+        if self.ended is not None:
+            wall = self.summary.get("wall_s") if self.summary else None
+            if isinstance(wall, (int, float)) and math.isfinite(wall):
+                return float(wall)
+            return None if self.started is None else self.ended - self.started
+        return None if self.started is None else now - self.started
+
     def as_json(self, now: float) -> dict[str, Any]:
-        """The run's header for the page."""
+        """The run's header for the page (``elapsed_s``: see :meth:`elapsed_s`)."""
         return {"name": self.name, "config": self.config, "status": self.status,
-                "elapsed_s": None if self.started is None else now - self.started,
+                "elapsed_s": self.elapsed_s(now),
                 "summary": None if self.summary is None else _plain(self.summary),
                 "membership": _plain(self.membership)}
 
@@ -247,6 +260,8 @@ class WebState:
             if run.status in ("done", "failed") and summary is None:
                 return
             run.status = "failed" if failed else "done"
+            if run.ended is None:
+                run.ended = self.clock()
             if summary is not None:
                 run.summary = dict(summary)
             for row in run.ranks.values():

@@ -110,16 +110,41 @@ function tickHeartbeats() {
   }
 }
 
+function duration(seconds, precise) {  // 20.7 -> "20.7 s" (precise) or "21 s"; 125 -> "2 min 5 s"
+  if (seconds < 60) return (precise ? seconds.toFixed(1) : seconds.toFixed(0)) + " s";
+  const total = Math.round(seconds);
+  if (total < 3600) return Math.floor(total / 60) + " min " + (total % 60) + " s";
+  return Math.floor(total / 3600) + " h " + Math.floor((total % 3600) / 60) + " min";
+}
+
+// The header's time: a running run's counts on between messages; a finished (or failed)
+// run's is its own duration, as the server gave it, and stays put.
+function tickElapsed() {
+  const status = document.getElementById("status");
+  if (status.dataset.prefix === undefined) return;
+  let text = status.dataset.prefix;
+  if (status.dataset.elapsed !== undefined) {
+    const running = status.dataset.running === "1";
+    const seconds = Number(status.dataset.elapsed) +
+      (running ? (Date.now() - receivedAt) / 1000 : 0);
+    text += " · " + duration(seconds, !running);
+  }
+  status.textContent = text;
+}
+
 function drawStatus() {
   document.getElementById("title").textContent = view.title;
   document.title = view.title + " · exogym";
   const run = view.runs[view.runs.length - 1];
   const status = document.getElementById("status");
   if (!run) { status.textContent = "waiting for the run to start"; return; }
-  const elapsed = run.elapsed_s === null ? "" : " · " + run.elapsed_s.toFixed(0) + " s";
   const names = { waiting: "waiting", running: "running", done: "finished", failed: "failed" };
-  status.textContent = run.name + ": " + (names[run.status] || run.status) + elapsed;
+  status.dataset.prefix = run.name + ": " + (names[run.status] || run.status);
+  status.dataset.running = run.status === "running" ? "1" : "";
+  if (run.elapsed_s === null) delete status.dataset.elapsed;
+  else status.dataset.elapsed = run.elapsed_s;
   status.className = "status state-" + (run.status === "running" ? "training" : run.status);
+  tickElapsed();
   const lines = [];
   for (const r of view.runs) {
     const s = r.summary;
@@ -223,4 +248,4 @@ fetch("state" + query)
   .then((state) => { if (view === null) apply(state); })
   .finally(connect);
 setInterval(drawCharts, REDRAW_MS);
-setInterval(tickHeartbeats, 1000);
+setInterval(() => { tickHeartbeats(); tickElapsed(); }, 1000);
