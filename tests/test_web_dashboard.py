@@ -126,6 +126,15 @@ def test_state_shows_the_final_figures_and_sends_no_nan():
     assert view["ranks"][0]["state"] == "done" and view["ranks"][0]["bytes_sent"] == 5
 
 
+def test_state_keeps_each_ranks_validation_accuracy():
+    state = WebState("t")
+    state.begin_run("digits", {}, 2)
+    state.on_event(step(0, 1, val_loss=0.9, val_accuracy=0.875))
+    state.on_event(step(1, 1, val_loss=1.1, val_accuracy=0.8))
+    state.on_event(step(0, 2))  # a step without evaluation keeps the last accuracy
+    assert [r["val_accuracy"] for r in state.view()["ranks"]] == [0.875, 0.8]
+
+
 def test_state_gives_a_finished_run_its_own_duration_not_the_time_since_it_started():
     clock = Clock()
     state = WebState("t", clock=clock)
@@ -547,4 +556,32 @@ def test_page_in_chromium_counts_while_running_then_shows_the_runs_own_duration(
         status = chromium.find_element("id", "status")
         wait_for(lambda: "finished" in status.text, 20, "the finished run after a reload")
         assert status.text == "digits: finished · 20.7 s"
+        assert severe(chromium) == []
+
+
+def visible_headers(driver) -> list[str]:
+    return [th.text for th in driver.find_elements("css selector", "#ranks th")
+            if th.is_displayed()]
+
+
+def test_page_in_chromium_shows_validation_accuracy_as_the_terminal_table_does(chromium):
+    with WebDashboard() as web:
+        web.begin_run("digits", {}, 2)
+        for rank in (0, 1):
+            web.on_event(step(rank, 1, 1.0))
+        chromium.get(f"http://127.0.0.1:{web.port}/")
+        wait_for(lambda: len(chromium.execute_script(ROWS_JS)) == 2, 20, "the rows")
+        assert "val acc" not in visible_headers(chromium)  # no accuracy yet: no column
+        web.on_event(step(0, 2, 0.5, val_loss=0.4, val_accuracy=0.875))
+        web.on_event(step(1, 2, 0.6, val_loss=0.5, val_accuracy=0.8))
+        wait_for(lambda: "val acc" in visible_headers(chromium), 10, "the accuracy column")
+        headers = visible_headers(chromium)
+        assert headers.index("val acc") == headers.index("val loss") + 1
+        cells = [[td.text for td in row.find_elements("css selector", "td") if td.is_displayed()]
+                 for row in chromium.find_elements("css selector", "tr.rank-row")]
+        assert [row[headers.index("val acc")] for row in cells] == ["87.5%", "80.0%"]
+        web.finish({"steps": 2, "final_train_loss": 0.55, "final_val_loss": 0.4,
+                    "final_val_accuracy": 0.875, "bytes_per_node": 2000, "wall_s": 1.0})
+        summary = chromium.find_element("id", "summary")
+        wait_for(lambda: "val acc 87.5% (rank 0)" in summary.text, 10, "accuracy in the summary")
         assert severe(chromium) == []

@@ -54,6 +54,7 @@ class RankRow:
         state: ``waiting``, ``started``, ``training``, ``done``, ``failed`` or ``stopped``.
         step: its last reported step; ``max_steps`` the steps it will run once it has said.
         loss: training loss of its last step; ``val_loss`` its last validation loss.
+        val_accuracy: its own model's last validation accuracy, for a task that scores one.
         samples: samples trained on; ``wall_s`` the seconds it has trained (its own clock).
         bytes_sent: bytes it sent through the collectives.
         last_seen: the state's clock when it last reported, or None.
@@ -67,6 +68,7 @@ class RankRow:
     max_steps: int | None = None
     loss: float | None = None
     val_loss: float | None = None
+    val_accuracy: float | None = None
     samples: int = 0
     wall_s: float = 0.0
     bytes_sent: int = 0
@@ -81,7 +83,8 @@ class RankRow:
         """The row for the page; ``heartbeat_age_s`` is seconds since the last report."""
         return {"run": self.run, "rank": self.rank, "host": self.host, "state": self.state,
                 "step": self.step, "max_steps": self.max_steps, "loss": _finite(self.loss),
-                "val_loss": _finite(self.val_loss), "samples_per_s": self.samples_per_s,
+                "val_loss": _finite(self.val_loss), "val_accuracy": _finite(self.val_accuracy),
+                "samples_per_s": self.samples_per_s,
                 "bytes_sent": self.bytes_sent,
                 "heartbeat_age_s": None if self.last_seen is None else now - self.last_seen}
 
@@ -230,6 +233,8 @@ class WebState:
         val = _finite(event.get("val_global_loss", event.get("val_loss")))
         if val is not None:
             row.val_loss = val
+        if event.get("val_accuracy") is not None:
+            row.val_accuracy = _finite(float(event["val_accuracy"]))
         stride = max(1, int(row.max_steps or 0) // POINTS_PER_RANK)
         if row.step % stride and val is None and row.step != row.max_steps:
             return

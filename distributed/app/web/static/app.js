@@ -58,6 +58,10 @@ function fmt(value, digits) {
   return x !== 0 && Math.abs(x) < 0.001 ? x.toExponential(2) : x.toFixed(digits);
 }
 
+function percent(value) {  // 0.875 -> "87.5%"
+  return value === null || value === undefined ? "-" : (100 * Number(value)).toFixed(1) + "%";
+}
+
 function bytes(n) {
   const units = ["B", "KiB", "MiB", "GiB"];
   let i = 0;
@@ -76,6 +80,9 @@ function cell(row, text, cls) {
 function drawTable() {
   const table = document.getElementById("ranks");
   table.classList.toggle("single", view.runs.length <= 1);
+  // a task that scores accuracy gets its column, as in the terminal's table
+  table.classList.toggle("no-acc", !view.ranks.some((r) => r.val_accuracy !== null &&
+                                                         r.val_accuracy !== undefined));
   const body = table.tBodies[0];
   const rows = [];
   for (const r of view.ranks) {
@@ -93,6 +100,7 @@ function drawTable() {
     cell(tr, r.max_steps ? r.step + "/" + r.max_steps : String(r.step), "step");
     cell(tr, fmt(r.loss, 4), "loss");
     cell(tr, fmt(r.val_loss, 4), "val-loss");
+    cell(tr, percent(r.val_accuracy), "val-acc acc-col");
     cell(tr, fmt(r.samples_per_s, 1), "rate");
     cell(tr, bytes(r.bytes_sent), "sent");
     const hb = cell(tr, "-", "heartbeat");
@@ -150,8 +158,10 @@ function drawStatus() {
     const s = r.summary;
     if (!s) continue;
     const val = s.final_val_global_loss ?? s.final_val_loss;
+    const acc = s.final_val_accuracy === null || s.final_val_accuracy === undefined ? ""
+      : ", val acc " + percent(s.final_val_accuracy) + " (rank 0)";
     lines.push(r.name + ": " + s.steps + " steps, train loss " + fmt(s.final_train_loss, 4) +
-               ", val loss " + fmt(val, 4) + ", " + bytes(s.bytes_per_node || 0) +
+               ", val loss " + fmt(val, 4) + acc + ", " + bytes(s.bytes_per_node || 0) +
                " sent per node, " + fmt(s.wall_s, 1) + " s");
   }
   for (const change of run.membership || []) {
