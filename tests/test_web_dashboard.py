@@ -126,6 +126,48 @@ def test_state_shows_the_final_figures_and_sends_no_nan():
     assert view["ranks"][0]["state"] == "done" and view["ranks"][0]["bytes_sent"] == 5
 
 
+def timed_step(rank: int, n: int, wall_s: float, batch: int = 64) -> dict:
+    return {"event": "step", "rank": rank, "step": n, "train_loss": 1.0, "samples": batch * n,
+            "wall_s": wall_s, "comm_bytes": 0}
+
+
+def warm_start_steps(steps: int = 40) -> list[dict]:
+    """Two ranks of one host whose first step came 1.4 ms after their start (64 samples:
+    45,700 samples/s), then a step of 64 samples every 32 ms (2,000 samples/s each)."""
+    return [timed_step(rank, n, 0.0014 + (n - 1) * 0.032)
+            for n in range(1, steps + 1) for rank in (0, 1)]
+
+
+def test_state_throughput_leaves_out_the_interval_before_the_first_step():
+    state = WebState("t")
+    state.begin_run("digits", {}, 2, ["a", "a"])
+    for rank in (0, 1):
+        state.on_event(start(rank, 40))
+    for event in warm_start_steps():
+        state.on_event(event)
+    points = state.view()["points"]
+    rates = {(p["step"], p["rank"]): p["host_samples_per_s"] for p in points}
+    # a rate once a rank's steps since its first span half a second: from step 17 (0.512 s)
+    assert all(rates[n, rank] is None for n in range(1, 17) for rank in (0, 1))
+    assert rates[17, 0] == pytest.approx(2000.0)  # rank 0's; rank 1's is not known yet
+    assert all(rates[n, rank] == pytest.approx(4000.0)  # the host: both ranks
+               for n in range(17, 41) for rank in (0, 1) if (n, rank) != (17, 0))
+    clocks = [p["host_wall_s"] for p in points]
+    assert clocks == sorted(clocks) and clocks[-1] == pytest.approx(0.0014 + 39 * 0.032)
+
+
+def test_state_throughput_follows_a_host_that_slows_down():
+    state = WebState("t")
+    state.begin_run("digits", {}, 1, ["a"])
+    wall = 0.0
+    for n in range(1, 201):
+        wall += 0.032 if n <= 100 else 0.064  # 2,000 then 1,000 samples/s
+        state.on_event(timed_step(0, n, wall))
+    rates = [p["host_samples_per_s"] for p in state.view()["points"]]
+    assert rates[50] == pytest.approx(2000.0) and rates[-1] == pytest.approx(1000.0)
+    assert state.view()["ranks"][0]["samples_per_s"] == pytest.approx(12800 / wall)  # the table
+
+
 def test_state_keeps_each_ranks_validation_accuracy():
     state = WebState("t")
     state.begin_run("digits", {}, 2)
@@ -584,4 +626,21 @@ def test_page_in_chromium_shows_validation_accuracy_as_the_terminal_table_does(c
                     "final_val_accuracy": 0.875, "bytes_per_node": 2000, "wall_s": 1.0})
         summary = chromium.find_element("id", "summary")
         wait_for(lambda: "val acc 87.5% (rank 0)" in summary.text, 10, "accuracy in the summary")
+        assert severe(chromium) == []
+
+
+Y_RANGE_JS = """const gd = document.getElementById(arguments[0]);
+return gd && gd._fullLayout && gd.data && gd.data.length ? gd._fullLayout.yaxis.range : null;"""
+
+
+def test_page_in_chromium_throughput_chart_is_not_flattened_by_the_first_step(chromium):
+    with WebDashboard() as web:
+        web.begin_run("digits", {}, 2, ["a", "a"])
+        for event in warm_start_steps():
+            web.on_event(event)
+        chromium.get(f"http://127.0.0.1:{web.port}/")
+        wait_for(lambda: chromium.execute_script(Y_RANGE_JS, "chart-throughput"), 20,
+                 "the throughput chart")
+        low, high = chromium.execute_script(Y_RANGE_JS, "chart-throughput")
+        assert 4000 <= high < 6000, (low, high)  # a steady 4,000 samples/s fills the chart
         assert severe(chromium) == []

@@ -1,9 +1,17 @@
 """What the browser dashboard knows: the runs, a row per rank, and the chart points.
 
 Fed with the same metric events as the terminal dashboard (``start``, ``step``,
-``done``; see ``exogym.metrics``). Every change bumps a version and wakes the
-server's event streams; :meth:`WebState.view` gives a JSON-ready picture of
-everything, or of what changed since a point, for ``/state`` and ``/events``.
+``done``; see ``exogym.metrics``). The throughput chart's points are each host's
+recent rate: the sum of its ranks' samples per second over their last
+:data:`RATE_WINDOW_S` seconds of training, on their own clocks (``wall_s``), from
+their first step on, once they span :data:`RATE_MIN_SPAN_S`. The interval before a
+rank's first step (loading, warm-up) is left out: there a rank that has trained
+64 samples in a millisecond reports 45,000 samples/s, which once dwarfed a steady
+2,000 on the chart; so are the rates of a handful of milliseconds that follow it.
+
+Every change bumps a version and wakes the server's event streams;
+:meth:`WebState.view` gives a JSON-ready picture of everything, or of what
+changed since a point, for ``/state`` and ``/events``.
 Pure Python and thread-safe; imports neither torch nor the server.
 """
 
@@ -12,6 +20,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +30,10 @@ WAITING = "waiting"
 #: Chart points kept per rank and run, about: a longer run keeps every n-th step (and every
 #: evaluation), so a page that (re)connects to a long run loads quickly.
 POINTS_PER_RANK = 2000
+#: Seconds of a rank's own training clock its recent throughput is measured over.
+RATE_WINDOW_S = 2.0
+#: Seconds of training a rank's recent throughput needs before it is shown.
+RATE_MIN_SPAN_S = 0.5
 
 
 def _finite(value: Any) -> Any:
@@ -58,6 +71,8 @@ class RankRow:
         samples: samples trained on; ``wall_s`` the seconds it has trained (its own clock).
         bytes_sent: bytes it sent through the collectives.
         last_seen: the state's clock when it last reported, or None.
+        recent: ``(wall_s, samples)`` of its steps within its last ``RATE_WINDOW_S``
+            seconds of training (and the one before them), for its recent throughput.
     """
 
     run: int
@@ -73,11 +88,30 @@ class RankRow:
     wall_s: float = 0.0
     bytes_sent: int = 0
     last_seen: float | None = None
+    recent: deque[tuple[float, int]] = field(default_factory=deque, repr=False)
 
     @property
     def samples_per_s(self) -> float | None:
-        """Samples per second since the rank started training."""
+        """Samples per second since the rank started training (as the terminal's table)."""
         return self.samples / self.wall_s if self.wall_s > 0 else None
+
+    def record_rate(self) -> None:
+        """Add its latest step (``wall_s``, ``samples``) to its recent steps."""
+        if self.recent and self.wall_s < self.recent[-1][0]:
+            self.recent.clear()  # a new process (resumed, rejoined): its clock starts over
+        self.recent.append((self.wall_s, self.samples))
+        while len(self.recent) > 2 and self.wall_s - self.recent[1][0] >= RATE_WINDOW_S:
+            self.recent.popleft()
+
+    @property
+    def recent_samples_per_s(self) -> float | None:
+        """Samples per second over its last ``RATE_WINDOW_S`` seconds of training, from its
+        first step on (never the interval before it); None until its steps since the
+        first span ``RATE_MIN_SPAN_S``."""
+        if len(self.recent) < 2:
+            return None
+        (w0, s0), (w1, s1) = self.recent[0], self.recent[-1]
+        return (s1 - s0) / (w1 - w0) if w1 - w0 >= RATE_MIN_SPAN_S else None
 
     def as_json(self, now: float) -> dict[str, Any]:
         """The row for the page; ``heartbeat_age_s`` is seconds since the last report."""
@@ -230,6 +264,7 @@ class WebState:
         row.samples = int(event.get("samples", row.samples))
         row.wall_s = float(event.get("wall_s", row.wall_s))
         row.bytes_sent = int(event.get("comm_bytes", row.bytes_sent))
+        row.record_rate()
         val = _finite(event.get("val_global_loss", event.get("val_loss")))
         if val is not None:
             row.val_loss = val
@@ -238,10 +273,14 @@ class WebState:
         stride = max(1, int(row.max_steps or 0) // POINTS_PER_RANK)
         if row.step % stride and val is None and row.step != row.max_steps:
             return
-        host_rate = sum(r.samples_per_s or 0.0 for r in run.ranks.values() if r.host == row.host)
+        peers = [r for r in run.ranks.values() if r.host == row.host
+                 and (r is row or r.state == "training")]
+        rates = [r.recent_samples_per_s for r in peers if r.recent_samples_per_s is not None]
         point = {"seq": len(self.points) + 1, "run": index, "rank": row.rank, "host": row.host,
                  "step": row.step, "loss": row.loss, "bytes": row.bytes_sent,
-                 "t": now - (run.started or now), "host_samples_per_s": host_rate}
+                 "t": now - (run.started or now),
+                 "host_wall_s": max(r.wall_s for r in run.ranks.values() if r.host == row.host),
+                 "host_samples_per_s": sum(rates) if rates else None}
         if val is not None:
             point["val_loss"] = val
         self.points.append(point)
@@ -295,6 +334,7 @@ class WebState:
             now = self.clock()
             return {
                 "title": self.title, "version": self.version, "since": since,
+                "rate_window_s": RATE_WINDOW_S,
                 "seq": len(self.points), "closed": self.closed,
                 "runs": [run.as_json(now) for run in self.runs],
                 "ranks": [row.as_json(now) for run in self.runs

@@ -46,8 +46,10 @@ function addPoints(points) {
                        { mode: "lines+markers", line: { dash: "dot", width: 3 } });
       v.x.push(p.step); v.y.push(p.val_loss);
     }
-    const r = series(traces.rate, p.run + ":" + p.host, label + p.host);
-    r.x.push(p.t); r.y.push(p.host_samples_per_s);
+    if (p.host_samples_per_s !== null && p.host_samples_per_s !== undefined) {
+      const r = series(traces.rate, p.run + ":" + p.host, label + p.host);
+      r.x.push(p.host_wall_s); r.y.push(p.host_samples_per_s);
+    }
   }
   chartsDirty = true;
 }
@@ -201,9 +203,11 @@ function drawConfig() {
 }
 
 function layout(title, xTitle, yTitle, yType) {
+  const yaxis = { title: { text: yTitle }, type: yType || "linear" };
+  if (!yType) yaxis.rangemode = "tozero";  // a rate: its drops read against zero
   return { title: { text: title, font: { size: 14 } }, margin: { l: 55, r: 10, t: 35, b: 40 },
            xaxis: { title: { text: xTitle, standoff: 4 } },
-           yaxis: { title: { text: yTitle }, type: yType || "linear" },
+           yaxis: yaxis,
            legend: { orientation: "h", x: 0, y: -0.2, yanchor: "top" },
            uirevision: "keep", datarevision: revision };
 }
@@ -225,7 +229,8 @@ function drawCharts() {
                layout("loss vs bytes sent", "bytes sent by the rank", "training loss", "log"),
                config);
   Plotly.react("chart-throughput", ordered(traces.rate),
-               layout("throughput per host", "seconds since the run started", "samples/s"),
+               layout("throughput per host", "seconds of training (the host's clock)",
+                      "samples/s (last " + view.rate_window_s + " s)"),
                config);
 }
 
