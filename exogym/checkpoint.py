@@ -13,13 +13,15 @@ import hashlib
 import io
 import re
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
-from exogym.io import atomic_write_bytes
+from exogym.io import atomic_write
 
 MAGIC = b"EXOGYM-CKPT-1\n"
+#: A checkpoint is read this much at a time.
+CHUNK_BYTES = 8 << 20
 _NAME = re.compile(r"^step(\d{8})\.ckpt$")
 
 
@@ -37,37 +39,97 @@ def checkpoint_path(root: str | Path, rank: int, step: int) -> Path:
     return rank_dir(root, rank) / f"step{step:08d}.ckpt"
 
 
+class _Hashing:
+    """A file being written that hashes what passes through it."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f = f
+        self.hash = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.hash.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+class _From(io.RawIOBase):
+    """A file read from ``offset`` on, as if it began there (torch reads the payload's
+    zip archive in place, never copied whole into memory)."""
+
+    def __init__(self, f: IO[bytes], offset: int):
+        super().__init__()
+        self.f = f
+        self.offset = offset
+        f.seek(offset)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        return self.f.readinto(buffer)
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            pos += self.offset
+        return self.f.seek(pos, whence) - self.offset
+
+    def tell(self) -> int:
+        return self.f.tell() - self.offset
+
+
 def save_checkpoint(state: dict[str, Any], root: str | Path, rank: int, step: int,
                     keep: int = 3) -> Path:
-    """Write ``state`` atomically and delete all but the newest ``keep`` checkpoints."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
-    path = atomic_write_bytes(
-        checkpoint_path(root, rank, step), MAGIC + hashlib.sha256(payload).digest() + payload
-    )
+    """Write ``state`` atomically and delete all but the newest ``keep`` checkpoints.
+
+    The payload streams to the file as ``torch.save`` writes it, hashed on the way
+    (its checksum is written into the header last): a checkpoint of any size costs no
+    memory beyond the state itself.
+    """
+
+    def write(f: IO[bytes]) -> None:
+        f.write(MAGIC + bytes(32))
+        hashing = _Hashing(f)
+        torch.save(state, hashing)
+        f.seek(len(MAGIC))
+        f.write(hashing.hash.digest())
+        f.seek(0, io.SEEK_END)
+
+    path = atomic_write(checkpoint_path(root, rank, step), write)
     for old in list_steps(root, rank)[:-keep]:
         checkpoint_path(root, rank, old).unlink(missing_ok=True)
     return path
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read and verify a checkpoint; :class:`CheckpointError` if it is not whole."""
+    """Read and verify a checkpoint; :class:`CheckpointError` if it is not whole.
+
+    The checksum is computed reading the file in chunks, and the state loaded from the
+    file in place: nothing holds the whole file in memory.
+    """
     path = Path(path)
+    head = len(MAGIC) + 32
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            header = f.read(head)
+            if len(header) < head or not header.startswith(MAGIC):
+                raise CheckpointError(f"{path} is not a complete exogym checkpoint (bad header)")
+            digest = hashlib.sha256()
+            while chunk := f.read(CHUNK_BYTES):
+                digest.update(chunk)
+            if digest.digest() != header[len(MAGIC):]:
+                raise CheckpointError(f"{path} is partial or corrupted (checksum mismatch)")
+            try:
+                return torch.load(io.BufferedReader(_From(f, head), CHUNK_BYTES),
+                                  map_location="cpu", weights_only=False)
+            except Exception as exc:  # noqa: BLE001 - any unpickling failure means unusable
+                raise CheckpointError(f"{path} cannot be loaded: {exc}") from exc
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
-    head = len(MAGIC) + 32
-    if len(data) < head or not data.startswith(MAGIC):
-        raise CheckpointError(f"{path} is not a complete exogym checkpoint (bad header)")
-    digest, payload = data[len(MAGIC):head], data[head:]
-    if hashlib.sha256(payload).digest() != digest:
-        raise CheckpointError(f"{path} is partial or corrupted (checksum mismatch)")
-    try:
-        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means unusable
-        raise CheckpointError(f"{path} cannot be loaded: {exc}") from exc
 
 
 def list_steps(root: str | Path, rank: int) -> list[int]:

@@ -67,6 +67,12 @@ def _atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
     return path
 
 
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
+    """Call ``write`` with a temporary file beside ``path``, then flush it to disk and
+    rename it to ``path`` (removed instead if ``write`` raises)."""
+    return _atomic(path, write)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -> Path:
     """Write ``data`` to ``path`` through a temporary file and a rename.
 

@@ -16,6 +16,7 @@ two cores:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -228,3 +229,51 @@ def test_a_23m_model_through_torchrun_and_over_ssh_equals_the_simulation(sshd, t
         result = job.run()
     assert result.ok, result.describe()
     assert_states_equal(load_file(tmp_path / "ssh" / "model.safetensors"), simulated)
+
+
+CHECKPOINT_PEAKS = r"""
+import json, sys, torch
+from exogym.checkpoint import load_checkpoint, save_checkpoint
+from exogym.memory import _reset_cpu_peak, _rss_kib
+from distributed.tasks.tokens import gpt_task
+model, _, _ = gpt_task(block_size=32, tokens=30000)
+optim = torch.optim.AdamW(model.parameters())
+for p in model.parameters():
+    p.grad = torch.randn_like(p)
+optim.step()
+for p in model.parameters():
+    p.grad = None
+state = {"model": model.state_dict(), "optim": optim.state_dict()}
+nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+nbytes += sum(v.numel() * v.element_size() for s in optim.state.values()
+              for v in s.values() if torch.is_tensor(v))
+largest = max(t.numel() * t.element_size() for t in model.state_dict().values())
+_reset_cpu_peak()
+base = _rss_kib("VmRSS")
+save_checkpoint(state, sys.argv[1], 0, 1)
+saving = _rss_kib("VmHWM") - base
+del optim, model, state
+_reset_cpu_peak()
+base = _rss_kib("VmRSS")
+loaded = load_checkpoint(sys.argv[1] + "/rank0/step00000001.ckpt")
+loading = _rss_kib("VmHWM") - base
+print(json.dumps({"bytes": nbytes, "largest": largest, "saving": saving * 1024,
+                  "loading": loading * 1024}))
+"""
+
+
+def test_a_checkpoint_streams_to_and_from_its_file(tmp_path):
+    # A 23M-parameter model and its Adam state (264 MiB): saving holds no copy of the
+    # payload in memory, loading holds the state once (not the file's bytes as well).
+    done = subprocess.run([sys.executable, "-c", CHECKPOINT_PEAKS, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["largest"] >= 16 << 20 and figures["bytes"] >= 3 * 20_000_000 * 4
+    assert figures["saving"] < 0.15 * figures["bytes"], figures
+    assert figures["loading"] < 1.2 * figures["bytes"], figures
+    from exogym.checkpoint import load_checkpoint
+    loaded = load_checkpoint(tmp_path / "rank0" / "step00000001.ckpt")
+    model, _, _ = gpt_task(block_size=32, tokens=30000)
+    assert loaded["model"].keys() == model.state_dict().keys()
+    assert all(torch.isfinite(t).all() for t in loaded["model"].values())

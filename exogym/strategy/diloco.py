@@ -109,10 +109,10 @@ class DiLoCoCommunicator(CommunicationModule):
             self.strategy.synced_at = local_step + 1
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"master": [m.clone() for m in self.master],
+        state = {"master": [m.detach() for m in self.master],
                  "outer_optim": self.outer_optim.state_dict()}
         if self.residuals is not None:
-            state["residuals"] = [r.clone() for r in self.residuals]
+            state["residuals"] = [r.detach() for r in self.residuals]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

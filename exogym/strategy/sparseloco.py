@@ -257,8 +257,8 @@ class SparseLoCoCommunicator(CommunicationModule):
             p.copy_(master)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"master": [m.clone() for m in self.master],
-                "errors": [e.clone() for e in self.errors],
+        return {"master": [m.detach() for m in self.master],
+                "errors": [e.detach() for e in self.errors],
                 "outer_optim": self.outer_optim.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -276,7 +276,11 @@ class Strategy(ABC):
     # -- checkpoints ---------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue this rank's strategy after a restart."""
+        """Everything needed to continue this rank's strategy after a restart.
+
+        Like torch's own ``state_dict``, its tensors are the live ones, not copies: save
+        or send it before the next step changes them.
+        """
         return {
             "local_step": self.local_step,
             "optim": self.optim.state_dict(),

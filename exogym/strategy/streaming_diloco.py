@@ -223,13 +223,13 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
                 p.handle.wait()
                 p.handle = None
             pending.append({"fragment": p.fragment, "apply_after": p.apply_after,
-                            "deltas": [d.clone() for d in p.deltas],
-                            "buffers": [b.clone() for b in p.buffers]})
+                            "deltas": [d.detach() for d in p.deltas],
+                            "buffers": [b.detach() for b in p.buffers]})
         return {
             "fragments": [{
-                "master": [m.clone() for m in f.master],
+                "master": [m.detach() for m in f.master],
                 "outer_optim": f.outer_optim.state_dict() if f.outer_optim is not None else None,
-                "residuals": ([r.clone() for r in f.residuals]
+                "residuals": ([r.detach() for r in f.residuals]
                               if f.residuals is not None else None),
             } for f in self.fragments],
             "pending": pending,
