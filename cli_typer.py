@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """The exogym command line: train a profile here or across machines, check hosts, compare strategies.
 
     python cli_typer.py distributed-train                       # digits-diloco, simulated here
@@ -9,6 +10,7 @@
     python cli_typer.py slurm digits-diloco --nodes 4 --time 1:00:00   # then: sbatch digits-diloco.sbatch
     python cli_typer.py agent            # on each machine: advertise it on the LAN
     python cli_typer.py discover --json  # list the machines that answer
+    ./cli_typer.py --install-completion  # Tab completes commands and options in your shell
 
 A face only: it parses, calls ``distributed.app.run`` (the same code the wizard
 uses) and prints. Nothing heavy is imported until a command needs it, so
@@ -23,21 +25,74 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
+import typer.core
 
 from distributed.app.console import fail, make_console, reported_errors
 
 DEFAULT_PROFILE = "digits-diloco"
 DEFAULT_STRATEGIES = "ddp,diloco,streaming_diloco,sparta,fedavg,demo,sparseloco"
 
+
+
+def command_summary(command: click.Command) -> str:
+    """A command's summary as ``--help`` lists it: its ``short_help``, else the first
+    paragraph of its help, whole."""
+    if command.short_help:
+        return " ".join(command.short_help.split())
+    return " ".join((command.help or "").strip().split("\n\n")[0].split())
+
+
+class WholeSummaries(typer.core.TyperGroup):
+    """The command group, listing every command with its whole summary (Click cuts each
+    at 45 characters or so, mid-sentence); long ones wrap within the help's width."""
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command_summary(command)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
 app = typer.Typer(
+    cls=WholeSummaries,
     help="Simulate distributed training on this machine, or run the same training across "
          "the machines you own.",
-    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    # Typer's own --install-completion / --show-completion: completion works where the
+    # program is run by its name (./cli_typer.py, or on PATH), as the shell completes a
+    # command word, not `python`'s arguments.
+    add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
     # Click's plain help, not Rich's panels: those show a `<bool>` placeholder after every flag
     # (inviting `--dry-run true`) and cut long option names to fit 80 columns.
     rich_markup_mode=None,
 )
+
+
+def complete_profile(ctx: typer.Context, incomplete: str) -> list[str]:
+    """Shell completion of a PROFILE argument: the profiles of --config (or config.ini)."""
+    from distributed.profiles.profile import ProfileError, ProfileSet
+
+    config = ctx.params.get("config")
+    try:
+        names = ProfileSet(config).names()
+    except (ProfileError, OSError):
+        return []
+    return [name for name in names if name.startswith(incomplete)]
+
+
+def show_version(value: bool) -> None:
+    """``--version``: print the version line and exit."""
+    if value:
+        from distributed.app.about import version_line
+
+        print(version_line("cli_typer.py"))
+        raise typer.Exit()
+
 
 # Options shared by several commands.
 Debug = Annotated[bool, typer.Option("--debug", help="Show the full traceback of an error.")]
@@ -89,7 +144,11 @@ AcceptNewHostKeys = Annotated[bool, typer.Option(
 def main(ctx: typer.Context,
          debug: Annotated[bool, typer.Option("--debug", envvar="EXOGYM_DEBUG",
                                              help="Show full tracebacks for every command."
-                                             )] = False) -> None:
+                                             )] = False,
+         version: Annotated[bool, typer.Option(
+             "--version", callback=show_version, is_eager=True, expose_value=False,
+             help="Show the version (exogym's, the checkout's commit, Python's) and exit.")
+         ] = False) -> None:
     """Simulate distributed training here, or run it across your machines."""
     ctx.obj = {"debug": debug}
 
@@ -97,7 +156,8 @@ def main(ctx: typer.Context,
 @app.command("distributed-train")
 def distributed_train(
     ctx: typer.Context,
-    profile: Annotated[str, typer.Argument(help="Profile to run (see `profiles`).")
+    profile: Annotated[str, typer.Argument(help="Profile to run (see `profiles`).",
+                                           autocompletion=complete_profile)
                        ] = DEFAULT_PROFILE,
     hosts: Annotated[Path | None, typer.Option(
         "--hosts", "-H", dir_okay=False,
@@ -261,7 +321,8 @@ def profiles(ctx: typer.Context, config: ConfigFile = None,
 def compare(
     ctx: typer.Context,
     profile: Annotated[str, typer.Argument(
-        help="Profile whose task and settings every strategy runs.")] = DEFAULT_PROFILE,
+        help="Profile whose task and settings every strategy runs.",
+        autocompletion=complete_profile)] = DEFAULT_PROFILE,
     strategies: Annotated[str, typer.Option(
         "--strategies", help="Comma-separated strategies to simulate.")] = DEFAULT_STRATEGIES,
     config: ConfigFile = None,
@@ -372,7 +433,8 @@ def compare(
 @app.command("recommend")
 def recommend(
     ctx: typer.Context,
-    profile: Annotated[str, typer.Argument(help="Profile to plan (see `profiles`).")],
+    profile: Annotated[str, typer.Argument(help="Profile to plan (see `profiles`).",
+                                           autocompletion=complete_profile)],
     hosts: Annotated[Path | None, typer.Option(
         "--hosts", "-H", dir_okay=False,
         help="Hosts file: time a step on every host and measure the links.")] = None,
@@ -429,7 +491,8 @@ def recommend(
 @app.command("slurm")
 def slurm(
     ctx: typer.Context,
-    profile: Annotated[str, typer.Argument(help="Profile every rank runs (see `profiles`).")],
+    profile: Annotated[str, typer.Argument(help="Profile every rank runs (see `profiles`).",
+                                           autocompletion=complete_profile)],
     nodes: Annotated[int, typer.Option("--nodes", "-N", min=1, help="Nodes to allocate.")],
     gpus_per_node: Annotated[int | None, typer.Option(
         "--gpus-per-node", min=1,

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Guided set-up: find or build a hosts file, choose a profile and a strategy, write the files, train.
 
     python wizard.py                 # asks; uses ./distributed_hosts.json when there is one
@@ -46,8 +47,18 @@ DEFAULT_MBIT = 100.0
 DISCOVERY_TIMEOUT_S = 3.0
 COMPARED = ("ddp", "diloco", "sparta", "fedavg", "demo")
 
-# Plain help, as cli_typer.py's: flags bare, option names whole within 80 columns.
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+# Plain help, as cli_typer.py's: flags bare, option names whole within 80 columns. Typer's
+# own --install-completion / --show-completion, for ./wizard.py run by its name.
+app = typer.Typer(add_completion=True, pretty_exceptions_enable=False, rich_markup_mode=None)
+
+
+def show_version(value: bool) -> None:
+    """``--version``: print the version line and exit."""
+    if value:
+        from distributed.app.about import version_line
+
+        print(version_line("wizard.py"))
+        raise typer.Exit()
 
 
 class Asker:
@@ -661,6 +672,10 @@ def main(
     ] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show the full traceback of an error."
                                         )] = False,
+    version: Annotated[bool, typer.Option(
+        "--version", callback=show_version, is_eager=True, expose_value=False,
+        help="Show the version (exogym's, the checkout's commit, Python's) and exit.")
+    ] = False,
 ) -> None:
     """Set up and start a training run, step by step."""
     ctx.obj = {"debug": debug}
