@@ -482,6 +482,17 @@ def test_compare_web_shows_each_strategy_as_a_run_until_enter(tmp_path):
 @pytest.fixture
 def chromium():
     """Headless Chromium driven by selenium, logging the page's console."""
+    yield from launch_chromium()
+
+
+@pytest.fixture
+def chromium_eager():
+    """Headless Chromium whose ``get`` returns once the page is parsed, without waiting for
+    its scripts that load asynchronously (plotly.js)."""
+    yield from launch_chromium("eager")
+
+
+def launch_chromium(page_load_strategy: str = "normal"):
     webdriver = pytest.importorskip("selenium.webdriver",
                                     reason="selenium is not installed (the dev extra has it)")
     from selenium.webdriver.chrome.service import Service
@@ -494,6 +505,7 @@ def chromium():
                  "--window-size=1400,1000"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    options.page_load_strategy = page_load_strategy
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     yield driver
     driver.quit()
@@ -644,3 +656,71 @@ def test_page_in_chromium_throughput_chart_is_not_flattened_by_the_first_step(ch
         low, high = chromium.execute_script(Y_RANGE_JS, "chart-throughput")
         assert 4000 <= high < 6000, (low, high)  # a steady 4,000 samples/s fills the chart
         assert severe(chromium) == []
+
+
+PLACEHOLDERS_JS = """return Array.from(document.querySelectorAll('.placeholder')).map(p => ({
+  chart: p.dataset.for, shown: p.offsetWidth > 0 && p.offsetHeight > 0,
+  text: p.textContent, covers: p.getBoundingClientRect().height >=
+    document.getElementById(p.dataset.for).getBoundingClientRect().height}));"""
+CHARTS = ["chart-loss-step", "chart-loss-bytes", "chart-throughput"]
+
+
+def placeholders(driver) -> dict[str, dict]:
+    return {p["chart"]: p for p in driver.execute_script(PLACEHOLDERS_JS)}
+
+
+def test_page_in_chromium_shows_a_placeholder_in_each_chart_until_plotly_has_drawn_it(
+        chromium_eager):
+    driver = chromium_eager
+    gate = threading.Event()
+    with WebDashboard() as web:
+        serve_plotly = web._server.plotly_js
+        web._server.plotly_js = lambda: (gate.wait(60), serve_plotly())[1]  # a slow link
+        try:
+            web.begin_run("digits", {}, 2)
+            driver.get(f"http://127.0.0.1:{web.port}/")
+            # the table does not wait for plotly.js, and each chart's box says what it waits for
+            wait_for(lambda: len(driver.execute_script(ROWS_JS)) == 2, 20, "the rows")
+            shown = placeholders(driver)
+            assert sorted(shown) == sorted(CHARTS)
+            for box in shown.values():
+                assert box["shown"] and box["covers"], box
+                assert "loading the chart library" in box["text"], box
+            assert "loss vs step" in shown["chart-loss-step"]["text"]
+        finally:
+            gate.set()
+        wait_for(lambda: driver.execute_script("return typeof Plotly") == "object", 30,
+                 "plotly.js to load")
+        wait_for(lambda: all("waiting for the first step" in p["text"] and p["shown"]
+                             for p in placeholders(driver).values()), 10,
+                 "the placeholders to wait for the first step")
+        web.on_event(step(0, 1, 2.0))
+        web.on_event(step(1, 1, 2.1))
+        for chart in ("chart-loss-step", "chart-loss-bytes"):
+            wait_for(lambda c=chart: driver.execute_script(POINTS_JS, c) == 2, 10,
+                     f"the points of {chart}")
+            wait_for(lambda c=chart: not placeholders(driver)[c]["shown"], 5,
+                     f"the placeholder of {chart} to go")
+        # throughput needs half a second of a host's training (step() trains 0.5 s a step)
+        assert "once a host has trained" in placeholders(driver)["chart-throughput"]["text"]
+        for rank in (0, 1):
+            web.on_event(step(rank, 2, 1.5))
+        wait_for(lambda: driver.execute_script(POINTS_JS, "chart-throughput") > 0, 10,
+                 "the throughput chart")
+        wait_for(lambda: not placeholders(driver)["chart-throughput"]["shown"], 5,
+                 "the throughput placeholder to go")
+        assert severe(driver) == []
+
+
+def test_page_in_chromium_says_when_plotly_js_cannot_be_loaded(chromium, tmp_path):
+    with WebDashboard() as web:
+        web._server.plotly_path = tmp_path / "gone" / "plotly.min.js"  # removed meanwhile
+        status, body = get(f"http://127.0.0.1:{web.port}/plotly.min.js")
+        assert status == 500 and b"reinstall it: pip install 'exogym[web]'" in body
+        web.begin_run("digits", {}, 1)
+        web.on_event(step(0, 1))
+        chromium.get(f"http://127.0.0.1:{web.port}/")
+        wait_for(lambda: all("did not load" in p["text"] and p["shown"]
+                             for p in placeholders(chromium).values()), 10,
+                 "the placeholders to say plotly.js did not load")
+        assert len(chromium.execute_script(ROWS_JS)) == 1  # the rest of the page works

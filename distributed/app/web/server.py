@@ -147,7 +147,15 @@ class _Handler(BaseHTTPRequestHandler):
                                         "SameSite=Strict"
             self._send(HTTPStatus.OK, (STATIC / name).read_bytes(), content_type, headers)
         elif url.path == "/plotly.min.js":
-            self._send(HTTPStatus.OK, self.server.plotly_js(), "text/javascript; charset=utf-8",
+            try:
+                script = self.server.plotly_js()
+            except OSError as exc:  # e.g. plotly uninstalled while the command runs
+                self._send(HTTPStatus.INTERNAL_SERVER_ERROR,
+                           f"500: cannot read {self.server.plotly_path}: "
+                           f"{exc.strerror or exc}; reinstall it: {WEB_EXTRA_HINT}\n".encode(),
+                           "text/plain; charset=utf-8")
+                return
+            self._send(HTTPStatus.OK, script, "text/javascript; charset=utf-8",
                        {"Cache-Control": "max-age=3600"})
         elif url.path == "/state":
             body = json.dumps(self.server.state.view(0)).encode()

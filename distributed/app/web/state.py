@@ -334,7 +334,7 @@ class WebState:
             now = self.clock()
             return {
                 "title": self.title, "version": self.version, "since": since,
-                "rate_window_s": RATE_WINDOW_S,
+                "rate_window_s": RATE_WINDOW_S, "rate_min_span_s": RATE_MIN_SPAN_S,
                 "seq": len(self.points), "closed": self.closed,
                 "runs": [run.as_json(now) for run in self.runs],
                 "ranks": [row.as_json(now) for run in self.runs

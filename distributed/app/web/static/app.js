@@ -218,20 +218,61 @@ function ordered(map) {  // traces in run, then rank (or host) order, whatever r
     .map((entry) => entry[1]);
 }
 
+const drawn = new Set();  // the charts plotly has drawn (those with data)
+
+function plot(id, data, chartLayout) {
+  const gd = document.getElementById(id);
+  if (!data.some((t) => t.x.length > 0)) {  // nothing to show: the placeholder says why
+    if (drawn.delete(id)) Plotly.purge(gd);
+    return;
+  }
+  Plotly.react(gd, data, chartLayout,
+               { displaylogo: false, displayModeBar: false, responsive: true });
+  drawn.add(id);
+}
+
 function drawCharts() {
-  if (!chartsDirty || typeof Plotly === "undefined") return;
-  chartsDirty = false;
-  revision += 1;
-  const config = { displaylogo: false, displayModeBar: false, responsive: true };
-  Plotly.react("chart-loss-step", [...ordered(traces.lossStep), ...ordered(traces.valStep)],
-               layout("loss vs step", "step", "loss", "log"), config);
-  Plotly.react("chart-loss-bytes", ordered(traces.lossBytes),
-               layout("loss vs bytes sent", "bytes sent by the rank", "training loss", "log"),
-               config);
-  Plotly.react("chart-throughput", ordered(traces.rate),
-               layout("throughput per host", "seconds of training (the host's clock)",
-                      "samples/s (last " + view.rate_window_s + " s)"),
-               config);
+  if (chartsDirty && typeof Plotly !== "undefined") {
+    chartsDirty = false;
+    revision += 1;
+    plot("chart-loss-step", [...ordered(traces.lossStep), ...ordered(traces.valStep)],
+         layout("loss vs step", "step", "loss", "log"));
+    plot("chart-loss-bytes", ordered(traces.lossBytes),
+         layout("loss vs bytes sent", "bytes sent by the rank", "training loss", "log"));
+    plot("chart-throughput", ordered(traces.rate),
+         layout("throughput per host", "seconds of training (the host's clock)",
+                "samples/s (last " + view.rate_window_s + " s)"));
+  }
+  drawPlaceholders();
+}
+
+// Until a chart is drawn, its box says what it will show and what it is waiting for.
+function drawPlaceholders() {
+  for (const box of document.querySelectorAll(".placeholder")) {
+    const id = box.dataset.for;
+    box.hidden = drawn.has(id);
+    if (box.hidden) continue;
+    let why;
+    if (window.plotlyFailed) {
+      why = "the chart library (plotly.min.js) did not load: reload the page";
+    } else if (typeof Plotly === "undefined") {
+      why = "loading the chart library…";
+    } else if (view === null || !view.runs.length) {
+      why = "waiting for the run to start…";
+    } else if (id === "chart-throughput" && view.seq > 0) {
+      why = "shown once a host has trained for " + view.rate_min_span_s + " s";
+    } else {
+      why = "waiting for the first step…";
+    }
+    if (box.dataset.why === why) continue;
+    box.dataset.why = why;
+    box.classList.toggle("failed", Boolean(window.plotlyFailed));
+    const title = document.createElement("strong");
+    const text = document.createElement("span");
+    title.textContent = box.dataset.title;
+    text.textContent = why;
+    box.replaceChildren(title, text);
+  }
 }
 
 function apply(next) {
@@ -262,5 +303,6 @@ fetch("state" + query)
   .then((response) => response.json())
   .then((state) => { if (view === null) apply(state); })
   .finally(connect);
+drawPlaceholders();
 setInterval(drawCharts, REDRAW_MS);
 setInterval(() => { tickHeartbeats(); tickElapsed(); }, 1000);
