@@ -2,7 +2,7 @@
 
 Fed with the same metric events as the terminal dashboard (``start``, ``step``,
 ``done``; see ``exogym.metrics``). The throughput chart's points are each host's
-recent rate: the sum of its ranks' samples per second over their last
+recent rate: the sum of its training ranks' samples per second over their last
 :data:`RATE_WINDOW_S` seconds of training, on their own clocks (``wall_s``), from
 their first step on, once they span :data:`RATE_MIN_SPAN_S`. The interval before a
 rank's first step (loading, warm-up) is left out: there a rank that has trained
@@ -275,12 +275,12 @@ class WebState:
             return
         peers = [r for r in run.ranks.values() if r.host == row.host
                  and (r is row or r.state == "training")]
-        rates = [r.recent_samples_per_s for r in peers if r.recent_samples_per_s is not None]
+        rates = [r.recent_samples_per_s for r in peers]  # the host's, once each rank's is known
         point = {"seq": len(self.points) + 1, "run": index, "rank": row.rank, "host": row.host,
                  "step": row.step, "loss": row.loss, "bytes": row.bytes_sent,
                  "t": now - (run.started or now),
                  "host_wall_s": max(r.wall_s for r in run.ranks.values() if r.host == row.host),
-                 "host_samples_per_s": sum(rates) if rates else None}
+                 "host_samples_per_s": None if None in rates else sum(rates)}
         if val is not None:
             point["val_loss"] = val
         self.points.append(point)
