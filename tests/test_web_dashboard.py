@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -515,7 +517,8 @@ ROWS_JS = """return Array.from(document.querySelectorAll('tr.rank-row')).map(r =
   rank: Number(r.dataset.rank), step: Number(r.dataset.step), state: r.dataset.state,
   cells: Array.from(r.cells).map(c => c.textContent)}));"""
 POINTS_JS = """const gd = document.getElementById(arguments[0]);
-return gd && gd.data ? gd.data.reduce((n, t) => n + t.x.length, 0) : 0;"""
+return gd && gd.data ? gd.data.filter(t => t.meta !== 'smoothed')
+  .reduce((n, t) => n + t.x.length, 0) : 0;"""
 
 
 def severe(driver) -> list[dict]:
@@ -724,3 +727,70 @@ def test_page_in_chromium_says_when_plotly_js_cannot_be_loaded(chromium, tmp_pat
                              for p in placeholders(chromium).values()), 10,
                  "the placeholders to say plotly.js did not load")
         assert len(chromium.execute_script(ROWS_JS)) == 1  # the rest of the page works
+
+
+TRACES_JS = """const gd = document.getElementById(arguments[0]);
+return (gd.data || []).map(t => ({name: t.name, kind: t.meta, y: Array.from(t.y),
+  opacity: t.opacity === undefined ? 1 : t.opacity, color: t.line && t.line.color}));"""
+
+
+def tensorboard_smoothing(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: a debiased exponential moving average."""
+    last, out = 0.0, []
+    for count, value in enumerate(values, 1):
+        last = last * weight + (1 - weight) * value
+        out.append(last / (1 - weight ** count))
+    return out
+
+
+def log_variation(values: list[float]) -> float:
+    """How much a curve jumps about on a log axis: the sum of its steps in decades."""
+    return sum(abs(math.log10(b) - math.log10(a)) for a, b in zip(values, values[1:]))
+
+
+def set_smoothing(driver, value: str) -> None:
+    driver.execute_script("""const s = document.getElementById('smoothing');
+        s.value = arguments[0]; s.dispatchEvent(new Event('input'));""", value)
+
+
+def test_page_in_chromium_smooths_per_step_loss_by_default_and_keeps_the_raw_points(chromium):
+    noise = random.Random(5)
+    losses = {rank: [10 ** noise.uniform(-6, 0) for _ in range(200)] for rank in (0, 1)}
+    with WebDashboard() as web:
+        web.begin_run("digits", {}, 2)
+        for n in range(1, 201):
+            for rank in (0, 1):
+                web.on_event(step(rank, n, losses[rank][n - 1]))
+        chromium.get(f"http://127.0.0.1:{web.port}/")
+        wait_for(lambda: chromium.execute_script(POINTS_JS, "chart-loss-step") == 400, 20,
+                 "the 400 points of the loss chart")
+        slider = chromium.find_element("id", "smoothing")
+        assert slider.get_attribute("value") == "0.9"  # on by default
+        assert chromium.find_element("id", "smoothing-value").text == "0.90"
+        for chart in ("chart-loss-step", "chart-loss-bytes"):
+            traces = chromium.execute_script(TRACES_JS, chart)
+            assert [(t["name"], t["kind"]) for t in traces] == [
+                ("rank 0", "raw"), ("rank 0", "smoothed"), ("rank 1", "raw"), ("rank 1", "smoothed")]
+            for rank in (0, 1):
+                raw, smoothed = traces[2 * rank], traces[2 * rank + 1]
+                assert raw["y"] == pytest.approx(losses[rank], rel=1e-12)
+                assert raw["opacity"] < 0.5 and raw["color"] == smoothed["color"]  # faint, behind
+                assert smoothed["y"] == pytest.approx(tensorboard_smoothing(losses[rank], 0.9),
+                                                      rel=1e-9)
+                assert log_variation(smoothed["y"]) < log_variation(raw["y"]) / 5  # readable
+        # the raw points alone, once smoothing is off; the choice outlives a reload
+        set_smoothing(chromium, "0")
+        assert chromium.find_element("id", "smoothing-value").text == "off"
+        traces = chromium.execute_script(TRACES_JS, "chart-loss-step")
+        assert [(t["kind"], t["opacity"]) for t in traces] == [("raw", 1), ("raw", 1)]
+        set_smoothing(chromium, "0.5")
+        chromium.find_element("id", "show-raw").click()  # smoothed curves only
+        traces = chromium.execute_script(TRACES_JS, "chart-loss-step")
+        assert [t["kind"] for t in traces] == ["smoothed", "smoothed"]
+        assert traces[0]["y"] == pytest.approx(tensorboard_smoothing(losses[0], 0.5), rel=1e-9)
+        chromium.refresh()
+        wait_for(lambda: chromium.execute_script(TRACES_JS, "chart-loss-step"), 20,
+                 "the loss chart after a reload")
+        assert chromium.find_element("id", "smoothing").get_attribute("value") == "0.5"
+        assert not chromium.find_element("id", "show-raw").is_selected()
+        assert severe(chromium) == []

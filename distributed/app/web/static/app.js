@@ -12,6 +12,74 @@ let receivedAt = 0;       // Date.now() when it came (heartbeats tick from there
 let traces = null;        // chart series built from the points
 let chartsDirty = false;
 let revision = 0;         // tells Plotly.react that the (same) arrays grew
+// plotly's own colours, given by hand so that a rank's raw and smoothed curves share one
+const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+                "#7f7f7f", "#bcbd22", "#17becf"];
+const SMOOTHING_DEFAULT = 0.9;
+
+// The loss curves' smoothing, as TensorBoard's slider: the weight of an exponential moving
+// average (0: off). Kept in the browser, so a reload keeps the reader's choice.
+const smoothing = {
+  weight: SMOOTHING_DEFAULT,
+  showRaw: true,
+  load() {
+    try {
+      const kept = localStorage.getItem("exogym.smoothing");
+      if (kept !== null && Number(kept) >= 0 && Number(kept) < 1) this.weight = Number(kept);
+      this.showRaw = localStorage.getItem("exogym.showRaw") !== "false";
+    } catch (error) { /* storage disabled: the defaults */ }
+  },
+  save() {
+    try {
+      localStorage.setItem("exogym.smoothing", String(this.weight));
+      localStorage.setItem("exogym.showRaw", String(this.showRaw));
+    } catch (error) { /* storage disabled: the choice lasts until a reload */ }
+  },
+};
+
+// TensorBoard's smoothing: an exponential moving average debiased for its first points
+// (so the curve starts at the data, not at zero); a non-finite value is kept as it is.
+function smooth(values, weight) {
+  const out = new Array(values.length);
+  let last = 0;
+  let count = 0;
+  for (let i = 0; i < values.length; i += 1) {
+    const y = values[i];
+    if (y === null || !Number.isFinite(y)) { out[i] = y; continue; }
+    last = last * weight + (1 - weight) * y;
+    count += 1;
+    out[i] = last / (1 - Math.pow(weight, count));
+  }
+  return out;
+}
+
+// A chart's traces for per-step losses: each series smoothed in its own colour, over its
+// raw points drawn faintly (when asked for); the raw points alone when smoothing is off.
+function lossTraces(list) {
+  const out = [];
+  list.forEach((s, i) => {
+    const color = COLORS[i % COLORS.length];
+    const base = { type: "scatter", mode: "lines", name: s.name, legendgroup: s.name };
+    if (smoothing.weight <= 0) {
+      out.push(Object.assign({}, base, { x: s.x, y: s.y, meta: "raw", line: { color: color } }));
+      return;
+    }
+    if (smoothing.showRaw) {
+      out.push(Object.assign({}, base, { x: s.x, y: s.y, meta: "raw", showlegend: false,
+                                         opacity: 0.25, line: { color: color, width: 1 },
+                                         hoverinfo: "skip" }));
+    }
+    out.push(Object.assign({}, base, { x: s.x, y: smooth(s.y, smoothing.weight),
+                                       meta: "smoothed", line: { color: color, width: 2 } }));
+  });
+  return out;
+}
+
+function validationTraces(list, offset) {  // evaluations are few: never smoothed
+  return list.map((s, i) => Object.assign({}, s, {
+    meta: "validation",
+    line: Object.assign({}, s.line, { color: COLORS[(offset + i) % COLORS.length] }) }));
+}
 
 function resetTraces() {
   traces = { lossStep: new Map(), valStep: new Map(), lossBytes: new Map(), rate: new Map() };
@@ -235,9 +303,11 @@ function drawCharts() {
   if (chartsDirty && typeof Plotly !== "undefined") {
     chartsDirty = false;
     revision += 1;
-    plot("chart-loss-step", [...ordered(traces.lossStep), ...ordered(traces.valStep)],
+    const ranks = ordered(traces.lossStep);
+    plot("chart-loss-step",
+         [...lossTraces(ranks), ...validationTraces(ordered(traces.valStep), ranks.length)],
          layout("loss vs step", "step", "loss", "log"));
-    plot("chart-loss-bytes", ordered(traces.lossBytes),
+    plot("chart-loss-bytes", lossTraces(ordered(traces.lossBytes)),
          layout("loss vs bytes sent", "bytes sent by the rank", "training loss", "log"));
     plot("chart-throughput", ordered(traces.rate),
          layout("throughput per host", "seconds of training (the host's clock)",
@@ -303,6 +373,34 @@ fetch("state" + query)
   .then((response) => response.json())
   .then((state) => { if (view === null) apply(state); })
   .finally(connect);
+function setUpSmoothing() {
+  smoothing.load();
+  const slider = document.getElementById("smoothing");
+  const shown = document.getElementById("smoothing-value");
+  const raw = document.getElementById("show-raw");
+  const show = () => {
+    shown.textContent = smoothing.weight > 0 ? smoothing.weight.toFixed(2) : "off";
+    raw.disabled = smoothing.weight <= 0;  // off: the raw points are the curve
+  };
+  slider.value = smoothing.weight;
+  raw.checked = smoothing.showRaw;
+  show();
+  slider.addEventListener("input", () => {
+    smoothing.weight = Math.min(Math.max(Number(slider.value), 0), 0.99);
+    smoothing.save();
+    show();
+    chartsDirty = traces !== null;
+    drawCharts();
+  });
+  raw.addEventListener("change", () => {
+    smoothing.showRaw = raw.checked;
+    smoothing.save();
+    chartsDirty = traces !== null;
+    drawCharts();
+  });
+}
+
+setUpSmoothing();
 drawPlaceholders();
 setInterval(drawCharts, REDRAW_MS);
 setInterval(() => { tickHeartbeats(); tickElapsed(); }, 1000);
