@@ -65,6 +65,24 @@ def test_an_advertised_name_that_is_not_a_dns_label_is_refused_before_any_work()
         this_machine(name="my mac")
 
 
+def test_the_ssh_command_names_the_first_address_and_a_port_other_than_22():
+    assert advert().ssh_command == "ssh -p 2222 alice@192.168.1.7"
+    assert advert(ssh_port=22, addresses=("10.0.0.5", "172.17.0.1")).ssh_command == (
+        "ssh alice@10.0.0.5")
+    assert advert(addresses=(), ssh_user="").ssh_command == "ssh -p 2222 mini.lan"
+
+
+def test_a_browser_puts_the_addresses_on_its_own_subnets_first():
+    from ipaddress import IPv4Network
+
+    from distributed.hosts.discovery import reachable_first
+
+    lan = [IPv4Network("192.168.1.0/24"), IPv4Network("127.0.0.0/8")]
+    assert reachable_first(["172.17.0.1", "10.8.0.3", "192.168.1.7"], lan) == [
+        "192.168.1.7", "172.17.0.1", "10.8.0.3"]
+    assert reachable_first(["172.17.0.1", "10.8.0.3"], lan) == ["172.17.0.1", "10.8.0.3"]
+
+
 def test_without_zeroconf_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "zeroconf", None)
     with pytest.raises(DiscoveryError, match=r"zeroconf package.*distributed extra"):
@@ -100,9 +118,11 @@ def lines_of(proc: subprocess.Popen) -> queue.Queue:
     return lines
 
 
-def wait_for(lines: queue.Queue, text: str, timeout: float) -> str:
+def wait_for(lines: queue.Queue, text: str, timeout: float,
+             seen: list[str] | None = None) -> str:
+    """The first line holding ``text``; every line read on the way is added to ``seen``."""
     deadline = time.monotonic() + timeout
-    seen = []
+    seen = [] if seen is None else seen
     while time.monotonic() < deadline:
         try:
             line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
@@ -114,14 +134,17 @@ def wait_for(lines: queue.Queue, text: str, timeout: float) -> str:
     raise AssertionError(f"{text!r} not seen within {timeout} s; saw: {''.join(seen)[-2000:]}")
 
 
-def start_agent(ns: str, name: str, port: int) -> tuple[subprocess.Popen, queue.Queue]:
+def start_agent(ns: str, name: str, port: int) -> tuple[subprocess.Popen, queue.Queue, str]:
+    """An agent in ``ns`` advertising ``name``, once it says so: the process, its remaining
+    lines and what it said until then."""
     proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, CLI, "agent",
                              "--name", name, "--port", str(port), "--user", f"u-{name}"],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     lines = lines_of(proc)
-    wait_for(lines, f"Advertising {name}", 60)
-    return proc, lines
+    said: list[str] = []
+    wait_for(lines, f"Advertising {name} ", 60, said)
+    return proc, lines, "".join(said)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -147,7 +170,7 @@ def test_discover_in_a_third_namespace_finds_both_agents_with_their_fields():
                                    env=dict(ENV, COLUMNS="200"), capture_output=True, text=True,
                                    timeout=120)
         finally:
-            for proc, _ in agents:
+            for proc, _, _ in agents:
                 stop(proc)
     assert done.returncode == 0, done.stderr
     found = {m["name"]: m for m in json.loads(done.stdout)}
@@ -181,7 +204,7 @@ def test_a_stopped_agent_says_goodbye_and_leaves_a_running_browser_within_5_s():
             for name in agents:
                 wait_for(events, f'"added", "name": "{name}"', 10)
             for name, sig in (("alpha", signal.SIGTERM), ("beta", signal.SIGINT)):
-                proc, lines = agents[name]
+                proc, lines, _ = agents[name]
                 sent = time.time()
                 proc.send_signal(sig)
                 gone = json.loads(wait_for(events, f'"removed", "name": "{name}"', 5))
@@ -189,9 +212,40 @@ def test_a_stopped_agent_says_goodbye_and_leaves_a_running_browser_within_5_s():
                 assert proc.wait(10) == 0
                 wait_for(lines, f"Stopped advertising {name} (goodbye sent)", 5)
         finally:
-            for proc, _ in agents.values():
+            for proc, _, _ in agents.values():
                 stop(proc)
             stop(browser)
+
+
+def discover_in(ns: str) -> tuple[list[dict], str]:
+    """``discover --json`` and the table ``discover`` prints, run in namespace ``ns``."""
+    done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, CLI, "discover", "--json",
+                           "--timeout", "3"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    table = subprocess.run(["ip", "netns", "exec", ns, sys.executable, CLI, "discover",
+                            "--timeout", "3"], cwd=ROOT, env=dict(ENV, COLUMNS="250"),
+                           capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and table.returncode == 0, done.stderr + table.stderr
+    return json.loads(done.stdout), table.stdout
+
+
+@needs_netns
+def test_agent_and_discover_print_ssh_to_the_lan_address_not_to_a_docker_bridge_listed_first():
+    with lan(2) as (names, addresses):
+        # docker's bridge, whose index (2) is below the LAN link's: ifaddr lists it first
+        for args in (("link", "add", "docker0", "type", "bridge"),
+                     ("addr", "add", "172.31.9.1/24", "dev", "docker0"),
+                     ("link", "set", "docker0", "up")):
+            subprocess.run(["ip", "-n", names[0], *args], check=True)
+        agent = start_agent(names[0], "alpha", 2201)
+        try:
+            found, table = discover_in(names[1])
+        finally:
+            stop(agent[0])
+    ssh = f"ssh -p 2201 u-alpha@{addresses[0]}"
+    assert f"on {addresses[0]}, 172.31.9.1 until Ctrl-C; log in with: {ssh}\n" in agent[2]
+    assert [m["addresses"] for m in found] == [[addresses[0], "172.31.9.1"]]
+    assert ssh in table
 
 
 def test_discover_with_nothing_answering_says_so_and_exits_0(tmp_path):

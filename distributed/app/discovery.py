@@ -66,7 +66,7 @@ def machines_table(machines: Sequence[MachineAdvert]) -> Table:
                    "python", "project"):
         table.add_column(column, overflow="fold")
     for m in machines:
-        table.add_row(m.name, ", ".join(m.addresses), f"{m.ssh_user}@:{m.ssh_port}",
+        table.add_row(m.name, ", ".join(m.addresses), m.ssh_command,
                       f"{m.device} ({m.device_name})" if m.device_name else m.device,
                       str(m.cores), f"{m.memory_gb:g} GB", m.torch or "-", m.code_hash,
                       m.python, m.project_path)
@@ -91,11 +91,12 @@ def serve_agent(console: Console, name: str | None = None, ssh_port: int = 22,
     try:
         with Advertiser(advert):
             console.print(f"Advertising {advert.summary} as {advert.name}._exogym._tcp.local. "
-                          f"on {', '.join(advert.addresses)} (ssh {advert.ssh_user}@:"
-                          f"{advert.ssh_port}); Ctrl-C to stop.", highlight=False)
+                          f"on {', '.join(advert.addresses)} until Ctrl-C; log in with: "
+                          f"{advert.ssh_command}", markup=False, highlight=False)
             while not stop.wait(0.2):
                 pass
-        console.print(f"Stopped advertising {advert.name} (goodbye sent).", highlight=False)
+        console.print(f"Stopped advertising {advert.name} (goodbye sent).", markup=False,
+                      highlight=False)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -8,6 +8,10 @@ device, cores, memory). TXT values are limited to 255 bytes each, so the
 fields are short keys with short values; a path longer than that is refused
 when the agent starts, not cut.
 
+Addresses are ordered by use: an agent announces the address its multicast leaves from
+first (the LAN's, not a docker or VPN bridge's), and a browser puts an advert's addresses on its
+own subnets first, so the first address is the one to reach the machine at.
+
 On exit the agent unregisters, which multicasts a goodbye (TTL 0): browsers
 drop the machine at once instead of when its records expire.
 
@@ -19,6 +23,7 @@ its version is read from package metadata.
 from __future__ import annotations
 
 import getpass
+import ipaddress
 import os
 import platform
 import re
@@ -27,7 +32,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,6 +41,8 @@ from distributed.hosts.sync import PROJECT_ROOT, code_files
 
 SERVICE_TYPE = "_exogym._tcp.local."
 TXT_LIMIT = 255  # bytes of one "key=value" string of a TXT record
+MDNS_GROUP = "224.0.0.251"
+MDNS_PORT = 5353
 
 
 class DiscoveryError(Exception):
@@ -61,7 +68,7 @@ class MachineAdvert:
     Args:
         name: the service instance name (default: the host name); unique on the LAN.
         host: the machine's host name.
-        addresses: its IPv4 addresses.
+        addresses: its IPv4 addresses, the one to reach it at first.
         ssh_port: the port its SSH server listens on.
         ssh_user: the user to log in as.
         python: the Python interpreter that runs the project there.
@@ -98,6 +105,15 @@ class MachineAdvert:
     def summary(self) -> str:
         """``mini (mps, 16 GB)``: how a person recognises the machine."""
         return f"{self.name} ({self.device}, {self.memory_gb:g} GB)"
+
+    @property
+    def ssh_command(self) -> str:
+        """``ssh -p 2222 alice@192.168.1.7``: how to log in to the machine at its first
+        address (its host name when it announced none; ``-p`` only for a port other than 22)."""
+        where = self.addresses[0] if self.addresses else self.host
+        port = f"-p {self.ssh_port} " if self.ssh_port != 22 else ""
+        user = f"{self.ssh_user}@" if self.ssh_user else ""
+        return f"ssh {port}{user}{where}"
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, plus ``memory_gb``; JSON-ready."""
@@ -192,14 +208,54 @@ def memory_bytes() -> int:
         return 0
 
 
+def multicast_source_address() -> str | None:
+    """The IPv4 address this machine's mDNS multicast leaves from (the source address of its
+    route to 224.0.0.251: usually the LAN interface's), or None where there is no such route.
+    Connecting a UDP socket only looks the route up; nothing is sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((MDNS_GROUP, MDNS_PORT))
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address == "0.0.0.0" else address
+
+
 def ipv4_addresses() -> list[str]:
     """This machine's IPv4 addresses other than loopback (read with ``ifaddr``, zeroconf's own
-    dependency)."""
+    dependency), the one its multicast leaves from first: its LAN address before a docker,
+    VM or VPN bridge's that happens to come first in the interface list."""
     require_zeroconf()
     import ifaddr
 
-    return [ip.ip for adapter in ifaddr.get_adapters() for ip in adapter.ips
-            if isinstance(ip.ip, str) and not ip.ip.startswith("127.")]
+    found = [ip.ip for adapter in ifaddr.get_adapters() for ip in adapter.ips
+             if isinstance(ip.ip, str) and not ip.ip.startswith("127.")]
+    primary = multicast_source_address()
+    return sorted(found, key=lambda address: address != primary)
+
+
+def local_networks() -> list[ipaddress.IPv4Network]:
+    """The IPv4 networks this machine's interfaces are on (loopback's included)."""
+    require_zeroconf()
+    import ifaddr
+
+    return [ipaddress.IPv4Network(f"{ip.ip}/{ip.network_prefix}", strict=False)
+            for adapter in ifaddr.get_adapters() for ip in adapter.ips if isinstance(ip.ip, str)]
+
+
+def reachable_first(addresses: Sequence[str],
+                    networks: Sequence[ipaddress.IPv4Network]) -> list[str]:
+    """``addresses`` with those on one of ``networks`` first (reachable without a router),
+    each group in its given order."""
+
+    def on_a_network(address: str) -> bool:
+        try:
+            ip = ipaddress.IPv4Address(address)
+        except ValueError:
+            return False
+        return any(ip in network for network in networks)
+
+    return sorted(addresses, key=lambda address: not on_a_network(address))
 
 
 def this_machine(name: str | None = None, ssh_port: int = 22, ssh_user: str | None = None,
@@ -306,8 +362,8 @@ class Browser:
             info = zeroconf.get_service_info(service_type, name, timeout=2000)
             if info is None:
                 return
-            advert = MachineAdvert.from_service(name, info.parsed_addresses(), info.port or 22,
-                                                info.properties)
+            addresses = reachable_first(info.parsed_addresses(), local_networks())
+            advert = MachineAdvert.from_service(name, addresses, info.port or 22, info.properties)
             with self._lock:
                 self._found[name] = advert
             if self._on_change:
