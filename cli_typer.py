@@ -580,7 +580,8 @@ def agent(
     user: Annotated[str | None, typer.Option(
         "--user", help="The SSH user to advertise (default: the current user).")] = None,
     name: Annotated[str | None, typer.Option(
-        "--name", help="The name to advertise, unique on the LAN (default: the host name).")
+        "--name", help="The name to advertise (default: the host name); if another machine "
+        "advertises it, the next free one (name-2, name-3...).")
     ] = None,
     debug: Debug = False,
 ) -> None:

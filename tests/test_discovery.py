@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,6 +71,15 @@ def test_the_ssh_command_names_the_first_address_and_a_port_other_than_22():
     assert advert(ssh_port=22, addresses=("10.0.0.5", "172.17.0.1")).ssh_command == (
         "ssh alice@10.0.0.5")
     assert advert(addresses=(), ssh_user="").ssh_command == "ssh -p 2222 mini.lan"
+
+
+def test_a_taken_name_is_followed_by_name_2_name_3_each_within_one_dns_label():
+    from distributed.hosts.discovery import instance_names
+
+    assert list(instance_names("vm", 4)) == ["vm", "vm-2", "vm-3", "vm-4"]
+    long = list(instance_names("p" * 63, 12))
+    assert long[0] == "p" * 63 and long[1] == "p" * 61 + "-2" and long[11] == "p" * 60 + "-12"
+    assert all(len(name) <= 63 for name in long)
 
 
 def test_a_browser_puts_the_addresses_on_its_own_subnets_first():
@@ -134,16 +144,22 @@ def wait_for(lines: queue.Queue, text: str, timeout: float,
     raise AssertionError(f"{text!r} not seen within {timeout} s; saw: {''.join(seen)[-2000:]}")
 
 
-def start_agent(ns: str, name: str, port: int) -> tuple[subprocess.Popen, queue.Queue, str]:
-    """An agent in ``ns`` advertising ``name``, once it says so: the process, its remaining
-    lines and what it said until then."""
-    proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, CLI, "agent",
-                             "--name", name, "--port", str(port), "--user", f"u-{name}"],
-                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+def start_agent(ns: str, name: str, port: int, hostname: str | None = None,
+                advertised: str | None = None) -> tuple[subprocess.Popen, queue.Queue, str]:
+    """An agent in ``ns`` advertising ``name`` (``--name``; with ``hostname``, its host name and
+    no ``--name``, as a cloned machine would run it), once it says it advertises ``advertised``
+    (default ``name``): the process, its remaining lines and what it said until then."""
+    command = [sys.executable, CLI, "agent", "--port", str(port), "--user", f"u-{name}"]
+    if hostname is None:
+        command += ["--name", name]
+    else:  # its own UTS namespace: the host name changes for the agent only
+        command = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname,
+                   *command]
+    proc = subprocess.Popen(["ip", "netns", "exec", ns, *command], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = lines_of(proc)
     said: list[str] = []
-    wait_for(lines, f"Advertising {name} ", 60, said)
+    wait_for(lines, f"Advertising {advertised or name} ", 60, said)
     return proc, lines, "".join(said)
 
 
@@ -227,6 +243,35 @@ def discover_in(ns: str) -> tuple[list[dict], str]:
                            capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and table.returncode == 0, done.stderr + table.stderr
     return json.loads(done.stdout), table.stdout
+
+
+needs_unshare = pytest.mark.skipif(shutil.which("unshare") is None,
+                                   reason="util-linux unshare is not installed")
+
+
+@needs_netns
+@needs_unshare
+def test_a_second_machine_with_the_same_host_name_advertises_as_name_2_keeping_its_host_name():
+    with lan(3) as (names, addresses):
+        agents = []
+        try:
+            agents.append(start_agent(names[0], "one", 2201, hostname="vm", advertised="vm"))
+            agents.append(start_agent(names[1], "two", 2202, hostname="vm", advertised="vm-2"))
+            found, table = discover_in(names[2])
+        finally:
+            for proc, _, _ in agents:
+                stop(proc)
+    assert "already advertised" not in agents[0][2]
+    assert ("The name 'vm' is already advertised on this LAN by another machine; advertising "
+            "this one as 'vm-2' (host name 'vm', in its record)") in agents[1][2]
+    machines = {m["name"]: m for m in found}
+    assert sorted(machines) == ["vm", "vm-2"]
+    for name, user, port, address in (("vm", "u-one", 2201, addresses[0]),
+                                      ("vm-2", "u-two", 2202, addresses[1])):
+        m = machines[name]
+        assert (m["host"], m["ssh_user"], m["ssh_port"]) == ("vm", user, port)
+        assert m["addresses"] == [address]  # its own host record: no address of the other
+    assert re.search(r"│ vm\s+│ vm\s+│", table) and re.search(r"│ vm-2\s+│ vm\s+│", table)
 
 
 @needs_netns

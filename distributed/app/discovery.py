@@ -59,14 +59,15 @@ def find_machines(timeout: float = 3.0) -> list[MachineAdvert]:
 
 
 def machines_table(machines: Sequence[MachineAdvert]) -> Table:
-    """One row per machine: what a person needs to pick it and to reach it."""
+    """One row per machine: what a person needs to pick it and to reach it (its advertised
+    name beside its real host name, which differ when another machine took the name first)."""
     table = Table(title=f"{len(machines)} machine{'s' * (len(machines) != 1)} on the LAN",
                   title_justify="left")
-    for column in ("name", "addresses", "ssh", "device", "cores", "memory", "torch", "code",
-                   "python", "project"):
+    for column in ("name", "host", "addresses", "ssh", "device", "cores", "memory", "torch",
+                   "code", "python", "project"):
         table.add_column(column, overflow="fold")
     for m in machines:
-        table.add_row(m.name, ", ".join(m.addresses), m.ssh_command,
+        table.add_row(m.name, m.host, ", ".join(m.addresses), m.ssh_command,
                       f"{m.device} ({m.device_name})" if m.device_name else m.device,
                       str(m.cores), f"{m.memory_gb:g} GB", m.torch or "-", m.code_hash,
                       m.python, m.project_path)
@@ -75,21 +76,29 @@ def machines_table(machines: Sequence[MachineAdvert]) -> Table:
 
 def serve_agent(console: Console, name: str | None = None, ssh_port: int = 22,
                 ssh_user: str | None = None, stop: threading.Event | None = None) -> MachineAdvert:
-    """Advertise this machine until Ctrl-C, SIGTERM or ``stop``; say goodbye; the advert.
+    """Advertise this machine until Ctrl-C, SIGTERM or ``stop``; say goodbye; the advert, under
+    the name it was advertised as (``vm-2`` when another machine advertises ``vm``, which is
+    said).
 
     Raises:
-        DiscoveryError: zeroconf is missing, the name is taken, or there is no address.
+        DiscoveryError: zeroconf is missing, every name tried is taken, or there is no address.
     """
     if not 1 <= ssh_port <= 65535:
         raise DiscoveryError(f"--port must be an SSH port between 1 and 65535, got {ssh_port}")
     stop = stop or threading.Event()
-    advert = this_machine(name=name, ssh_port=ssh_port, ssh_user=ssh_user)
+    wanted = this_machine(name=name, ssh_port=ssh_port, ssh_user=ssh_user)
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
-        with Advertiser(advert):
+        with Advertiser(wanted) as advertiser:
+            advert = advertiser.advert
+            if advert.name != wanted.name:
+                console.print(f"The name {wanted.name!r} is already advertised on this LAN by "
+                              f"another machine; advertising this one as {advert.name!r} "
+                              f"(host name {advert.host!r}, in its record). Pass --name to "
+                              "choose another.", markup=False, highlight=False)
             console.print(f"Advertising {advert.summary} as {advert.name}._exogym._tcp.local. "
                           f"on {', '.join(advert.addresses)} until Ctrl-C; log in with: "
                           f"{advert.ssh_command}", markup=False, highlight=False)

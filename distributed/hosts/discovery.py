@@ -8,7 +8,10 @@ device, cores, memory). TXT values are limited to 255 bytes each, so the
 fields are short keys with short values; a path longer than that is refused
 when the agent starts, not cut.
 
-Addresses are ordered by use: an agent announces the address its multicast leaves from
+Names are unique on the LAN as Bonjour and Avahi keep them: an agent whose name is taken
+(cloned VMs and Raspberry Pis share a host name) advertises the next free one, ``vm-2``,
+``vm-3``..., with its own ``vm-2.local.`` host record, and keeps the real host name in its TXT
+record. Addresses are ordered by use: an agent announces the address its multicast leaves from
 first (the LAN's, not a docker or VPN bridge's), and a browser puts an advert's addresses on its
 own subnets first, so the first address is the one to reach the machine at.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import getpass
 import ipaddress
+import itertools
 import os
 import platform
 import re
@@ -32,8 +36,8 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from distributed.hosts.onhost.probe import hash_files, torch_version
@@ -41,6 +45,8 @@ from distributed.hosts.sync import PROJECT_ROOT, code_files
 
 SERVICE_TYPE = "_exogym._tcp.local."
 TXT_LIMIT = 255  # bytes of one "key=value" string of a TXT record
+LABEL_LIMIT = 63  # bytes of one DNS label: an instance name and its host record's name
+NAME_TRIES = 100  # names tried when the advertised one is taken: vm, vm-2 ... vm-100
 MDNS_GROUP = "224.0.0.251"
 MDNS_PORT = 5353
 
@@ -66,8 +72,9 @@ class MachineAdvert:
     """What one machine says about itself on the LAN.
 
     Args:
-        name: the service instance name (default: the host name); unique on the LAN.
-        host: the machine's host name.
+        name: the service instance name (default: the short host name); unique on the LAN,
+            so ``vm-2`` when another machine advertises ``vm``.
+        host: the machine's real host name, whatever name it advertises.
         addresses: its IPv4 addresses, the one to reach it at first.
         ssh_port: the port its SSH server listens on.
         ssh_user: the user to log in as.
@@ -287,35 +294,65 @@ def this_machine(name: str | None = None, ssh_port: int = 22, ssh_user: str | No
 # --------------------------------------------------------------------------- advertise
 
 
+def instance_names(name: str, count: int = NAME_TRIES) -> Iterator[str]:
+    """``name``, then ``name-2``, ``name-3``... (``count`` names in all): the names an agent
+    tries in turn, as Bonjour and Avahi rename, each cut to fit one DNS label."""
+    yield name[:LABEL_LIMIT]
+    for number in itertools.islice(itertools.count(2), count - 1):
+        suffix = f"-{number}"
+        yield name[:LABEL_LIMIT - len(suffix)] + suffix
+
+
 class Advertiser:
     """This machine's advert, registered on the LAN until ``close()`` says goodbye.
 
+    When another machine already advertises ``advert.name``, the next free name of
+    ``instance_names`` is taken; ``advert`` is then the advert under that name.
+
     Args:
         advert: what to announce.
+
+    Raises:
+        DiscoveryError: there is no address to announce, a TXT field is too long, or every
+            name from ``advert.name`` to ``advert.name-100`` is taken.
     """
 
     def __init__(self, advert: MachineAdvert) -> None:
         require_zeroconf()
-        from zeroconf import IPVersion, ServiceInfo, Zeroconf
+        from zeroconf import IPVersion, Zeroconf
 
         if not advert.addresses:
             raise DiscoveryError("this machine has no IPv4 address other than loopback to "
                                  "announce; connect it to the LAN first")
+        properties = advert.properties()
         self.advert = advert
-        self._info = ServiceInfo(
-            SERVICE_TYPE, f"{advert.name}.{SERVICE_TYPE}",
-            addresses=[socket.inet_aton(a) for a in advert.addresses], port=advert.ssh_port,
-            properties=advert.properties(), server=f"{advert.name}.local.")
         self._zc = Zeroconf(ip_version=IPVersion.V4Only)
         try:
-            self._zc.register_service(self._info)
-        except Exception as exc:
+            self._info = self._register_first_free_name(advert, properties)
+        except BaseException:
             self._zc.close()
-            if type(exc).__name__ == "NonUniqueNameException":
-                raise DiscoveryError(
-                    f"another machine on the LAN already advertises the name {advert.name!r}; "
-                    "give this one its own with --name") from None
             raise
+
+    def _register_first_free_name(self, advert: MachineAdvert,
+                                  properties: dict[str, str]) -> Any:
+        from zeroconf import NonUniqueNameException, ServiceInfo
+
+        for name in instance_names(advert.name):
+            # The host record is renamed with the service: two machines answering for one
+            # vm.local. would merge their addresses in every browser's cache.
+            info = ServiceInfo(
+                SERVICE_TYPE, f"{name}.{SERVICE_TYPE}",
+                addresses=[socket.inet_aton(a) for a in advert.addresses],
+                port=advert.ssh_port, properties=properties, server=f"{name}.local.")
+            try:
+                self._zc.register_service(info)
+            except NonUniqueNameException:
+                continue
+            self.advert = replace(advert, name=name)
+            return info
+        raise DiscoveryError(
+            f"every name from {advert.name!r} to {name!r} is already advertised on this LAN; "
+            "give this machine its own with --name")
 
     def close(self) -> None:
         """Unregister (a goodbye every browser hears) and stop answering queries."""
