@@ -156,6 +156,14 @@ def test_state_throughput_leaves_out_the_interval_before_the_first_step():
                for n in range(17, 41) for rank in (0, 1) if (n, rank) != (17, 0))
     clocks = [p["host_wall_s"] for p in points]
     assert clocks == sorted(clocks) and clocks[-1] == pytest.approx(0.0014 + 39 * 0.032)
+    # rank 0 finishes first; the host's last point still counts it (no drop at the end)
+    state.on_event({"event": "done", "rank": 0, "step": 40})
+    state.on_event(timed_step(1, 41, 0.0014 + 40 * 0.032))
+    assert state.view()["points"][-1]["host_samples_per_s"] == pytest.approx(4000.0)
+    # a rank lost or stopped no longer trains: the host's rate is its other ranks'
+    state.set_status(1, "lost")
+    state.on_event(timed_step(0, 42, 0.0014 + 41 * 0.032))
+    assert state.view()["points"][-1]["host_samples_per_s"] == pytest.approx(2000.0)
 
 
 def test_state_throughput_follows_a_host_that_slows_down():

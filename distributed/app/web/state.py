@@ -2,7 +2,7 @@
 
 Fed with the same metric events as the terminal dashboard (``start``, ``step``,
 ``done``; see ``exogym.metrics``). The throughput chart's points are each host's
-recent rate: the sum of its training ranks' samples per second over their last
+recent rate: the sum of its ranks' samples per second over their last
 :data:`RATE_WINDOW_S` seconds of training, on their own clocks (``wall_s``), from
 their first step on, once they span :data:`RATE_MIN_SPAN_S`. The interval before a
 rank's first step (loading, warm-up) is left out: there a rank that has trained
@@ -273,9 +273,11 @@ class WebState:
         stride = max(1, int(row.max_steps or 0) // POINTS_PER_RANK)
         if row.step % stride and val is None and row.step != row.max_steps:
             return
-        peers = [r for r in run.ranks.values() if r.host == row.host
-                 and (r is row or r.state == "training")]
-        rates = [r.recent_samples_per_s for r in peers]  # the host's, once each rank's is known
+        # The host's rate, once each of its training ranks has one; a rank that has finished
+        # counts with its last (the ranks of a host finish together, and its events come
+        # before theirs: leaving it out drew a drop at every run's end).
+        rates = [r.recent_samples_per_s for r in run.ranks.values() if r.host == row.host
+                 and (r.state == "training" or r.state == "done" and r.recent_samples_per_s)]
         point = {"seq": len(self.points) + 1, "run": index, "rank": row.rank, "host": row.host,
                  "step": row.step, "loss": row.loss, "bytes": row.bytes_sent,
                  "t": now - (run.started or now),
