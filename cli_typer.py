@@ -29,7 +29,7 @@ import click
 import typer
 import typer.core
 
-from distributed.app.console import fail, make_console, reported_errors
+from distributed.app.console import fail, make_console, plural, reported_errors
 
 DEFAULT_PROFILE = "digits-diloco"
 DEFAULT_STRATEGIES = "ddp,diloco,streaming_diloco,sparta,fedavg,demo,sparseloco"
@@ -75,14 +75,10 @@ app = typer.Typer(
 
 def complete_profile(ctx: typer.Context, incomplete: str) -> list[str]:
     """Shell completion of a PROFILE argument: the profiles of --config (or config.ini)."""
-    from distributed.profiles.profile import ProfileError, ProfileSet
+    from distributed.app.profile_list import profile_names
 
-    config = ctx.params.get("config")
-    try:
-        names = ProfileSet(config).names()
-    except (ProfileError, OSError):
-        return []
-    return [name for name in names if name.startswith(incomplete)]
+    return [name for name in profile_names(ctx.params.get("config"))
+            if name.startswith(incomplete)]
 
 
 def show_version(value: bool) -> None:
@@ -285,9 +281,12 @@ def check_hosts(
                        accept_new_host_keys=accept_new_host_keys, ssh_timeout=ssh_timeout)
         if not report.ok:
             failed = sum(not c.ok for c in report.checks)
-            fail(f"{failed} of {len(report.checks)} hosts in {hosts} are not ready; each "
-                  "problem above names the host and the fix.", 2, debug)
-        console.print(f"all {len(report.checks)} hosts in {hosts} are ready.", markup=False)
+            fail(f"{failed} of {plural(len(report.checks), 'host')} in {hosts} "
+                 f"{'is' if failed == 1 else 'are'} not ready; each problem above names the "
+                 "host and the fix.", 2, debug)
+        ready = (f"the only host in {hosts} is ready." if len(report.checks) == 1 else
+                 f"all {plural(len(report.checks), 'host')} in {hosts} are ready.")
+        console.print(ready, markup=False)
 
 
 @app.command("profiles")
@@ -376,8 +375,11 @@ def compare(
         page = open_web(web, console, host=web_host, port=web_port,
                         title=f"{profile}: compare {', '.join(names)}")
         nodes = plans[0].values.get("num_nodes", 1)
-        console.print(f"Comparing {', '.join(names)} on {profile} ({nodes} simulated nodes, "
-                      f"{plans[0].values.get('max_steps', '?')} steps each).", markup=False)
+        steps = plans[0].values.get("max_steps")
+        console.print(f"Comparing {', '.join(names)} on {profile} "
+                      f"({plural(nodes, 'simulated node')}, "
+                      f"{plural(steps, 'step') if steps is not None else '? steps'} each).",
+                      markup=False)
         sources = strategy_profiles(profile, names, str(config) if config else None)
         settings = Table(title="Settings each strategy runs with", title_justify="left")
         for column in ("strategy", "settings from", "settings", "strategy defaults"):
@@ -409,7 +411,8 @@ def compare(
 
         ddp = next((r.bytes_per_node for r in results if r.strategy in ("ddp", "allreduce")),
                    None)
-        table = Table(title=f"{profile}: {len(results)} strategies", title_justify="left")
+        table = Table(title=f"{profile}: {plural(len(results), 'strategy')}",
+                      title_justify="left")
         accuracy = any(r.summary.get("final_val_accuracy") is not None for r in results)
         for column in ("strategy", "final val loss", *(("val acc (rank 0)",) if accuracy else ()),
                        "bytes per node", "vs ddp", "wall time",
@@ -453,7 +456,6 @@ def recommend(
     with reported_errors(ctx, debug):
         import json
 
-        from rich.console import Console
         from rich.table import Table
 
         from distributed.app import run
@@ -469,7 +471,7 @@ def recommend(
             run.hosts_config(request)  # a bad hosts file fails before any measurement
         run.resolve_profile(request)
         # With --json, progress goes to stderr and stdout holds the object alone.
-        console = Console(stderr=True, highlight=False) if json_out else make_console()
+        console = make_console(stderr=json_out)
         rec = choose(request, console, link_mbit=link_mbit)
         if json_out:
             print(json.dumps(rec.to_dict(), indent=2))
@@ -531,7 +533,8 @@ def slurm(
             job.python = python
         path = write_sbatch_script(job, out)
         # soft_wrap: a long path stays on one line, to copy as it is.
-        make_console().print(f"{job.ranks} ranks on {nodes} nodes. " + submit_hint(path),
+        make_console().print(f"{plural(job.ranks, 'rank')} on {plural(nodes, 'node')}. "
+                             + submit_hint(path),
                              markup=False, soft_wrap=True)
 
 
@@ -570,7 +573,8 @@ def whisper_synthesize(
         from distributed.app.whisper import synthesize_speech
 
         spoken, folder = synthesize_speech(out_dir, count)
-        make_console().print(f"{spoken} sentences synthesized into {folder}", markup=False)
+        make_console().print(f"{plural(spoken, 'sentence')} synthesized into {folder}",
+                             markup=False)
 
 
 @app.command("agent")

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from distributed.app.console import fail, make_console, reported_errors
+from distributed.app.console import fail, make_console, plural, reported_errors
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -256,17 +256,21 @@ class Wizard:
             ranks = str(h.ranks[0]) if h.slots == 1 else f"{h.ranks[0]}-{h.ranks[-1]}"
             table.add_row(ranks, h.label, h.ssh_user or "-", h.python_env, h.project_path)
         self.console.print(table)
-        if not self.ask.confirm(f"Use these {len(config.hosts)} hosts ({config.world_size} "
-                                "ranks)?", default=True):
+        these = ("this host" if len(config.hosts) == 1
+                 else f"these {plural(len(config.hosts), 'host')}")
+        if not self.ask.confirm(f"Use {these} ({plural(config.world_size, 'rank')})?",
+                                default=True):
             return None
         self.console.print("Checking every host (pre-flight)...")
         report = self.check(config)
         report.render(self.console)
         if not report.ok:
             if self.ask.assume_yes:
-                fail(f"{sum(not c.ok for c in report.checks)} of {len(config.hosts)} hosts are "
-                     "not ready (each problem above names the host and the fix); fix them and "
-                     "run again, or use cli_typer.py distributed-train --local to simulate",
+                failed = sum(not c.ok for c in report.checks)
+                fail(f"{failed} of {plural(len(config.hosts), 'host')} "
+                     f"{'is' if failed == 1 else 'are'} not ready (each problem above names the "
+                     "host and the fix); fix them and run again, or use cli_typer.py "
+                     "distributed-train --local to simulate",
                      2, False)
             if not self.ask.confirm("Continue anyway? (the run's own pre-flight will stop it "
                                     "if the problems remain)", default=False):
@@ -374,7 +378,7 @@ class Wizard:
             return None
         many = len(machines) > 1
         if not self.ask.confirm(
-                f"I found {len(machines)} other machine{'s' if many else ''}: "
+                f"I found {plural(len(machines), 'other machine')}: "
                 f"{', '.join(m.summary for m in machines)}. Use {'them' if many else 'it'}?",
                 default=True):
             return None
@@ -497,7 +501,7 @@ class Wizard:
         facts = estimates.facts
         self.console.print(f"{facts.num_params:,} parameters; one step of {facts.batch_size} "
                            f"samples takes {facts.compute_s_per_step * 1000:.1f} ms here "
-                           f"({facts.threads} thread(s)). Estimates for {nodes} machines at "
+                           f"({plural(facts.threads, 'thread')}). Estimates for {nodes} machines at "
                            f"{mbit:g} Mbit/s:", highlight=False)
         table = Table(title_justify="left")
         for column in ("strategy", "what it sends", "step here", "sent per step",

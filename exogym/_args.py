@@ -10,6 +10,8 @@ import difflib
 import inspect
 from collections.abc import Iterable
 
+from exogym.plural import plural_noun
+
 
 def unknown_args_error(owner: str, unknown: Iterable[str], accepted: Iterable[str]) -> TypeError:
     """Build the error for keywords ``owner`` does not accept."""
@@ -22,9 +24,8 @@ def unknown_args_error(owner: str, unknown: Iterable[str], accepted: Iterable[st
             hints.append(f"{name!r} (did you mean {close[0]!r}?)")
         else:
             hints.append(repr(name))
-    plural = "s" if len(unknown) > 1 else ""
     return TypeError(
-        f"{owner} got unknown argument{plural} {', '.join(hints)}. "
+        f"{owner} got unknown {plural_noun(len(unknown), 'argument')} {', '.join(hints)}. "
         f"Accepted: {', '.join(accepted)}"
     )
 

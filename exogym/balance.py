@@ -85,6 +85,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exogym import comm
+from exogym.plural import plural
 
 if TYPE_CHECKING:
     from exogym.spec import RunSpec
@@ -119,7 +120,8 @@ def batch_shares(throughputs: list[float], total: int, minimum: int = 1) -> list
     """
     count = len(throughputs)
     if total < count * minimum:
-        raise ValueError(f"{total} samples cannot give each of {count} ranks {minimum}")
+        raise ValueError(f"{plural(total, 'sample')} cannot give each of {plural(count, 'rank')} "
+                         f"{minimum}")
     if any(not t > 0 for t in throughputs):
         raise ValueError(f"throughputs must be positive, got {throughputs}")
     whole = sum(throughputs)

@@ -10,6 +10,7 @@ import torch
 
 from exogym import comm
 from exogym.fit_args import parse_device
+from exogym.plural import plural
 
 
 def best_device_type() -> str:
@@ -58,7 +59,7 @@ def resolve_devices(device: str | torch.device | None,
         raise ValueError("devices= is empty; list at least one GPU index")
     bad = [d for d in devices if not 0 <= d < count]
     if bad:
-        raise ValueError(f"devices {bad} do not exist: this machine has {count} CUDA GPU(s) "
+        raise ValueError(f"devices {bad} do not exist: this machine has {plural(count, 'CUDA GPU')} "
                          f"(indices 0..{count - 1})")
     return "cuda", devices
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from exogym._args import unknown_args_error
 from exogym.logger import LOGGER_NAMES
+from exogym.plural import plural
 
 if TYPE_CHECKING:
     from exogym.logger import Logger
@@ -443,7 +444,7 @@ class RunArgs:
                 object.__setattr__(self, f.name, convert(value))
         self.minibatch()  # checks batch_size, minibatch_size and gradient_accumulation together
         if self.rank_speeds is not None and len(self.rank_speeds) != self.num_nodes:
-            raise ValueError(f"rank_speeds has {len(self.rank_speeds)} values for "
+            raise ValueError(f"rank_speeds has {plural(len(self.rank_speeds), 'value')} for "
                              f"num_nodes={self.num_nodes}: give one per rank")
         if self.network is not None:
             self.network.check_ranks(self.num_nodes)

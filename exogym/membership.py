@@ -35,6 +35,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from exogym.plural import plural, plural_noun
+
 Failure = tuple[int, int, int | None]
 
 
@@ -162,7 +164,7 @@ class Membership:
                 raise ValueError(
                     f"rank_failures: rank {rank} leaves at step {at} before it is back from its "
                     f"previous absence (it rejoins at step {before}, the start of a round of "
-                    f"{self.round_steps} steps)" if before is not None else
+                    f"{plural(self.round_steps, 'step')})" if before is not None else
                     f"rank_failures: rank {rank} leaves at step {at}, but it left for good before")
             spans.append((at, join))
         self._changes = self._change_steps()
@@ -192,7 +194,8 @@ class Membership:
             joining = self.joiners(step)
             if joining and not (present - set(joining)):
                 raise ValueError(
-                    f"rank_failures: at step {step} rank(s) {', '.join(map(str, joining))} rejoin, "
+                    f"rank_failures: at step {step} {plural_noun(len(joining), 'rank')} "
+                    f"{', '.join(map(str, joining))} {'rejoins' if len(joining) == 1 else 'rejoin'}, "
                     "but no rank that stayed is there to hand them the current state")
 
     def is_present(self, rank: int, step: int) -> bool:

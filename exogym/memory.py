@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from exogym.data import build_dataset, loader_kwargs, to_device
 from exogym.devices import rank_device
 from exogym.fit_args import divisors
+from exogym.plural import plural
 from exogym.spec import Placement, RunSpec
 
 
@@ -121,7 +122,7 @@ def probe_minibatch(spec: RunSpec, max_memory_usage: float,
     smallest = peaks.get(1)
     need = f"{smallest * sharing / 2**30:.2f} GiB" if smallest else "more than the device has"
     raise ValueError(
-        f"minibatch_size='auto': even a minibatch of 1 needs {need} for {sharing} rank(s) "
+        f"minibatch_size='auto': even a minibatch of 1 needs {need} for {plural(sharing, 'rank')} "
         f"on {device}, over max_memory_usage={max_memory_usage} of {total_memory(device) / 2**30:.1f}"
         " GiB; use fewer nodes, a smaller model or a larger max_memory_usage"
     )
@@ -304,8 +305,8 @@ def check_memory(spec: RunSpec, ranks: int, processes: int,
     need = state.on_machine(ranks, processes)
     have = available_memory() if available is None else available
     if need > have:
-        packing = (f"{ranks} ranks in {processes} processes" if processes != ranks
-                   else f"{ranks} rank{'s' if ranks > 1 else ''}")
+        packing = (f"{plural(ranks, 'rank')} in {plural(processes, 'process')}"
+                   if processes != ranks else plural(ranks, "rank"))
         raise ValueError(
             f"the run needs about {gib(need)} of memory on this machine before any "
             f"activation, and {gib(have)} is available: {packing}, each holding "

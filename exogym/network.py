@@ -36,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from exogym.plural import plural
+
 __all__ = [
     "COLLECTIVES",
     "Network",
@@ -212,8 +214,8 @@ class Network:
     def check_ranks(self, num_nodes: int) -> None:
         """Raise ``ValueError`` unless ``rank_bandwidth`` (when given) has one rate per rank."""
         if self.rank_bandwidth is not None and len(self.rank_bandwidth) != num_nodes:
-            raise ValueError(f"network.rank_bandwidth has {len(self.rank_bandwidth)} rates "
-                             f"for {num_nodes} ranks: give one per rank")
+            raise ValueError(f"network.rank_bandwidth has {plural(len(self.rank_bandwidth), 'rate')} "
+                             f"for {plural(num_nodes, 'rank')}: give one per rank")
 
     def link_bits_per_s(self, ranks: Sequence[int] | None = None) -> float:
         """The slowest link among ``ranks`` (all of them when None), in bits per second."""

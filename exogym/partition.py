@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
 
 from exogym.fit_args import parse_partition
+from exogym.plural import plural, plural_noun
 
 
 def dataset_labels(dataset: Dataset) -> torch.Tensor:
@@ -144,8 +145,9 @@ def shard_partition(labels: Sequence[int] | torch.Tensor, num_clients: int,
     labels = torch.as_tensor(labels).reshape(-1)
     count = num_clients * shards_per_client
     if count > len(labels):
-        raise ValueError(f"partition 'shards:{shards_per_client}' over {num_clients} ranks needs "
-                         f"{count} shards, but the training set has {len(labels)} samples")
+        raise ValueError(f"partition 'shards:{shards_per_client}' over "
+                         f"{plural(num_clients, 'rank')} needs {plural(count, 'shard')}, but the "
+                         f"training set has {plural(len(labels), 'sample')}")
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(labels), generator=gen)
     order = order[torch.sort(labels[order], stable=True).indices]
@@ -178,9 +180,10 @@ def split_by_label(labels: torch.Tensor, partition: str, num_nodes: int,
         parts = shard_partition(labels, num_nodes, int(param), seed)
     empty = [rank for rank, part in enumerate(parts) if not part]
     if empty:
-        raise ValueError(f"partition {partition!r} with seed {seed} leaves rank "
+        raise ValueError(f"partition {partition!r} with seed {seed} leaves "
+                         f"{plural_noun(len(empty), 'rank')} "
                          f"{', '.join(map(str, empty))} of {num_nodes} without training data "
-                         f"({len(labels)} samples): raise ALPHA, use fewer ranks or another seed")
+                         f"({plural(len(labels), 'sample')}): raise ALPHA, use fewer ranks or another seed")
     return parts
 
 

@@ -16,6 +16,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from exogym.plural import plural
+from exogym.terminal import output_console
+
 #: The summary's column for ``final_val_accuracy``: rank 0's own model, scored on the
 #: validation set (the loss column beside it is the averaged model's).
 VAL_ACCURACY_COLUMN = "val acc (rank 0)"
@@ -117,7 +120,7 @@ def balance_table(balance: dict[str, Any]) -> Table:
     """Each rank's final share under ``balance`` (``summary['balance']``)."""
     key = "batch_size" if balance["mode"] == "batch" else "inner_steps"
     table = Table(title=f"balance={balance['mode']}: each rank's share "
-                        f"({len(balance['changes'])} setting(s) over the run)")
+                        f"({plural(len(balance['changes']), 'setting')} over the run)")
     for column in ("rank", "measured speed", key.replace("_", " ") +
                    (" per round" if key == "inner_steps" else ""), "share", "samples trained"):
         table.add_column(column, justify="right")
@@ -174,7 +177,7 @@ class RunReporter:
         self.num_nodes = num_nodes
         self.show = show
         self.log_interval = log_interval
-        self.console = console or Console(stderr=True)
+        self.console = console or output_console(stderr=True)
         self.latest: dict[int, dict[str, Any]] = {}
         self.total: int | None = None
         self.progress: Progress | None = None

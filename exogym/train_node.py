@@ -44,6 +44,7 @@ from exogym.data import (
 )
 from exogym.handover import hand_over
 from exogym.membership import MembershipStop, RunMembership
+from exogym.plural import plural, plural_noun
 from exogym.simclock import SimClock
 from exogym.spec import Placement, RunSpec
 
@@ -425,7 +426,8 @@ class TrainNode:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s result."""
         if state.get("num_nodes", self.num_nodes) != self.num_nodes:
-            raise ValueError(f"checkpoint was written by a run of {state['num_nodes']} ranks; "
+            raise ValueError(f"checkpoint was written by a run of "
+                             f"{plural(state['num_nodes'], 'rank')}; "
                              f"this run has {self.num_nodes}")
         self.model.load_state_dict(state["model"])
         self.strategy.load_state_dict(state["strategy"])
@@ -497,7 +499,8 @@ class TrainNode:
         self.emit({"event": "hand_over", "rank": self.rank, "step": step, "source": source,
                    "joiners": list(joining), "bytes": nbytes, "seconds": seconds})
         if self.rank == source:
-            print(f"rank {self.rank}: handed the state to rank(s) {', '.join(map(str, joining))} "
+            print(f"rank {self.rank}: handed the state to {plural_noun(len(joining), 'rank')} "
+                  f"{', '.join(map(str, joining))} "
                   f"at step {step}: {nbytes / 2**20:.1f} MiB in {seconds:.2f} s", flush=True)
             return
         self.model.load_state_dict(state["model"])

@@ -129,3 +129,121 @@ def test_top_level_help_lists_every_command_with_its_whole_summary():
         summary = flat((command.help or "").split("\n\n")[0])
         assert summary and summary in flat(commands), (name, summary, commands)
     assert all(len(line) <= 80 for line in done.stdout.splitlines())
+
+
+# --------------------------------------------------------------------------- plurals
+
+
+def test_plural_counts_one_thing_or_many():
+    from exogym.plural import plural, plural_noun
+
+    assert [plural(n, "rank") for n in (0, 1, 2)] == ["0 ranks", "1 rank", "2 ranks"]
+    assert plural(1, "process") == "1 process" and plural(3, "process") == "3 processes"
+    assert plural(2, "strategy") == "2 strategies" and plural(2, "day") == "2 days"
+    assert plural(2, "GPU") == "2 GPUs" and plural(2, "child", "children") == "2 children"
+    assert plural_noun(1, "rank") == "rank" and plural_noun(4, "rank") == "ranks"
+
+
+def _fstring_hedges(path: Path) -> list[str]:
+    import io
+    import tokenize
+
+    found = []
+    tokens = tokenize.generate_tokens(io.StringIO(path.read_text(encoding="utf-8")).readline)
+    for token in tokens:
+        text = token.string
+        if token.type in (tokenize.STRING, getattr(tokenize, "FSTRING_START", -1)) \
+                and re.match(r"(?i)r?f", text) and re.search(r"[a-z]\(s\)", text):
+            found.append(f"{path.relative_to(ROOT)}:{token.start[0]}: {text.strip()[:70]}")
+    return found
+
+
+def test_no_message_hedges_a_count_with_s_in_parentheses():
+    """Counts go through exogym.plural: "1 rank", "3 ranks", never "rank(s)"."""
+    files = [ROOT / "cli_typer.py", ROOT / "wizard.py",
+             *sorted((ROOT / "distributed").rglob("*.py")), *sorted((ROOT / "exogym").rglob("*.py"))]
+    hedges = [hit for path in files for hit in _fstring_hedges(path)]
+    assert not hedges, hedges
+
+
+def test_slurm_says_one_rank_on_one_node(tmp_path):
+    result = runner.invoke(cli_typer.app, ["slurm", "digits-ddp", "--nodes", "1", "--out",
+                                           str(tmp_path / "job.sbatch")])
+    assert result.exit_code == 0, result.output
+    assert "1 rank on 1 node." in result.output
+    assert "on 1 rank;" in (tmp_path / "job.sbatch").read_text()
+
+
+def one_host_file(tmp_path: Path) -> Path:
+    """A hosts file of this machine alone: rank 0, no SSH."""
+    import json
+
+    from ranks import free_port
+
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps({"master": "127.0.0.1", "workers": [],
+                                "python_env": sys.executable, "project_path": str(ROOT),
+                                "master_port": free_port()}))
+    return path
+
+
+def test_one_host_is_counted_as_one_in_the_dry_run_and_the_pre_flight(tmp_path):
+    hosts = one_host_file(tmp_path)
+    dry = runner.invoke(cli_typer.app, ["distributed-train", "digits-ddp", "--hosts", str(hosts),
+                                        "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "Dry run: 1 rank on 1 host," in dry.output
+    assert "note: the hosts file's 1 rank replaces the profile's num_nodes=4" in dry.output
+    checked = program(sys.executable, "cli_typer.py", "check-hosts", str(hosts))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "Pre-flight: 1 host, master port" in checked.stdout
+    assert f"the only host in {hosts} is ready." in checked.stdout
+
+
+# --------------------------------------------------------------------------- not a terminal
+
+
+def piped(*args: str) -> subprocess.CompletedProcess[str]:
+    """A program of the project writing into a pipe, as under a log or `| tee`: no terminal
+    on any of its streams, no COLUMNS."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, stdin=subprocess.DEVNULL, timeout=120)
+
+
+def test_a_table_written_to_a_pipe_is_not_folded():
+    from distributed.profiles.profile import ProfileSet
+
+    done = piped("cli_typer.py", "profiles")
+    assert done.returncode == 0, done.stderr
+    profiles = ProfileSet()
+    longest = max(profiles.names(), key=lambda n: len(str(profiles.values(n).get(
+        "description", ""))))
+    description = str(profiles.values(longest)["description"])
+    assert len(description) > 80
+    row = next(line for line in done.stdout.splitlines() if f" {longest} " in line)
+    assert description in row, row  # whole, on the profile's own line
+
+
+def test_a_long_line_written_to_a_pipe_is_not_broken(tmp_path):
+    deep = tmp_path / ("a-folder-whose-name-is-long-" * 6)
+    deep.mkdir()
+    hosts = one_host_file(deep)
+    done = piped("cli_typer.py", "check-hosts", str(hosts))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"the only host in {hosts} is ready." in done.stdout.splitlines()
+
+
+def test_output_console_off_a_terminal_keeps_lines_whole_and_rules_short():
+    code = ("from exogym.terminal import output_console\n"
+            "c = output_console()\n"
+            "c.print('word ' * 60)\n"
+            "c.rule('heading')\n"
+            "from exogym.report import RunReporter\n"
+            "print(RunReporter(2).console.width > 1000)\n")
+    done = piped("-c", code)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].strip() == ("word " * 60).strip()
+    assert len(lines[1]) == 80 and "heading" in lines[1]
+    assert lines[2] == "True"

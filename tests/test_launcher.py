@@ -874,7 +874,7 @@ def test_sync_copies_tracked_files_then_the_run_uses_them(run, tmp_path):
     assert not (remote / "untracked.py").exists()
     assert not list(remote.rglob("*.exogym-sync.tmp"))
     assert [(s.copied, s.unchanged) for s in again] == [(0, len(tracked))]
-    assert "synced 127.0.0.2: " + f"{len(tracked)} file(s) copied" in run.out.getvalue()
+    assert "synced 127.0.0.2: " + f"{len(tracked)} files copied" in run.out.getvalue()
 
 
 # --------------------------------------------------------------------------- host session

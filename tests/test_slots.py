@@ -128,7 +128,7 @@ def test_readme_hosts_file_and_dry_run_show_every_rank(tmp_path):
     args = [str(hosts_file) if w == "hosts.json" else w for w in words[2:]]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert "Dry run: 4 rank(s) on 2 host(s)" in result.output
+    assert "Dry run: 4 ranks on 2 hosts" in result.output
     for rank, host, local in ((0, "192.168.1.100", 0), (1, "192.168.1.100", 1),
                               (2, "192.168.1.101", 0), (3, "192.168.1.101", 1)):
         assert f"rank {rank} on {host} " in result.output

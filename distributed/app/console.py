@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-import os
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -22,14 +21,15 @@ from typing import NoReturn, TextIO
 import typer
 from rich.console import Console
 
+from exogym.plural import plural as plural  # the faces count with it (they import app only)
+from exogym.terminal import output_console
 
-def make_console() -> Console:
-    """Standard output; when it is not a terminal (a log, a pipe), tables get room rather
-    than 80 columns."""
-    console = Console(highlight=False)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(highlight=False, width=160)
-    return console
+
+def make_console(*, stderr: bool = False) -> Console:
+    """Standard output (or error); when it is not a terminal (a log, a pipe), lines and
+    tables are printed whole, never folded at 80 columns
+    (:func:`exogym.terminal.output_console`)."""
+    return output_console(stderr=stderr, highlight=False)
 
 
 def fail(message: str, code: int, debug: bool, exc: BaseException | None = None) -> NoReturn:

@@ -30,6 +30,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from exogym.plural import plural
 from exogym.report import (
     VAL_ACCURACY_COLUMN,
     balance_table,
@@ -37,6 +38,7 @@ from exogym.report import (
     label_table,
     summarize,
 )
+from exogym.terminal import output_console
 
 #: Status of a rank that has not reported yet.
 WAITING = "waiting"
@@ -153,7 +155,7 @@ class Dashboard:
                  live: bool | None = None, log_every: int | None = None,
                  refresh_per_second: float = 4.0, show_summary: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.console = console or Console()
+        self.console = console or output_console()
         self.title = title
         self.live_mode = (self.console.is_terminal and not self.console.is_dumb_terminal
                           if live is None else bool(live))
@@ -226,7 +228,7 @@ class Dashboard:
             if self.log_every is None and state.max_steps:
                 self.log_every = max(1, int(state.max_steps) // 10)
             resumed = f" from step {state.step}" if state.step else ""
-            steps = f", {state.max_steps} steps" if state.max_steps else ""
+            steps = f", {plural(state.max_steps, 'step')}" if state.max_steps else ""
             return f"{state.label} started{resumed}{steps}"
         if kind == "done":
             state.status = "done"
@@ -351,7 +353,7 @@ class Dashboard:
                 steps = [s.step for s in states]
                 table.add_section()
                 table.add_row(
-                    "all", f"{len(states)} ranks", f"{finished}/{len(states)} done",
+                    "all", plural(len(states), "rank"), f"{finished}/{len(states)} done",
                     f"{min(steps)}" if min(steps) == max(steps) else f"{min(steps)}-{max(steps)}",
                     _fmt(sum(s.train_loss for s in reported) / len(reported) if reported
                          else None, ".4f"),

@@ -30,6 +30,7 @@ from distributed.rank.environment import rank_environment
 from distributed.rank.trainer import RankTrainer
 from exogym._args import unknown_args_error
 from exogym.fit_args import FitArgs, refuse_simulation_only
+from exogym.plural import plural
 from exogym.report import summarize
 
 
@@ -91,8 +92,9 @@ class NetworkTrainer:
         # Names and plain values only: the device, the model and the data are each host's.
         asked = FitArgs.from_call("fit()", (), {"num_nodes": world, **kwargs}).num_nodes
         if asked != world:
-            raise ValueError(f"fit(num_nodes={asked}) but the hosts file runs {world} ranks "
-                             f"on {len(self.config.hosts)} host(s) (one per slot); leave "
+            raise ValueError(f"fit(num_nodes={asked}) but the hosts file runs "
+                             f"{plural(world, 'rank')} on {plural(len(self.config.hosts), 'host')} "
+                             "(one per slot); leave "
                              f"num_nodes out, set it to {world}, or change the hosts' slots")
         self.history = []
 

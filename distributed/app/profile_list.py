@@ -14,7 +14,7 @@ from pathlib import Path
 
 from distributed.profiles.profile import SUMMARY_COLUMNS, Profile, ProfileError, ProfileSet
 
-__all__ = ["SUMMARY_COLUMNS", "ProfileEntry", "list_profiles"]
+__all__ = ["SUMMARY_COLUMNS", "ProfileEntry", "list_profiles", "profile_names"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,15 @@ class ProfileEntry:
     name: str
     row: dict[str, str]
     why_not: str | None
+
+
+def profile_names(config_path: str | Path | None = None) -> list[str]:
+    """The profile names of ``config_path`` (default: the project's config.ini), in file
+    order; none when the file cannot be read (what shell completion offers)."""
+    try:
+        return ProfileSet(config_path).names()
+    except (ProfileError, OSError):
+        return []
 
 
 def list_profiles(config_path: str | Path | None = None, *,

@@ -53,7 +53,9 @@ from distributed.hosts.linkspeed import LinkError, LinkMeasurement, measure_betw
 from distributed.planning import projection
 from distributed.planning.estimate import measure_model
 from distributed.profiles.profile import Profile, ProfileError
+from exogym.plural import plural
 from exogym.report import human_bytes
+from exogym.terminal import output_console
 
 __all__ = ["Candidate", "HostTiming", "Measurements", "Recommendation", "RecommendError",
            "TIE", "candidate_specs", "measure", "pick", "predict_candidates", "recommend"]
@@ -527,7 +529,8 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
 
     hosts = config.world_size if on_hosts else int(profile.values.get("num_nodes") or 1)
     if hosts < 2:
-        raise RecommendError(f"{hosts} rank(s) planned: strategies differ only with 2 or more")
+        raise RecommendError(f"{plural(hosts, 'rank')} planned: strategies differ only with 2 "
+                             "or more")
     local, facts = _local_steps(profile, specs, hosts, 1 if on_hosts else hosts, say)
     timings: tuple[HostTiming, ...] = ()
     links: tuple[LinkMeasurement, ...] = ()
@@ -535,7 +538,8 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
     remote: dict[str, float] = {}
     if on_hosts and time_hosts:
         assert config is not None
-        say(f"timing {steps} steps of {profile.name} on {hosts} host(s) at once, nothing sent")
+        say(f"timing {plural(steps, 'step')} of {profile.name} on {plural(hosts, 'host')} at once, "
+            "nothing sent")
         timings = _host_steps(request, config, console, warmup, steps)
         host_mean = statistics.fmean(t.step_s for t in timings)
         scale = host_mean / local["own"]
@@ -590,7 +594,7 @@ def recommend(request: TrainRequest, console: Console | None = None, *,
         ProfileError, HostsFileError, ValueError: bad input, before any work.
         RecommendError: a measurement failed, or nothing fits the profile.
     """
-    console = console or Console()
+    console = console or output_console()
     profile = resolve_profile(request)
     specs = candidate_specs(profile)
     measured = measure(request, console, link_mbit=link_mbit, steps=steps,

@@ -51,6 +51,8 @@ from distributed.rank.command import set_args, worker_args
 from distributed.rank.environment import FINAL_MODEL
 from exogym.fit_args import BALANCE_MODES
 from exogym.logger import LOGGER_NAMES
+from exogym.plural import plural
+from exogym.terminal import output_console
 
 __all__ = ["PreflightError", "RunFailedError", "TrainOutcome", "TrainRequest", "dry_run",
            "logger_override", "parse_overrides", "run_warnings", "train", "train_command"]
@@ -340,8 +342,9 @@ def run_warnings(profile: Profile, ranks: int, cores: int | None = None) -> list
         found.append(f"H={H} > max_steps={max_steps}: {name} would never communicate (ranks "
                      f"average every H steps); lower H (--set H={max_steps}) or raise max_steps")
     if cores and ranks > RANKS_PER_CORE_WARNING * cores:
-        found.append(f"{ranks} ranks on {cores} cores ({ranks / cores:.1f} per core): they "
-                     "take turns, so each step will be slow; up to "
+        found.append(f"{plural(ranks, 'rank')} on {plural(cores, 'core')} "
+                     f"({ranks / cores:.1f} per core): they take turns, so each step will be "
+                     "slow; up to "
                      f"{RANKS_PER_CORE_WARNING * cores} ranks keep it reasonable")
     return found
 
@@ -359,7 +362,8 @@ def dry_run_notes(request: TrainRequest, profile: Profile, config: HostsConfig,
     notes = []
     asked = profile.values.get("num_nodes")
     if asked is not None and asked != config.world_size:
-        notes.append(f"the hosts file's {config.world_size} ranks replace the profile's "
+        notes.append(f"the hosts file's {plural(config.world_size, 'rank')} "
+                     f"{'replaces' if config.world_size == 1 else 'replace'} the profile's "
                      f"num_nodes={asked}")
     for rank, target in sorted(launcher.session.targets.items()):
         for key in target.key_files:
@@ -385,7 +389,7 @@ def dry_run(request: TrainRequest, console: Console) -> Profile:
             console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
         return profile
     console.print(f"Dry run: profile {profile.name} as a local simulation of "
-                  f"{profile.values.get('num_nodes', 1)} node(s); nothing is started.",
+                  f"{plural(profile.values.get('num_nodes', 1), 'node')}; nothing is started.",
                   markup=False, highlight=False, soft_wrap=True)
     console.print(f"  command: {worker_command(request)}", markup=False, highlight=False,
                   soft_wrap=True)
@@ -412,7 +416,7 @@ def train(request: TrainRequest, console: Console | None = None, *,
         PreflightError: a host failed pre-flight; nothing was started.
         RunFailedError: the run started and did not finish.
     """
-    console = console or Console()
+    console = console or output_console()
     profile = resolve_profile(request)
     if request.multi_host:
         return _train_hosts(request, profile, console, live, web)
@@ -490,7 +494,7 @@ def _train_local(request: TrainRequest, profile: Profile, console: Console,
 
     nodes = int(profile.values.get("num_nodes") or 1)
     warn_before_start(profile, nodes, os.cpu_count())
-    dashboard = Dashboard(nodes, title=f"{profile.name}: local simulation of {nodes} node(s)",
+    dashboard = Dashboard(nodes, title=f"{profile.name}: local simulation of {plural(nodes, 'node')}",
                           console=console, live=live)
     if web is not None:
         web.begin_run(profile.name, profile.values, nodes, ["local"] * nodes)
@@ -520,8 +524,8 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
     warn_before_start(profile, config.world_size)
     rank_hosts = [h.host for h in config.rank_hosts]
     dashboard = FanOut(Dashboard(config.world_size, rank_hosts,
-                                 title=f"{profile.name}: {config.world_size} rank(s) on "
-                                       f"{len(config.hosts)} host(s)",
+                                 title=f"{profile.name}: {plural(config.world_size, 'rank')} on "
+                                       f"{plural(len(config.hosts), 'host')}",
                                  console=console, live=live), web)
     if web is not None:
         web.begin_run(profile.name, profile.values, config.world_size, rank_hosts)
@@ -550,7 +554,7 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
     out = profile.resolved.output_dir
     where = out if out.is_absolute() else Path(config.master.project_path) / out
     return TrainOutcome("hosts", profile, summary, out,
-                        f"all {config.world_size} ranks finished; final model in "
+                        f"all {plural(config.world_size, 'rank')} finished; final model in "
                         f"{where / FINAL_MODEL} on {config.master.host}, logs in "
                         f"{result.run_dir}", launch=result)
 

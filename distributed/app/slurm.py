@@ -21,6 +21,7 @@ from distributed.profiles.profile import load_profile, parse_overrides
 from distributed.rank.command import worker_args
 from distributed.rank.slurm import PORT_BASE, PORT_SPAN
 from exogym.io import atomic_write_text
+from exogym.plural import plural
 
 # SLURM's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}")
@@ -101,7 +102,7 @@ class SlurmJob:
         port = (str(self.master_port) if self.master_port is not None
                 else f"$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))")
         lines = ["#!/bin/bash",
-                 f"# Profile {self.profile} on {self.ranks} ranks; written by "
+                 f"# Profile {self.profile} on {plural(self.ranks, 'rank')}; written by "
                  "`python cli_typer.py slurm`.",
                  *(f"#SBATCH {d}" for d in directives),
                  "set -euo pipefail",

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exogym.plural import plural
+
 DEFAULT_MASTER_PORT = 29500
 
 #: Keys a host object accepts. All but ``host`` may also be top-level defaults.
@@ -108,7 +110,7 @@ class HostsFileError(ValueError):
         self.source = source
         where = f" {source}" if source else ""
         count = len(self.problems)
-        header = f"invalid hosts file{where} ({count} problem{'s' if count != 1 else ''}):"
+        header = f"invalid hosts file{where} ({plural(count, 'problem')}):"
         super().__init__("\n".join([header, *("  " + p for p in self.problems)]))
 
 
@@ -212,7 +214,7 @@ class HostsConfig:
         """The host that runs global rank ``rank``."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is not in 0..{self.world_size - 1} (the hosts file "
-                             f"runs {self.world_size} ranks)")
+                             f"runs {plural(self.world_size, 'rank')})")
         return self.rank_hosts[rank]
 
     def to_dict(self) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from distributed.hosts.remote import (
     probe_command,
 )
 from distributed.hosts.ssh import SSHConnectError
+from exogym.plural import plural
 
 #: The oldest Python a rank may run on (pyproject's requires-python).
 MIN_PYTHON = (3, 10)
@@ -113,7 +114,7 @@ class PreflightReport:
         from rich.table import Table
         from rich.text import Text
 
-        table = Table(title=f"Pre-flight: {len(self.checks)} hosts, master port "
+        table = Table(title=f"Pre-flight: {plural(len(self.checks), 'host')}, master port "
                       f"{self.master_port}", title_justify="left")
         for name in ("host", "rank", "ssh", "python", "project", "versions", "code", "port",
                      "interface", "status"):
@@ -132,9 +133,9 @@ class PreflightReport:
 
     def render(self, console: Any = None) -> None:
         """Print the table (to ``console``, a ``rich.console.Console``, or stdout)."""
-        from rich.console import Console
+        from exogym.terminal import output_console
 
-        (console or Console()).print(self.table())
+        (console or output_console()).print(self.table())
 
     def __str__(self) -> str:
         import io
@@ -157,7 +158,7 @@ class PreflightError(RuntimeError):
         self.report = report
         lines = report.problems
         super().__init__(f"pre-flight failed on {sum(not c.ok for c in report.checks)} of "
-                         f"{len(report.checks)} hosts; nothing was started:\n"
+                         f"{plural(len(report.checks), 'host')}; nothing was started:\n"
                          + "\n".join(f"  {p}" for p in lines))
 
 

@@ -48,6 +48,7 @@ from distributed.hosts.sync import (
     tracked_files,
 )
 from exogym.io import atomic_copy_stream
+from exogym.plural import plural
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -170,9 +171,9 @@ class HostSession:
 
     def _get_console(self) -> Any:
         if self.console is None:
-            from rich.console import Console
+            from exogym.terminal import output_console
 
-            self.console = Console()
+            self.console = output_console()
         return self.console
 
     def connect(self, *, retry_failed: bool = True) -> dict[int, SSHConnectError]:
@@ -246,7 +247,8 @@ class HostSession:
             raise RuntimeError("sync failed:\n" + "\n".join(f"  {f}" for f in failures))
         stats = [o for o in outcomes if isinstance(o, SyncStats)]
         for s in stats:
-            self._say(f"synced {s.host}: {s.copied} file(s) copied ({s.bytes_copied} bytes), "
+            self._say(f"synced {s.host}: {plural(s.copied, 'file')} copied "
+                      f"({plural(s.bytes_copied, 'byte')}), "
                       f"{s.unchanged} unchanged")
         self.synced = True
         return stats

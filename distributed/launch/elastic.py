@@ -35,6 +35,7 @@ from distributed.launch.program import RankPlan
 from distributed.launch.progress import ProgressWatch
 from distributed.launch.rank_run import ExitQueue, RankRun, RankRunContext
 from distributed.launch.results import AttemptResult, RankResult
+from exogym.plural import plural
 
 #: Seconds a rank may take from its start to its first heartbeat (imports, data).
 START_ALLOWANCE_S = 120.0
@@ -205,7 +206,7 @@ class ElasticAttempt:
         # failing, which a restart would repeat: only so many of those.
         failed = [r for r in self.earlier[rank] if r.exit_code is not None and 0 < r.exit_code < 128]
         if len(failed) >= MAX_FAILED_STARTS:
-            self.say(f"[{plan.host.host}:{rank}] failed {len(failed)} times with an error of its "
+            self.say(f"[{plan.host.host}:{rank}] failed {plural(len(failed), 'time')} with an error of its "
                      f"own ({failed[-1].reason}); it is not started again (see "
                      f"{failed[-1].log_path})", "red")
             self._probing.discard(rank)

@@ -89,6 +89,7 @@ from distributed.rank.environment import (
     RUN_DIR_VARIABLE,
 )
 from exogym.io import atomic_write_text
+from exogym.plural import plural
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -171,7 +172,7 @@ class Launcher:
         if options.min_nodes is not None:
             if options.min_nodes > self.config.world_size:
                 raise ValueError(f"min_nodes={options.min_nodes} is more than the "
-                                 f"{self.config.world_size} rank(s) of the hosts file")
+                                 f"{plural(self.config.world_size, 'rank')} of the hosts file")
             if not session.master_local:
                 raise ValueError(
                     f"min_nodes needs the launcher on the master host "
@@ -209,9 +210,9 @@ class Launcher:
 
     def _get_console(self) -> Any:
         if self.console is None:
-            from rich.console import Console
+            from exogym.terminal import output_console
 
-            self.console = Console()
+            self.console = output_console()
         return self.console
 
     def _say(self, text: str, style: str | None = None) -> None:
@@ -289,7 +290,7 @@ class Launcher:
         console = self._get_console()
         master = plans[0]
         hosts = len(self.config.hosts)
-        console.print(f"Dry run: {len(plans)} rank(s) on {hosts} host(s), master "
+        console.print(f"Dry run: {plural(len(plans), 'rank')} on {plural(hosts, 'host')}, master "
                       f"{master.master_addr}:"
                       f"{master.master_port}; nothing is started and nothing is connected to.",
                       markup=False, highlight=False, soft_wrap=True)
@@ -390,7 +391,7 @@ class Launcher:
             on_output=lambda line: self._deliver(self._on_output, line),
             on_event=on_event, exits=self._exits)
         if self.options.min_nodes is not None:
-            self._say(f"starting {len(plans)} rank(s); the run goes on while at least "
+            self._say(f"starting {plural(len(plans), 'rank')}; the run goes on while at least "
                       f"{self.options.min_nodes} remain; logs in {self.run_dir}")
             elastic = ElasticAttempt(plans, self.session, context, self.run_dir, restart,
                                      self.options.min_nodes, self.options.lost_after,
@@ -405,7 +406,7 @@ class Launcher:
         runs = [RankRun(plan, self.session.shell(plan.host.rank),
                         self.run_dir / f"rank{plan.rank}.log", restart, context)
                 for plan in plans]
-        self._say(f"starting {len(runs)} rank(s)" + (f" (restart {restart})" if restart else "")
+        self._say(f"starting {plural(len(runs), 'rank')}" + (f" (restart {restart})" if restart else "")
                   + f"; logs in {self.run_dir}")
         with ThreadPoolExecutor(max_workers=max(1, min(32, len(runs)))) as pool:
             list(pool.map(RankRun.start, runs))

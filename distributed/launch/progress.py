@@ -18,6 +18,8 @@ import statistics
 import time
 from typing import Any
 
+from exogym.plural import plural
+
 #: Rounds without progress that stop a run (the bound is at least MIN_STALL_S).
 STALL_ROUNDS = 10
 #: The least time without progress that stops a run, in seconds.
@@ -96,7 +98,7 @@ class ProgressWatch:
             return None
         round_s = self.round_s()
         how = (f"{self.stall_s:g} s" if self.stall_s is not None else
-               f"{self.stall_rounds} rounds of {round_s:.1f} s, at least {self.min_stall_s:g} s"
+               f"{plural(self.stall_rounds, 'round')} of {round_s:.1f} s, at least {self.min_stall_s:g} s"
                if round_s else f"at least {self.min_stall_s:g} s")
         waits = []
         for rank in sorted(self.waiting):

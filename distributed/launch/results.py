@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from exogym.plural import plural
+
 
 @dataclass(frozen=True)
 class OutputLine:
@@ -154,9 +156,9 @@ class LaunchResult:
             away = [r for r in self.ranks if not r.ok]
             if away:
                 names = "; ".join(f"rank {r.rank} on {r.host}: {r.reason}" for r in away)
-                return (f"{len(self.ranks) - len(away)} of {len(self.ranks)} ranks finished "
+                return (f"{len(self.ranks) - len(away)} of {plural(len(self.ranks), 'rank')} finished "
                         f"({names}) (logs in {self.run_dir})")
-            return f"all {len(self.ranks)} ranks finished (logs in {self.run_dir})"
+            return f"all {plural(len(self.ranks), 'rank')} finished (logs in {self.run_dir})"
         if self.interrupted:
             return f"interrupted by {self.interrupted}; every rank was stopped"
         if last is not None and last.stop_reason:
@@ -175,7 +177,7 @@ class LaunchResult:
             return "the job did not finish"
         lines = "\n".join(f"    {line}" for line in failed.last_lines) or "    (no output)"
         others = " the other ranks were stopped;" if len(self.ranks) > 1 else ""
-        restarts = f" after {self.restarts} restart(s)" if self.restarts else ""
+        restarts = f" after {plural(self.restarts, 'restart')}" if self.restarts else ""
         return (f"rank {failed.rank} on {failed.host} ({failed.label}) failed{restarts}: "
                 f"{failed.reason};{others} its last lines (log: {failed.log_path}):\n{lines}")
 

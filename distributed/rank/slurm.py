@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from exogym.plural import plural
+
 #: The variables that make a process a SLURM task: its rank and the number of ranks.
 SLURM_TASK_VARIABLES = ("SLURM_PROCID", "SLURM_NTASKS")
 #: Where the job's (or step's) nodes are listed, most specific first.
@@ -131,7 +133,7 @@ def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     if not 0 <= node_id < len(counts):
         raise ValueError(f"SLURM_NODEID={node_id} is beyond SLURM_TASKS_PER_NODE="
-                         f"{tasks_per_node!r} ({len(counts)} nodes)")
+                         f"{tasks_per_node!r} ({plural(len(counts), 'node')})")
     return counts[node_id]
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from exogym.plural import plural_noun
+
 from .muon import MuonAdamW, muon_param_groups
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -59,7 +61,8 @@ class OptimSpec:
             unknown = sorted(set(kwargs) - accepted)
             if unknown:
                 raise TypeError(
-                    f"{cls.__name__} got unknown argument(s) {', '.join(unknown)}; "
+                    f"{cls.__name__} got unknown {plural_noun(len(unknown), 'argument')} "
+                    f"{', '.join(unknown)}; "
                     f"accepted: {', '.join(sorted(accepted))}"
                 )
         self.cls = cls

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from exogym.io import atomic_write_text, new_temp_dir_beside, publish_dir
+from exogym.plural import plural
 
 if TYPE_CHECKING:
     from transformers import WhisperConfig, WhisperForConditionalGeneration, WhisperProcessor
@@ -338,7 +339,8 @@ def whisper_state_dict_from_ctranslate2(
     left = sorted(set(src) - used - scalars)
     if left:
         raise CTranslate2FormatError(
-            f"{len(left)} variable(s) would be dropped by the conversion: {', '.join(left[:8])}. "
+            f"{plural(len(left), 'variable')} would be dropped by the conversion: "
+            f"{', '.join(left[:8])}. "
             "This model has parts transformers' Whisper lacks; it cannot be converted faithfully."
         )
     return out

@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import Dataset
 
 from exogym.io import atomic_write_text, new_temp_dir_beside, publish_dir
+from exogym.plural import plural, plural_noun
 
 if TYPE_CHECKING:
     from transformers import WhisperFeatureExtractor, WhisperProcessor
@@ -152,7 +153,7 @@ class AudioFolderError(ValueError):
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(
-            f"audio folder {folder} has {len(problems)} problem(s):\n{lines}\n"
+            f"audio folder {folder} has {plural(len(problems), 'problem')}:\n{lines}\n"
             f"Fix each listed row of {folder / METADATA_FILE} (or the file it names) and run "
             "again; nothing was trained."
         )
@@ -243,7 +244,8 @@ class AudioFolderDataset(Dataset):
         missing = [c for c in ("file_name", self.text_column) if c not in columns]
         if missing:
             raise AudioFolderError(self.folder, [
-                (f"{METADATA_FILE} lacks the column(s) {', '.join(missing)} (found: "
+                (f"{METADATA_FILE} lacks the {plural_noun(len(missing), 'column')} "
+                 f"{', '.join(missing)} (found: "
                  f"{', '.join(columns) or 'no header'}); its first line must name the columns, "
                  f"e.g. file_name,{self.text_column}")])
         rows = [(reader.line_num, row) for row in reader]

@@ -1,0 +1,51 @@
+"""The console every message and table is printed to: the terminal's width on a terminal,
+and no folding at all elsewhere.
+
+rich fits its output to 80 columns when it cannot find a terminal, so a log file,
+a pipe or CI's output got tables folded cell by cell and long lines broken mid-path.
+Off a terminal, :func:`output_console` prints text lines whole (soft wrap) and
+gives tables the room their widest row needs; a rule (a heading line) stays 80
+columns. ``COLUMNS``, when set, wins everywhere, as it does for rich itself.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rich.console import Console, JustifyMethod
+from rich.rule import Rule
+from rich.style import Style
+from rich.text import Text
+
+__all__ = ["RULE_WIDTH", "UNFOLDED_WIDTH", "output_console"]
+
+#: Width given to output that is not a terminal: more than any table or line here needs,
+#: so none is folded (a table takes its natural width, never this one).
+UNFOLDED_WIDTH = 10_000
+#: Width of a rule printed off a terminal.
+RULE_WIDTH = 80
+
+
+class _UnfoldedConsole(Console):
+    """A console for a file or a pipe: soft-wrapped lines, tables at their natural width,
+    rules of :data:`RULE_WIDTH`."""
+
+    def rule(self, title: str | Text = "", *, characters: str = "─",
+             style: str | Style = "rule.line", align: JustifyMethod = "center") -> None:
+        self.print(Rule(title=title, characters=characters, style=style, align=align),
+                   width=RULE_WIDTH, soft_wrap=False)
+
+
+def output_console(*, stderr: bool = False, **kwargs: Any) -> Console:
+    """A rich ``Console`` on standard output (or error): the terminal's width on a
+    terminal; off one, nothing folded (see the module's docstring).
+
+    Args:
+        stderr: print to standard error.
+        **kwargs: more ``Console`` arguments (``highlight``, ...); not ``width``.
+    """
+    console = Console(stderr=stderr, **kwargs)
+    if console.is_terminal or "COLUMNS" in os.environ:
+        return console
+    return _UnfoldedConsole(stderr=stderr, width=UNFOLDED_WIDTH, soft_wrap=True, **kwargs)
