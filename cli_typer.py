@@ -21,6 +21,7 @@ input (a profile, a hosts file, a host that failed pre-flight, an option).
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -253,9 +254,10 @@ def distributed_train(
             fail("interrupted (the ranks were stopped)" + (f"; {hint}" if hint else ""), 130,
                  debug, exc)
         except run.PreflightError as exc:
-            cmd = f"python cli_typer.py distributed-train {profile} --local"
+            # The person's own command with --local added: their --set values, --config, ...
+            cmd = run.train_command(dataclasses.replace(request, local=True))
             fail(f"{exc}\nFix the problems above (each line names the host and the fix), then "
-                  f"run again; `python cli_typer.py check-hosts {hosts}` checks the hosts "
+                  f"run again; `python cli_typer.py check-hosts {shlex.quote(str(hosts))}` checks the hosts "
                   f"alone. To simulate this profile on this machine instead, add --local "
                   f"({cmd}).", 2, debug, exc)
         console.print(outcome.message, markup=False)

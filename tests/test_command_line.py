@@ -247,3 +247,31 @@ def test_output_console_off_a_terminal_keeps_lines_whole_and_rules_short():
     assert lines[0].strip() == ("word " * 60).strip()
     assert len(lines[1]) == 80 and "heading" in lines[1]
     assert lines[2] == "True"
+
+
+# --------------------------------------------------------------------------- the pre-flight hint
+
+
+def test_preflight_hint_to_simulate_instead_keeps_the_users_own_options(tmp_path):
+    import json
+
+    from ranks import free_port
+
+    hosts = tmp_path / "my hosts.json"
+    hosts.write_text(json.dumps({  # the worker's port answers nothing: pre-flight refuses it
+        "master": "127.0.0.1", "workers": [{"host": "127.0.0.2", "ssh_port": free_port()}],
+        "python_env": sys.executable, "project_path": str(ROOT)}))
+    result = runner.invoke(cli_typer.app, [
+        "distributed-train", "digits-ddp", "--hosts", str(hosts), "--set", "max_steps=7",
+        "--set", "description=my own run", "--logger", "none"])
+    assert result.exit_code == 2, result.output
+    hint = flat(result.output).split("add --local (", 1)[1].rsplit(").", 1)[0]
+    args = shlex.split(hint)
+    assert args[:4] == ["python", "cli_typer.py", "distributed-train", "digits-ddp"]
+    assert args[-1] == "--local"
+    for pair in ("max_steps=7", "description=my own run", "logger=none"):
+        assert args[args.index(pair) - 1] == "--set", (pair, args)
+    assert f"check-hosts {shlex.quote(str(hosts))}" in flat(result.output)
+    dry = runner.invoke(cli_typer.app, [*args[2:], "--dry-run"])  # it runs as printed
+    assert dry.exit_code == 0, dry.output
+    assert "as a local simulation" in dry.output and "max_steps=7" in dry.output
