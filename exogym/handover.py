@@ -14,7 +14,7 @@ copied on arrival.
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -64,25 +64,71 @@ def flatten_tensors(value: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
     return tensors, {"state": state, "tensors": [(tuple(t.shape), t.dtype) for t in tensors]}
 
 
-def unflatten_tensors(skeleton: dict[str, Any], tensors: list[torch.Tensor]) -> Any:
+def unflatten_tensors(skeleton: dict[str, Any], tensors: list[torch.Tensor],
+                      into: Any = None) -> Any:
     """The state :func:`flatten_tensors` took apart, with ``tensors`` back in their places
-    (a tensor that stood in several places is copied for each after the first)."""
+    (a tensor that stood in several places is copied for each after the first).
+
+    ``into``: the receiver's own state of the same structure (or None); where it holds a
+    CPU tensor of the same shape and dtype at a place, the value is copied into that
+    tensor (if it is not already there) and the state holds it, not a new copy.
+    """
     used: set[int] = set()
 
-    def walk(v: Any) -> Any:
+    def walk(v: Any, mine: Any) -> Any:
         if isinstance(v, _Slot):
             t = tensors[v.index]
+            if _fits(mine, t.shape, t.dtype):
+                if mine.data_ptr() != t.data_ptr():
+                    mine.copy_(t)
+                used.add(v.index)
+                return mine
             if v.index in used:
                 return t.clone()
             used.add(v.index)
             return t
-        if isinstance(v, dict):
-            return type(v)((k, walk(x)) for k, x in v.items())
-        if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
-            return type(v)(walk(x) for x in v)
-        return v
+        return _descend(v, mine, walk)
 
-    return walk(skeleton["state"])
+    return walk(skeleton["state"], into)
+
+
+def _descend(v: Any, mine: Any, walk: Callable[[Any, Any], Any]) -> Any:
+    """``walk`` applied to the members of a dict, list or tuple ``v`` alongside the same
+    members of ``mine`` (None where it has none); any other ``v`` as it is."""
+    if isinstance(v, dict):
+        return type(v)((k, walk(x, mine.get(k) if isinstance(mine, dict) else None))
+                       for k, x in v.items())
+    if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+        same = isinstance(mine, (list, tuple)) and len(mine) == len(v)
+        return type(v)(walk(x, mine[i] if same else None) for i, x in enumerate(v))
+    return v
+
+
+def _fits(mine: Any, shape: Sequence[int], dtype: torch.dtype) -> bool:
+    """Whether ``mine`` is a CPU tensor that can hold a tensor of ``shape`` and ``dtype``
+    in place."""
+    return (isinstance(mine, torch.Tensor) and mine.device.type == "cpu"
+            and mine.is_contiguous() and tuple(mine.shape) == tuple(shape)
+            and mine.dtype == dtype)
+
+
+def _targets(skeleton: dict[str, Any], into: Any) -> dict[int, torch.Tensor]:
+    """For each tensor of the description, the receiver's own tensor at its first place
+    that can take it in place, if any."""
+    found: dict[int, torch.Tensor] = {}
+    shapes = skeleton["tensors"]
+
+    def walk(v: Any, mine: Any) -> Any:
+        if isinstance(v, _Slot):
+            shape, dtype = shapes[v.index]
+            if v.index not in found and _fits(mine, shape, dtype):
+                found[v.index] = mine.detach()
+            return v
+        return _descend(v, mine, walk)
+
+    if into is not None:
+        walk(skeleton["state"], into)
+    return found
 
 
 def _buckets(sizes: Sequence[int]) -> list[list[int]]:
@@ -106,7 +152,8 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
 
-def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int) -> tuple[Any, int]:
+def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int,
+              into: Any = None) -> tuple[Any, int]:
     """Send ``state`` from ``source`` to the other ``ranks``; every one of them calls this.
 
     Args:
@@ -114,6 +161,10 @@ def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int) -> tuple
         source: the rank that sends.
         ranks: the source and the ranks that receive.
         rank: the calling rank.
+        into: on a receiver, its own state of the same structure (its model's and
+            strategy's live tensors): a large tensor is received straight into the
+            matching one, so the state is not held twice. If the transfer fails, those
+            tensors hold part of the new state (the caller takes the state again later).
 
     Returns:
         The state (``state`` itself on the source, rebuilt elsewhere) and the bytes sent.
@@ -134,11 +185,15 @@ def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int) -> tuple
         skeleton = torch.load(io.BytesIO(description.numpy().tobytes()), weights_only=False)
     shapes = skeleton["tensors"]
     sizes = [_nbytes(shape, dtype) for shape, dtype in shapes]
+    targets = _targets(skeleton, into) if rank != source else {}
     received: list[torch.Tensor] = []
     for group in _buckets(sizes):
         if len(group) == 1:
             shape, dtype = shapes[group[0]]
-            one = tensors[group[0]] if rank == source else torch.empty(shape, dtype=dtype)
+            one = (tensors[group[0]] if rank == source
+                   else targets.get(group[0]))
+            if one is None:
+                one = torch.empty(shape, dtype=dtype)
             comm.side_broadcast(one, source, ranks)
             received.append(one)
             continue
@@ -159,4 +214,4 @@ def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int) -> tuple
     nbytes = sum(sizes) + description.numel()
     if rank == source:
         return state, nbytes
-    return unflatten_tensors(skeleton, received), nbytes
+    return unflatten_tensors(skeleton, received, into), nbytes

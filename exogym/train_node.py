@@ -493,8 +493,10 @@ class TrainNode:
             return
         ranks = [source, *joining]
         started = time.perf_counter()
-        state, nbytes = hand_over(self._handed_state() if self.rank == source else None,
-                                  source, ranks, self.rank)
+        # A joiner takes the state straight into its own model's and strategy's tensors.
+        mine = self._handed_state()
+        state, nbytes = hand_over(mine if self.rank == source else None, source, ranks,
+                                  self.rank, into=None if self.rank == source else mine)
         seconds = time.perf_counter() - started
         self.emit({"event": "hand_over", "rank": self.rank, "step": step, "source": source,
                    "joiners": list(joining), "bytes": nbytes, "seconds": seconds})

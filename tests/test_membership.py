@@ -189,3 +189,27 @@ def test_a_handed_over_state_sends_a_repeated_tensor_once_and_rebuilds_it_unshar
     assert torch.equal(b, torch.zeros(5))
     assert rebuilt["model"]["n"].dtype == torch.int64 and rebuilt["model"]["n"].item() == 7
     assert _buckets([1, 2, BUCKET_BYTES, 3]) == [[0, 1], [2], [3]]
+
+
+def test_a_joiner_takes_the_handed_state_into_its_own_tensors():
+    from exogym.handover import _targets, flatten_tensors, unflatten_tensors
+
+    weight = torch.randn(256, 64)
+    sent = {"model": {"w": weight}, "strategy": {"master": [weight.clone()],
+                                                 "moments": [torch.randn(256, 64)]}}
+    tensors, skeleton = flatten_tensors(sent)
+    # the joiner's own state: its model's weight and master, but no moments yet
+    own_w, own_master = torch.zeros(256, 64), torch.zeros(256, 64)
+    mine = {"model": {"w": own_w}, "strategy": {"master": [own_master], "moments": []}}
+    targets = _targets(skeleton, mine)
+    assert targets[0] is not None and targets[0].data_ptr() == own_w.data_ptr()
+    received = [targets.get(i, torch.empty_like(t)) for i, t in enumerate(tensors)]
+    for buffer, t in zip(received, tensors):
+        buffer.copy_(t)  # what the broadcast does
+    rebuilt = unflatten_tensors(skeleton, received, mine)
+    assert rebuilt["model"]["w"] is own_w and torch.equal(own_w, weight)
+    # the master, sent once with the weight, is copied into the joiner's own master
+    assert rebuilt["strategy"]["master"][0] is own_master and torch.equal(own_master, weight)
+    assert torch.equal(rebuilt["strategy"]["moments"][0], sent["strategy"]["moments"][0])
+    own_w.add_(1.0)
+    assert torch.equal(own_master, weight)  # two tensors, not one
