@@ -203,6 +203,34 @@ def child(argv: list[str]) -> None:
     Path(args.result).write_text(json.dumps(out))
 
 
+def budget_child(argv: list[str]) -> None:
+    """What one rank across hosts is accounted: its state (as ``fit`` accounts it), the
+    runtime (this interpreter with torch, before any model) and one forward and
+    backward's activations, measured here on the hosts' workload."""
+    model_name, result = argv
+    import torch
+
+    from distributed.profiles.profile import load_profile
+    from exogym.memory import account_state, measure_peak
+
+    runtime = _rss_bytes()
+    overrides = {**MODELS[model_name], "block_size": HOSTS["block_size"],
+                 "tokens": HOSTS["tokens"], "H": HOSTS["H"]}
+    profile = load_profile("gpt-diloco", overrides=overrides)
+    resolved = profile.resolved
+    model, train, _ = resolved.task_fn(**resolved.task_kwargs)
+    strategy = resolved.strategy_cls(**resolved.strategy_kwargs)
+    state = account_state(model, strategy, 3)
+    batch = tuple(torch.stack(parts) for parts in zip(*(train[i] for i in
+                                                        range(HOSTS["batch_size"]))))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    activations = max(0, measure_peak(model, batch, torch.device("cpu"), False) - 2 * params)
+    Path(result).write_text(json.dumps({
+        "state_bytes": state.per_rank, "runtime_bytes": runtime,
+        "activation_bytes": activations,
+        "budget_bytes": state.per_rank + runtime + activations}))
+
+
 def _rss_bytes() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -430,7 +458,8 @@ def host_run(bed: Any, model: str, rate: str, min_nodes: int | None, kill: bool,
            "allreduce_s": statistics.median(comm) if comm else None,
            "bytes_per_round": bytes_round, "ring_bound_s": bound,
            "efficiency": bound / statistics.median(comm) if comm else None,
-           "describe": launch.describe().splitlines()[0]}
+           "describe": launch.describe().splitlines()[0],
+           "peak_rss_bytes": {e["rank"]: e.get("peak_rss_bytes") for _, e in events.of("done")}}
     if kill:
         t_join, joined = events.wait(lambda e: e.get("event") == "membership"
                                      and e["ranks"] == [0, 1, 2], 1, after=back)
@@ -458,6 +487,11 @@ def hosts_part(model: str, rate: str, away: float, work: Path, max_steps: int,
     missing = check_requirements(pin=False)
     if missing:
         raise SystemExit("cannot build the test bed:\n  " + "\n  ".join(missing))
+    budget_file = work / "budget.json"
+    subprocess.run([sys.executable, __file__, "_budget", model, str(budget_file)], cwd=ROOT,
+                   check=True)
+    budget = json.loads(budget_file.read_text())
+    print(json.dumps({"accounted_per_rank": budget}), flush=True)
     rows = []
     with Testbed(2, subnet="10.213.95", pin=False) as bed:
         bed.shape(rate)
@@ -467,6 +501,10 @@ def hosts_part(model: str, rate: str, away: float, work: Path, max_steps: int,
             # A killed host must have rounds left to come back to: three times the steps.
             steps = 3 * max_steps if kill else max_steps
             row = host_run(bed, model, rate, min_nodes, kill, away, work, steps)
+            row["accounted"] = budget
+            row["peak_over_accounted"] = {
+                rank: peak / budget["budget_bytes"]
+                for rank, peak in row["peak_rss_bytes"].items() if peak}
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -478,7 +516,8 @@ def hosts_table(rows: list[dict], model: str, rate: str) -> None:
 
     table = Table(title=f"3 hosts at {rate}: DiLoCo H={HOSTS['H']} on the {model} model")
     for col in ("run", "round", "vs without min_nodes", "all-reduce", "MiB per round",
-                "ring bound", "sync efficiency", "back to work", "target", "finished"):
+                "ring bound", "sync efficiency", "back to work", "target",
+                "peak RSS / accounted (rank 0, 1, 2)", "finished"):
         table.add_column(col, justify="right")
     base = next((r["round_s"] for r in rows if r["run"] == "no min_nodes"), None)
     for r in rows:
@@ -488,13 +527,19 @@ def hosts_table(rows: list[dict], model: str, rate: str) -> None:
                       f"{r['bytes_per_round'] / 2**20:.0f}", f"{r['ring_bound_s']:.2f} s",
                       f"{r['efficiency']:.2f}" if r["efficiency"] else "-",
                       f"{r['back_s']:.1f} s" if "back_s" in r else "-",
-                      f"{r['target_s']:.1f} s" if "target_s" in r else "-", str(r["ok"]))
+                      f"{r['target_s']:.1f} s" if "target_s" in r else "-",
+                      ", ".join(f"{r['peak_over_accounted'][k]:.2f}x"
+                                for k in sorted(r.get("peak_over_accounted", {}))) or "-",
+                      str(r["ok"]))
     Console(width=180).print(table)
 
 
 def main() -> None:
     if sys.argv[1:2] == ["_child"]:
         child(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["_budget"]:
+        budget_child(sys.argv[2:])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("parts", nargs="+", choices=["sim", "hosts"])
