@@ -45,7 +45,7 @@ for path in (ROOT, Path(__file__).resolve().parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from netbed import Testbed, _run, check_requirements, worker_pid  # noqa: E402
+from netbed import Events, Testbed, _run, check_requirements, worker_pid  # noqa: E402
 
 H = 20
 
@@ -69,31 +69,6 @@ class _Stamped(StringIO):
 def _show(line: object) -> None:
     if getattr(line, "rank", None) == 2:
         _Stamped().write(f"{line}\n")
-
-
-class Events:
-    """Every event the launcher hands over, stamped with its time of arrival."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[float, dict]] = []
-        self.cond = threading.Condition()
-
-    def __call__(self, event: dict) -> None:
-        with self.cond:
-            self.items.append((time.monotonic(), event))
-            self.cond.notify_all()
-
-    def wait(self, test, timeout: float, after: float = 0.0) -> tuple[float, dict]:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                for t, e in self.items:
-                    if t >= after and test(e):
-                        return t, e
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"no such event within {timeout:.0f} s")
-                self.cond.wait(left)
 
 
 def round_end(rank: int):

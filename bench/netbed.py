@@ -40,6 +40,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -554,3 +555,33 @@ def _exists(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+class Events:
+    """Every event the launcher hands over, stamped with its time of arrival."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[float, dict]] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, event: dict) -> None:
+        with self.cond:
+            self.items.append((time.monotonic(), event))
+            self.cond.notify_all()
+
+    def wait(self, test, timeout: float, after: float = 0.0) -> tuple[float, dict]:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for t, e in self.items:
+                    if t >= after and test(e):
+                        return t, e
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no such event within {timeout:.0f} s; the last: "
+                                       f"{[e for _, e in self.items[-3:]]}")
+                self.cond.wait(left)
+
+    def of(self, kind: str, rank: int | None = None) -> list[tuple[float, dict]]:
+        return [(t, e) for t, e in self.items if e.get("event") == kind
+                and (rank is None or e.get("rank") == rank)]

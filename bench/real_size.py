@@ -366,35 +366,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Events:
-    """Every event the launcher hands over, stamped with its time of arrival."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[float, dict]] = []
-        self.cond = threading.Condition()
-
-    def __call__(self, event: dict) -> None:
-        with self.cond:
-            self.items.append((time.monotonic(), event))
-            self.cond.notify_all()
-
-    def wait(self, test, timeout: float, after: float = 0.0) -> tuple[float, dict]:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                for t, e in self.items:
-                    if t >= after and test(e):
-                        return t, e
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"no such event within {timeout:.0f} s")
-                self.cond.wait(left)
-
-    def of(self, kind: str, rank: int | None = None) -> list[tuple[float, dict]]:
-        return [(t, e) for t, e in self.items if e.get("event") == kind
-                and (rank is None or e.get("rank") == rank)]
-
-
 def rate_bits(rate: str) -> float:
     from netbed import rate_bits as parse
 
@@ -403,6 +374,7 @@ def rate_bits(rate: str) -> float:
 
 def host_run(bed: Any, model: str, rate: str, min_nodes: int | None, kill: bool,
              away: float, work: Path, max_steps: int) -> dict[str, Any]:
+    from netbed import Events
     from rich.console import Console
 
     from distributed.hosts.ssh import SSHOptions

@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from io import StringIO
 
 import pytest
@@ -42,7 +41,7 @@ from exogym import Trainer
 from exogym.strategy import DiLoCoStrategy
 
 sys.path.insert(0, str(ROOT / "bench"))
-from netbed import worker_pid  # noqa: E402 - the bench's helper
+from netbed import Events, worker_pid  # noqa: E402 - the bench's helpers
 
 THIRD = "127.0.0.7"
 #: The profile's model at 23M parameters, with short sequences and small batches.
@@ -139,35 +138,6 @@ def launcher(sshd, workers, program, tmp_path, on_event, **options):
                     on_output=lambda line: None, on_event=on_event)
 
 
-class Events:
-    """The run's events, and waiting for one."""
-
-    def __init__(self):
-        self.events: list[dict] = []
-        self.changed = threading.Condition()
-
-    def __call__(self, event: dict) -> None:
-        with self.changed:
-            self.events.append(event)
-            self.changed.notify_all()
-
-    def wait_for(self, test, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        with self.changed:
-            while True:
-                for event in self.events:
-                    if test(event):
-                        return event
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"no such event within {timeout} s; "
-                                         f"last: {self.events[-3:]}")
-                self.changed.wait(left)
-
-    def of(self, kind: str) -> list[dict]:
-        return [e for e in self.events if e.get("event") == kind]
-
-
 def test_three_hosts_with_min_nodes_lose_a_host_and_take_it_back_at_23m(sshd, third, tmp_path):
     out = tmp_path / "net"
     events = Events()
@@ -178,24 +148,24 @@ def test_three_hosts_with_min_nodes_lose_a_host_and_take_it_back_at_23m(sshd, th
         runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
         runner.start()
         # After the first round: rank 2's host goes away and its process dies.
-        events.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 2
+        events.wait(lambda e: e.get("event") == "step" and e["rank"] == 2
                         and e["step"] >= 5, 120)
         third.stop()
         pid = worker_pid(2, str(out))
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
-        events.wait_for(lambda e: e.get("event") == "membership" and e["ranks"] == [0, 1], 60)
+        events.wait(lambda e: e.get("event") == "membership" and e["ranks"] == [0, 1], 60)
         third.start()  # the host answers again: the launcher starts its rank there
-        rejoined = events.wait_for(lambda e: e.get("event") == "membership"
+        _, rejoined = events.wait(lambda e: e.get("event") == "membership"
                                    and e["ranks"] == [0, 1, 2] and e["step"] > 1, 100)
         runner.join(timeout=200)
     result = job.result
     assert result.ok, result.describe()
-    assert [m["ranks"] for m in events.of("membership")] == [[0, 1, 2], [0, 1], [0, 1, 2]]
-    handed = [e for e in events.of("hand_over") if e["rank"] == 2]
+    assert [m["ranks"] for _, m in events.of("membership")] == [[0, 1, 2], [0, 1], [0, 1, 2]]
+    handed = [e for _, e in events.of("hand_over", 2)]
     assert handed and handed[-1]["step"] == rejoined["step"]
     assert handed[-1]["bytes"] > 4 * 23_000_000 * 4  # model, Adam moments, outer state
-    done = {e["rank"]: e for e in events.of("done")}
+    done = {e["rank"]: e for _, e in events.of("done")}
     assert sorted(done) == [0, 1, 2] and all(d["step"] == 100 for d in done.values())
     # Every rank ended with the same model (a DiLoCo round ends the run) ...
     assert len({d["model_digest"] for d in done.values()}) == 1, done

@@ -28,11 +28,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from distributed.tasks import BUILTIN_TASK_NAMES
-from distributed.tasks.tokens import Block
+from distributed.tasks.tokens import TokenGPT
 from exogym.digits import DigitsCNN, DigitsMLP, digits_datasets
 
 TaskResult = tuple[nn.Module, Dataset, Dataset]
@@ -101,8 +100,9 @@ class CharDataset(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-class CharGPT(nn.Module):
-    """A small GPT over characters; ``forward((x, y))`` returns the next-character loss.
+class CharGPT(TokenGPT):
+    """A small GPT over characters, its output layer apart from the embedding;
+    ``forward((x, y))`` returns the next-character loss.
 
     Args:
         vocab_size: number of distinct characters.
@@ -112,33 +112,7 @@ class CharGPT(nn.Module):
 
     def __init__(self, vocab_size: int, block_size: int = 64, n_layer: int = 2, n_head: int = 4,
                  n_embd: int = 128):
-        super().__init__()
-        if n_embd % n_head:
-            raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}")
-        self.block_size = block_size
-        self.tok = nn.Embedding(vocab_size, n_embd)
-        self.pos = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.Sequential(*(Block(n_embd, n_head) for _ in range(n_layer)))
-        self.ln = nn.LayerNorm(n_embd)
-        self.head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-
-    def logits(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        return self.head(self.ln(self.blocks(x)))
-
-    def forward(self, batch) -> torch.Tensor:
-        x, y = batch
-        logits = self.logits(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        super().__init__(vocab_size, block_size, n_layer, n_head, n_embd, tie_head=False)
 
 
 def chargpt_task(text_file: str | None = None, block_size: int = 64, n_layer: int = 2,

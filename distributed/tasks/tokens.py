@@ -113,10 +113,12 @@ class TokenGPT(nn.Module):
         vocab_size: tokens in the vocabulary.
         block_size: context length.
         n_layer, n_head, n_embd: depth, attention heads, width.
+        tie_head: the output layer is the token embedding (GPT-2's choice), else a
+            layer of its own (``head``).
     """
 
     def __init__(self, vocab_size: int = 8192, block_size: int = 128, n_layer: int = 6,
-                 n_head: int = 8, n_embd: int = 512):
+                 n_head: int = 8, n_embd: int = 512, tie_head: bool = True):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}")
@@ -125,6 +127,7 @@ class TokenGPT(nn.Module):
         self.pos = nn.Embedding(block_size, n_embd)
         self.blocks = nn.Sequential(*(Block(n_embd, n_head) for _ in range(n_layer)))
         self.ln = nn.LayerNorm(n_embd)
+        self.head = None if tie_head else nn.Linear(n_embd, vocab_size, bias=False)
         self.apply(self._init)
 
     @staticmethod
@@ -137,7 +140,8 @@ class TokenGPT(nn.Module):
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        return F.linear(self.ln(self.blocks(x)), self.tok.weight)  # head tied to the embedding
+        h = self.ln(self.blocks(x))
+        return F.linear(h, self.tok.weight) if self.head is None else self.head(h)
 
     def forward(self, batch) -> torch.Tensor:
         x, y = batch
