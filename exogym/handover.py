@@ -134,18 +134,7 @@ def _targets(skeleton: dict[str, Any], into: Any) -> dict[int, torch.Tensor]:
 def _buckets(sizes: Sequence[int]) -> list[list[int]]:
     """Indices of consecutive tensors in groups of at most :data:`BUCKET_BYTES` (a larger
     tensor alone)."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    total = 0
-    for i, size in enumerate(sizes):
-        if current and total + size > BUCKET_BYTES:
-            groups.append(current)
-            current, total = [], 0
-        current.append(i)
-        total += size
-    if current:
-        groups.append(current)
-    return groups
+    return comm.runs_within(sizes, BUCKET_BYTES)
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:

@@ -111,6 +111,7 @@ __all__ = [
     "reset_counters",
     "resolve_dtype",
     "restore_counters",
+    "runs_within",
     "side_all_gather",
     "side_all_reduce",
     "side_barrier",
@@ -508,6 +509,23 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:
         ) from None
 
 
+def runs_within(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Positions of ``sizes`` in runs of consecutive ones totalling at most ``limit`` (a
+    larger one alone)."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if current and total + size > limit:
+            runs.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += size
+    if current:
+        runs.append(current)
+    return runs
+
+
 def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
     """Group tensor indices by (device, dtype) into runs of at most ``bucket_bytes``."""
     by_key: dict[tuple, list[int]] = {}
@@ -515,17 +533,8 @@ def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[in
         by_key.setdefault((t.device, t.dtype), []).append(i)
     buckets: list[list[int]] = []
     for indices in by_key.values():
-        current: list[int] = []
-        size = 0
-        for i in indices:
-            nbytes = tensors[i].numel() * tensors[i].element_size()
-            if current and size + nbytes > bucket_bytes:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(i)
-            size += nbytes
-        if current:
-            buckets.append(current)
+        sizes = [tensors[i].numel() * tensors[i].element_size() for i in indices]
+        buckets.extend([indices[j] for j in run] for run in runs_within(sizes, bucket_bytes))
     return buckets
 
 
