@@ -211,9 +211,11 @@ def test_resume_with_hosts_resumes_every_rank_from_its_first_start(tmp_path):
     result = invoke("distributed-train", "digits-ddp", "--hosts", dry_run_hosts(tmp_path),
                     "--dry-run", "--resume", "--max-restarts", "1")
     assert result.exit_code == 0, result.output
-    commands = [line for line in result.output.splitlines() if "command:" in line]
+    commands = [shlex.split(line.split("command:", 1)[1]) for line in result.output.splitlines()
+                if "command:" in line]
     assert len(commands) == 3
-    assert all(shlex.split(line)[-2:] == ["--resume", "--quiet"] for line in commands)
+    ranks = [shlex.split(words[-1]) if words[0] == "ssh" else words for words in commands]
+    assert all(words[-2:] == ["--resume", "--quiet"] for words in ranks)
     assert "on restart adds" not in result.output  # already resuming: nothing to add
 
 

@@ -275,3 +275,75 @@ def test_preflight_hint_to_simulate_instead_keeps_the_users_own_options(tmp_path
     dry = runner.invoke(cli_typer.app, [*args[2:], "--dry-run"])  # it runs as printed
     assert dry.exit_code == 0, dry.output
     assert "as a local simulation" in dry.output and "max_steps=7" in dry.output
+
+
+# --------------------------------------------------------------------------- --dry-run
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    from sshd_fixture import serve_sshd
+
+    yield from serve_sshd(tmp_path_factory)
+
+
+def printed_commands(output: str) -> list[str]:
+    """The ``command:`` of every rank a dry run printed, as printed."""
+    return [line.split("command:", 1)[1].strip() for line in output.splitlines()
+            if line.lstrip().startswith("command:")]
+
+
+def test_dry_run_of_a_simulation_prints_a_command_that_runs_as_printed_from_anywhere(tmp_path):
+    from distributed.rank.environment import FINAL_MODEL
+
+    out = tmp_path / "out dir"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    args = ["distributed-train", "digits-ddp", "--config", str(ROOT / "config.ini"), "--dry-run",
+            "--set", "max_steps=2", "--set", "num_nodes=2", "--set", "val_size=0",
+            "--set", "checkpoint_interval=None", "--set", "num_threads=1",
+            "--set", f"output_dir={out}", "--set", "description=run by hand, 'quoted'"]
+    done = program(sys.executable, str(ROOT / "cli_typer.py"), *args, cwd=elsewhere)
+    assert done.returncode == 0, done.stderr
+    (command,) = printed_commands(done.stdout)
+    assert command.startswith(f"cd {shlex.quote(str(ROOT))} && python -m distributed.worker ")
+    ran = program("bash", "-c", command, cwd=elsewhere, timeout=300)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert (out / FINAL_MODEL).is_file()
+
+
+def test_dry_run_across_hosts_prints_commands_that_start_the_run_by_hand(sshd, tmp_path):
+    """Each rank's printed command, pasted into a shell of its own (the worker's over the
+    real ssh client to the test sshd), trains the run: nothing the launcher adds is missing,
+    and the quoting survives the remote shell."""
+    import json
+
+    from faces_support import TINY, sshd_hosts
+
+    from distributed.rank.environment import FINAL_MODEL
+
+    out = tmp_path / "out dir"
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps(sshd_hosts(sshd, workers=1)))
+    sets = [arg for pair in [*TINY, "max_steps=4", f"output_dir={out}",
+                             "description=by hand, 'quoted'"] for arg in ("--set", pair)]
+    result = runner.invoke(cli_typer.app, [
+        "distributed-train", "digits-ddp", "--hosts", str(hosts), "--dry-run", *sets,
+        "--known-hosts", str(sshd.known_hosts), "--ssh-config", str(sshd.ssh_config)])
+    assert result.exit_code == 0, result.output
+    local, remote = printed_commands(result.output)
+    assert local.startswith(f"cd {shlex.quote(str(ROOT))} && env RANK=0 ")
+    words = shlex.split(remote)
+    assert words[:2] == ["ssh", "-t"] and f"{sshd.user}@127.0.0.2" in words
+    assert "-c" not in shlex.split(words[-1])  # the rank itself, not the launcher's loader
+    ranks = [subprocess.Popen(["bash", "-c", command], cwd=tmp_path, text=True,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for command in (local, remote)]
+    try:
+        outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    assert (out / FINAL_MODEL).is_file()

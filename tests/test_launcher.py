@@ -593,7 +593,8 @@ def test_dry_run_prints_each_command_and_variable_names_and_starts_nothing(run):
     assert not run.run_dir.exists()
     assert "hush-hush-value" not in out
     for plan in plans:
-        assert plan.command in out
+        assert f"command:   {plan.by_hand}" in out  # what a person runs by hand
+        assert plan.command not in out  # the launcher's supervisor, fed on stdin
         assert f"rank {plan.rank} on {plan.host.host}" in out
     assert f"over SSH as bob@127.0.0.5:{silent_port}" in out and "this machine, no SSH" in out
     assert "eth7 (set in the hosts file)" in out

@@ -86,8 +86,10 @@ def test_host_of_a_rank_outside_the_job_says_how_many_ranks_run():
 
 
 def plan_env(command: str) -> dict[str, str]:
-    """The ``env NAME=value`` assignments of a rank's command line."""
+    """The ``env NAME=value`` assignments of a rank's command line (through ``ssh`` too)."""
     words = shlex.split(command)
+    if words[0] == "ssh":
+        words = shlex.split(words[-1])
     start = words.index("env") + 1
     out = {}
     for word in words[start:]:

@@ -269,10 +269,19 @@ def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Consol
 
 
 def worker_command(request: TrainRequest) -> str:
-    """The command that runs the request's profile as a local simulation by hand."""
-    return shlex.join(["python", *worker_args(request.profile, config=request.config,
-                                              overrides=request.overrides,
-                                              resume=request.resume)])
+    """The command that runs the request's profile as a local simulation by hand, quoted
+    for a POSIX shell; from another folder than the project's it starts with ``cd`` there
+    (``distributed`` is imported from the project's root), a relative ``--config`` made
+    absolute."""
+    config = request.config
+    here = Path.cwd().resolve()
+    away = here != PROJECT_ROOT.resolve()
+    if away and config is not None:
+        config = str(Path(config).expanduser().resolve())
+    command = shlex.join(["python", *worker_args(request.profile, config=config,
+                                                 overrides=request.overrides,
+                                                 resume=request.resume)])
+    return f"cd {shlex.quote(str(PROJECT_ROOT))} && {command}" if away else command
 
 
 def train_command(request: TrainRequest) -> str:

@@ -58,6 +58,21 @@ def shell_path(path: str) -> str:
     return shlex.quote(path)
 
 
+def _in_project(project_path: str, python_env: str, env: Mapping[str, str],
+                supervised: bool) -> list[str]:
+    """``cd project && [exec] env NAME=value ... python -u``: the words before a rank's
+    arguments."""
+    assignments = " ".join(shlex.quote(f"{name}={value}") for name, value in env.items())
+    parts = [f"cd {shell_path(project_path)} &&"]
+    if supervised or assignments:
+        parts.append("exec env" if supervised else "env")
+    if assignments:
+        parts.append(assignments)
+    parts.append(shell_path(python_env) if "/" in python_env else shlex.quote(python_env))
+    parts.append("-u")
+    return parts
+
+
 def rank_command(project_path: str, python_env: str, env: Mapping[str, str],
                  args: Sequence[str]) -> str:
     """The command that starts one rank's supervisor: ``cd project && exec env ... python``.
@@ -65,12 +80,19 @@ def rank_command(project_path: str, python_env: str, env: Mapping[str, str],
     ``env`` holds the rank's non-secret variables; they are set with ``env
     NAME=value`` so they arrive whatever the SSH server's ``AcceptEnv`` says.
     """
-    assignments = " ".join(shlex.quote(f"{name}={value}") for name, value in env.items())
-    parts = [f"cd {shell_path(project_path)} && exec env"]
-    if assignments:
-        parts.append(assignments)
-    parts.append(shell_path(python_env) if "/" in python_env else shlex.quote(python_env))
-    parts.append("-u -c " + shlex.quote(LOADER))
+    parts = _in_project(project_path, python_env, env, supervised=True)
+    parts.append("-c " + shlex.quote(LOADER))
+    parts.extend(shlex.quote(a) for a in args)
+    return " ".join(parts)
+
+
+def hand_command(project_path: str, python_env: str, env: Mapping[str, str],
+                 args: Sequence[str]) -> str:
+    """The command a person types on the host to start one rank by hand: the rank itself,
+    ``cd project && env NAME=value ... python -u ARGS``, without the supervisor
+    :func:`rank_command` starts (which reads its code from the launcher on stdin), and
+    without ``exec`` (the person's shell stays when the rank ends)."""
+    parts = _in_project(project_path, python_env, env, supervised=False)
     parts.extend(shlex.quote(a) for a in args)
     return " ".join(parts)
 

@@ -20,6 +20,7 @@ import errno
 import getpass
 import hashlib
 import os
+import shlex
 import socket
 import threading
 import time
@@ -98,6 +99,29 @@ class SSHTarget:
     def known_hosts_name(self) -> str:
         """The name this host's key is filed under in known_hosts."""
         return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
+
+
+def ssh_command_line(target: SSHTarget, command: str, options: SSHOptions) -> str:
+    """The OpenSSH command that runs ``command`` on ``target`` as the launcher's own
+    connection would: the same login, port, keys, client config and known_hosts file.
+
+    ``-t`` gives the command a terminal, so that Ctrl-C there stops it. Options equal to
+    OpenSSH's defaults are left out.
+    """
+    words = ["ssh", "-t"]
+    if target.port != 22:
+        words += ["-p", str(target.port)]
+    for key in target.key_files:
+        words += ["-i", key]
+    config = options.ssh_config_path
+    if config is None:
+        words += ["-F", "none"]
+    elif Path(config).expanduser() != Path(DEFAULT_SSH_CONFIG).expanduser():
+        words += ["-F", str(Path(config).expanduser())]
+    if options.known_hosts != Path(DEFAULT_KNOWN_HOSTS).expanduser():
+        words += ["-o", f"UserKnownHostsFile={options.known_hosts}"]
+    words += [f"{target.user}@{target.alias}", command]
+    return shlex.join(words)
 
 
 class SSHConnectError(Exception):

@@ -62,9 +62,9 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.hosts.hostsfile import HostsConfig, load_hosts
 from distributed.hosts.preflight import PreflightError, PreflightReport
-from distributed.hosts.remote import BOOTSTRAP_SOURCE, rank_command
+from distributed.hosts.remote import BOOTSTRAP_SOURCE, hand_command, rank_command
 from distributed.hosts.session import HostSession, is_this_machine
-from distributed.hosts.ssh import SSHOptions
+from distributed.hosts.ssh import SSHOptions, ssh_command_line
 from distributed.launch.elastic import ElasticAttempt
 from distributed.launch.options import (
     SECRET_ENV_NAMES,
@@ -269,18 +269,24 @@ class Launcher:
                 if self.options.min_nodes is not None:
                     env[MIN_NODES_VARIABLE] = str(self.options.min_nodes)
                     env[LOST_AFTER_VARIABLE] = f"{self.options.lost_after:g}"
+                argv = self.program.argv(host, restart)
+                local = self.session.is_local(host.rank)
+                by_hand = hand_command(host.project_path, host.python_env, env, argv)
+                if not local:
+                    by_hand = ssh_command_line(self.session.targets[host.rank], by_hand,
+                                               self.session.ssh)
                 plans.append(RankPlan(
-                    rank=rank, host=host, local=self.session.is_local(host.rank),
-                    login=self.session.login(host.rank),
-                    command=rank_command(host.project_path, host.python_env, env,
-                                         self.program.argv(host, restart)),
+                    rank=rank, host=host, local=local, login=self.session.login(host.rank),
+                    command=rank_command(host.project_path, host.python_env, env, argv),
                     env_names=tuple(env), secret_names=tuple(sorted(self.secrets)),
                     interface=host.interface, master_addr=master_addr,
-                    master_port=self.config.master_port, local_rank=local_rank))
+                    master_port=self.config.master_port, local_rank=local_rank,
+                    by_hand=by_hand))
         return plans
 
     def dry_run(self) -> list[RankPlan]:
-        """Print, per host, the exact command, the names of the variables it sets, the
+        """Print, per rank, the command that starts it by hand (through ``ssh`` on another
+        host; quoted to be copied as it is), the names of the variables it sets, the
         interface and the port; start nothing and connect to nothing.
 
         Returns:
@@ -292,7 +298,9 @@ class Launcher:
         hosts = len(self.config.hosts)
         console.print(f"Dry run: {plural(len(plans), 'rank')} on {plural(hosts, 'host')}, master "
                       f"{master.master_addr}:"
-                      f"{master.master_port}; nothing is started and nothing is connected to.",
+                      f"{master.master_port}; nothing is started and nothing is connected to. "
+                      "Each command below starts its rank by hand, from this machine: run each "
+                      "in a terminal of its own (the ranks wait for one another).",
                       markup=False, highlight=False, soft_wrap=True)
         for p in plans:
             where = "this machine, no SSH" if p.local else f"over SSH as {p.login}"
@@ -308,8 +316,9 @@ class Launcher:
                 f"  interface: {interface}",
                 f"  sets:      {' '.join(p.env_names)}",
                 "  secrets:   " + (" ".join(p.secret_names) + " (over stdin, never on a command "
-                                   "line)" if p.secret_names else "none"),
-                f"  command:   {p.command}",
+                                   "line; by hand, set them in the rank's environment)"
+                                   if p.secret_names else "none"),
+                f"  command:   {p.by_hand}",
             ]
             if self.options.max_restarts and self.program.resume_args:
                 lines.append(f"  on restart adds: {' '.join(self.program.resume_args)}")

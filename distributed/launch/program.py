@@ -90,7 +90,10 @@ class RankPlan:
         host: its host.
         local: True when it runs on this machine without SSH.
         login: ``local`` or the SSH login ``user@host[:port]``.
-        command: the exact shell command run on the host.
+        command: the exact shell command run on the host (it starts the rank's supervisor,
+            which reads its code from the launcher on stdin).
+        by_hand: the command a person runs on this machine to start the rank by hand:
+            the rank's own command, through ``ssh`` for a rank on another host.
         env_names: names of the variables set on the command line.
         secret_names: names of the variables sent over stdin.
         interface: the interface forced by the hosts file, or ``None`` (the
@@ -111,4 +114,5 @@ class RankPlan:
     master_addr: str
     master_port: int
     local_rank: int = 0
+    by_hand: str = ""
 
