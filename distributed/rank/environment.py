@@ -11,7 +11,9 @@ them; under ``srun`` they are read from SLURM's own variables
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from distributed.hosts.netif import interface_for
 from distributed.rank.slurm import slurm_rank_variables
@@ -77,26 +79,27 @@ def rank_environment(env: dict[str, str] | None = None) -> RankEnvironment | Non
         raise ValueError(f"RANK={rank} must be in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
     if not 0 < port < 65536:
         raise ValueError(f"MASTER_PORT={port} is not a port number")
-    min_nodes = None
-    if env.get(MIN_NODES_VARIABLE):
-        try:
-            min_nodes = int(env[MIN_NODES_VARIABLE])
-        except ValueError:
-            raise ValueError(f"{MIN_NODES_VARIABLE}={env[MIN_NODES_VARIABLE]!r} must be an "
-                             "integer") from None
+    min_nodes = _optional(env, MIN_NODES_VARIABLE, int, "an integer")
+    if min_nodes is not None:
         if not 1 <= min_nodes <= world:
             raise ValueError(f"{MIN_NODES_VARIABLE}={min_nodes} must be in 1..WORLD_SIZE "
                              f"(WORLD_SIZE={world})")
-    lost_after = 10.0
-    if env.get(LOST_AFTER_VARIABLE):
-        try:
-            lost_after = float(env[LOST_AFTER_VARIABLE])
-        except ValueError:
-            raise ValueError(f"{LOST_AFTER_VARIABLE}={env[LOST_AFTER_VARIABLE]!r} must be a "
-                             "number of seconds") from None
+    lost_after = _optional(env, LOST_AFTER_VARIABLE, float, "a number of seconds")
     return RankEnvironment(rank, world, env["MASTER_ADDR"], port, local_rank, local_world,
                            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                           min_nodes=min_nodes, lost_after=lost_after)
+                           min_nodes=min_nodes,
+                           lost_after=10.0 if lost_after is None else lost_after)
+
+
+def _optional(env: dict[str, str], name: str, parse: Callable[[str], Any], what: str) -> Any:
+    """``env[name]`` parsed, None when it is not set; a clear error when it does not parse."""
+    value = env.get(name)
+    if not value:
+        return None
+    try:
+        return parse(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} must be {what}") from None
 
 
 def choose_interface(master_addr: str) -> str | None:
