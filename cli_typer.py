@@ -299,6 +299,7 @@ def profiles(ctx: typer.Context, config: ConfigFile = None,
              debug: Debug = False) -> None:
     """List the profiles of a config file, base_profile resolved; a bad one with its error."""
     with reported_errors(ctx, debug) as debug:
+        from rich.markup import escape
         from rich.table import Table
 
         from distributed.app.profile_list import SUMMARY_COLUMNS, list_profiles
@@ -309,6 +310,9 @@ def profiles(ctx: typer.Context, config: ConfigFile = None,
             table.add_column(name, overflow="fold", no_wrap=name == "name")
         for entry in entries:
             row = dict(entry.row)
+            if entry.needs and not entry.why_not:
+                row["description"] = f"[yellow]this machine lacks {escape(entry.needs)}[/]" + (
+                    f" — {row['description']}" if row["description"] else "")
             if entry.why_not:
                 row["description"] = f"[red]not usable here: {entry.why_not}[/]" + (
                     f" — {row['description']}" if row["description"] else "")
@@ -353,6 +357,7 @@ def compare(
 
         from distributed.app.compare import (
             PLOT_NAME,
+            check_extras,
             check_plotting,
             comparison_folder,
             parse_overrides,
@@ -373,6 +378,7 @@ def compare(
         if network is not None:
             overrides = {**overrides, "network": network}
         plans = plan_comparison(profile, names, str(config) if config else None, overrides)
+        check_extras(plans)
         check_plotting()
         page = open_web(web, console, host=web_host, port=web_port,
                         title=f"{profile}: compare {', '.join(names)}")

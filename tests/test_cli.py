@@ -158,7 +158,7 @@ def test_compare_names_the_plot_extra_before_any_run_when_matplotlib_is_missing(
 ])
 def test_whisper_commands_name_the_extra_when_it_is_missing(monkeypatch, command, module):
     monkeypatch.setitem(sys.modules, module, None)  # importing it now raises ImportError
-    assert_one_paragraph(invoke(*command), 2, "pip install 'exogym[whisper]'")
+    assert_one_paragraph(invoke(*command), 2, "pip install -e '.[whisper]'")
 
 
 def test_whisper_commands_call_the_whisper_pieces(monkeypatch, tmp_path):

@@ -347,3 +347,65 @@ def test_dry_run_across_hosts_prints_commands_that_start_the_run_by_hand(sshd, t
                 rank.kill()
     assert [rank.returncode for rank in ranks] == [0, 0], outputs
     assert (out / FINAL_MODEL).is_file()
+
+
+# --------------------------------------------------------------------------- extras
+
+
+@pytest.fixture
+def no_whisper_extra(monkeypatch):
+    """This process as on a machine without the whisper extra: its packages cannot be found
+    (``None`` in ``sys.modules`` is what Python reads as "no such module")."""
+    from distributed.tasks.extras import TASK_EXTRAS
+
+    for module in TASK_EXTRAS["whisper"][1]:
+        monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
+WHISPER_INSTALL = "pip install -e '.[whisper]'"
+
+
+@pytest.mark.parametrize("command", [
+    ["distributed-train", "whisper-tiny-diloco"],
+    ["distributed-train", "whisper-tiny-lora-diloco", "--set", "max_steps=1"],
+    ["compare", "whisper-tiny-diloco", "--strategies", "ddp,diloco"],
+])
+def test_a_whisper_profile_without_its_extra_names_the_command_that_installs_it(
+        no_whisper_extra, command):
+    result = runner.invoke(cli_typer.app, command)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert "the whisper extra, which is not installed here (missing: transformers" \
+           in flat(result.stderr)
+    assert WHISPER_INSTALL in result.stderr
+    assert "Comparing" not in result.output  # refused before any run
+
+
+def test_a_dry_run_notes_the_missing_extra(no_whisper_extra):
+    result = runner.invoke(cli_typer.app, ["distributed-train", "whisper-tiny-diloco",
+                                           "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "note: the whisper task needs the whisper extra" in result.output
+    assert WHISPER_INSTALL in result.output
+
+
+def test_profiles_marks_each_profile_whose_extra_is_missing(no_whisper_extra):
+    result = runner.invoke(cli_typer.app, ["profiles"])
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): line for line in result.output.splitlines()
+            if line.startswith("│") and line.split("│")[1].strip()}
+    whisper = [name for name in rows if name.startswith("whisper-")]
+    assert whisper and all(f"this machine lacks the whisper extra: {WHISPER_INSTALL}"
+                           in rows[name] for name in whisper)
+    assert not any("lacks" in rows[name] for name in rows if not name.startswith("whisper-"))
+
+
+def test_profiles_marks_nothing_when_the_extra_is_installed(monkeypatch):
+    from distributed.tasks.extras import missing_modules
+
+    if missing_modules("whisper"):
+        pytest.skip("the whisper extra is not installed here")
+    monkeypatch.delenv("COLUMNS", raising=False)
+    result = runner.invoke(cli_typer.app, ["profiles"])
+    assert result.exit_code == 0 and "lacks" not in result.output

@@ -35,10 +35,12 @@ from distributed.profiles.profile import (
     parse_value,
     strategy_class,
 )
+from distributed.tasks.extras import require_extra
 from exogym._args import init_arg_names
 from exogym.io import atomic_write_bytes
 
-__all__ = ["COMPARE_SETTINGS", "PLOT_NAME", "StrategyResult", "check_plotting", "comparison_figure",
+__all__ = ["COMPARE_SETTINGS", "PLOT_NAME", "StrategyResult", "check_extras", "check_plotting",
+           "comparison_figure",
            "comparison_folder", "parse_overrides", "plan_comparison", "plot_comparison",
            "profile_for_strategy", "run_comparison", "strategy_profiles", "strategy_settings"]
 
@@ -277,6 +279,13 @@ def run_comparison(plans: Sequence[Profile],
         if on_result is not None:
             on_result(result)
     return results
+
+
+def check_extras(plans: Sequence[Profile]) -> None:
+    """Raise ``ImportError`` naming the extra and the command that installs it when the
+    compared task needs an extra this machine lacks (call it before any run starts)."""
+    for task in sorted({plan.task for plan in plans}):
+        require_extra(task)
 
 
 def check_plotting() -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distributed.profiles.profile import SUMMARY_COLUMNS, Profile, ProfileError, ProfileSet
+from distributed.tasks.extras import needed_extra
 
 __all__ = ["SUMMARY_COLUMNS", "ProfileEntry", "list_profiles", "profile_names"]
 
@@ -25,11 +26,15 @@ class ProfileEntry:
         name: the profile's name.
         row: its table row (``Profile.summary``, keyed by ``SUMMARY_COLUMNS``).
         why_not: the last problem that stops it from running here, or None when it can run.
+        needs: the optional extra its task needs and this machine lacks, with the command
+            that installs it (``the whisper extra: pip install -e '.[whisper]'``); None
+            when nothing is missing. Hosts that have the extra may still run it.
     """
 
     name: str
     row: dict[str, str]
     why_not: str | None
+    needs: str | None = None
 
 
 def profile_names(config_path: str | Path | None = None) -> list[str]:
@@ -65,5 +70,6 @@ def list_profiles(config_path: str | Path | None = None, *,
             continue
         problems = profile.problems() if full_check else profile.quick_problems()
         why = problems[-1].splitlines()[-1].strip() if problems else None
-        entries.append(ProfileEntry(name, profile.summary(), why))
+        entries.append(ProfileEntry(name, profile.summary(), why,
+                                    needed_extra(str(profile.values.get("task")))))
     return profiles.path, entries

@@ -49,6 +49,7 @@ from distributed.profiles.profile import (
 )
 from distributed.rank.command import set_args, worker_args
 from distributed.rank.environment import FINAL_MODEL
+from distributed.tasks.extras import missing_extra, require_extra
 from exogym.fit_args import BALANCE_MODES
 from exogym.logger import LOGGER_NAMES
 from exogym.plural import plural
@@ -402,8 +403,9 @@ def dry_run(request: TrainRequest, console: Console) -> Profile:
                   markup=False, highlight=False, soft_wrap=True)
     console.print(f"  command: {worker_command(request)}", markup=False, highlight=False,
                   soft_wrap=True)
-    for note in run_warnings(profile, int(profile.values.get("num_nodes") or 1),
-                             os.cpu_count()):
+    notes = run_warnings(profile, int(profile.values.get("num_nodes") or 1), os.cpu_count())
+    lacking = missing_extra(profile.task)
+    for note in notes + ([lacking] if lacking else []):
         console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     return profile
 
@@ -429,6 +431,7 @@ def train(request: TrainRequest, console: Console | None = None, *,
     profile = resolve_profile(request)
     if request.multi_host:
         return _train_hosts(request, profile, console, live, web)
+    require_extra(profile.task)  # a task whose extra is missing here stops before any rank
     if request.resume:
         done = finished_run(profile)
         if done is not None:

@@ -11,7 +11,9 @@ import importlib
 from pathlib import Path
 from types import ModuleType
 
-WHISPER_EXTRA = "pip install 'exogym[whisper]'"
+from distributed.tasks.extras import install_command
+
+WHISPER_EXTRA = install_command("whisper")
 
 
 def _whisper_module(name: str) -> ModuleType:

@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from distributed.tasks import BUILTIN_TASK_NAMES
+from distributed.tasks.extras import install_command, require_extra
 from distributed.tasks.tokens import TokenGPT
 from exogym.digits import DigitsCNN, DigitsMLP, digits_datasets
 
@@ -152,12 +153,13 @@ def chargpt_task(text_file: str | None = None, block_size: int = 64, n_layer: in
 
 
 def _whisper_task(**kwargs: Any) -> TaskResult:
+    require_extra("whisper")
     try:
         from distributed.tasks.whisper.task import build_whisper_task, collate_whisper_batch
     except ImportError as exc:
-        raise ImportError(
-            "the whisper task needs the whisper extra: pip install 'exogym[whisper]' "
-            f"({exc})") from exc
+        raise ImportError(f"the whisper task could not be loaded ({exc}); reinstall its "
+                          f"extra from the project's folder: {install_command('whisper')}"
+                          ) from exc
     model, train, val = build_whisper_task(**kwargs)
     for dataset in (train, val):  # labels differ in length: the trainer must pad them
         dataset.collate_fn = collate_whisper_batch

