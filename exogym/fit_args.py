@@ -120,6 +120,16 @@ def _path_or_auto(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a path or 'auto', got {value!r}")
 
 
+def _run_identity(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise TypeError(f"{name} must be a dict with string keys (JSON values), got {value!r}")
+    fingerprint = value.get("fingerprint")
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise TypeError(f"{name}['fingerprint'] must be a string, got {fingerprint!r}")
+
+
 def _dataloader_kwargs(name: str, value: Any) -> None:
     if value is None:
         return
@@ -426,6 +436,12 @@ class RunArgs:
         "stayed (the rules: :mod:`exogym.membership`). The summary lists every change as "
         "``membership``.", _rank_failures,
         convert=lambda v: None if v is None else [tuple(entry) for entry in v])
+    run_identity: dict[str, Any] | None = _arg(
+        None, "who this run is (a dict of JSON values, e.g. its profile, the fingerprint of "
+        "its settings and its start time): written into every checkpoint as ``'run'``; "
+        "resuming refuses a checkpoint whose ``'fingerprint'`` differs from this one's "
+        "(another run's, or the same run with other settings).", _run_identity,
+        convert=lambda v: None if v is None else dict(v))
 
     @property
     def has_clock(self) -> bool:

@@ -421,6 +421,7 @@ class TrainNode:
             "num_nodes": self.num_nodes,
             "sim_time_s": None if self.clock is None else self.clock.now,
             "balance": None if self.balance is None else self.balance.state_dict(),
+            "run": self.spec.run_identity,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -429,6 +430,13 @@ class TrainNode:
             raise ValueError(f"checkpoint was written by a run of "
                              f"{plural(state['num_nodes'], 'rank')}; "
                              f"this run has {self.num_nodes}")
+        theirs = (state.get("run") or {}).get("fingerprint")
+        ours = (self.spec.run_identity or {}).get("fingerprint")
+        if theirs is not None and ours is not None and theirs != ours:
+            raise ValueError(f"rank {self.rank}: the checkpoint at step {state['step']} in "
+                             f"{self.checkpoint_root} was written by another run (settings "
+                             f"fingerprint {theirs[:12]}, this run's is {ours[:12]}): it is "
+                             "not resumed; resume the run it belongs to with its own settings")
         self.model.load_state_dict(state["model"])
         self.strategy.load_state_dict(state["strategy"])
         self.train_stream.restore(state["data"])

@@ -91,3 +91,28 @@ def test_resume_from_a_missing_folder_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="not a checkpoint folder"):
         Trainer(tiny_model(), ds, ds).fit(strategy=FedAvgStrategy(), num_nodes=1, max_steps=1,
                                           resume_from=str(tmp_path / "nope"), **QUIET)
+
+
+def test_checkpoints_carry_the_run_identity_and_resume_refuses_another_runs(tmp_path):
+    ds = toy_dataset(64)
+    ours = {"profile": "p", "fingerprint": "a" * 64, "started": "2024-01-01T00:00:00Z"}
+    fit(ds, "run", tmp_path, 4, checkpoint_interval=4, run_identity=ours)
+    state = load_checkpoint(checkpoint_path(tmp_path / "run", 1, 4))
+    assert state["run"] == ours
+    theirs = {**ours, "fingerprint": "b" * 64}
+    with pytest.raises(RankFailedError, match="written by another run .*aaaaaaaaaaaa, this "
+                                              "run's is bbbbbbbbbbbb"):
+        fit(ds, "run", tmp_path, 8, resume_from="auto", run_identity=theirs)
+    # The same settings (another start time, more steps) continue it.
+    trainer, _ = fit(ds, "run", tmp_path, 6, resume_from="auto",
+                     run_identity={**ours, "started": "2024-01-02T00:00:00Z"})
+    assert [r["step"] for r in trainer.history if r["rank"] == 0] == [5, 6]
+
+
+def test_run_identity_must_be_a_dict_of_json_values():
+    from exogym.fit_args import RunArgs
+
+    with pytest.raises(TypeError, match="run_identity must be a dict"):
+        RunArgs(strategy=strategy(), run_identity="abc")
+    with pytest.raises(TypeError, match=r"run_identity\['fingerprint'\] must be a string"):
+        RunArgs(strategy=strategy(), run_identity={"fingerprint": 3})
