@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from ranks import ROOT
+from ranks import ROOT, free_port
 
 from distributed.app.compare import plan_comparison, profile_for_strategy
 from distributed.profiles.profile import (
@@ -182,3 +185,146 @@ def test_worker_exits_2_with_a_readable_message_on_a_bad_profile():
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "no profile 'nope'" in result.stderr and "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------- local profiles
+
+
+SHARED = """
+[distributed:base]
+task = digits
+hidden = 16
+batch_size = 16
+lr = 0.01
+[distributed:run]
+base_profile = base
+strategy = diloco
+H = 5
+outer_lr = 0.5
+"""
+MINE = """
+[distributed:run]
+base_profile = base
+strategy = ddp
+[distributed:mine]
+base_profile = base
+strategy = diloco
+H = 2
+num_nodes = 2
+max_steps = 4
+val_size = 32
+val_interval = 4
+num_threads = 1
+checkpoint_interval = none
+output_dir = out
+"""
+
+
+def test_local_profiles_are_read_after_config_ini_and_replace_one_of_the_same_name_whole(
+        tmp_path):
+    shared = write(tmp_path, SHARED)
+    local = tmp_path / "config.local.ini"
+    local.write_text(MINE)
+    profiles = ProfileSet(shared)
+    assert profiles.names() == ["base", "run", "mine"]
+    # the local "run" replaces the shared one whole: no H or outer_lr is left of it
+    assert profiles.values("run") == {"task": "digits", "hidden": 16, "batch_size": 16,
+                                      "lr": 0.01, "strategy": "ddp"}
+    assert load_profile("mine", shared).values["H"] == 2  # built on a shared profile
+    assert load_profile("run", shared).source == str(local)
+    assert (profiles.source("base"), profiles.source("mine")) == (shared, local)
+    assert ProfileSet(shared, local=False).names() == ["base", "run"]
+    assert ProfileSet(shared, local=False).values("run")["H"] == 5
+
+
+def test_errors_name_the_local_profiles_file(tmp_path):
+    shared = write(tmp_path, SHARED)
+    local = tmp_path / "config.local.ini"
+    local.write_text("[distributed:mine]\nbase_profile = base\nstrategy = diloco\nHh = 3\n")
+    with pytest.raises(ProfileError, match=r"profile 'mine' in \S*config\.local\.ini"):
+        load_profile("mine", shared)
+    with pytest.raises(ProfileError,
+                       match=r"no profile 'nope' in \S*config\.ini and \S*config\.local\.ini"):
+        load_profile("nope", shared)
+    local.write_text("[distributed:broken\ntask = digits\n")
+    with pytest.raises(ProfileError, match=r"config\.local\.ini"):
+        ProfileSet(shared)
+
+
+def test_git_ignores_local_profiles_files_beside_any_config():
+    for path in ("config.local.ini", "examples/my.local.ini"):
+        ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", path])
+        assert ignored.returncode == 0, f"{path} is not ignored by git"
+
+
+def test_the_cli_lists_local_profiles_and_the_worker_trains_one(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli_typer import app
+
+    shared = write(tmp_path, SHARED)
+    (tmp_path / "config.local.ini").write_text(MINE)
+    listed = CliRunner().invoke(app, ["profiles", "--config", str(shared)],
+                                env={"COLUMNS": "200"})
+    assert listed.exit_code == 0, listed.output
+    assert "│ mine " in listed.output
+    done = subprocess.run([sys.executable, "-m", "distributed.worker", "--profile", "mine",
+                           "--config", "config.ini", "--quiet"], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 4
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    from sshd_fixture import serve_sshd
+
+    yield from serve_sshd(tmp_path_factory)
+
+
+def test_a_sync_brings_local_profiles_to_a_host_whose_worker_trains_one(sshd, tmp_path):
+    """The master's config.local.ini reaches a host (the host's own kept as .bak), pre-flight
+    compares it, and the worker started there trains a profile only that file holds."""
+    from rich.console import Console
+
+    from distributed.hosts.session import HostSession
+    from distributed.hosts.ssh import SSHOptions
+    from distributed.hosts.sync import code_files
+
+    project, remote = tmp_path / "project", tmp_path / "remote"
+    project.mkdir()
+    remote.mkdir()
+    (project / "config.ini").write_text(SHARED)
+    (project / ".gitignore").write_text("*.local.ini\n")
+    (project / "config.local.ini").write_text(MINE)
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    subprocess.run(["git", "-C", str(project), "add", "."], check=True)
+    theirs = "[distributed:theirs]\nbase_profile = base\nstrategy = ddp\n"
+    (remote / "config.local.ini").write_text(theirs)
+    assert "config.local.ini" in code_files(project)
+    hosts = {"master": "127.0.0.1", "master_port": free_port(),
+             "workers": [{"host": sshd.addresses[0], "ssh_port": sshd.port,
+                          "project_path": str(remote)}],
+             "ssh_user": sshd.user, "ssh_key_path": str(sshd.key_path),
+             "python_env": sys.executable, "project_path": str(project)}
+    out = io.StringIO()
+    ssh = SSHOptions(known_hosts_path=sshd.known_hosts, ssh_config_path=sshd.ssh_config,
+                     allow_agent=False, look_for_keys=False, connect_timeout=5.0)
+    with HostSession(hosts, ssh=ssh, project_root=project, probe_timeout=60.0,
+                     console=Console(file=out, width=200)) as session:
+        before = session.preflight(raise_on_failure=False, show=False)
+        problems = " ".join(before.checks[1].problems)
+        assert "config.local.ini" in problems and "git does not hold" in problems
+        stats = session.sync()
+        after = session.preflight(raise_on_failure=False, show=False)
+        assert not any("code differs" in p for p in after.checks[1].problems), after.checks[1]
+        done = session.shell(1).run(
+            f"cd {remote} && PYTHONPATH={ROOT} {sys.executable} -m distributed.worker "
+            "--profile mine --config config.ini --quiet", timeout=300)
+    assert [s.kept for s in stats] == [("config.local.ini",)]
+    assert (remote / "config.local.ini").read_text() == MINE
+    assert (remote / "config.local.ini.bak").read_text() == theirs
+    assert "kept it there as config.local.ini.bak" in out.getvalue()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((remote / "out" / "summary.json").read_text())["steps"] == 4

@@ -48,8 +48,9 @@ def profile_names(config_path: str | Path | None = None) -> list[str]:
 
 def list_profiles(config_path: str | Path | None = None, *,
                   full_check: bool = True) -> tuple[Path, list[ProfileEntry]]:
-    """Every profile of ``config_path`` (default: the project's config.ini), in file order,
-    with its row and why it cannot run here; the file's path first.
+    """Every profile of ``config_path`` (default: the project's config.ini) and of the local
+    profiles file beside it (``config.local.ini``), in file order, with its row and why it
+    cannot run here; the config file's path first.
 
     Args:
         config_path: the profiles file.
@@ -62,10 +63,11 @@ def list_profiles(config_path: str | Path | None = None, *,
     profiles = ProfileSet(config_path)
     entries = []
     for name in profiles.names():
+        source = str(profiles.source(name))
         try:
-            profile = Profile(name, profiles.values(name), str(profiles.path))
+            profile = Profile(name, profiles.values(name), source)
         except ProfileError as exc:  # a base_profile that is missing or makes a cycle
-            own = Profile(name, dict(profiles.raw[name]), str(profiles.path))
+            own = Profile(name, dict(profiles.raw[name]), source)
             entries.append(ProfileEntry(name, own.summary(), str(exc).split(";")[0]))
             continue
         problems = profile.problems() if full_check else profile.quick_problems()

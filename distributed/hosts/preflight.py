@@ -32,6 +32,7 @@ from distributed.hosts.remote import (
     probe_command,
 )
 from distributed.hosts.ssh import SSHConnectError
+from distributed.hosts.sync import LOCAL_PROFILES_SUFFIX
 from exogym.plural import plural
 
 #: The oldest Python a rank may run on (pyproject's requires-python).
@@ -465,11 +466,14 @@ def _compare(config: HostsConfig, checks: list[HostCheck], master_addr: str, por
                             if reference["files"].get(path) != digest)
             shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5
                                              else "")
+            own = [p for p in differ if p.endswith(LOCAL_PROFILES_SUFFIX)]
             check.problems.append(
                 f"code differs from the master's (hash {found['code_hash'][:10]} vs "
                 f"{reference['code_hash'][:10]}) in {len(differ)} file"
                 f"{'s' if len(differ) != 1 else ''}: {shown}; sync the checkouts "
-                "(sync=True / --sync copies the master's tracked files, or git pull on each host)")
+                "(sync=True / --sync copies the master's tracked files"
+                + (f" and its own profiles in {', '.join(own)}, which git does not hold"
+                   if own else ", or git pull on each host") + ")")
         if found["python"].rsplit(".", 1)[0] != reference["python"].rsplit(".", 1)[0]:
             check.notes.append(f"Python {found['python']} here, {reference['python']} on the "
                                "master")

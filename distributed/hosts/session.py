@@ -43,6 +43,7 @@ from distributed.hosts.sync import (
     PROJECT_ROOT,
     SyncStats,
     code_files,
+    local_profile_files,
     sftp_path,
     sync_files,
     tracked_files,
@@ -216,7 +217,8 @@ class HostSession:
         return dict(self._connect_errors)
 
     def sync(self) -> list[SyncStats]:
-        """Copy the project's tracked files to every remote host's ``project_path``.
+        """Copy the project's tracked files, and its local profiles files beside them
+        (``config.local.ini``), to every remote host's ``project_path``.
 
         Returns:
             One ``SyncStats`` per host synced (hosts that cannot be reached
@@ -226,7 +228,9 @@ class HostSession:
             RuntimeError: naming every host where copying failed, and why.
         """
         self.connect()
-        files = tracked_files(self.project_root)
+        tracked = tracked_files(self.project_root)
+        local = local_profile_files(self.project_root, tracked)
+        files = sorted(tracked + local)
         remote = [r for r in self.targets if r in self._shells]
 
         def one(rank: int) -> SyncStats | str:
@@ -235,7 +239,7 @@ class HostSession:
             assert isinstance(shell, SSHShell)
             try:
                 return sync_files(shell.client, host.host, self.project_root, host.project_path,
-                                  files)
+                                  files, keep_previous=local)
             except (OSError, EOFError) as exc:
                 return (f"[{host.host}:{rank}] copying the project to {host.project_path} "
                         f"failed: {exc}; check that {self.targets[rank].user} may write there")
@@ -250,6 +254,9 @@ class HostSession:
             self._say(f"synced {s.host}: {plural(s.copied, 'file')} copied "
                       f"({plural(s.bytes_copied, 'byte')}), "
                       f"{s.unchanged} unchanged")
+            for rel in s.kept:
+                self._say(f"{s.host} had its own {rel}; kept it there as {rel}.bak",
+                          style="yellow")
         self.synced = True
         return stats
 

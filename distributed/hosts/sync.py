@@ -1,7 +1,11 @@
 """Copy the project's tracked files to a host over SFTP, so every host runs the same code.
 
-The files are those ``git ls-files`` lists in the local checkout (the same
-list the pre-flight code hash covers a subset of). A file whose size and
+The files are those ``git ls-files`` lists in the local checkout, and beside
+each tracked ``.ini`` file its git-ignored local profiles file when there is
+one (``config.local.ini``: the profiles the wizard writes, which every host's
+worker reads after ``config.ini``); the pre-flight code hash covers a subset
+of the same list. A host's own local profiles file, when it differs, is kept
+there as ``NAME.bak`` before it is replaced. A file whose size and
 modification time already match on the host is skipped; every other file is
 written to a temporary name and renamed into place, so a reader never sees
 half a file and a host that shares the checkout with this machine is never
@@ -14,7 +18,7 @@ import os
 import posixpath
 import stat
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,8 @@ from typing import Any
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 CODE_SUFFIXES = (".py", ".pyi", ".ini", ".toml", ".cfg")
+#: How a checkout's own profiles file is named beside a profiles file: ``config.local.ini``.
+LOCAL_PROFILES_SUFFIX = ".local.ini"
 
 _SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", "build", "dist", "runs",
               "logs", "checkpoints", "outputs", ".mypy_cache", ".ruff_cache", ".pytest_cache"}
@@ -53,9 +59,40 @@ def tracked_files(root: str | os.PathLike[str]) -> list[str]:
     return sorted(found)
 
 
+def local_profiles_path(config: str | os.PathLike[str]) -> Path:
+    """Where a checkout keeps its own profiles beside the profiles file ``config``:
+    ``config.ini`` -> ``config.local.ini`` (``my.ini`` -> ``my.local.ini``).
+
+    Git ignores it (``*.local.ini``), so profiles written there never meet a
+    ``git pull``; the profiles are read from it after ``config``, and it travels to
+    the hosts with the tracked files (:func:`shared_files`).
+    """
+    path = Path(config)
+    return path.with_name(path.stem + LOCAL_PROFILES_SUFFIX)
+
+
+def local_profile_files(root: str | os.PathLike[str], tracked: Sequence[str]) -> list[str]:
+    """The untracked local profiles files (relative paths) beside the ``.ini`` files of
+    ``tracked`` under ``root``."""
+    known = set(tracked)
+    found = []
+    for rel in tracked:
+        if rel.endswith(".ini"):
+            local = local_profiles_path(rel).as_posix()
+            if local not in known and (Path(root) / local).is_file():
+                found.append(local)
+    return found
+
+
+def shared_files(root: str | os.PathLike[str]) -> list[str]:
+    """What every host must hold: the tracked files and the local profiles files beside them."""
+    tracked = tracked_files(root)
+    return sorted(tracked + local_profile_files(root, tracked))
+
+
 def code_files(root: str | os.PathLike[str]) -> list[str]:
-    """The tracked files whose content every host must share (see ``CODE_SUFFIXES``)."""
-    return [p for p in tracked_files(root) if p.endswith(CODE_SUFFIXES)]
+    """The shared files whose content every host must share (see ``CODE_SUFFIXES``)."""
+    return [p for p in shared_files(root) if p.endswith(CODE_SUFFIXES)]
 
 
 @dataclass(frozen=True)
@@ -67,12 +104,14 @@ class SyncStats:
         copied: files written.
         unchanged: files skipped because size and modification time matched.
         bytes_copied: bytes written.
+        kept: files whose previous, different copy on the host was kept as ``NAME.bak``.
     """
 
     host: str
     copied: int
     unchanged: int
     bytes_copied: int
+    kept: tuple[str, ...] = ()
 
 
 def sftp_path(path: str) -> str:
@@ -83,7 +122,7 @@ def sftp_path(path: str) -> str:
 
 
 def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remote_root: str,
-               files: Sequence[str]) -> SyncStats:
+               files: Sequence[str], keep_previous: Collection[str] = ()) -> SyncStats:
     """Copy ``files`` (relative to ``local_root``) to ``remote_root`` on ``client``'s host.
 
     Args:
@@ -92,10 +131,13 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
         local_root: the local checkout.
         remote_root: the host's ``project_path``.
         files: relative paths to copy.
+        keep_previous: of ``files``, those whose different copy on the host is kept as
+            ``NAME.bak`` before it is replaced (files git does not hold for the host).
     """
     local_root = Path(local_root)
     base = sftp_path(remote_root)
     copied = unchanged = sent = 0
+    kept: list[str] = []
     made: set[str] = set()
     sftp = client.open_sftp()
     try:
@@ -104,6 +146,7 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
             source = local_root / rel
             info = source.stat()
             target = posixpath.join(base, rel)
+            exists = True
             try:
                 remote = sftp.stat(target)
                 if remote.st_size == info.st_size and int(remote.st_mtime or 0) == int(
@@ -111,25 +154,40 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
                     unchanged += 1
                     continue
             except FileNotFoundError:
-                pass  # not there yet
+                exists = False  # not there yet
             _makedirs(sftp, posixpath.dirname(target), made)
             temp = f"{target}.exogym-sync.tmp"
             sftp.put(str(source), temp)
             sftp.chmod(temp, stat.S_IMODE(info.st_mode))
             sftp.utime(temp, (info.st_atime, info.st_mtime))
-            try:
-                sftp.posix_rename(temp, target)
-            except OSError:  # a server without the posix-rename extension
-                try:
-                    sftp.remove(target)
-                except FileNotFoundError:
-                    pass  # nothing to replace
-                sftp.rename(temp, target)
+            if exists and rel in keep_previous and not _same_content(sftp, target, source):
+                _replace(sftp, target, f"{target}.bak")
+                kept.append(rel)
+            _replace(sftp, temp, target)
             copied += 1
             sent += info.st_size
     finally:
         sftp.close()
-    return SyncStats(host=host, copied=copied, unchanged=unchanged, bytes_copied=sent)
+    return SyncStats(host=host, copied=copied, unchanged=unchanged, bytes_copied=sent,
+                     kept=tuple(kept))
+
+
+def _same_content(sftp: Any, remote: str, local: Path) -> bool:
+    """Whether the host's file ``remote`` holds the bytes of ``local`` (a small file)."""
+    with sftp.open(remote, "rb") as handle:
+        return bytes(handle.read()) == local.read_bytes()
+
+
+def _replace(sftp: Any, source: str, target: str) -> None:
+    """Rename ``source`` to ``target`` on the host, replacing ``target``."""
+    try:
+        sftp.posix_rename(source, target)
+    except OSError:  # a server without the posix-rename extension
+        try:
+            sftp.remove(target)
+        except FileNotFoundError:
+            pass  # nothing to replace
+        sftp.rename(source, target)
 
 
 def _makedirs(sftp: Any, path: str, made: set[str]) -> None:

@@ -1,5 +1,9 @@
 """Profiles: named training runs in ``config.ini``, the same file on every host.
 
+A checkout's own profiles (those the wizard writes) go to ``config.local.ini``
+beside it, which git ignores and which is read after ``config.ini`` (see
+:class:`ProfileSet`); a sync copies it to the hosts with the tracked files.
+
 A profile is a section ``[distributed:NAME]``. ``base_profile = OTHER`` inherits
 OTHER's keys. Keys are flat; each goes to whoever accepts it:
 
@@ -33,7 +37,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from distributed.hosts.sync import PROJECT_ROOT
+from distributed.hosts.sync import PROJECT_ROOT, local_profiles_path
 from distributed.tasks import BUILTIN_TASK_NAMES
 from exogym.fit_args import balance_problem, profile_keys, value_problems
 
@@ -327,30 +331,48 @@ class Profile:
 
 
 class ProfileSet:
-    """All profiles of a config file.
+    """All profiles of a config file, and of this checkout's own profiles file beside it.
+
+    ``config.ini`` is shared (tracked by git); ``config.local.ini`` beside it
+    (:func:`~distributed.hosts.sync.local_profiles_path`, git-ignored) holds the
+    profiles this checkout adds, as the wizard writes them. It is read after the
+    shared file: a profile in it replaces the shared one of the same name as a
+    whole, and may name a shared one as its ``base_profile``.
 
     Args:
         path: the ``config.ini`` to read (default: the project's own).
+        local: also read the local profiles file beside it.
     """
 
-    def __init__(self, path: str | Path | None = None):
+    def __init__(self, path: str | Path | None = None, *, local: bool = True):
         self.path = Path(path) if path is not None else DEFAULT_CONFIG
         if not self.path.is_file():
             raise ProfileError(f"config file {str(self.path)!r} does not exist")
-        parser = configparser.ConfigParser(interpolation=None)
-        parser.optionxform = str  # keep key case: H is not h
-        try:
-            parser.read(self.path, encoding="utf-8")
-        except configparser.Error as exc:
-            raise ProfileError(f"{self.path}: {exc}") from exc
+        self.local_path = local_profiles_path(self.path)
         self.raw: dict[str, dict[str, str]] = {}
-        for section in parser.sections():
-            if section.startswith(SECTION_PREFIX):
-                self.raw[section[len(SECTION_PREFIX):].strip()] = dict(parser[section])
+        #: The file each profile was read from.
+        self.sources: dict[str, Path] = {}
+        #: The files read, the shared one first.
+        self.read: list[Path] = [self.path]
+        if local and self.local_path.is_file():
+            self.read.append(self.local_path)
+        for file in self.read:
+            for name, keys in _read_sections(file).items():
+                self.raw[name] = keys  # a local profile replaces the shared one whole
+                self.sources[name] = file
+
+    @property
+    def files(self) -> str:
+        """The files read, in words: ``config.ini`` or ``config.ini and config.local.ini``."""
+        return " and ".join(str(file) for file in self.read)
 
     def names(self) -> list[str]:
-        """Profile names in file order."""
+        """Profile names in file order: the shared file's, then those only the local file has."""
         return list(self.raw)
+
+    def source(self, name: str) -> Path:
+        """The file profile ``name`` is read from (the config file for an unknown name)."""
+        return self.sources.get(name, self.path)
 
     def _resolve(self, name: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
         if name not in self.raw:
@@ -358,7 +380,7 @@ class ProfileSet:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             where = f" (base_profile of {chain[-1]!r})" if chain else ""
             raise ProfileError(
-                f"no profile {name!r}{where} in {self.path}{hint}; sections are named "
+                f"no profile {name!r}{where} in {self.files}{hint}; sections are named "
                 f"[{SECTION_PREFIX}NAME] and the profiles are: {', '.join(self.raw) or 'none'}")
         if name in chain:
             raise ProfileError(f"base_profile cycle: {' -> '.join(chain + (name,))}")
@@ -382,11 +404,24 @@ class ProfileSet:
         wrong = override_problems(name, overrides or {})
         if wrong:
             raise ProfileError("\n".join(wrong))
-        profile = Profile(name, self._resolve(name), str(self.path))
+        profile = Profile(name, self._resolve(name), str(self.source(name)))
         problems = profile.problems()
         if problems:
-            raise ProfileError(f"profile {name!r} in {self.path}:\n  " + "\n  ".join(problems))
+            raise ProfileError(f"profile {name!r} in {self.source(name)}:\n  "
+                               + "\n  ".join(problems))
         return profile.with_overrides(overrides) if overrides else profile
+
+
+def _read_sections(path: Path) -> dict[str, dict[str, str]]:
+    """The ``[distributed:NAME]`` sections of the INI file ``path``, by name, keys as written."""
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.optionxform = str  # keep key case: H is not h
+    try:
+        parser.read(path, encoding="utf-8")
+    except configparser.Error as exc:
+        raise ProfileError(f"{path}: {exc}") from exc
+    return {section[len(SECTION_PREFIX):].strip(): dict(parser[section])
+            for section in parser.sections() if section.startswith(SECTION_PREFIX)}
 
 
 def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
