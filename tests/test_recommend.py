@@ -8,6 +8,7 @@ transfer, and a training run with the strategy picked.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 from faces_support import sshd_hosts
 from ranks import ROOT
+from rich.console import Console
 from safetensors import safe_open
 from sshd_fixture import serve_sshd
 from typer.testing import CliRunner
@@ -108,6 +110,74 @@ def test_predictions_follow_the_link_ddp_wins_on_a_fast_one():
     assert pick(slow).name == "diloco" and pick(slow).settings["H"] >= 50
     ddp_fast = next(c for c in fast if c.name == "ddp")
     assert ddp_fast.speedup > 1.9 and pick(fast).speedup == pytest.approx(2.0, rel=0.02)
+
+
+def test_a_changed_setting_is_predicted_by_the_model_that_made_the_rows():
+    from distributed.app.recommend import Recommendation, predict_with, reason_for
+
+    profile = load_profile("digits-diloco")
+    m = Measurements(hosts=4, num_params=9_610, shapes=((128, 64), (128,), (10, 128), (10,)),
+                     compute_s={"ddp": 0.001, "sparta": 0.0012, "demo": 0.004},
+                     compute_sd_s=0.0, minibatch_s=0.001,
+                     throughput_bytes_per_s=100e6 / 8, link="modelled")
+    rows = predict_candidates(m, candidate_specs(profile))
+    chosen = pick(rows)
+    rec = Recommendation(profile.name, chosen, reason_for(chosen, rows, m), tuple(rows), m)
+    for row in rows:
+        assert predict_with(rec, row.name, row.settings) == row  # the same figures again
+    fewer = predict_with(rec, "diloco", {"H": 30})
+    assert fewer.label == "DiLoCo H=30"
+    h10, h50 = (next(r for r in rows if r.label == f"DiLoCo H={h}") for h in (10, 50))
+    assert h10.wire_bytes > fewer.wire_bytes > h50.wire_bytes
+    assert h10.speedup < fewer.speedup < h50.speedup
+
+
+def test_measuring_tells_each_stage_as_it_starts_and_ends_at_the_total(tmp_path, monkeypatch):
+    from distributed.app import recommend as planner
+    from distributed.app.run import TrainRequest
+    from distributed.planning.estimate import ModelFacts
+
+    timed = []
+
+    def measure_model(profile, ranks_here=1, steps=10, warmup=3, num_nodes=None, task=None):
+        timed.append(profile.strategy)
+        return ModelFacts(num_params=9_610, compute_s_per_step=0.001, batch_size=32, threads=1,
+                          shapes=((128, 64), (128,), (10, 128), (10,)))
+
+    monkeypatch.setattr(planner, "measure_model", measure_model)
+    told: list[tuple[str, int, int]] = []
+    request = TrainRequest(profile="digits-diloco", overrides={"num_nodes": 3})
+    planner.measure(request, Console(file=io.StringIO()), link_mbit=100,
+                    progress=lambda *stage: told.append(stage))
+    total = told[0][2]
+    assert [done for _, done, _ in told] == list(range(total + 1))  # each once, then the end
+    assert all(t == total for _, _, t in told) and told[-1][0] == "done"
+    # the warm-up, then two passes over the own step, each compute kind and the reference
+    assert len(timed) == total
+    assert [what for what, _, _ in told[1:total]].count("timing SPARTA's step here") == 2
+    assert "timing one machine doing every node's work here" in [w for w, _, _ in told]
+
+
+def test_stages_show_as_a_progress_display_in_a_terminal_and_as_lines_elsewhere():
+    from distributed.app.console import stage_progress
+
+    terminal = io.StringIO()
+    with stage_progress(Console(file=terminal, force_terminal=True, width=120),
+                        "Timing", log_prefix="[recommend]") as report:
+        report("timing SPARTA's step here", 3, 11)
+    assert "Timing: timing SPARTA's step here" in terminal.getvalue()
+    assert "3/11" in terminal.getvalue() and "[recommend]" not in terminal.getvalue()
+
+    log = io.StringIO()
+    with stage_progress(Console(file=log, width=120), "Timing",
+                        log_prefix="[recommend]") as report:
+        report("timing SPARTA's step here", 3, 11)
+        report("done", 11, 11)
+    assert log.getvalue() == "[recommend] timing SPARTA's step here (4 of 11)\n"
+    quiet = io.StringIO()
+    with stage_progress(Console(file=quiet), "Timing") as report:
+        report("timing SPARTA's step here", 3, 11)
+    assert quiet.getvalue() == ""
 
 
 # --------------------------------------------------------------------------- bad input

@@ -1,4 +1,5 @@
-"""What the two faces share: the console they print to, and one way of reporting errors.
+"""What the two faces share: the console they print to, how a long task shows its stages,
+and one way of reporting errors.
 
 ``cli_typer.py`` and ``wizard.py`` print through :func:`make_console` and wrap
 each command in :func:`reported_errors`, so an error a person can fix (a bad
@@ -14,7 +15,7 @@ import importlib.util
 import logging
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn, TextIO
 
@@ -24,12 +25,55 @@ from rich.console import Console
 from exogym.plural import plural as plural  # the faces count with it (they import app only)
 from exogym.terminal import output_console
 
+#: Told as each stage of a long task starts: what it does, stages done, stages in all.
+StageReport = Callable[[str, int, int], None]
+
 
 def make_console(*, stderr: bool = False) -> Console:
     """Standard output (or error); when it is not a terminal (a log, a pipe), lines and
     tables are printed whole, never folded at 80 columns
     (:func:`exogym.terminal.output_console`)."""
     return output_console(stderr=stderr, highlight=False)
+
+
+@contextlib.contextmanager
+def stage_progress(console: Console, title: str,
+                   log_prefix: str | None = None) -> Iterator[StageReport]:
+    """Show a long task's stages as they start.
+
+    In a terminal: a spinner, the title and the stage, a bar, the count and the time
+    (rich's progress display, as training's), gone when the task ends. Elsewhere (a log,
+    a pipe): one line per stage after ``log_prefix``, or nothing without one.
+
+    Yields:
+        What the task calls as each stage starts: ``report(what, done, total)``.
+    """
+    if not console.is_terminal:
+        def log(what: str, done: int, total: int) -> None:
+            if log_prefix is not None and done < total:
+                console.print(f"{log_prefix} {what} ({done + 1} of {total})", markup=False,
+                              highlight=False)
+
+        yield log
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                  transient=True) as bar:
+        task = bar.add_task(title, total=None)
+
+        def show(what: str, done: int, total: int) -> None:
+            bar.update(task, description=f"{title}: {what}", completed=done, total=total)
+
+        yield show
 
 
 def fail(message: str, code: int, debug: bool, exc: BaseException | None = None) -> NoReturn:

@@ -35,17 +35,19 @@ needs a modelled link (``link_mbit``), and the nodes share this machine's cores.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rich.console import Console
 
 from distributed.app.compare import profile_for_strategy
+from distributed.app.console import StageReport, stage_progress
 from distributed.app.hosts_check import ssh_files
 from distributed.app.run import TrainRequest, hosts_config, make_launcher, resolve_profile
 from distributed.hosts.hostsfile import HostsConfig
@@ -57,8 +59,10 @@ from exogym.plural import plural
 from exogym.report import human_bytes
 from exogym.terminal import output_console
 
-__all__ = ["Candidate", "HostTiming", "Measurements", "Recommendation", "RecommendError",
-           "TIE", "candidate_specs", "measure", "pick", "predict_candidates", "recommend"]
+__all__ = ["COMPUTE_KIND", "Candidate", "CandidateSpec", "HostTiming", "Measurements",
+           "Recommendation", "RecommendError", "StageReport", "TIE", "candidate_specs",
+           "figures", "measure", "pick", "predict_candidates", "predict_with", "recommend",
+           "spec_for", "table_rows", "what_it_sends"]
 
 #: Candidates whose predicted speedup is within this fraction of the best one count as tied.
 TIE = 0.01
@@ -194,6 +198,8 @@ class Recommendation:
         reason: one line saying why.
         candidates: every candidate, in the order shown.
         measurements: what the predictions start from.
+        new_profile: a profile of its own will be written for the pick (the wizard's
+            case): every candidate the task can run applies.
     """
 
     profile: str
@@ -201,6 +207,7 @@ class Recommendation:
     reason: str
     candidates: tuple[Candidate, ...]
     measurements: Measurements
+    new_profile: bool = False
 
     @property
     def overrides(self) -> dict[str, Any]:
@@ -223,6 +230,32 @@ RULE = (f"highest predicted throughput; within {TIE:.0%} of it, fewest bytes per
 # --------------------------------------------------------------------------- candidates
 
 
+#: The compute kind of each candidate strategy's step: AdamW steps for DDP, DiLoCo and
+#: FedAvg; SPARTA's selection; DeMo's transform.
+COMPUTE_KIND = {"ddp": "ddp", "diloco": "ddp", "fedavg": "ddp", "sparta": "sparta",
+                "demo": "demo"}
+
+
+def spec_for(name: str, settings: Mapping[str, Any]) -> CandidateSpec:
+    """The candidate of strategy ``name`` with ``settings``, labelled as tables show it
+    (``DiLoCo H=100``, ``SPARTA p=0.005``, ``DeMo top-32``)."""
+    name = projection.canonical(name)
+    settings = dict(settings)
+    if name in ("diloco", "fedavg"):
+        H = settings.get("H", projection.DEFAULTS[name]["H"])
+        label = f"{'DiLoCo' if name == 'diloco' else 'FedAvg'} H={H}"
+    elif name == "sparta":
+        label = f"SPARTA p={settings.get('p_sparta', projection.DEFAULTS['sparta']['p_sparta']):g}"
+    elif name == "demo":
+        topk = settings.get("compression_topk", projection.DEFAULTS["demo"]["compression_topk"])
+        label = f"DeMo top-{topk}"
+    elif name == "ddp":
+        label = "DDP"
+    else:
+        label = name + "".join(f" {k}={v}" for k, v in settings.items())
+    return CandidateSpec(label, name, settings, COMPUTE_KIND.get(name, "ddp"))
+
+
 def candidate_specs(profile: Profile) -> list[CandidateSpec]:
     """DDP, DiLoCo at every :data:`DILOCO_H` below ``max_steps``, SPARTA, DeMo and FedAvg.
 
@@ -232,20 +265,19 @@ def candidate_specs(profile: Profile) -> list[CandidateSpec]:
     values = profile.values
     own = projection.canonical(profile.strategy) if profile.strategy else None
     max_steps = int(values.get("max_steps") or 0)
-    specs = [CandidateSpec("DDP", "ddp", {}, "ddp")]
+    specs = [spec_for("ddp", {})]
     for H in DILOCO_H:
         if not max_steps or H < max_steps:
-            specs.append(CandidateSpec(f"DiLoCo H={H}", "diloco", {"H": H}, "ddp"))
+            specs.append(spec_for("diloco", {"H": H}))
     p = values.get("p_sparta", values.get("p")) if own == "sparta" else None
     p = p if p is not None else projection.DEFAULTS["sparta"]["p_sparta"]
-    specs.append(CandidateSpec(f"SPARTA p={p:g}", "sparta", {"p_sparta": p}, "sparta"))
+    specs.append(spec_for("sparta", {"p_sparta": p}))
     demo = {k: values[k] for k in ("compression_topk", "compression_chunk")
             if own == "demo" and values.get(k) is not None}
-    topk = demo.get("compression_topk", projection.DEFAULTS["demo"]["compression_topk"])
-    specs.append(CandidateSpec(f"DeMo top-{topk}", "demo", demo, "demo"))
+    specs.append(spec_for("demo", demo))
     fed_h = values.get("H") if own == "fedavg" else None
     fed_h = int(fed_h if fed_h is not None else projection.DEFAULTS["fedavg"]["H"])
-    specs.append(CandidateSpec(f"FedAvg H={fed_h}", "fedavg", {"H": fed_h}, "ddp"))
+    specs.append(spec_for("fedavg", {"H": fed_h}))
     return specs
 
 
@@ -267,6 +299,8 @@ def _why_not(profile: Profile, spec: CandidateSpec, new_profile: bool) -> str | 
         return None
     lines = [line.strip() for line in problems[0].strip().splitlines() if line.strip()]
     first = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]
+    if new_profile:
+        return f"{first.split(';')[0]} (the task cannot run it)"
     return f"{first.split(';')[0]} (a profile of its own would run it)"
 
 
@@ -317,8 +351,9 @@ def _rate(mbit: float) -> str:
 
 
 def reason_for(chosen: Candidate, candidates: Sequence[Candidate],
-               measurements: Measurements) -> str:
-    """One line: the pick's communication share and speedup, and what DDP would cost."""
+               measurements: Measurements, new_profile: bool = False) -> str:
+    """One line: the pick's communication share and speedup, and what DDP would cost
+    (``new_profile``: the candidates that do not apply are ones the task cannot run)."""
     hosts = measurements.hosts
     text = (f"{chosen.label}: communication is {chosen.comm_fraction:.0%} of the step, "
             f"{chosen.speedup:.2f}x predicted on {hosts} hosts")
@@ -328,7 +363,8 @@ def reason_for(chosen: Candidate, candidates: Sequence[Candidate],
                  f"{_rate(measurements.mbit)} link ({ddp.speedup:.2f}x)")
     elif ddp is chosen:
         text += f" on the {_rate(measurements.mbit)} link: the link is fast enough for DDP"
-    faster = [c for c in candidates if not c.applies and c.speedup > chosen.speedup * (1 + TIE)]
+    faster = [c for c in candidates if not c.applies and c.speedup > chosen.speedup * (1 + TIE)
+              and not new_profile]
     if faster:
         text += f" ({faster[0].label} would be faster but needs a profile of its own)"
     return text
@@ -337,45 +373,61 @@ def reason_for(chosen: Candidate, candidates: Sequence[Candidate],
 # --------------------------------------------------------------------------- measuring
 
 
-def _local_steps(profile: Profile, specs: Sequence[CandidateSpec], hosts: int,
-                 ranks_here: int, say: Callable[[str], None],
-                 steps: int = 20, rounds: int = 2) -> tuple[dict[str, float], Any]:
-    """Seconds of one step on this machine: the profile's own, each compute kind, the reference."""
-    resolved = profile.resolved
-    task = resolved.task_fn(**resolved.task_kwargs)
-    # A first run warms this process up (threads, allocator, caches); its time is not kept.
-    facts = measure_model(profile, ranks_here=ranks_here, num_nodes=hosts, task=task, steps=3)
-    batch = facts.batch_size
+#: How progress names each compute kind timed here.
+KIND_WORDS = {"ddp": "an AdamW step (DDP, DiLoCo, FedAvg)", "sparta": "SPARTA's step",
+              "demo": "DeMo's step", "reference": "one machine doing every node's work"}
+
+
+def _local_plan(profile: Profile, specs: Sequence[CandidateSpec]
+                ) -> tuple[list[tuple[str, Profile]], set[str]]:
+    """What to time here besides the reference: ``(kind, profile)`` for the profile's own
+    step and each compute kind; and the kinds the own step's time stands in for."""
     plans: dict[str, tuple[str, dict[str, Any]]] = {}
     for spec in specs:
         plans.setdefault(spec.compute, (spec.name, spec.settings))
-    plans["reference"] = ("ddp", {"batch_size": hosts * batch, "minibatch_size": batch})
     own = projection.canonical(profile.strategy)
     timed: list[tuple[str, Profile]] = [("own", profile)]
     for kind, (name, settings) in plans.items():
-        if kind != "reference" and name == own and own in ("ddp", "sparta", "demo") \
+        if name == own and own in ("ddp", "sparta", "demo") \
                 and all(profile.values.get(k) == v for k, v in settings.items()):
             continue  # the profile's own step: measured as "own"
         try:
             timed.append((kind, profile_for_strategy(profile, name, settings)))
         except ProfileError:
             continue  # the task cannot run it: the DDP time stands in
+    kinds = {kind for kind, _ in timed}
+    as_own = {kind for kind, (name, _) in plans.items() if kind not in kinds and name == own}
+    return timed, as_own
+
+
+def _reference(profile: Profile, hosts: int, batch: int) -> Profile | None:
+    """The reference: one machine doing the minibatches of every host each step (DDP with
+    gradient accumulation); None when the task cannot run it."""
+    try:
+        return profile_for_strategy(profile, "ddp", {"batch_size": hosts * batch,
+                                                     "minibatch_size": batch})
+    except ProfileError:
+        return None
+
+
+def _local_steps(profile: Profile, timed: Sequence[tuple[str, Profile]], as_own: set[str],
+                 hosts: int, ranks_here: int, stage: Callable[[str], None], task: Any,
+                 steps: int = 20, rounds: int = 2) -> dict[str, float]:
+    """Seconds of one step on this machine: the profile's own, each compute kind, the reference."""
     # Every step is timed in each of ``rounds`` passes and the fastest pass kept: other
     # processes only ever slow a step down, and the ratios between kinds are what count.
     local: dict[str, float] = {}
-    for number in range(rounds):
-        say(f"timing one step of {', '.join(k for k, _ in timed)} here "
-            f"(pass {number + 1} of {rounds})")
+    for _ in range(rounds):
         for kind, planned in timed:
+            stage(f"timing {KIND_WORDS.get(kind, f'{profile.name} as it is')} here")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # built only to be timed
                 seconds = measure_model(planned, ranks_here=ranks_here, num_nodes=hosts,
                                         task=task, steps=steps).compute_s_per_step
             local[kind] = min(seconds, local.get(kind, seconds))
-    for kind, (name, _) in plans.items():
-        if kind not in local and name == own:
-            local[kind] = local["own"]
-    return local, facts
+    for kind in as_own:
+        local[kind] = local["own"]
+    return local
 
 
 class _StepRecorder:
@@ -466,7 +518,7 @@ def _links(request: TrainRequest, config: HostsConfig, console: Console,
 
 
 def _remote_kinds(profile: Profile, specs: Sequence[CandidateSpec], hosts: int,
-                  local: Mapping[str, float]) -> dict[str, dict[str, Any]]:
+                  local: Collection[str]) -> dict[str, dict[str, Any]]:
     """The ``--set`` values that time each compute kind and the reference on the hosts.
 
     Only kinds measured here, other than the profile's own step, and only where
@@ -490,21 +542,26 @@ def _remote_kinds(profile: Profile, specs: Sequence[CandidateSpec], hosts: int,
     return usable
 
 
+#: Passes over the steps timed here; the fastest of them is kept.
+LOCAL_ROUNDS = 2
+
+
 def measure(request: TrainRequest, console: Console, *, link_mbit: float | None = None,
             warmup: int = 3, steps: int = 10, link_seconds: float = 2.0,
             specs: Sequence[CandidateSpec] | None = None,
-            time_hosts: bool = True) -> Measurements:
+            time_hosts: bool = True, progress: StageReport | None = None) -> Measurements:
     """Measure what the predictions need: step times here and on the hosts, and the links.
 
     Args:
         request: the profile (and ``--set``) and, for real hosts, the hosts file and SSH files.
-        console: where progress lines go.
+        console: where the hosts' own messages go.
         link_mbit: a modelled link instead of measuring one (required without hosts).
         warmup, steps: steps run before timing, and steps timed, on every host.
         link_seconds: how long each link transfer lasts.
         specs: the candidates (default :func:`candidate_specs`).
         time_hosts: time the step on the hosts; False lets this machine's step
             stand in for every host (what the wizard's estimates do).
+        progress: told as each stage starts (default: nothing is told).
 
     Raises:
         ProfileError, HostsFileError: bad input, before any work.
@@ -523,37 +580,60 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
                          "to measure: give --hosts FILE to measure real hosts, or "
                          "--link-mbit N to pick for a modelled link of N Mbit/s")
     specs = list(specs or candidate_specs(profile))
-
-    def say(text: str) -> None:
-        console.print(f"[recommend] {text}", markup=False, highlight=False)
-
     hosts = config.world_size if on_hosts else int(profile.values.get("num_nodes") or 1)
     if hosts < 2:
         raise RecommendError(f"{plural(hosts, 'rank')} planned: strategies differ only with 2 "
                              "or more")
-    local, facts = _local_steps(profile, specs, hosts, 1 if on_hosts else hosts, say)
+
+    timed, as_own = _local_plan(profile, specs)
+    remote_kinds = _remote_kinds(profile, specs, hosts, {kind for kind, _ in timed} | as_own) \
+        if on_hosts and time_hosts else {}
+    total = (1 + LOCAL_ROUNDS * (len(timed) + 1)  # + 1: the reference
+             + ((1 + len(remote_kinds)) if on_hosts and time_hosts else 0)
+             + (1 if on_hosts and link_mbit is None else 0))
+    done = 0
+
+    def stage(text: str) -> None:
+        nonlocal done
+        if progress is not None:
+            progress(text, done, total)
+        done += 1
+
+    stage(f"building {profile.name}'s model and warming up")
+    resolved = profile.resolved
+    task = resolved.task_fn(**resolved.task_kwargs)
+    # A first run warms this process up (threads, allocator, caches); its time is not kept.
+    ranks_here = 1 if on_hosts else hosts
+    facts = measure_model(profile, ranks_here=ranks_here, num_nodes=hosts, task=task, steps=3)
+    reference_run = _reference(profile, hosts, facts.batch_size)
+    if reference_run is not None:
+        timed.append(("reference", reference_run))
+    local = _local_steps(profile, timed, as_own, hosts, ranks_here, stage, task,
+                         rounds=LOCAL_ROUNDS)
     timings: tuple[HostTiming, ...] = ()
     links: tuple[LinkMeasurement, ...] = ()
     scale, sd = 1.0, 0.0
     remote: dict[str, float] = {}
     if on_hosts and time_hosts:
         assert config is not None
-        say(f"timing {plural(steps, 'step')} of {profile.name} on {plural(hosts, 'host')} at once, "
-            "nothing sent")
+        stage(f"timing {plural(steps, 'step')} of {profile.name} on {plural(hosts, 'host')} "
+              "at once, nothing sent")
         timings = _host_steps(request, config, console, warmup, steps)
         host_mean = statistics.fmean(t.step_s for t in timings)
         scale = host_mean / local["own"]
         sd = statistics.fmean(t.step_sd_s for t in timings)
         # Each kind's own step, and the reference, on the hosts too where --set reaches them
         # (the same conditions as the run; this machine's ratios stand in for the rest).
-        for kind, extra in _remote_kinds(profile, specs, hosts, local).items():
-            say(f"timing {steps} steps of {kind} on the hosts")
+        for kind, extra in remote_kinds.items():
+            stage(f"timing {plural(steps, 'step')} of {KIND_WORDS.get(kind, kind)} on the hosts")
             found = _host_steps(request, config, console, warmup, steps, extra)
             remote[kind] = statistics.fmean(t.step_s for t in found)
     if on_hosts and link_mbit is None:
         assert config is not None
-        say("measuring the link from the master to every worker")
+        stage("measuring the link from the master to every worker")
         links = _links(request, config, console, link_seconds)
+    if progress is not None:
+        progress("done", total, total)
     throughput = projection.mbit_to_bytes_per_s(link_mbit) if link_mbit is not None \
         else min(m.bytes_per_s for m in links)
     if not throughput > 0:
@@ -576,12 +656,13 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
 def recommend(request: TrainRequest, console: Console | None = None, *,
               link_mbit: float | None = None, steps: int = 10,
               link_seconds: float = 2.0, time_hosts: bool = True,
-              new_profile: bool = False) -> Recommendation:
+              new_profile: bool = False, progress: StageReport | None = None
+              ) -> Recommendation:
     """Measure, predict every candidate, pick one and say why.
 
     Args:
         request: the profile, ``--set`` values, hosts and SSH files.
-        console: where progress lines go (default: stdout).
+        console: where progress goes (default: stdout).
         link_mbit: a modelled link in Mbit/s instead of a measured one.
         steps: steps timed on every host.
         link_seconds: how long each link transfer lasts.
@@ -589,6 +670,8 @@ def recommend(request: TrainRequest, console: Console | None = None, *,
         new_profile: a profile of its own will be written for the pick (the wizard's
             case), so any strategy the task can run may be picked, not only those
             ``--set`` can switch the profile to.
+        progress: told as each stage of the measurement starts (default: a progress
+            bar in a terminal, else one ``[recommend]`` line per stage).
 
     Raises:
         ProfileError, HostsFileError, ValueError: bad input, before any work.
@@ -597,19 +680,43 @@ def recommend(request: TrainRequest, console: Console | None = None, *,
     console = console or output_console()
     profile = resolve_profile(request)
     specs = candidate_specs(profile)
-    measured = measure(request, console, link_mbit=link_mbit, steps=steps,
-                       link_seconds=link_seconds, specs=specs, time_hosts=time_hosts)
-    rows = predict_candidates(measured, specs, {s.label: _why_not(profile, s, new_profile) for s in specs})
+    with contextlib.ExitStack() as stack:
+        if progress is None:
+            progress = stack.enter_context(
+                stage_progress(console, "Measuring", log_prefix="[recommend]"))
+        measured = measure(request, console, link_mbit=link_mbit, steps=steps,
+                           link_seconds=link_seconds, specs=specs, time_hosts=time_hosts,
+                           progress=progress)
+    rows = predict_candidates(measured, specs,
+                              {s.label: _why_not(profile, s, new_profile) for s in specs})
     chosen = pick(rows)
-    return Recommendation(profile.name, chosen, reason_for(chosen, rows, measured), tuple(rows),
-                          measured)
+    return Recommendation(profile.name, chosen, reason_for(chosen, rows, measured, new_profile),
+                          tuple(rows),
+                          measured, new_profile)
+
+
+def predict_with(rec: Recommendation, name: str, settings: Mapping[str, Any]) -> Candidate:
+    """Strategy ``name`` with ``settings`` (the pick with another ``H``, say) predicted from
+    ``rec``'s measurements, by the model that predicted its rows."""
+    return predict_candidates(rec.measurements, [spec_for(name, settings)])[0]
+
+
+def what_it_sends(name: str) -> str:
+    """What strategy ``name`` sends, in words (empty for a strategy the planner does not know)."""
+    return projection.STRATEGIES.get(name, "")
+
+
+def figures(candidate: Candidate) -> str:
+    """A candidate's predicted figures in words: ``2.11x, 577 B per step``."""
+    return f"{candidate.speedup:.2f}x, {human_bytes(candidate.wire_bytes)} per step"
 
 
 def table_rows(rec: Recommendation) -> list[list[str]]:
     """The candidates as text cells: label, step, comm share, speedup, bytes/step, note."""
     rows = []
+    cannot = "not available for this task" if rec.new_profile else "needs its own profile"
     for c in rec.candidates:
-        note = "<- pick" if c is rec.pick else ("" if c.applies else "needs its own profile")
+        note = "<- pick" if c is rec.pick else ("" if c.applies else cannot)
         rows.append([c.label, f"{c.step_s * 1000:.1f} ms", f"{c.comm_fraction:.0%}",
                      f"{c.speedup:.2f}x", human_bytes(c.wire_bytes), note])
     return rows
