@@ -413,7 +413,8 @@ def compare(
             val = result.final_val_loss
             console.print(f"{result.strategy}: val loss {'-' if val is None else f'{val:.4f}'},"
                           f" {human_bytes(result.bytes_per_node)} per node, "
-                          f"{result.wall_s:.1f} s", markup=False)
+                          f"{result.train_s:.1f} s training (start-up "
+                          f"{_seconds(result.startup_s)})", markup=False)
 
         results = run_comparison(plans, progress=dashboard, on_result=done)
 
@@ -423,7 +424,7 @@ def compare(
                       title_justify="left")
         accuracy = any(r.summary.get("final_val_accuracy") is not None for r in results)
         for column in ("strategy", "final val loss", *(("val acc (rank 0)",) if accuracy else ()),
-                       "bytes per node", "vs ddp", "wall time",
+                       "bytes per node", "vs ddp", "train time", "start-up",
                        *(("simulated time",) if network else ())):
             table.add_column(column, justify="left" if column == "strategy" else "right")
         for r in results:
@@ -432,13 +433,22 @@ def compare(
             relative = f"{r.bytes_per_node / ddp:.2%}" if ddp else "-"
             table.add_row(r.strategy, "-" if val is None else f"{val:.4f}",
                           *(("-" if acc is None else f"{acc:.1%}",) if accuracy else ()),
-                          human_bytes(r.bytes_per_node), relative, f"{r.wall_s:.1f} s",
+                          human_bytes(r.bytes_per_node), relative, f"{r.train_s:.1f} s",
+                          _seconds(r.startup_s),
                           *((f"{r.summary.get('sim_time_s', 0.0):.2f} s",) if network else ()))
         console.print(table)
+        console.print("train time: each strategy's ranks training, first step to last; "
+                      "start-up (the task built, the rank processes started and joined) is "
+                      "apart, as the first run also starts what the later ones reuse.",
+                      markup=False)
         written = plot_comparison(results, out or comparison_folder(plans) / PLOT_NAME,
                                   title=f"{profile}: validation loss", network=network)
         console.print(f"plot written to {written}", markup=False)
         keep_serving(page, console)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
 
 
 @app.command("recommend")

@@ -59,6 +59,8 @@ def summarize(history: list[dict[str, Any]], num_nodes: int, wall_s: float,
         "bytes_per_node": (sum(r["comm_bytes"] for r in last.values()) / len(last)
                            if last else 0),
         "wall_s": wall_s,
+        # the ranks' training loops alone (the slowest rank's): no process start, no set-up
+        "train_s": train_wall,
     }
     clocks = [r["sim_time_s"] for r in last.values() if r.get("sim_time_s") is not None]
     if clocks:

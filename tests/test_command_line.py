@@ -15,6 +15,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -409,3 +410,65 @@ def test_profiles_marks_nothing_when_the_extra_is_installed(monkeypatch):
     monkeypatch.delenv("COLUMNS", raising=False)
     result = runner.invoke(cli_typer.app, ["profiles"])
     assert result.exit_code == 0 and "lacks" not in result.output
+
+
+# --------------------------------------------------------------------------- compare's times
+
+#: The start-up the first strategy of a comparison pays alone (see slow_first_digits).
+SHARED_START_S = 2.0
+_built: list[bool] = []
+
+
+def slow_first_digits(**settings):
+    """The digits task, built SHARED_START_S later the first time in a process: a start-up
+    the later runs reuse (a dataset loaded once, a server started once), which whichever
+    strategy runs first pays."""
+    from distributed.tasks.builtin import digits_task
+
+    if not _built:
+        time.sleep(SHARED_START_S)
+        _built.append(True)
+    return digits_task(**settings)
+
+
+def table_rows(output: str, title: str) -> dict[str, dict[str, str]]:
+    """The rows of the table titled ``title``, by first cell, each by column name."""
+    lines = output.split(title, 1)[1].splitlines()
+    header = next(line for line in lines if line.startswith("┃"))
+    names = [cell.strip() for cell in header.strip("┃").split("┃")]
+    rows = {}
+    for line in lines:
+        if line.startswith("└"):
+            break
+        if line.startswith("│"):
+            cells = [cell.strip() for cell in line.strip("│").split("│")]
+            rows[cells[0]] = dict(zip(names, cells))
+    return rows
+
+
+@pytest.mark.parametrize("order", [("ddp", "diloco"), ("diloco", "ddp")])
+def test_compare_times_each_strategy_alone_and_reports_the_start_up_apart(tmp_path, order,
+                                                                         monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    _built.clear()
+    config = tmp_path / "compare.ini"
+    config.write_text("[distributed:slow-start]\ntask = test_command_line:slow_first_digits\n"
+                      "num_nodes = 2\nbatch_size = 16\nmax_steps = 10\nval_interval = 10\n"
+                      "val_size = 32\nnum_threads = 1\ncheckpoint_interval = None\n"
+                      f"output_dir = {tmp_path / 'runs'}\n")
+    result = runner.invoke(cli_typer.app, [
+        "compare", "slow-start", "--config", str(config), "--strategies", ",".join(order),
+        "--out", str(tmp_path / "compare.png")])
+    assert result.exit_code == 0, result.output
+    rows = table_rows(result.output, "slow-start: 2 strategies")
+
+    def seconds(strategy: str, column: str) -> float:
+        return float(rows[strategy][column].removesuffix(" s"))
+
+    first, second = order
+    # the shared start-up is charged to the start-up of whichever ran first, never to a
+    # strategy's time: swapping the order swaps the start-ups, not the training times
+    assert seconds(first, "start-up") >= SHARED_START_S > seconds(second, "start-up")
+    assert seconds(first, "train time") < SHARED_START_S
+    assert seconds(second, "train time") < SHARED_START_S
+    assert f"{first}: val loss" in result.output and "s training (start-up" in result.output

@@ -8,8 +8,10 @@ family (one whose ``base_profile`` is the compared profile or its base, as
 settings apply (FedAvg runs with its H=10, not the default H=1); the user's
 overrides apply last, where the strategy accepts them. Every
 strategy is checked before the first run starts, so a typo costs nothing.
-The results give the final validation loss, the bytes each node sent and the
-wall time, and the validation curve (against steps and against bytes) that
+The results give the final validation loss, the bytes each node sent, the
+time each strategy trained and, apart, its start-up (the first run pays for
+what the later ones reuse, so start-up is never charged to a strategy's time),
+and the validation curve (against steps and against bytes) that
 :func:`plot_comparison` draws into the comparison's output folder. Bytes are
 drawn on a symmetric-log axis, linear near 0, so a point where nothing was
 sent yet sits at 0, not at a made-up 1 byte.
@@ -21,6 +23,7 @@ import difflib
 import inspect
 import io
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,10 +42,10 @@ from distributed.tasks.extras import require_extra
 from exogym._args import init_arg_names
 from exogym.io import atomic_write_bytes
 
-__all__ = ["COMPARE_SETTINGS", "PLOT_NAME", "StrategyResult", "check_extras", "check_plotting",
-           "comparison_figure",
-           "comparison_folder", "parse_overrides", "plan_comparison", "plot_comparison",
-           "profile_for_strategy", "run_comparison", "strategy_profiles", "strategy_settings"]
+__all__ = ["COMPARE_SETTINGS", "PLOT_NAME", "StartClock", "StrategyResult", "check_extras",
+           "check_plotting", "comparison_figure", "comparison_folder", "parse_overrides",
+           "plan_comparison", "plot_comparison", "profile_for_strategy", "run_comparison",
+           "strategy_profiles", "strategy_settings"]
 
 #: The plot's file name in the comparison's output folder.
 PLOT_NAME = "compare.png"
@@ -66,6 +69,9 @@ class StrategyResult:
         curve: ``(step, bytes sent by rank 0 so far, validation loss)`` at every evaluation.
         sim_curve: ``(simulated seconds, validation loss)`` at every evaluation, when the
             run kept a simulated clock (``network=``).
+        startup_s: seconds from the run's start until every rank was training: building
+            the task, starting the rank processes (the first run of a comparison also
+            starts what the later ones reuse, such as the process server), joining them.
     """
 
     strategy: str
@@ -73,6 +79,7 @@ class StrategyResult:
     summary: dict[str, Any]
     curve: list[tuple[int, int, float]] = field(default_factory=list)
     sim_curve: list[tuple[float, float]] = field(default_factory=list)
+    startup_s: float | None = None
 
     @property
     def final_val_loss(self) -> float | None:
@@ -86,8 +93,66 @@ class StrategyResult:
 
     @property
     def wall_s(self) -> float:
-        """Seconds the run took, start to end."""
+        """Seconds the trainer's ``fit`` took, start to end (its start-up included)."""
         return float(self.summary.get("wall_s") or 0.0)
+
+    @property
+    def train_s(self) -> float:
+        """Seconds the strategy trained: its ranks' training loops (the slowest rank's),
+        from the first step to the last, evaluations included and start-up left out; what
+        strategies are compared by, whichever ran first."""
+        return float(self.summary.get("train_s") or 0.0)
+
+
+class StartClock:
+    """A progress sink that notes when every rank of a run has begun training, passing
+    every call on to the sink it wraps.
+
+    Training has begun when every rank has sent its ``start`` event (the first ``step``
+    event, should a rank be away at the start).
+
+    Args:
+        inner: the sink shown the run (None: nothing is shown).
+        ranks: the run's ranks.
+        clock: the clock read (seconds).
+    """
+
+    def __init__(self, inner: Any, ranks: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.inner = inner
+        self.ranks = ranks
+        self.clock = clock
+        self.started: set[int] = set()
+        #: When the last rank began training; None until then.
+        self.training_since: float | None = None
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """Note a ``start`` (or first ``step``), then pass the event on."""
+        if self.training_since is None:
+            kind = event.get("event")
+            if kind == "start":
+                self.started.add(int(event.get("rank", 0)))
+            if len(self.started) >= self.ranks or kind == "step":
+                self.training_since = self.clock()
+        if self.inner is not None:
+            self.inner.on_event(event)
+
+    def close(self) -> None:
+        """Stop the wrapped sink's live display."""
+        if self.inner is not None:
+            self.inner.close()
+
+    def finish(self, summary: dict[str, Any], title: str = "run summary") -> None:
+        """Show the final figures in the wrapped sink."""
+        if self.inner is not None:
+            self.inner.finish(summary, title)
+
+    def __getattr__(self, name: str) -> Any:
+        # what else the wrapped sink offers (on_output, set_status, ...)
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
 
 
 def profile_for_strategy(profile: Profile, strategy: str,
@@ -258,15 +323,23 @@ def run_comparison(plans: Sequence[Profile],
     from distributed.app.run import RunFailedError, brief_failure
     from distributed.rank.worker import run_profile
     from exogym.rank import LostRankError
+    from exogym.report import RunReporter
     from exogym.trainer import RankFailedError
 
     results = []
     for plan in plans:
         sink = progress(plan) if progress is not None else False
+        ranks = int(plan.values.get("num_nodes") or 1)
+        if isinstance(sink, bool):
+            sink = RunReporter(ranks, log_interval=int(plan.values.get("log_interval") or 10)) \
+                if sink else None
+        clock = StartClock(sink, ranks)
+        began = clock.clock()
         try:
-            trainer = run_profile(plan, progress=sink, local=True)
+            trainer = run_profile(plan, progress=clock, local=True)
         except (RankFailedError, LostRankError) as exc:
             raise RunFailedError(f"{plan.strategy}: {brief_failure(exc)}") from exc
+        ended = clock.clock()
         curve = [(row["step"], int(row["comm_bytes"]),
                   float(row.get("val_global_loss", row["val_loss"])))
                  for row in trainer.history if row["rank"] == 0 and "val_loss" in row]
@@ -274,7 +347,9 @@ def run_comparison(plans: Sequence[Profile],
                       float(row.get("val_global_loss", row["val_loss"])))
                      for row in trainer.history
                      if row["rank"] == 0 and "val_loss" in row and "sim_time_s" in row]
-        result = StrategyResult(plan.strategy, plan, dict(trainer.summary), curve, sim_curve)
+        summary = dict(trainer.summary)
+        startup = (clock.training_since if clock.training_since is not None else ended) - began
+        result = StrategyResult(plan.strategy, plan, summary, curve, sim_curve, startup)
         results.append(result)
         if on_result is not None:
             on_result(result)
