@@ -8,12 +8,16 @@
 Without a hosts file it starts with the machines found on the LAN (those running
 ``cli_typer.py agent``), trusting each one's host key only after its fingerprint
 is confirmed. Every host is checked live (pre-flight over SSH, no training started)
-as soon as it is known. For the profile's model and the link's bandwidth (typed, or measured
-with a one-second transfer to a worker) a table estimates the bytes each
-strategy sends per step and the speedup to expect, which is why DiLoCo is the
-default on slow links. The hosts file and a ``config.ini`` profile are written
-atomically, never replacing anything without asking and always keeping a
-``.bak`` of what changes. The run then starts through ``distributed.app.run``,
+as soon as it is known. For the profile's model, the training steps and the link's
+bandwidth (typed, or measured with a one-second transfer to a worker) one
+recommendation (``distributed.app.recommend``, what ``cli_typer.py recommend``
+computes) gives a table of every candidate's bytes per step and expected speedup
+and the pick, which is the default choice; its setting (DiLoCo's H, ...) is
+asked with the recommended value. The hosts file and the profile are written
+atomically, the profile to ``config.local.ini`` beside ``config.ini`` (the
+user's own profiles, ignored by git, read after ``config.ini``), never replacing
+anything without asking and always keeping a ``.bak`` of what changes. The run
+then starts through ``distributed.app.run``,
 exactly as ``cli_typer.py distributed-train`` starts it; with one machine it
 is a local simulation.
 
@@ -37,6 +41,7 @@ from distributed.app.console import fail, make_console, plural, reported_errors
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from distributed.app.recommend import Recommendation
     from distributed.app.setup import HostsConfig, PreflightReport, Profile
 
 PROJECT_ROOT = Path(__file__).resolve().parent
@@ -123,6 +128,26 @@ def _is_positive_number(text: str) -> bool | str:
         return float(text) > 0 or "a number above 0"
     except ValueError:
         return "a number above 0, e.g. 100 or 2.5"
+
+
+def _is_fraction(text: str) -> bool | str:
+    try:
+        return 0 < float(text) <= 1 or "a fraction above 0 and at most 1, e.g. 0.005"
+    except ValueError:
+        return "a fraction above 0 and at most 1, e.g. 0.005"
+
+
+#: The questions for a strategy's settings, by key: the question, the answer's type, and
+#: its check given the run's training steps.
+SETTING_QUESTIONS: dict[str, tuple[str, type, Callable[[int], Callable[[str], bool | str]]]] = {
+    "H": ("Local steps between two rounds of communication, H (a larger H sends less and may "
+          "need more steps for the same loss)", int, lambda steps: _is_int(1, steps)),
+    "p_sparta": ("Share of the weights averaged every step, p", float,
+                 lambda steps: _is_fraction),
+    "compression_topk": ("DCT components sent per chunk, top-k", int,
+                         lambda steps: _is_int(1, 10**6)),
+    "compression_chunk": ("DCT chunk size", int, lambda steps: _is_int(1, 10**6)),
+}
 
 
 def _default_key() -> str:
@@ -483,60 +508,105 @@ class Wizard:
                                    "gigabit Ethernet: 1000):", f"{DEFAULT_MBIT:g}",
                                    _is_positive_number))
 
-    def estimates(self, profile: Profile, nodes: int, mbit: float, simulated: bool,
-                  hosts: HostsConfig | None = None) -> list[str]:
-        """Show each strategy's bytes per step and expected speedup, and the strategy
-        ``recommend`` picks; the usable strategies."""
+    def estimates(self, profile: Profile, nodes: int, steps: int, mbit: float,
+                  hosts: HostsConfig | None) -> Recommendation | None:
+        """Time this machine's steps once, then show every candidate strategy's predicted step,
+        traffic and speedup and the one picked, all from that one recommendation (what
+        ``python cli_typer.py recommend`` computes); None when it cannot be made here."""
         from rich.table import Table
 
-        from distributed.app.setup import estimate_strategies, usable_strategies
+        from distributed.app.console import stage_progress
+        from distributed.app.recommend import recommend, table_rows, what_it_sends
 
-        self.console.print(f"Timing a step of {profile.name}'s model on this machine...")
-        try:
-            estimates = estimate_strategies(profile, COMPARED, nodes, mbit, simulated)
-        except Exception as exc:  # noqa: BLE001 - the estimate is a help, not a requirement
-            self.console.print(f"[yellow]could not build the model to time it ({exc}); the "
-                               "table is skipped[/]")
-            return usable_strategies(profile, COMPARED)
-        facts = estimates.facts
-        self.console.print(f"{facts.num_params:,} parameters; one step of {facts.batch_size} "
-                           f"samples takes {facts.compute_s_per_step * 1000:.1f} ms here "
-                           f"({plural(facts.threads, 'thread')}). Estimates for {nodes} machines at "
-                           f"{mbit:g} Mbit/s:", highlight=False)
-        table = Table(title_justify="left")
-        for column in ("strategy", "what it sends", "step here", "sent per step",
-                       "comm per step", "speedup (vs 1 machine)"):
-            table.add_column(column, justify="left" if column in ("strategy", "what it sends")
-                             else "right")
-        for row in estimates.rows:
-            note = "" if row.available else " [dim](not available here)[/]"
-            table.add_row(row.strategy + note, row.description, f"{row.compute_ms:,.1f} ms",
-                          row.wire_bytes,
-                          f"{row.comm_ms:,.1f} ms", f"{row.speedup:.2f}x")
-        self.console.print(table)
-        self.console.print("DiLoCo is the default: it communicates once every H steps, so on a "
-                           "slow link its machines spend their time computing, not waiting.",
-                           highlight=False)
-        self.recommendation(profile, nodes, mbit, hosts)
-        return estimates.usable
-
-    def recommendation(self, profile: Profile, nodes: int, mbit: float,
-                       hosts: HostsConfig | None) -> None:
-        """Print what ``recommend`` picks for this link (this machine's step standing in for
-        every host's; ``python cli_typer.py recommend`` times the hosts themselves)."""
-        from distributed.app.recommend import recommend
-
-        overrides = {**self.overrides, "num_nodes": nodes}
+        self.console.print(f"Timing a step of {profile.name}'s model, and each strategy's own "
+                           "work, on this machine...", highlight=False)
         request = self.request(hosts, profile.name, config=str(self.config_path),
-                               overrides=overrides)
+                               overrides={**self.overrides, "num_nodes": nodes,
+                                          "max_steps": steps})
         try:
-            rec = recommend(request, self.console, link_mbit=mbit, time_hosts=False,
-                            new_profile=True)
-        except Exception as exc:  # noqa: BLE001 - the recommendation is a help, not a requirement
-            self.console.print(f"[yellow]no recommendation ({exc})[/]")
-            return
+            with stage_progress(self.console, "Timing") as progress:
+                rec = recommend(request, self.console, link_mbit=mbit, time_hosts=False,
+                                new_profile=True, progress=progress)
+        except Exception as exc:  # noqa: BLE001 - the estimates are a help, not a requirement
+            self.console.print(f"[yellow]no estimates ({exc}); the strategies are offered "
+                               "without them[/]", highlight=False)
+            return None
+        m = rec.measurements
+        where = "machines" if hosts is not None else "simulated nodes"
+        self.console.print(
+            f"{m.num_params:,} parameters; an AdamW step takes {m.compute_s['ddp'] * 1000:.1f} "
+            f"ms here. Estimates for {nodes} machines at {mbit:g} Mbit/s (this machine's step "
+            f"standing in for each of the {nodes} {where}):", highlight=False)
+        table = Table(title_justify="left")
+        for column in ("strategy", "what it sends", "step", "comm", "sent per step",
+                       "speedup (vs 1 machine)", ""):
+            table.add_column(column, justify="left" if column in ("strategy", "what it sends", "")
+                             else "right")
+        previous = None
+        for candidate, cells in zip(rec.candidates, table_rows(rec)):
+            label, step, comm, speedup, sent, note = cells
+            said = "" if candidate.name == previous else what_it_sends(candidate.name)
+            previous = candidate.name
+            table.add_row(label, said, step, comm, sent, speedup, note)
+        self.console.print(table)
         self.console.print(f"Recommended: {rec.reason}", markup=False, highlight=False,
                            soft_wrap=True)
+        return rec
+
+    def choose_strategy(self, base: Profile, rec: Recommendation | None
+                        ) -> tuple[str, dict[str, Any]]:
+        """The strategy to write and its settings: a candidate of ``rec`` (the pick unless
+        another is chosen, or ``--strategy``'s best), else one the profile can run."""
+        from distributed.app.recommend import figures, pick
+        from distributed.app.setup import same_strategy, usable_strategies
+
+        if rec is None:
+            usable = usable_strategies(base, COMPARED)
+            if self.strategy:
+                return self.strategy, {}
+            default = DEFAULT_STRATEGY if DEFAULT_STRATEGY in usable else usable[0]
+            return self.ask.select("Which strategy?", [
+                (s, s, None if s in usable else "not available for this task")
+                for s in COMPARED], default=default), {}
+        if self.strategy:
+            mine = [c for c in rec.candidates if same_strategy(c.name, self.strategy)]
+            if not any(c.applies for c in mine):
+                return self.strategy, {}  # not among the candidates: its profile's settings
+            chosen = pick(mine)
+            self.console.print(f"Strategy {self.strategy} (--strategy): {chosen.label}, "
+                               f"{chosen.speedup:.2f}x predicted.", highlight=False)
+        else:
+            label = self.ask.select("Which strategy?", [
+                (f"{c.label}: {figures(c)}" + (" (recommended)" if c is rec.pick else ""),
+                 c.label,
+                 None if c.applies else "not available for this task")
+                for c in rec.candidates], default=rec.pick.label)
+            chosen = next(c for c in rec.candidates if c.label == label)
+        return chosen.name, dict(chosen.settings)
+
+    def strategy_settings(self, strategy: str, settings: dict[str, Any], steps: int,
+                          rec: Recommendation | None) -> dict[str, Any]:
+        """Ask for each of the strategy's settings the estimates chose (DiLoCo's H, ...),
+        offering the recommended value (or ``--set``'s); a changed one is predicted again."""
+        from distributed.app.recommend import figures, predict_with
+
+        answered = {}
+        for key, recommended in settings.items():
+            question = SETTING_QUESTIONS.get(key)
+            if question is None:
+                answered[key] = self.overrides.get(key, recommended)
+                continue
+            text, kind, check = question
+            default = self.overrides.get(key, recommended)
+            answer = self.ask.text(f"{text}:", f"{default:g}" if kind is float else str(default),
+                                   check(steps))
+            answered[key] = kind(answer)
+        if rec is not None and answered != settings:
+            changed = predict_with(rec, strategy, answered)
+            self.console.print(f"{changed.label}: communication is {changed.comm_fraction:.0%} "
+                               f"of the step; {figures(changed)} (recommended: "
+                               f"{rec.pick.label}, {figures(rec.pick)}).", highlight=False)
+        return answered
 
     # ------------------------------------------------------------------ files and run
 
@@ -558,34 +628,51 @@ class Wizard:
         self.console.print(f"Wrote {path}" + (f" (previous one in {backup})" if backup else ""))
         return path
 
+    @property
+    def local_profiles(self) -> Path:
+        """Where profiles are written: the local profiles file beside the config file."""
+        from distributed.app.setup import local_profiles_file
+
+        return local_profiles_file(self.config_path)
+
     def write_profile(self, name: str, values: dict[str, Any], suggested: str) -> str:
-        """Write profile ``name``, asking before replacing another; ``suggested``: the name
-        that says what it runs, offered (made free) when ``name`` is taken."""
+        """Write profile ``name`` to the local profiles file (``config.local.ini``), asking
+        before replacing another; ``suggested``: the name that says what it runs, offered
+        (made free) when ``name`` is taken."""
         from distributed.app import setup
 
-        path = self.config_path
+        local = self.local_profiles
         while True:
-            current = setup.existing_profile(path, name)
+            current = setup.existing_profile(self.config_path, name)
             if current is None:
                 break
+            where = setup.profile_file(self.config_path, name)
             if current == values:
-                self.console.print(f"Profile {name} in {path} already has these settings.")
+                self.console.print(f"Profile {name} in {where} already has these settings.")
                 return name
-            if self.ask.confirm(f"Profile {name} already exists in {path}. Replace it (the file "
-                                f"is kept as {path.name}.bak)?", default=self.ask.assume_yes):
+            if where == local:
+                question = (f"Profile {name} already exists in {local}. Replace it (the file is "
+                            f"kept as {local.name}.bak)?")
+            else:
+                question = (f"Profile {name} already exists in {where}. Put yours in {local} "
+                            f"in its place ({where.name if where else ''} stays as it is)?")
+            if self.ask.confirm(question, default=self.ask.assume_yes):
                 break
             name = self.ask.text("Name of the new profile instead:",
-                                 setup.free_profile_name(path, suggested, values),
+                                 setup.free_profile_name(self.config_path, suggested, values),
                                  lambda t: bool(t.strip()) or "a name, e.g. my-run")
-        backup = setup.write_profile(path, name, values)
+        path, backup = setup.write_profile(self.config_path, name, values)
         self.written.append(path)
         self.console.print(f"Wrote profile [bold]{name}[/] to {path}"
-                           + (f" (previous file in {backup})" if backup else ""), highlight=False)
+                           + (f" (previous file in {backup})" if backup else "")
+                           + f": your own profiles, read after {self.config_path.name} and "
+                           "ignored by git", highlight=False)
         return name
 
     def run(self) -> int:
         from distributed.app import run
         from distributed.app.compare import profile_for_strategy
+        from distributed.app.recommend import spec_for
         from distributed.app.setup import free_profile_name, load_profile, profile_name_for
 
         self.console.rule("exogym set-up")
@@ -598,18 +685,17 @@ class Wizard:
                                       str(self.overrides.get("num_nodes",
                                                              base.values.get("num_nodes", 2))),
                                       _is_int(1, 64)))
-        mbit = self.bandwidth(hosts)
-        usable = self.estimates(base, nodes, mbit, simulated=hosts is None, hosts=hosts)
-        default = self.strategy or (DEFAULT_STRATEGY if DEFAULT_STRATEGY in usable
-                                    else usable[0])
-        strategy = default if self.strategy else self.ask.select(
-            "Which strategy?", [(s, s, None if s in usable else "not available here")
-                                for s in COMPARED], default=default)
+        # Before the estimates: DiLoCo's H is chosen below the run's length.
         steps = int(self.ask.text("Training steps:", str(self.overrides.get(
             "max_steps", base.values.get("max_steps", 100))), _is_int(1, 10**9)))
-        overrides = {**self.overrides, "max_steps": steps, "num_nodes": nodes}
+        mbit = self.bandwidth(hosts)
+        rec = self.estimates(base, nodes, steps, mbit, hosts)
+        strategy, settings = self.choose_strategy(base, rec)
+        settings = self.strategy_settings(strategy, settings, steps, rec)
+        overrides = {**self.overrides, "max_steps": steps, "num_nodes": nodes, **settings}
         values = profile_for_strategy(base, strategy, overrides).values
-        values["description"] = (f"{base.name} with {strategy} on {nodes} "
+        label = spec_for(strategy, settings).label if settings else strategy
+        values["description"] = (f"{base.name} with {label} on {nodes} "
                                  f"{'hosts' if hosts is not None else 'simulated nodes'} "
                                  "(written by wizard.py)")
         suggested = profile_name_for(base, strategy, nodes, hosts is not None)
@@ -624,8 +710,9 @@ class Wizard:
         if hosts is not None:
             hosts_file = self.write_hosts(hosts)
             inside = self.config_path.resolve().is_relative_to(PROJECT_ROOT)
-            sync = self.ask.confirm("Copy this checkout's tracked files (with the new profile) "
-                                    "to the workers first?", default=inside)
+            sync = self.ask.confirm(f"Copy this checkout's tracked files and your profiles "
+                                    f"({self.local_profiles.name}) to the workers first?",
+                                    default=inside)
         request = self.request(hosts_file, name, config=str(self.config_path), sync=sync,
                                run_dir=str(self.run_dir) if self.run_dir else None)
         self.console.print("The same run from the command line: [bold]"
@@ -647,12 +734,13 @@ def main(
         help=f"Hosts file to use, or to write (default ./{DEFAULT_HOSTS_FILE}).")] = None,
     config: Annotated[Path | None, typer.Option(
         "--config", "-c", dir_okay=False,
-        help="Profiles file to read and add the profile to (default: the project's "
-             "config.ini).")] = None,
+        help="Profiles file to read (default: the project's config.ini); the profile is "
+             "written to the local profiles file beside it (config.local.ini).")] = None,
     profile: Annotated[str | None, typer.Option(
         "--profile", "-p", help="Profile to start from (default: ask; digits-diloco).")] = None,
     strategy: Annotated[str | None, typer.Option(
-        "--strategy", help="Strategy to use (default: ask; diloco).")] = None,
+        "--strategy", help="Strategy to use, with its recommended settings (default: ask; "
+                           "the recommended one).")] = None,
     set_: Annotated[list[str] | None, typer.Option(
         "--set", "-s", metavar="KEY=VALUE", help="Override a profile key (repeatable).")
     ] = None,

@@ -100,15 +100,15 @@ def test_yes_without_hosts_writes_a_profile_and_runs_the_local_simulation(tmp_pa
     config = project_config(tmp_path)
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, WIZARD, "--yes", "--config", str(config), "--set", "max_steps=20",
-         "--set", "num_nodes=2", "--set", f"output_dir={out}", *TINY_SETS],
+        [sys.executable, WIZARD, "--yes", "--config", str(config), "--strategy", "diloco",
+         "--set", "max_steps=20", "--set", "num_nodes=2", "--set", f"output_dir={out}",
+         *TINY_SETS],
         cwd=tmp_path, env=wizard_env(), stdin=subprocess.DEVNULL, capture_output=True,
         text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     profile = load_profile("digits-diloco-2nodes", config)
     assert profile.strategy == "diloco" and profile.values["max_steps"] == 20
     assert profile.values["num_nodes"] == 2
-    assert (tmp_path / "config.ini.bak").read_text() == (ROOT / "config.ini").read_text()
     assert "[local:1] done at step 20" in done.stdout
     assert json.loads((out / "summary.json").read_text())["steps"] == 20
     assert not (tmp_path / "distributed_hosts.json").exists()  # one machine: no hosts file
@@ -122,7 +122,7 @@ def test_yes_with_a_hosts_file_checks_every_host_and_uses_it(sshd, tmp_path):
     done = subprocess.run(
         [sys.executable, WIZARD, "--yes", "--no-run", "--config", str(config),
          "--known-hosts", str(sshd.known_hosts), "--ssh-config", str(sshd.ssh_config),
-         "--bandwidth-mbit", "50", "--set", "max_steps=20"],
+         "--bandwidth-mbit", "50", "--strategy", "diloco", "--set", "max_steps=20"],
         cwd=tmp_path, env=wizard_env(), stdin=subprocess.DEVNULL, capture_output=True,
         text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -145,7 +145,7 @@ def test_wizard_in_a_terminal_builds_hosts_trusts_keys_writes_files_and_trains(s
     out = tmp_path / "out"
     args = [WIZARD, "--config", str(config), "--known-hosts", str(known_hosts),
             "--ssh-config", str(sshd.ssh_config), "--run-dir", str(tmp_path / "launch"),
-            "--set", f"output_dir={out}", *TINY_SETS]
+            "--strategy", "diloco", "--set", f"output_dir={out}", *TINY_SETS]
     child = pexpect.spawn(sys.executable, args, cwd=str(tmp_path),
                           env=wizard_env(TERM="xterm-256color"), dimensions=(50, 160),
                           timeout=120, encoding="utf-8", codec_errors="replace")
@@ -173,10 +173,11 @@ def test_wizard_in_a_terminal_builds_hosts_trusts_keys_writes_files_and_trains(s
         child.expect(r"ok.*127\.0\.0\.3: ssh ok")  # trusted without asking again
         answer("Address of worker 3", "\r")
         answer("Which profile", "\r")
+        answer("Training steps", clear + "20\r")
         answer("how fast is it", "\r")  # measure
         child.expect(r"Measured [\d,]+ Mbit/s to 127\.0\.0\.2")
-        answer("Which strategy", "\r")
-        answer("Training steps", clear + "20\r")
+        child.expect(r"Strategy diloco \(--strategy\): DiLoCo H=10,")  # the one H below 20
+        answer("Local steps between two rounds of communication, H", "\r")
         answer("Name of the profile to write", clear + "wizard-test\r")
         answer("Copy this checkout", "n")
         answer("Start training now", "y")
@@ -190,8 +191,8 @@ def test_wizard_in_a_terminal_builds_hosts_trusts_keys_writes_files_and_trains(s
     assert [h.host for h in hosts.hosts] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
     assert all(h.ssh_port == sshd.port for h in hosts.workers)
     profile = ProfileSet(config).get("wizard-test")
-    assert (profile.strategy, profile.values["max_steps"], profile.values["num_nodes"]) == (
-        "diloco", 20, 3)
+    assert (profile.strategy, profile.values["max_steps"], profile.values["num_nodes"],
+            profile.values["H"]) == ("diloco", 20, 3, 10)
     assert {line.split()[0] for line in known_hosts.read_text().splitlines()} == {
         f"[127.0.0.2]:{sshd.port}", f"[127.0.0.3]:{sshd.port}"}
     assert json.loads((out / "summary.json").read_text())["steps"] == 20
@@ -201,29 +202,156 @@ def test_wizard_in_a_terminal_builds_hosts_trusts_keys_writes_files_and_trains(s
         assert f"│    {rank} │ {host}" in screen  # the dashboard's row for the rank
 
 
-def test_estimates_time_each_strategy_with_its_own_step(monkeypatch):
-    """DeMo's and SPARTA's rows are planned with their own measured step, not DiLoCo's."""
-    from distributed.app import setup
+# --------------------------------------------------------------------------- one planner
+
+
+#: Seconds of one step of 32 samples here, per strategy: what the fake timing returns.
+STEP_S = {"diloco": 0.010, "ddp": 0.011, "fedavg": 0.011, "sparta": 0.013, "demo": 0.040}
+
+
+def fixed_steps(monkeypatch) -> list[tuple[str, int]]:
+    """Every step the planner times here takes a fixed time (by strategy and batch), so two
+    runs of it give the same figures; returns the (strategy, batch) of each timing."""
+    from distributed.app import recommend
     from distributed.planning.estimate import ModelFacts
-    from distributed.profiles.profile import load_profile
 
-    step_ms = {"diloco": 10.0, "ddp": 11.0, "sparta": 13.0, "fedavg": 12.0, "demo": 40.0}
-    timed = []
+    timed: list[tuple[str, int]] = []
 
-    def fake_measure(profile, ranks_here=1, num_nodes=None, task=None, **_):
-        assert task is not None and len(task) == 3  # built once by the caller
-        timed.append((profile.strategy, ranks_here, num_nodes))
-        return ModelFacts(num_params=1000, compute_s_per_step=step_ms[profile.strategy] / 1000,
-                          batch_size=16, threads=1, shapes=((10, 100),))
+    def measure_model(profile, ranks_here=1, steps=10, warmup=3, num_nodes=None, task=None):
+        batch = int(profile.values.get("batch_size") or 32)
+        timed.append((profile.strategy, batch))
+        return ModelFacts(num_params=9_610, batch_size=batch, threads=1,
+                          compute_s_per_step=STEP_S[profile.strategy] * batch / 32,
+                          shapes=((128, 64), (128,), (10, 128), (10,)))
 
-    monkeypatch.setattr(setup, "measure_model", fake_measure)
-    estimates = setup.estimate_strategies(load_profile("digits-diloco"),
-                                          ("ddp", "diloco", "sparta", "fedavg", "demo"),
-                                          nodes=3, mbit=100.0, simulated=False)
-    assert sorted(s for s, _, _ in timed) == sorted(step_ms)  # each once, DiLoCo's reused
-    assert all(ranks == 1 and nodes == 3 for _, ranks, nodes in timed)
-    assert {row.strategy: row.compute_ms for row in estimates.rows} == pytest.approx(step_ms)
-    assert estimates.facts.compute_s_per_step == pytest.approx(0.010)
+    monkeypatch.setattr(recommend, "measure_model", measure_model)
+    return timed
+
+
+def wizard_in_process(tmp_path: Path, *args: str):
+    """The wizard run here with --yes (what a person accepting every default gets)."""
+    from typer.testing import CliRunner
+
+    import wizard
+
+    return CliRunner().invoke(wizard.app, ["--yes", "--no-run", "--hosts",
+                                           str(tmp_path / "no_hosts.json"), *args],
+                              env={"COLUMNS": "220"})
+
+
+def table_speedups(screen: str) -> dict[str, str]:
+    """The speedup column of the wizard's table, by strategy label."""
+    rows = {}
+    for line in screen.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if len(cells) == 7 and cells[0] and cells[5].endswith("x"):
+            rows[cells[0]] = cells[5]
+    return rows
+
+
+def test_the_wizards_table_its_recommendation_and_recommend_give_the_same_figures(
+        tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli_typer import app as cli
+
+    timed = fixed_steps(monkeypatch)
+    config = project_config(tmp_path)
+    done = wizard_in_process(tmp_path, "--config", str(config), "--set", "num_nodes=4",
+                             "--bandwidth-mbit", "100")
+    assert done.exit_code == 0, done.output
+    shown = table_speedups(done.output)
+    line = next(x for x in done.output.splitlines() if x.startswith("Recommended: "))
+
+    answer = CliRunner().invoke(cli, ["recommend", "digits-diloco", "--config", str(config),
+                                      "--link-mbit", "100", "--set", "num_nodes=4", "--json"])
+    assert answer.exit_code == 0, answer.output
+    rec = json.loads(answer.stdout)
+    assert shown == {c["label"]: f"{c['speedup']:.2f}x" for c in rec["candidates"]}
+    assert line == f"Recommended: {rec['reason']}"
+    pick = next(c for c in rec["candidates"] if c["label"] == rec["label"])
+    assert f"{pick['speedup']:.2f}x predicted" in line and shown[rec["label"]] in line
+    ddp = next(c for c in rec["candidates"] if c["name"] == "ddp")
+    assert f"({ddp['speedup']:.2f}x)" in line  # DDP's figure in the line is the table's
+    # Each compute kind timed with its own step, and the reference with every node's batch.
+    assert {"ddp", "sparta", "demo"} <= {strategy for strategy, _ in timed}
+    assert ("ddp", 4 * 32) in timed
+
+
+def test_accepting_the_recommendation_writes_its_settings(tmp_path, monkeypatch):
+    fixed_steps(monkeypatch)
+    config = project_config(tmp_path)
+    done = wizard_in_process(tmp_path, "--config", str(config), "--set", "num_nodes=4",
+                             "--bandwidth-mbit", "100")
+    assert done.exit_code == 0, done.output
+    line = next(x for x in done.output.splitlines() if x.startswith("Recommended: "))
+    assert line.startswith("Recommended: DiLoCo H=100:"), line  # the fixed steps' pick
+    profile = load_profile("digits-diloco-4nodes", config)
+    # digits-diloco itself has H = 20: the profile carries the H recommended, not its base's.
+    assert (profile.strategy, profile.values["H"]) == ("diloco", 100)
+    assert "DiLoCo H=100" in profile.values["description"]
+    assert "? Which strategy? DiLoCo H=100: " in done.output  # offered, and taken
+    assert "(recommended) (default)" in done.output
+
+
+def test_a_setting_given_with_set_is_offered_instead_and_predicted_again(tmp_path,
+                                                                        monkeypatch):
+    fixed_steps(monkeypatch)
+    config = project_config(tmp_path)
+    done = wizard_in_process(tmp_path, "--config", str(config), "--set", "num_nodes=4",
+                             "--set", "H=40", "--bandwidth-mbit", "100")
+    assert done.exit_code == 0, done.output
+    assert "H (a larger H sends less" in done.output and ": 40 (default)" in done.output
+    assert "DiLoCo H=40: communication is" in done.output  # predicted by the same model
+    assert load_profile("digits-diloco-4nodes", config).values["H"] == 40
+
+
+def test_the_wizard_writes_profiles_beside_config_ini_and_leaves_config_ini_alone(
+        tmp_path, monkeypatch):
+    fixed_steps(monkeypatch)
+    config = project_config(tmp_path)
+    shared = config.read_text()
+    local = tmp_path / "config.local.ini"
+    args = ["--config", str(config), "--set", "num_nodes=4", "--bandwidth-mbit", "100"]
+    done = wizard_in_process(tmp_path, *args)
+    assert done.exit_code == 0, done.output
+    assert f"Wrote profile digits-diloco-4nodes to {local}" in " ".join(done.output.split())
+    assert config.read_text() == shared and not (tmp_path / "config.ini.bak").exists()
+    assert ProfileSet(config).source("digits-diloco-4nodes") == local
+    assert "digits-diloco-4nodes" not in ProfileSet(config, local=False).names()
+    first = local.read_text()
+
+    # Again with other settings: a free name beside the first, the previous file kept.
+    done = wizard_in_process(tmp_path, *args, "--set", "H=50")
+    assert done.exit_code == 0, done.output
+    assert load_profile("digits-diloco-4nodes-2", config).values["H"] == 50
+    assert load_profile("digits-diloco-4nodes", config).values["H"] == 100
+    assert (tmp_path / "config.local.ini.bak").read_text() == first
+    assert config.read_text() == shared
+
+
+def test_a_profile_written_under_a_shared_name_takes_its_place_from_the_local_file(tmp_path):
+    from distributed.app import setup
+
+    config = project_config(tmp_path)
+    shared = config.read_text()
+    values = {**load_profile("digits-diloco", config).values, "H": 64}
+    path, backup = setup.write_profile(config, "digits-diloco", values)
+    assert (path, backup) == (tmp_path / "config.local.ini", None)
+    assert setup.profile_file(config, "digits-diloco") == path
+    assert load_profile("digits-diloco", config).values["H"] == 64
+    assert ProfileSet(config, local=False).values("digits-diloco")["H"] == 20
+    assert config.read_text() == shared
+    assert path.read_text().startswith("# This checkout's own profiles, read after config.ini")
+
+
+def test_the_wizard_shows_no_progress_lines_of_its_own_making(tmp_path, monkeypatch):
+    fixed_steps(monkeypatch)
+    done = wizard_in_process(tmp_path, "--config", str(project_config(tmp_path)),
+                             "--set", "num_nodes=2", "--bandwidth-mbit", "10")
+    assert done.exit_code == 0, done.output
+    assert "[recommend]" not in done.output and "pass 1 of" not in done.output
+    assert "Timing a step of digits-diloco's model" in done.output
 
 
 # --------------------------------------------------------------------------- rough edges
@@ -266,7 +394,8 @@ def test_a_single_way_to_get_the_link_speed_is_not_a_menu_and_the_name_follows_t
     # a profile of that name with other settings already exists: the suggestion avoids it
     config.write_text(config.read_text() + "\n[distributed:digits-sparta-4nodes]\n"
                       "base_profile = digits-sparta\nmax_steps = 7\n")
-    child, log = spawn_wizard(tmp_path, "--config", str(config), "--no-run")
+    child, log = spawn_wizard(tmp_path, "--config", str(config), "--no-run",
+                              "--strategy", "sparta")
     clear = "\x15"
     try:
         child.expect("Where should it train")
@@ -275,16 +404,16 @@ def test_a_single_way_to_get_the_link_speed_is_not_a_menu_and_the_name_follows_t
         child.send("\r")
         child.expect("How many nodes")
         child.send("\r")
+        child.expect("Training steps")
+        child.send("\r")
         index = child.expect(["how fast is it", "Bandwidth between the machines"])
         assert index == 1, "a menu with a single item was shown"
         child.send("\r")
-        child.expect("Which strategy")
-        child.send("\x1b[B\r")  # from diloco down to sparta
-        child.expect("Training steps")
+        child.expect("Share of the weights averaged every step")
         child.send("\r")
         child.expect(r"Name of the profile to write: \S*digits-sparta-4nodes-2")
         child.send(clear + "digits-diloco\r")  # a taken name, with other settings
-        child.expect("Replace it")
+        child.expect(r"in its place \(config\.ini stays as it is\)")
         child.send("n")
         child.expect(r"Name of the new profile instead: \S*digits-sparta-4nodes-2")
         child.send("\r")
@@ -299,6 +428,54 @@ def test_a_single_way_to_get_the_link_speed_is_not_a_menu_and_the_name_follows_t
     assert profiles.get("digits-sparta-4nodes-2").strategy == "sparta"
     assert profiles.values("digits-sparta-4nodes")["max_steps"] == 7  # left as it was
     assert profiles.get("digits-diloco").strategy == "diloco"
+
+
+def test_in_a_terminal_the_highlighted_pick_is_taken_with_its_setting_changed(tmp_path):
+    """Timing shows as a progress display; Enter takes the recommended strategy, and its
+    setting (DiLoCo's H, SPARTA's p) is asked with the recommended value, here changed."""
+    import re
+
+    import pexpect
+
+    config = project_config(tmp_path)
+    child, log = spawn_wizard(tmp_path, "--config", str(config), "--no-run",
+                              "--bandwidth-mbit", "100")
+    clear = "\x15"
+    try:
+        for prompt in ("Where should it train", "Which profile", "How many nodes",
+                       "Training steps"):
+            child.expect(prompt)
+            child.send("\r")
+        child.expect(r"Recommended: ([^:]+):")
+        pick = child.match.group(1)
+        child.expect(r"Which strategy")
+        child.expect(re.escape(pick) + r": [\d.]+x, .* per step \(recommended\)")
+        child.send("\r")
+        styled = r"(?:\x1b\[[0-9;]*m)*"  # the default answer's colour
+        index = child.expect([r"same loss\): " + styled + r"(\d+)",
+                              r"averaged every step, p: " + styled + r"([\d.]+)",
+                              "Name of the profile to write"])
+        typed = {0: ("H", "30"), 1: ("p_sparta", "0.01")}.get(index)
+        if typed is not None:
+            assert pick.endswith(f"={child.match.group(1)}"), (pick, child.match.group(1))
+            child.send(clear + typed[1] + "\r")
+            child.expect("Name of the profile to write")
+        child.send("\r")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    screen = plain(log.getvalue())
+    assert child.exitstatus == 0, screen[-3000:]
+    assert "Timing: " in screen and "[recommend]" not in screen  # rich's display, no lines
+    profiles = ProfileSet(config)
+    name = next(n for n in profiles.names() if profiles.source(n) != config)
+    profile = profiles.get(name)
+    assert profile.strategy == pick.split()[0].lower()
+    if typed is not None:
+        key, value = typed
+        assert profile.values[key] == (int(value) if key == "H" else float(value))
+        label = f"{pick.split()[0]} {'H' if key == 'H' else 'p'}={value}"
+        assert f"{label}: communication is" in screen  # the change predicted again
 
 
 def test_a_loopback_master_with_a_worker_elsewhere_is_refused_and_the_master_asked_again(

@@ -1,18 +1,17 @@
-"""The wizard's set-up steps: hosts files, profiles to choose and write, the link, the estimates.
+"""The wizard's set-up steps: hosts files, profiles to choose and write, the link.
 
 ``wizard.py`` asks and prints; everything it learns or writes goes through
 here: reading and writing a hosts file (atomically, with a ``.bak``), the
 profiles a person may choose and why some cannot run, writing a profile into
-``config.ini``, measuring the link to a worker, and the table of what each
-strategy would send and gain on the planned hosts (the planner's projection,
-from a measured training step of the profile's model).
+this checkout's own profiles file beside ``config.ini`` (``config.local.ini``,
+which git ignores), and measuring the link to a worker. What each strategy
+would send and gain comes from :mod:`distributed.app.recommend`, as for
+``cli_typer.py recommend``.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,8 @@ from distributed.hosts.hostsfile import (
 from distributed.hosts.linkspeed import LinkError, LinkMeasurement, measure_link
 from distributed.hosts.preflight import PreflightReport
 from distributed.hosts.ssh import SSHOptions
+from distributed.hosts.sync import local_profiles_path
 from distributed.planning import projection
-from distributed.planning.estimate import ModelFacts, measure_model
 from distributed.profiles.profile import (
     DEFAULT_CONFIG,
     SUMMARY_COLUMNS,
@@ -39,16 +38,19 @@ from distributed.profiles.profile import (
     load_profile,
     parse_overrides,
 )
-from distributed.profiles.setup_files import has_profile, hosts_text, with_profile, write_with_backup
-from exogym.report import human_bytes
+from distributed.profiles.setup_files import (
+    hosts_text,
+    local_profiles_header,
+    with_profile,
+    write_with_backup,
+)
 
 __all__ = [
     "DEFAULT_CONFIG", "HostsConfig", "HostsFileError", "LinkError", "PreflightReport", "Profile",
-    "ProfileError", "StrategyEstimate", "Estimates", "estimate_strategies", "existing_profile",
-    "free_profile_name", "is_loopback", "is_other_machine", "load_hosts", "load_profile",
-    "list_profiles", "measure_link_to", "parse_overrides", "ProfileEntry", "profile_name_for",
-    "SUMMARY_COLUMNS",
-    "same_hosts", "usable_strategies", "write_hosts_file", "write_profile",
+    "ProfileError", "existing_profile", "free_profile_name", "is_loopback", "is_other_machine",
+    "load_hosts", "load_profile", "list_profiles", "local_profiles_file", "measure_link_to",
+    "parse_overrides", "ProfileEntry", "profile_file", "profile_name_for", "SUMMARY_COLUMNS",
+    "same_hosts", "same_strategy", "usable_strategies", "write_hosts_file", "write_profile",
 ]
 
 
@@ -103,9 +105,15 @@ def profile_name_for(base: Profile, strategy: str, nodes: int, on_hosts: bool) -
     return f"{base.task}-{projection.canonical(strategy).replace('_', '-')}-{where}"
 
 
+def local_profiles_file(config_path: Path) -> Path:
+    """Where the wizard writes profiles: this checkout's own profiles file beside
+    ``config_path`` (``config.local.ini``), git-ignored, read after it everywhere."""
+    return local_profiles_path(config_path)
+
+
 def free_profile_name(config_path: Path, name: str, values: Mapping[str, Any]) -> str:
-    """``name`` when no profile in ``config_path`` holds it (or holds exactly ``values``),
-    else the first such of ``name-2``, ``name-3``, ..."""
+    """``name`` when no profile of ``config_path`` (or its local profiles file) holds it, or
+    one holds exactly ``values``; else the first such of ``name-2``, ``name-3``, ..."""
     candidate, number = name, 2
     while True:
         current = existing_profile(config_path, candidate)
@@ -114,118 +122,42 @@ def free_profile_name(config_path: Path, name: str, values: Mapping[str, Any]) -
         candidate, number = f"{name}-{number}", number + 1
 
 
-def write_profile(config_path: Path, name: str, values: Mapping[str, Any]) -> Path | None:
-    """Add (or replace) profile ``name`` in ``config_path`` atomically, then check it reads
-    back as a valid profile; the previous file's copy, if one was kept."""
-    text = config_path.read_text(encoding="utf-8") if config_path.exists() else ""
-    backup = write_with_backup(config_path, with_profile(text, name, dict(values)))
+def write_profile(config_path: Path, name: str, values: Mapping[str, Any]
+                  ) -> tuple[Path, Path | None]:
+    """Add (or replace) profile ``name`` in the local profiles file beside ``config_path``
+    (``config.local.ini``; ``config_path`` itself is left as it is) atomically, then check it
+    reads back as a valid profile.
+
+    Returns:
+        The file written, and the previous file's copy if one was kept.
+    """
+    path = local_profiles_file(config_path)
+    text = path.read_text(encoding="utf-8") if path.exists() \
+        else local_profiles_header(Path(config_path).name)
+    backup = write_with_backup(path, with_profile(text, name, dict(values)))
     load_profile(name, config_path)
-    return backup
+    return path, backup
 
 
 def existing_profile(config_path: Path, name: str) -> dict[str, Any] | None:
-    """The keys of profile ``name`` in ``config_path`` as written, or None when there is none."""
-    text = config_path.read_text(encoding="utf-8") if config_path.exists() else ""
-    if not has_profile(text, name):
+    """The keys of profile ``name`` as ``config_path`` and its local profiles file give it
+    (``base_profile`` resolved), or None when neither has it."""
+    profiles = ProfileSet(config_path)
+    if name not in profiles.raw:
         return None
-    return ProfileSet(config_path).values(name)
+    return profiles.values(name)
 
 
-# --------------------------------------------------------------------------- estimates
+def profile_file(config_path: Path, name: str) -> Path | None:
+    """The file profile ``name`` is read from: ``config_path``, its local profiles file,
+    or None when neither has it."""
+    profiles = ProfileSet(config_path)
+    return profiles.source(name) if name in profiles.raw else None
 
 
-@dataclass(frozen=True)
-class StrategyEstimate:
-    """What one strategy would send and gain on the planned hosts.
-
-    Args:
-        strategy: its name.
-        description: what it sends, in words.
-        available: whether the profile's task and settings can run it.
-        compute_ms: one rank's training step with this strategy, measured here
-            (the profile's own strategy's when this one is not available).
-        wire_bytes: bytes one host puts on its link per step, in words.
-        comm_ms: time per step spent communicating.
-        speedup: over one machine doing the same work.
-    """
-
-    strategy: str
-    description: str
-    available: bool
-    compute_ms: float
-    wire_bytes: str
-    comm_ms: float
-    speedup: float
-
-
-@dataclass(frozen=True)
-class Estimates:
-    """The measured step and each strategy's estimate.
-
-    Args:
-        facts: the profile's model, measured on this machine.
-        rows: one estimate per strategy, in the order asked.
-    """
-
-    facts: ModelFacts
-    rows: tuple[StrategyEstimate, ...]
-
-    @property
-    def usable(self) -> list[str]:
-        """The strategies the profile can run."""
-        return [row.strategy for row in self.rows if row.available]
-
-
-def _same_strategy(a: str, b: str) -> bool:
+def same_strategy(a: str, b: str) -> bool:
+    """Whether strategy names ``a`` and ``b`` name the same strategy (``allreduce`` is ``ddp``)."""
     try:
         return projection.canonical(a) == projection.canonical(b)
     except ValueError:  # a strategy of the user's own: only the same name is the same
         return a == b
-
-
-def estimate_strategies(profile: Profile, strategies: Sequence[str], nodes: int, mbit: float,
-                        simulated: bool) -> Estimates:
-    """Time one rank's training step here with each strategy, then project each to the hosts.
-
-    Each available strategy is timed with its own step (its optimizer, selection,
-    compression and the decoding of ``nodes`` ranks' payloads), so DeMo and SPARTA
-    are planned with the work they really add.
-
-    Args:
-        profile: the profile whose model, batch and settings are planned.
-        strategies: the strategies to estimate.
-        nodes: hosts (or simulated nodes) planned.
-        mbit: the link's bandwidth in Mbit/s.
-        simulated: the nodes share this machine's cores (a local simulation).
-
-    Raises:
-        Whatever building the profile's task raises (a missing extra, a bad setting).
-    """
-    ranks_here = nodes if simulated else 1
-    resolved = profile.resolved
-    task = resolved.task_fn(**resolved.task_kwargs)  # built once, timed with every strategy
-    facts = measure_model(profile, ranks_here=ranks_here, num_nodes=nodes, task=task)
-    rows = []
-    for name in strategies:
-        try:
-            planned = profile_for_strategy(profile, name)
-        except ProfileError:
-            planned = None
-        if planned is None:
-            compute_s = facts.compute_s_per_step
-        elif _same_strategy(name, profile.strategy):
-            compute_s = facts.compute_s_per_step
-        else:
-            with warnings.catch_warnings():
-                # Built here only to be timed: what it has to say is the real run's to say.
-                warnings.simplefilter("ignore")
-                compute_s = measure_model(planned, ranks_here=ranks_here, num_nodes=nodes,
-                                          task=task).compute_s_per_step
-        values = planned.values if planned is not None else profile.values
-        p = projection.predict(name, facts.num_params, nodes, compute_s,
-                               projection.mbit_to_bytes_per_s(mbit), shapes=facts.shapes,
-                               **projection.relevant_settings(name, values))
-        rows.append(StrategyEstimate(name, projection.STRATEGIES[name], planned is not None,
-                                     compute_s * 1000, human_bytes(p.wire_bytes),
-                                     p.comm_s * 1000, p.speedup))
-    return Estimates(facts, tuple(rows))

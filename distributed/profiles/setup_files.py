@@ -1,4 +1,5 @@
-"""Writing the files a set-up produces: a hosts file and a profile in ``config.ini``.
+"""Writing the files a set-up produces: a hosts file, and a profile in this checkout's own
+profiles file (``config.local.ini``, beside ``config.ini``, which git ignores).
 
 Nothing is overwritten silently: the caller decides (the wizard asks), the old
 content is kept beside it as ``NAME.bak``, and every write goes through a
@@ -19,6 +20,14 @@ from typing import Any
 from distributed.hosts.hostsfile import HostsConfig
 from distributed.profiles.profile import SECTION_PREFIX, parse_value
 from exogym.io import atomic_write_bytes, atomic_write_text
+
+
+def local_profiles_header(shared: str) -> str:
+    """What a new local profiles file beside the profiles file named ``shared`` starts with."""
+    return (f"# This checkout's own profiles, read after {shared} beside it: a profile here\n"
+            "# replaces the one of the same name there, and may name one there as its\n"
+            "# base_profile. Git ignores this file, so a `git pull` never meets it; `--sync`\n"
+            "# copies it to the hosts. python wizard.py adds the profiles it sets up here.\n")
 
 
 def backup_path(path: str | os.PathLike[str]) -> Path:
