@@ -116,6 +116,7 @@ def make_run_spec(model: torch.nn.Module, train_dataset: Any, val_dataset: Any,
             "strategy must be a Strategy instance such as DiLoCoStrategy(H=100) or "
             f"SimpleReduceStrategy(), got {args.strategy!r}"
         )
+    args.strategy.validate(model, args.num_nodes)  # the strategy's own checks, before any rank
     _check_dataset("train_dataset", train_dataset)
     if args.partition != "iid" and is_factory(train_dataset):
         raise ValueError(f"partition={args.partition!r} splits a training dataset across the "

@@ -472,3 +472,16 @@ def test_compare_times_each_strategy_alone_and_reports_the_start_up_apart(tmp_pa
     assert seconds(first, "train time") < SHARED_START_S
     assert seconds(second, "train time") < SHARED_START_S
     assert f"{first}: val loss" in result.output and "s training (start-up" in result.output
+
+
+# --------------------------------------------------------------------------- strategies' checks
+
+
+def test_a_strategy_setting_the_model_cannot_run_is_one_paragraph_before_any_rank():
+    result = runner.invoke(cli_typer.app, [
+        "distributed-train", "digits-diloco", "--set", "strategy=streaming_diloco",
+        "--set", "num_fragments=5"])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert "num_fragments=5 is more than the model's 2 layers" in result.stderr
+    assert "step 1" not in result.output  # no rank trained a step

@@ -285,3 +285,62 @@ def test_at_a_round_end_the_ranks_are_identical_and_the_average_model_is_each_ra
         losses = [rows[rank, step]["val_loss"] for rank in range(3)]
         assert len(set(losses)) == 3
         assert rows[0, step]["val_global_loss"] not in losses
+
+
+# --------------------------------------------------------------------------- checks before the start
+
+
+def refuse_any_start(monkeypatch):
+    """Make every path past the strategies' checks fail the test: the memory accounting
+    (which sets a strategy up on a meta copy) and the start of the ranks."""
+    import exogym.trainer
+
+    def started(*args, **kwargs):
+        raise AssertionError("the run got past the strategy's checks")
+
+    monkeypatch.setattr(exogym.trainer, "check_memory", started)
+    monkeypatch.setattr(exogym.trainer.Trainer, "_execute", started)
+
+
+def test_streaming_diloco_with_more_fragments_than_layers_is_refused_before_any_rank_starts(
+        monkeypatch):
+    from exogym.strategy import StreamingDiLoCoStrategy
+
+    refuse_any_start(monkeypatch)
+    ds = toy_dataset()
+    strategy = StreamingDiLoCoStrategy(H=10, num_fragments=4)
+    with pytest.raises(ValueError, match=r"num_fragments=4 is more than the model's 2 layers "
+                                         r".*use num_fragments <= 2"):
+        Trainer(tiny_model(), ds, ds).fit(strategy=strategy, num_nodes=2, max_steps=5, **FIT)
+    with pytest.raises(ValueError, match=r"model's 1 layer \("):
+        strategy.validate(torch.nn.Linear(8, 3), 2)
+    StreamingDiLoCoStrategy(H=10, num_fragments=2).validate(tiny_model(), 2)  # fits: no error
+
+
+def test_fit_calls_a_strategys_own_checks_with_the_model_and_the_ranks_before_any_start(
+        monkeypatch):
+    seen = []
+
+    class EvenRanksOnly(SimpleReduceStrategy):
+        def validate(self, model, num_nodes):
+            super().validate(model, num_nodes)
+            seen.append((type(model).__name__, num_nodes))
+            if num_nodes % 2:
+                raise ValueError(f"EvenRanksOnly pairs ranks: num_nodes={num_nodes} is odd")
+
+    refuse_any_start(monkeypatch)
+    ds = toy_dataset()
+    with pytest.raises(ValueError, match="num_nodes=3 is odd"):
+        Trainer(tiny_model(), ds, ds).fit(strategy=EvenRanksOnly(), num_nodes=3, max_steps=2,
+                                          **FIT)
+    assert seen == [("TinyNet", 3)]
+
+
+def test_a_scheduler_class_is_checked_with_its_arguments_when_the_strategy_is_made():
+    step_lr = torch.optim.lr_scheduler.StepLR
+    with pytest.raises(TypeError, match=r"lr_scheduler=StepLR cannot be built .*step_size"):
+        SimpleReduceStrategy(lr_scheduler=step_lr)
+    with pytest.raises(TypeError, match="lr_scheduler class must be a torch LRScheduler"):
+        SimpleReduceStrategy(lr_scheduler=dict)
+    made = SimpleReduceStrategy(lr_scheduler=step_lr, lr_scheduler_kwargs={"step_size": 3})
+    assert made.lr_scheduler is step_lr

@@ -39,6 +39,10 @@ class CommunicationModule(ABC):
                     local_step: int) -> None:
         """Communicate after the inner step numbered ``local_step`` (0-based)."""
 
+    def validate(self, model: torch.nn.Module, num_nodes: int) -> None:
+        """Raise before any rank starts for a setting this model or these ranks cannot run
+        (see :meth:`Strategy.validate`); the owning strategy calls it."""
+
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         """Prepare per-rank state (called once the rank's model exists)."""
 
@@ -76,6 +80,12 @@ class CommunicateOptimizeStrategy(Strategy):
             if not isinstance(module, CommunicationModule):
                 raise TypeError(f"communication_modules must be CommunicationModule, got {module!r}")
             module.strategy = self
+
+    def validate(self, model: torch.nn.Module, num_nodes: int) -> None:
+        """Every module's checks (:meth:`CommunicationModule.validate`) besides the base's."""
+        super().validate(model, num_nodes)
+        for module in self.communication_modules:
+            module.validate(model, num_nodes)
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         super()._init_node(model, rank, num_nodes)

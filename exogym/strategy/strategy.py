@@ -13,10 +13,15 @@ Writing a strategy takes a few lines::
             ...                 # look at self.model's grads, call all_reduce(...)
             self.optim.step()
             super().step()      # advances the schedule and local_step
+
+A setting that depends on the model or on the number of ranks (Streaming DiLoCo's
+fragments need as many layers) is checked in :meth:`Strategy.validate`, which ``fit``
+calls before any rank starts, not in ``_init_node``, which runs in every rank.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -54,6 +59,20 @@ def lr_factor(
     span = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
     return min_lr_factor + (1.0 - min_lr_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _check_scheduler_class(cls: type, kwargs: dict[str, Any]) -> None:
+    """Raise ``TypeError`` unless ``cls`` is a torch scheduler that takes ``kwargs`` (the
+    optimizer is its first argument)."""
+    if not issubclass(cls, LRScheduler):
+        raise TypeError(f"lr_scheduler class must be a torch LRScheduler, got {cls!r}")
+    try:
+        inspect.signature(cls).bind(None, **kwargs)
+    except TypeError as exc:
+        takes = [p for p in inspect.signature(cls).parameters if p != "optimizer"]
+        raise TypeError(f"lr_scheduler={cls.__name__} cannot be built with "
+                        f"lr_scheduler_kwargs={kwargs!r}: {exc}; it takes "
+                        f"{', '.join(takes)}") from None
 
 
 class Strategy(ABC):
@@ -147,7 +166,9 @@ class Strategy(ABC):
                 f"class, or None; got {name!r}"
             )
         settings = {k: v for k, v in direct.items() if v is not None}
-        if not isinstance(name, type):
+        if isinstance(name, type):
+            _check_scheduler_class(name, self.lr_scheduler_kwargs)
+        else:
             extra = set(self.lr_scheduler_kwargs) - set(_SCHEDULE_KEYS)
             if extra:
                 raise unknown_args_error("lr_scheduler_kwargs", extra, _SCHEDULE_KEYS)
@@ -161,6 +182,28 @@ class Strategy(ABC):
         if self.max_norm is not None and not self.max_norm > 0:
             raise ValueError(f"max_norm must be positive, got {self.max_norm!r}")
         return settings
+
+    # -- checks before any rank starts --------------------------------------------
+
+    def validate(self, model: torch.nn.Module, num_nodes: int) -> None:
+        """Raise, before any rank starts, for a setting that this model or this number of
+        ranks cannot run: what the constructor cannot know yet.
+
+        ``fit`` calls it once, in the process that starts the ranks (on a host, before its
+        rank joins the others), with the model every rank starts from; nothing is set up
+        and the model is not changed. A strategy that depends on the model's shape or on
+        the ranks checks it here rather than in :meth:`_init_node`, which runs in every
+        rank: an error there would surface only after every rank had started. Override it
+        and call ``super().validate(model, num_nodes)``.
+
+        Args:
+            model: the model every rank starts from.
+            num_nodes: the ranks the run starts.
+
+        Raises:
+            ValueError: naming the setting, its value, what the model or run has, and
+                what to change.
+        """
 
     # -- set-up on a rank ----------------------------------------------------------
 
@@ -187,9 +230,7 @@ class Strategy(ABC):
         if name is None and not self._schedule.get("warmup_steps"):
             self.scheduler = None
             return
-        if isinstance(name, type):
-            if not issubclass(name, LRScheduler):
-                raise TypeError(f"lr_scheduler class must be a torch LRScheduler, got {name!r}")
+        if isinstance(name, type):  # checked with its arguments when the strategy was made
             self.scheduler = name(self.optim, **self.lr_scheduler_kwargs)
             return
         settings = self._schedule

@@ -65,6 +65,7 @@ from typing import Any
 import torch
 
 from exogym import comm
+from exogym.plural import plural
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
 from .diloco import check_error_feedback, outer_spec
@@ -152,12 +153,14 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
         self.fragments: list[_Fragment] = []
         self.pending: list[_Pending] = []
 
+    def validate(self, model: torch.nn.Module, num_nodes: int) -> None:
+        """Every fragment needs a layer of its own: ``num_fragments`` at most the model's
+        layers."""
+        check_fragments(self.num_fragments, model_layers(model))
+
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
         layers = model_layers(model)
-        if len(layers) < self.num_fragments:
-            raise ValueError(f"num_fragments={self.num_fragments} is more than the model's "
-                             f"{len(layers)} layers (modules owning trainable parameters or "
-                             f"float buffers): use num_fragments <= {len(layers)}")
+        check_fragments(self.num_fragments, layers)  # validate() said so before the start
         self.fragments = []
         self.pending = []
         for p in range(self.num_fragments):
@@ -261,6 +264,14 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
                 for target, value in zip(deltas + buffers, p["deltas"] + p["buffers"]):
                     target.copy_(value)
                 self.pending.append(_Pending(p["fragment"], p["apply_after"], deltas, buffers))
+
+
+def check_fragments(num_fragments: int, layers: list[Any]) -> None:
+    """Raise ``ValueError`` when the model has fewer ``layers`` than ``num_fragments``."""
+    if len(layers) < num_fragments:
+        raise ValueError(f"num_fragments={num_fragments} is more than the model's "
+                         f"{plural(len(layers), 'layer')} (modules owning trainable parameters "
+                         f"or float buffers): use num_fragments <= {len(layers)}")
 
 
 def check_settings(H: int, num_fragments: int, fragment_delay: int,
