@@ -171,7 +171,19 @@ def distributed_train(
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Show what would run where; start nothing.")] = False,
     resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue from the newest complete checkpoint.")] = False,
+        "--resume",
+        help="Continue the newest run of the profile's output folder that has the same "
+             "settings (max_steps, intervals, logger, device... may change), from its newest "
+             "complete checkpoint; other settings are refused, naming the keys. With nothing "
+             "to resume it stops (exit 2).")] = False,
+    fresh_if_none: Annotated[bool, typer.Option(
+        "--fresh-if-none",
+        help="With --resume: start a new run when there is nothing to resume.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite",
+        help="Start the new run in the output folder itself, replacing the run there "
+             "(without it a new run never touches an earlier one: it gets the next free "
+             "folder, runs/NAME-2, ...).")] = False,
     max_restarts: Annotated[int, typer.Option(
         "--max-restarts", min=0,
         help="Restart the whole job up to N times after a rank fails (hosts only).")] = 0,
@@ -217,7 +229,7 @@ def distributed_train(
                 run.balance_override(run.logger_override(run.parse_overrides(set_), logger),
                                      balance), min_nodes, lost_after, stall_after),
             hosts=hosts,
-            local=local, resume=resume,
+            local=local, resume=resume, fresh_if_none=fresh_if_none, overwrite=overwrite,
             max_restarts=max_restarts, sync=sync, accept_new_host_keys=accept_new_host_keys,
             known_hosts=known_hosts, ssh_config=ssh_config, ssh_timeout=ssh_timeout,
             run_dir=str(run_dir) if run_dir else None)
@@ -250,7 +262,7 @@ def distributed_train(
         try:
             outcome = run.train(request, console, web=page)
         except KeyboardInterrupt as exc:
-            hint = run.resume_hint(request)
+            hint = run.resume_hint(request, exc)
             fail("interrupted (the ranks were stopped)" + (f"; {hint}" if hint else ""), 130,
                  debug, exc)
         except run.PreflightError as exc:

@@ -276,7 +276,8 @@ def readme_loads_the_model(path: Path) -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     after = readme[readme.index("Load it into the task's model"):]
     code = after[after.index("```python") + len("```python"):]
-    code = code[:code.index("```")].replace('"runs/digits-diloco/model.safetensors"', repr(str(path)))
+    code = code[:code.index("```")].replace('"runs/digits-diloco.latest/model.safetensors"',
+                                            repr(str(path)))
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)
     loaded = scope["model"].state_dict()

@@ -344,7 +344,7 @@ def test_resume_of_a_finished_run_says_so_and_leaves_its_results_intact(tmp_path
     said = " ".join(again.stdout.split())
     assert ("runs/digits-diloco already finished at step 2 (max_steps=2); nothing to resume. "
             "Its results are in runs/digits-diloco/summary.json") in said
-    assert "started" not in said  # no rank was started
+    assert "[local:" not in said  # no rank was started (each says "[local:R] ...")
     assert result_files(out) == before
 
     # The worker alone (as each host runs it) keeps them too.
@@ -407,7 +407,8 @@ def test_ctrl_c_after_a_checkpoint_prints_the_exact_resume_command(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 130, err
-    assert "a checkpoint at step" in err and "runs/digits-diloco/checkpoints" in err, err
+    assert ("this run's newest checkpoint, at step" in err
+            and "is in runs/digits-diloco/checkpoints/digits-diloco;" in err), err
     command = err.strip().splitlines()[-1].strip()
     assert command == ("python cli_typer.py distributed-train digits-diloco --set "
                        "max_steps=100000 --set num_nodes=2 --set checkpoint_interval=5 --set "

@@ -7,10 +7,19 @@ rank per host (profile mode: every host builds the task from the same
 ``config.ini``); without one it runs as a local simulation of the same
 profile. Either way the live dashboard shows it.
 
+Every run gets a folder of its own, chosen (and claimed) once before anything
+starts, here for a simulation and on the master host for a run across hosts
+(:mod:`distributed.profiles.run_dir`): ``output_dir`` when it holds no run,
+else the next free ``output_dir-2``, ...; ``--overwrite`` replaces the run in
+``output_dir``; ``--resume`` continues only a run with the same settings. The
+ranks are given that folder as their ``output_dir``.
+
 Errors are sorted for the faces: bad input raises before anything starts
 (``ProfileError``, ``HostsFileError``, ``PreflightError``, ``ValueError``,
-``FileNotFoundError``); a run that started and failed raises ``RunFailedError``.
-Torch is imported only when a local simulation starts.
+``FileNotFoundError``; ``RunFolderError``, a ``ValueError``, when the run's
+folder cannot take it, ``NothingToResumeError`` when ``--resume`` finds nothing);
+a run that started and failed raises ``RunFailedError``, one that Ctrl-C stopped
+``RunInterrupted``. Torch is imported only when a local simulation starts.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import os
 import shlex
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,8 +43,9 @@ from distributed.app.fanout import FanOut
 from distributed.app.hosts_check import ssh_files
 from distributed.app.web.server import WebDashboard
 from distributed.hosts.hostsfile import HostsConfig, load_hosts
+from distributed.hosts.onhost import runfolders
 from distributed.hosts.preflight import PreflightError
-from distributed.hosts.session import is_this_machine
+from distributed.hosts.remote import module_source, probe_command
 from distributed.hosts.sync import PROJECT_ROOT
 from distributed.launch.launcher import Launcher
 from distributed.launch.options import split_options
@@ -47,7 +57,14 @@ from distributed.profiles.profile import (
     load_profile,
     parse_overrides,
 )
-from distributed.rank.command import set_args, worker_args
+from distributed.profiles.run_dir import (
+    NothingToResumeError,
+    RunFolderError,
+    RunPlacement,
+    place_run,
+    record_resume,
+)
+from distributed.rank.command import override_items, set_args, worker_args
 from distributed.rank.environment import FINAL_MODEL
 from distributed.tasks.extras import missing_extra, require_extra
 from exogym.fit_args import BALANCE_MODES
@@ -55,8 +72,9 @@ from exogym.logger import LOGGER_NAMES
 from exogym.plural import plural
 from exogym.terminal import output_console
 
-__all__ = ["PreflightError", "RunFailedError", "TrainOutcome", "TrainRequest", "dry_run",
-           "logger_override", "parse_overrides", "run_warnings", "train", "train_command"]
+__all__ = ["NothingToResumeError", "PreflightError", "RunFailedError", "RunFolderError",
+           "RunInterrupted", "TrainOutcome", "TrainRequest", "dry_run", "logger_override",
+           "parse_overrides", "resume_hint", "run_warnings", "train", "train_command"]
 
 #: Ranks per core beyond which a local simulation is warned that it will crawl.
 RANKS_PER_CORE_WARNING = 4
@@ -75,6 +93,25 @@ class RunFailedError(RuntimeError):
         self.launch = launch
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a run that had started; says which run, so that the command to
+    continue it names this run's folder and checkpoint, never another's.
+
+    Args:
+        folder: the run's folder, as its ``output_dir`` (relative to the working
+            directory of the machine that keeps the outputs).
+        root: where that folder is from here (the master's ``project_path`` joined in
+            when the master is this machine); None when it is on another machine.
+        where: words naming that other machine (``" on HOST"``), else empty.
+    """
+
+    def __init__(self, folder: Path, root: Path | None, where: str = "") -> None:
+        super().__init__(f"the run in {folder}{where} was interrupted")
+        self.folder = folder
+        self.root = root
+        self.where = where
+
+
 @dataclass(frozen=True)
 class TrainRequest:
     """A run, as a face asks for it.
@@ -86,7 +123,11 @@ class TrainRequest:
         hosts: a hosts file (path) or a loaded ``HostsConfig``; None for a
             local simulation.
         local: simulate locally even when ``hosts`` is given.
-        resume: continue from the newest complete checkpoint.
+        resume: continue the newest run of the profile's folder with the same settings
+            from its newest complete checkpoint; with none, ``NothingToResumeError``.
+        fresh_if_none: with ``resume``, start a new run when there is nothing to resume.
+        overwrite: a new run in ``output_dir`` itself, replacing the run there (by
+            default a new run gets a folder of its own).
         max_restarts: restarts of the whole job after a rank fails (multi-host).
         sync: copy the project's tracked files to every host first.
         accept_new_host_keys: trust hosts not yet in known_hosts (recorded once).
@@ -105,6 +146,8 @@ class TrainRequest:
     hosts: str | os.PathLike[str] | HostsConfig | None = None
     local: bool = False
     resume: bool = False
+    fresh_if_none: bool = False
+    overwrite: bool = False
     max_restarts: int = 0
     sync: bool = False
     accept_new_host_keys: bool = False
@@ -128,8 +171,8 @@ class TrainOutcome:
         mode: ``local`` (simulation) or ``hosts``.
         profile: the resolved profile that ran.
         summary: final figures (``exogym.report.summarize``'s keys).
-        output_dir: where rank 0 (or the simulation) wrote the final model,
-            relative to its working directory (the master's ``project_path``).
+        output_dir: the run's folder, where rank 0 (or the simulation) wrote the final
+            model, relative to its working directory (the master's ``project_path``).
         message: one line for the person.
         launch: the launcher's result for a multi-host run.
     """
@@ -253,9 +296,7 @@ def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Consol
     Raises:
         TypeError: for an unknown key in ``request.launcher_options``.
     """
-    program = RankProgram.from_profile(request.profile, config=config_for_hosts(request.config),
-                                       overrides=request.overrides, resume=request.resume,
-                                       quiet=True)
+    program = rank_program(request)
     flat: dict[str, Any] = {
         "run_dir": request.run_dir, "max_restarts": request.max_restarts, "sync": request.sync,
         "accept_new_host_keys": request.accept_new_host_keys,
@@ -267,6 +308,20 @@ def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Consol
     return Launcher(config, program, options=options, ssh=ssh, console=console,
                     on_event=dashboard.on_event if dashboard is not None else None,
                     on_output=dashboard.on_output if dashboard is not None else None)
+
+
+def rank_program(request: TrainRequest, placement: RunPlacement | None = None) -> RankProgram:
+    """What every host runs for the request: the profile's worker, with the run's folder
+    as ``output_dir`` once it is chosen (``placement``), else the request's own."""
+    if placement is None:
+        return RankProgram.from_profile(
+            request.profile, config=config_for_hosts(request.config),
+            overrides=request.overrides, resume=request.resume, quiet=True,
+            overwrite=request.overwrite)
+    return RankProgram.from_profile(
+        request.profile, config=config_for_hosts(request.config),
+        overrides={**request.overrides, "output_dir": str(placement.folder)},
+        resume=placement.resume, quiet=True, run_started=placement.identity.started)
 
 
 def worker_command(request: TrainRequest) -> str:
@@ -281,7 +336,9 @@ def worker_command(request: TrainRequest) -> str:
         config = str(Path(config).expanduser().resolve())
     command = shlex.join(["python", *worker_args(request.profile, config=config,
                                                  overrides=request.overrides,
-                                                 resume=request.resume)])
+                                                 resume=request.resume,
+                                                 overwrite=request.overwrite,
+                                                 fresh_if_none=request.fresh_if_none)])
     return f"cd {shlex.quote(str(PROJECT_ROOT))} && {command}" if away else command
 
 
@@ -309,6 +366,10 @@ def train_command(request: TrainRequest) -> str:
         args.append("--local")
     if request.resume:
         args.append("--resume")
+    if request.fresh_if_none:
+        args.append("--fresh-if-none")
+    if request.overwrite:
+        args.append("--overwrite")
     if request.max_restarts:
         args += ["--max-restarts", str(request.max_restarts)]
     if request.sync:
@@ -429,38 +490,57 @@ def train(request: TrainRequest, console: Console | None = None, *,
     """
     console = console or output_console()
     profile = resolve_profile(request)
+    if request.resume and request.overwrite:
+        raise RunFolderError("--resume continues a run and --overwrite starts a new one over "
+                             "an earlier one: give one of them")
     if request.multi_host:
         return _train_hosts(request, profile, console, live, web)
     require_extra(profile.task)  # a task whose extra is missing here stops before any rank
-    if request.resume:
-        done = finished_run(profile)
+    placement = place_run(profile, ranks=int(profile.values.get("num_nodes") or 1),
+                          resume=request.resume, overwrite=request.overwrite,
+                          fresh_if_none=request.fresh_if_none)
+    profile = placement.profile(profile)
+    if placement.resume:
+        done = finished_run(profile, placement)
         if done is not None:
             return done
-    return _train_local(request, profile, console, live, web)
+        record_resume(placement)
+    console.print(placement.note, markup=False, highlight=False, soft_wrap=True)
+    try:
+        return _train_local(profile, placement, console, live, web)
+    except KeyboardInterrupt as exc:
+        raise RunInterrupted(placement.folder, placement.folder) from exc
 
 
-def resume_hint(request: TrainRequest) -> str | None:
-    """After an interrupted run: the exact command that continues it, with a line saying
-    where its checkpoint is; None when it has written none (a local run, or a master
-    that is this machine), or cannot have (no ``checkpoint_interval``) on hosts."""
-    from exogym.checkpoint import list_steps
+def resume_hint(request: TrainRequest, interrupted: BaseException | None = None) -> str | None:
+    """After Ctrl-C: the exact command that continues the run it stopped, with a line
+    naming this run's newest checkpoint.
 
+    None when no run had started (``interrupted`` is not a :class:`RunInterrupted`), or it
+    has written no checkpoint (a run whose folder is here), or cannot have (no
+    ``checkpoint_interval``) on another machine.
+    """
+    if not isinstance(interrupted, RunInterrupted):
+        return None
     profile = resolve_profile(request)
-    command = train_command(dataclasses.replace(request, resume=True))
-    root = checkpoint_root(profile)
-    if request.multi_host:
-        config = hosts_config(request)
-        if not is_this_machine(config.master.host):
-            if not profile.values.get("checkpoint_interval"):
-                return None
-            return (f"checkpoints, if any were written, are on the hosts in {root}; to "
-                    f"continue from the newest complete one:\n  {command}")
-        if not root.is_absolute():
-            root = Path(config.master.project_path).expanduser() / root
-    steps = list_steps(root, 0)
+    overrides = dict(request.overrides)
+    if interrupted.folder != profile.resolved.output_dir:
+        overrides["output_dir"] = str(interrupted.folder)
+    command = train_command(dataclasses.replace(request, overrides=overrides, resume=True,
+                                                overwrite=False, fresh_if_none=False))
+    root = interrupted.folder / "checkpoints" / profile.name
+    if interrupted.root is None:
+        if not profile.values.get("checkpoint_interval"):
+            return None
+        return (f"this run's checkpoints, if any were written, are in {root}"
+                f"{interrupted.where}; to continue it from the newest complete one:\n"
+                f"  {command}")
+    steps = runfolders.newest_steps(str(interrupted.root), profile.name)
     if not steps:
         return None
-    return f"a checkpoint at step {steps[-1]} is in {root}; to continue from it:\n  {command}"
+    step = min(steps.values())  # the ranks resume from the newest step all of them have
+    return (f"this run's newest checkpoint, at step {step}, is in {root}; to continue "
+            f"it:\n  {command}")
 
 
 def checkpoint_root(profile: Profile) -> Path:
@@ -468,37 +548,33 @@ def checkpoint_root(profile: Profile) -> Path:
     return profile.resolved.output_dir / "checkpoints" / profile.name
 
 
-def finished_run(profile: Profile) -> TrainOutcome | None:
-    """The outcome of a local run of ``profile`` that has nothing left to resume: every
-    rank has a checkpoint at ``max_steps`` or later. None when there is work left (or
-    ``max_steps`` is not set, or no checkpoint exists)."""
-    from exogym.checkpoint import list_steps
-
+def finished_run(profile: Profile, placement: RunPlacement) -> TrainOutcome | None:
+    """The outcome of the local run ``placement`` continues when it has nothing left to
+    resume: every rank has a checkpoint at ``max_steps`` or later. None when there is
+    work left (or ``max_steps`` is not set)."""
     max_steps = profile.values.get("max_steps")
     nodes = int(profile.values.get("num_nodes") or 1)
     if not isinstance(max_steps, int):
         return None
-    root = checkpoint_root(profile)
-    newest = [max(list_steps(root, rank), default=0) for rank in range(nodes)]
-    step = min(newest)
+    step = min(placement.steps.get(rank, 0) for rank in range(nodes))
     if step < max_steps:
         return None
-    out = profile.resolved.output_dir
+    out = placement.folder
     summary_path = out / "summary.json"
     try:
         summary = json.loads(summary_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         summary = {}
     where = f"Its results are in {summary_path}" if summary else \
-        f"Its checkpoints are in {root}"
+        f"Its checkpoints are in {checkpoint_root(profile)}"
     return TrainOutcome(
         "local", profile, summary, out,
         f"{out} already finished at step {step} (max_steps={max_steps}); nothing to resume. "
         f"{where}. To train further, raise max_steps (--resume --set "
-        f"max_steps={2 * max_steps}).")
+        f"max_steps={2 * max_steps}). The run: {placement.identity.describe()}.")
 
 
-def _train_local(request: TrainRequest, profile: Profile, console: Console,
+def _train_local(profile: Profile, placement: RunPlacement, console: Console,
                  live: bool | None, web: WebDashboard | None = None) -> TrainOutcome:
     from distributed.rank.worker import run_profile
     from exogym.rank import LostRankError
@@ -511,13 +587,13 @@ def _train_local(request: TrainRequest, profile: Profile, console: Console,
     if web is not None:
         web.begin_run(profile.name, profile.values, nodes, ["local"] * nodes)
     try:
-        trainer = run_profile(profile, resume=request.resume,
-                              progress=FanOut(dashboard, web), local=True)
+        trainer = run_profile(profile, progress=FanOut(dashboard, web), local=True,
+                              placement=placement)
     except (RankFailedError, LostRankError) as exc:
         raise RunFailedError(brief_failure(exc)) from exc
     finally:
         dashboard.close()
-    out = profile.resolved.output_dir
+    out = placement.folder
     return TrainOutcome("local", profile, dict(trainer.summary), out,
                         f"simulation finished; final model in {out / FINAL_MODEL}")
 
@@ -528,6 +604,29 @@ def brief_failure(exc: BaseException) -> str:
     if len(lines) <= 1:
         return lines[0] if lines else type(exc).__name__
     return f"{lines[0].rstrip(':')}: {lines[-1]} (--debug shows the rank's traceback)"
+
+
+def master_folders(launcher: Launcher, config: HostsConfig) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """A folder action (:mod:`distributed.hosts.onhost.runfolders`) run on the master host,
+    in its ``project_path`` with its ``python_env``, over the launcher's session (a
+    subprocess when the master is this machine)."""
+    master = config.hosts[0]
+    source = module_source(runfolders)
+
+    def call(message: dict[str, Any]) -> dict[str, Any]:
+        shell = launcher.session.shell(0)
+        if shell is None:
+            return {"error": f"{master.host} is not connected"}
+        done = shell.run(probe_command(master.project_path, master.python_env),
+                         {"code": source, **message}, timeout=60)
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0 or not lines:
+            why = (done.stderr.strip().splitlines() or ["no answer"])[-1]
+            return {"error": f"the command on {master.host} ended with exit code "
+                             f"{done.returncode}: {why}"}
+        return json.loads(lines[-1])
+
+    return call
 
 
 def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
@@ -545,11 +644,24 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
         if request.sync:
             launcher.session.sync()
         launcher.session.preflight()  # shows the table; PreflightError when a host is not ready
+        # The ranks see the profile with the --set values as their command line carries them.
+        as_ranks_see_it = profile.with_overrides(
+            parse_overrides(override_items(request.overrides)))
+        here = launcher.master_local
+        where = "" if here else f" on {config.master.host}"
+        placement = place_run(as_ranks_see_it, ranks=config.world_size, resume=request.resume,
+                              overwrite=request.overwrite, fresh_if_none=request.fresh_if_none,
+                              call=master_folders(launcher, config), where=where)
+        profile = placement.profile(profile)
+        console.print(placement.note, markup=False, highlight=False, soft_wrap=True)
+        launcher.program = rank_program(request, placement)
         started = time.monotonic()
         try:
             result = launcher.run()
         finally:
             dashboard.close()
+    out = placement.folder
+    where_out = out if out.is_absolute() else Path(config.master.project_path).expanduser() / out
     for rank in result.ranks:
         dashboard.set_status(rank.rank, "done" if rank.ok else
                              "stopped" if rank.stopped else "failed")
@@ -558,15 +670,13 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
         if launcher.membership:
             failed["membership"] = launcher.membership
         dashboard.finish(failed, title="run (failed)")
-        raise RunFailedError(result.describe(), result)
+        hint = resume_hint(request, RunInterrupted(out, where_out if here else None, where))
+        raise RunFailedError(result.describe() + (f"\n{hint}" if hint else ""), result)
     summary = dashboard.summary(time.monotonic() - started)
     if launcher.membership:  # hosts came and went (min_nodes)
         summary["membership"] = launcher.membership
     dashboard.finish(summary)
-    out = profile.resolved.output_dir
-    where = out if out.is_absolute() else Path(config.master.project_path) / out
     return TrainOutcome("hosts", profile, summary, out,
                         f"all {plural(config.world_size, 'rank')} finished; final model in "
-                        f"{where / FINAL_MODEL} on {config.master.host}, logs in "
+                        f"{where_out / FINAL_MODEL} on {config.master.host}, logs in "
                         f"{result.run_dir}", launch=result)
-

@@ -38,7 +38,8 @@ class RankProgram:
     @classmethod
     def from_profile(cls, profile: str, *, config: str | None = None,
                      overrides: Overrides = (), resume: bool = False, quiet: bool = False,
-                     resume_args: Sequence[str] | None = None) -> RankProgram:
+                     resume_args: Sequence[str] | None = None, overwrite: bool = False,
+                     run_started: str | None = None) -> RankProgram:
         """``python -m distributed.worker --profile NAME [--config FILE] [--set k=v ...]``.
 
         Args:
@@ -50,11 +51,14 @@ class RankProgram:
             quiet: ranks print no progress of their own (a dashboard shows their events).
             resume_args: added on a restart (default ``--resume``, unless
                 ``resume`` already gives it).
+            overwrite: rank 0 replaces another run in ``output_dir`` (``--overwrite``;
+                dropped on a restart, which continues this run).
+            run_started: the run's start time, recorded by whoever chose its folder.
         """
         if resume_args is None:
             resume_args = () if resume else RESUME_ARGS
         args = worker_args(profile, config=config, overrides=overrides, resume=resume,
-                           quiet=quiet)
+                           quiet=quiet, overwrite=overwrite, run_started=run_started)
         return cls(tuple(args), tuple(resume_args), profile_mode=True)
 
     @classmethod
@@ -77,6 +81,8 @@ class RankProgram:
         if self.profile_mode and host.device:
             argv += set_args({"device": host.device})
         if restart > 0:
+            if "--resume" in self.resume_args:  # a restart continues this run, replaces none
+                argv = [arg for arg in argv if arg != "--overwrite"]
             argv += list(self.resume_args)
         return argv
 

@@ -56,7 +56,8 @@ def set_args(overrides: Overrides) -> list[str]:
 
 
 def worker_args(profile: str, *, config: str | None = None, overrides: Overrides = (),
-                resume: bool = False, quiet: bool = False) -> list[str]:
+                resume: bool = False, quiet: bool = False, overwrite: bool = False,
+                fresh_if_none: bool = False, run_started: str | None = None) -> list[str]:
     """The arguments after the interpreter that run ``profile``'s worker.
 
     Args:
@@ -65,6 +66,9 @@ def worker_args(profile: str, *, config: str | None = None, overrides: Overrides
         overrides: profile keys to override, as a mapping or ``"key=value"`` strings.
         resume: continue from the newest complete checkpoint.
         quiet: no progress bar or summary table of the worker's own.
+        overwrite: a new run replaces the run in ``output_dir`` (``--overwrite``).
+        fresh_if_none: with ``resume``, start afresh when there is nothing to resume.
+        run_started: the run's start time, the same for every rank (``--run-started``).
 
     Raises:
         ValueError: for an empty profile name or a malformed override.
@@ -75,6 +79,12 @@ def worker_args(profile: str, *, config: str | None = None, overrides: Overrides
     if config is not None:
         args += ["--config", str(config)]
     args += set_args(overrides)
+    if run_started is not None:
+        args += ["--run-started", run_started]
+    if overwrite:
+        args.append("--overwrite")
+    if fresh_if_none:
+        args.append("--fresh-if-none")
     if resume:
         args += RESUME_ARGS
     if quiet:

@@ -3,7 +3,14 @@
 Runs one rank of a profile when the rank variables are set (by our launcher,
 torchrun, SLURM, ...), or the whole profile as a local simulation when they
 are not. Rank 0 (or the simulation) writes the final model and a summary
-to the profile's ``output_dir`` (default ``runs/NAME``).
+into the run's folder.
+
+Run alone (no rank variables), the worker chooses that folder as the CLI does
+(:mod:`distributed.profiles.run_dir`): the profile's ``output_dir`` (default
+``runs/NAME``) when it holds no run, else the next free ``runs/NAME-2``, ...;
+``--overwrite`` replaces the run in ``output_dir``; ``--resume`` continues the
+newest run there with the same settings and stops (exit 2) when there is none.
+A rank started with rank variables uses ``output_dir`` as it is given.
 
     python -m distributed.worker --profile digits-diloco
     python -m distributed.worker --profile digits-diloco --set num_nodes=2 --set H=20
@@ -25,6 +32,7 @@ from distributed.profiles.profile import (
     load_profile,
     parse_overrides,
 )
+from distributed.profiles.run_dir import place_run, rank_identity, record_resume
 from distributed.rank.environment import FINAL_MODEL, rank_environment
 from distributed.rank.trainer import RankTrainer
 from exogym.io import atomic_save_safetensors, atomic_write_json
@@ -32,6 +40,7 @@ from exogym.rank import LostRankError
 from exogym.trainer import LocalTrainer, RankFailedError
 
 if TYPE_CHECKING:
+    from distributed.profiles.run_dir import RunPlacement
     from exogym.report import ProgressSink
 
 
@@ -43,32 +52,67 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a profile key (repeatable)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest complete checkpoint of this profile")
+                        help="continue the newest run of this profile with the same settings "
+                             "from its newest complete checkpoint (exit 2 when there is none)")
+    parser.add_argument("--fresh-if-none", action="store_true",
+                        help="with --resume: start a new run when there is nothing to resume")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="a new run in output_dir itself, replacing the run there (by "
+                             "default a new run gets a folder of its own)")
+    parser.add_argument("--run-started", metavar="TIME", default=None,
+                        help="the run's start time as its launcher recorded it (all ranks of "
+                             "a run share it)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary table")
     return parser
 
 
 def run_profile(name: str | Profile, config: str | None = None,
                 overrides: dict[str, Any] | None = None, resume: bool = False,
-                progress: bool | ProgressSink = True, local: bool | None = None):
+                progress: bool | ProgressSink = True, local: bool | None = None, *,
+                placement: RunPlacement | None = None, overwrite: bool = False,
+                fresh_if_none: bool = False, started: str | None = None):
     """Train a profile: this rank (rank variables set) or a local simulation; returns the trainer.
 
     Args:
         name: the profile's name in ``config``, or an already resolved ``Profile``.
         config: the config file (default: the project's ``config.ini``).
         overrides: keys to replace (``--set``).
-        resume: continue from the newest complete checkpoint.
+        resume: continue the newest run with these settings from its newest complete
+            checkpoint (:func:`distributed.profiles.run_dir.place_run`).
         progress: show the progress bar (True/False), or an object that shows the
             run's events its own way (``exogym.report.ProgressSink``, e.g. a dashboard).
         local: force a local simulation even when rank variables are set.
+        placement: the run's folder and identity, already chosen (the app's); None: a
+            simulation chooses it here, a rank uses ``output_dir`` as given.
+        overwrite: a new run in ``output_dir`` itself, replacing the run there.
+        fresh_if_none: with ``resume``, start a new run when there is nothing to resume.
+        started: the run's start time as its launcher recorded it.
+
+    Raises:
+        RunFolderError: the folder cannot take this run (``NothingToResumeError``: nothing
+            to resume); raised before the task is built.
     """
     if isinstance(name, Profile):
         profile = name.with_overrides(overrides) if overrides else name
     else:
         profile = load_profile(name, config, overrides)
+    env = None if local else rank_environment()
+    if env is not None:
+        identity = rank_identity(profile, env.rank, env.world_size, resume=resume,
+                                 overwrite=overwrite, started=started)
+    else:
+        if placement is None:
+            placement = place_run(profile, ranks=int(profile.values.get("num_nodes") or 1),
+                                  resume=resume, overwrite=overwrite,
+                                  fresh_if_none=fresh_if_none, started=started)
+            if placement.resume:
+                record_resume(placement)
+            if progress is True:
+                print(placement.note, flush=True)
+        profile = placement.profile(profile)
+        identity, resume = placement.identity, placement.resume
     resolved = profile.resolved
     output_dir = resolved.output_dir
-    env = None if local else rank_environment()
     model, train_dataset, val_dataset = resolved.task_fn(**resolved.task_kwargs)
     ranks = env.world_size if env is not None else int(resolved.run_kwargs.get("num_nodes") or 1)
     if env is None or env.rank == 0:
@@ -78,6 +122,7 @@ def run_profile(name: str | Profile, config: str | None = None,
         resolved.run_kwargs, strategy=strategy, run_name=profile.name,
         save_dir=str(output_dir / "checkpoints"), log_dir=str(output_dir / "logs"),
         resume_from="auto" if resume else None, progress=progress,
+        run_identity=identity.as_dict(),
     )
     if env is None:
         trainer = LocalTrainer(model, train_dataset, val_dataset)
@@ -94,10 +139,12 @@ def run_profile(name: str | Profile, config: str | None = None,
     if env is None or trainer.writes_outputs:
         metadata = {"profile": profile.name,
                     "profile_values": json.dumps(profile.values, default=repr),
-                    "config": json.dumps(trainer.run_config, default=repr)}
+                    "config": json.dumps(trainer.run_config, default=repr),
+                    **identity.metadata()}
         atomic_save_safetensors(final.state_dict(), output_dir / FINAL_MODEL, metadata)
         atomic_write_json(output_dir / "summary.json",
-                          {"profile": profile.name, **trainer.summary})
+                          {"profile": profile.name, "run": identity.as_dict(),
+                           **trainer.summary})
     return trainer
 
 
@@ -132,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_profile(args.profile, args.config, parse_overrides(args.overrides), args.resume,
-                    progress=not args.quiet)
+                    progress=not args.quiet, overwrite=args.overwrite,
+                    fresh_if_none=args.fresh_if_none, started=args.run_started)
     except (ProfileError, ValueError, TypeError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
