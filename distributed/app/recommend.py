@@ -461,6 +461,7 @@ def _host_steps(request: TrainRequest, config: HostsConfig, console: Console,
             profile=request.profile, config=request.config, overrides=overrides,
             hosts=config, accept_new_host_keys=request.accept_new_host_keys,
             known_hosts=request.known_hosts, ssh_config=request.ssh_config, run_dir=run_dir,
+            overwrite=True,  # the probe's scratch folder: each timing run replaces the last
             launcher_options={**request.launcher_options, "env": {
                 **dict(request.launcher_options.get("env") or {}),
                 "EXOGYM_COLLECTIVES": "mirror"}})
