@@ -486,6 +486,7 @@ def recommend(
     with reported_errors(ctx, debug):
         import json
 
+        from rich.markup import escape
         from rich.table import Table
 
         from distributed.app import run
@@ -510,12 +511,21 @@ def recommend(
         out = make_console()
         table = Table(title=f"{profile} on {m.hosts} hosts, {m.link} link {m.mbit:.1f} Mbit/s",
                       title_justify="left")
-        for column in ("strategy", "step", "comm", "speedup", "bytes/step", ""):
-            table.add_column(column, justify="left" if column in ("strategy", "") else "right")
-        for row in table_rows(rec):
-            table.add_row(*row)
+        for column in ("strategy", "step", "comm", "speedup", "bytes/step",
+                       "run it with: distributed-train ...", ""):
+            table.add_column(column, justify="right" if column in (
+                "step", "comm", "speedup", "bytes/step") else "left")
+        for candidate, row in zip(rec.candidates, table_rows(rec)):
+            runs = (candidate.run_with.args if candidate.run_with
+                    else "no profile of this task runs it")
+            table.add_row(*(escape(cell) for cell in (*row[:-1], runs, row[-1])))
         out.print(table)
         out.print(f"pick: {rec.reason}", markup=False, soft_wrap=True)
+        if rec.pick.run_with:
+            chosen = run.TrainRequest(profile=rec.pick.run_with.profile, config=request.config,
+                                      overrides=rec.pick.run_with.overrides, hosts=hosts)
+            out.print(f"to train with it: {run.train_command(chosen)}", markup=False,
+                      soft_wrap=True)
         out.print(f"rule: {RULE}; speedup over one host doing all {m.hosts} hosts' work.",
                   markup=False, soft_wrap=True)
 

@@ -485,3 +485,134 @@ def test_a_strategy_setting_the_model_cannot_run_is_one_paragraph_before_any_ran
     assert "Traceback" not in result.output
     assert "num_fragments=5 is more than the model's 2 layers" in result.stderr
     assert "step 1" not in result.output  # no rank trained a step
+
+
+# --------------------------------------------------------------------------- recommend's profiles
+
+
+def write_config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "profiles.ini"
+    path.write_text(text)
+    return str(path)
+
+
+FAMILY = """
+[distributed:mine-base]
+task = digits
+num_nodes = 2
+batch_size = 16
+max_steps = 100
+
+[distributed:mine-diloco]
+base_profile = mine-base
+strategy = diloco
+H = 20
+outer_lr = 0.7
+
+[distributed:mine-fedavg]
+base_profile = mine-base
+strategy = fedavg
+H = 10
+lr = 0.01
+"""
+
+
+def trains_the_same(config: str, planned: str, found, strategy: str) -> None:
+    """``found`` (a RunWith) trains ``planned``'s model and run with ``strategy``."""
+    from distributed.profiles.profile import load_profile, strategy_class
+
+    mine = load_profile(planned, config)
+    theirs = load_profile(found.profile, config, found.overrides or None)
+    assert theirs.resolved.strategy_cls is strategy_class(strategy)
+    assert theirs.resolved.task_kwargs == mine.resolved.task_kwargs
+    for key in ("num_nodes", "batch_size", "max_steps", "task"):
+        assert theirs.values.get(key) == mine.values.get(key), key
+
+
+def test_run_with_names_the_profile_of_the_family_that_runs_a_strategy(tmp_path):
+    from distributed.app.run_with import run_with
+    from distributed.profiles.profile import load_profile
+
+    config = write_config(tmp_path, FAMILY)
+    planned = load_profile("mine-diloco", config)
+    fedavg = run_with(planned, "fedavg", {"H": 1}, config)
+    assert (fedavg.profile, fedavg.overrides) == ("mine-fedavg", {"H": 1})  # its lr stays
+    trains_the_same(config, "mine-diloco", fedavg, "fedavg")
+    own = run_with(planned, "diloco", {"H": 100}, config)
+    assert own.args == "mine-diloco --set H=100"
+    # no profile names DDP, and mine-diloco's H cannot go with it: --set on the base does
+    ddp = run_with(planned, "ddp", {}, config)
+    assert ddp.args == "mine-base --set strategy=ddp"
+    trains_the_same(config, "mine-diloco", ddp, "ddp")
+
+
+def test_run_with_sets_what_the_planned_run_changes_and_takes_back_what_another_adds(tmp_path):
+    import inspect
+
+    from distributed.app.run_with import run_with
+    from distributed.profiles.profile import load_profile
+    from distributed.tasks.builtin import digits_task
+
+    config = write_config(tmp_path, FAMILY + """
+[distributed:wide-ddp]
+task = digits
+strategy = ddp
+hidden = 64
+num_nodes = 2
+batch_size = 16
+max_steps = 100
+num_threads = 1
+""")
+    user = {"num_nodes": 3, "H": 5}
+    planned = load_profile("mine-diloco", config, user)
+    ddp = run_with(planned, "ddp", {}, config, user)
+    # the only DDP profile trains a wider model with one thread: both are taken back
+    assert ddp.profile == "wide-ddp"
+    assert ddp.overrides["num_nodes"] == 3 and "H" not in ddp.overrides
+    default_width = inspect.signature(digits_task).parameters["hidden"].default
+    assert ddp.overrides["num_threads"] is None and ddp.overrides["hidden"] == default_width
+    assert "hidden" not in planned.values and default_width != 64
+    theirs = load_profile(ddp.profile, config, ddp.overrides)
+    assert theirs.resolved.strategy_cls.__name__ == "SimpleReduceStrategy"
+
+
+def test_run_with_is_none_when_no_profile_of_the_task_can_run_it(tmp_path):
+    from distributed.app.run_with import run_with
+    from distributed.profiles.profile import load_profile
+
+    config = write_config(tmp_path, """
+[distributed:only-diloco]
+task = digits
+strategy = diloco
+H = 20
+""")
+    assert run_with(load_profile("only-diloco", config), "ddp", {}, config) is None
+
+
+def test_recommend_names_the_profile_that_runs_each_candidate_and_the_picks_command():
+    result = runner.invoke(cli_typer.app, ["recommend", "digits-diloco", "--link-mbit", "100"])
+    assert result.exit_code == 0, result.output
+    assert "needs its own profile" not in result.output
+    rows = table_rows(result.output, "Mbit/s")
+    column = "run it with: distributed-train ..."
+    assert rows["DDP"][column] == "digits-ddp"
+    assert rows["SPARTA p=0.005"][column] == "digits-sparta"
+    assert rows["FedAvg H=1"][column] == "digits-fedavg --set H=1"
+    picked = next(label for label, row in rows.items() if row[""] == "<- pick")
+    command = flat(result.output).split("to train with it: ", 1)[1].split(" rule:", 1)[0]
+    assert shlex.split(command)[:4] == ["python", "cli_typer.py", "distributed-train",
+                                        rows[picked][column].split()[0]]
+    dry = runner.invoke(cli_typer.app, [*shlex.split(command)[2:], "--dry-run"])
+    assert dry.exit_code == 0, dry.output  # the printed command runs
+
+
+def test_recommend_json_gives_each_candidates_profile():
+    import json
+
+    result = runner.invoke(cli_typer.app, ["recommend", "digits-diloco", "--link-mbit", "100",
+                                           "--json"])
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)
+    by_label = {c["label"]: c["run_with"] for c in found["candidates"]}
+    assert by_label["DDP"] == {"profile": "digits-ddp", "overrides": {}}
+    assert by_label["DiLoCo H=100"] == {"profile": "digits-diloco", "overrides": {"H": 100}}

@@ -36,6 +36,7 @@ needs a modelled link (``link_mbit``), and the nodes share this machine's cores.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import statistics
 import tempfile
@@ -50,6 +51,7 @@ from distributed.app.compare import profile_for_strategy
 from distributed.app.console import StageReport, stage_progress
 from distributed.app.hosts_check import ssh_files
 from distributed.app.run import TrainRequest, hosts_config, make_launcher, resolve_profile
+from distributed.app.run_with import RunWith, run_with
 from distributed.hosts.hostsfile import HostsConfig
 from distributed.hosts.linkspeed import LinkError, LinkMeasurement, measure_between
 from distributed.planning import projection
@@ -166,6 +168,10 @@ class Candidate:
         wire_bytes: bytes each host puts on its link per step.
         applies: whether the profile can switch to it with ``--set``.
         why_not: why it cannot, when it cannot.
+        run_with: the profile, and its ``--set`` values, that trains the planned run with
+            this strategy (``digits-ddp``, ``digits-diloco --set H=100``;
+            :func:`distributed.app.run_with.run_with`); None when no profile of the config
+            file can, or a profile of its own is to be written (the wizard).
     """
 
     label: str
@@ -177,6 +183,7 @@ class Candidate:
     wire_bytes: float
     applies: bool = True
     why_not: str | None = None
+    run_with: RunWith | None = None
 
     @property
     def comm_fraction(self) -> float:
@@ -366,7 +373,11 @@ def reason_for(chosen: Candidate, candidates: Sequence[Candidate],
     faster = [c for c in candidates if not c.applies and c.speedup > chosen.speedup * (1 + TIE)
               and not new_profile]
     if faster:
-        text += f" ({faster[0].label} would be faster but needs a profile of its own)"
+        run = faster[0].run_with
+        text += (f" ({faster[0].label} would be faster: distributed-train {run.args} runs it)"
+                 if run
+                 else f" ({faster[0].label} would be faster, but no profile of this task "
+                      "runs it)")
     return text
 
 
@@ -690,10 +701,17 @@ def recommend(request: TrainRequest, console: Console | None = None, *,
                            progress=progress)
     rows = predict_candidates(measured, specs,
                               {s.label: _why_not(profile, s, new_profile) for s in specs})
+    if not new_profile:
+        rows = [dataclasses.replace(c, run_with=_run_with(profile, c, request)) for c in rows]
     chosen = pick(rows)
     return Recommendation(profile.name, chosen, reason_for(chosen, rows, measured, new_profile),
                           tuple(rows),
                           measured, new_profile)
+
+
+def _run_with(profile: Profile, candidate: Candidate, request: TrainRequest) -> RunWith | None:
+    return run_with(profile, candidate.name, candidate.settings, request.config,
+                    request.overrides)
 
 
 def predict_with(rec: Recommendation, name: str, settings: Mapping[str, Any]) -> Candidate:
@@ -713,9 +731,11 @@ def figures(candidate: Candidate) -> str:
 
 
 def table_rows(rec: Recommendation) -> list[list[str]]:
-    """The candidates as text cells: label, step, comm share, speedup, bytes/step, note."""
+    """The candidates as text cells: label, step, comm share, speedup, bytes/step, note (the
+    pick; for a profile of its own, a candidate the task cannot run). What runs each
+    candidate is its ``run_with``."""
     rows = []
-    cannot = "not available for this task" if rec.new_profile else "needs its own profile"
+    cannot = "not available for this task" if rec.new_profile else ""
     for c in rec.candidates:
         note = "<- pick" if c is rec.pick else ("" if c.applies else cannot)
         rows.append([c.label, f"{c.step_s * 1000:.1f} ms", f"{c.comm_fraction:.0%}",
