@@ -156,27 +156,51 @@ def publish_dir(tmp_dir: Path, target: str | os.PathLike, replace: bool) -> bool
 
 
 
+#: The safetensors name of each dtype.
+SAFETENSORS_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+    "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+
+
 def atomic_save_safetensors(state: dict[str, Any], path: str | os.PathLike,
                             metadata: dict[str, str] | None = None) -> Path:
     """Write a model's state dict to ``path`` as safetensors, atomically.
 
-    Tensors that share memory (tied weights) or are not contiguous are copied
-    first, since the format stores each tensor on its own; the file then loads
-    with ``safetensors.torch.load_file`` into a plain dict for
-    ``model.load_state_dict``. ``metadata`` (strings only) lands in the header.
+    The file is written tensor by tensor (the header first: every tensor's dtype,
+    shape and place), never built whole in memory, so saving a model costs no more
+    than its largest non-contiguous tensor. Tensors that share memory (tied weights)
+    are stored each on its own, as the format wants; the file loads with
+    ``safetensors.torch.load_file`` into a plain dict for ``model.load_state_dict``.
+    ``metadata`` (strings only) lands in the header.
     """
-    from safetensors.torch import save
+    import torch
 
-    tensors: dict[str, Any] = {}
-    seen: set[int] = set()
-    for key, tensor in state.items():
-        tensor = tensor.detach().to("cpu")
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer in seen or not tensor.is_contiguous():
-            tensor = tensor.contiguous().clone()
-        seen.add(tensor.untyped_storage().data_ptr())
-        tensors[key] = tensor
     bad = {k: type(v).__name__ for k, v in (metadata or {}).items() if not isinstance(v, str)}
     if bad:
         raise TypeError(f"safetensors metadata values must be strings, got {bad}")
-    return atomic_write_bytes(path, save(tensors, metadata=metadata))
+    tensors = {key: tensor.detach() for key, tensor in state.items()}
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for key in sorted(tensors):
+        tensor = tensors[key]
+        kind = SAFETENSORS_DTYPES.get(str(tensor.dtype).removeprefix("torch."))
+        if kind is None:
+            raise TypeError(f"{key}: safetensors cannot store a tensor of {tensor.dtype}")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[key] = {"dtype": kind, "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+
+    def write(f: IO[bytes]) -> None:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for key in sorted(tensors):
+            tensor = tensors[key].to("cpu").contiguous().reshape(-1)
+            if tensor.numel():
+                f.write(memoryview(tensor.view(torch.uint8).numpy()))
+
+    return _atomic(path, write)

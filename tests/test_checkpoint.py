@@ -116,3 +116,27 @@ def test_run_identity_must_be_a_dict_of_json_values():
         RunArgs(strategy=strategy(), run_identity="abc")
     with pytest.raises(TypeError, match=r"run_identity\['fingerprint'\] must be a string"):
         RunArgs(strategy=strategy(), run_identity={"fingerprint": 3})
+
+
+def test_the_final_model_file_is_safetensors_written_tensor_by_tensor(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from exogym.io import atomic_save_safetensors
+
+    shared = torch.randn(3, 4)
+    state = {"w": shared, "tied": shared,  # two names, one memory
+             "t": torch.randn(4, 3).t(),  # not contiguous
+             "half": torch.randn(5, dtype=torch.bfloat16), "n": torch.tensor(7),
+             "mask": torch.tensor([True, False]), "empty": torch.zeros(0, 2),
+             "scalar": torch.tensor(2.5)}
+    path = atomic_save_safetensors(state, tmp_path / "model.safetensors", {"profile": "x"})
+    loaded = load_file(path)
+    assert loaded.keys() == state.keys()
+    for key, tensor in state.items():
+        assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"profile": "x"}
+    with pytest.raises(TypeError, match="strings"):
+        atomic_save_safetensors(state, tmp_path / "bad.safetensors", {"step": 3})
+    assert not (tmp_path / "bad.safetensors").exists()

@@ -204,6 +204,7 @@ def test_a_23m_model_through_torchrun_and_over_ssh_equals_the_simulation(sshd, t
 CHECKPOINT_PEAKS = r"""
 import json, sys, torch
 from exogym.checkpoint import load_checkpoint, save_checkpoint
+from exogym.io import atomic_save_safetensors
 from exogym.memory import _reset_cpu_peak, _rss_kib
 from distributed.tasks.tokens import gpt_task
 model, _, _ = gpt_task(block_size=32, tokens=30000)
@@ -222,19 +223,24 @@ _reset_cpu_peak()
 base = _rss_kib("VmRSS")
 save_checkpoint(state, sys.argv[1], 0, 1)
 saving = _rss_kib("VmHWM") - base
+_reset_cpu_peak()
+base = _rss_kib("VmRSS")
+atomic_save_safetensors(model.state_dict(), sys.argv[1] + "/model.safetensors", {"a": "b"})
+final = _rss_kib("VmHWM") - base
 del optim, model, state
 _reset_cpu_peak()
 base = _rss_kib("VmRSS")
 loaded = load_checkpoint(sys.argv[1] + "/rank0/step00000001.ckpt")
 loading = _rss_kib("VmHWM") - base
 print(json.dumps({"bytes": nbytes, "largest": largest, "saving": saving * 1024,
-                  "loading": loading * 1024}))
+                  "loading": loading * 1024, "final": final * 1024}))
 """
 
 
-def test_a_checkpoint_streams_to_and_from_its_file(tmp_path):
+def test_a_checkpoint_and_the_final_model_stream_to_and_from_their_files(tmp_path):
     # A 23M-parameter model and its Adam state (264 MiB): saving holds no copy of the
-    # payload in memory, loading holds the state once (not the file's bytes as well).
+    # payload in memory, loading holds the state once (not the file's bytes as well),
+    # and the final model's file is written without a copy of the model either.
     done = subprocess.run([sys.executable, "-c", CHECKPOINT_PEAKS, str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -242,8 +248,11 @@ def test_a_checkpoint_streams_to_and_from_its_file(tmp_path):
     assert figures["largest"] >= 16 << 20 and figures["bytes"] >= 3 * 20_000_000 * 4
     assert figures["saving"] < 0.15 * figures["bytes"], figures
     assert figures["loading"] < 1.2 * figures["bytes"], figures
+    assert figures["final"] < 0.05 * figures["bytes"], figures
+    final = load_file(tmp_path / "model.safetensors")
     from exogym.checkpoint import load_checkpoint
     loaded = load_checkpoint(tmp_path / "rank0" / "step00000001.ckpt")
     model, _, _ = gpt_task(block_size=32, tokens=30000)
-    assert loaded["model"].keys() == model.state_dict().keys()
+    assert loaded["model"].keys() == model.state_dict().keys() == final.keys()
+    assert all(torch.equal(final[k], t) for k, t in loaded["model"].items())
     assert all(torch.isfinite(t).all() for t in loaded["model"].values())
