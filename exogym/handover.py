@@ -199,7 +199,10 @@ def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int,
         comm.side_broadcast(flat, source, ranks)
         for i, at in zip(group, starts):
             shape, dtype = shapes[i]
-            received.append(flat[at:at + sizes[i]].view(dtype).view(shape))
+            piece = flat[at:at + sizes[i]].view(dtype).view(shape)
+            if i in targets:  # into the receiver's own tensor now: the buffer goes sooner
+                piece = targets[i].copy_(piece)
+            received.append(piece)
     nbytes = sum(sizes) + description.numel()
     if rank == source:
         return state, nbytes
