@@ -369,3 +369,51 @@ def test_the_readme_snippet_loads_the_newest_model_from_another_folder(tmp_path)
                             capture_output=True, text=True, timeout=300)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip().endswith("loaded digits-diloco")
+
+
+# --- across hosts: the folder is chosen on the master, and every rank is given it ---------
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    from sshd_fixture import serve_sshd
+
+    yield from serve_sshd(tmp_path_factory)
+
+
+def test_runs_across_hosts_get_folders_of_their_own_and_resume_only_their_settings(
+        sshd, tmp_path):
+    from faces_support import sshd_hosts
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps(sshd_hosts(sshd, workers=1)))
+    out = tmp_path / "net"
+    common = ["distributed-train", "digits-diloco", "--hosts", hosts,
+              "--known-hosts", sshd.known_hosts, "--ssh-config", sshd.ssh_config,
+              "--run-dir", tmp_path / "launch", *SMALL, "--set", f"output_dir={out}"]
+    first = cli(*common, "--set", "max_steps=4", cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    kept = outputs(out)
+    second = cli(*common, "--set", "max_steps=4", cwd=tmp_path)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"this run's folder: {out}-2 ({out} holds an earlier run" in said(second)
+    assert f"final model in {out}-2/model.safetensors" in said(second)
+    assert outputs(out) == kept
+    claimed = identity_in(Path(f"{out}-2"))
+    # rank 0 took the folder claimed for it: the same identity, written by the launcher's side
+    assert json.loads((Path(f"{out}-2") / "summary.json").read_text())["run"] == claimed
+    assert claimed["settings"]["num_nodes"] == 2
+
+    resumed = cli(*common, "--set", "max_steps=6", "--resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"continuing the run in {out}-2 " in said(resumed)
+    assert "rank 0: resumed from step 4" in said(resumed)
+    run = identity_in(Path(f"{out}-2"))
+    assert run["started"] == claimed["started"] and len(run["resumed"]) == 1
+    with safe_open(Path(f"{out}-2") / "model.safetensors", "pt") as f:
+        assert f.metadata()["run_started"] == claimed["started"]
+
+    other = cli(*common, "--set", "max_steps=6", "--set", "lr=0.5", "--resume", cwd=tmp_path)
+    assert other.returncode == 2
+    assert "differs in lr (0.003 there, 0.5 here)" in said(other)
+    assert "Pre-flight" in said(other) and "[127.0.0.1:0]" not in said(other)  # no rank ran
