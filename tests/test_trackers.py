@@ -272,11 +272,14 @@ def test_the_readme_tracker_commands_run_as_written(tmp_path):
         done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, timeout=600,
                               capture_output=True, text=True)
         assert done.returncode == 0, (command, done.stdout[-3000:], done.stderr[-3000:])
-    logs = tmp_path / "runs" / "digits-diloco" / "logs"
+    # Each run has its folder: the TensorBoard run the first, the W&B run the next; the
+    # README reads each through runs/digits-diloco.latest right after that run.
+    first, second = tmp_path / "runs" / "digits-diloco", tmp_path / "runs" / "digits-diloco-2"
     tensorboard_dir = shlex.split(next(c for c in commands if c.startswith("tensorboard")))[-1]
-    assert (tmp_path / tensorboard_dir).resolve() == logs.resolve()
-    got = scalars(logs / "digits-diloco")
+    assert tensorboard_dir == "runs/digits-diloco.latest/logs"
+    assert (tmp_path / "runs" / "digits-diloco.latest").resolve() == second.resolve()
+    got = scalars(first / "logs" / "digits-diloco")
     assert {f"rank{r}/train_loss" for r in range(4)} <= set(got)
-    summary, history = wandb_records(logs / "wandb" / "latest-run")
+    summary, history = wandb_records(second / "logs" / "wandb" / "latest-run")
     assert summary["config"]["num_nodes"] == 4 and history
     assert "train_loss" in done.stdout  # the inspect command shows the latest metrics
