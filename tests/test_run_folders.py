@@ -258,7 +258,8 @@ def test_a_rerun_never_replaces_the_last_model_and_overwrite_is_asked_for(tmp_pa
     replaced = cli("distributed-train", "digits-diloco", *SMALL, "--set", "max_steps=2",
                    "--overwrite", cwd=tmp_path)
     assert replaced.returncode == 0, replaced.stderr
-    assert "--overwrite: the earlier run's" in said(replaced)
+    assert ("--overwrite: removed the earlier run's run.json, model.safetensors, summary.json, "
+            "checkpoints; it was profile digits-diloco") in said(replaced)
     assert json.loads((base / "summary.json").read_text())["steps"] == 2
     assert json.loads((second / "summary.json").read_text()) == summary  # untouched
 

@@ -328,8 +328,8 @@ def _place_new(base: str, identity: RunIdentity, overwrite: bool, call: FolderCa
     note = f"this run's folder: {folder}{where}"
     if answer.get("replaced"):
         earlier = RunIdentity.from_dict(answer.get("replaced_identity"))
-        note += (" (--overwrite: the earlier run's " + ", ".join(answer["replaced"])
-                 + (f", {earlier.describe()}," if earlier else "") + " removed)")
+        note += (" (--overwrite: removed the earlier run's " + ", ".join(answer["replaced"])
+                 + (f"; it was {earlier.describe()})" if earlier else ")"))
     elif Path(answer["folder"]) != Path(base):
         note += (f" ({base} holds an earlier run, kept as it is; "
                  f"{runfolders.latest_path(base)} points to the newest run)")
