@@ -314,10 +314,11 @@ def profiles(ctx: typer.Context, config: ConfigFile = None,
         from rich.markup import escape
         from rich.table import Table
 
-        from distributed.app.profile_list import SUMMARY_COLUMNS, list_profiles
+        from distributed.app.profile_list import SUMMARY_COLUMNS, list_profiles, profile_files
 
         path, entries = list_profiles(config, full_check=check)
-        table = Table(title=f"Profiles in {path}", title_justify="left")
+        where = " and ".join(map(str, profile_files(path)))
+        table = Table(title=f"Profiles in {where}", title_justify="left")
         for name in ("name", *SUMMARY_COLUMNS):
             table.add_column(name, overflow="fold", no_wrap=name == "name")
         for entry in entries:

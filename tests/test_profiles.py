@@ -268,6 +268,8 @@ def test_the_cli_lists_local_profiles_and_the_worker_trains_one(tmp_path):
                                 env={"COLUMNS": "200"})
     assert listed.exit_code == 0, listed.output
     assert "│ mine " in listed.output
+    title = " ".join(listed.output.split("┏")[0].split())  # the table says where it read
+    assert title == f"Profiles in {shared} and {tmp_path / 'config.local.ini'}", title
     done = subprocess.run([sys.executable, "-m", "distributed.worker", "--profile", "mine",
                            "--config", "config.ini", "--quiet"], cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,

@@ -46,6 +46,12 @@ def profile_names(config_path: str | Path | None = None) -> list[str]:
         return []
 
 
+def profile_files(config_path: str | Path | None = None) -> list[Path]:
+    """The files profiles are read from: ``config_path`` (default: the project's
+    config.ini), then the local profiles file beside it when there is one."""
+    return list(ProfileSet(config_path).read)
+
+
 def list_profiles(config_path: str | Path | None = None, *,
                   full_check: bool = True) -> tuple[Path, list[ProfileEntry]]:
     """Every profile of ``config_path`` (default: the project's config.ini) and of the local

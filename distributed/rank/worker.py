@@ -36,6 +36,7 @@ from distributed.profiles.run_dir import place_run, rank_identity, record_resume
 from distributed.rank.environment import FINAL_MODEL, rank_environment
 from distributed.rank.trainer import RankTrainer
 from exogym.io import atomic_save_safetensors, atomic_write_json
+from exogym.plural import plural
 from exogym.rank import LostRankError
 from exogym.trainer import LocalTrainer, RankFailedError
 
@@ -157,7 +158,7 @@ def warn_small_shards(train_dataset: Any, ranks: int, batch_size: int | None) ->
     share = total // max(1, ranks)
     if batch_size > share:
         warnings.warn(f"batch_size={batch_size} is larger than one rank's share of the data "
-                      f"({share} of {total} training samples over {ranks} ranks): a step "
+                      f"({share} of {total} training samples over {plural(ranks, 'rank')}): a step "
                       "cannot hold batch_size samples; lower batch_size or the number of ranks",
                       ProfileWarning, stacklevel=2)
 
