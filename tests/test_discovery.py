@@ -332,7 +332,8 @@ def test_wizard_uses_found_machines_after_each_fingerprint_is_confirmed(sshd, tm
         env.pop(key, None)
     child = pexpect.spawn(sys.executable, [str(ROOT / "wizard.py"), "--config", str(config),
                                            "--known-hosts", str(known_hosts), "--ssh-config",
-                                           str(sshd.ssh_config), "--no-run"],
+                                           str(sshd.ssh_config), "--no-run",
+                                           "--strategy", "ddp"],
                           cwd=str(tmp_path), env=env, dimensions=(50, 200), timeout=120,
                           encoding="utf-8", codec_errors="replace")
     child.logfile_read = log = io.StringIO()
@@ -356,9 +357,9 @@ def test_wizard_uses_found_machines_after_each_fingerprint_is_confirmed(sshd, tm
         answer("SSH private key for the workers", clear + str(sshd.key_path) + "\r")
         child.expect(r"ok.*127\.0\.0\.2: ssh ok")
         answer("Which profile", "\r")
-        answer("how fast is it", "\r")  # measure
-        answer("Which strategy", "\r")
         answer("Training steps", clear + "20\r")
+        answer("how fast is it", "\r")  # measure
+        child.expect(r"Strategy ddp \(--strategy\)")
         answer("Name of the profile to write", clear + "found-test\r")
         answer("Copy this checkout", "n")
         child.expect(pexpect.EOF, timeout=300)
