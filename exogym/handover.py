@@ -184,7 +184,8 @@ def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int,
             if one is None:
                 one = torch.empty(shape, dtype=dtype)
             comm.side_broadcast(one, source, ranks)
-            received.append(one)
+            if rank != source:
+                received.append(one)
             continue
         # Each tensor starts at a multiple of ALIGN in the buffer, so that it can be a view.
         starts = []
@@ -197,6 +198,8 @@ def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int,
             for i, at in zip(group, starts):
                 flat[at:at + sizes[i]].copy_(tensors[i].reshape(-1).view(torch.uint8))
         comm.side_broadcast(flat, source, ranks)
+        if rank == source:
+            continue  # the buffer goes now: the source holds no more than its own state
         for i, at in zip(group, starts):
             shape, dtype = shapes[i]
             piece = flat[at:at + sizes[i]].view(dtype).view(shape)
