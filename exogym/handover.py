@@ -54,11 +54,7 @@ def flatten_tensors(value: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
             alike.setdefault(kind, []).append(len(tensors))
             tensors.append(t)
             return _Slot(len(tensors) - 1)
-        if isinstance(v, dict):
-            return type(v)((k, walk(x)) for k, x in v.items())
-        if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
-            return type(v)(walk(x) for x in v)
-        return v
+        return _descend(v, None, lambda x, _: walk(x))
 
     state = walk(value)
     return tensors, {"state": state, "tensors": [(tuple(t.shape), t.dtype) for t in tensors]}
