@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,3 +56,25 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
             p.wait()
             codes.append(-9)
     return codes
+
+
+def interrupt_after_checkpoints(args: list[str], cwd: Path, checkpoints: Path,
+                                count: int = 1) -> tuple[int, str, str]:
+    """Run ``cli_typer.py ARGS`` in ``cwd``, press Ctrl-C (SIGINT to its process group) once
+    ``checkpoints`` holds ``count`` checkpoint files; its exit code, stdout and stderr."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli_typer.py"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            start_new_session=True, env={**os.environ, "COLUMNS": "400"})
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(checkpoints.glob("*.ckpt"))) < count:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, f"no checkpoint was written in {checkpoints}"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, out, err

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ranks import ROOT
+from ranks import ROOT, interrupt_after_checkpoints
 
 from distributed.app.console import quiet_library_logs
 
@@ -385,28 +385,12 @@ def test_the_run_totals_are_computed_from_the_rank_rows():
 
 
 def test_ctrl_c_after_a_checkpoint_prints_the_exact_resume_command(tmp_path):
-    import signal
-
     args = ["distributed-train", "digits-diloco", "--set", "max_steps=100000", "--set",
             "num_nodes=2", "--set", "checkpoint_interval=5", "--set", "num_threads=1",
             "--set", "val_size=16", "--logger", "none"]
-    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=tmp_path, start_new_session=True,
-                            env={**os.environ, "COLUMNS": "400"})
-    checkpoints = tmp_path / "runs/digits-diloco/checkpoints/digits-diloco/rank0"
-    try:
-        deadline = time.monotonic() + 240
-        while not list(checkpoints.glob("*.ckpt")):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no checkpoint was written"
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130, err
+    returncode, _, err = interrupt_after_checkpoints(
+        args, tmp_path, tmp_path / "runs/digits-diloco/checkpoints/digits-diloco/rank0")
+    assert returncode == 130, err
     assert ("this run's newest checkpoint, at step" in err
             and "is in runs/digits-diloco/checkpoints/digits-diloco;" in err), err
     command = err.strip().splitlines()[-1].strip()

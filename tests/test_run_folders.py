@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from ranks import ROOT
+from ranks import ROOT, interrupt_after_checkpoints
 from safetensors import safe_open
 
 from distributed.hosts.onhost import runfolders
@@ -293,23 +291,9 @@ def test_ctrl_c_names_this_runs_checkpoint_and_its_command_continues_this_run(tm
 
     args = ["distributed-train", "digits-diloco", *SMALL, "--set", "max_steps=100000",
             "--set", "output_dir=runs/stale", "--set", "lr=0.01"]
-    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=tmp_path, start_new_session=True,
-                            env={**os.environ, "COLUMNS": "400"})
-    checkpoints = tmp_path / "runs/stale-2/checkpoints/digits-diloco/rank0"
-    try:
-        deadline = time.monotonic() + 240
-        while len(list(checkpoints.glob("*.ckpt"))) < 2:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no checkpoint was written"
-            time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130, err
+    returncode, _, err = interrupt_after_checkpoints(
+        args, tmp_path, tmp_path / "runs/stale-2/checkpoints/digits-diloco/rank0", count=2)
+    assert returncode == 130, err
     words = " ".join(err.split())
     assert "is in runs/stale-2/checkpoints/digits-diloco;" in words, err
     assert "runs/stale/" not in words, err
