@@ -153,14 +153,7 @@ def child(argv: list[str]) -> None:
                                  **MODELS[args.model])
     activations = 0
     if args.which == "ours":
-        from exogym.memory import measure_peak
-
-        # One forward and backward on a model copy, first thing (a heap with nothing freed
-        # in it yet): its peak less the copy and its gradients.
-        batch = tuple(torch.stack(parts) for parts in zip(*(train[i] for i in
-                                                            range(SIM["batch_size"]))))
-        params = sum(p.numel() * p.element_size() for p in model.parameters())
-        activations = max(0, measure_peak(model, batch, torch.device("cpu"), False) - 2 * params)
+        activations = activation_bytes(model, train, SIM["batch_size"])
     common = dict(max_steps=SIM["max_steps"], batch_size=SIM["batch_size"],
                   minibatch_size=SIM["batch_size"], val_size=SIM["batch_size"],
                   val_interval=SIM["max_steps"])
@@ -203,15 +196,27 @@ def child(argv: list[str]) -> None:
     Path(args.result).write_text(json.dumps(out))
 
 
+def activation_bytes(model: Any, train: Any, batch_size: int) -> int:
+    """One forward and backward's activations: the peak of a step on a copy of ``model``
+    (run first thing, in a heap with nothing freed in it yet) less the copy and its
+    gradients."""
+    import torch
+
+    from exogym.memory import measure_peak
+
+    batch = tuple(torch.stack(parts) for parts in zip(*(train[i] for i in range(batch_size))))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return max(0, measure_peak(model, batch, torch.device("cpu"), False) - 2 * params)
+
+
 def budget_child(argv: list[str]) -> None:
     """What one rank across hosts is accounted: its state (as ``fit`` accounts it), the
     runtime (this interpreter with torch, before any model) and one forward and
     backward's activations, measured here on the hosts' workload."""
     model_name, result = argv
-    import torch
 
     from distributed.profiles.profile import load_profile
-    from exogym.memory import account_state, measure_peak
+    from exogym.memory import account_state
 
     runtime = _rss_bytes()
     overrides = {**MODELS[model_name], "block_size": HOSTS["block_size"],
@@ -221,10 +226,7 @@ def budget_child(argv: list[str]) -> None:
     model, train, _ = resolved.task_fn(**resolved.task_kwargs)
     strategy = resolved.strategy_cls(**resolved.strategy_kwargs)
     state = account_state(model, strategy, 3)
-    batch = tuple(torch.stack(parts) for parts in zip(*(train[i] for i in
-                                                        range(HOSTS["batch_size"]))))
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    activations = max(0, measure_peak(model, batch, torch.device("cpu"), False) - 2 * params)
+    activations = activation_bytes(model, train, HOSTS["batch_size"])
     Path(result).write_text(json.dumps({
         "state_bytes": state.per_rank, "runtime_bytes": runtime,
         "activation_bytes": activations,
