@@ -129,8 +129,15 @@ def test_a_member_lost_after_it_voted_counts_for_every_survivor(store):
     assert ws[0].lost_since_admitted(2)
 
 
-def test_a_16_mib_tensor_is_all_reduced_and_handed_over_point_to_point(store):
-    """Real transports carry any size: no tensor goes through the store."""
+@pytest.mark.parametrize("chunk_bytes", [None, 1 << 20], ids=["one-chunk", "16-chunks"])
+def test_a_16_mib_tensor_is_all_reduced_and_handed_over_point_to_point(store, monkeypatch,
+                                                                         chunk_bytes):
+    """Real transports carry any size: no tensor goes through the store. In 1 MiB chunks
+    the hand-over keeps several in flight, each copied in at its place."""
+    import exogym.comm.elastic
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(exogym.comm.elastic, "CHUNK_BYTES", chunk_bytes)
     ws = worlds(store)
     n = 4 << 20  # 16 MiB of float32
 
