@@ -39,7 +39,7 @@ from rich.table import Table  # noqa: E402
 import exogym.strategy as strategies  # noqa: E402
 from distributed.tasks.builtin import chargpt_task  # noqa: E402
 from exogym import Trainer  # noqa: E402
-from exogym.report import human_bytes  # noqa: E402
+from exogym.report.summary import human_bytes  # noqa: E402
 from exogym.strategy import DiLoCoStrategy, Strategy  # noqa: E402
 
 

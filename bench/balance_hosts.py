@@ -124,7 +124,7 @@ from netbed import (  # noqa: E402
     worker_pid,
 )
 
-from exogym.io import atomic_write_json  # noqa: E402
+from exogym.base.io import atomic_write_json  # noqa: E402
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000

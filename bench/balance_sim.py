@@ -5,7 +5,7 @@ Run from the project root::
     python bench/balance_sim.py                  # 200 steps of each run
     python bench/balance_sim.py --steps 100 --repeat 3
 
-Two simulated ranks on the digits task (:mod:`exogym.digits`, a small CNN),
+Two simulated ranks on the digits task (:mod:`exogym.data.digits`, a small CNN),
 ``rank_speeds=[1.0, 0.5]`` with ``speed_mode='wall'``: the slow rank really
 takes twice as long, sleeping off its extra time after each step. Four runs:
 
@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from exogym import Trainer  # noqa: E402
-from exogym.digits import DigitsCNN, digits_datasets  # noqa: E402
+from exogym.data.digits import DigitsCNN, digits_datasets  # noqa: E402
 from exogym.strategy import DiLoCoStrategy, SimpleReduceStrategy  # noqa: E402
 
 SPEEDS = [1.0, 0.5]

@@ -27,9 +27,9 @@ from rich.console import Console
 from rich.table import Table
 
 from exogym import Trainer
-from exogym.digits import DigitsCNN, DigitsMLP, digits_datasets
-from exogym.quantize import payload_bytes
-from exogym.report import human_bytes
+from exogym.comm.quantize import payload_bytes
+from exogym.data.digits import DigitsCNN, DigitsMLP, digits_datasets
+from exogym.report.summary import human_bytes
 from exogym.strategy import (
     DeMoStrategy,
     DiLoCoStrategy,

@@ -103,7 +103,7 @@ from project_speedup import (  # noqa: E402
     validation_rows,
 )
 
-from exogym.io import atomic_write_bytes, atomic_write_json, atomic_write_text  # noqa: E402
+from exogym.base.io import atomic_write_bytes, atomic_write_json, atomic_write_text  # noqa: E402
 
 FORMAT = "exogym-multihost/1"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

@@ -161,7 +161,7 @@ def child(argv: list[str]) -> None:
     started = time.perf_counter()
     if args.which == "ours":
         from exogym import Trainer
-        from exogym.memory import RUNTIME_BYTES
+        from exogym.run.memory import RUNTIME_BYTES
         from exogym.strategy import DiLoCoStrategy
 
         trainer = Trainer(model, train, val, device="cpu")
@@ -202,7 +202,7 @@ def activation_bytes(model: Any, train: Any, batch_size: int) -> int:
     gradients."""
     import torch
 
-    from exogym.memory import measure_peak
+    from exogym.run.memory import measure_peak
 
     batch = tuple(torch.stack(parts) for parts in zip(*(train[i] for i in range(batch_size))))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -216,7 +216,7 @@ def budget_child(argv: list[str]) -> None:
     model_name, result = argv
 
     from distributed.profiles.profile import load_profile
-    from exogym.memory import account_state
+    from exogym.run.memory import account_state
 
     runtime = _rss_bytes()
     overrides = {**MODELS[model_name], "block_size": HOSTS["block_size"],
@@ -535,9 +535,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.gym is not None:
         if not (args.gym / "exogym" / "trainer.py").is_file():
-            raise SystemExit(f"--gym {args.gym}: no exogym/trainer.py there; clone "
+            raise SystemExit(f"--gym {args.gym}: no exogym/run/trainer.py there; clone "
                              "https://github.com/exo-explore/gym and give its folder")
-        tried = subprocess.run([sys.executable, "-c", "import exogym.trainer"], cwd=ROOT,
+        tried = subprocess.run([sys.executable, "-c", "import exogym.run.trainer"], cwd=ROOT,
                                env=dict(os.environ, PYTHONPATH=str(args.gym)),
                                capture_output=True, text=True)
         if tried.returncode != 0:

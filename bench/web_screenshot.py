@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from exogym.io import atomic_write_bytes  # noqa: E402 - after the path is set
+from exogym.base.io import atomic_write_bytes  # noqa: E402 - after the path is set
 
 CHROMEDRIVER = "/usr/bin/chromedriver"
 #: A small digits run (three ranks, DiLoCo) long enough to watch for a while.

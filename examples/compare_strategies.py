@@ -24,9 +24,9 @@ from rich.console import Console
 from rich.table import Table
 
 from exogym import Trainer
-from exogym.digits import DigitsMLP, digits_datasets, evaluate
-from exogym.io import atomic_write_bytes
-from exogym.report import human_bytes
+from exogym.base.io import atomic_write_bytes
+from exogym.data.digits import DigitsMLP, digits_datasets, evaluate
+from exogym.report.summary import human_bytes
 from exogym.strategy import (
     DeMoStrategy,
     DiLoCoStrategy,

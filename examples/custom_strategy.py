@@ -22,8 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from exogym import Trainer
-from exogym.digits import DigitsMLP, digits_datasets, evaluate
-from exogym.report import human_bytes
+from exogym.data.digits import DigitsMLP, digits_datasets, evaluate
+from exogym.report.summary import human_bytes
 from exogym.strategy import SimpleReduceStrategy, Strategy
 from exogym.strategy.communicate import all_gather
 

@@ -28,9 +28,9 @@ from rich.console import Console
 from rich.table import Table
 
 from exogym import Trainer
-from exogym.digits import DigitsMLP, digits_datasets, evaluate
-from exogym.partition import dataset_labels, label_histogram, split_by_label
-from exogym.report import human_bytes
+from exogym.data.digits import DigitsMLP, digits_datasets, evaluate
+from exogym.data.partition import dataset_labels, label_histogram, split_by_label
+from exogym.report.summary import human_bytes
 from exogym.strategy import DiLoCoStrategy, FedAvgStrategy, SimpleReduceStrategy, Strategy
 
 LR = 3e-3

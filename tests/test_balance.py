@@ -24,19 +24,19 @@ from torch.utils.data import IterableDataset, TensorDataset
 from toys import TinyNet, tiny_model, toy_dataset
 
 from exogym import Trainer
-from exogym import balance as balance_module
-from exogym.balance import Balancer, batch_shares, round_shares
-from exogym.checkpoint import checkpoint_path
-from exogym.fit_args import FitArgs, RunArgs
-from exogym.report import RunReporter
-from exogym.spec import Placement, make_run_spec
+from exogym.config.fit_args import FitArgs, RunArgs
+from exogym.report.summary import RunReporter
+from exogym.run import balance as balance_module
+from exogym.run.balance import Balancer, batch_shares, round_shares
+from exogym.run.checkpoint import checkpoint_path
+from exogym.run.spec import Placement, make_run_spec
+from exogym.run.train_node import TrainNode
 from exogym.strategy import (
     DiLoCoStrategy,
     FedAvgStrategy,
     OptimSpec,
     SimpleReduceStrategy,
 )
-from exogym.train_node import TrainNode
 
 SPEEDS = [1.0, 0.5]
 CLOCK = dict(rank_speeds=SPEEDS, speed_mode="clock", compute_time_s=0.1)

@@ -7,7 +7,7 @@ import torch
 from toys import BNNet, CrashAt, assert_models_close, tiny_model, toy_dataset
 
 from exogym import RankFailedError, Trainer
-from exogym.checkpoint import (
+from exogym.run.checkpoint import (
     CheckpointError,
     checkpoint_path,
     list_steps,
@@ -110,7 +110,7 @@ def test_checkpoints_carry_the_run_identity_and_resume_refuses_another_runs(tmp_
 
 
 def test_run_identity_must_be_a_dict_of_json_values():
-    from exogym.fit_args import RunArgs
+    from exogym.config.fit_args import RunArgs
 
     with pytest.raises(TypeError, match="run_identity must be a dict"):
         RunArgs(strategy=strategy(), run_identity="abc")
@@ -122,7 +122,7 @@ def test_the_final_model_file_is_safetensors_written_tensor_by_tensor(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from exogym.io import atomic_save_safetensors
+    from exogym.base.io import atomic_save_safetensors
 
     shared = torch.randn(3, 4)
     state = {"w": shared, "tied": shared,  # two names, one memory

@@ -24,8 +24,8 @@ from typer.testing import CliRunner
 from cli_typer import app
 from distributed.app.run import TrainRequest, train_command, worker_command
 from distributed.launch.launcher import Launcher, RankProgram
-from exogym.digits import digits_datasets
-from exogym.partition import dataset_labels, label_histogram, split_by_label
+from exogym.data.digits import digits_datasets
+from exogym.data.partition import dataset_labels, label_histogram, split_by_label
 
 runner = CliRunner()
 

@@ -187,7 +187,7 @@ def test_only_the_comm_package_touches_torch_distributed():
 def _side_channel_rank(rank: int, port: int, results) -> None:
     import os
 
-    from exogym.averaging import average_across_ranks
+    from exogym.comm.averaging import average_across_ranks
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     store = comm.open_store("127.0.0.1", port, is_master=rank == 0, world_size=2, timeout_s=60)

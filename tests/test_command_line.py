@@ -136,7 +136,7 @@ def test_top_level_help_lists_every_command_with_its_whole_summary():
 
 
 def test_plural_counts_one_thing_or_many():
-    from exogym.plural import plural, plural_noun
+    from exogym.base.plural import plural, plural_noun
 
     assert [plural(n, "rank") for n in (0, 1, 2)] == ["0 ranks", "1 rank", "2 ranks"]
     assert plural(1, "process") == "1 process" and plural(3, "process") == "3 processes"
@@ -160,7 +160,7 @@ def _fstring_hedges(path: Path) -> list[str]:
 
 
 def test_no_message_hedges_a_count_with_s_in_parentheses():
-    """Counts go through exogym.plural: "1 rank", "3 ranks", never "rank(s)"."""
+    """Counts go through exogym.base.plural: "1 rank", "3 ranks", never "rank(s)"."""
     files = [ROOT / "cli_typer.py", ROOT / "wizard.py",
              *sorted((ROOT / "distributed").rglob("*.py")), *sorted((ROOT / "exogym").rglob("*.py"))]
     hedges = [hit for path in files for hit in _fstring_hedges(path)]
@@ -236,11 +236,11 @@ def test_a_long_line_written_to_a_pipe_is_not_broken(tmp_path):
 
 
 def test_output_console_off_a_terminal_keeps_lines_whole_and_rules_short():
-    code = ("from exogym.terminal import output_console\n"
+    code = ("from exogym.base.terminal import output_console\n"
             "c = output_console()\n"
             "c.print('word ' * 60)\n"
             "c.rule('heading')\n"
-            "from exogym.report import RunReporter\n"
+            "from exogym.report.summary import RunReporter\n"
             "print(RunReporter(2).console.width > 1000)\n")
     done = piped("-c", code)
     assert done.returncode == 0, done.stderr

@@ -62,7 +62,7 @@ def test_mps_ranks_stage_through_the_cpu_and_match_cpu():
 
 
 def test_device_none_picks_the_best_available():
-    from exogym.devices import best_device_type, resolve_devices
+    from exogym.run.devices import best_device_type, resolve_devices
 
     kind, _ = resolve_devices(None, None)
     assert kind == best_device_type()

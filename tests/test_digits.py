@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exogym.digits import DigitsCNN, DigitsMLP, digits_datasets, evaluate
+from exogym.data.digits import DigitsCNN, DigitsMLP, digits_datasets, evaluate
 
 
 def test_digits_split_is_seeded_disjoint_and_complete():
@@ -50,13 +50,13 @@ def test_the_digits_are_read_from_scikit_learns_file_without_importing_it():
 
     from sklearn.datasets import load_digits
 
-    from exogym.digits import load_digits_tensors
+    from exogym.data.digits import load_digits_tensors
 
     x, y = load_digits_tensors()
     data = load_digits()
     assert torch.equal(x, torch.tensor(data.data, dtype=torch.float32) / 16.0)
     assert torch.equal(y, torch.tensor(data.target, dtype=torch.long))
-    probe = ("import sys; from exogym.digits import load_digits_tensors; "
+    probe = ("import sys; from exogym.data.digits import load_digits_tensors; "
              "load_digits_tensors(); print('sklearn' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True)

@@ -23,8 +23,8 @@ from distributed.launch.options import LaunchOptions
 from distributed.profiles.profile import launch_key_problems
 from distributed.rank.environment import rank_environment
 from exogym import comm
-from exogym.comm.elastic import ElasticGroups
-from exogym.elastic import (
+from exogym.comm.elastic_groups import ElasticGroups
+from exogym.membership.hosts import (
     ElasticMembership,
     MembershipStop,
     RankDropped,
@@ -134,10 +134,10 @@ def test_a_16_mib_tensor_is_all_reduced_and_handed_over_point_to_point(store, mo
                                                                          chunk_bytes):
     """Real transports carry any size: no tensor goes through the store. In 1 MiB chunks
     the hand-over keeps several in flight, each copied in at its place."""
-    import exogym.comm.elastic
+    import exogym.comm.elastic_groups
 
     if chunk_bytes is not None:
-        monkeypatch.setattr(exogym.comm.elastic, "CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(exogym.comm.elastic_groups, "CHUNK_BYTES", chunk_bytes)
     ws = worlds(store)
     n = 4 << 20  # 16 MiB of float32
 
@@ -292,7 +292,7 @@ def test_the_dashboards_show_lost_and_rejoining_hosts_and_record_the_membership(
 
 
 def _events(log_path):
-    from exogym.metrics import decode_line
+    from exogym.report.metrics import decode_line
 
     return [e for e in map(decode_line, log_path.read_text().splitlines()) if e is not None]
 
@@ -413,7 +413,7 @@ def test_a_rank_whose_program_fails_three_times_is_not_started_again(tmp_path):
 
 
 def test_a_rank_that_loses_the_launcher_s_store_says_it_lost_the_master():
-    from exogym.rank import PeerWatch, Rendezvous
+    from exogym.run.run_rank import PeerWatch, Rendezvous
 
     port = free_port()
     server = comm.open_store("127.0.0.1", port, is_master=True, world_size=None)
@@ -479,7 +479,7 @@ def test_a_lost_rank_that_acknowledges_after_the_run_ended_is_not_shown_rejoinin
     from types import SimpleNamespace
 
     from distributed.launch.elastic import ElasticAttempt
-    from exogym import elastic
+    from exogym.membership import hosts as elastic
 
     declare_lost(store, 1, "no heartbeat")
     store.set(key("ready", 1), "1")

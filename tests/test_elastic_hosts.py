@@ -5,7 +5,7 @@ Rank 0 runs on this machine (127.0.0.1), rank 1 logs in to the test sshd on
 tests switch off and on as a machine that goes away. With ``min_nodes`` the
 launcher hosts the run's store, declares lost ranks, probes their hosts and
 starts them again; the ranks carry on among themselves and take a returning
-rank back at the next round (:mod:`exogym.elastic`).
+rank back at the next round (:mod:`exogym.membership.hosts`).
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def test_min_nodes_stops_cleanly_naming_the_host_and_resume_continues(sshd, thir
     survivors = {r.rank: r for r in result.ranks}
     assert survivors[0].exit_code == 1 and survivors[1].exit_code == 1, text
     assert "fewer than min_nodes" in "\n".join(survivors[0].last_lines)
-    from exogym.checkpoint import list_steps
+    from exogym.run.checkpoint import list_steps
     root = out / "checkpoints" / "digits-diloco"
     common = set(list_steps(root, 0)) & set(list_steps(root, 1)) & set(list_steps(root, 2))
     assert common, "no checkpoint every rank has"
@@ -346,7 +346,7 @@ def test_when_the_master_dies_every_rank_stops_and_resume_continues(sshd, third,
     env = {**os.environ, "CI": "true"}
     cli = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT)
-    from exogym.checkpoint import list_steps
+    from exogym.run.checkpoint import list_steps
     root = out / "checkpoints" / "digits-diloco"
     deadline = time.monotonic() + 180
     while not all(2000 in list_steps(root, r) for r in range(3)):

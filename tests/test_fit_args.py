@@ -12,8 +12,8 @@ import pytest
 from toys import tiny_model, toy_dataset
 
 from exogym import Trainer
-from exogym.fit_args import FitArgs, RunArgs, fit_arg_names, profile_keys
-from exogym.spec import Placement, make_run_spec
+from exogym.config.fit_args import FitArgs, RunArgs, fit_arg_names, profile_keys
+from exogym.run.spec import Placement, make_run_spec
 from exogym.strategy import SimpleReduceStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def test_profile_run_keys_are_the_fit_arguments_a_profile_may_set():
 
 
 def test_checking_fit_arguments_and_reading_profile_keys_import_no_torch():
-    code = ("import sys; from exogym.fit_args import FitArgs; "
+    code = ("import sys; from exogym.config.fit_args import FitArgs; "
             "import distributed.profiles.profile as p; "
             "FitArgs(strategy=object(), batch_size=8, device='cuda'); "
             "print('torch' in sys.modules)")
@@ -104,3 +104,45 @@ def test_run_config_holds_every_run_argument_and_what_was_resolved():
     assert set(config) == run_names | {"device_type", "model", "trainable_parameters"}
     assert config["strategy"]["strategy"] == "SimpleReduceStrategy"
     assert config["device_type"] == "cpu"
+
+
+# --- fit's arguments as editors and type checkers see them ---------------------------------------
+
+
+def test_the_typed_keywords_of_fit_are_generated_from_the_one_definition():
+    from pathlib import Path
+
+    from exogym.config.fit_args import FIT_KWARGS_MODULE, fit_kwargs_source
+
+    written = (Path(__file__).resolve().parents[1] / FIT_KWARGS_MODULE).read_text()
+    assert written == fit_kwargs_source(), (
+        f"{FIT_KWARGS_MODULE} is out of date: run python -m exogym.config.fit_args")
+
+
+def test_a_type_checker_reports_a_misspelled_fit_argument_in_a_user_script(tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy is not installed (it comes with the dev extra)")
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "mypy.ini").write_text(
+        "[mypy]\nfollow_imports = silent\nignore_missing_imports = True\n"
+        "[mypy-torch.*]\nfollow_imports = skip\n")
+    script = tmp_path / "user.py"
+    script.write_text(
+        "from exogym import Trainer\n"
+        "from exogym.strategy import DiLoCoStrategy\n\n\n"
+        "def main(trainer: Trainer) -> None:\n"
+        "    trainer.fit(strategy=DiLoCoStrategy(H=10), num_nodes=2, max_steps=5)\n"
+        "    trainer.fit(strategy=DiLoCoStrategy(H=10), num_nodes=2, max_step=5)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(tmp_path / "mypy.ini"),
+         "--cache-dir", str(tmp_path / "cache"), str(script)],
+        cwd=root, capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1, done.stdout + done.stderr
+    assert 'user.py:7: error: Unexpected keyword argument "max_step" for "fit"' in errors[0]
+    assert 'did you mean "max_steps"' in errors[0]

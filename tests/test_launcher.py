@@ -49,7 +49,7 @@ from distributed.launch.launcher import (
 )
 from distributed.launch.progress import ProgressWatch
 from distributed.launch.script import run_script_on_hosts
-from exogym.metrics import METRIC_PREFIX
+from exogym.report.metrics import METRIC_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from exogym import Trainer
-from exogym.membership import Membership
+from exogym.membership.simulated import Membership
 from exogym.strategy import (
     DiLoCoStrategy,
     FedAvgStrategy,
@@ -172,7 +172,7 @@ def test_the_returning_rank_takes_the_simulated_clock_of_the_others():
 
 
 def test_a_handed_over_state_sends_a_repeated_tensor_once_and_rebuilds_it_unshared():
-    from exogym.handover import BUCKET_BYTES, _buckets, flatten_tensors, unflatten_tensors
+    from exogym.membership.handover import BUCKET_BYTES, _buckets, flatten_tensors, unflatten_tensors
 
     weight = torch.randn(4, 3)
     state = {"model": {"w": weight, "n": torch.tensor(7, dtype=torch.int64)},
@@ -192,7 +192,7 @@ def test_a_handed_over_state_sends_a_repeated_tensor_once_and_rebuilds_it_unshar
 
 
 def test_a_joiner_takes_the_handed_state_into_its_own_tensors():
-    from exogym.handover import _targets, flatten_tensors, unflatten_tensors
+    from exogym.membership.handover import _targets, flatten_tensors, unflatten_tensors
 
     weight = torch.randn(256, 64)
     sent = {"model": {"w": weight}, "strategy": {"master": [weight.clone()],

@@ -7,7 +7,7 @@ import torch
 from toys import tiny_model, toy_dataset, trainable_count
 
 from exogym import Trainer
-from exogym.data import dirichlet_partition
+from exogym.data.partition import dirichlet_partition
 from exogym.strategy import FedAvgStrategy, OptimSpec, SimpleReduceStrategy
 
 FIT = dict(batch_size=16, val_size=0, logger=None, progress=False)

@@ -151,7 +151,7 @@ def test_network_driver_checks_values_but_leaves_the_device_to_the_hosts():
 
 def test_network_driver_refuses_an_unknown_launcher_option_when_built():
     from distributed import NetworkTrainer
-    from exogym.digits import DigitsMLP
+    from exogym.data.digits import DigitsMLP
 
     hosts = {"master": "127.0.0.1", "workers": ["127.0.0.2"], "python_env": sys.executable,
              "project_path": str(ROOT)}

@@ -47,7 +47,7 @@ def test_packed_ranks_train_as_one_process_per_rank(make):
 
 
 def test_more_ranks_than_cores_are_packed_by_default():
-    from exogym.devices import available_cores
+    from exogym.run.devices import available_cores
 
     cores = available_cores()
     trainer, model = run(DiLoCoStrategy(H=3), num_nodes=cores + 2, max_steps=3)
@@ -110,7 +110,7 @@ def test_processes_is_checked_before_any_rank_starts(monkeypatch):
 
 
 def test_an_average_taken_in_parts_equals_one_taken_at_once():
-    from exogym.averaging import average_of_sums, average_state_dicts, state_sums
+    from exogym.comm.averaging import average_of_sums, average_state_dicts, state_sums
 
     g = torch.Generator().manual_seed(0)
     states = [{"w": torch.randn(3, 4, generator=g), "n": torch.tensor(i * 3, dtype=torch.int64),

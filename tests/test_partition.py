@@ -9,10 +9,10 @@ import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
 from exogym import Trainer
-from exogym.data import MinibatchStream
-from exogym.digits import DigitsMLP, digits_datasets
-from exogym.fit_args import parse_partition
-from exogym.partition import dataset_labels, label_histogram, split_by_label
+from exogym.config.parsers import parse_partition
+from exogym.data.digits import DigitsMLP, digits_datasets
+from exogym.data.loading import MinibatchStream
+from exogym.data.partition import dataset_labels, label_histogram, split_by_label
 from exogym.strategy import DiLoCoStrategy
 
 
@@ -166,7 +166,7 @@ def test_a_factory_cannot_be_partitioned(digits):
 def test_iid_shards_are_the_distributed_samplers(n, ranks):
     from torch.utils.data import DistributedSampler
 
-    from exogym.data import shard_indices
+    from exogym.data.loading import shard_indices
 
     for shuffle in (True, False):
         for epoch in (0, 3):

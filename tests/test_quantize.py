@@ -12,8 +12,7 @@ import torch
 from ranks import free_port
 
 from exogym import comm
-from exogym.comm.shared_memory import SharedMemoryCollectives
-from exogym.quantize import (
+from exogym.comm.quantize import (
     DTYPES,
     dequantize,
     from_bytes,
@@ -21,6 +20,7 @@ from exogym.quantize import (
     quantize,
     to_bytes,
 )
+from exogym.comm.shared_memory import SharedMemoryCollectives
 from exogym.strategy.facts import quantized_payload_bytes, value_bytes_of
 
 CTX = mp.get_context("fork")
@@ -365,7 +365,7 @@ def test_diloco_error_feedback_resumes_exactly_from_a_checkpoint(tmp_path):
     from toys import assert_models_close, toy_dataset
 
     from exogym import RankFailedError, Trainer
-    from exogym.checkpoint import checkpoint_path, load_checkpoint
+    from exogym.run.checkpoint import checkpoint_path, load_checkpoint
     from exogym.strategy import DiLoCoStrategy
 
     ds = toy_dataset(96)
@@ -397,7 +397,7 @@ def test_the_planner_predicts_the_quantized_payload_as_an_all_gather():
     assert traffic.payload == payload_bytes(10_016, "int4") / 10
     assert traffic.bytes_sent == allgather_bytes(payload_bytes(10_016, "int4"), 4) / 10
     assert traffic.collective == "all-gather"
-    with pytest.raises(ValueError, match="demo sends its coefficients in a float type"):
+    with pytest.raises(ValueError, match="DeMo sends its top-k coefficients in a float type"):
         step_traffic("demo", 100, 2, demo_payload=10.0, comm_dtype="int8")
 
 

@@ -82,8 +82,8 @@ def test_a_packed_simulation_of_a_23m_model_ends_with_the_unpacked_model(num_nod
 
 
 def test_a_run_too_large_for_this_machine_is_refused_before_any_rank_starts(monkeypatch):
-    import exogym.memory
-    from exogym.memory import RUNTIME_BYTES, account_state, gib
+    import exogym.run.memory
+    from exogym.run.memory import RUNTIME_BYTES, account_state, gib
 
     model, train, val = gpt_task(block_size=32, tokens=30000)
     state = account_state(model, DiLoCoStrategy(H=2), 8)
@@ -92,7 +92,7 @@ def test_a_run_too_large_for_this_machine_is_refused_before_any_rank_starts(monk
     assert (state.parameters, state.gradients) == (params, params)
     assert 0 <= state.optimizer - 2 * params < 4096  # and Adam's step counters
     assert (state.strategy, state.shared) == (0, 2 * params)  # the deltas use the parameters
-    monkeypatch.setattr(exogym.memory, "available_memory", lambda: 2 * 2**30)
+    monkeypatch.setattr(exogym.run.memory, "available_memory", lambda: 2 * 2**30)
     trainer = Trainer(model, train, val)
     with pytest.raises(ValueError) as refused:
         trainer.fit(strategy=DiLoCoStrategy(H=2), num_nodes=8, max_steps=2, batch_size=2,
@@ -203,9 +203,9 @@ def test_a_23m_model_through_torchrun_and_over_ssh_equals_the_simulation(sshd, t
 
 CHECKPOINT_PEAKS = r"""
 import json, sys, torch
-from exogym.checkpoint import load_checkpoint, save_checkpoint
-from exogym.io import atomic_save_safetensors
-from exogym.memory import _reset_cpu_peak, _rss_kib
+from exogym.run.checkpoint import load_checkpoint, save_checkpoint
+from exogym.base.io import atomic_save_safetensors
+from exogym.run.memory import _reset_cpu_peak, _rss_kib
 from distributed.tasks.tokens import gpt_task
 model, _, _ = gpt_task(block_size=32, tokens=30000)
 optim = torch.optim.AdamW(model.parameters())
@@ -250,7 +250,7 @@ def test_a_checkpoint_and_the_final_model_stream_to_and_from_their_files(tmp_pat
     assert figures["loading"] < 1.2 * figures["bytes"], figures
     assert figures["final"] < 0.05 * figures["bytes"], figures
     final = load_file(tmp_path / "model.safetensors")
-    from exogym.checkpoint import load_checkpoint
+    from exogym.run.checkpoint import load_checkpoint
     loaded = load_checkpoint(tmp_path / "rank0" / "step00000001.ckpt")
     model, _, _ = gpt_task(block_size=32, tokens=30000)
     assert loaded["model"].keys() == model.state_dict().keys() == final.keys()

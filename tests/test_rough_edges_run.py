@@ -364,7 +364,7 @@ def test_the_run_totals_are_computed_from_the_rank_rows():
     from rich.console import Console
 
     from distributed.app.dashboard import Dashboard
-    from exogym.report import summarize
+    from exogym.report.summary import summarize
 
     text = StringIO()
     dashboard = Dashboard(2, console=Console(file=text, width=200), live=False)

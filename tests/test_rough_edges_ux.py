@@ -66,10 +66,10 @@ _WRITE_EVERY_KIND = r"""
 import os, stat, sys, json
 from pathlib import Path
 import torch
-from exogym.io import (atomic_write_text, atomic_write_json, atomic_write_bytes,
+from exogym.base.io import (atomic_write_text, atomic_write_json, atomic_write_bytes,
                        atomic_torch_save, atomic_save_safetensors, new_temp_dir_beside,
                        publish_dir)
-from exogym.checkpoint import save_checkpoint
+from exogym.run.checkpoint import save_checkpoint
 from distributed.profiles.setup_files import write_with_backup
 from distributed.app.compare import plot_comparison, StrategyResult
 out = Path(sys.argv[1])
@@ -288,7 +288,7 @@ def test_live_table_title_and_log_lines_show_the_time_left_from_the_recent_step_
 def test_validation_accuracy_shows_in_the_live_table_the_lines_and_the_summaries():
     from rich.console import Console
 
-    from exogym.report import RunReporter
+    from exogym.report.summary import RunReporter
 
     clock = _Clock()
     dashboard, out = _dashboard(clock)

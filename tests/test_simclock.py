@@ -8,8 +8,8 @@ import pytest
 
 from distributed.planning.projection import predict_step_time
 from exogym import Network, Trainer
-from exogym.digits import DigitsMLP, digits_datasets
-from exogym.network import parse_rate
+from exogym.data.digits import DigitsMLP, digits_datasets
+from exogym.sim.network import parse_rate
 from exogym.strategy import (
     DiLoCoStrategy,
     SimpleReduceStrategy,

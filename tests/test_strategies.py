@@ -293,13 +293,13 @@ def test_at_a_round_end_the_ranks_are_identical_and_the_average_model_is_each_ra
 def refuse_any_start(monkeypatch):
     """Make every path past the strategies' checks fail the test: the memory accounting
     (which sets a strategy up on a meta copy) and the start of the ranks."""
-    import exogym.trainer
+    import exogym.run.trainer
 
     def started(*args, **kwargs):
         raise AssertionError("the run got past the strategy's checks")
 
-    monkeypatch.setattr(exogym.trainer, "check_memory", started)
-    monkeypatch.setattr(exogym.trainer.Trainer, "_execute", started)
+    monkeypatch.setattr(exogym.run.trainer, "check_memory", started)
+    monkeypatch.setattr(exogym.run.trainer.Trainer, "_execute", started)
 
 
 def test_streaming_diloco_with_more_fragments_than_layers_is_refused_before_any_rank_starts(
@@ -344,3 +344,20 @@ def test_a_scheduler_class_is_checked_with_its_arguments_when_the_strategy_is_ma
         SimpleReduceStrategy(lr_scheduler=dict)
     made = SimpleReduceStrategy(lr_scheduler=step_lr, lr_scheduler_kwargs={"step_size": 3})
     assert made.lr_scheduler is step_lr
+
+
+def test_the_diloco_family_shares_one_outer_optimizer_spec():
+    """DiLoCo, SPARTA-DiLoCo and Streaming DiLoCo read their outer arguments through one spec."""
+    from exogym.strategy import StreamingDiLoCoStrategy
+    from exogym.strategy.outer import OuterOptimizer
+
+    classes = (DiLoCoStrategy, SPARTADiLoCoStrategy, StreamingDiLoCoStrategy)
+    expected = OuterOptimizer(None, 0.5, 0.8, False).optim_spec()
+    for cls in classes:
+        built = cls(outer_lr=0.5, outer_momentum=0.8, nesterov=False).outer_optim_spec
+        assert (built.cls, built.kwargs) == (expected.cls, expected.kwargs), cls.__name__
+        with pytest.raises(TypeError, match=rf"^{cls.__name__}: give outer_optim_spec= or "
+                                            r"outer_optim=, not both$"):
+            cls(outer_optim_spec="sgd", outer_optim="adam")
+        adam = cls(outer_optim="adam", outer_lr=0.01).outer_optim_spec
+        assert adam.cls is torch.optim.Adam and adam.kwargs["lr"] == 0.01, cls.__name__

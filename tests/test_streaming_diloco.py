@@ -13,15 +13,15 @@ from toys import BNNet, CrashAt, assert_models_close, assert_models_differ, tiny
 from distributed.profiles.profile import parse_overrides
 from distributed.rank.worker import run_profile
 from exogym import RankFailedError, Trainer, comm
-from exogym.checkpoint import checkpoint_path, list_steps, load_checkpoint
+from exogym.run.checkpoint import checkpoint_path, list_steps, load_checkpoint
 from exogym.strategy import (
     CommunicateOptimizeStrategy,
     DiLoCoStrategy,
     OptimSpec,
     StreamingDiLoCoStrategy,
 )
-from exogym.strategy.diloco import outer_spec
 from exogym.strategy.facts import fragment_offset, streaming_sync_bytes
+from exogym.strategy.outer import OuterOptimizer
 from exogym.strategy.streaming_diloco import StreamingDiLoCoCommunicator, model_layers
 
 FIT = dict(batch_size=16, val_size=0, shuffle=False, logger=None, progress=False)
@@ -67,7 +67,7 @@ def test_fragments_stride_over_the_layers_and_cover_the_model():
     model = deep()
     layers = model_layers(model)
     assert len(layers) == 5
-    module = StreamingDiLoCoCommunicator(6, 2, outer_spec(None, 0.7, 0.9, True))
+    module = StreamingDiLoCoCommunicator(6, 2, OuterOptimizer().optim_spec())
     module._init_node(model, 0, 1)
     first, second = module.fragments
     weights = [layer.weight for layer in model.layers]
@@ -90,7 +90,7 @@ def test_bad_settings_fail_before_training_naming_the_value():
         StreamingDiLoCoStrategy(H=4, num_fragments=5)
     with pytest.raises(ValueError, match="error_feedback"):
         StreamingDiLoCoStrategy(H=4, num_fragments=2, error_feedback=True)
-    module = StreamingDiLoCoCommunicator(8, 3, outer_spec(None, 0.7, 0.9, True))
+    module = StreamingDiLoCoCommunicator(8, 3, OuterOptimizer().optim_spec())
     with pytest.raises(ValueError, match="num_fragments=3 is more than the model's 2 layers"):
         module._init_node(tiny_model(), 0, 1)
 
@@ -119,7 +119,7 @@ def per_step_bytes(trainer, rank=0):
 def test_each_sync_sends_exactly_its_fragment(dtype):
     H, F_ = 6, 3
     model = deep()
-    module = StreamingDiLoCoCommunicator(H, F_, outer_spec(None, 0.7, 0.9, True))
+    module = StreamingDiLoCoCommunicator(H, F_, OuterOptimizer().optim_spec())
     module._init_node(model, 0, 1)
     sizes = [f.numel for f in module.fragments]
     trainer, _ = fit(deep(), streaming(H=H, num_fragments=F_, comm_dtype=dtype), 12, nodes=2)
@@ -163,7 +163,7 @@ class Checked(StreamingDiLoCoCommunicator):
 
 
 def test_after_each_fragment_update_without_delay_the_ranks_agree_and_are_finite():
-    module = Checked(4, 2, outer_spec(None, 0.7, 0.9, True))
+    module = Checked(4, 2, OuterOptimizer().optim_spec())
     strategy = CommunicateOptimizeStrategy([module], optim_spec="adam", lr=0.01)
     _, final = fit(deep(), strategy, 10, ds=toy_dataset(96))
     assert all(torch.isfinite(p).all() for p in final.parameters())

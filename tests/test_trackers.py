@@ -29,7 +29,7 @@ from cli_typer import app
 from distributed.app.compare import plan_comparison
 from distributed.app.run import logger_override
 from exogym import Trainer
-from exogym.logger import TensorBoardLogger, make_logger
+from exogym.report.loggers import TensorBoardLogger, make_logger
 from exogym.strategy import SimpleReduceStrategy
 
 runner = CliRunner()

@@ -16,8 +16,8 @@ from torch.utils.data import TensorDataset
 from toys import TinyNet, tiny_model, toy_dataset
 
 from exogym import LocalTrainer, RankFailedError, Trainer
-from exogym.averaging import average_state_dicts
-from exogym.logger import CSVLogger, WandbLogger
+from exogym.comm.averaging import average_state_dicts
+from exogym.report.loggers import CSVLogger, WandbLogger
 from exogym.strategy import DiLoCoStrategy, FedAvgStrategy, OptimSpec, SimpleReduceStrategy
 from exogym.strategy.strategy import lr_factor
 
@@ -312,9 +312,9 @@ def test_wandb_logger_names_the_extra_when_wandb_is_missing(monkeypatch):
 
 
 def test_minibatch_auto_picks_the_largest_that_fits_and_trains():
-    from exogym.fit_args import RunArgs
-    from exogym.memory import probe_minibatch
-    from exogym.spec import make_run_spec
+    from exogym.config.fit_args import RunArgs
+    from exogym.run.memory import probe_minibatch
+    from exogym.run.spec import make_run_spec
 
     ds = toy_dataset()
     common = dict(strategy=SimpleReduceStrategy(), num_nodes=2, num_epochs=1, max_steps=2,
@@ -339,10 +339,10 @@ def test_minibatch_auto_counts_only_the_ranks_on_this_machine():
     """A host running 1 rank of 64 may use the memory 64 simulated ranks must share."""
     import dataclasses
 
-    from exogym.devices import rank_device
-    from exogym.fit_args import RunArgs
-    from exogym.memory import probe_minibatch, total_memory
-    from exogym.spec import Placement, make_run_spec
+    from exogym.config.fit_args import RunArgs
+    from exogym.run.devices import rank_device
+    from exogym.run.memory import probe_minibatch, total_memory
+    from exogym.run.spec import Placement, make_run_spec
 
     ds = toy_dataset()
     spec = make_run_spec(tiny_model(), ds, ds, RunArgs(
@@ -361,7 +361,7 @@ def test_minibatch_auto_counts_only_the_ranks_on_this_machine():
 
 
 def test_threads_per_rank_default_to_cores_shared():
-    from exogym.devices import default_threads
+    from exogym.run.devices import default_threads
 
     cores = len(os.sched_getaffinity(0))
     assert default_threads(1) == cores
@@ -416,8 +416,8 @@ def test_torch_scheduler_class_is_honoured():
 
 def _two_cpu_ranks(ds):
     """The spec and placement of two CPU ranks on this machine, for the fork checks."""
-    from exogym.fit_args import RunArgs
-    from exogym.spec import Placement, make_run_spec
+    from exogym.config.fit_args import RunArgs
+    from exogym.run.spec import Placement, make_run_spec
 
     spec = make_run_spec(tiny_model(), ds, ds, RunArgs(
         strategy=SimpleReduceStrategy(), num_nodes=2, num_epochs=1,
@@ -434,7 +434,7 @@ def test_ranks_are_forked_only_while_no_other_thread_runs():
     # A lock another thread holds at a fork stays held in the child forever (glibc's
     # resolver lock once hung a rank): with a second thread alive, ranks come from
     # the fork server instead.
-    from exogym.trainer import _can_fork, _library_threads
+    from exogym.run.trainer import _can_fork, _library_threads
 
     ds = toy_dataset()
     spec, placement = _two_cpu_ranks(ds)
@@ -463,7 +463,7 @@ def test_ranks_are_not_forked_while_a_library_thread_runs():
 
     import torch.distributed as dist
 
-    from exogym.trainer import _can_fork, _library_threads
+    from exogym.run.trainer import _can_fork, _library_threads
 
     ds = toy_dataset()
     spec, placement = _two_cpu_ranks(ds)
@@ -490,7 +490,7 @@ class Pipe:
 
 
 def test_rank_events_travel_in_batches_in_order_and_never_wait_behind_other_events(monkeypatch):
-    import exogym.trainer as trainer_module
+    import exogym.run.trainer as trainer_module
 
     clock = [100.0]
     monkeypatch.setattr(trainer_module.time, "monotonic", lambda: clock[0])
@@ -546,7 +546,7 @@ def test_step_events_reach_a_live_display_while_the_ranks_train():
 
 
 def test_tensor_dataset_batches_equal_what_a_dataloader_gives_across_epochs():
-    from exogym.data import MinibatchStream
+    from exogym.data.loading import MinibatchStream
 
     g = torch.Generator().manual_seed(0)
     ds = TensorDataset(torch.randn(50, 3, 4, generator=g), torch.randint(0, 5, (50,), generator=g))

@@ -43,7 +43,7 @@ from distributed.tasks.whisper.speech_data import (
 )
 from distributed.tasks.whisper.task import build_whisper_task, evaluate_wer
 from distributed.tasks.whisper.wrapper import WhisperModelWrapper, transcribe
-from exogym.io import new_temp_dir_beside, publish_dir
+from exogym.base.io import new_temp_dir_beside, publish_dir
 
 SOT = 50257  # <|startoftranscript|> of tiny.en's tokenizer
 NO_TIMESTAMPS = 50362

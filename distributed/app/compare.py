@@ -39,8 +39,8 @@ from distributed.profiles.profile import (
     strategy_class,
 )
 from distributed.tasks.extras import require_extra
-from exogym._args import init_arg_names
-from exogym.io import atomic_write_bytes
+from exogym.base.arg_errors import init_arg_names
+from exogym.base.io import atomic_write_bytes
 
 __all__ = ["COMPARE_SETTINGS", "PLOT_NAME", "StartClock", "StrategyResult", "check_extras",
            "check_plotting", "comparison_figure", "comparison_folder", "parse_overrides",
@@ -65,7 +65,7 @@ class StrategyResult:
     Args:
         strategy: the strategy's name as given.
         profile: the resolved profile that ran.
-        summary: the trainer's final figures (``exogym.report.summarize``).
+        summary: the trainer's final figures (``exogym.report.summary.summarize``).
         curve: ``(step, bytes sent by rank 0 so far, validation loss)`` at every evaluation.
         sim_curve: ``(simulated seconds, validation loss)`` at every evaluation, when the
             run kept a simulated clock (``network=``).
@@ -322,9 +322,9 @@ def run_comparison(plans: Sequence[Profile],
     # and the CLI's profile listings, which import this module) must not pay for.
     from distributed.app.run import RunFailedError, brief_failure
     from distributed.rank.worker import run_profile
-    from exogym.rank import LostRankError
-    from exogym.report import RunReporter
-    from exogym.trainer import RankFailedError
+    from exogym.report.summary import RunReporter
+    from exogym.run.run_rank import LostRankError
+    from exogym.run.trainer import RankFailedError
 
     results = []
     for plan in plans:

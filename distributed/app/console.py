@@ -22,8 +22,8 @@ from typing import NoReturn, TextIO
 import typer
 from rich.console import Console
 
-from exogym.plural import plural as plural  # the faces count with it (they import app only)
-from exogym.terminal import output_console
+from exogym.base.plural import plural as plural  # the faces count with it (they import app only)
+from exogym.base.terminal import output_console
 
 #: Told as each stage of a long task starts: what it does, stages done, stages in all.
 StageReport = Callable[[str, int, int], None]
@@ -32,7 +32,7 @@ StageReport = Callable[[str, int, int], None]
 def make_console(*, stderr: bool = False) -> Console:
     """Standard output (or error); when it is not a terminal (a log, a pipe), lines and
     tables are printed whole, never folded at 80 columns
-    (:func:`exogym.terminal.output_console`)."""
+    (:func:`exogym.base.terminal.output_console`)."""
     return output_console(stderr=stderr, highlight=False)
 
 

@@ -1,6 +1,6 @@
 """The live dashboard: what a person watches while a run trains, here or across hosts.
 
-It consumes metric events (``exogym.metrics``: the dicts of ``trainer.history``
+It consumes metric events (``exogym.report.metrics``: the dicts of ``trainer.history``
 and of the launcher's ``on_event``) and shows one row per rank — host, status,
 step, training loss, validation loss and accuracy (when the task scores one),
 samples per second, bytes sent, seconds since the rank last reported — plus
@@ -11,7 +11,7 @@ place (``rich.live``); elsewhere (CI, pipes, log files) it prints plain log
 lines instead: a rank's start and end, and every ``log_every`` steps. At the
 end, a summary table: each rank's final figures and the run's.
 
-It is an ``exogym.report.ProgressSink``, so a local simulation feeds it with
+It is an ``exogym.report.summary.ProgressSink``, so a local simulation feeds it with
 ``Trainer.fit(progress=dashboard)``; for a multi-host run the launcher's
 ``on_event`` and ``on_output`` feed it. Imports no torch.
 """
@@ -30,15 +30,15 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from exogym.plural import plural
-from exogym.report import (
+from exogym.base.plural import plural
+from exogym.base.terminal import output_console
+from exogym.report.summary import (
     VAL_ACCURACY_COLUMN,
     balance_table,
     human_bytes,
     label_table,
     summarize,
 )
-from exogym.terminal import output_console
 
 #: Status of a rank that has not reported yet.
 WAITING = "waiting"
@@ -242,7 +242,7 @@ class Dashboard:
         state.samples = int(event.get("samples", state.samples))
         state.wall_s = float(event.get("wall_s", state.wall_s))
         state.comm_bytes = int(event.get("comm_bytes", state.comm_bytes))
-        if "batch_size" in event:  # balance='batch' (exogym.balance)
+        if "batch_size" in event:  # balance='batch' (exogym.run.balance)
             state.share = f"batch {event['batch_size']}"
         elif "inner_steps" in event:  # balance='steps'
             state.share = f"{event['inner_steps']} steps/round"
@@ -374,7 +374,7 @@ class Dashboard:
             live.stop()  # draws the final frame
 
     def summary(self, wall_s: float | None = None) -> dict[str, Any]:
-        """The run's final figures from the events seen (``exogym.report.summarize``)."""
+        """The run's final figures from the events seen (``exogym.report.summary.summarize``)."""
         with self._lock:
             if wall_s is None:
                 wall_s = 0.0 if self._started is None else self.clock() - self._started
@@ -385,7 +385,7 @@ class Dashboard:
             return summary
 
     def summary_table(self, summary: Mapping[str, Any], title: str = "run summary") -> Group:
-        """Each rank's final figures, then the run's (as ``exogym.report`` names them).
+        """Each rank's final figures, then the run's (as ``exogym.report.summary`` names them).
 
         The run's nodes, steps, train loss and bytes per node are computed from the rank
         rows above them, so the two tables cannot disagree; validation, speed and wall

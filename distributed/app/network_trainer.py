@@ -8,7 +8,7 @@ on your machine and as a rank on every host:
   by SLURM or any scheduler), ``fit()`` trains that one rank
   (:class:`distributed.rank.trainer.RankTrainer`).
 - In the driver (no rank variables), ``fit()`` checks its arguments' names
-  and plain values (:class:`exogym.fit_args.FitArgs`), starts the same
+  and plain values (:class:`exogym.config.fit_args.FitArgs`), starts the same
   script on every host of the hosts file (:mod:`distributed.launch.script`)
   and returns the final model rank 0 saved. It builds no run spec here: the
   device, the memory probe and the data are each host's business, so a
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,10 +28,15 @@ from distributed.launch.options import split_options
 from distributed.launch.script import run_script_on_hosts, script_program
 from distributed.rank.environment import rank_environment
 from distributed.rank.trainer import RankTrainer
-from exogym._args import unknown_args_error
-from exogym.fit_args import FitArgs, refuse_simulation_only
-from exogym.plural import plural
-from exogym.report import summarize
+from exogym.base.arg_errors import unknown_args_error
+from exogym.base.plural import plural
+from exogym.config.fit_args import FitArgs, refuse_simulation_only
+from exogym.report.summary import summarize
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from exogym.config.fit_kwargs import FitKwargs
 
 
 class NetworkTrainer:
@@ -74,7 +79,7 @@ class NetworkTrainer:
             self.config = load_hosts(hosts_config)
             split_options(self.launcher_options, owner="NetworkTrainer(launcher_options=...)")
 
-    def fit(self, **kwargs: Any) -> torch.nn.Module:
+    def fit(self, **kwargs: Unpack[FitKwargs]) -> torch.nn.Module:
         """Same arguments as :meth:`exogym.Trainer.fit`; ``num_nodes`` defaults to the world size.
 
         On a rank, trains it and returns the average of all ranks' final models.
@@ -84,7 +89,7 @@ class NetworkTrainer:
             final = self._rank.fit(**kwargs)
             self.history, self.summary = self._rank.history, self._rank.summary
             return final
-        return self._drive(kwargs)
+        return self._drive(dict(kwargs))
 
     def _drive(self, kwargs: dict[str, Any]) -> torch.nn.Module:
         world = self.config.world_size

@@ -57,9 +57,9 @@ from distributed.hosts.linkspeed import LinkError, LinkMeasurement, measure_betw
 from distributed.planning import projection
 from distributed.planning.estimate import measure_model
 from distributed.profiles.profile import Profile, ProfileError
-from exogym.plural import plural
-from exogym.report import human_bytes
-from exogym.terminal import output_console
+from exogym.base.plural import plural
+from exogym.base.terminal import output_console
+from exogym.report.summary import human_bytes
 
 __all__ = ["COMPUTE_KIND", "Candidate", "CandidateSpec", "HostTiming", "Measurements",
            "Recommendation", "RecommendError", "StageReport", "TIE", "candidate_specs",

@@ -67,10 +67,10 @@ from distributed.profiles.run_dir import (
 from distributed.rank.command import override_items, set_args, worker_args
 from distributed.rank.environment import FINAL_MODEL
 from distributed.tasks.extras import missing_extra, require_extra
-from exogym.fit_args import BALANCE_MODES
-from exogym.logger import LOGGER_NAMES
-from exogym.plural import plural
-from exogym.terminal import output_console
+from exogym.base.plural import plural
+from exogym.base.terminal import output_console
+from exogym.config.fit_args import BALANCE_MODES
+from exogym.report.loggers import LOGGER_NAMES
 
 __all__ = ["NothingToResumeError", "PreflightError", "RunFailedError", "RunFolderError",
            "RunInterrupted", "TrainOutcome", "TrainRequest", "dry_run", "logger_override",
@@ -170,7 +170,7 @@ class TrainOutcome:
     Args:
         mode: ``local`` (simulation) or ``hosts``.
         profile: the resolved profile that ran.
-        summary: final figures (``exogym.report.summarize``'s keys).
+        summary: final figures (``exogym.report.summary.summarize``'s keys).
         output_dir: the run's folder, where rank 0 (or the simulation) wrote the final
             model, relative to its working directory (the master's ``project_path``).
         message: one line for the person.
@@ -212,7 +212,7 @@ def logger_override(overrides: Mapping[str, Any] | None, logger: str | None) -> 
 
 def balance_override(overrides: Mapping[str, Any] | None, balance: str | None) -> dict[str, Any]:
     """``overrides`` with the profile's ``balance`` key replaced by ``--balance``'s value
-    (:mod:`exogym.balance`); it travels like any ``--set``, to every host.
+    (:mod:`exogym.run.balance`); it travels like any ``--set``, to every host.
 
     Args:
         overrides: the parsed ``--set`` values.
@@ -577,8 +577,8 @@ def finished_run(profile: Profile, placement: RunPlacement) -> TrainOutcome | No
 def _train_local(profile: Profile, placement: RunPlacement, console: Console,
                  live: bool | None, web: WebDashboard | None = None) -> TrainOutcome:
     from distributed.rank.worker import run_profile
-    from exogym.rank import LostRankError
-    from exogym.trainer import RankFailedError
+    from exogym.run.run_rank import LostRankError
+    from exogym.run.trainer import RankFailedError
 
     nodes = int(profile.values.get("num_nodes") or 1)
     warn_before_start(profile, nodes, os.cpu_count())

@@ -53,7 +53,7 @@ _NO_DEFAULT = object()
 def _defaults(profile: Profile) -> dict[str, Any]:
     """The default of every task argument (from the task function's signature) and of every
     run key (``fit``'s), for the keys a profile leaves unset."""
-    from exogym.fit_args import FitArgs
+    from exogym.config.fit_args import FitArgs
 
     found = {f.name: f.default for f in dataclasses.fields(FitArgs)
              if f.default is not dataclasses.MISSING}
@@ -106,7 +106,7 @@ def _carried(planned: Profile, user: Mapping[str, Any]) -> dict[str, Any]:
     """What the planned run sets that another profile must set too: its task's arguments
     and run keys, and of ``user``'s own ``--set`` values those and the settings every
     strategy takes (``lr``, ...); the planned strategy's own settings are left behind."""
-    from exogym._args import init_arg_names
+    from exogym.base.arg_errors import init_arg_names
     from exogym.strategy import Strategy
 
     keys = set(planned.resolved.task_kwargs) | RUN_KEYS | LAUNCH_KEYS

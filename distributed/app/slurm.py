@@ -20,8 +20,8 @@ from distributed.hosts.sync import PROJECT_ROOT
 from distributed.profiles.profile import load_profile, parse_overrides
 from distributed.rank.command import worker_args
 from distributed.rank.slurm import PORT_BASE, PORT_SPAN
-from exogym.io import atomic_write_text
-from exogym.plural import plural
+from exogym.base.io import atomic_write_text
+from exogym.base.plural import plural
 
 # SLURM's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}")

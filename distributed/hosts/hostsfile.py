@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exogym.plural import plural
+from exogym.base.plural import plural
 
 DEFAULT_MASTER_PORT = 29500
 

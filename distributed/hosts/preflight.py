@@ -33,7 +33,7 @@ from distributed.hosts.remote import (
 )
 from distributed.hosts.ssh import SSHConnectError
 from distributed.hosts.sync import LOCAL_PROFILES_SUFFIX
-from exogym.plural import plural
+from exogym.base.plural import plural
 
 #: The oldest Python a rank may run on (pyproject's requires-python).
 MIN_PYTHON = (3, 10)
@@ -134,7 +134,7 @@ class PreflightReport:
 
     def render(self, console: Any = None) -> None:
         """Print the table (to ``console``, a ``rich.console.Console``, or stdout)."""
-        from exogym.terminal import output_console
+        from exogym.base.terminal import output_console
 
         (console or output_console()).print(self.table())
 

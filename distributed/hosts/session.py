@@ -48,8 +48,8 @@ from distributed.hosts.sync import (
     sync_files,
     tracked_files,
 )
-from exogym.io import atomic_copy_stream
-from exogym.plural import plural
+from exogym.base.io import atomic_copy_stream
+from exogym.base.plural import plural
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -172,7 +172,7 @@ class HostSession:
 
     def _get_console(self) -> Any:
         if self.console is None:
-            from exogym.terminal import output_console
+            from exogym.base.terminal import output_console
 
             self.console = output_console()
         return self.console

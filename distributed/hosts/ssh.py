@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distributed.hosts.hostsfile import HostSpec
-from exogym.io import atomic_write_text
+from exogym.base.io import atomic_write_text
 
 if TYPE_CHECKING:
     import paramiko

@@ -1,7 +1,7 @@
 """One start of a job whose ranks come and go (``min_nodes``): the launcher's side.
 
 The ranks meet through a rendezvous store that lives here, in the launcher's
-process (:mod:`exogym.elastic` says what the ranks do with it), so no rank's
+process (:mod:`exogym.membership.hosts` says what the ranks do with it), so no rank's
 death takes it away. While the job runs, this watch:
 
 - declares a rank lost when its process exits with an error or its connection
@@ -35,7 +35,7 @@ from distributed.launch.program import RankPlan
 from distributed.launch.progress import ProgressWatch
 from distributed.launch.rank_run import ExitQueue, RankRun, RankRunContext
 from distributed.launch.results import AttemptResult, RankResult
-from exogym.plural import plural
+from exogym.base.plural import plural
 
 #: Seconds a rank may take from its start to its first heartbeat (imports, data).
 START_ALLOWANCE_S = 120.0
@@ -99,7 +99,7 @@ class ElasticAttempt:
         self._results: dict[int, RankResult] = {}
         # Here, not at the top: the launcher's module stays free of torch until a run needs it.
         from exogym import comm
-        from exogym import elastic as protocol
+        from exogym.membership import hosts as protocol
 
         self.protocol = protocol
         master = self.plans[0]

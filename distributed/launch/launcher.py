@@ -29,7 +29,7 @@ What ``run`` does:
    Each rank runs in a process group of its own (``distributed.launch.rank_run``).
 4. Streams every line to ``on_output`` with a ``[host:rank]`` prefix, saves it
    to ``run_dir/rank{r}.log``, and turns metric lines
-   (``exogym.metrics.encode_event``) into dicts for ``on_event``.
+   (``exogym.report.metrics.encode_event``) into dicts for ``on_event``.
 5. When a rank exits non-zero or its SSH connection drops, stops every other
    rank's whole process group (TERM, KILL after ``grace_period``); SIGINT and
    SIGTERM to this process do the same. With ``max_restarts=N`` the whole job
@@ -88,8 +88,8 @@ from distributed.rank.environment import (
     MIN_NODES_VARIABLE,
     RUN_DIR_VARIABLE,
 )
-from exogym.io import atomic_write_text
-from exogym.plural import plural
+from exogym.base.io import atomic_write_text
+from exogym.base.plural import plural
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -210,7 +210,7 @@ class Launcher:
 
     def _get_console(self) -> Any:
         if self.console is None:
-            from exogym.terminal import output_console
+            from exogym.base.terminal import output_console
 
             self.console = output_console()
         return self.console

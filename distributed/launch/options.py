@@ -17,7 +17,7 @@ from typing import Any
 
 from distributed.hosts.ssh import SSHOptions
 from distributed.rank.environment import RUN_DIR_VARIABLE
-from exogym._args import unknown_args_error
+from exogym.base.arg_errors import unknown_args_error
 
 #: Variables always treated as secrets: sent over stdin, never shown or logged.
 SECRET_ENV_NAMES = frozenset({"WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
@@ -52,7 +52,7 @@ class LaunchOptions:
             is this machine, see ``distributed.hosts.session.is_this_machine``).
         probe_timeout: seconds a host's pre-flight probe may take (default 60).
         min_nodes: keep training while at least this many ranks remain
-            (:mod:`exogym.elastic`): a lost rank is dropped, its host probed and
+            (:mod:`exogym.membership.hosts`): a lost rank is dropped, its host probed and
             the rank started again when the host answers; it rejoins at the next
             round. ``None`` (default): every rank is needed, a lost one stops the job.
         lost_after: with ``min_nodes``, seconds without a heartbeat after which a

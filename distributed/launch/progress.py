@@ -18,7 +18,7 @@ import statistics
 import time
 from typing import Any
 
-from exogym.plural import plural
+from exogym.base.plural import plural
 
 #: Rounds without progress that stop a run (the bound is at least MIN_STALL_S).
 STALL_ROUNDS = 10

@@ -24,7 +24,7 @@ from distributed.hosts.onhost.bootstrap import MARK
 from distributed.hosts.remote import Shell, Started
 from distributed.launch.program import RankPlan
 from distributed.launch.results import OutputLine, RankResult
-from exogym.metrics import decode_line
+from exogym.report.metrics import decode_line
 
 #: How many of a rank's last output lines a result keeps.
 LAST_LINES = 20

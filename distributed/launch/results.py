@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from exogym.plural import plural
+from exogym.base.plural import plural
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 :func:`measure_model` builds the profile's task and strategy the way a rank
 does and times real training steps of one rank on this machine
-(:func:`exogym.step_time.measure_step_seconds`): forward, backward, the
+(:func:`exogym.run.step_time.measure_step_seconds`): forward, backward, the
 optimizer and the strategy's own local work (selection, compression,
 decoding), with collectives that return what they would among the planned
 number of hosts but send nothing. That time stands in for every host when the
@@ -19,10 +19,10 @@ from typing import Any
 
 from distributed.profiles.profile import Profile
 from distributed.tasks.builtin import count_parameters
-from exogym.fit_args import RunArgs
-from exogym.memory import with_measured_minibatch
-from exogym.spec import Placement, make_run_spec
-from exogym.step_time import measure_step_seconds
+from exogym.config.fit_args import RunArgs
+from exogym.run.memory import with_measured_minibatch
+from exogym.run.spec import Placement, make_run_spec
+from exogym.run.step_time import measure_step_seconds
 
 
 @dataclass(frozen=True)

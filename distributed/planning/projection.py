@@ -6,7 +6,7 @@ local work) and the link throughput between hosts. The model then says what
 happens with 2, 8 or 64 hosts, for every strategy, with nothing but arithmetic
 (no torch, no processes), so the CLI and the wizard can use it freely.
 
-Cost model. The links and collectives are :mod:`exogym.network`'s model, the
+Cost model. The links and collectives are :mod:`exogym.sim.network`'s model, the
 one the simulator's clock uses too. Ranks compute, then talk; exogym's
 strategies do not overlap the two (Streaming DiLoCo aside), so a step takes::
 
@@ -74,32 +74,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from exogym.network import (  # the one cost model of links and collectives
+from exogym.comm.wire import BUCKET_BYTES, ModelFacts, is_quantized, value_bytes_of
+from exogym.sim.network import (  # the one cost model of links and collectives
     Network,
     allgather_bytes,
     allgather_rounds,
     ring_allreduce_bytes,
     ring_allreduce_rounds,
+    traffic_cost,
 )
-from exogym.strategy.facts import (
-    BUCKET_BYTES,
-    DEMO_CHUNK,
-    DEMO_TOPK,
-    SPARSELOCO_CHUNK,
-    SPARSELOCO_QUANT_BITS,
-    SPARSELOCO_TOPK,
-    SPARTA_INTERVAL,
-    SPARTA_P,
-    STREAMING_FRAGMENTS,
-    TRAFFIC_DEFAULTS,
-    chunk_size,
-    demo_payload_bytes,
-    is_quantized,
-    quantized_payload_bytes,
-    sparseloco_payload_bytes,
-    value_bytes_of,
-)
+from exogym.strategy import registry
+from exogym.strategy.facts import chunk_size, demo_payload_bytes
 
 __all__ = [
     "BUCKET_BYTES",
@@ -131,27 +118,13 @@ __all__ = [
     "value_bytes_of",
 ]
 
-#: Strategies the model knows, in the order the faces show them, each with what it sends.
-STRATEGIES: dict[str, str] = {
-    "ddp": "all-reduce every gradient every step: the reference, and the most traffic",
-    "diloco": "H local steps, then one all-reduce of the model change: traffic divided by H",
-    "sparta": "every step, average a small random fraction p of the weights: traffic times p",
-    "fedavg": "H local steps, then average whole models, optionally in islands of ranks",
-    "demo": "send only the top-k DCT components of each rank's momentum every step",
-    "sparta_diloco": "SPARTA's sparse averaging between DiLoCo rounds",
-    "streaming_diloco": "DiLoCo's round cut into fragments synced in turn: same total, "
-                        "peak per sync divided by the fragments",
-    "sparseloco": "H local steps, then all-gather the top-k of every chunk of the "
-                  "error-fed change, quantized: a percent of DiLoCo's bytes",
-    "none": "no communication (one host, or independent training)",
-}
-_ALIASES = {"allreduce": "ddp", "all_reduce": "ddp", "simple_reduce": "ddp",
-            "simplereduce": "ddp"}
+#: Strategies the model knows by name, in the order the faces show them, each with what it sends.
+STRATEGIES: dict[str, str] = {name: known.summary for name, known in registry.KNOWN.items()}
 
 #: The settings each strategy's traffic depends on, with the strategy classes' defaults
-#: (``exogym.strategy.facts``, where the classes take them from); :func:`relevant_settings`
-#: reads them from a profile.
-DEFAULTS: dict[str, dict[str, object]] = {**TRAFFIC_DEFAULTS, "none": {}}
+#: (:mod:`exogym.strategy.registry`); :func:`relevant_settings` reads them from a profile.
+DEFAULTS: dict[str, dict[str, object]] = {name: dict(known.traffic_defaults)
+                                          for name, known in registry.KNOWN.items()}
 
 
 def _check_hosts(hosts: int) -> int:
@@ -205,168 +178,100 @@ def canonical(strategy: str) -> str:
     Raises:
         ValueError: for a strategy the model does not know.
     """
-    if not isinstance(strategy, str):
-        raise TypeError(f"strategy must be a name such as 'ddp', got {strategy!r}")
-    name = strategy.strip().lower().replace("-", "_").replace(" ", "_")
-    name = _ALIASES.get(name, name)
-    if name not in STRATEGIES:
+    try:
+        return registry.canonical(strategy)
+    except ValueError:
         raise ValueError(f"unknown strategy {strategy!r}: the projection knows "
-                         f"{', '.join(STRATEGIES)}")
-    return name
+                         f"{', '.join(STRATEGIES)}") from None
 
 
-def _whole(name: str, value: object, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
+def _strategy(name: str, settings: Mapping[str, object]) -> Any:
+    """The strategy known as ``name``, built with the ``settings`` its traffic depends on."""
+    for key in registry.class_of(name).traffic_needs:
+        value = settings.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} needs {key}, an integer >= 1 (inner steps per round), "
+                             f"got {value!r}")
+    wanted = registry.KNOWN[name].traffic_defaults
+    if "p_sparta" in wanted and settings.get("p_sparta") is not None:
+        p = settings["p_sparta"]
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"p_sparta must be a fraction within [0, 1], got {p!r}")
+    kwargs = {k: v for k, v in settings.items() if k in wanted and v is not None}
+    try:
+        return registry.class_of(name)(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"{name}: {exc}") from exc
 
 
-def step_traffic(strategy: str, num_params: int, hosts: int, *, H: int | None = None,
-                 p_sparta: float = SPARTA_P, demo_payload: float | None = None,
-                 shapes: Iterable[Sequence[int]] | None = None, compression_chunk: int = DEMO_CHUNK,
-                 compression_topk: int = DEMO_TOPK, value_bytes: int = 4, num_buffers: int = 0,
-                 bucket_bytes: int = BUCKET_BYTES, island_size: int | None = None,
-                 sparta_interval: int = SPARTA_INTERVAL, comm_dtype: str | None = None,
-                 num_fragments: int = STREAMING_FRAGMENTS, topk: int = SPARSELOCO_TOPK,
-                 chunk: int = SPARSELOCO_CHUNK,
-                 quant_bits: int | None = SPARSELOCO_QUANT_BITS) -> StepTraffic:
+def step_traffic(strategy: Any, num_params: int, hosts: int, *,
+                 shapes: Iterable[Sequence[int]] | None = None, value_bytes: int = 4,
+                 num_buffers: int = 0, bucket_bytes: int = BUCKET_BYTES,
+                 demo_payload: float | None = None, **settings: object) -> StepTraffic:
     """Bytes and rounds per step for ``strategy`` on ``hosts`` hosts (see the module docstring).
 
+    What the strategy sends is its own statement (``Strategy.traffic``); this turns
+    it into bytes and rounds with the network model (``exogym.sim.network.traffic_cost``).
+
     Args:
-        strategy: ``ddp``, ``diloco``, ``sparta``, ``fedavg``, ``demo``,
-            ``sparta_diloco`` or ``none``.
+        strategy: a strategy object (any ``exogym.strategy.Strategy`` that states its
+            traffic, a researcher's own included), or a known name: ``ddp``, ``diloco``,
+            ``sparta``, ``fedavg``, ``demo``, ``sparta_diloco``, ``streaming_diloco``,
+            ``sparseloco`` or ``none``.
         num_params: trainable parameters ``P``.
         hosts: the number of hosts ``N``.
-        H: inner steps per round (required for ``diloco``, ``fedavg`` and
-            ``sparta_diloco``).
-        p_sparta: SPARTA's fraction of entries averaged per step.
-        demo_payload: DeMo's bytes per host per step; computed from ``shapes``
-            when not given.
-        shapes: the trainable tensors' shapes, for DeMo.
-        compression_chunk, compression_topk: DeMo's settings, with ``shapes``.
-        value_bytes: bytes per value on the wire (4 for float32, 2 for bf16).
-        num_buffers: float buffers DiLoCo and FedAvg average with the parameters
-            (BatchNorm statistics).
+        shapes: the trainable tensors' shapes (DeMo and SparseLoCo size their payload per tensor).
+        value_bytes: bytes per value of the model (4 for float32, 2 for bf16): what DDP sends.
+        num_buffers: float buffers averaged with the parameters (BatchNorm statistics).
         bucket_bytes: largest buffer per all-reduce call.
-        island_size: FedAvg's hosts per island (None: all of them).
-        sparta_interval: SPARTA-DiLoCo's steps between sparse rounds.
-        num_fragments: Streaming DiLoCo's fragments; each syncs once per ``H`` steps
-            with ``1/num_fragments`` of the values (equal fragments assumed).
-        topk, chunk, quant_bits: SparseLoCo's values sent per chunk, values per chunk
-            and bits per sent value (None: float32); its payload is sized per tensor
-            from ``shapes`` when given, else as one tensor of ``num_params`` values.
-        comm_dtype: the wire type by name (``'bfloat16'``), instead of ``value_bytes``;
-            a quantized type (``'int8'``, ``'float8_e4m3fn'``, ``'int4'``, ``'int2'``)
-            sends packed values and a float32 scale per 64 as an all-gather.
+        demo_payload: DeMo's bytes per host per step, measured, instead of ``shapes``.
+        **settings: with a name, the strategy's settings its traffic depends on
+            (:data:`DEFAULTS`: ``H``, ``p_sparta``, ``island_size``, ``sparta_interval``,
+            ``num_fragments``, ``topk``, ``chunk``, ``quant_bits``, ``compression_topk``,
+            ``compression_chunk``, ``comm_dtype``); missing ones take the class's
+            defaults, except ``H``, which an H-strategy needs.
 
     Raises:
         ValueError: for an unknown strategy, a missing setting or an impossible value.
+        TypeError: a setting no strategy's traffic depends on.
     """
-    name = canonical(strategy)
     hosts = _check_hosts(hosts)
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be an integer >= 0, got {num_params!r}")
-    quantized = is_quantized(comm_dtype)
-    if comm_dtype is not None and not quantized:
-        value_bytes = value_bytes_of(comm_dtype)
-    if quantized and name == "demo":
-        raise ValueError(f"demo sends its coefficients in a float type; comm_dtype="
-                         f"{comm_dtype!r} is quantized: use 'float32', 'bfloat16' or 'float16'")
     if value_bytes not in (1, 2, 4, 8):
         raise ValueError(f"value_bytes must be 1, 2, 4 or 8, got {value_bytes!r}")
     _check_positive("bucket_bytes", bucket_bytes)
-
-    def calls(payload: float) -> int:
-        return max(1, math.ceil(payload / bucket_bytes)) if payload > 0 else 0
-
-    def wire(values: float) -> float:
-        """Bytes a host hands to the collective for ``values`` values."""
-        if quantized:
-            return float(quantized_payload_bytes(math.ceil(values), str(comm_dtype)))
-        return float(value_bytes * values)
-
-    def sent(payload: float, ring: int) -> float:
-        # A quantized payload is all-gathered and summed by each host.
-        return allgather_bytes(payload, ring) if quantized else ring_allreduce_bytes(payload, ring)
-
-    def rounds(payload: float, ring: int) -> float:
-        if quantized:
-            return float(allgather_rounds(ring) * calls(payload))
-        return float(ring_allreduce_rounds(ring, calls(payload)))
-
-    collective = "all-gather" if quantized else "all-reduce"
-
-    def allreduce(payload: float, every: int = 1, ring: int = hosts) -> StepTraffic:
-        return StepTraffic(name, hosts, payload / every, sent(payload, ring) / every,
-                           rounds(payload, ring) / every, collective, every)
-
-    def needs_h() -> int:
-        if isinstance(H, bool) or not isinstance(H, int) or H < 1:
-            raise ValueError(f"{name} needs H, an integer >= 1 (inner steps per round), "
-                             f"got {H!r}")
-        return H
-
-    def fraction() -> float:
-        if isinstance(p_sparta, bool) or not isinstance(p_sparta, (int, float)) \
-                or not 0.0 <= p_sparta <= 1.0:
-            raise ValueError(f"p_sparta must be a fraction within [0, 1], got {p_sparta!r}")
-        return float(p_sparta)
-
-    if name == "none":
-        return StepTraffic(name, hosts, 0.0, 0.0, 0.0, "none", 0)
-    if name == "ddp":
-        return allreduce(wire(num_params))
-    if name == "diloco":
-        return allreduce(wire(num_params + num_buffers), every=needs_h())
-    if name == "streaming_diloco":
-        every, fragments = needs_h(), _whole("num_fragments", num_fragments)
-        fragment = wire(math.ceil((num_params + num_buffers) / fragments))
-        return StepTraffic(name, hosts, fragment * fragments / every,
-                           sent(fragment, hosts) * fragments / every,
-                           rounds(fragment, hosts) * fragments / every, collective,
-                           max(1, every // fragments))
-    if name == "sparseloco":
-        every = needs_h()
-        if quant_bits is not None:
-            _whole("quant_bits", quant_bits)
-        sizes = ([math.prod(shape) for shape in shapes] if shapes is not None
-                 else [num_params])
-        gathered = float(sparseloco_payload_bytes(sizes, _whole("chunk", chunk),
-                                                  _whole("topk", topk), quant_bits))
-        dense = 4.0 * num_buffers  # float buffers are averaged densely, as DiLoCo does
-        return StepTraffic(
-            name, hosts, (gathered + dense) / every,
-            (allgather_bytes(gathered, hosts) + ring_allreduce_bytes(dense, hosts)) / every,
-            (allgather_rounds(hosts) + ring_allreduce_rounds(hosts, calls(dense))) / every,
-            "all-gather", every)
-    if name == "fedavg":
-        every = needs_h()
-        if island_size is not None:
-            _whole("island_size", island_size)
-        ring = min(island_size or hosts, hosts)
-        return allreduce(wire(num_params + num_buffers), every=every, ring=ring)
-    if name == "sparta":
-        return allreduce(wire(fraction() * num_params))
-    if name == "sparta_diloco":
-        every, interval = needs_h(), _whole("sparta_interval", sparta_interval)
-        sparse_share = 1.0 / interval - 1.0 / math.lcm(interval, every)  # DiLoCo replaces some
-        sparse = wire(fraction() * num_params)
-        full = wire(num_params + num_buffers)
-        return StepTraffic(
-            name, hosts, sparse * sparse_share + full / every,
-            sent(sparse, hosts) * sparse_share + sent(full, hosts) / every,
-            rounds(sparse, hosts) * sparse_share + rounds(full, hosts) / every, collective, 1)
-    # demo
-    if demo_payload is None:
-        if shapes is None:
-            raise ValueError("demo needs demo_payload= (bytes per host per step) or shapes= "
-                             "(the trainable tensors' shapes) to size its all-gather")
-        demo_payload = demo_payload_bytes(shapes, _whole("compression_chunk", compression_chunk),
-                                          _whole("compression_topk", compression_topk),
-                                          value_bytes)
-    demo_payload = _check_nonnegative("demo_payload", demo_payload)
-    return StepTraffic(name, hosts, demo_payload, allgather_bytes(demo_payload, hosts),
-                       float(allgather_rounds(hosts)), "all-gather")
+    known = {k for entry in DEFAULTS.values() for k in entry}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise TypeError(f"step_traffic() got unknown settings {', '.join(unknown)}; "
+                        f"accepted: {', '.join(sorted(known))}")
+    if isinstance(strategy, str):
+        name = canonical(strategy)
+        if name == "none":
+            return StepTraffic(name, hosts, 0.0, 0.0, 0.0, "none", 0)
+        comm_dtype = settings.get("comm_dtype")
+        if comm_dtype is not None and "comm_dtype" not in DEFAULTS[name]:
+            # a strategy without a wire type of its own (DDP) sends the model's dtype
+            if is_quantized(comm_dtype):
+                raise ValueError(f"{name} sends its gradients in the model's dtype; "
+                                 f"comm_dtype={comm_dtype!r} is quantized: give a float type")
+            value_bytes = int(value_bytes_of(str(comm_dtype)))
+        built = _strategy(name, settings)
+    else:
+        if settings:
+            raise TypeError(f"settings ({', '.join(sorted(settings))}) go with a strategy name; "
+                            "a strategy object carries its own")
+        built = strategy
+        name = registry.name_of(strategy) or type(strategy).__name__
+    if demo_payload is not None:
+        demo_payload = _check_nonnegative("demo_payload", demo_payload)
+    model = ModelFacts(num_params, num_buffers,
+                       tuple(tuple(s) for s in shapes) if shapes is not None else None,
+                       value_bytes, demo_payload)
+    cost = traffic_cost(built.traffic(model, hosts), hosts, int(bucket_bytes))
+    return StepTraffic(name, hosts, cost.payload, cost.bytes_sent, cost.rounds, cost.collective,
+                       cost.period)
 
 
 def bytes_per_step(strategy: str, num_params: int, hosts: int, **settings: object) -> float:

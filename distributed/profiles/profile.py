@@ -39,7 +39,7 @@ from typing import Any
 
 from distributed.hosts.sync import PROJECT_ROOT, local_profiles_path
 from distributed.tasks import BUILTIN_TASK_NAMES
-from exogym.fit_args import balance_problem, profile_keys, value_problems
+from exogym.config.fit_args import balance_problem, profile_keys, value_problems
 
 SECTION_PREFIX = "distributed:"
 DEFAULT_CONFIG = PROJECT_ROOT / "config.ini"
@@ -116,7 +116,7 @@ def unknown_strategy(name: str) -> str:
 def strategy_balance_problem(mode: str, strategy_cls: type,
                              strategy_kwargs: dict[str, Any]) -> str | None:
     """Why the strategy a profile builds cannot run with ``balance=mode``
-    (:func:`exogym.fit_args.balance_problem`); None when it can, or when the strategy
+    (:func:`exogym.config.fit_args.balance_problem`); None when it can, or when the strategy
     cannot be built from these keys (the run names that problem)."""
     if mode == "none":
         return None
@@ -156,7 +156,7 @@ class KeyRouting:
         """The routing of a task function and a strategy class."""
         # Here, not at the top: the tasks bring torch, and reading profiles stays light.
         from distributed.tasks.builtin import task_arg_names
-        from exogym._args import init_arg_names
+        from exogym.base.arg_errors import init_arg_names
 
         task_args = task_arg_names(task_fn)
         return cls(None if task_args is None else frozenset(task_args),

@@ -105,7 +105,7 @@ def run_settings(profile: Profile, ranks: int | None = None) -> dict[str, Any]:
         ranks: how many ranks really run (a hosts file's world size replaces
             ``num_nodes``); None: the profile's ``num_nodes``.
     """
-    from exogym.fit_args import FitArgs
+    from exogym.config.fit_args import FitArgs
 
     resolved = profile.resolved
     fit_fields = {f.name: f for f in FitArgs.__dataclass_fields__.values()}

@@ -19,7 +19,7 @@ from typing import Any
 
 from distributed.hosts.hostsfile import HostsConfig
 from distributed.profiles.profile import SECTION_PREFIX, parse_value
-from exogym.io import atomic_write_bytes, atomic_write_text
+from exogym.base.io import atomic_write_bytes, atomic_write_text
 
 
 def local_profiles_header(shared: str) -> str:

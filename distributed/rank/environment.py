@@ -26,7 +26,7 @@ RUN_DIR_VARIABLE = "EXOGYM_RUN_DIR"
 #: A host's ``device`` from the hosts file, as the launcher passes it to the rank.
 DEVICE_VARIABLE = "EXOGYM_DEVICE"
 #: Set by the launcher for a run that goes on while this many ranks remain
-#: (:mod:`exogym.elastic`); the rendezvous store is then the launcher's.
+#: (:mod:`exogym.membership.hosts`); the rendezvous store is then the launcher's.
 MIN_NODES_VARIABLE = "EXOGYM_MIN_NODES"
 #: With ``min_nodes``: the seconds of silence after which the launcher declares a rank lost.
 LOST_AFTER_VARIABLE = "EXOGYM_LOST_AFTER"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from exogym.plural import plural
+from exogym.base.plural import plural
 
 #: The variables that make a process a SLURM task: its rank and the number of ranks.
 SLURM_TASK_VARIABLES = ("SLURM_PROCID", "SLURM_NTASKS")

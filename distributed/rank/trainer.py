@@ -1,6 +1,6 @@
 """RankTrainer: one rank of a network run, started with the rank variables set.
 
-``fit()`` trains this process's rank through :func:`exogym.rank.run_rank`, the
+``fit()`` trains this process's rank through :func:`exogym.run.run_rank.run_rank`, the
 per-rank code path the simulation runs: ``init_process_group`` over
 ``tcp://MASTER_ADDR:MASTER_PORT`` (gloo on CPU and MPS, nccl on CUDA),
 ``GLOO_SOCKET_IFNAME`` set to the interface that routes to the master, rank 0's
@@ -28,13 +28,13 @@ from distributed.rank.environment import (
     RankEnvironment,
     choose_interface,
 )
-from exogym.fit_args import refuse_simulation_only
-from exogym.io import atomic_save_safetensors
-from exogym.memory import StateBytes, check_memory
-from exogym.metrics import encode_event
-from exogym.rank import Rendezvous, run_rank
-from exogym.spec import Placement, RunSpec
-from exogym.trainer import Trainer
+from exogym.base.io import atomic_save_safetensors
+from exogym.config.fit_args import refuse_simulation_only
+from exogym.report.metrics import encode_event
+from exogym.run.memory import StateBytes, check_memory
+from exogym.run.run_rank import Rendezvous, run_rank
+from exogym.run.spec import Placement, RunSpec
+from exogym.run.trainer import Trainer
 
 
 class RankTrainer(Trainer):

@@ -35,14 +35,14 @@ from distributed.profiles.profile import (
 from distributed.profiles.run_dir import place_run, rank_identity, record_resume
 from distributed.rank.environment import FINAL_MODEL, rank_environment
 from distributed.rank.trainer import RankTrainer
-from exogym.io import atomic_save_safetensors, atomic_write_json
-from exogym.plural import plural
-from exogym.rank import LostRankError
-from exogym.trainer import LocalTrainer, RankFailedError
+from exogym.base.io import atomic_save_safetensors, atomic_write_json
+from exogym.base.plural import plural
+from exogym.run.run_rank import LostRankError
+from exogym.run.trainer import LocalTrainer, RankFailedError
 
 if TYPE_CHECKING:
     from distributed.profiles.run_dir import RunPlacement
-    from exogym.report import ProgressSink
+    from exogym.report.summary import ProgressSink
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +81,7 @@ def run_profile(name: str | Profile, config: str | None = None,
         resume: continue the newest run with these settings from its newest complete
             checkpoint (:func:`distributed.profiles.run_dir.place_run`).
         progress: show the progress bar (True/False), or an object that shows the
-            run's events its own way (``exogym.report.ProgressSink``, e.g. a dashboard).
+            run's events its own way (``exogym.report.summary.ProgressSink``, e.g. a dashboard).
         local: force a local simulation even when rank variables are set.
         placement: the run's folder and identity, already chosen (the app's); None: a
             simulation chooses it here, a rank uses ``output_dir`` as given.

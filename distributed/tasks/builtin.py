@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 from distributed.tasks import BUILTIN_TASK_NAMES
 from distributed.tasks.extras import install_command, require_extra
 from distributed.tasks.tokens import TokenGPT
-from exogym.digits import DigitsCNN, DigitsMLP, digits_datasets
+from exogym.data.digits import DigitsCNN, DigitsMLP, digits_datasets
 
 TaskResult = tuple[nn.Module, Dataset, Dataset]
 
@@ -43,7 +43,7 @@ TaskResult = tuple[nn.Module, Dataset, Dataset]
 
 def digits_task(hidden: int = 128, model: str = "mlp", val_fraction: float = 0.2,
                 seed: int = 0) -> TaskResult:
-    """A digits classifier (``exogym.digits``) with its train and validation sets.
+    """A digits classifier (``exogym.data.digits``) with its train and validation sets.
 
     Args:
         hidden: hidden layer width of the MLP (channels of the CNN's first layer).

@@ -10,7 +10,7 @@ the process until the rank ends:
 - :class:`exogym.comm.shared_memory.SharedMemoryBackend`: the processes of a local
   simulation, through shared memory;
 - :class:`exogym.comm.packed.PackedWorld`: several ranks in one process, run in turn;
-- :class:`exogym.comm.elastic.ElasticGroups`: ranks on hosts that come and go;
+- :class:`exogym.comm.elastic_groups.ElasticGroups`: ranks on hosts that come and go;
 - :class:`exogym.comm.mirror.Mirror`: every peer holds this rank's tensors (nothing moves).
 
 The training collectives (``all_reduce``, ``all_reduce_many``, ``broadcast``,

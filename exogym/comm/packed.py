@@ -3,7 +3,7 @@
 A simulation of K ranks on a machine with C cores gains nothing from more than
 C busy processes; K processes on C cores spend their time switching, each
 with its own copy of torch in memory. So when K exceeds the cores (or when
-ranks leave and rejoin, see :mod:`exogym.membership`), the trainer starts P
+ranks leave and rejoin, see :mod:`exogym.membership.simulated`), the trainer starts P
 processes, and each runs its block of ranks as threads of which only one
 runs at a time: the one holding the process's *baton*. A rank gives the baton
 up only where it must wait: at a collective that some of its peers have not

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from exogym._args import init_arg_names, unknown_args_error
+from exogym.base.arg_errors import init_arg_names, unknown_args_error
 
 from .optim import OptimSpec
 from .strategy import Strategy

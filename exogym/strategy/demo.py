@@ -51,8 +51,9 @@ from typing import Any
 import torch
 
 from exogym import comm
+from exogym.comm.wire import ModelFacts, Traffic, value_bytes_of
 
-from .facts import COMM_DTYPE, DEMO_CHUNK, DEMO_TOPK, ChunkGeometry, chunk_size
+from .facts import COMM_DTYPE, DEMO_CHUNK, DEMO_TOPK, ChunkGeometry, chunk_size, demo_payload_bytes
 from .optim import OptimSpec, ensure_optim_spec
 from .strategy import Strategy
 
@@ -349,6 +350,18 @@ class DeMoStrategy(Strategy):
         self.weight_decay = weight_decay
         self.comm_dtype = comm_dtype
         super().__init__(lr=lr, max_norm=max_norm, **kwargs)
+
+    def traffic(self, model: ModelFacts, num_nodes: int) -> list[Traffic]:
+        """Every step, one all-gather of the top-k DCT coefficients of every chunk with
+        their indices (:func:`demo_payload_bytes`), or the payload measured for the model."""
+        payload = model.measured_payload
+        if payload is None:
+            if model.shapes is None:
+                raise ValueError("demo needs shapes= (the trainable tensors' shapes) or "
+                                 "demo_payload= (bytes per host per step) to size its all-gather")
+            payload = demo_payload_bytes(model.shapes, self.compression_chunk,
+                                         self.compression_topk, int(value_bytes_of(self.comm_dtype)))
+        return [Traffic("all_gather", float(payload), calls=1)]
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         return DeMo(

@@ -19,7 +19,7 @@ bytes per rank per round for ``P`` float32 trainable parameters (half with
 
 With a quantized ``comm_dtype`` (``'int8'``, ``'float8_e4m3fn'``, ``'int4'``,
 ``'int2'``) the deltas travel as packed values plus a float32 scale per 64
-values, ``exogym.quantize.payload_bytes(P)`` bytes per round (e.g. about
+values, ``exogym.comm.quantize.payload_bytes(P)`` bytes per round (e.g. about
 ``1.06 * P`` for int8), and are summed in float32 (see
 :func:`exogym.comm.all_reduce_tensors`). ``error_feedback=True`` keeps what
 quantization lost in a residual per tensor and adds it to the next round's
@@ -33,10 +33,12 @@ from typing import Any
 import torch
 
 from exogym import comm
+from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
 from .facts import COMM_DTYPE, DILOCO_H, is_quantized
-from .optim import OptimSpec, ensure_optim_spec
+from .optim import OptimSpec
+from .outer import OuterOptimizer, OuterState
 
 
 class DiLoCoCommunicator(CommunicationModule):
@@ -72,7 +74,7 @@ class DiLoCoCommunicator(CommunicationModule):
         # finish a round's all-reduce applies its outer step for all.
         modules = self.strategy.communication_modules if self.strategy is not None else [self]
         self.outer = comm.held_once(("diloco-outer", modules.index(self)),
-                                    lambda: _OuterState(self.params, self.outer_optim_spec))
+                                    lambda: OuterState(self.params, self.outer_optim_spec))
         self.master = self.outer.master
         self.outer_optim = self.outer.optim
         if self.error_feedback:
@@ -129,20 +131,6 @@ class DiLoCoCommunicator(CommunicationModule):
         self.outer_optim.load_state_dict(state["outer_optim"])
 
 
-class _OuterState:
-    """DiLoCo's outer parameters and optimizer, and the round whose outer step they hold.
-
-    Args:
-        params: the trainable parameters they start from.
-        spec: the outer optimizer.
-    """
-
-    def __init__(self, params: list[torch.Tensor], spec: OptimSpec):
-        self.master = [p.detach().clone() for p in params]
-        self.optim = spec.build(self.master)
-        self.applied: int | None = None  # local_step of the last round applied
-
-
 def check_error_feedback(error_feedback: bool, comm_dtype: str) -> None:
     """Refuse ``error_feedback`` without a quantized ``comm_dtype`` (nothing would be lost)."""
     if not isinstance(error_feedback, bool):
@@ -150,27 +138,6 @@ def check_error_feedback(error_feedback: bool, comm_dtype: str) -> None:
     if error_feedback and not is_quantized(comm_dtype):
         raise ValueError(f"error_feedback=True needs a quantized comm_dtype ('int8', "
                          f"'float8_e4m3fn', 'int4', 'int2'), got comm_dtype={comm_dtype!r}")
-
-
-def outer_spec(
-    outer_optim_spec: OptimSpec | str | None,
-    outer_lr: float,
-    outer_momentum: float,
-    nesterov: bool,
-) -> OptimSpec:
-    """The outer optimizer: the given spec, or SGD(outer_lr, outer_momentum, nesterov)."""
-    if outer_optim_spec is None or (
-        isinstance(outer_optim_spec, str) and outer_optim_spec.lower() == "sgd"
-    ):
-        return OptimSpec(
-            torch.optim.SGD,
-            lr=outer_lr,
-            momentum=outer_momentum,
-            nesterov=bool(nesterov and outer_momentum > 0),
-        )
-    if isinstance(outer_optim_spec, str):
-        return OptimSpec.from_string(outer_optim_spec, lr=outer_lr)
-    return ensure_optim_spec(outer_optim_spec)
 
 
 class DiLoCoStrategy(CommunicateOptimizeStrategy):
@@ -192,7 +159,7 @@ class DiLoCoStrategy(CommunicateOptimizeStrategy):
             round (quantized ``comm_dtype`` only; checkpointed).
         **kwargs: inner optimizer, schedule and clipping arguments of ``Strategy``.
 
-    Under ``fit(balance='steps')`` (:mod:`exogym.balance`) a slow rank trains fewer
+    Under ``fit(balance='steps')`` (:mod:`exogym.run.balance`) a slow rank trains fewer
     inner steps per round and the round's average weights each rank's change by the
     samples it trained; the bytes are those of any round.
     """
@@ -212,14 +179,19 @@ class DiLoCoStrategy(CommunicateOptimizeStrategy):
         error_feedback: bool = False,
         **kwargs: Any,
     ):
-        if outer_optim_spec is not None and outer_optim is not None:
-            raise TypeError("DiLoCoStrategy: give outer_optim_spec= or outer_optim=, not both")
         self.H = H
         self.comm_dtype = comm_dtype
         self.error_feedback = error_feedback
-        self.outer_optim_spec = outer_spec(
-            outer_optim_spec if outer_optim_spec is not None else outer_optim,
-            outer_lr, outer_momentum, nesterov,
-        )
+        self.outer_optim_spec = OuterOptimizer.from_args(
+            "DiLoCoStrategy", outer_optim_spec, outer_optim, outer_lr, outer_momentum, nesterov,
+        ).optim_spec()
         self.diloco = DiLoCoCommunicator(H, self.outer_optim_spec, comm_dtype, error_feedback)
         super().__init__(communication_modules=[self.diloco], optim_spec=optim_spec, **kwargs)
+
+    traffic_needs = ("H",)
+
+    def traffic(self, model: ModelFacts, num_nodes: int) -> list[Traffic]:
+        """The change of the parameters and float buffers, averaged once every ``H`` steps."""
+        values = model.num_params + model.num_buffers
+        return [Traffic(wire_collective(self.comm_dtype), wire_bytes(values, self.comm_dtype),
+                        every=self.H)]

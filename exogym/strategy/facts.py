@@ -1,29 +1,12 @@
-"""What the strategies' traffic depends on, as plain numbers: no torch here.
+"""The strategies' defaults and payload arithmetic, as plain numbers: no torch here.
 
-The strategy classes take their defaults from this module, the comm module its
-bucket size, DeMo its chunk arithmetic; the planner
-(``distributed/planning/projection.py``) reads the same names to predict bytes
-and time without building a model. A default changed here changes the run and
-its prediction together.
-
-Per strategy, the settings its bytes per step depend on (:data:`TRAFFIC_DEFAULTS`):
-
-- ``ddp``: nothing; every gradient, in its own dtype, every step;
-- ``diloco``: ``H`` (steps per all-reduce) and ``comm_dtype``;
-- ``fedavg``: ``H``, ``island_size`` (None: one island of every rank) and ``comm_dtype``;
-- ``sparta``: ``p_sparta`` (the fraction of each tensor averaged per step) and ``comm_dtype``;
-- ``sparta_diloco``: ``H``, ``p_sparta``, ``sparta_interval`` and ``comm_dtype``;
-- ``streaming_diloco``: ``H``, ``num_fragments`` and ``comm_dtype`` (see
-  :func:`streaming_sync_bytes` and :func:`fragment_offset`);
-- ``demo``: ``compression_topk`` and ``compression_chunk`` (see :class:`ChunkGeometry`)
-  and ``comm_dtype``.
-
-A ``comm_dtype`` is either a float type (values travel in it) or one of the
-quantized types of :data:`QUANTIZED_BITS` (``exogym.quantize``): packed values
-plus one float32 scale per chunk of ``chunk`` values, gathered rather than
-reduced; :func:`quantized_payload_bytes` is what one rank sends for them.
-- ``sparseloco``: ``H``, ``topk``, ``chunk`` and ``quant_bits``
-  (:func:`sparseloco_payload_bytes`, with the ``SPARSELOCO_*`` defaults).
+The strategy classes take their defaults from this module (``DILOCO_H``,
+``SPARTA_P``, ...) and the payload formulas their ``traffic`` statements use
+(DeMo's chunk geometry, SparseLoCo's top-k payload, Streaming DiLoCo's
+fragments); :mod:`exogym.strategy.registry` lists, per strategy name, which
+of these settings its traffic depends on. The wire's own facts (bucket size,
+bytes per value, quantized payloads) are :mod:`exogym.comm.wire`'s, re-exported
+here. A default changed here changes the run and its prediction together.
 """
 
 from __future__ import annotations
@@ -31,6 +14,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from exogym.comm.wire import (  # the wire's facts, re-exported for the strategies
+    BUCKET_BYTES,
+    COMM_DTYPE,
+    QUANT_CHUNK,
+    QUANTIZED_BITS,
+    SCALE_BYTES,
+    VALUE_BYTES,
+    is_quantized,
+    quantized_payload_bytes,
+    value_bytes_of,
+)
 
 __all__ = [
     "BUCKET_BYTES",
@@ -46,7 +41,6 @@ __all__ = [
     "SPARTA_INTERVAL",
     "SPARTA_P",
     "STREAMING_FRAGMENTS",
-    "TRAFFIC_DEFAULTS",
     "VALUE_BYTES",
     "QUANTIZED_BITS",
     "QUANT_CHUNK",
@@ -63,29 +57,6 @@ __all__ = [
     "value_bytes_of",
 ]
 
-#: Largest flat buffer one all-reduce call carries: a larger payload is split
-#: into several calls, each paying its own message rounds.
-BUCKET_BYTES = 32 * 1024 * 1024
-
-#: The type values travel in unless a strategy is given ``comm_dtype``.
-COMM_DTYPE = "float32"
-
-#: Bytes per value of each name a ``comm_dtype`` may be given by.
-VALUE_BYTES: dict[str, int] = {
-    "float32": 4, "fp32": 4, "float": 4,
-    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
-    "float64": 8, "double": 8,
-}
-
-#: Bits per value of each quantized ``comm_dtype`` (``exogym.quantize``).
-QUANTIZED_BITS: dict[str, int] = {"int8": 8, "float8_e4m3fn": 8, "int4": 4, "int2": 2}
-
-#: Values per quantization chunk (one scale each) unless a strategy says otherwise.
-QUANT_CHUNK = 64
-
-#: Bytes of one chunk's scale: scales travel as float32.
-SCALE_BYTES = 4
-
 DILOCO_H = 100  #: DiLoCo's (and SPARTA-DiLoCo's) inner steps per outer round.
 FEDAVG_H = 1  #: FedAvg's local steps per averaging round.
 SPARTA_P = 0.005  #: SPARTA's fraction of each tensor averaged per round.
@@ -97,69 +68,6 @@ SPARSELOCO_CHUNK = 4096  #: SparseLoCo's values per chunk (a 64x64 block's worth
 SPARSELOCO_TOPK = 64  #: SparseLoCo's values sent per chunk (1.56 % of 4,096).
 SPARSELOCO_QUANT_BITS = 2  #: bits per value SparseLoCo sends (None: float32).
 STREAMING_FRAGMENTS = 4  #: Streaming DiLoCo's fragments (its H is DiLoCo's).
-
-#: Per strategy (by its profile name), the settings its traffic depends on,
-#: with the defaults its class uses when a setting is not given.
-TRAFFIC_DEFAULTS: dict[str, dict[str, object]] = {
-    "ddp": {},
-    "diloco": {"H": DILOCO_H, "comm_dtype": COMM_DTYPE},
-    "fedavg": {"H": FEDAVG_H, "island_size": None, "comm_dtype": COMM_DTYPE},
-    "sparta": {"p_sparta": SPARTA_P, "comm_dtype": COMM_DTYPE},
-    "sparta_diloco": {"H": DILOCO_H, "p_sparta": SPARTA_P, "sparta_interval": SPARTA_INTERVAL,
-                      "comm_dtype": COMM_DTYPE},
-    "streaming_diloco": {"H": DILOCO_H, "num_fragments": STREAMING_FRAGMENTS,
-                         "comm_dtype": COMM_DTYPE},
-    "sparseloco": {"H": SPARSELOCO_H, "topk": SPARSELOCO_TOPK, "chunk": SPARSELOCO_CHUNK,
-                   "quant_bits": SPARSELOCO_QUANT_BITS},
-    "demo": {"compression_topk": DEMO_TOPK, "compression_chunk": DEMO_CHUNK,
-             "comm_dtype": COMM_DTYPE},
-}
-
-
-def is_quantized(comm_dtype: object) -> bool:
-    """True for a quantized communication dtype name (``'int8'``, ``'int4'``, ...)."""
-    return isinstance(comm_dtype, str) and comm_dtype.lower() in QUANTIZED_BITS
-
-
-def quantized_payload_bytes(numel: int, comm_dtype: str, chunk: int = QUANT_CHUNK) -> int:
-    """Bytes one rank sends for ``numel`` values quantized to ``comm_dtype``.
-
-    The values packed ``8 // bits`` to a byte (the last byte padded), plus one
-    float32 scale per chunk of ``chunk`` values (the last chunk may be partial
-    and still has its scale): ``ceil(numel * bits / 8) + 4 * ceil(numel / chunk)``.
-
-    Raises:
-        ValueError: for an unknown quantized type, or ``chunk`` or ``numel`` out of range.
-    """
-    name = str(comm_dtype).lower()
-    if name not in QUANTIZED_BITS:
-        raise ValueError(f"unknown quantized comm_dtype {comm_dtype!r}; use one of "
-                         f"{', '.join(QUANTIZED_BITS)}")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel!r}")
-    bits = QUANTIZED_BITS[name]
-    return -(-numel * bits // 8) + SCALE_BYTES * -(-numel // chunk)
-
-
-def value_bytes_of(comm_dtype: str) -> float:
-    """Bytes per value for a communication dtype name (``'bfloat16'`` -> 2).
-
-    For a quantized type, the packed value's share of a byte plus its share of
-    a chunk scale at the default chunk (``'int8'`` -> 1 + 4/64).
-
-    Raises:
-        ValueError: for a name that is neither a known floating type nor a quantized one.
-    """
-    name = str(comm_dtype).lower().removeprefix("torch.")
-    if name in QUANTIZED_BITS:
-        return QUANTIZED_BITS[name] / 8 + SCALE_BYTES / QUANT_CHUNK
-    if name not in VALUE_BYTES:
-        raise ValueError(f"unknown comm_dtype {comm_dtype!r}; use one of "
-                         f"{', '.join(sorted(VALUE_BYTES) + list(QUANTIZED_BITS))}")
-    return VALUE_BYTES[name]
-
 
 def fragment_offset(fragment: int, H: int, num_fragments: int) -> int:
     """The step within each ``H`` at which Streaming DiLoCo's ``fragment`` syncs.

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from exogym import comm
-from exogym.averaging import averaged_tensors
+from exogym.comm.averaging import averaged_tensors
+from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
 from .facts import COMM_DTYPE, FEDAVG_H
@@ -154,3 +155,11 @@ class FedAvgStrategy(CommunicateOptimizeStrategy):
         self.comm_dtype = comm_dtype
         self.averaging = AveragingCommunicator(island_size, client_sampling, H, comm_dtype)
         super().__init__(communication_modules=[self.averaging], optim_spec=optim_spec, **kwargs)
+
+    traffic_needs = ("H",)
+
+    def traffic(self, model: ModelFacts, num_nodes: int) -> list[Traffic]:
+        """Whole models (parameters and float buffers) averaged every ``H`` steps, per island."""
+        values = model.num_params + model.num_buffers
+        return [Traffic(wire_collective(self.comm_dtype), wire_bytes(values, self.comm_dtype),
+                        every=self.H, ranks=self.island_size)]

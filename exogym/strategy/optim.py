@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from exogym.plural import plural_noun
+from exogym.base.plural import plural_noun
 
 from .muon import MuonAdamW, muon_param_groups
 

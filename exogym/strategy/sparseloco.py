@@ -46,22 +46,25 @@ order.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from exogym import comm
+from exogym.comm.wire import ModelFacts, Traffic
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
-from .diloco import outer_spec
 from .facts import (
     SPARSELOCO_CHUNK,
     SPARSELOCO_H,
     SPARSELOCO_QUANT_BITS,
     SPARSELOCO_TOPK,
     sparse_chunking,
+    sparseloco_payload_bytes,
 )
 from .optim import OptimSpec
+from .outer import OuterOptimizer
 
 __all__ = ["SparseLoCoCommunicator", "SparseLoCoStrategy", "SparsePlan", "pack_bits", "unpack_bits"]
 
@@ -216,7 +219,8 @@ class SparseLoCoCommunicator(CommunicationModule):
         self.plans = [SparsePlan(p.numel(), self.chunk, self.topk, self.quant_bits)
                       for p in self.params]
         # The same SGD (no momentum) DiLoCo builds for outer_momentum=0, so the two agree.
-        self.outer_optim = outer_spec(None, self.outer_lr, 0.0, False).build(self.master)
+        self.outer_optim = OuterOptimizer(None, self.outer_lr, 0.0, False).optim_spec().build(
+            self.master)
 
     def payload_bytes(self) -> int:
         """Bytes this rank's all-gather carries per round (float buffers not included)."""
@@ -299,6 +303,20 @@ class SparseLoCoStrategy(CommunicateOptimizeStrategy):
         self.H, self.topk, self.chunk = H, topk, chunk
         self.quant_bits, self.error_decay, self.outer_lr = quant_bits, error_decay, outer_lr
         super().__init__(communication_modules=[self.sparseloco], optim_spec=optim_spec, **kwargs)
+
+    traffic_needs = ("H",)
+
+    def traffic(self, model: ModelFacts, num_nodes: int) -> list[Traffic]:
+        """Every ``H`` steps, one all-gather of each tensor's top-k per chunk (indices and
+        quantized values, :func:`sparseloco_payload_bytes`) and a dense float32 average of
+        the float buffers."""
+        sizes = ([math.prod(shape) for shape in model.shapes] if model.shapes is not None
+                 else [model.num_params])
+        gathered = sparseloco_payload_bytes(sizes, self.chunk, self.topk, self.quant_bits)
+        stated = [Traffic("all_gather", float(gathered), every=self.H, calls=1)]
+        if model.num_buffers:
+            stated.append(Traffic("all_reduce", 4.0 * model.num_buffers, every=self.H))
+        return stated
 
     def __config__(self) -> dict[str, Any]:
         config = super().__config__()

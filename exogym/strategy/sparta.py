@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from exogym import comm
+from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
 from .facts import COMM_DTYPE, SPARTA_INTERVAL, SPARTA_P
@@ -343,6 +344,11 @@ class SPARTAStrategy(CommunicateOptimizeStrategy):
         self.comm_dtype = comm_dtype
         self.sparta = SparseCommunicator(selector, comm_dtype)
         super().__init__(communication_modules=[self.sparta], optim_spec=optim_spec, **kwargs)
+
+    def traffic(self, model: ModelFacts, num_nodes: int) -> list[Traffic]:
+        """A fraction ``p_sparta`` of every tensor averaged every step (indices are never sent)."""
+        return [Traffic(wire_collective(self.comm_dtype),
+                        wire_bytes(self.p_sparta * model.num_params, self.comm_dtype))]
 
     def __config__(self) -> dict[str, Any]:
         config = super().__config__()

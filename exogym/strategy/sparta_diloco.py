@@ -22,12 +22,16 @@ round when ``s % H == 0`` (``P`` trainable entries plus float buffers).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
+
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy
-from .diloco import DiLoCoCommunicator, outer_spec
+from .diloco import DiLoCoCommunicator
 from .facts import COMM_DTYPE, DILOCO_H, SPARTA_INTERVAL
 from .optim import OptimSpec
+from .outer import OuterOptimizer
 from .sparta import IndexSelector, SparseCommunicator, make_selector
 
 
@@ -67,27 +71,42 @@ class SPARTADiLoCoStrategy(CommunicateOptimizeStrategy):
         inner_optim_spec: OptimSpec | str | None = None,
         **kwargs: Any,
     ):
-        if outer_optim_spec is not None and outer_optim is not None:
-            raise TypeError("SPARTADiLoCoStrategy: give outer_optim_spec= or outer_optim=, not both")
         if inner_optim_spec is not None:
             if optim_spec is not None:
                 raise TypeError("SPARTADiLoCoStrategy: give optim_spec= or inner_optim_spec=, "
                                 "not both")
             optim_spec = inner_optim_spec
+        if isinstance(sparta_interval, bool) or not isinstance(sparta_interval, int) \
+                or sparta_interval < 1:
+            raise ValueError(f"SPARTADiLoCoStrategy: sparta_interval must be an integer >= 1, "
+                             f"got {sparta_interval!r}")
         selector = make_selector(index_selector, p_sparta)
         self.H = H
         self.p_sparta = selector.p
         self.sparta_interval = sparta_interval
         self.index_selector = selector
         self.comm_dtype = comm_dtype
-        self.outer_optim_spec = outer_spec(
-            outer_optim_spec if outer_optim_spec is not None else outer_optim,
-            outer_lr, outer_momentum, nesterov,
-        )
+        self.outer_optim_spec = OuterOptimizer.from_args(
+            "SPARTADiLoCoStrategy", outer_optim_spec, outer_optim, outer_lr, outer_momentum, nesterov,
+        ).optim_spec()
         self.sparta = SparseCommunicator(selector, comm_dtype, interval=sparta_interval)
         self.diloco = DiLoCoCommunicator(H, self.outer_optim_spec, comm_dtype)
         super().__init__(communication_modules=[self.sparta, self.diloco], optim_spec=optim_spec,
                          **kwargs)
+
+    traffic_needs = ("H",)
+
+    def traffic(self, model: ModelFacts, num_nodes: int) -> list[Traffic]:
+        """SPARTA's sparse average every ``sparta_interval`` steps, except at a DiLoCo round
+        (every ``H`` steps), which averages the whole change instead."""
+        kind = wire_collective(self.comm_dtype)
+        full = Traffic(kind, wire_bytes(model.num_params + model.num_buffers, self.comm_dtype),
+                       every=self.H)
+        share = 1.0 / self.sparta_interval - 1.0 / math.lcm(self.sparta_interval, self.H)
+        if share <= 0:
+            return [full]
+        sparse = wire_bytes(self.p_sparta * model.num_params, self.comm_dtype)
+        return [Traffic(kind, sparse, every=1.0 / share), full]
 
     def _communicate(self) -> None:
         step = self.local_step

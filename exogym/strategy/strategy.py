@@ -31,7 +31,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from exogym import comm
-from exogym._args import init_arg_names, unknown_args_error
+from exogym.base.arg_errors import init_arg_names, unknown_args_error
+from exogym.comm.wire import ModelFacts, Traffic
 
 from .optim import OptimSpec, ensure_optim_spec
 
@@ -104,7 +105,7 @@ class Strategy(ABC):
     #: that an evaluation right then needs no average model; None: not known.
     synced_at: int | None = None
 
-    #: The ``fit(balance=...)`` modes this strategy implements (:mod:`exogym.balance`): it
+    #: The ``fit(balance=...)`` modes this strategy implements (:mod:`exogym.run.balance`): it
     #: multiplies what it averages across ranks by :attr:`average_weight`.
     balance_modes: tuple[str, ...] = ()
 
@@ -205,6 +206,38 @@ class Strategy(ABC):
                 what to change.
         """
 
+    # -- what it sends ---------------------------------------------------------------
+
+    #: Settings the planner cannot guess for this strategy (``('H',)``): a prediction
+    #: by name without them is refused rather than made with a default.
+    traffic_needs: tuple[str, ...] = ()
+
+    def traffic(self, model: ModelFacts, num_nodes: int) -> list[Traffic]:
+        """The collectives this strategy runs, per step on average, as it states them.
+
+        The planner (``distributed.planning``, ``recommend``) and anyone estimating
+        a run turn this statement into bytes and seconds with the network model
+        (:func:`exogym.sim.network.traffic_cost`); the simulated clock charges the
+        same model for the collectives the strategy actually calls, and tests hold
+        both to the comm counters. A strategy of your own states its traffic here
+        and gets a planner estimate without touching the planner.
+
+        Args:
+            model: the model's sizes (:class:`exogym.comm.wire.ModelFacts`).
+            num_nodes: the ranks of the run.
+
+        Returns:
+            One :class:`exogym.comm.wire.Traffic` per collective: its kind, the
+            bytes each rank hands to it, and every how many steps it runs.
+
+        Raises:
+            NotImplementedError: the strategy does not state its traffic.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not state its traffic: define "
+            "traffic(self, model, num_nodes) returning a list of exogym.comm.wire.Traffic "
+            "(see Strategy.traffic) to get a planner estimate")
+
     # -- set-up on a rank ----------------------------------------------------------
 
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
@@ -275,7 +308,7 @@ class Strategy(ABC):
     def round_steps(self) -> int:
         """Steps per round: how often the ranks meet to agree (DiLoCo's ``H``; 1 for
         per-step strategies). A rank coming back after an absence joins when a round
-        begins (:mod:`exogym.membership`)."""
+        begins (:mod:`exogym.membership.simulated`)."""
         h = getattr(self, "H", None)
         return h if isinstance(h, int) and h >= 1 else 1
 
@@ -368,6 +401,10 @@ class SimpleReduceStrategy(Strategy):
     def __init__(self, optim_spec: OptimSpec | str | None = None, max_norm: float | None = None,
                  **kwargs: Any):
         super().__init__(optim_spec=optim_spec, max_norm=max_norm, **kwargs)
+
+    def traffic(self, model: ModelFacts, num_nodes: int) -> list[Traffic]:
+        """Every gradient, in the model's own dtype, all-reduced every step."""
+        return [Traffic("all_reduce", model.value_bytes * model.num_params)]
 
     def step(self) -> None:
         params = self.trainable_parameters()

@@ -59,18 +59,21 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from exogym import comm
-from exogym.plural import plural
+from exogym.base.plural import plural
+from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
-from .diloco import check_error_feedback, outer_spec
+from .diloco import check_error_feedback
 from .facts import COMM_DTYPE, DILOCO_H, QUANT_CHUNK, STREAMING_FRAGMENTS, fragment_offset
 from .optim import OptimSpec
+from .outer import OuterOptimizer
 
 
 def model_layers(model: torch.nn.Module) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
@@ -331,23 +334,28 @@ class StreamingDiLoCoStrategy(CommunicateOptimizeStrategy):
         error_feedback: bool = False,
         **kwargs: Any,
     ):
-        if outer_optim_spec is not None and outer_optim is not None:
-            raise TypeError("StreamingDiLoCoStrategy: give outer_optim_spec= or outer_optim=, "
-                            "not both")
         self.H = H
         self.num_fragments = num_fragments
         self.fragment_delay = fragment_delay
         self.fragment_alpha = fragment_alpha
         self.comm_dtype = comm_dtype
         self.error_feedback = error_feedback
-        self.outer_optim_spec = outer_spec(
-            outer_optim_spec if outer_optim_spec is not None else outer_optim,
-            outer_lr, outer_momentum, nesterov,
-        )
+        self.outer_optim_spec = OuterOptimizer.from_args(
+            "StreamingDiLoCoStrategy", outer_optim_spec, outer_optim, outer_lr, outer_momentum, nesterov,
+        ).optim_spec()
         self.streaming = StreamingDiLoCoCommunicator(
             H, num_fragments, self.outer_optim_spec, fragment_delay, fragment_alpha,
             comm_dtype, error_feedback)
         super().__init__(communication_modules=[self.streaming], optim_spec=optim_spec, **kwargs)
+
+    traffic_needs = ("H",)
+
+    def traffic(self, model: ModelFacts, num_nodes: int) -> list[Traffic]:
+        """One fragment's change (``1/num_fragments`` of the values) averaged every
+        ``H / num_fragments`` steps: DiLoCo's bytes, spread over the round."""
+        values = math.ceil((model.num_params + model.num_buffers) / self.num_fragments)
+        return [Traffic(wire_collective(self.comm_dtype), wire_bytes(values, self.comm_dtype),
+                        every=self.H / self.num_fragments)]
 
     def __config__(self) -> dict[str, Any]:
         config = super().__config__()

@@ -1,6 +1,6 @@
 """The dashboard in the browser: a small HTTP server and the progress sink that feeds it.
 
-``WebDashboard`` is an ``exogym.report.ProgressSink`` (``on_event``, ``close``,
+``WebDashboard`` is an ``exogym.report.summary.ProgressSink`` (``on_event``, ``close``,
 ``finish``, plus the terminal dashboard's ``on_output`` and ``set_status``), so
 it is fed exactly like ``distributed.app.dashboard.Dashboard``: by
 ``Trainer.fit(progress=...)`` in a local simulation, by the launcher's

@@ -1,7 +1,7 @@
 """What the browser dashboard knows: the runs, a row per rank, and the chart points.
 
 Fed with the same metric events as the terminal dashboard (``start``, ``step``,
-``done``; see ``exogym.metrics``). The throughput chart's points are each host's
+``done``; see ``exogym.report.metrics``). The throughput chart's points are each host's
 recent rate: the sum of its ranks' samples per second over their last
 :data:`RATE_WINDOW_S` seconds of training, on their own clocks (``wall_s``), from
 their first step on, once they span :data:`RATE_MIN_SPAN_S`. The interval before a
@@ -134,7 +134,7 @@ class RunInfo:
         status: ``waiting``, ``running``, ``done`` or ``failed``.
         started: the state's clock at its first event, or None.
         ended: the state's clock when it finished or failed, or None while it runs.
-        summary: the final figures (``exogym.report.summarize``), once finished.
+        summary: the final figures (``exogym.report.summary.summarize``), once finished.
         membership: every change of membership where hosts come and go
             (``min_nodes``): ``{"step", "ranks", "hosts", "reason"}``.
     """

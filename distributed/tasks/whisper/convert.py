@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from distributed.tasks.extras import install_command
-from exogym.io import atomic_write_text, new_temp_dir_beside, publish_dir
-from exogym.plural import plural
+from exogym.base.io import atomic_write_text, new_temp_dir_beside, publish_dir
+from exogym.base.plural import plural
 
 if TYPE_CHECKING:
     from transformers import WhisperConfig, WhisperForConditionalGeneration, WhisperProcessor

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from exogym.io import atomic_write_text, new_temp_dir_beside, publish_dir
-from exogym.plural import plural, plural_noun
+from exogym.base.io import atomic_write_text, new_temp_dir_beside, publish_dir
+from exogym.base.plural import plural, plural_noun
 
 if TYPE_CHECKING:
     from transformers import WhisperFeatureExtractor, WhisperProcessor

@@ -28,7 +28,7 @@ from distributed.tasks.whisper.speech_data import (
     normalize_words,
     word_edit_distance,
 )
-from exogym.io import new_temp_dir_beside, publish_dir
+from exogym.base.io import new_temp_dir_beside, publish_dir
 
 if TYPE_CHECKING:
     from transformers import WhisperForConditionalGeneration, WhisperProcessor

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exogym.strategy.facts import QUANT_CHUNK, QUANTIZED_BITS, quantized_payload_bytes
+from exogym.comm.wire import QUANT_CHUNK, QUANTIZED_BITS, quantized_payload_bytes
 
 __all__ = ["DTYPES", "Quantized", "dequantize", "from_bytes", "payload_bytes", "quantize",
            "to_bytes"]

@@ -12,7 +12,7 @@ clock. It advances by two kinds of time:
   out.
 - **communication**: every training collective (through :mod:`exogym.comm`)
   starts when the last of its ranks arrives (the ranks exchange their clocks,
-  uncounted) and lasts what :class:`exogym.network.Network` says for its
+  uncounted) and lasts what :class:`exogym.sim.network.Network` says for its
   counted bytes, group and algorithm. So a straggler makes everyone wait at a
   collective, and only there. An asynchronous collective (Streaming DiLoCo's
   ``fragment_delay``) runs beside the compute that follows it: the clock
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from exogym.network import Network
+from exogym.sim.network import Network
 
 
 @dataclass

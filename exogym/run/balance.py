@@ -85,10 +85,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exogym import comm
-from exogym.plural import plural
+from exogym.base.plural import plural
 
 if TYPE_CHECKING:
-    from exogym.spec import RunSpec
+    from exogym.run.spec import RunSpec
 
 __all__ = ["Balancer", "batch_shares", "round_shares", "PROBE_STEPS", "BATCH_INTERVAL",
            "TOLERANCE", "SMOOTHING", "ROUND_UP_GAIN"]

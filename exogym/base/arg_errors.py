@@ -10,7 +10,7 @@ import difflib
 import inspect
 from collections.abc import Iterable
 
-from exogym.plural import plural_noun
+from exogym.base.plural import plural_noun
 
 
 def unknown_args_error(owner: str, unknown: Iterable[str], accepted: Iterable[str]) -> TypeError:

@@ -26,15 +26,15 @@ from typing import Any
 import torch
 
 from exogym import comm
-from exogym.averaging import average_state_across_ranks, state_digest
-from exogym.comm.elastic import ElasticGroups
+from exogym.comm.averaging import average_state_across_ranks, state_digest
+from exogym.comm.elastic_groups import ElasticGroups
 from exogym.comm.mirror import Mirror
 from exogym.comm.shared_memory import SharedMemoryBackend, SharedMemoryCollectives
 from exogym.comm.torch_group import TorchGroup
-from exogym.devices import backend_for, rank_device
-from exogym.elastic import ElasticMembership, MembershipStop, PeerLost
-from exogym.spec import Placement, RunSpec
-from exogym.train_node import TrainNode
+from exogym.membership.hosts import ElasticMembership, MembershipStop, PeerLost
+from exogym.run.devices import backend_for, rank_device
+from exogym.run.spec import Placement, RunSpec
+from exogym.run.train_node import TrainNode
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Rendezvous:
         store_on_rank0: rank 0 hosts the store (multi-host); otherwise the store
             already exists (hosted by a local simulation's parent, or torchrun's agent).
         watch_peers: run the heartbeat watch (multi-host runs).
-        min_nodes: ranks that come and go (:mod:`exogym.elastic`): the store is the
+        min_nodes: ranks that come and go (:mod:`exogym.membership.hosts`): the store is the
             launcher's, the ranks meet on groups formed for each membership, and the run
             goes on while at least this many ranks remain. None: every rank is needed
             (a process group).
@@ -92,7 +92,7 @@ class PeerWatch:
         silent_after_s: a peer whose heartbeat has not moved for this long is lost.
         on_lost: called from the watch thread with the lost ranks (e.g. to exit).
         judge_peers: judge the peers' silence; False where the launcher judges it
-            (:mod:`exogym.elastic`): then only the store's own loss is reported,
+            (:mod:`exogym.membership.hosts`): then only the store's own loss is reported,
             once it has not answered for ``silent_after_s`` (a link that drops
             for a while is not a dead master).
         on_wait: called from the watch thread with a ``waiting`` event when this

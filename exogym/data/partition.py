@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
 
-from exogym.fit_args import parse_partition
-from exogym.plural import plural, plural_noun
+from exogym.base.plural import plural, plural_noun
+from exogym.config.parsers import parse_partition
 
 
 def dataset_labels(dataset: Dataset) -> torch.Tensor:

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import torch
 
 from exogym import comm
-from exogym.fit_args import parse_device
-from exogym.plural import plural
+from exogym.base.plural import plural
+from exogym.config.parsers import parse_device
 
 
 def best_device_type() -> str:

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from exogym.data import build_dataset, loader_kwargs, to_device
-from exogym.devices import rank_device
-from exogym.fit_args import divisors
-from exogym.plural import plural
-from exogym.spec import Placement, RunSpec
+from exogym.base.plural import plural
+from exogym.config.parsers import divisors
+from exogym.data.loading import build_dataset, loader_kwargs, to_device
+from exogym.run.devices import rank_device
+from exogym.run.spec import Placement, RunSpec
 
 
 def total_memory(device: torch.device) -> int:
@@ -96,7 +96,7 @@ def probe_minibatch(spec: RunSpec, max_memory_usage: float,
     """
     if not 0.0 < max_memory_usage <= 1.0:
         raise ValueError(f"max_memory_usage must be in (0, 1], got {max_memory_usage!r}")
-    placement = placement or Placement(ranks_per_machine=spec.num_nodes, devices=spec.devices)
+    placement = placement or spec.placement_here()
     device = rank_device(spec.device_type, placement.devices, 0)
     if spec.device_type == "cuda":
         sharing = math.ceil(placement.ranks_per_machine / len(placement.devices or [0]))
@@ -213,7 +213,7 @@ def account_state(model: torch.nn.Module, strategy: Any, num_nodes: int) -> Stat
     meta device (no memory, no data), so that what it creates lazily (an
     optimizer's moments, DiLoCo's deltas and outer momentum) is counted too.
     """
-    from exogym.strategy.diloco import _OuterState
+    from exogym.strategy.outer import OuterState
 
     meta = _meta_copy(model)
     strategy = copy.deepcopy(strategy)
@@ -263,7 +263,7 @@ def account_state(model: torch.nn.Module, strategy: Any, num_nodes: int) -> Stat
         elif isinstance(value, torch.optim.Optimizer):
             walk(list(value.state.values()), is_shared, seen)
         elif hasattr(value, "__dict__") and not isinstance(value, type):
-            walk(vars(value), is_shared or isinstance(value, _OuterState), seen)
+            walk(vars(value), is_shared or isinstance(value, OuterState), seen)
 
     walk(vars(strategy), False, set())
     params = sum(_nbytes(t) for t in list(meta.parameters()) + list(meta.buffers()))

@@ -4,7 +4,7 @@ Every argument is a field of a frozen dataclass: its default, the check of its
 value, a one-line help and whether a profile (a ``config.ini`` section) may set
 it. Everything else is derived from these fields: the names ``fit`` accepts
 (an unknown one is a ``TypeError`` with "did you mean"), ``fit``'s signature
-and docstring, the run spec every rank receives (:class:`exogym.spec.RunSpec`
+and docstring, the run spec every rank receives (:class:`exogym.run.spec.RunSpec`
 extends :class:`RunArgs`), the keys of ``RunSpec.config()`` and the run keys
 of a profile (:func:`profile_keys`).
 
@@ -21,25 +21,28 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import numbers
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from exogym._args import unknown_args_error
-from exogym.logger import LOGGER_NAMES
-from exogym.plural import plural
+from exogym.base.arg_errors import unknown_args_error
+from exogym.base.plural import plural
+from exogym.config.parsers import (
+    divisors,
+    parse_device,
+    parse_partition,
+)
+from exogym.report.loggers import LOGGER_NAMES
 
 if TYPE_CHECKING:
-    from exogym.logger import Logger
-    from exogym.report import ProgressSink
+    from exogym.report.loggers import Logger
+    from exogym.report.summary import ProgressSink
     from exogym.strategy.strategy import Strategy
 
 Check = Callable[[str, Any], None]
 
-DEVICE_KINDS = ("cpu", "cuda", "mps")
 
 
 def _arg(default: Any, help: str, check: Check | None = None, profile: bool = False,
@@ -72,25 +75,6 @@ def _strategy_given(name: str, value: Any) -> None:
     if value is None:
         raise TypeError("fit() needs strategy=, e.g. SimpleReduceStrategy() or "
                         "DiLoCoStrategy(H=100)")
-
-
-def parse_device(device: Any) -> tuple[str, str]:
-    """``device`` as (kind, index): ``('best', '')`` for None/'auto', ``('cuda', '1')`` for 'cuda:1'.
-
-    Checks the spelling only; whether the device exists here is for
-    :func:`exogym.devices.resolve_devices` on the machine that trains.
-    """
-    if device is not None and not isinstance(device, str) \
-            and type(device).__module__.startswith("torch"):
-        device = str(device)  # a torch.device
-    if device in (None, "", "auto"):
-        return "best", ""
-    if not isinstance(device, str):
-        raise TypeError(f"device must be a string such as 'cpu', 'cuda' or 'mps', got {device!r}")
-    kind, _, index = device.partition(":")
-    if kind not in DEVICE_KINDS or (index and (kind != "cuda" or not index.isdigit())):
-        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}")
-    return kind, index
 
 
 def _device(name: str, value: Any) -> None:
@@ -195,44 +179,6 @@ def resolve_minibatch(batch_size: int, minibatch_size: int | str | None,
     return minibatch_size
 
 
-def divisors(n: int) -> list[int]:
-    """Divisors of ``n`` in increasing order."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-PARTITION_KINDS = ("iid", "dirichlet:ALPHA", "shards:N")
-
-
-def parse_partition(value: Any) -> tuple[str, float]:
-    """``partition=`` as (kind, parameter): ``('iid', 0)``, ``('dirichlet', 0.3)``, ``('shards', 2)``.
-
-    Raises:
-        ValueError: not one of ``'iid'``, ``'dirichlet:ALPHA'`` (ALPHA > 0) or
-            ``'shards:N'`` (N an integer >= 1).
-    """
-    if not isinstance(value, str):
-        raise ValueError(f"partition must be one of {', '.join(PARTITION_KINDS)}, got {value!r}")
-    kind, sep, param = value.strip().partition(":")
-    if kind == "iid" and not sep:
-        return "iid", 0.0
-    if kind == "dirichlet" and sep:
-        try:
-            alpha = float(param)
-        except ValueError:
-            alpha = math.nan
-        if alpha > 0 and math.isfinite(alpha):
-            return "dirichlet", alpha
-        raise ValueError(f"partition {value!r}: ALPHA in 'dirichlet:ALPHA' must be a number > 0 "
-                         "(0.1: each rank sees mostly a few labels; 100: close to iid)")
-    if kind == "shards" and sep:
-        if param.isdigit() and int(param) >= 1:
-            return "shards", float(int(param))
-        raise ValueError(f"partition {value!r}: N in 'shards:N' must be an integer >= 1 "
-                         "(label-sorted shards per rank)")
-    raise ValueError(f"partition must be one of {', '.join(PARTITION_KINDS)}, got {value!r}")
-
-
 def _partition(name: str, value: Any) -> None:
     parse_partition(value)
 
@@ -243,7 +189,7 @@ SPEED_MODES = ("wall", "clock")
 def _network(name: str, value: Any) -> None:
     if value is None:
         return
-    from exogym.network import Network  # torch-free
+    from exogym.sim.network import Network  # torch-free
 
     if not isinstance(value, (Network, str, Mapping)):
         raise TypeError(f"network must be a rate such as '100mbit' or '1gbit', an "
@@ -255,7 +201,7 @@ def _network(name: str, value: Any) -> None:
 
 
 def _to_network(value: Any) -> Any:
-    from exogym.network import Network
+    from exogym.sim.network import Network
 
     return None if value is None else Network.coerce(value)
 
@@ -426,14 +372,14 @@ class RunArgs:
         "gradients are averaged weighted by samples); ``'steps'`` (round-based strategies: "
         "each rank's inner steps per round follow its speed, the round's average weighted "
         "by samples). Speeds are measured in the first steps and again as the run goes; "
-        "the summary lists each rank's share as ``balance`` (:mod:`exogym.balance`). "
+        "the summary lists each rank's share as ``balance`` (:mod:`exogym.run.balance`). "
         "None (what ``balance = none`` in a profile reads as) is ``'none'``.",
         _balance, profile=True, convert=lambda v: "none" if v is None else v)
     rank_failures: list[tuple[int, int, int | None]] | None = _arg(
         None, "ranks that leave and rejoin: ``[(rank, at_step, back_at_step or None), ...]``; "
         "an away rank runs no step and collectives meet among the present ranks; it rejoins "
         "at the first round boundary from ``back_at_step`` on, with the state of a rank that "
-        "stayed (the rules: :mod:`exogym.membership`). The summary lists every change as "
+        "stayed (the rules: :mod:`exogym.membership.simulated`). The summary lists every change as "
         "``membership``.", _rank_failures,
         convert=lambda v: None if v is None else [tuple(entry) for entry in v])
     run_identity: dict[str, Any] | None = _arg(
@@ -480,10 +426,10 @@ class RunArgs:
             # or no rank to hand a returning one the state
 
     def membership(self):
-        """The :class:`exogym.membership.Membership` of ``rank_failures`` (None without)."""
+        """The :class:`exogym.membership.simulated.Membership` of ``rank_failures`` (None without)."""
         if self.rank_failures is None:
             return None
-        from exogym.membership import Membership
+        from exogym.membership.simulated import Membership
 
         round_steps = getattr(self.strategy, "round_steps", 1) if self.strategy is not None else 1
         return Membership(self.rank_failures, self.num_nodes, round_steps)
@@ -513,7 +459,7 @@ class FitArgs(RunArgs):
         _at_least(1, allow_none=True))
     progress: bool | ProgressSink = _arg(
         True, "show the progress bar and summary table; or an object with "
-        "``on_event``/``close``/``finish`` (``exogym.report.ProgressSink``) that shows the "
+        "``on_event``/``close``/``finish`` (``exogym.report.summary.ProgressSink``) that shows the "
         "run its own way, e.g. a live dashboard.", _progress)
 
     def __post_init__(self) -> None:
@@ -614,3 +560,49 @@ def fit_args_doc(indent: str = "    ") -> str:
     for f in dataclasses.fields(FitArgs):
         lines.append(f"{indent}{f.name}: {f.metadata['help']}")
     return "\n".join(lines)
+
+
+FIT_KWARGS_MODULE = "exogym/config/fit_kwargs.py"
+
+
+def fit_kwargs_source() -> str:
+    """The source of :mod:`exogym.config.fit_kwargs`, generated from :class:`FitArgs`.
+
+    ``Trainer.fit``'s keyword arguments, as a ``TypedDict`` editors and type
+    checkers read (``**kwargs: Unpack[FitKwargs]``). A test checks that the
+    file equals this; ``python -m exogym.config.fit_args`` rewrites it.
+    """
+    lines = [
+        '"""``fit``\'s keyword arguments for editors and type checkers (generated: do not edit).',
+        "",
+        "Generated from :class:`exogym.config.fit_args.FitArgs` by",
+        "``python -m exogym.config.fit_args``; a test fails when the two disagree.",
+        '"""',
+        "",
+        "from __future__ import annotations",
+        "",
+        "from typing import TYPE_CHECKING, Any, TypedDict",
+        "",
+        "if TYPE_CHECKING:",
+        "    from exogym.report.loggers import Logger",
+        "    from exogym.report.summary import ProgressSink",
+        "    from exogym.strategy.strategy import Strategy",
+        "",
+        '__all__ = ["FitKwargs"]',
+        "",
+        "",
+        "class FitKwargs(TypedDict, total=False):",
+        '    """Every keyword ``Trainer.fit`` accepts, with its type; see ``fit``\'s docstring."""',
+        "",
+    ]
+    for f in dataclasses.fields(FitArgs):
+        lines.append(f"    {f.name}: {f.type}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+
+    target = Path(__file__).resolve().parents[2] / FIT_KWARGS_MODULE
+    target.write_text(fit_kwargs_source(), encoding="utf-8")
+    print(f"wrote {target}")

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from exogym.plural import plural
-from exogym.terminal import output_console
+from exogym.base.plural import plural
+from exogym.base.terminal import output_console
 
 #: The summary's column for ``final_val_accuracy``: rank 0's own model, scored on the
 #: validation set (the loss column beside it is the averaged model's).
@@ -83,7 +83,7 @@ def summarize(history: list[dict[str, Any]], num_nodes: int, wall_s: float,
 
 def balance_summary(history: list[dict[str, Any]]) -> dict[str, Any] | None:
     """``summary['balance']`` from a run's step rows (sorted by step, then rank); None when
-    the run was not balanced (``fit(balance=...)``, :mod:`exogym.balance`).
+    the run was not balanced (``fit(balance=...)``, :mod:`exogym.run.balance`).
 
     ``{"mode": "batch" | "steps", "ranks": [{"rank", "speed", "batch_size" | "inner_steps",
     "share", "samples"}], "changes": [{"step", "shares", "speeds"}]}``: each rank's final
@@ -155,7 +155,7 @@ class ProgressSink(Protocol):
     dashboard is another)."""
 
     def on_event(self, event: dict[str, Any]) -> None:
-        """Receive one metric event (see ``exogym.metrics``)."""
+        """Receive one metric event (see ``exogym.report.metrics``)."""
 
     def close(self) -> None:
         """Stop any live display; called once the ranks have stopped, also on failure."""

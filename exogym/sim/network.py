@@ -36,10 +36,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from exogym.plural import plural
+from exogym.base.plural import plural
+from exogym.comm.wire import BUCKET_BYTES, COLLECTIVES, Traffic
 
 __all__ = [
     "COLLECTIVES",
+    "TrafficCost",
+    "traffic_cost",
     "Network",
     "allgather_bytes",
     "allgather_rounds",
@@ -53,7 +56,6 @@ __all__ = [
 ]
 
 #: The collectives the model times, by the name :mod:`exogym.comm` reports them with.
-COLLECTIVES = ("all_reduce", "all_gather", "broadcast")
 
 # tc's units: bits per second, or bytes per second ("bps"), decimal or binary prefixes.
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?i?)(bit|bps)?\s*$",
@@ -250,3 +252,45 @@ class Network:
         links = (rate(self.bandwidth) + " per host" if self.rank_bandwidth is None
                  else "links " + ", ".join(rate(b) for b in self.rank_bandwidth))
         return f"{links}, {self.latency_s * 1e3:g} ms latency"
+
+
+@dataclass(frozen=True)
+class TrafficCost:
+    """What a strategy's stated traffic costs one host per step, averaged over its period.
+
+    Args:
+        payload: bytes the host hands to collectives per step (what ``comm_bytes`` counts).
+        bytes_sent: bytes it puts on its link per step under the ring model.
+        rounds: sequential message rounds per step (each pays one latency).
+        collective: the collective carrying most of the payload (``'none'`` without traffic).
+        period: steps from one communication to the next (0: never).
+    """
+
+    payload: float
+    bytes_sent: float
+    rounds: float
+    collective: str
+    period: int
+
+
+def traffic_cost(traffic: Sequence[Traffic], hosts: int,
+                 bucket_bytes: int = BUCKET_BYTES) -> TrafficCost:
+    """Per step, the bytes and rounds of ``traffic`` (a strategy's statement) among ``hosts``.
+
+    Each collective costs what :func:`collective_bytes` and :func:`collective_rounds`
+    say for its ranks (all ``hosts`` unless it names fewer), in ``calls`` calls
+    (one per ``bucket_bytes`` of payload unless it says), divided by ``every``.
+    """
+    payload = sent = rounds = 0.0
+    largest: tuple[float, str] = (-1.0, "none")
+    for t in traffic:
+        ring = min(t.ranks or hosts, hosts)
+        calls = t.calls if t.calls is not None else (
+            max(1, math.ceil(t.payload / bucket_bytes)) if t.payload > 0 else 0)
+        payload += t.payload / t.every
+        sent += collective_bytes(t.collective, t.payload, ring) / t.every
+        rounds += collective_rounds(t.collective, ring, calls) / t.every
+        if t.payload / t.every > largest[0]:
+            largest = (t.payload / t.every, t.collective.replace("_", "-"))
+    period = max(1, int(min(t.every for t in traffic))) if traffic else 0
+    return TrafficCost(payload, sent, rounds, largest[1], period)

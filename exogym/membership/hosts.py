@@ -4,26 +4,26 @@ A run across hosts with ``min_nodes`` set keeps training while at least that
 many hosts remain. Its ranks meet through the rendezvous store the launcher
 hosts in its own process (so that no rank's death takes it away), for control
 only; their tensors travel on gloo groups formed for each membership
-(:mod:`exogym.comm.elastic`). This module is the membership those groups follow:
+(:mod:`exogym.comm.elastic_groups`). This module is the membership those groups follow:
 
 - **Losses.** The launcher declares a rank lost (its process exited, its host
   dropped the connection, or its heartbeat stopped for the deadline: frozen,
   asleep, cut off) by bumping the rank's *loss generation* in the store. The
   survivors of a collective that loses it complete the collective without it
-  (:mod:`exogym.comm.elastic` says how they agree).
+  (:mod:`exogym.comm.elastic_groups` says how they agree).
 - **Membership.** At every round boundary (each step of a per-step strategy),
   the first rank to arrive decides the members of the round with a
   compare-and-set: the members of the last round that were not lost since,
   plus the ranks that are back and ready. Every rank reads that one
   decision. Members are numbered among themselves for the data: each takes
-  the shard of its place among the members (:meth:`exogym.data.MinibatchStream.reshard`).
+  the shard of its place among the members (:meth:`exogym.data.loading.MinibatchStream.reshard`).
 - **Rejoining.** A rank that finds itself declared lost (a process that was
   frozen and thawed, or cut off and reconnected), or a process the launcher
   started again on a host that came back, acknowledges its loss generation
   and waits. The next round's decision admits it; at that boundary the
   members form a new group, and the lowest-numbered member that stayed hands
   it the model, the strategy's state and the step counter, point to point
-  (:meth:`exogym.train_node.TrainNode._hand_over`).
+  (:meth:`exogym.run.train_node.TrainNode._hand_over`).
 - **Too few hosts.** A decision that leaves fewer than ``min_nodes`` members
   says so; every rank then writes a checkpoint and stops, naming the lost hosts.
 - **The master.** The store lives in the launcher. If the launcher's host
@@ -43,9 +43,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from exogym.comm.backend import PeerLost, PeerTimeoutError, RankDropped
-from exogym.comm.elastic import NAMESPACE, ElasticGroups, key, loss_generation
+from exogym.comm.elastic_groups import NAMESPACE, ElasticGroups, key, loss_generation
 from exogym.comm.store import ControlStore
-from exogym.membership import MembershipStop
+from exogym.membership.simulated import MembershipStop
 
 __all__ = ["ElasticMembership", "MembershipStop", "NAMESPACE", "PeerLost", "RankDropped",
            "declare_lost", "key", "loss_generation", "membership_log", "ready_generation"]
@@ -88,21 +88,21 @@ def _phrase(ranks: Sequence[int], hosts: dict[int, str], verb: str) -> str:
 
 class ElasticMembership:
     """Which ranks train each round of a run across hosts, decided as the run goes
-    (a :class:`exogym.membership.RunMembership`).
+    (a :class:`exogym.membership.simulated.RunMembership`).
 
-    The same questions as :class:`exogym.membership.Membership` (which a
+    The same questions as :class:`exogym.membership.simulated.Membership` (which a
     simulation's ``rank_failures`` fixes in advance), answered from the
     decisions in the store (see the module).
 
     Args:
-        world: this rank's collectives (:class:`exogym.comm.elastic.ElasticGroups`).
+        world: this rank's collectives (:class:`exogym.comm.elastic_groups.ElasticGroups`).
         rank: this rank.
         num_nodes: ranks in the run.
         round_steps: steps per round of the strategy (``Strategy.round_steps``).
         min_nodes: the run stops when fewer ranks than this remain.
     """
 
-    #: Members take the data shard of their place among the members (exogym.data).
+    #: Members take the data shard of their place among the members (exogym.data.loading).
     reshards = True
 
     def __init__(self, world: ElasticGroups, rank: int, num_nodes: int, round_steps: int,

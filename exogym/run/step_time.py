@@ -1,7 +1,7 @@
 """The time of one real training step of one rank, measured on this machine.
 
 :func:`measure_step_seconds` runs rank 0 of a run spec the way every rank runs
-it — :meth:`exogym.train_node.TrainNode.train_step`: forward and backward
+it — :meth:`exogym.run.train_node.TrainNode.train_step`: forward and backward
 (with gradient accumulation), the optimizer, and the strategy's own local work
 (SPARTA's selection, DeMo's compression and decoding, packing) — in a
 one-process group on loopback whose collectives are mirrored
@@ -19,9 +19,9 @@ import time
 import torch
 
 from exogym import comm
-from exogym.devices import loopback_interface, rank_device
-from exogym.spec import Placement, RunSpec
-from exogym.train_node import TrainNode
+from exogym.run.devices import loopback_interface, rank_device
+from exogym.run.spec import Placement, RunSpec
+from exogym.run.train_node import TrainNode
 
 IFNAME_VARIABLE = "GLOO_SOCKET_IFNAME"
 

@@ -1,6 +1,6 @@
 """RunSpec and Placement: what a rank trains, and where this machine runs its ranks.
 
-``make_run_spec`` turns ``fit``'s checked arguments (:class:`exogym.fit_args.RunArgs`)
+``make_run_spec`` turns ``fit``'s checked arguments (:class:`exogym.config.fit_args.RunArgs`)
 and the model and data into the frozen spec every rank receives (pickled in a
 local simulation, rebuilt from a profile on a remote host): it checks the
 model and data, and resolves the device on the machine that builds it. What
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from exogym.data import is_factory
-from exogym.devices import default_threads, resolve_devices
-from exogym.fit_args import RunArgs
+from exogym.config.fit_args import RunArgs
+from exogym.data.loading import is_factory
+from exogym.run.devices import default_threads, resolve_devices
 from exogym.strategy.strategy import Strategy
 
 
@@ -41,6 +41,10 @@ class RunSpec(RunArgs):
     train_dataset: Any
     val_dataset: Any
     device_type: str
+
+    def placement_here(self) -> Placement:
+        """Every rank on this machine (a simulation), on ``devices``."""
+        return Placement(ranks_per_machine=self.num_nodes, devices=self.devices)
 
     @property
     def accumulation_steps(self) -> int:

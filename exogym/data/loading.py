@@ -26,13 +26,6 @@ from torch.utils.data import (
     TensorDataset,
 )
 
-from exogym.partition import (  # dirichlet_partition: its import path before exogym.partition
-    dataset_labels,
-    dirichlet_partition,  # noqa: F401
-    label_histogram,
-    split_by_label,
-)
-
 DatasetOrFactory = Any  # a Dataset, or f(rank, num_nodes, is_train) -> Dataset
 
 def is_factory(obj: Any) -> bool:
@@ -89,7 +82,7 @@ class MinibatchStream:
         shuffle: reshuffle every epoch (seeded, so every run sees the same order).
         seed: the run's seed.
         dataloader_kwargs: extra DataLoader arguments (``collate_fn``, ``num_workers``, ...).
-        partition: how a sharded ``dataset`` is split (:mod:`exogym.partition`): ``'iid'``
+        partition: how a sharded ``dataset`` is split (:mod:`exogym.data.partition`): ``'iid'``
             (a DistributedSampler's even random shards) or a split by label.
     """
 
@@ -117,6 +110,9 @@ class MinibatchStream:
         self.labels_held: list[int] | None = None  # how many of each label it holds
         self.labels_by_rank: list[list[int]] | None = None  # the same for every rank
         if shard and partition != "iid" and not self.iterable:
+            # a split by label only when asked for one (iid runs never load it)
+            from exogym.data.partition import dataset_labels, label_histogram, split_by_label
+
             labels = dataset_labels(dataset)
             parts = split_by_label(labels, partition, num_nodes, seed)
             self.part = parts[rank]
@@ -192,7 +188,7 @@ class MinibatchStream:
 
     def set_step_samples(self, samples: int) -> None:
         """Hand out ``samples`` samples per step from now on (``fit(balance='batch')``,
-        :mod:`exogym.balance`); call between steps.
+        :mod:`exogym.run.balance`); call between steps.
 
         A step's samples come in minibatches of at most ``minibatch_size``: the
         last may be smaller, and so is one cut by the end of an epoch (the step
@@ -242,7 +238,7 @@ class MinibatchStream:
         )
 
     def reshard(self, index: int, count: int) -> None:
-        """Read shard ``index`` of ``count`` from now on (ranks that come and go, :mod:`exogym.elastic`).
+        """Read shard ``index`` of ``count`` from now on (ranks that come and go).
 
         The epoch goes on: the new shard is entered at the fraction of an epoch
         the old one had reached, so samples near the change may be seen twice or

@@ -17,7 +17,7 @@ from typing import IO, Any
 
 import torch
 
-from exogym.io import atomic_write
+from exogym.base.io import atomic_write
 
 MAGIC = b"EXOGYM-CKPT-1\n"
 #: A checkpoint is read this much at a time.

@@ -19,7 +19,7 @@ that drop out and come back. The rules, the same for every strategy:
 - The data is re-sharded over the present ranks whenever they change: each
   takes the shard of its place among them (the first of 3 present ranks
   reads shard 0 of 3), entered at the fraction of the epoch already done
-  (:meth:`exogym.data.MinibatchStream.reshard`). A split by label and
+  (:meth:`exogym.data.loading.MinibatchStream.reshard`). A split by label and
   per-rank datasets (a factory) are not re-sharded.
 - While ranks are away, every collective meets among the present ranks only:
   averages are over them, so a round that loses a rank mid-way completes
@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from exogym.plural import plural, plural_noun
+from exogym.base.plural import plural, plural_noun
 
 Failure = tuple[int, int, int | None]
 
@@ -58,8 +58,8 @@ class RunMembership(Protocol):
 
     Two implementations answer the same questions: :class:`Membership`, fixed in
     advance by a simulation's ``rank_failures``, and
-    :class:`exogym.elastic.ElasticMembership`, decided as a run across hosts
-    goes. The training loop (:class:`exogym.train_node.TrainNode`) asks only these.
+    :class:`exogym.membership.hosts.ElasticMembership`, decided as a run across hosts
+    goes. The training loop (:class:`exogym.run.train_node.TrainNode`) asks only these.
     """
 
     #: Present ranks read the data shard of their place among them.
@@ -147,7 +147,7 @@ class Membership:
             at some step, or a rank rejoins where no rank stayed to hand it the state.
     """
 
-    #: Present ranks read the data shard of their place among them (exogym.data).
+    #: Present ranks read the data shard of their place among them (exogym.data.loading).
     reshards = True
     #: Every rank of a simulation starts with the run.
     joining = False

@@ -1,0 +1,1 @@
+"""The arguments of ``fit``, defined once: fields, checks, derived values, and shared parsers."""

@@ -1,0 +1,1 @@
+"""Data for the ranks: shards, minibatch streams, non-IID partitions and the built-in digits dataset."""

@@ -1,0 +1,618 @@
+"""TrainNode: one rank's training loop.
+
+The same loop runs in a local simulation and on a real host: it takes a batch,
+runs forward and backward (accumulating gradients over minibatches), lets the
+strategy step (which is where ranks talk), and reports a metric event. It also
+evaluates, measures how correlated the ranks' models are, and writes and
+resumes checkpoints. Evaluation, averaging and agreement between ranks travel
+over the comm module's side channel, never over the training collectives, so
+byte counts stay exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from exogym import comm
+from exogym.base.plural import plural, plural_noun
+from exogym.comm import PeerLost, RankDropped
+from exogym.comm.averaging import average_across_ranks, averaged_tensors
+from exogym.data.loading import (
+    MinibatchStream,
+    batch_size_of,
+    build_dataset,
+    eval_loader,
+    is_factory,
+    to_device,
+    validation_subset,
+)
+from exogym.membership.handover import hand_over
+from exogym.membership.simulated import MembershipStop, RunMembership
+from exogym.run.balance import Balancer
+from exogym.run.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    list_steps,
+    load_checkpoint,
+    save_checkpoint,
+)
+from exogym.sim.clock import SimClock
+
+if TYPE_CHECKING:
+    from exogym.run.spec import Placement, RunSpec
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": np.random.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class TrainNode:
+    """One rank of a run: its model copy, data shard, strategy and loop.
+
+    Args:
+        spec: the run (validated; ``minibatch_size`` already an int).
+        rank: this rank.
+        device: the device it trains on.
+        emit: where metric events go (the parent's pipe in simulation, stdout lines on a host).
+        placement: where this machine runs its ranks (default: every rank here, no
+            broadcast of rank 0's initial weights).
+        membership: which ranks train each step, when ranks come and go (default:
+            the run's ``rank_failures``, or every rank always).
+    """
+
+    def __init__(self, spec: RunSpec, rank: int, device: torch.device, emit: Emit,
+                 placement: Placement | None = None, membership: RunMembership | None = None):
+        self.spec = spec
+        self.rank = rank
+        self.num_nodes = spec.num_nodes
+        self.device = device
+        self.emit = emit
+        self.placement = placement or spec.placement_here()
+        self.checkpoint_root = Path(spec.save_dir) / (spec.run_name or "run")
+        _seed_everything(spec.seed + rank)
+
+        self.model = copy.deepcopy(spec.model).to(device)
+        self.model.train()
+        # Which ranks train each step: fixed by rank_failures (a simulation), or agreed as
+        # the run goes (exogym.membership.hosts). A rank that rejoins a running round takes no part
+        # in the start's agreements: a peer hands it the state when it is admitted.
+        self.membership = membership if membership is not None else spec.membership()
+        joining = self.membership is not None and self.membership.joining
+        if self.placement.broadcast_init and self.num_nodes > 1 and not joining:
+            self._broadcast_initial_state()
+
+        train_data = build_dataset(spec.train_dataset, rank, self.num_nodes, True)
+        self.train_stream = MinibatchStream(
+            train_data, spec.minibatch_size, rank, self.num_nodes,
+            shard=not is_factory(spec.train_dataset), shuffle=spec.shuffle, seed=spec.seed,
+            dataloader_kwargs=spec.dataloader_kwargs, partition=spec.partition,
+        )
+        self.max_steps = self._agree_on_max_steps(agree=not joining)
+
+        self.val_loader = self.val_shard_loader = None
+        if spec.val_size > 0:
+            val_data = build_dataset(spec.val_dataset, rank, self.num_nodes, False)
+            subset = validation_subset(val_data, spec.val_size, spec.seed)
+            self.val_loader = eval_loader(val_data, subset, spec.minibatch_size,
+                                          spec.dataloader_kwargs)
+            self.val_shard_loader = eval_loader(val_data, subset[rank::self.num_nodes],
+                                                spec.minibatch_size, spec.dataloader_kwargs)
+        self._avg_model: torch.nn.Module | None = None
+
+        self.strategy = copy.deepcopy(spec.strategy)
+        self.strategy.max_steps = self.max_steps
+        self.strategy.seed = spec.seed
+        self.strategy._init_node(self.model, rank, self.num_nodes)
+
+        self.step = 0
+        self.samples = 0
+        self.departed = False  # away at the end of the run (rank_failures)
+        self.clock: SimClock | None = None
+        if spec.has_clock:
+            speed = spec.rank_speeds[rank] if spec.rank_speeds is not None else 1.0
+            self.clock = SimClock(spec.network, speed, spec.compute_time_s)
+            comm.use_clock(self.clock)
+        self._one_thread = self.placement.threads_per_rank(spec) == 1
+        self.balance = Balancer.for_run(spec, rank, self.max_steps)  # fit(balance=...)
+        if self.balance is not None and self.membership is not None:
+            raise ValueError(f"balance={spec.balance!r} cannot run with ranks that come and go: "
+                             "every rank takes part in agreeing on the shares; leave one of "
+                             "them out")
+        self._last_loss = float("nan")  # reported by an idle step (balance='steps')
+        self._comm_wall_seen = comm.collective_time()[0]
+        if self.balance is not None:
+            self.train_stream.set_step_samples(self.balance.batch_size)
+        self.autocast = (
+            torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+            if spec.autocast else nullcontext()
+        )
+
+    # -- agreement between ranks (side channel, uncounted) ----------------------------
+
+    def _side_reduce(self, values: list[float], op) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        comm.side_all_reduce(t, op=op)
+        return t.tolist()
+
+    def _broadcast_initial_state(self) -> None:
+        for t in [p.data for p in self.model.parameters()] + list(self.model.buffers()):
+            comm.side_broadcast(t, src=0)
+
+    def _agree_on_max_steps(self, agree: bool = True) -> int:
+        if self.spec.max_steps is not None:
+            return self.spec.max_steps
+        per_epoch = self.train_stream.batches_per_epoch()
+        if per_epoch is None:
+            raise ValueError("max_steps is required when the training dataset is iterable "
+                             "(it has no length to count epochs by)")
+        steps = max(1, self.spec.num_epochs * per_epoch // self.spec.accumulation_steps)
+        if not agree:
+            return steps  # a rejoining rank: the hand-over brings the run's number
+        # Ranks with different factory-built datasets must still stop together.
+        return int(self._side_reduce([steps], comm.ReduceOp.MIN)[0])
+
+    # -- one step -------------------------------------------------------------------
+
+    def _loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        with self.autocast:
+            loss = model(batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(f"model.forward(batch) must return a scalar loss tensor, got {shape}")
+        return loss.reshape(())
+
+    def _mark(self) -> tuple[float, float, float, float]:
+        wall_in, cpu_in = comm.collective_time()
+        return time.perf_counter(), time.thread_time(), wall_in, cpu_in
+
+    def _compute_since(self, mark: tuple[float, float, float, float]) -> float:
+        """Compute seconds since ``mark``, without time inside collectives or asleep.
+
+        On one compute thread, the CPU time of this thread: ranks sharing the
+        machine's cores do not count each other's turns. Otherwise wall time.
+        """
+        wall, cpu, wall_in, cpu_in = self._mark()
+        if self._one_thread:
+            return max(0.0, (cpu - mark[1]) - (cpu_in - mark[3]))
+        return max(0.0, (wall - mark[0]) - (wall_in - mark[2]))
+
+    def _clock_forward_backward(self, mark: tuple[float, float, float, float],
+                                work: float = 1.0) -> None:
+        """Charge the forward and backward passes to the simulated clock (before the
+        strategy's step, whose collectives start when the last rank arrives); ``work``:
+        the step's samples over ``batch_size``."""
+        self.clock.add_compute(self._compute_since(mark), work)
+
+    def _clock_strategy_work(self, mark: tuple[float, float, float, float]) -> None:
+        """Charge the strategy's own work in its step (the optimizer, compression)."""
+        if self.clock.compute_time_s is None:
+            self.clock.add_compute(self._compute_since(mark))
+
+    def _lag(self, mark: tuple[float, float, float, float]) -> None:
+        """A slow rank in ``speed_mode='wall'`` really takes longer: after each step it
+        sleeps off ``1/speed - 1`` times the work it did since ``mark`` (collectives aside)."""
+        clock = self.clock
+        if clock is not None and self.spec.speed_mode == "wall" and clock.speed < 1.0:
+            comm.pause(self._compute_since(mark) * (1.0 / clock.speed - 1.0))
+
+    def train_step(self) -> dict[str, Any]:
+        """Run one optimizer step (with accumulation) and return its metric event."""
+        if self.balance is not None:
+            return self._balanced_step()
+        accumulation = self.spec.accumulation_steps
+        mark = self._mark() if self.clock is not None else None
+        self.strategy.zero_grad()
+        losses = []
+        for _ in range(accumulation):
+            batch = to_device(next(self.train_stream), self.device)
+            loss = self._loss(self.model, batch)
+            (loss / accumulation if accumulation > 1 else loss).backward()
+            losses.append(loss.detach())
+            self.samples += batch_size_of(batch)
+        total = losses[0] if accumulation == 1 else torch.stack(losses).float().sum()
+        lr = self.strategy.current_lr
+        if self.clock is not None:
+            self._clock_forward_backward(mark)
+            mark = self._mark()
+        self.strategy.step()
+        self.strategy.zero_grad()  # nothing reads them any more: ranks in turn hold one set
+        if self.clock is not None:
+            self._clock_strategy_work(mark)
+        self.step += 1
+        return self._step_event(float(total) / accumulation, lr)
+
+    def _step_event(self, train_loss: float, lr: float) -> dict[str, Any]:
+        comm_wall = comm.collective_time()[0]
+        event = {
+            "event": "step",
+            "rank": self.rank,
+            "step": self.step,
+            "train_loss": train_loss,
+            "lr": lr,
+            "comm_bytes": comm.comm_bytes(),
+            "samples": self.samples,
+            # seconds this step spent inside counted collectives (waiting for peers included)
+            "comm_s": comm_wall - self._comm_wall_seen,
+        }
+        self._comm_wall_seen = comm_wall
+        if self.clock is not None:
+            event["sim_time_s"] = self.clock.now
+        return event
+
+    # -- a step under balance (exogym.run.balance) ------------------------------------------
+
+    def _balanced_step(self) -> dict[str, Any]:
+        """One step with this rank's share of the work: its own batch size
+        (``balance='batch'``), or, past its inner steps of the round, an idle step
+        that only meets the strategy's collectives (``balance='steps'``)."""
+        balance = self.balance
+        trains = balance.begin_step(self.step + 1)
+        self.strategy.average_weight = balance.weight
+        lr = self.strategy.current_lr
+        if not trains:
+            self.strategy.idle_step()
+            self.step += 1
+            event = self._step_event(self._last_loss, lr)
+            event["idle"] = True
+            event.update(balance.event_fields())
+            return event
+        samples = balance.batch_size
+        self.train_stream.set_step_samples(samples)
+        mark = self._mark()
+        clock_before = None if self.clock is None else (self.clock.now, self.clock.comm_s)
+        self.strategy.zero_grad()
+        self._last_loss = self._mean_loss_backward(samples)
+        if self.clock is not None:
+            self._clock_forward_backward(mark, samples / self.spec.batch_size)
+            strategy_mark = self._mark()
+        self.strategy.step()
+        self.strategy.zero_grad()
+        if self.clock is not None:
+            self._clock_strategy_work(strategy_mark)
+        balance.record(samples, self._balanced_seconds(mark, clock_before))
+        self.step += 1
+        event = self._step_event(self._last_loss, lr)
+        event.update(balance.event_fields())
+        return event
+
+    def _mean_loss_backward(self, samples: int) -> float:
+        """Forward and backward over the stream's next ``samples`` samples, in minibatches;
+        the gradient is that of the mean loss over them. Returns that mean loss."""
+        total = 0.0
+        taken = 0
+        while taken < samples:
+            batch = to_device(next(self.train_stream), self.device)
+            size = self.train_stream.last_size
+            loss = self._loss(self.model, batch)
+            (loss * (size / samples) if size != samples else loss).backward()
+            total += float(loss.detach()) * size
+            taken += size
+        self.samples += samples
+        return total / samples
+
+    def _balanced_seconds(self, mark: tuple[float, float, float, float],
+                          clock_before: tuple[float, float] | None) -> float:
+        """The compute time of the step since ``mark``, as the balancer measures it:
+        simulated with ``speed_mode='clock'``, else measured (collectives aside), with
+        the time a slow simulated rank sleeps it off (``speed_mode='wall'``).
+
+        A rank with its machine to itself (a real host) is timed by the wall clock:
+        a host held back by a CPU quota, a throttled chip or other work takes longer
+        to reach the collectives, while its thread's CPU time stays the same. Ranks
+        sharing a machine's cores are timed as :meth:`_compute_since` does.
+        """
+        clock = self.clock
+        if clock is not None and self.spec.speed_mode == "clock":
+            now, comm_s = clock_before
+            return (clock.now - now) - (clock.comm_s - comm_s)
+        if self.placement.ranks_per_machine == 1:
+            wall, _, wall_in, _ = self._mark()
+            seconds = max(0.0, (wall - mark[0]) - (wall_in - mark[2]))
+        else:
+            seconds = self._compute_since(mark)
+        return seconds / (clock.speed if clock is not None else 1.0)
+
+    # -- evaluation -----------------------------------------------------------------
+
+    @torch.no_grad()
+    def _eval_loss(self, model: torch.nn.Module, loader,
+                   sums: dict[str, list[float]] | None = None) -> tuple[float, int]:
+        """Summed loss and sample count over ``loader``.
+
+        A model with a ``metric_sums(batch) -> {name: (numerator, denominator)}``
+        method (e.g. word errors and reference words for a word error rate) gets
+        those summed into ``sums`` too.
+        """
+        was_training = model.training
+        model.eval()
+        total, count = 0.0, 0
+        extra = getattr(model, "metric_sums", None) if sums is not None else None
+        try:
+            for batch in loader:
+                batch = to_device(batch, self.device)
+                n = batch_size_of(batch)
+                total += float(self._loss(model, batch)) * n
+                count += n
+                if extra is not None:
+                    for name, (num, den) in extra(batch).items():
+                        acc = sums.setdefault(name, [0.0, 0.0])
+                        acc[0] += float(num)
+                        acc[1] += float(den)
+        finally:
+            model.train(was_training)
+        return total, count
+
+    def _average_model(self) -> torch.nn.Module:
+        if self._avg_model is None:
+            self._avg_model = copy.deepcopy(self.model)
+        means = average_across_ranks(averaged_tensors(self.model))
+        for target, mean in zip(averaged_tensors(self._avg_model), means):
+            target.copy_(mean)
+        return self._avg_model
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss of this rank's model and of the average of all ranks' models."""
+        sums: dict[str, list[float]] = {}
+        total, count = self._eval_loss(self.model, self.val_loader, sums)
+        local = total / max(count, 1)
+        extra = {f"val_{name}": num / den for name, (num, den) in sums.items() if den}
+        if self.num_nodes == 1 or self.strategy.ranks_identical:
+            return {"val_loss": local, "val_global_loss": local, **extra}
+        # Every rank scores the average model on its slice of the validation set.
+        total, count = self._eval_loss(self._average_model(), self.val_shard_loader)
+        total, count = self._side_reduce([total, count], comm.ReduceOp.SUM)
+        return {"val_loss": local, "val_global_loss": total / max(count, 1), **extra}
+
+    def correlation(self) -> float:
+        """Mean pairwise Pearson correlation of the ranks' trainable parameters."""
+        if self.num_nodes == 1:
+            return 1.0
+        ranks = comm.side_group_size()  # those present, when ranks come and go
+        if ranks == 1:
+            return 1.0
+        flat = torch.cat([p.detach().reshape(-1).float().cpu()
+                          for p in self.model.parameters() if p.requires_grad])
+        gathered = [torch.empty_like(flat) for _ in range(ranks)]
+        comm.side_all_gather(gathered, flat)
+        corr = torch.corrcoef(torch.stack(gathered))
+        mask = ~torch.eye(ranks, dtype=torch.bool)
+        return float(corr[mask].mean())
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue this rank exactly where it is."""
+        return {
+            "step": self.step,
+            "samples": self.samples,
+            "comm_bytes": comm.comm_bytes(),
+            "comm_calls": comm.comm_calls(),
+            "model": self.model.state_dict(),
+            "strategy": self.strategy.state_dict(),
+            "data": self.train_stream.state(),
+            "rng": _rng_state(self.device),
+            "num_nodes": self.num_nodes,
+            "sim_time_s": None if self.clock is None else self.clock.now,
+            "balance": None if self.balance is None else self.balance.state_dict(),
+            "run": self.spec.run_identity,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s result."""
+        if state.get("num_nodes", self.num_nodes) != self.num_nodes:
+            raise ValueError(f"checkpoint was written by a run of "
+                             f"{plural(state['num_nodes'], 'rank')}; "
+                             f"this run has {self.num_nodes}")
+        theirs = (state.get("run") or {}).get("fingerprint")
+        ours = (self.spec.run_identity or {}).get("fingerprint")
+        if theirs is not None and ours is not None and theirs != ours:
+            raise ValueError(f"rank {self.rank}: the checkpoint at step {state['step']} in "
+                             f"{self.checkpoint_root} was written by another run (settings "
+                             f"fingerprint {theirs[:12]}, this run's is {ours[:12]}): it is "
+                             "not resumed; resume the run it belongs to with its own settings")
+        self.model.load_state_dict(state["model"])
+        self.strategy.load_state_dict(state["strategy"])
+        self.train_stream.restore(state["data"])
+        if self.balance is not None and state.get("balance") is not None:
+            self.balance.load_state_dict(state["balance"])
+        _set_rng_state(state["rng"], self.device)
+        self.step = state["step"]
+        self.samples = state["samples"]
+        if self.clock is not None and state.get("sim_time_s") is not None:
+            self.clock.now = float(state["sim_time_s"])
+        comm.restore_counters(state["comm_bytes"], state.get("comm_calls", 0))
+
+    def _newest_valid(self, root: Path, below: int) -> tuple[int, dict | None]:
+        for step in reversed(list_steps(root, self.rank)):
+            if step > below:
+                continue
+            try:
+                return step, load_checkpoint(checkpoint_path(root, self.rank, step))
+            except CheckpointError as exc:
+                print(f"rank {self.rank}: skipping checkpoint: {exc}", flush=True)
+        return 0, None
+
+    def resume(self, source: str) -> int:
+        """Load the newest checkpoint every rank has whole; return its step (0: none)."""
+        root = self.checkpoint_root if source == "auto" else Path(source)
+        if source != "auto" and not root.is_dir():
+            raise FileNotFoundError(f"resume_from={source!r} is not a checkpoint folder")
+        bound = 1 << 60
+        while True:
+            step, state = self._newest_valid(root, bound)
+            low, high = self._side_reduce([step, -step], comm.ReduceOp.MIN)
+            agreed, highest = int(low), int(-high)
+            if agreed == highest:
+                break
+            bound = agreed
+        if agreed == 0 or state is None:
+            return 0
+        self.load_state_dict(state)
+        return agreed
+
+    # -- ranks that leave and rejoin (rank_failures) ----------------------------------
+
+    def _handed_state(self) -> dict[str, Any]:
+        """What a rank that rejoins takes from a member that stayed."""
+        return {"model": self.model.state_dict(), "strategy": self.strategy.state_dict(),
+                "step": self.step, "max_steps": self.max_steps,
+                "data": self.train_stream.state(),
+                "sim_time_s": None if self.clock is None else self.clock.now}
+
+    def _hand_over(self, step: int) -> None:
+        """At ``step``, where ranks rejoin: the rank that hands them the state sends it,
+        a joining rank receives it; the others take no part (side channel, uncounted).
+
+        The state streams after a small description of its structure, small tensors
+        together and large ones alone (:mod:`exogym.membership.handover`), so it is never held whole
+        in a buffer. Its bytes and time are reported as a ``hand_over`` event.
+        """
+        membership = self.membership
+        joining = membership.joiners(step)
+        source = membership.source(step)
+        if self.rank != source and self.rank not in joining:
+            return
+        ranks = [source, *joining]
+        started = time.perf_counter()
+        # A joiner takes the state straight into its own model's and strategy's tensors.
+        mine = self._handed_state()
+        state, nbytes = hand_over(mine if self.rank == source else None, source, ranks,
+                                  self.rank, into=None if self.rank == source else mine)
+        seconds = time.perf_counter() - started
+        self.emit({"event": "hand_over", "rank": self.rank, "step": step, "source": source,
+                   "joiners": list(joining), "bytes": nbytes, "seconds": seconds})
+        if self.rank == source:
+            print(f"rank {self.rank}: handed the state to {plural_noun(len(joining), 'rank')} "
+                  f"{', '.join(map(str, joining))} "
+                  f"at step {step}: {nbytes / 2**20:.1f} MiB in {seconds:.2f} s", flush=True)
+            return
+        self.model.load_state_dict(state["model"])
+        self.strategy.load_state_dict(state["strategy"])
+        self.step = state["step"]
+        self.max_steps = state["max_steps"]
+        self.strategy.max_steps = self.max_steps
+        if membership.reshards:  # the epoch goes on where the run is
+            self.train_stream.restore(state["data"])
+        if self.clock is not None and state["sim_time_s"] is not None:
+            self.clock.now = max(self.clock.now, float(state["sim_time_s"]))
+        print(f"rank {self.rank}: took the state from rank {source} at step {step}: "
+              f"{nbytes / 2**20:.1f} MiB in {seconds:.2f} s", flush=True)
+
+    def _take_part(self) -> bool:
+        """Before each step: join the step's members, after an absence if need be.
+
+        Returns False when this rank is away for the rest of the run.
+        """
+        step = self.step + 1
+        membership = self.membership
+        if membership is None:
+            comm.enter_step(step)
+            return True
+        if not membership.is_present(self.rank, step):
+            back = membership.next_join(self.rank, step)
+            if back is None or back > self.max_steps:
+                self.departed = True
+                return False
+            step = back
+        comm.enter_step(step, membership.present(step), membership.epoch(step))
+        if membership.joiners(step):
+            try:
+                self._hand_over(step)
+            except PeerLost as exc:
+                if self.rank not in membership.joiners(step):
+                    raise
+                # The rank handing over the state was lost meanwhile: try a later round.
+                membership.drop(f"rank {membership.source(step)} was lost while handing over "
+                                "the state")
+                raise RankDropped(str(exc)) from exc
+        if membership.reshards:
+            self.train_stream.reshard(*membership.shard(self.rank, step))
+        return True
+
+    # -- the loop -------------------------------------------------------------------
+
+    def _one_step(self, start: float) -> None:
+        """Train one step and emit its event (with evaluation and checkpoint when due)."""
+        spec = self.spec
+        mark = self._mark() if self.clock is not None else None
+        event = self.train_step()
+        if self.balance is not None:  # new shares from the next step, in the checkpoint too
+            self.balance.end_step(self.step)
+        if self.val_loader is not None and (
+            self.step % spec.val_interval == 0 or self.step == self.max_steps
+        ):
+            event.update(self.evaluate())
+        if spec.correlation_interval and self.step % spec.correlation_interval == 0:
+            event["correlation"] = self.correlation()
+        if spec.checkpoint_interval and self.step % spec.checkpoint_interval == 0:
+            save_checkpoint(self.state_dict(), self.checkpoint_root, self.rank, self.step,
+                            keep=spec.keep_checkpoints)
+        event["wall_s"] = time.perf_counter() - start
+        self.emit(event)
+        self._lag(mark)
+
+    def train(self) -> dict[str, torch.Tensor]:
+        """Train to ``max_steps`` and return this rank's final model state (on the CPU)."""
+        spec = self.spec
+        if spec.resume_from and not (self.membership is not None and self.membership.joining):
+            resumed = self.resume(spec.resume_from)
+            if resumed:
+                print(f"rank {self.rank}: resumed from step {resumed}", flush=True)
+        opening = {"event": "start", "rank": self.rank, "max_steps": self.max_steps,
+                   "step": self.step, "round_steps": self.strategy.round_steps}
+        if self.train_stream.labels_held is not None:
+            opening["labels"] = self.train_stream.labels_held
+            if self.rank == 0:  # every rank's, for a host that sees only its own events
+                opening["labels_by_rank"] = self.train_stream.labels_by_rank
+        self.emit(opening)
+        start = time.perf_counter()
+        while self.step < self.max_steps:
+            try:
+                if not self._take_part():
+                    break
+                self._one_step(start)
+            except RankDropped as exc:
+                # Declared lost while it ran (frozen, or cut off): what it did since is
+                # dropped; the next round admits it again with the run's state.
+                print(f"rank {self.rank}: {exc}", flush=True)
+                continue
+            except MembershipStop:
+                if self.step:  # a round boundary: every survivor holds the same state
+                    save_checkpoint(self.state_dict(), self.checkpoint_root, self.rank,
+                                    self.step, keep=spec.keep_checkpoints)
+                raise
+        if self.membership is not None and not self.departed:
+            # What follows the loop (the final average) meets among the ranks still here.
+            comm.enter_step(self.max_steps + 1, self.membership.present(self.max_steps),
+                            self.membership.epoch(self.max_steps))
+        # On the CPU the model's own tensors: nothing trains them any more.
+        return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}

@@ -1,0 +1,1 @@
+"""The simulated network and clock: the cost model of links and collectives, and simulated time."""
