@@ -30,10 +30,10 @@ import click
 import typer
 import typer.core
 
+from distributed.app.compare import DEFAULT_STRATEGIES
 from distributed.app.console import fail, make_console, plural, reported_errors
 
 DEFAULT_PROFILE = "digits-diloco"
-DEFAULT_STRATEGIES = "ddp,diloco,streaming_diloco,sparta,fedavg,demo,sparseloco"
 
 
 

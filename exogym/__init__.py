@@ -23,6 +23,31 @@ __version__ = "0.1.0"
 
 __all__ = ["Trainer", "LocalTrainer", "TrainNode", "RankFailedError", "Network", "__version__"]
 
+#: Import paths that exo gym's users and our documentation use, kept working as the
+#: modules behind them moved (``module`` or ``module:name``); a test imports each one.
+COMPATIBLE_IMPORTS = (
+    "exogym:Trainer", "exogym:LocalTrainer", "exogym:TrainNode",
+    "exogym.trainer:Trainer", "exogym.trainer:LocalTrainer", "exogym.train_node:TrainNode",
+    "exogym.logger:CSVLogger", "exogym.logger:WandbLogger",
+    "exogym.strategy:Strategy", "exogym.strategy:SimpleReduceStrategy",
+    "exogym.strategy:DiLoCoStrategy", "exogym.strategy:SPARTAStrategy",
+    "exogym.strategy:FedAvgStrategy", "exogym.strategy:DeMoStrategy",
+    "exogym.strategy:SPARTADiLoCoStrategy", "exogym.strategy:CommunicateOptimizeStrategy",
+    "exogym.strategy:OptimSpec",
+    "exogym.strategy.strategy:SimpleReduceStrategy", "exogym.strategy.optim:OptimSpec",
+    "exogym.strategy.diloco:DiLoCoStrategy", "exogym.strategy.sparta:SPARTAStrategy",
+    "exogym.strategy.sparta:SparseCommunicator", "exogym.strategy.sparta:RandomIndexSelector",
+    "exogym.strategy.sparta:ShuffledSequentialIndexSelector",
+    "exogym.strategy.sparta:PartitionedIndexSelector",
+    "exogym.strategy.federated_averaging:FedAvgStrategy",
+    "exogym.strategy.federated_averaging:AveragingCommunicator",
+    "exogym.strategy.demo:DeMoStrategy",
+    "exogym.strategy.communicate_optimize_strategy:CommunicateOptimizeStrategy",
+    "exogym.strategy.communicate_optimize_strategy:CommunicationModule",
+    "exogym.strategy.communicate:all_reduce", "exogym.strategy.communicate:broadcast",
+    "exogym.strategy.communicate:all_gather",
+)
+
 _LAZY = {"Trainer": "exogym.run.trainer", "LocalTrainer": "exogym.run.trainer",
          "RankFailedError": "exogym.run.trainer", "TrainNode": "exogym.run.train_node",
          "Network": "exogym.sim.network"}

@@ -6,6 +6,11 @@
     -> distributed.{hosts, tasks} -> exogym -> torch
     (distributed.hosts.onhost: shipped to hosts as source, imports nothing of the project)
 
+and inside exogym, folder by folder, each importing only the ones after it:
+
+    exogym (the package and exo gym's import paths) -> run -> data -> config
+    -> membership -> report -> sim -> strategy -> comm -> base
+
 Every import counts, at the top of a file or inside a function, so a lazy
 import cannot hide an upward arrow.
 """
@@ -19,26 +24,31 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# exogym's folders from the top down: each may import the ones after it.
+EXOGYM_ORDER = ["exogym", "exogym.run", "exogym.data", "exogym.config", "exogym.membership",
+                "exogym.report", "exogym.sim", "exogym.strategy", "exogym.comm", "exogym.base"]
+EXOGYM = set(EXOGYM_ORDER)
+
 # What each layer may import from the project, besides itself.
 ALLOWED: dict[str, set[str]] = {
     "faces": {"distributed.app"},
     "distributed.app": {"distributed.launch", "distributed.rank", "distributed.planning",
                         "distributed.profiles", "distributed.hosts", "distributed.tasks",
-                        "exogym"},
+                        *EXOGYM},
     "distributed.launch": {"distributed.rank", "distributed.profiles", "distributed.hosts",
-                           "exogym"},
+                           *EXOGYM},
     "distributed.rank": {"distributed.profiles", "distributed.hosts", "distributed.tasks",
-                         "exogym"},
+                         *EXOGYM},
     "distributed.planning": {"distributed.profiles", "distributed.hosts", "distributed.tasks",
-                             "exogym"},
-    "distributed.profiles": {"distributed.hosts", "distributed.tasks", "exogym"},
+                             *EXOGYM},
+    "distributed.profiles": {"distributed.hosts", "distributed.tasks", *EXOGYM},
     "distributed.hosts.onhost": set(),
-    "distributed.hosts": {"distributed.hosts.onhost", "exogym"},
-    "distributed.tasks": {"exogym"},
+    "distributed.hosts": {"distributed.hosts.onhost", *EXOGYM},
+    "distributed.tasks": {*EXOGYM},
     "distributed.entry": {"distributed.rank", "distributed.app", "distributed.launch",
                           "distributed.tasks"},
-    "exogym": set(),
 }
+ALLOWED.update({layer: set(EXOGYM_ORDER[i + 1:]) for i, layer in enumerate(EXOGYM_ORDER)})
 
 
 def module_name(path: Path) -> str:
@@ -172,3 +182,105 @@ def test_the_names_users_import_from_distributed_load_lazily():
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["distributed.app.network_trainer", "Launcher",
                                    "WhisperModelWrapper"]
+
+
+# --------------------------------------------------------------------------- exogym's own rooms
+
+
+def runtime_imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules ``module`` imports when it is imported: module level only, leaving
+    out ``if TYPE_CHECKING:`` blocks and imports inside functions. Importing ``a.b.c``
+    runs ``a`` and ``a.b`` too, so they count."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def add(name: str) -> None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if not name or name == module:
+            return
+        found.add(name)
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            parent = ".".join(parts[:i])
+            if parent in known and not module.startswith(parent + "."):
+                found.add(parent)
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If):
+                if "TYPE_CHECKING" not in ast.unparse(node.test):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                for block in (node.body, node.orelse, node.finalbody,
+                              *(h.body for h in node.handlers)):
+                    visit(block)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    add(alias.name)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    add(full if full in known else base)
+
+    visit(tree.body)
+    return found
+
+
+def longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest path of imports in an acyclic ``graph``, as the modules along it."""
+    memo: dict[str, list[str]] = {}
+
+    def from_(module: str) -> list[str]:
+        if module not in memo:
+            memo[module] = [module]
+            for target in graph.get(module, ()):
+                chain = [module, *from_(target)]
+                if len(chain) > len(memo[module]):
+                    memo[module] = chain
+        return memo[module]
+
+    return max((from_(m) for m in graph), key=len)
+
+
+def test_exogym_keeps_at_most_four_top_level_modules_and_its_roles_in_folders():
+    package = ROOT / "exogym"
+    top = sorted(p.name for p in package.glob("*.py"))
+    assert len(top) <= 4, f"exogym/ holds {len(top)} modules at its top level: {top}"
+    folders = sorted(p for p in package.iterdir() if (p / "__init__.py").exists())
+    assert len(folders) >= 5, folders
+    for folder in folders:
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text(encoding="utf-8")))
+        assert doc and doc.strip(), f"exogym/{folder.name}/__init__.py says nothing of its role"
+        assert f"exogym.{folder.name}" in EXOGYM_ORDER, (
+            f"exogym/{folder.name}/ has no place in EXOGYM_ORDER")
+
+
+def test_the_longest_runtime_import_chain_in_exogym_is_six_modules_at_most():
+    modules = {m: p for m, p in project_modules().items() if m.startswith("exogym")}
+    known = set(modules)
+    graph = {m: runtime_imports(m, p, known) for m, p in modules.items()}
+    chain = longest_chain(graph)
+    assert len(chain) <= 6, f"{len(chain)} modules: {' -> '.join(chain)}"
+
+
+def test_the_chain_count_sees_a_long_chain(tmp_path):
+    """The checker itself: a chain of seven is measured as seven, a TYPE_CHECKING import not at all."""
+    names = [f"pkg.m{i}" for i in range(7)]
+    graph = {}
+    for i, name in enumerate(names):
+        source = tmp_path / f"m{i}.py"
+        lines = ["from typing import TYPE_CHECKING"]
+        if i + 1 < len(names):
+            lines.append(f"import {names[i + 1]}")
+        lines.append("if TYPE_CHECKING:\n    import pkg.m0")
+        source.write_text("\n".join(lines) + "\n")
+        graph[name] = runtime_imports(name, source, set(names))
+    assert graph["pkg.m6"] == set()
+    assert len(longest_chain(graph)) == 7

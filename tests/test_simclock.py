@@ -5,15 +5,18 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-from distributed.planning.projection import predict_step_time
-from exogym import Network, Trainer
+from distributed.planning.projection import predict_step_time, step_traffic
+from exogym import Network, Trainer, comm
+from exogym.comm.wire import ModelFacts, Traffic
 from exogym.data.digits import DigitsMLP, digits_datasets
 from exogym.sim.network import parse_rate
 from exogym.strategy import (
     DiLoCoStrategy,
     SimpleReduceStrategy,
     SPARTAStrategy,
+    Strategy,
     StreamingDiLoCoStrategy,
 )
 
@@ -199,3 +202,40 @@ def test_a_resumed_run_continues_its_simulated_clock(digits, tmp_path):
     resumed = fit(digits, SimpleReduceStrategy(), max_steps=4, resume_from="auto", **kwargs)
     assert [r["step"] for r in resumed.history if r["rank"] == 0] == [3, 4]
     assert clocks(resumed)[(0, 4)] == pytest.approx(clocks(whole)[(0, 4)])
+
+
+class GatherFirstTensorEveryOtherStep(Strategy):
+    """A strategy written here and nowhere else: local SGD, and every second step an
+    all-gather of every rank's first parameter tensor, then its mean. No planner code
+    knows it; it states its own traffic."""
+
+    def step(self) -> None:
+        if self.num_nodes > 1 and (self.local_step + 1) % 2 == 0:
+            first = self.trainable_parameters()[0]
+            gathered = [torch.empty_like(first.data) for _ in range(self.num_nodes)]
+            comm.all_gather(gathered, first.data)
+            first.data.copy_(torch.stack(gathered).mean(0))
+        self.optim.step()
+        super().step()
+
+    def traffic(self, model: ModelFacts, num_nodes: int) -> list[Traffic]:
+        return [Traffic("all_gather", 4 * math.prod(model.shapes[0]), every=2)]
+
+
+def test_a_strategy_written_in_a_test_gets_its_simulated_time_and_planner_estimate(digits):
+    model = DigitsMLP()
+    facts = ModelFacts.of(model)
+    net = Network("10mbit", latency_s=0.001)
+    strategy = GatherFirstTensorEveryOtherStep()
+    trainer = fit(digits, strategy, num_nodes=3, max_steps=4, network=net,
+                  compute_time_s=COMPUTE)
+    counted = max(r["comm_bytes"] for r in trainer.history if r["step"] == 4) / 4
+    planned = step_traffic(strategy, facts.num_params, 3, shapes=facts.shapes)
+    assert counted > 0 and planned.payload == pytest.approx(counted, rel=1e-12)
+    assert planned.strategy == "GatherFirstTensorEveryOtherStep"
+    step_s = predict_step_time(strategy, facts.num_params, 3, COMPUTE,
+                               throughput_bytes_per_s=1e7 / 8, latency_s=0.001,
+                               shapes=facts.shapes)
+    # the clock charged the gathers the strategy made; the planner read its statement
+    assert trainer.summary["sim_time_per_step_s"] == pytest.approx(step_s, rel=1e-9)
+    assert step_s > COMPUTE

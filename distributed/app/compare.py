@@ -41,6 +41,7 @@ from distributed.profiles.profile import (
 from distributed.tasks.extras import require_extra
 from exogym.base.arg_errors import init_arg_names
 from exogym.base.io import atomic_write_bytes
+from exogym.strategy import registry
 
 __all__ = ["COMPARE_SETTINGS", "PLOT_NAME", "StartClock", "StrategyResult", "check_extras",
            "check_plotting", "comparison_figure", "comparison_folder", "parse_overrides",
@@ -56,6 +57,9 @@ PLOT_NAME = "compare.png"
 COMPARE_SETTINGS: dict[str, dict[str, Any]] = {
     "streaming_diloco": {"num_fragments": 2, "fragment_delay": 1},
 }
+
+#: The strategies ``compare`` simulates unless told otherwise.
+DEFAULT_STRATEGIES = ",".join(registry.COMPARED)
 
 
 @dataclass

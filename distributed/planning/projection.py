@@ -343,7 +343,7 @@ def skew_per_step(compute_sd_s: float, hosts: int, period: int = 1) -> float:
 # --------------------------------------------------------------------------- time and speedup
 
 
-def predict_step_time(strategy: str, num_params: int, hosts: int, compute_s: float,
+def predict_step_time(strategy: Any, num_params: int, hosts: int, compute_s: float,
                       throughput_bytes_per_s: float, latency_s: float = 0.0,
                       compute_sd_s: float = 0.0, **settings: object) -> float:
     """Seconds per training step on ``hosts`` hosts: compute, wait for the slowest, talk.
@@ -371,7 +371,7 @@ def single_host_step_time(hosts: int, minibatch_s: float) -> float:
     return _check_hosts(hosts) * _check_nonnegative("minibatch_s", minibatch_s)
 
 
-def speedup(strategy: str, num_params: int, hosts: int, compute_s: float,
+def speedup(strategy: Any, num_params: int, hosts: int, compute_s: float,
             throughput_bytes_per_s: float, *, minibatch_s: float | None = None,
             latency_s: float = 0.0, compute_sd_s: float = 0.0, **settings: object) -> float:
     """Throughput of ``hosts`` hosts over that of one host doing the same total work.
@@ -415,7 +415,7 @@ class Projection:
         return self.comm_s / self.step_s if self.step_s > 0 else 0.0
 
 
-def project(strategy: str, num_params: int, hosts: Iterable[int], compute_s: float,
+def project(strategy: Any, num_params: int, hosts: Iterable[int], compute_s: float,
             throughput_bytes_per_s: float, *, minibatch_s: float | None = None,
             latency_s: float = 0.0, compute_sd_s: float = 0.0, label: str | None = None,
             **settings: object) -> list[Projection]:
@@ -471,7 +471,7 @@ class Prediction:
         return self.speedup / self.hosts
 
 
-def predict(strategy: str, num_params: int, hosts: int, compute_s: float,
+def predict(strategy: Any, num_params: int, hosts: int, compute_s: float,
             throughput_bytes_per_s: float, *, minibatch_s: float | None = None,
             latency_s: float = 0.0, compute_sd_s: float = 0.0,
             **settings: object) -> Prediction:

@@ -40,6 +40,7 @@ from typing import Any
 from distributed.hosts.sync import PROJECT_ROOT, local_profiles_path
 from distributed.tasks import BUILTIN_TASK_NAMES
 from exogym.config.fit_args import balance_problem, profile_keys, value_problems
+from exogym.strategy import registry
 
 SECTION_PREFIX = "distributed:"
 DEFAULT_CONFIG = PROJECT_ROOT / "config.ini"
@@ -49,17 +50,11 @@ LAUNCH_KEYS = {"min_nodes", "lost_after", "stall_after"}
 PROFILE_KEYS = {"base_profile", "task", "strategy", "description", "output_dir", *LAUNCH_KEYS}
 RUN_KEYS = profile_keys()  # the arguments of fit a profile may set
 
-STRATEGIES = {
-    "ddp": "SimpleReduceStrategy",
-    "allreduce": "SimpleReduceStrategy",
-    "diloco": "DiLoCoStrategy",
-    "fedavg": "FedAvgStrategy",
-    "sparta": "SPARTAStrategy",
-    "demo": "DeMoStrategy",
-    "sparta_diloco": "SPARTADiLoCoStrategy",
-    "sparseloco": "SparseLoCoStrategy",
-    "streaming_diloco": "StreamingDiLoCoStrategy",
-}
+#: Strategy names a profile may give, with the class each names (exogym's registry, plus
+#: ``allreduce``, exo gym's name for DDP).
+STRATEGIES = {name: known.home.partition(":")[2] for name, known in registry.KNOWN.items()
+              if known.home}
+STRATEGIES["allreduce"] = STRATEGIES["ddp"]
 
 
 class ProfileError(ValueError):
@@ -89,14 +84,9 @@ def parse_value(text: str) -> Any:
 
 def strategy_class(name: str) -> type:
     """The strategy class a profile's ``strategy`` value names."""
-    import exogym.strategy as strategies
-
     key = name.lower().replace("-", "_")
     if key in STRATEGIES:
-        cls = getattr(strategies, STRATEGIES[key], None)
-        if cls is None:
-            raise ProfileError(f"strategy {name!r} is not available in this version of exogym")
-        return cls
+        return registry.class_of(key)
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
