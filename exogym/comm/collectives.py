@@ -5,7 +5,7 @@ ground truth for ``comm_bytes``. A rank "sends" the payload it passes to a
 collective: ``numel * element_size`` of its tensor (for ``all_gather``, of its
 own contribution). Protocol overhead is not counted.
 
-The tensors travel on one **backend** (:mod:`exogym.comm.backend`), chosen once
+The tensors travel on one **backend** (:mod:`exogym.comm.protocol`), chosen once
 when a rank starts (:func:`use_backend`): ``torch.distributed`` across hosts,
 shared memory between the processes of a simulation, several ranks packed in
 one process, groups re-formed as hosts come and go, or mirrored collectives
@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from exogym.comm import quantize as quant
-from exogym.comm.backend import (
+from exogym.comm.mirror import Mirror
+from exogym.comm.protocol import (
     MODE_ENV,
     MODES,
     Collectives,
@@ -68,7 +69,6 @@ from exogym.comm.backend import (
     collectives_mode,
     is_connection_error,
 )
-from exogym.comm.mirror import Mirror
 from exogym.comm.store import MAX_VALUE_BYTES, ControlStore, ControlValueTooLarge, open_store
 from exogym.comm.wire import (  # the planner reads the same numbers
     BUCKET_BYTES,

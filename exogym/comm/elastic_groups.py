@@ -30,12 +30,12 @@ only control messages (:mod:`exogym.comm.store`). The protocol:
   survivors give the collective up at once. gloo's own timeout is only the
   backstop for a member that neither answers nor is declared lost.
 - **A rank declared lost itself** (frozen, cut off) finds its vote refused
-  and raises :class:`~exogym.comm.backend.RankDropped`: it rejoins at a later
+  and raises :class:`~exogym.comm.protocol.RankDropped`: it rejoins at a later
   round.
 
 In a gather that loses a member, the member's part reads as all bits set (NaN
 in a floating tensor). A broadcast from a member that is lost cannot complete:
-it raises :class:`~exogym.comm.backend.PeerLost`. A broadcast among some ranks
+it raises :class:`~exogym.comm.protocol.PeerLost`. A broadcast among some ranks
 (the state handed to a rank that rejoins) travels on a group of the source and
 the joining ranks only, in chunks of :data:`CHUNK_BYTES`.
 
@@ -59,7 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from exogym.comm.backend import (
+from exogym.comm.protocol import (
     Collectives,
     PeerLost,
     PeerTimeoutError,

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from exogym.comm.backend import PeerTimeoutError
+from exogym.comm.protocol import PeerTimeoutError
 
 #: Smallest segment created (a part that small is common: scalars, small buckets).
 MIN_SEGMENT_BYTES = 1 << 20

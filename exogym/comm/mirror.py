@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from exogym.comm.backend import Collectives, ReduceOp, done
+from exogym.comm.protocol import Collectives, ReduceOp, done
 
 
 class MirroredGroup:

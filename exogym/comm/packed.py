@@ -26,7 +26,7 @@ routes its collectives here. A collective meets in two stages:
    slice over every rank's tensor and posting it for the others.
 
 Every reduction adds the ranks' tensors one by one in rank order
-(:func:`exogym.comm.backend.reduce_rows`), the order shared memory between
+(:func:`exogym.comm.protocol.reduce_rows`), the order shared memory between
 unpacked processes uses too, so a run's result does not depend on how its
 ranks are packed, and every rank gets bitwise the same result. Tensors of any
 size pass, in windows of :data:`WINDOW_BYTES` per rank.
@@ -59,7 +59,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from exogym.comm.backend import (
+from exogym.comm.mailbox import Mailbox
+from exogym.comm.protocol import (
     Collectives,
     PeerTimeoutError,
     ReduceOp,
@@ -68,7 +69,6 @@ from exogym.comm.backend import (
     reduce_rows,
     to_cpu,
 )
-from exogym.comm.mailbox import Mailbox
 from exogym.comm.store import ControlStore
 
 #: The most of each rank's tensor one cross-process exchange carries.

@@ -3,7 +3,7 @@
 In a local simulation every rank is a process on this machine, so a collective
 need not cross a socket: each rank copies its contribution into its own slot
 of a shared buffer and meets the others; the last rank to arrive reduces every
-slot into a result row (in rank order, :func:`exogym.comm.backend.reduce_rows`,
+slot into a result row (in rank order, :func:`exogym.comm.protocol.reduce_rows`,
 so every rank gets bitwise the same result, the same as packed ranks get),
 then wakes the others, who copy the result out. Large tensors, or many
 tensors of an all-reduce bucket, pass in chunks of one slot.
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from exogym.comm.backend import (
+from exogym.comm.protocol import (
     Collectives,
     DoneWork,
     PeerTimeoutError,

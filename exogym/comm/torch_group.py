@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from exogym.comm.backend import Collectives, DoneWork, ReduceOp, copy_back, done, to_cpu
+from exogym.comm.protocol import Collectives, DoneWork, ReduceOp, copy_back, done, to_cpu
 from exogym.comm.store import ControlStore
 
 

@@ -23,7 +23,7 @@ only; their tensors travel on gloo groups formed for each membership
   and waits. The next round's decision admits it; at that boundary the
   members form a new group, and the lowest-numbered member that stayed hands
   it the model, the strategy's state and the step counter, point to point
-  (:meth:`exogym.run.train_node.TrainNode._hand_over`).
+  (:class:`exogym.membership.attendance.Attendance`).
 - **Too few hosts.** A decision that leaves fewer than ``min_nodes`` members
   says so; every rank then writes a checkpoint and stops, naming the lost hosts.
 - **The master.** The store lives in the launcher. If the launcher's host
@@ -42,8 +42,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from exogym.comm.backend import PeerLost, PeerTimeoutError, RankDropped
 from exogym.comm.elastic_groups import NAMESPACE, ElasticGroups, key, loss_generation
+from exogym.comm.protocol import PeerLost, PeerTimeoutError, RankDropped
 from exogym.comm.store import ControlStore
 from exogym.membership.simulated import MembershipStop
 

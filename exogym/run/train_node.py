@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from exogym import comm
-from exogym.base.plural import plural, plural_noun
-from exogym.comm import PeerLost, RankDropped
+from exogym.base.plural import plural
+from exogym.comm import RankDropped
 from exogym.comm.averaging import average_across_ranks, averaged_tensors
 from exogym.data.loading import (
     MinibatchStream,
@@ -35,7 +35,7 @@ from exogym.data.loading import (
     to_device,
     validation_subset,
 )
-from exogym.membership.handover import hand_over
+from exogym.membership.attendance import Attendance
 from exogym.membership.simulated import MembershipStop, RunMembership
 from exogym.run.balance import Balancer
 from exogym.run.checkpoint import (
@@ -45,6 +45,7 @@ from exogym.run.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from exogym.run.timing import StepTimer
 from exogym.sim.clock import SimClock
 
 if TYPE_CHECKING:
@@ -141,7 +142,10 @@ class TrainNode:
             speed = spec.rank_speeds[rank] if spec.rank_speeds is not None else 1.0
             self.clock = SimClock(spec.network, speed, spec.compute_time_s)
             comm.use_clock(self.clock)
-        self._one_thread = self.placement.threads_per_rank(spec) == 1
+        self.timer = StepTimer(self.clock, one_thread=self.placement.threads_per_rank(spec) == 1,
+                               speed_mode=spec.speed_mode,
+                               alone_on_machine=self.placement.ranks_per_machine == 1)
+        self.attendance = Attendance(self.membership, rank, emit)
         self.balance = Balancer.for_run(spec, rank, self.max_steps)  # fit(balance=...)
         if self.balance is not None and self.membership is not None:
             raise ValueError(f"balance={spec.balance!r} cannot run with ranks that come and go: "
@@ -190,46 +194,13 @@ class TrainNode:
             raise TypeError(f"model.forward(batch) must return a scalar loss tensor, got {shape}")
         return loss.reshape(())
 
-    def _mark(self) -> tuple[float, float, float, float]:
-        wall_in, cpu_in = comm.collective_time()
-        return time.perf_counter(), time.thread_time(), wall_in, cpu_in
-
-    def _compute_since(self, mark: tuple[float, float, float, float]) -> float:
-        """Compute seconds since ``mark``, without time inside collectives or asleep.
-
-        On one compute thread, the CPU time of this thread: ranks sharing the
-        machine's cores do not count each other's turns. Otherwise wall time.
-        """
-        wall, cpu, wall_in, cpu_in = self._mark()
-        if self._one_thread:
-            return max(0.0, (cpu - mark[1]) - (cpu_in - mark[3]))
-        return max(0.0, (wall - mark[0]) - (wall_in - mark[2]))
-
-    def _clock_forward_backward(self, mark: tuple[float, float, float, float],
-                                work: float = 1.0) -> None:
-        """Charge the forward and backward passes to the simulated clock (before the
-        strategy's step, whose collectives start when the last rank arrives); ``work``:
-        the step's samples over ``batch_size``."""
-        self.clock.add_compute(self._compute_since(mark), work)
-
-    def _clock_strategy_work(self, mark: tuple[float, float, float, float]) -> None:
-        """Charge the strategy's own work in its step (the optimizer, compression)."""
-        if self.clock.compute_time_s is None:
-            self.clock.add_compute(self._compute_since(mark))
-
-    def _lag(self, mark: tuple[float, float, float, float]) -> None:
-        """A slow rank in ``speed_mode='wall'`` really takes longer: after each step it
-        sleeps off ``1/speed - 1`` times the work it did since ``mark`` (collectives aside)."""
-        clock = self.clock
-        if clock is not None and self.spec.speed_mode == "wall" and clock.speed < 1.0:
-            comm.pause(self._compute_since(mark) * (1.0 / clock.speed - 1.0))
-
     def train_step(self) -> dict[str, Any]:
         """Run one optimizer step (with accumulation) and return its metric event."""
         if self.balance is not None:
             return self._balanced_step()
         accumulation = self.spec.accumulation_steps
-        mark = self._mark() if self.clock is not None else None
+        timer = self.timer
+        mark = timer.mark() if self.clock is not None else None
         self.strategy.zero_grad()
         losses = []
         for _ in range(accumulation):
@@ -240,13 +211,13 @@ class TrainNode:
             self.samples += batch_size_of(batch)
         total = losses[0] if accumulation == 1 else torch.stack(losses).float().sum()
         lr = self.strategy.current_lr
-        if self.clock is not None:
-            self._clock_forward_backward(mark)
-            mark = self._mark()
+        if mark is not None:
+            timer.forward_backward(mark)
+            mark = timer.mark()
         self.strategy.step()
         self.strategy.zero_grad()  # nothing reads them any more: ranks in turn hold one set
-        if self.clock is not None:
-            self._clock_strategy_work(mark)
+        if mark is not None:
+            timer.strategy_work(mark)
         self.step += 1
         return self._step_event(float(total) / accumulation, lr)
 
@@ -287,18 +258,17 @@ class TrainNode:
             return event
         samples = balance.batch_size
         self.train_stream.set_step_samples(samples)
-        mark = self._mark()
-        clock_before = None if self.clock is None else (self.clock.now, self.clock.comm_s)
+        timer = self.timer
+        mark = timer.mark()
+        clock_before = timer.clock_reading()
         self.strategy.zero_grad()
         self._last_loss = self._mean_loss_backward(samples)
-        if self.clock is not None:
-            self._clock_forward_backward(mark, samples / self.spec.batch_size)
-            strategy_mark = self._mark()
+        timer.forward_backward(mark, samples / self.spec.batch_size)
+        strategy_mark = timer.mark()
         self.strategy.step()
         self.strategy.zero_grad()
-        if self.clock is not None:
-            self._clock_strategy_work(strategy_mark)
-        balance.record(samples, self._balanced_seconds(mark, clock_before))
+        timer.strategy_work(strategy_mark)
+        balance.record(samples, timer.balanced_seconds(mark, clock_before))
         self.step += 1
         event = self._step_event(self._last_loss, lr)
         event.update(balance.event_fields())
@@ -318,28 +288,6 @@ class TrainNode:
             taken += size
         self.samples += samples
         return total / samples
-
-    def _balanced_seconds(self, mark: tuple[float, float, float, float],
-                          clock_before: tuple[float, float] | None) -> float:
-        """The compute time of the step since ``mark``, as the balancer measures it:
-        simulated with ``speed_mode='clock'``, else measured (collectives aside), with
-        the time a slow simulated rank sleeps it off (``speed_mode='wall'``).
-
-        A rank with its machine to itself (a real host) is timed by the wall clock:
-        a host held back by a CPU quota, a throttled chip or other work takes longer
-        to reach the collectives, while its thread's CPU time stays the same. Ranks
-        sharing a machine's cores are timed as :meth:`_compute_since` does.
-        """
-        clock = self.clock
-        if clock is not None and self.spec.speed_mode == "clock":
-            now, comm_s = clock_before
-            return (clock.now - now) - (clock.comm_s - comm_s)
-        if self.placement.ranks_per_machine == 1:
-            wall, _, wall_in, _ = self._mark()
-            seconds = max(0.0, (wall - mark[0]) - (wall_in - mark[2]))
-        else:
-            seconds = self._compute_since(mark)
-        return seconds / (clock.speed if clock is not None else 1.0)
 
     # -- evaluation -----------------------------------------------------------------
 
@@ -421,7 +369,7 @@ class TrainNode:
             "data": self.train_stream.state(),
             "rng": _rng_state(self.device),
             "num_nodes": self.num_nodes,
-            "sim_time_s": None if self.clock is None else self.clock.now,
+            "sim_time_s": self.timer.now,
             "balance": None if self.balance is None else self.balance.state_dict(),
             "run": self.spec.run_identity,
         }
@@ -447,8 +395,7 @@ class TrainNode:
         _set_rng_state(state["rng"], self.device)
         self.step = state["step"]
         self.samples = state["samples"]
-        if self.clock is not None and state.get("sim_time_s") is not None:
-            self.clock.now = float(state["sim_time_s"])
+        self.timer.restore(state.get("sim_time_s"))
         comm.restore_counters(state["comm_bytes"], state.get("comm_calls", 0))
 
     def _newest_valid(self, root: Path, below: int) -> tuple[int, dict | None]:
@@ -479,83 +426,37 @@ class TrainNode:
         self.load_state_dict(state)
         return agreed
 
-    # -- ranks that leave and rejoin (rank_failures) ----------------------------------
+    # -- ranks that leave and rejoin: what a hand-over gives and takes (Attendance) ------
 
-    def _handed_state(self) -> dict[str, Any]:
+    def handed_state(self) -> dict[str, Any]:
         """What a rank that rejoins takes from a member that stayed."""
         return {"model": self.model.state_dict(), "strategy": self.strategy.state_dict(),
                 "step": self.step, "max_steps": self.max_steps,
-                "data": self.train_stream.state(),
-                "sim_time_s": None if self.clock is None else self.clock.now}
+                "data": self.train_stream.state(), "sim_time_s": self.timer.now}
 
-    def _hand_over(self, step: int) -> None:
-        """At ``step``, where ranks rejoin: the rank that hands them the state sends it,
-        a joining rank receives it; the others take no part (side channel, uncounted).
-
-        The state streams after a small description of its structure, small tensors
-        together and large ones alone (:mod:`exogym.membership.handover`), so it is never held whole
-        in a buffer. Its bytes and time are reported as a ``hand_over`` event.
-        """
-        membership = self.membership
-        joining = membership.joiners(step)
-        source = membership.source(step)
-        if self.rank != source and self.rank not in joining:
-            return
-        ranks = [source, *joining]
-        started = time.perf_counter()
-        # A joiner takes the state straight into its own model's and strategy's tensors.
-        mine = self._handed_state()
-        state, nbytes = hand_over(mine if self.rank == source else None, source, ranks,
-                                  self.rank, into=None if self.rank == source else mine)
-        seconds = time.perf_counter() - started
-        self.emit({"event": "hand_over", "rank": self.rank, "step": step, "source": source,
-                   "joiners": list(joining), "bytes": nbytes, "seconds": seconds})
-        if self.rank == source:
-            print(f"rank {self.rank}: handed the state to {plural_noun(len(joining), 'rank')} "
-                  f"{', '.join(map(str, joining))} "
-                  f"at step {step}: {nbytes / 2**20:.1f} MiB in {seconds:.2f} s", flush=True)
-            return
+    def adopt_state(self, state: dict[str, Any], reshard: bool) -> None:
+        """Continue from the state a member handed over (``reshard``: at its data position)."""
         self.model.load_state_dict(state["model"])
         self.strategy.load_state_dict(state["strategy"])
         self.step = state["step"]
         self.max_steps = state["max_steps"]
         self.strategy.max_steps = self.max_steps
-        if membership.reshards:  # the epoch goes on where the run is
+        if reshard:  # the epoch goes on where the run is
             self.train_stream.restore(state["data"])
-        if self.clock is not None and state["sim_time_s"] is not None:
-            self.clock.now = max(self.clock.now, float(state["sim_time_s"]))
-        print(f"rank {self.rank}: took the state from rank {source} at step {step}: "
-              f"{nbytes / 2**20:.1f} MiB in {seconds:.2f} s", flush=True)
+        self.timer.restore(state["sim_time_s"], not_before=True)
+
+    def reshard(self, index: int, count: int) -> None:
+        """Read shard ``index`` of ``count`` from now on (the run's present ranks changed)."""
+        self.train_stream.reshard(index, count)
 
     def _take_part(self) -> bool:
         """Before each step: join the step's members, after an absence if need be.
 
         Returns False when this rank is away for the rest of the run.
         """
-        step = self.step + 1
-        membership = self.membership
-        if membership is None:
-            comm.enter_step(step)
-            return True
-        if not membership.is_present(self.rank, step):
-            back = membership.next_join(self.rank, step)
-            if back is None or back > self.max_steps:
-                self.departed = True
-                return False
-            step = back
-        comm.enter_step(step, membership.present(step), membership.epoch(step))
-        if membership.joiners(step):
-            try:
-                self._hand_over(step)
-            except PeerLost as exc:
-                if self.rank not in membership.joiners(step):
-                    raise
-                # The rank handing over the state was lost meanwhile: try a later round.
-                membership.drop(f"rank {membership.source(step)} was lost while handing over "
-                                "the state")
-                raise RankDropped(str(exc)) from exc
-        if membership.reshards:
-            self.train_stream.reshard(*membership.shard(self.rank, step))
+        if self.attendance.take_part(self.step + 1, self.max_steps, self) is None:
+            self.departed = True
+            return False
         return True
 
     # -- the loop -------------------------------------------------------------------
@@ -563,7 +464,7 @@ class TrainNode:
     def _one_step(self, start: float) -> None:
         """Train one step and emit its event (with evaluation and checkpoint when due)."""
         spec = self.spec
-        mark = self._mark() if self.clock is not None else None
+        mark = self.timer.mark() if self.clock is not None else None
         event = self.train_step()
         if self.balance is not None:  # new shares from the next step, in the checkpoint too
             self.balance.end_step(self.step)
@@ -578,7 +479,7 @@ class TrainNode:
                             keep=spec.keep_checkpoints)
         event["wall_s"] = time.perf_counter() - start
         self.emit(event)
-        self._lag(mark)
+        self.timer.lag(mark)
 
     def train(self) -> dict[str, torch.Tensor]:
         """Train to ``max_steps`` and return this rank's final model state (on the CPU)."""
