@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from doc_blocks import code_block
 from faces_support import TINY, sshd_hosts
 from ranks import ROOT
 from safetensors import safe_open
@@ -268,18 +269,15 @@ def test_local_run_trains_shows_plain_progress_and_writes_the_model(tmp_path):
     assert metadata["profile"] == "digits-diloco"
     assert json.loads(metadata["config"])["num_nodes"] == 2
     assert json.loads(metadata["profile_values"])["task"] == "digits"
-    readme_loads_the_model(out / "model.safetensors")
+    the_documented_snippet_loads_the_model(out / "model.safetensors")
 
 
-def readme_loads_the_model(path: Path) -> None:
-    """Run the README's snippet that loads a final model into its task's model."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    after = readme[readme.index("Load it into the task's model"):]
-    code = after[after.index("```python") + len("```python"):]
-    code = code[:code.index("```")].replace('"runs/digits-diloco.latest/model.safetensors"',
-                                            repr(str(path)))
+def the_documented_snippet_loads_the_model(path: Path) -> None:
+    """Run the snippet of docs/hosts.md that loads a final model into its task's model."""
+    code = code_block("docs/hosts.md", "Load it into the task's model", "python")
+    code = code.replace('"runs/digits-diloco.latest/model.safetensors"', repr(str(path)))
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/hosts.md", "exec"), scope)
     loaded = scope["model"].state_dict()
     from safetensors.torch import load_file
 

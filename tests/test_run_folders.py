@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from doc_blocks import code_block
 from ranks import ROOT, interrupt_after_checkpoints
 from safetensors import safe_open
 
@@ -327,19 +328,16 @@ def test_ctrl_c_names_this_runs_checkpoint_and_its_command_continues_this_run(tm
     assert "differs in lr (0.01 there, 0.5 here)" in said(neither)
 
 
-# --- the README's model-loading snippet, from another folder -----------------------------
+# --- the documented model-loading snippet, from another folder ---------------------------
 
 
-def test_the_readme_snippet_loads_the_newest_model_from_another_folder(tmp_path):
+def test_the_documented_snippet_loads_the_newest_model_from_another_folder(tmp_path):
     """As printed, run where the run was made (not the project's root), with exogym
     installed and ``distributed`` not (it is used from the checkout)."""
     made = cli("distributed-train", "digits-diloco", *SMALL, "--set", "max_steps=2",
                cwd=tmp_path)
     assert made.returncode == 0, made.stderr
-    readme = (ROOT / "README.md").read_text()
-    after = readme[readme.index("Load it into the task's model"):]
-    code = after[after.index("```python") + len("```python"):]
-    code = code[:code.index("```")]
+    code = code_block("docs/hosts.md", "Load it into the task's model", "python")
     check = ("\nfrom safetensors.torch import load_file as _load\n"
              "assert all((model.state_dict()[k] == v).all() for k, v in _load(path).items())\n"
              "print('loaded', metadata['run_profile'])\n")

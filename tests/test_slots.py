@@ -1,5 +1,5 @@
 """Hosts that run several ranks ("slots"): the hosts file, the launcher's plan, pre-flight's
-device checks, the README's example, and a real 2 hosts x 2 slots run over the test sshd.
+device checks, the documented example, and a real 2 hosts x 2 slots run over the test sshd.
 
 The real run: the master (this machine) runs ranks 0 and 1 as local processes, the
 worker 127.0.0.2 runs ranks 2 and 3 over SSH; the final model must equal the 4-rank
@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from doc_blocks import code_block
 from faces_support import TINY, sshd_hosts
-from ranks import ROOT
 from rich.console import Console
 from safetensors.torch import load_file
 from sshd_fixture import serve_sshd
@@ -35,12 +35,9 @@ runner = CliRunner()
 BASE = {"python_env": "/opt/py/bin/python", "project_path": "/srv/gym"}
 
 
-def readme_block(kind: str) -> str:
-    """The first ``kind`` code block of the README's "Several ranks per host" section."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Several ranks per host"):]
-    block = section[section.index(f"```{kind}\n") + len(kind) + 4:]
-    return block[:block.index("```")]
+def documented_block(kind: str) -> str:
+    """The first ``kind`` code block of the "Several ranks per host" section of docs/hosts.md."""
+    return code_block("docs/hosts.md", "## Several ranks per host", kind)
 
 
 # --------------------------------------------------------------------------- the hosts file
@@ -119,12 +116,12 @@ def test_plan_starts_every_slot_with_its_local_rank_and_node_rank():
     assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
 
 
-def test_readme_hosts_file_and_dry_run_show_every_rank(tmp_path):
-    hosts = load_hosts(json.loads(readme_block("json")))
+def test_documented_hosts_file_and_dry_run_show_every_rank(tmp_path):
+    hosts = load_hosts(json.loads(documented_block("json")))
     assert hosts.world_size == 4 and [h.slots for h in hosts.hosts] == [2, 2]
-    (command,) = readme_block("bash").strip().splitlines()
+    (command,) = documented_block("bash").strip().splitlines()
     hosts_file = tmp_path / "hosts.json"
-    hosts_file.write_text(readme_block("json"))
+    hosts_file.write_text(documented_block("json"))
     words = shlex.split(command)
     assert words[:2] == ["python", "cli_typer.py"]
     args = [str(hosts_file) if w == "hosts.json" else w for w in words[2:]]

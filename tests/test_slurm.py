@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from doc_blocks import code_lines
 from ranks import ROOT, free_port, wait_all
 from safetensors.torch import load_file
 from test_network import COMMON, assert_states_close, simulate
@@ -19,7 +20,7 @@ from distributed.app.slurm import SlurmJob, write_sbatch_script
 from distributed.rank.environment import rank_environment
 from distributed.rank.slurm import expand_nodelist, port_for_job, tasks_on_node
 
-README = ROOT / "README.md"
+SLURM_PAGE = "docs/slurm-trackers.md"
 
 
 @pytest.mark.parametrize("nodelist, hosts", [
@@ -182,14 +183,6 @@ def test_the_slurm_command_writes_the_script_and_says_how_to_submit_it(tmp_path)
     assert not (tmp_path / "x").exists()
 
 
-def readme_block(after: str) -> list[str]:
-    """The lines of the first ```bash block after ``after`` in the README."""
-    text = README.read_text()
-    rest = text[text.index(after):]
-    block = rest[rest.index("```bash") + len("```bash"):]
-    return [line for line in block[:block.index("```")].strip().splitlines() if line.strip()]
-
-
 @pytest.fixture(scope="module")
 def cluster():
     from slurm_fixture import slurm_cluster, slurm_missing
@@ -198,14 +191,14 @@ def cluster():
     if reason:
         pytest.skip(reason)
     with slurm_cluster() as env:
-        # "python" in the README is this interpreter.
+        # "python" in the documented commands is this interpreter.
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
         env.pop("GLOO_SOCKET_IFNAME", None)
         yield env
 
 
-def test_the_readme_srun_example_trains_two_ranks_on_a_real_cluster(cluster, tmp_path):
-    [command] = readme_block("Inside an allocation, two ranks")
+def test_the_documented_srun_example_trains_two_ranks_on_a_real_cluster(cluster, tmp_path):
+    [command] = code_lines(SLURM_PAGE, "Inside an allocation, two ranks", "bash")
     command = command.replace("runs/srun-digits", str(tmp_path / "out"))
     result = subprocess.run(shlex.split(command), cwd=ROOT, env=cluster, capture_output=True,
                             text=True, timeout=300)
@@ -217,8 +210,8 @@ def test_the_readme_srun_example_trains_two_ranks_on_a_real_cluster(cluster, tmp
                         atol=1e-4)
 
 
-def test_the_readme_sbatch_example_runs_the_profile_as_a_job(cluster, tmp_path):
-    write, submit = readme_block("Then submit it")
+def test_the_documented_sbatch_example_runs_the_profile_as_a_job(cluster, tmp_path):
+    write, submit = code_lines(SLURM_PAGE, "Then submit it", "bash")
     script = ROOT / shlex.split(submit)[1]
     job_id = None
     assert not script.exists(), f"{script} is in the way; move it"

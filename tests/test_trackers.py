@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from doc_blocks import code_lines
 from faces_support import TINY, sshd_hosts
 from ranks import ROOT
 from sshd_fixture import serve_sshd
@@ -247,21 +248,17 @@ def test_across_hosts_rank_0_logs_to_wandb_offline_from_the_launching_shell(
     assert [h["_step"] for h in history if "val_global_loss" in h] == [10, 20]
 
 
-# --------------------------------------------------------------------------- README
+# --------------------------------------------------------------------------- the docs
 
 
-def readme_commands() -> list[str]:
-    """The commands of the README's Trackers subsection, in order."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Trackers"):]
-    section = section[:section.index("\n## ")]
-    block = section[section.index("```bash") + len("```bash"):]
-    block = block[:block.index("```")]
-    return [line.split("  #")[0].strip() for line in block.strip().splitlines()]
+def documented_commands() -> list[str]:
+    """The commands of the Trackers section of docs/slurm-trackers.md, in order."""
+    return [line.split("  #")[0].strip()
+            for line in code_lines("docs/slurm-trackers.md", "## Trackers", "bash")]
 
 
-def test_the_readme_tracker_commands_run_as_written(tmp_path):
-    commands = readme_commands()
+def test_the_documented_tracker_commands_run_as_written(tmp_path):
+    commands = documented_commands()
     runs = [c for c in commands if "cli_typer.py distributed-train" in c]
     inspect = [c for c in commands if c.startswith("wandb leet inspect")]
     assert len(runs) == 2 and len(inspect) == 1, commands
@@ -273,7 +270,7 @@ def test_the_readme_tracker_commands_run_as_written(tmp_path):
                               capture_output=True, text=True)
         assert done.returncode == 0, (command, done.stdout[-3000:], done.stderr[-3000:])
     # Each run has its folder: the TensorBoard run the first, the W&B run the next; the
-    # README reads each through runs/digits-diloco.latest right after that run.
+    # page reads each through runs/digits-diloco.latest right after that run.
     first, second = tmp_path / "runs" / "digits-diloco", tmp_path / "runs" / "digits-diloco-2"
     tensorboard_dir = shlex.split(next(c for c in commands if c.startswith("tensorboard")))[-1]
     assert tensorboard_dir == "runs/digits-diloco.latest/logs"
