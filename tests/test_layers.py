@@ -88,18 +88,27 @@ def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
             found.add(name)
 
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                add(alias.name)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            for alias in node.names:
-                full = f"{base}.{alias.name}"
-                add(full if full in known else base)
+        for name in imported_names(node, package, known):
+            add(name)
     return found
+
+
+def imported_names(node: ast.AST, package: str, known: set[str]) -> list[str]:
+    """The names an ``import`` or ``from ... import`` statement reaches (none for other nodes):
+    a ``from`` import names the module it imports from, or the submodule it imports."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+    names = []
+    for alias in node.names:
+        full = f"{base}.{alias.name}"
+        names.append(full if full in known else base)
+    return names
 
 
 @pytest.fixture(scope="module")
@@ -217,17 +226,9 @@ def runtime_imports(module: str, path: Path, known: set[str]) -> set[str]:
                 for block in (node.body, node.orelse, node.finalbody,
                               *(h.body for h in node.handlers)):
                     visit(block)
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    add(alias.name)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                for alias in node.names:
-                    full = f"{base}.{alias.name}"
-                    add(full if full in known else base)
+            else:
+                for name in imported_names(node, package, known):
+                    add(name)
 
     visit(tree.body)
     return found

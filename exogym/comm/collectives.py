@@ -57,73 +57,54 @@ import torch.distributed as dist
 from exogym.comm import quantize as quant
 from exogym.comm.mirror import Mirror
 from exogym.comm.protocol import (
-    MODE_ENV,
-    MODES,
+    MODE_ENV as MODE_ENV,
+)
+from exogym.comm.protocol import (
+    MODES as MODES,
+)
+from exogym.comm.protocol import (
     Collectives,
     DoneWork,
-    PeerLost,
-    PeerTimeoutError,
-    RankDropped,
-    ReduceOp,
     ThenWork,
-    collectives_mode,
-    is_connection_error,
 )
-from exogym.comm.store import MAX_VALUE_BYTES, ControlStore, ControlValueTooLarge, open_store
+from exogym.comm.protocol import (
+    PeerLost as PeerLost,
+)
+from exogym.comm.protocol import (
+    PeerTimeoutError as PeerTimeoutError,
+)
+from exogym.comm.protocol import (
+    RankDropped as RankDropped,
+)
+from exogym.comm.protocol import (
+    ReduceOp as ReduceOp,
+)
+from exogym.comm.protocol import (
+    collectives_mode as collectives_mode,
+)
+from exogym.comm.protocol import (
+    is_connection_error as is_connection_error,
+)
+from exogym.comm.store import (
+    MAX_VALUE_BYTES as MAX_VALUE_BYTES,
+)
+from exogym.comm.store import (
+    ControlStore,
+)
+from exogym.comm.store import (
+    ControlValueTooLarge as ControlValueTooLarge,
+)
+from exogym.comm.store import (
+    open_store as open_store,
+)
 from exogym.comm.wire import (  # the planner reads the same numbers
     BUCKET_BYTES,
     QUANT_CHUNK,
     is_quantized,
 )
 
-__all__ = [
-    "MAX_VALUE_BYTES",
-    "MODE_ENV",
-    "MODES",
-    "Collectives",
-    "ControlStore",
-    "ControlValueTooLarge",
-    "PeerLost",
-    "PeerTimeoutError",
-    "RankDropped",
-    "ReduceOp",
-    "all_gather",
-    "all_reduce",
-    "all_reduce_tensors",
-    "backend",
-    "broadcast",
-    "collective_time",
-    "collectives_mode",
-    "comm_bytes",
-    "comm_calls",
-    "destroy_process_group",
-    "enter_step",
-    "group_size",
-    "held_once",
-    "init_process_group",
-    "is_connection_error",
-    "is_initialized",
-    "nccl_available",
-    "new_group",
-    "open_store",
-    "pause",
-    "present_ranks",
-    "reset_counters",
-    "resolve_dtype",
-    "restore_counters",
-    "runs_within",
-    "side_all_gather",
-    "side_all_reduce",
-    "side_barrier",
-    "side_broadcast",
-    "side_group_size",
-    "use_backend",
-    "use_clock",
-    "use_local_collectives",
-    "use_mirror_collectives",
-    "use_packed_world",
-    "waiting",
-]
+# The public names are listed once, in exogym.comm's __all__; the names imported above
+# ``as`` themselves are re-exported there.
 
 _backend: Collectives = Collectives()  # a world of one until a rank joins its transport
 _torch_identity = (dist.get_rank, dist.get_world_size, dist.is_initialized)
