@@ -114,6 +114,8 @@ for _path in (str(ROOT), str(Path(__file__).resolve().parent)):
         sys.path.insert(0, _path)
 
 from multihost import Bench, BenchError, Interrupted, JobResult, Window, signals_raise  # noqa: E402
+
+from exogym.io import atomic_write_json  # noqa: E402
 from netbed import (  # noqa: E402
     PREFIX,
     Testbed,
@@ -123,8 +125,6 @@ from netbed import (  # noqa: E402
     reap_stale_beds,
     worker_pid,
 )
-
-from exogym.io import atomic_write_json  # noqa: E402
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
@@ -203,13 +203,12 @@ def _read_pids(group: Path) -> list[int]:
 
 def reap_stale_groups() -> list[str]:
     """Remove the slow groups of earlier benches whose test bed is gone (killed unclean)."""
-    from netbed import _run
+    from netbed.stale import bed_stands
 
-    spaces = _run("ip", "netns", "list", check=False).stdout
     removed = []
     for group in CPU_CGROUP.glob(f"{PREFIX}-*-slow"):
         tag = group.name.split("-")[1]
-        if f"{PREFIX}-{tag}-" not in spaces:
+        if not bed_stands(tag):
             release(group)
             removed.append(f"cgroup {group}")
     return removed

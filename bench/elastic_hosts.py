@@ -45,7 +45,7 @@ for path in (ROOT, Path(__file__).resolve().parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from netbed import Events, Testbed, _run, check_requirements, worker_pid  # noqa: E402
+from netbed import Events, Testbed, check_requirements, worker_pid  # noqa: E402
 
 H = 20
 
@@ -122,7 +122,7 @@ def scenario(name: str, away: float, max_steps: int, batch_size: int) -> dict:
                 os.kill(pid, signal.SIGSTOP)
             else:
                 hit = time.monotonic()
-                _run("ip", "-n", cut.namespace, "link", "set", cut.interface, "down")
+                bed.set_link(cut, up=False)
             t_lost, lost = events.wait(lambda e: e.get("event") == "membership"
                                        and e["ranks"] == [0, 1], 120, after=hit)
             t_round, _ = events.wait(round_end(0), 120, after=t_lost)
@@ -132,7 +132,7 @@ def scenario(name: str, away: float, max_steps: int, batch_size: int) -> dict:
             elif name == "freeze":
                 os.kill(pid, signal.SIGCONT)
             else:
-                _run("ip", "-n", cut.namespace, "link", "set", cut.interface, "up")
+                bed.set_link(cut, up=True)
             back = time.monotonic()
             # Running again: a new process's start, its readiness, or its admission.
             t_start, _ = events.wait(

@@ -87,14 +87,6 @@ for _path in (str(ROOT), str(Path(__file__).resolve().parent)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from netbed import (  # noqa: E402 - after the path set-up above
-    Counters,
-    Testbed,
-    TestbedError,
-    check_requirements,
-    rate_bits,
-    reap_stale_beds,
-)
 from project_speedup import (  # noqa: E402
     StrategyCase,
     inputs_from_results,
@@ -104,6 +96,14 @@ from project_speedup import (  # noqa: E402
 )
 
 from exogym.io import atomic_write_bytes, atomic_write_json, atomic_write_text  # noqa: E402
+from netbed import (  # noqa: E402 - after the path set-up above
+    Counters,
+    Testbed,
+    TestbedError,
+    check_requirements,
+    rate_bits,
+    reap_stale_beds,
+)
 
 FORMAT = "exogym-multihost/1"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

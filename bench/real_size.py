@@ -376,11 +376,11 @@ def rate_bits(rate: str) -> float:
 
 def host_run(bed: Any, model: str, rate: str, min_nodes: int | None, kill: bool,
              away: float, work: Path, max_steps: int) -> dict[str, Any]:
-    from netbed import Events
     from rich.console import Console
 
     from distributed.hosts.ssh import SSHOptions
     from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram
+    from netbed import Events
 
     label = ("kill" if kill else "min_nodes") if min_nodes else "no min_nodes"
     out = work / label.replace(" ", "-")

@@ -55,10 +55,10 @@ from multihost import (  # noqa: E402 - after the path set-up above
     run_round,
     signals_raise,
 )
-from netbed import Testbed, TestbedError, check_requirements, rate_bits, reap_stale_beds  # noqa: E402
 from project_speedup import parse_strategies  # noqa: E402
 
 from exogym.io import atomic_write_json, atomic_write_text  # noqa: E402
+from netbed import Testbed, TestbedError, check_requirements, rate_bits, reap_stale_beds  # noqa: E402
 
 
 def hosts_file(bed: Testbed, port: int) -> Path:

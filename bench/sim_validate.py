@@ -41,11 +41,11 @@ for _path in (str(ROOT), str(Path(__file__).resolve().parent)):
         sys.path.insert(0, _path)
 
 from multihost import Bench, Window  # noqa: E402
-from netbed import Testbed, rate_bits  # noqa: E402
 from project_speedup import StrategyCase, parse_strategies  # noqa: E402
 from recommend_check import bench_arguments, on_bed  # noqa: E402
 
 from exogym.io import atomic_write_json, atomic_write_text  # noqa: E402
+from netbed import Testbed, rate_bits  # noqa: E402
 
 
 def simulate(bench: Bench, case: StrategyCase, window: Window, network: dict[str, Any],
