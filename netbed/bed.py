@@ -154,15 +154,15 @@ class Testbed:
         for host in self.hosts:
             port = f"xb{host.index}"
             run("ip", "-n", self.bridge_ns, "link", "add", port, "type", "veth", "peer", "name",
-                 host.interface, "netns", host.namespace)
+                host.interface, "netns", host.namespace)
             run("ip", "-n", self.bridge_ns, "link", "set", port, "master", "br0")
             run("ip", "-n", self.bridge_ns, "link", "set", port, "up")
             run("ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev",
-                 host.interface)
+                host.interface)
             run("ip", "-n", host.namespace, "link", "set", host.interface, "up")
         # The uplink's root end disappears with its peer when the bridge namespace is deleted.
         run("ip", "link", "add", self.uplink, "type", "veth", "peer", "name", "xbu", "netns",
-             self.bridge_ns)
+            self.bridge_ns)
         run("ip", "-n", self.bridge_ns, "link", "set", "xbu", "master", "br0")
         run("ip", "-n", self.bridge_ns, "link", "set", "xbu", "up")
         run("ip", "addr", "add", f"{self.uplink_address}/24", "dev", self.uplink)
@@ -176,7 +176,7 @@ class Testbed:
         host_key = self.workdir / "host_key"
         for key in (host_key, self.key_path):
             run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"{PREFIX}-{self.tag}",
-                 "-f", str(key))
+                "-f", str(key))
         authorized = self.workdir / "authorized_keys"
         authorized.write_text((self.workdir / "user_key.pub").read_text())
         public = (self.workdir / "host_key.pub").read_text().split()
@@ -255,22 +255,22 @@ class Testbed:
         burst = tbf_burst(rate)
         for host in self.hosts:
             run("ip", "netns", "exec", host.namespace, "tc", "qdisc", "replace", "dev",
-                 host.interface, "root", "tbf", "rate", rate, "burst", str(burst),
-                 "latency", self.queue)
+                host.interface, "root", "tbf", "rate", rate, "burst", str(burst),
+                "latency", self.queue)
         self.rate = rate
 
     def shape_uplink(self, rate: str) -> None:
         """Shape what this machine (the launcher's host) sends into the bed to ``rate``."""
         burst = tbf_burst(rate)
         run("tc", "qdisc", "replace", "dev", self.uplink, "root", "tbf", "rate", rate, "burst",
-             str(burst), "latency", self.queue)
+            str(burst), "latency", self.queue)
 
     def counters(self) -> Counters:
         """Bytes sent so far by every host's veth and received by the root uplink."""
         host_tx = []
         for host in self.hosts:
             out = run("ip", "-n", host.namespace, "-j", "-s", "link", "show", "dev",
-                       host.interface).stdout
+                      host.interface).stdout
             host_tx.append(int(json.loads(out)[0]["stats64"]["tx"]["bytes"]))
         rx = int(Path(f"/sys/class/net/{self.uplink}/statistics/rx_bytes").read_text())
         return Counters(host_tx, rx)
