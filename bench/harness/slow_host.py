@@ -39,8 +39,16 @@ class SlowGroup:
         (self.path / "cpu.cfs_quota_us").write_text(str(round(PERIOD_US * self.fraction)))
 
     def add(self, pid: int) -> None:
-        """Move ``pid`` into the group; what it starts from now on is born in it."""
-        (self.path / "cgroup.procs").write_text(str(pid))
+        """Move ``pid`` into the group; what it starts from now on is born in it.
+
+        A process that is gone already is skipped: a host's sshd forks a child for every
+        connection (the bed's own check that it answers, too), and such a child can exit
+        between the listing of the host's processes and its move.
+        """
+        try:
+            (self.path / "cgroup.procs").write_text(str(pid))
+        except ProcessLookupError:
+            pass
 
     def members(self) -> list[int]:
         """The processes in the group."""
