@@ -5,6 +5,7 @@ Imported from the project root (``from netbed import Testbed``), as ``distribute
 by ``tests/`` and ``bench/`` alike: neither holds a copy of the other's.
 
 - :mod:`netbed.bed`: the bed (:class:`Testbed`, its hosts, shaping, counters, clean-up);
+- :mod:`netbed.lan`: namespaces joined by a bridge (the tests' ``netns`` uses it too);
 - :mod:`netbed.links`: tc rates, interface counters, the ring probe of a link;
 - :mod:`netbed.sshd`: a private sshd's config and greeting (the tests' sshd uses it too);
 - :mod:`netbed.stale`: beds a killed process left behind, removed;

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from netbed.lan import Member, build_lan, delete_namespaces
 from netbed.links import Counters, LinkMeasurement, measure_ring, tbf_burst
 from netbed.sshd import sshd_config, wait_for_greeting
 from netbed.stale import OWNER_FILE, PREFIX
@@ -145,21 +146,8 @@ class Testbed:
     def build(self) -> None:
         """Create the namespaces, the bridge, the veths, the uplink and every sshd."""
         self._check_subnet_free()
-        for ns in [self.bridge_ns, *(h.namespace for h in self.hosts)]:
-            run("ip", "netns", "add", ns)
-            self.namespaces.append(ns)
-            run("ip", "-n", ns, "link", "set", "lo", "up")
-        run("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-        run("ip", "-n", self.bridge_ns, "link", "set", "br0", "up")
-        for host in self.hosts:
-            port = f"xb{host.index}"
-            run("ip", "-n", self.bridge_ns, "link", "add", port, "type", "veth", "peer", "name",
-                host.interface, "netns", host.namespace)
-            run("ip", "-n", self.bridge_ns, "link", "set", port, "master", "br0")
-            run("ip", "-n", self.bridge_ns, "link", "set", port, "up")
-            run("ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev",
-                host.interface)
-            run("ip", "-n", host.namespace, "link", "set", host.interface, "up")
+        build_lan(self.bridge_ns, [Member(h.namespace, h.interface, h.address)
+                                   for h in self.hosts], self.namespaces)
         # The uplink's root end disappears with its peer when the bridge namespace is deleted.
         run("ip", "link", "add", self.uplink, "type", "veth", "peer", "name", "xbu", "netns",
             self.bridge_ns)
@@ -323,9 +311,7 @@ class Testbed:
         for host in self.hosts:
             if host.sshd is not None:
                 stop_process(host.sshd)
-        for ns in reversed(self.namespaces):
-            run("ip", "netns", "delete", ns, check=False)
-        self.namespaces.clear()
+        delete_namespaces(self.namespaces)
         if Path(f"/sys/class/net/{self.uplink}").exists():
             run("ip", "link", "delete", self.uplink, check=False)
         shutil.rmtree(self.workdir, ignore_errors=True)
