@@ -17,30 +17,26 @@ counter), and both as ratios to DiLoCo in float32, with the targets of each row:
 Streaming DiLoCo and SparseLoCo rows appear when ``exogym.strategy`` provides them.
 Run from the project root (the default takes a few minutes on two idle cores):
 
-    python bench/algorithms_study.py
-    python bench/algorithms_study.py --steps 600 --nodes 4 --H 50
+    python -m bench.algorithms_study
+    python -m bench.algorithms_study --steps 600 --nodes 4 --H 50
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from rich.console import Console
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-import exogym.strategy as strategies  # noqa: E402
-from distributed.tasks.builtin import chargpt_task  # noqa: E402
-from exogym import Trainer  # noqa: E402
-from exogym.report.summary import human_bytes  # noqa: E402
-from exogym.strategy import DiLoCoStrategy, Strategy  # noqa: E402
+import exogym.strategy as strategies
+from bench.harness.tables import print_table
+from distributed.tasks.builtin import chargpt_task
+from exogym import Trainer
+from exogym.report.summary import human_bytes
+from exogym.strategy import DiLoCoStrategy, Strategy
 
 
 @dataclass
@@ -133,7 +129,8 @@ def verdict(row: Row, loss_ratio: float, bytes_ratio: float, peak_ratio: float) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.algorithms_study",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=240, help="inner steps per rank (240)")
     parser.add_argument("--nodes", type=int, default=2, help="simulated ranks, 2 to 4 (2)")
     parser.add_argument("--H", type=int, default=40, help="inner steps per outer round (40)")
@@ -168,20 +165,19 @@ def main() -> None:
                       f"{human_bytes(got.total_bytes)} sent ({got.wall_s:.0f} s)")
 
     base = results[chosen[0].name]
-    table = Table(title=f"chargpt, {args.nodes} ranks, {args.steps} steps, H={args.H}")
-    for column in ("strategy", "val loss", "total bytes", "peak bytes / sync", "loss ×",
-                   "bytes ×", "peak ×", "targets met"):
-        table.add_column(column, justify="left" if column in ("strategy", "targets met")
-                         else "right", no_wrap=True)
+    table = []
     for row in chosen:
         got = results[row.name]
         loss_ratio = got.val_loss / base.val_loss
         bytes_ratio = got.total_bytes / base.total_bytes
         peak_ratio = got.peak_bytes / base.peak_bytes
-        table.add_row(row.name, f"{got.val_loss:.5f}", human_bytes(got.total_bytes),
+        table.append((row.name, f"{got.val_loss:.5f}", human_bytes(got.total_bytes),
                       human_bytes(got.peak_bytes), f"{loss_ratio:.4f}", f"{bytes_ratio:.4f}",
-                      f"{peak_ratio:.4f}", verdict(row, loss_ratio, bytes_ratio, peak_ratio))
-    console.print(table)
+                      f"{peak_ratio:.4f}", verdict(row, loss_ratio, bytes_ratio, peak_ratio)))
+    print_table(f"chargpt, {args.nodes} ranks, {args.steps} steps, H={args.H}",
+                ("strategy", "val loss", "total bytes", "peak bytes / sync", "loss ×",
+                 "bytes ×", "peak ×", "targets met"), table,
+                left=("strategy", "targets met"), no_wrap=True, console=console)
 
 
 if __name__ == "__main__":

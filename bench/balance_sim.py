@@ -2,8 +2,8 @@
 
 Run from the project root::
 
-    python bench/balance_sim.py                  # 200 steps of each run
-    python bench/balance_sim.py --steps 100 --repeat 3
+    python -m bench.balance_sim                  # 200 steps of each run
+    python -m bench.balance_sim --steps 100 --repeat 3
 
 Two simulated ranks on the digits task (:mod:`exogym.data.digits`, a small CNN),
 ``rank_speeds=[1.0, 0.5]`` with ``speed_mode='wall'``: the slow rank really
@@ -25,19 +25,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from exogym import Trainer  # noqa: E402
-from exogym.data.digits import DigitsCNN, digits_datasets  # noqa: E402
-from exogym.strategy import DiLoCoStrategy, SimpleReduceStrategy  # noqa: E402
+from bench.harness.tables import print_table
+from bench.harness.timing import with_medians
+from exogym import Trainer
+from exogym.data.digits import DigitsCNN, digits_datasets
+from exogym.strategy import DiLoCoStrategy, SimpleReduceStrategy
 
 SPEEDS = [1.0, 0.5]
 
@@ -71,17 +67,15 @@ def one_run(strategy_name: str, balance: str, args: argparse.Namespace) -> dict[
 
 def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The medians of the wall time and loss over ``runs``, the last run's shares."""
-    result = dict(runs[-1])
-    result["wall_s"] = statistics.median(r["wall_s"] for r in runs)
-    result["val_loss"] = statistics.median(r["val_loss"] for r in runs)
-    return result
+    return with_medians(runs[-1], runs, ("wall_s", "val_loss"))
 
 
 CASES = (("diloco", "steps"), ("ddp", "batch"))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.balance_sim",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="steps of each run")
     parser.add_argument("--H", type=int, default=20, help="DiLoCo's inner steps per round")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
@@ -103,17 +97,16 @@ def main() -> None:
             runs.setdefault((strategy_name, balanced), []).append(after)
             ratios[strategy_name].append(before["wall_s"] / after["wall_s"])
 
-    header = (f"{'strategy':<9} {'balance':<8} {'wall s':>8} {'val loss':>9} "
-              f"{'samples by rank':>17} {'shares':>10} {'measured speeds':>16}")
-    print(header)
-    print("-" * len(header))
     results = {key: summarize_runs(value) for key, value in runs.items()}
+    rows = []
     for (strategy_name, balance), r in results.items():
         shares = "-" if r["shares"] is None else "/".join(map(str, r["shares"]))
         speeds = "-" if r["speeds"] is None else "/".join(f"{s:.2f}" for s in r["speeds"])
-        samples = "/".join(map(str, r["samples"]))
-        print(f"{strategy_name:<9} {balance:<8} {r['wall_s']:>8.2f} {r['val_loss']:>9.4f} "
-              f"{samples:>17} {shares:>10} {speeds:>16}")
+        rows.append((strategy_name, balance, f"{r['wall_s']:.2f}", f"{r['val_loss']:.4f}",
+                     "/".join(map(str, r["samples"])), shares, speeds))
+    print_table("two ranks, one half as fast",
+                ("strategy", "balance", "wall s", "val loss", "samples by rank", "shares",
+                 "measured speeds"), rows, left=("strategy", "balance"))
     print()
     for strategy_name, balanced in CASES:
         before, after = results[strategy_name, "none"], results[strategy_name, balanced]

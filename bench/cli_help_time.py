@@ -5,8 +5,8 @@ and the median wall time, next to a bare `python -c pass` for the
 interpreter's own start. Also says whether importing the CLI pulls in torch
 (it must not). Run from the project root:
 
-    python bench/cli_help_time.py
-    python bench/cli_help_time.py --repeat 10
+    python -m bench.cli_help_time
+    python -m bench.cli_help_time --repeat 10
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness import ROOT
+from bench.harness.tables import print_table
+from bench.harness.timing import timed_run
+
 COMMANDS = ("distributed-train", "check-hosts", "profiles", "compare", "whisper-convert",
             "whisper-synthesize")
 
@@ -30,13 +30,7 @@ COMMANDS = ("distributed-train", "check-hosts", "profiles", "compare", "whisper-
 def wall_times(args: list[str], repeat: int) -> list[float]:
     """Seconds each of ``repeat`` runs of ``python ARGS`` took, start to exit."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        subprocess.run([sys.executable, *args], cwd=ROOT, env=env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        times.append(time.perf_counter() - started)
-    return times
+    return [timed_run([sys.executable, *args], env=env).wall_s for _ in range(repeat)]
 
 
 def heavy_imports() -> list[str]:
@@ -50,7 +44,8 @@ def heavy_imports() -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.cli_help_time",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs of each command (default 5)")
     args = parser.parse_args()
 
@@ -59,15 +54,14 @@ def main() -> None:
     cases += [(f"cli_typer.py {c} --help", ["cli_typer.py", c, "--help"]) for c in COMMANDS]
     cases.append(("wizard.py --help", ["wizard.py", "--help"]))
 
-    table = Table(title=f"--help wall time, {args.repeat} runs each", title_justify="left")
-    for column in ("command", "fastest", "median"):
-        table.add_column(column, justify="left" if column == "command" else "right")
+    rows = []
     for name, argv in cases:
         times = wall_times(argv, args.repeat)
-        table.add_row(name, f"{min(times) * 1000:.0f} ms",
-                      f"{statistics.median(times) * 1000:.0f} ms")
+        rows.append((name, f"{min(times) * 1000:.0f} ms",
+                     f"{statistics.median(times) * 1000:.0f} ms"))
     console = Console()
-    console.print(table)
+    print_table(f"--help wall time, {args.repeat} runs each", ("command", "fastest", "median"),
+                rows, left=("command",), console=console, title_justify="left")
     heavy = heavy_imports()
     console.print("heavy modules imported by `import cli_typer, wizard`: "
                   + (", ".join(heavy) if heavy else "none"))

@@ -6,11 +6,11 @@ divided by the steps. Next to it, the same figure from the strategy's
 formula, so a mismatch (a strategy sending more than it should, or a formula
 that is wrong) shows at once.
 
-Run from the project root with exogym importable (``pip install -e .``):
+Run from the project root:
 
-    python bench/comm_bytes.py
-    python bench/comm_bytes.py --model cnn --p 0.01 --topk 16
-    python bench/comm_bytes.py --model mlp-large --steps 40
+    python -m bench.comm_bytes
+    python -m bench.comm_bytes --model cnn --p 0.01 --topk 16
+    python -m bench.comm_bytes --model mlp-large --steps 40
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from fractions import Fraction
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
+from bench.harness.tables import print_table
 from exogym import Trainer
 from exogym.comm.quantize import payload_bytes
 from exogym.data.digits import DigitsCNN, DigitsMLP, digits_datasets
@@ -147,7 +147,8 @@ def sparseloco_case(sizes: list[int], B: int, steps: int, H: int, topk: int, chu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.comm_bytes",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
     parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
     parser.add_argument("--steps", type=int, default=20,
@@ -170,12 +171,7 @@ def main() -> None:
     console.print(f"model {args.model}: P = {P:,} trainable entries in "
                   f"{sum(1 for p in model.parameters() if p.requires_grad)} tensors; "
                   f"{args.nodes} nodes, R = {args.steps} steps")
-    table = Table(title="Bytes sent per node per step")
-    table.add_column("strategy")
-    table.add_column("measured", justify="right", no_wrap=True)
-    table.add_column("formula")
-    for column in ("by formula", "vs DDP", "match"):
-        table.add_column(column, justify="right", no_wrap=True)
+    rows = []
     ddp = None
     for case in cases(model, args):
         started = time.perf_counter()
@@ -186,11 +182,14 @@ def main() -> None:
         measured = sum(r["comm_bytes"] for r in last) / len(last) / args.steps
         ddp = ddp or measured
         match = "yes" if math.isclose(measured, case.per_step, rel_tol=1e-9) else "NO"
-        table.add_row(case.name, f"{measured:,.1f} B", case.formula, f"{case.per_step:,.1f} B",
-                      f"{measured / ddp:.2%}", match)
+        rows.append((case.name, f"{measured:,.1f} B", case.formula, f"{case.per_step:,.1f} B",
+                     f"{measured / ddp:.2%}", match))
         console.print(f"  {case.name}: {human_bytes(measured)} per step "
                       f"({time.perf_counter() - started:.1f} s)")
-    console.print(table)
+    figures = ("measured", "by formula", "vs DDP", "match")
+    print_table("Bytes sent per node per step",
+                ("strategy", "measured", "formula", "by formula", "vs DDP", "match"), rows,
+                left=("strategy", "formula"), no_wrap=figures, console=console)
 
 
 if __name__ == "__main__":

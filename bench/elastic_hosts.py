@@ -21,8 +21,8 @@ Scenarios (``--scenarios``):
   continued (the same process rejoins; it is dropped after ``lost_after``);
 - ``link``: its link set down for ``--away`` seconds, then up.
 
-    python bench/elastic_hosts.py
-    python bench/elastic_hosts.py --scenarios kill --away 5
+    python -m bench.elastic_hosts
+    python -m bench.elastic_hosts --scenarios kill --away 5
 
 Needs root, iproute2 and sshd (``tests/setup_system.sh``).
 """
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -40,20 +39,10 @@ import time
 from io import StringIO
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, Path(__file__).resolve().parent):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-from netbed import Events, Testbed, _run, check_requirements, worker_pid  # noqa: E402
+from bench.harness.tables import print_table
+from tests.netbed import Events, Testbed, check_requirements, free_port, worker_pid
 
 H = 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class _Stamped(StringIO):
@@ -85,12 +74,8 @@ def scenario(name: str, away: float, max_steps: int, batch_size: int) -> dict:
     events = Events()
     with Testbed(2, subnet="10.213.93", pin=False) as bed:
         cut = bed.hosts[1]
-        hosts = {"master": bed.uplink_address, "workers": [h.address for h in bed.hosts],
-                 "ssh_user": "root", "ssh_key_path": str(bed.key_path),
-                 "python_env": sys.executable, "project_path": str(ROOT),
-                 "master_port": _free_port()}
-        ssh = SSHOptions(known_hosts_path=bed.known_hosts, ssh_config_path=bed.ssh_config,
-                         allow_agent=False, look_for_keys=False, connect_timeout=3)
+        hosts = bed.hosts_config(free_port(), launcher_is_master=True)
+        ssh = SSHOptions(**bed.ssh_settings(connect_timeout=3))
         program = RankProgram.from_profile("digits-diloco", overrides=[
             f"max_steps={max_steps}", f"H={H}", f"batch_size={batch_size}",
             "val_interval=200", "val_size=256",
@@ -122,7 +107,7 @@ def scenario(name: str, away: float, max_steps: int, batch_size: int) -> dict:
                 os.kill(pid, signal.SIGSTOP)
             else:
                 hit = time.monotonic()
-                _run("ip", "-n", cut.namespace, "link", "set", cut.interface, "down")
+                bed.set_link(cut, up=False)
             t_lost, lost = events.wait(lambda e: e.get("event") == "membership"
                                        and e["ranks"] == [0, 1], 120, after=hit)
             t_round, _ = events.wait(round_end(0), 120, after=t_lost)
@@ -132,7 +117,7 @@ def scenario(name: str, away: float, max_steps: int, batch_size: int) -> dict:
             elif name == "freeze":
                 os.kill(pid, signal.SIGCONT)
             else:
-                _run("ip", "-n", cut.namespace, "link", "set", cut.interface, "up")
+                bed.set_link(cut, up=True)
             back = time.monotonic()
             # Running again: a new process's start, its readiness, or its admission.
             t_start, _ = events.wait(
@@ -157,7 +142,8 @@ def scenario(name: str, away: float, max_steps: int, batch_size: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.elastic_hosts",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", nargs="+", default=["kill", "freeze", "link"],
                         choices=["kill", "freeze", "link"])
     parser.add_argument("--away", type=float, default=20.0,
@@ -171,15 +157,7 @@ def main() -> None:
     if missing:
         sys.exit("cannot build the test bed:\n  " + "\n  ".join(missing))
 
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"hosts that come and go: DiLoCo H={H} on digits, batch "
-                        f"{args.batch_size}, 3 hosts, min_nodes=2, away {args.away:g} s")
-    for col in ("scenario", "round", "declared lost", "time lost (target 15 s)",
-                "back to work (target round + 10 s)", "membership", "val loss at hit -> end",
-                "finished"):
-        table.add_column(col, justify="right")
+    rows = []
     for name in args.scenarios:
         r = scenario(name, args.away, args.max_steps, args.batch_size)
         print(f"{name}: round {r['round_s']:.2f} s, declared lost after {r['declared_s']:.1f} s, "
@@ -188,12 +166,15 @@ def main() -> None:
               f"{r['joined_s']:.1f} s), membership {r['changes']}, "
               f"val loss {r['val_at_hit']:.4f} -> {r['val_final']:.4f}, ok={r['ok']}",
               flush=True)
-        table.add_row(name, f"{r['round_s']:.2f} s", f"{r['declared_s']:.1f} s",
-                      f"{r['lost_s']:.1f} s", f"{r['back_s']:.1f} s",
-                      " -> ".join(str(n) for _, n in r["changes"]),
-                      f"{r['val_at_hit']:.4f} -> {r['val_final']:.4f}", str(r["ok"]))
-    Console().print(table)
-
+        rows.append((name, f"{r['round_s']:.2f} s", f"{r['declared_s']:.1f} s",
+                     f"{r['lost_s']:.1f} s", f"{r['back_s']:.1f} s",
+                     " -> ".join(str(n) for _, n in r["changes"]),
+                     f"{r['val_at_hit']:.4f} -> {r['val_final']:.4f}", r["ok"]))
+    print_table(f"hosts that come and go: DiLoCo H={H} on digits, batch {args.batch_size}, "
+                f"3 hosts, min_nodes=2, away {args.away:g} s",
+                ("scenario", "round", "declared lost", "time lost (target 15 s)",
+                 "back to work (target round + 10 s)", "membership", "val loss at hit -> end",
+                 "finished"), rows)
 
 if __name__ == "__main__":
     main()

@@ -4,11 +4,11 @@ The model is ``distributed/planning/projection.py`` (ring all-reduce and all-gat
 cost models; see its docstring). Its inputs are measured: the compute time of
 one step on one host, the time one host needs per minibatch when it does all
 the work alone, and the link's goodput and round trip. Give them either as the
-JSON that ``bench/multihost.py`` writes, which also holds the 2-host
+JSON that ``python -m bench.multihost`` writes, which also holds the 2-host
 measurements the projection is validated against, or as flags:
 
-    python bench/project_speedup.py --results runs/multihost/latest/results.json
-    python bench/project_speedup.py --num-params 3257856 --compute-s 0.31 \\
+    python -m bench.project_speedup --results runs/multihost/latest/results.json
+    python -m bench.project_speedup --num-params 3257856 --compute-s 0.31 \\
         --throughput 11.0e6 --strategies ddp,diloco:100,sparta:0.005 --hosts 2,4,8,64
 
 Strategies are written ``ddp``, ``diloco:H``, ``sparta[:p]``, ``demo[:topk]``.
@@ -24,113 +24,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from distributed.planning.projection import (  # noqa: E402 - after the path set-up above
-    demo_payload_bytes,
-    predict_step_time,
-    project,
-    speedup,
-)
-from exogym.strategy.facts import DEMO_CHUNK, DEMO_TOPK, SPARTA_P  # noqa: E402
+from bench.harness.strategies import StrategyCase, parse_strategies
+from bench.harness.tables import markdown_table, print_table
+from distributed.planning.projection import predict_step_time, project, speedup
+from tests.netbed import rate_bits
 
 DEFAULT_HOSTS = (2, 4, 8, 16, 32, 64)
-DEMO_DEFAULTS = {"compression_topk": DEMO_TOPK, "compression_chunk": DEMO_CHUNK}
-
-
-@dataclass(frozen=True)
-class StrategyCase:
-    """One strategy as the benchmark runs it and the projection models it.
-
-    Args:
-        label: how tables name it (``DiLoCo H=100``).
-        name: the profile's ``strategy`` value and the projection's name.
-        settings: the strategy's own profile keys (``H``, ``p_sparta``, ...).
-        period: steps from one communication to the next.
-        compute: which baseline without communication gives its compute time:
-            ``adamw`` (local AdamW steps: DDP, DiLoCo) or the strategy's own name
-            (``sparta``, ``demo``: the strategy itself with mirrored collectives, so
-            its local work per step -- SPARTA's index selection, DeMo's transform --
-            counts as compute).
-    """
-
-    label: str
-    name: str
-    settings: dict[str, Any] = field(default_factory=dict)
-    period: int = 1
-    compute: str = "adamw"
-
-    @property
-    def slug(self) -> str:
-        """A file-name-safe name: ``diloco-h100``."""
-        return self.label.lower().replace(" ", "-").replace("=", "").replace(".", "")
-
-    def overrides(self) -> list[str]:
-        """The profile overrides that select this strategy."""
-        return [f"strategy={self.name}", *(f"{k}={v}" for k, v in self.settings.items())]
-
-    def projection_settings(self, shapes: Sequence[Sequence[int]] | None = None,
-                            demo_payload: float | None = None) -> dict[str, Any]:
-        """Keyword arguments for ``distributed.planning.projection`` functions.
-
-        Args:
-            shapes: the model's trainable tensor shapes (sizes DeMo's payload).
-            demo_payload: DeMo's bytes per host per step, instead of ``shapes``.
-        """
-        if self.name == "diloco":
-            return {"H": self.settings["H"]}
-        if self.name == "sparta":
-            return {"p_sparta": self.settings["p_sparta"]}
-        if self.name == "demo":
-            if demo_payload is not None:
-                return {"demo_payload": demo_payload}
-            if shapes is None:
-                raise ValueError("DeMo's projection needs the model's tensor shapes "
-                                 "(results JSON) or --demo-payload")
-            chunk = self.settings.get("compression_chunk", DEMO_DEFAULTS["compression_chunk"])
-            topk = self.settings.get("compression_topk", DEMO_DEFAULTS["compression_topk"])
-            return {"demo_payload": demo_payload_bytes(shapes, chunk, topk)}
-        return {}
-
-
-def parse_strategy(spec: str, p_sparta: float = SPARTA_P) -> StrategyCase:
-    """``ddp``, ``diloco:H``, ``sparta[:p]`` or ``demo[:topk]`` as a :class:`StrategyCase`."""
-    name, _, arg = spec.strip().lower().partition(":")
-    try:
-        if name == "ddp" and not arg:
-            return StrategyCase("DDP", "ddp")
-        if name == "diloco" and arg:
-            H = int(arg)
-            if H < 1:
-                raise ValueError
-            return StrategyCase(f"DiLoCo H={H}", "diloco", {"H": H}, period=H)
-        if name == "sparta":
-            p = float(arg) if arg else p_sparta
-            if not 0 < p <= 1:
-                raise ValueError
-            return StrategyCase(f"SPARTA p={p:g}", "sparta", {"p_sparta": p}, compute="sparta")
-        if name == "demo":
-            settings = {"compression_topk": int(arg)} if arg else {}
-            topk = settings.get("compression_topk", DEMO_DEFAULTS["compression_topk"])
-            if topk < 1:
-                raise ValueError
-            return StrategyCase(f"DeMo top-{topk}", "demo", settings, compute="demo")
-    except ValueError:
-        pass
-    raise ValueError(f"strategy {spec!r} is not understood: write ddp, diloco:H (e.g. diloco:100), "
-                     "sparta or sparta:P (e.g. sparta:0.005), demo or demo:TOPK")
-
-
-def parse_strategies(text: str, p_sparta: float = SPARTA_P) -> list[StrategyCase]:
-    """A comma-separated list of strategies."""
-    cases = [parse_strategy(s, p_sparta) for s in text.split(",") if s.strip()]
-    if not cases:
-        raise ValueError("no strategy given: e.g. --strategies ddp,diloco:100")
-    return cases
-
-
 def parse_hosts(text: str) -> list[int]:
     """``2,4,8`` -> ``[2, 4, 8]``."""
     try:
@@ -197,7 +96,7 @@ def case_from_run(run: dict[str, Any]) -> StrategyCase:
 
 
 def inputs_from_results(results: dict[str, Any]) -> Inputs:
-    """Projection inputs from ``bench/multihost.py``'s results JSON."""
+    """Projection inputs from ``bench.multihost``'s results JSON."""
     baselines = results["baselines"]
     reference = baselines["reference"]
     cases: dict[str, StrategyCase] = {}
@@ -285,7 +184,6 @@ def print_tables(inputs: Inputs, hosts: Sequence[int],
                  validation: list[dict[str, Any]] | None = None) -> None:
     """Print the projection per link and, when given, the validation against measurements."""
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     console.print(f"model: {inputs.num_params:,} parameters; compute per step on one host: "
@@ -294,28 +192,21 @@ def print_tables(inputs: Inputs, hosts: Sequence[int],
                   + f"; one host alone: {inputs.minibatch_s:.3f} s per minibatch")
     for link, rows in projection_rows(inputs, hosts).items():
         info = next(x for x in inputs.links if x.name == link)
-        table = Table(title=f"projected speedup over one host, link {link} (goodput "
-                            f"{human_rate(info.throughput_bytes_per_s)}, latency "
-                            f"{info.latency_s * 1e3:.2f} ms)")
-        table.add_column("strategy")
-        for n in hosts:
-            table.add_column(f"{n} hosts", justify="right")
-        for label, *cells in rows:
-            table.add_row(label, *(f"{p.speedup:.2f}x ({p.comm_fraction:.0%} comm)"
-                                   for p in cells))
-        console.print(table)
+        print_table(f"projected speedup over one host, link {link} (goodput "
+                    f"{human_rate(info.throughput_bytes_per_s)}, latency "
+                    f"{info.latency_s * 1e3:.2f} ms)",
+                    ["strategy", *(f"{n} hosts" for n in hosts)],
+                    [(label, *(f"{p.speedup:.2f}x ({p.comm_fraction:.0%} comm)" for p in cells))
+                     for label, *cells in rows], left=("strategy",), console=console)
     if validation:
-        table = Table(title="2-host check: projection against the measurement")
-        for column in ("strategy", "link", "step predicted", "step measured", "error",
-                       "speedup predicted", "speedup measured", "error"):
-            table.add_column(column, justify="left" if column in ("strategy", "link")
-                             else "right")
-        for row in validation:
-            table.add_row(row["label"], row["rate"], f"{row['predicted_step_s']:.3f} s",
-                          f"{row['measured_step_s']:.3f} s", f"{row['step_error']:+.1%}",
-                          f"{row['predicted_speedup']:.2f}x", f"{row['measured_speedup']:.2f}x",
-                          f"{row['speedup_error']:+.1%}")
-        console.print(table)
+        print_table("2-host check: projection against the measurement",
+                    ("strategy", "link", "step predicted", "step measured", "error",
+                     "speedup predicted", "speedup measured", "error"),
+                    [(row["label"], row["rate"], f"{row['predicted_step_s']:.3f} s",
+                      f"{row['measured_step_s']:.3f} s", f"{row['step_error']:+.1%}",
+                      f"{row['predicted_speedup']:.2f}x", f"{row['measured_speedup']:.2f}x",
+                      f"{row['speedup_error']:+.1%}") for row in validation],
+                    left=("strategy", "link"), console=console)
         worst = max(abs(r["step_error"]) for r in validation)
         console.print(f"largest step-time error: {worst:.1%}")
 
@@ -325,10 +216,9 @@ def markdown_projection(inputs: Inputs, hosts: Sequence[int]) -> str:
     parts = []
     for link, rows in projection_rows(inputs, hosts).items():
         parts.append(f"Projected speedup, link {link}:\n")
-        parts.append("| strategy | " + " | ".join(f"{n} hosts" for n in hosts) + " |")
-        parts.append("|---|" + "---:|" * len(hosts))
-        for label, *cells in rows:
-            parts.append(f"| {label} | " + " | ".join(f"{p.speedup:.2f}x" for p in cells) + " |")
+        parts += markdown_table(["strategy", *(f"{n} hosts" for n in hosts)],
+                                [(label, *(f"{p.speedup:.2f}x" for p in cells))
+                                 for label, *cells in rows], left=("strategy",))
         parts.append("")
     return "\n".join(parts)
 
@@ -338,8 +228,6 @@ def markdown_projection(inputs: Inputs, hosts: Sequence[int]) -> str:
 
 def parse_throughput(text: str) -> float:
     """``11e6``, ``11MB/s``, ``88mbit`` -> bytes per second."""
-    from netbed import rate_bits
-
     value = text.strip().lower()
     for unit, factor in (("gb/s", 1e9), ("mb/s", 1e6), ("kb/s", 1e3), ("b/s", 1.0)):
         if value.endswith(unit):
@@ -350,9 +238,9 @@ def parse_throughput(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.project_speedup", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", help="results.json written by bench/multihost.py")
+    parser.add_argument("--results", help="results.json written by python -m bench.multihost")
     parser.add_argument("--hosts", default=",".join(map(str, DEFAULT_HOSTS)),
                         help="host counts to project for (default 2,4,8,16,32,64)")
     parser.add_argument("--num-params", type=int, help="trainable parameters")
@@ -374,14 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--demo-payload", type=float,
                         help="DeMo's bytes per host per step (with flags, for demo)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     try:
         hosts = parse_hosts(args.hosts)
         if args.results:
             path = Path(args.results)
             if not path.is_file():
                 raise ValueError(f"--results {str(path)!r} does not exist: run "
-                                 "bench/multihost.py first, or give the inputs as flags")
+                                 "python -m bench.multihost first, or give the inputs as flags")
             results = json.loads(path.read_text())
             print_tables(inputs_from_results(results), hosts, validation_rows(results))
             return 0

@@ -24,8 +24,8 @@ Python process, it prints:
 - peak memory: the most memory the machine had in use during the run, above
   what it used before (``MemTotal - MemAvailable``, every process included).
 
-    python bench/sim_scale.py
-    python bench/sim_scale.py --ks 4 16 64 --steps 50
+    python -m bench.sim_scale
+    python -m bench.sim_scale --ks 4 16 64 --steps 50
 """
 
 from __future__ import annotations
@@ -34,18 +34,15 @@ import argparse
 import json
 import os
 import subprocess
-import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the children run this file, from a checkout not installed
-    sys.path.insert(0, str(ROOT))
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from sim_speed import workload  # noqa: E402 - the same model and data as the speed bench
+from bench.harness import ROOT
+from bench.harness.machine import used_memory_bytes
+from bench.harness.tables import print_table
+from bench.harness.timing import bench_command, timed_run
+from bench.sim_speed import workload  # the same model and data as the speed bench
 
 
 def step_seconds(steps: int = 500, start_at: float = 0.0) -> float:
@@ -102,36 +99,17 @@ def fit_once(nodes: int, steps: int) -> dict:
             "processes": trainer.summary.get("processes", nodes)}
 
 
-def _used_bytes() -> int:
-    fields = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            fields[key] = int(value.split()[0]) * 1024
-    return fields["MemTotal"] - fields["MemAvailable"]
-
-
 def _timed_child(args: list[str]) -> tuple[float, int, str]:
-    """Run a child; its wall time, the peak memory in use above the start, its stdout."""
-    base = _used_bytes()
+    """Run this bench as a child; its wall time, the peak memory in use above the start
+    (sampled every 0.05 s), its stdout."""
+    base = used_memory_bytes()
     peak = [base]
-    done = threading.Event()
 
-    def sample() -> None:
-        while not done.wait(0.05):
-            peak[0] = max(peak[0], _used_bytes())
+    def sample(pid: int) -> None:
+        peak[0] = max(peak[0], used_memory_bytes())
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    start = time.perf_counter()
-    out = subprocess.run([sys.executable, __file__, *args], cwd=ROOT, capture_output=True,
-                         text=True)
-    wall = time.perf_counter() - start
-    done.set()
-    sampler.join()
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} failed:\n{out.stderr[-3000:]}")
-    return wall, peak[0] - base, out.stdout
+    run = timed_run(bench_command("bench.sim_scale", *args), sample=sample, every=0.05)
+    return run.wall_s, peak[0] - base, run.stdout
 
 
 def _busy_step(result_path: str, start_at: float) -> None:
@@ -140,13 +118,11 @@ def _busy_step(result_path: str, start_at: float) -> None:
 
 def floor_step(cores: int) -> float:
     """One rank-step's seconds with every core running one step loop at once (their median)."""
-    import tempfile
-
     start_at = time.time() + 5.0  # after every child has imported torch
     with tempfile.TemporaryDirectory() as tmp:
         paths = [str(Path(tmp) / f"step{i}") for i in range(cores)]
-        procs = [subprocess.Popen([sys.executable, __file__, "--step-child", p,
-                                   "--start-at", str(start_at)], cwd=ROOT)
+        procs = [subprocess.Popen(bench_command("bench.sim_scale", "--step-child", p,
+                                                "--start-at", str(start_at)), cwd=ROOT)
                  for p in paths]
         for p in procs:
             p.wait()
@@ -154,7 +130,8 @@ def floor_step(cores: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.sim_scale",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--ks", type=int, nargs="+", default=[4, 16, 64, 256])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=3,
@@ -172,16 +149,8 @@ def main() -> None:
     if min(args.ks) < 1 or args.steps < 1 or args.repeat < 1:
         parser.error("--ks, --steps and --repeat must be >= 1")
 
-    from rich.console import Console
-    from rich.table import Table
-
     cores = os.cpu_count() or 1
-    table = Table(title=f"simulation at scale: DiLoCo H=20, MLP 235k parameters, batch 32, "
-                        f"{args.steps} steps per rank, {cores} cores, median of "
-                        f"{args.repeat} fits per K")
-    for col in ("K", "processes", "rank-step ms", "wall s", "fit s", "compute floor s",
-                "fit / floor", "range", "fixed s", "per step / floor's", "peak memory"):
-        table.add_column(col, justify="right")
+    rows = []
     for k in args.ks:
         # floor, fit, floor, fit, ..., floor: each fit against the floors on either side.
         floors = [floor_step(cores)]
@@ -203,15 +172,18 @@ def main() -> None:
         t_step = mid["t_step"]
         per_step = (mid["fit"] - fixed) / max(1, args.steps - 1) / (k * t_step / cores)
         spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}x"
-        table.add_row(str(k), str(mid["processes"]), f"{t_step * 1e3:.2f}", f"{mid['wall']:.1f}",
-                      f"{mid['fit']:.1f}", f"{mid['floor']:.1f}", f"{mid['ratio']:.2f}x",
-                      spread, f"{fixed:.1f}", f"{per_step:.2f}x", f"{peak / 2**30:.2f} GiB")
+        rows.append((k, mid["processes"], f"{t_step * 1e3:.2f}", f"{mid['wall']:.1f}",
+                     f"{mid['fit']:.1f}", f"{mid['floor']:.1f}", f"{mid['ratio']:.2f}x",
+                     spread, f"{fixed:.1f}", f"{per_step:.2f}x", f"{peak / 2**30:.2f} GiB"))
         print(f"K={k}: {mid['processes']} processes, rank-step {t_step * 1e3:.2f} ms, "
               f"wall {mid['wall']:.1f} s, fit {mid['fit']:.1f} s, floor {mid['floor']:.1f} s, "
               f"{mid['ratio']:.2f}x (fits: {', '.join(f'{r:.2f}x' for r in ratios)}), "
               f"fixed {fixed:.1f} s, per step {per_step:.2f}x the floor's, "
               f"peak {peak / 2**30:.2f} GiB", flush=True)
-    Console().print(table)
+    print_table(f"simulation at scale: DiLoCo H=20, MLP 235k parameters, batch 32, "
+                f"{args.steps} steps per rank, {cores} cores, median of {args.repeat} fits per K",
+                ("K", "processes", "rank-step ms", "wall s", "fit s", "compute floor s",
+                 "fit / floor", "range", "fixed s", "per step / floor's", "peak memory"), rows)
 
 
 if __name__ == "__main__":

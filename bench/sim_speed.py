@@ -5,9 +5,9 @@ batch 32 per rank, 200 steps, evaluation of 64 samples every 100 steps. Each
 strategy runs in a fresh Python process, so the wall time includes importing
 torch, starting the ranks and collecting the final model.
 
-    python bench/sim_speed.py                 # all strategies
-    python bench/sim_speed.py --strategies ddp diloco
-    python bench/sim_speed.py --repeat 5      # median and best of 5 interleaved runs
+    python -m bench.sim_speed                 # all strategies
+    python -m bench.sim_speed --strategies ddp diloco
+    python -m bench.sim_speed --repeat 5      # median and best of 5 interleaved runs
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness.tables import print_table
+from bench.harness.timing import bench_command, timed_run
 
 
 def workload():
@@ -73,14 +71,8 @@ def one_run(name: str, nodes: int, steps: int) -> dict:
 FLOOR = "import gc, torch, torch._dynamo; gc.freeze()"
 
 
-def _timed(cmd: list[str]) -> tuple[float, str]:
-    start = time.perf_counter()
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
-    return time.perf_counter() - start, out.stdout
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.sim_speed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", nargs="+", default=["ddp", "diloco", "fedavg"])
     parser.add_argument("--nodes", type=int, default=4)
@@ -95,34 +87,29 @@ def main() -> None:
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
 
-    from rich.console import Console
-    from rich.table import Table
-
     walls: dict[str, list[float]] = {name: [] for name in ["floor", *args.strategies]}
     figures: dict[str, list[dict]] = {name: [] for name in args.strategies}
     for _ in range(args.repeat):
-        walls["floor"].append(_timed([sys.executable, "-c", FLOOR])[0])
+        walls["floor"].append(timed_run([sys.executable, "-c", FLOOR]).wall_s)
         for name in args.strategies:
-            wall, stdout = _timed([sys.executable, __file__, "--child", name, "--nodes",
-                                   str(args.nodes), "--steps", str(args.steps)])
-            walls[name].append(wall)
-            figures[name].append(json.loads(stdout.strip().splitlines()[-1]))
+            run = timed_run(bench_command("bench.sim_speed", "--child", name, "--nodes",
+                                          str(args.nodes), "--steps", str(args.steps)))
+            walls[name].append(run.wall_s)
+            figures[name].append(json.loads(run.stdout.strip().splitlines()[-1]))
 
-    table = Table(title=f"simulation speed: MLP 784-256-128-10, K={args.nodes}, batch 32, "
-                        f"{args.steps} steps, {args.repeat} run(s) each")
-    for col in ("strategy", "wall s median", "wall s best", "over floor (median)",
-                "train steps/s (median)", "peak RSS per rank", "sent per node"):
-        table.add_column(col, justify="right")
     floor = statistics.median(walls["floor"])
-    table.add_row("[dim]floor[/]", f"{floor:.2f}", f"{min(walls['floor']):.2f}", "", "", "", "")
+    rows = [("[dim]floor[/]", f"{floor:.2f}", f"{min(walls['floor']):.2f}", "", "", "", "")]
     for name in args.strategies:
         runs = figures[name]
         median = statistics.median(walls[name])
-        table.add_row(name, f"{median:.2f}", f"{min(walls[name]):.2f}", f"{median - floor:.2f}",
-                      f"{statistics.median(r['steps_per_s'] for r in runs):.1f}",
-                      f"{max(r['peak_rss_mb'] for r in runs):.0f} MiB",
-                      f"{runs[0]['bytes_per_node'] / 2**20:.1f} MiB")
-    Console().print(table)
+        rows.append((name, f"{median:.2f}", f"{min(walls[name]):.2f}", f"{median - floor:.2f}",
+                     f"{statistics.median(r['steps_per_s'] for r in runs):.1f}",
+                     f"{max(r['peak_rss_mb'] for r in runs):.0f} MiB",
+                     f"{runs[0]['bytes_per_node'] / 2**20:.1f} MiB"))
+    print_table(f"simulation speed: MLP 784-256-128-10, K={args.nodes}, batch 32, "
+                f"{args.steps} steps, {args.repeat} run(s) each",
+                ("strategy", "wall s median", "wall s best", "over floor (median)",
+                 "train steps/s (median)", "peak RSS per rank", "sent per node"), rows)
     print("Wall time is end to end: Python start, importing torch (and torch._dynamo, which "
           "torch imports when the first optimizer is built), the ranks, and interpreter exit. "
           f"floor: python -c '{FLOOR}' alone.")

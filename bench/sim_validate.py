@@ -2,13 +2,13 @@
 
 Run as root from the project root::
 
-    python bench/sim_validate.py --quick        # small model, 100mbit and 1gbit, 3 rounds
-    python bench/sim_validate.py --rates 100mbit --strategies ddp,diloco:100 --repeat 5
+    python -m bench.sim_validate --quick        # small model, 100mbit and 1gbit, 3 rounds
+    python -m bench.sim_validate --rates 100mbit --strategies ddp,diloco:100 --repeat 5
 
-For every rate, on the network-namespace test bed of ``bench/netbed.py`` (2
+For every rate, on the network-namespace test bed of :mod:`netbed` (2
 hosts, each pinned to its own core, its uplink shaped with tc tbf):
 
-1. The link is measured as ``bench/multihost.py`` measures it (payload goodput
+1. The link is measured as ``bench.multihost`` measures it (payload goodput
    while both directions are busy, round trip of a 1-byte message), and the
    simulator's network is fitted to it: ``Network(bandwidth=goodput,
    latency_s=round trip / 2)``.
@@ -35,17 +35,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (str(ROOT), str(Path(__file__).resolve().parent)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-from multihost import Bench, Window  # noqa: E402
-from netbed import Testbed, rate_bits  # noqa: E402
-from project_speedup import StrategyCase, parse_strategies  # noqa: E402
-from recommend_check import bench_arguments, on_bed  # noqa: E402
-
-from exogym.base.io import atomic_write_json, atomic_write_text  # noqa: E402
+from bench.harness import ROOT
+from bench.harness.jobs import Bench
+from bench.harness.session import add_sweep_arguments, on_bed, settle_sweep
+from bench.harness.strategies import StrategyCase
+from bench.harness.tables import markdown_table
+from bench.harness.timing import Window, steps_by_rank
+from exogym.base.io import atomic_write_json, atomic_write_text
+from tests.netbed import Testbed
 
 
 def simulate(bench: Bench, case: StrategyCase, window: Window, network: dict[str, Any],
@@ -59,10 +56,7 @@ def simulate(bench: Bench, case: StrategyCase, window: Window, network: dict[str
                  f"network={network!r}"]
     plan = load_profile(bench.args.profile, overrides=parse_overrides(overrides))
     trainer = run_profile(plan, progress=False, local=True)
-    clock = {(r["rank"], r["step"]): r["sim_time_s"] for r in trainer.history}
-    per_rank = [(clock[(rank, window.s1)] - clock[(rank, window.s0)]) / window.steps
-                for rank in range(hosts)]
-    return sum(per_rank) / hosts
+    return window.mean_per_step(steps_by_rank(trainer.history), "sim_time_s")
 
 
 def measure_rate(bed: Testbed, bench: Bench, rate: str, cases: list[StrategyCase],
@@ -100,15 +94,14 @@ def measure_rate(bed: Testbed, bench: Bench, rate: str, cases: list[StrategyCase
 
 def markdown(rates: list[dict[str, Any]], tolerance: float) -> str:
     """The table the report quotes."""
-    lines = ["| link | candidate | simulated s/step | measured s/step (range) | error |",
-             "|---|---|---:|---:|---:|"]
-    worst = 0.0
-    for block in rates:
-        for r in block["rows"]:
-            worst = max(worst, abs(r["error"]))
-            lines.append(f"| {r['rate']} | {r['label']} | {r['simulated_step_s'] * 1e3:.1f} ms | "
-                         f"{r['real_step_s'] * 1e3:.1f} ms ({min(r['real']) * 1e3:.1f}-"
-                         f"{max(r['real']) * 1e3:.1f}) | {r['error']:+.1%} |")
+    rows = [r for block in rates for r in block["rows"]]
+    worst = max((abs(r["error"]) for r in rows), default=0.0)
+    lines = markdown_table(
+        ("link", "candidate", "simulated s/step", "measured s/step (range)", "error"),
+        [(r["rate"], r["label"], f"{r['simulated_step_s'] * 1e3:.1f} ms",
+          f"{r['real_step_s'] * 1e3:.1f} ms ({min(r['real']) * 1e3:.1f}-"
+          f"{max(r['real']) * 1e3:.1f})", f"{r['error']:+.1%}") for r in rows],
+        left=("link", "candidate"))
     lines.append("")
     for block in rates:
         lines.append(f"- {block['rate']}: fitted link {block['goodput_bits_per_s'] / 1e6:.1f} "
@@ -119,40 +112,29 @@ def markdown(rates: list[dict[str, Any]], tolerance: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rates", default="100mbit,1gbit", help="link rates (tc syntax)")
-    parser.add_argument("--strategies", default="ddp,diloco:10,diloco:100,sparta",
-                        help="candidates (multihost.py's syntax)")
-    parser.add_argument("--profile", default="chargpt-bench")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--quick", action="store_true",
-                        help="a small model (n_layer=2, n_embd=128) and 30-step windows")
-    parser.add_argument("--window", type=int, default=None, help="fewest timed steps per job")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds per rate (medians)")
+    parser = argparse.ArgumentParser(prog="python -m bench.sim_validate",
+                                     description=__doc__.split("\n\n")[0])
+    add_sweep_arguments(parser, rates="100mbit,1gbit", strategies="ddp,diloco:10,diloco:100,sparta",
+                        repeat=3, subnet="10.213.77", quick_window=30)
     parser.add_argument("--probe-seconds", type=float, default=3.0)
     parser.add_argument("--tolerance", type=float, default=0.15)
     parser.add_argument("--out", default=str(ROOT / "runs" / "sim-validate"))
+    parser.set_defaults(hosts=2)
     args = parser.parse_args(argv)
-    if args.repeat < 1:
-        parser.error(f"--repeat must be at least 1, got {args.repeat}")
-    bench_args = bench_arguments(args, parser)
-    rates = [r.strip() for r in args.rates.split(",") if r.strip()]
-    for rate in rates:
-        rate_bits(rate)
-    cases = parse_strategies(args.strategies)
+    cases = settle_sweep(args, parser)
+    rates = args.rates
     out = Path(args.out).resolve()
     started = time.monotonic()
 
     def measure(bed: Testbed) -> int:
-        bench = Bench(bed, bench_args, out)
+        bench = Bench(bed, args, out)
         blocks = [measure_rate(bed, bench, rate, cases, args.repeat, args.probe_seconds)
                   for rate in rates]
         table = markdown(blocks, args.tolerance)
         atomic_write_json(out / "results.json", {
             "created": time.strftime("%Y-%m-%d %H:%M:%S"), "rates": blocks,
             "settings": {"profile": args.profile, "set": args.set, "repeat": args.repeat,
-                         "window": bench_args.window, "tolerance": args.tolerance},
+                         "window": args.window, "tolerance": args.tolerance},
             "minutes": (time.monotonic() - started) / 60})
         atomic_write_text(out / "table.md", table)
         print()
@@ -160,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         worst = max(abs(r["error"]) for b in blocks for r in b["rows"])
         return 0 if worst <= args.tolerance else 1
 
-    return on_bed("bench/sim_validate.py", bench_args, measure)
+    return on_bed("python -m bench.sim_validate", measure, hosts=2, subnet=args.subnet,
+                  queue=args.queue)
 
 
 if __name__ == "__main__":

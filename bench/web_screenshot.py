@@ -5,8 +5,8 @@ opens the printed URL in headless Chromium (Debian's ``chromium`` and
 ``chromium-driver``, installed by tests/setup_system.sh; selenium from the dev
 extra), waits until the ranks are well into the run, and writes the PNG.
 
-    python bench/web_screenshot.py                      # -> docs/dashboard.png
-    python bench/web_screenshot.py --out /tmp/page.png --fraction 0.9
+    python -m bench.web_screenshot                      # -> docs/dashboard.png
+    python -m bench.web_screenshot --out /tmp/page.png --fraction 0.9
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from exogym.base.io import atomic_write_bytes  # noqa: E402 - after the path is set
+from bench.harness import ROOT
+from exogym.base.io import atomic_write_bytes
 
 CHROMEDRIVER = "/usr/bin/chromedriver"
 #: A small digits run (three ranks, DiLoCo) long enough to watch for a while.
@@ -45,7 +43,8 @@ def browser(width: int = 1400, height: int = 980):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.web_screenshot",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.png")
     parser.add_argument("--fraction", type=float, default=0.5,
                         help="take the picture once rank 0 has done this share of its steps")

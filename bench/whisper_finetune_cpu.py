@@ -5,8 +5,8 @@ sentences before and after training, and seconds per step, to choose settings (l
 rate, steps, LoRA or full, frozen encoder) for the multi-node DiLoCo example. Run from
 the project root:
 
-    python bench/whisper_finetune_cpu.py --steps 30 --lr 3e-5
-    python bench/whisper_finetune_cpu.py --steps 30 --lr 1e-3 --lora-rank 8
+    python -m bench.whisper_finetune_cpu --steps 30 --lr 3e-5
+    python -m bench.whisper_finetune_cpu --steps 30 --lr 1e-3 --lora-rank 8
 """
 
 from __future__ import annotations
@@ -14,12 +14,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from torch.utils.data import DataLoader
@@ -44,7 +41,8 @@ def mean_loss(model: torch.nn.Module, dataset, batch_size: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.whisper_finetune_cpu",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--batch-size", type=int, default=8)

@@ -5,28 +5,27 @@ speech (synthesized with espeak-ng from sentences with words tiny.en gets
 wrong, such as "DiLoCo" and "exogym"), validation on sentences the model never
 heard. Prints validation loss and word error rate before and after.
 
-    python examples/whisper_finetune.py
-    python examples/whisper_finetune.py --lora-rank 8 --lr 1e-3
+    python -m examples.whisper_finetune
+    python -m examples.whisper_finetune --lora-rank 8 --lr 1e-3
+
+(from the project root, which holds ``distributed``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch
+from torch.utils.data import DataLoader
 
-from distributed.tasks.builtin import resolve_task  # noqa: E402
-from distributed.tasks.whisper.task import evaluate_wer  # noqa: E402
-from exogym import LocalTrainer  # noqa: E402
-from exogym.strategy import DiLoCoStrategy  # noqa: E402
+from distributed.tasks.builtin import resolve_task
+from distributed.tasks.whisper.task import evaluate_wer
+from exogym import LocalTrainer
+from exogym.strategy import DiLoCoStrategy
 
 
 @torch.no_grad()

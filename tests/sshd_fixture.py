@@ -17,12 +17,14 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from netbed.sshd import sshd_config, wait_for_greeting
+from netbed.system import sshd_binary, stop_process
 
 ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6")
 
@@ -44,13 +46,6 @@ class SSHD:
 
     def known_hosts_line(self, address: str) -> str:
         return f"[{address}]:{self.port} {self.host_public_key}\n"
-
-
-def _sshd_binary() -> str | None:
-    found = shutil.which("sshd")
-    if found:
-        return found
-    return "/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None
 
 
 def _free_port(addresses: tuple[str, ...]) -> int:
@@ -76,32 +71,13 @@ def _keygen(path: Path) -> None:
                     "-f", str(path)], check=True)
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], addresses: tuple[str, ...], port: int,
-                log: Path) -> None:
-    deadline = time.monotonic() + 15
-    pending = list(addresses)
-    while pending:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sshd exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"sshd did not answer on {pending}: {log.read_text()[-2000:]}")
-        try:
-            with socket.create_connection((pending[0], port), timeout=1) as s:
-                if s.recv(64).startswith(b"SSH-"):
-                    pending.pop(0)
-                    continue
-        except OSError:
-            pass
-        time.sleep(0.05)
-
-
 def serve_sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHD]:
     """Start sshd on the test addresses, yield it, then stop it by PID.
 
     Meant as the body of a session fixture: ``yield from serve_sshd(tmp_path_factory)``.
     """
     pytest.importorskip("paramiko", reason="paramiko is not installed: pip install paramiko")
-    binary = _sshd_binary()
+    binary = sshd_binary()
     if binary is None:
         pytest.skip("sshd is not installed (tests/setup_system.sh installs openssh-server)")
     if shutil.which("ssh-keygen") is None:
@@ -117,30 +93,13 @@ def serve_sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHD]:
     authorized.write_text((home / "user_key.pub").read_text())
     port = _free_port(ADDRESSES)
     config = home / "sshd_config"
-    config.write_text("\n".join([
-        *(f"ListenAddress {a}:{port}" for a in ADDRESSES),
-        f"HostKey {host_key}",
-        f"AuthorizedKeysFile {authorized}",
-        "PidFile none",
-        "StrictModes no",  # the files sit in a world-writable temp dir
-        "UsePAM no",
-        "PasswordAuthentication no",
-        "KbdInteractiveAuthentication no",
-        "PubkeyAuthentication yes",
-        "PermitRootLogin prohibit-password",
-        "UseDNS no",
-        "PrintMotd no",
-        "MaxStartups 200",
-        "MaxSessions 200",
-        "Subsystem sftp internal-sftp",
-        "LogLevel VERBOSE",
-        "",
-    ]))
+    config.write_text(sshd_config([f"{a}:{port}" for a in ADDRESSES], host_key, authorized,
+                                  max_startups=200, verbose=True))
     log = home / "sshd.log"
     proc = subprocess.Popen([binary, "-D", "-f", str(config), "-E", str(log)],
                             stdin=subprocess.DEVNULL)
     try:
-        _wait_ready(proc, ADDRESSES, port, log)
+        wait_for_greeting(proc, ADDRESSES, port, log)
         public = (home / "host_key.pub").read_text().split()
         server = SSHD(
             addresses=ADDRESSES, port=port, user=getpass.getuser(), key_path=user_key,
@@ -152,12 +111,7 @@ def serve_sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHD]:
         server.ssh_config.write_text("")
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 class HostSSHD:
@@ -185,19 +139,14 @@ class HostSSHD:
 
     def start(self) -> None:
         """Start it and wait until it greets."""
-        binary = _sshd_binary()
+        binary = sshd_binary()
         assert binary is not None
         self.proc = subprocess.Popen([binary, "-D", "-f", str(self.config), "-E", str(self.log)],
                                      stdin=subprocess.DEVNULL)
-        _wait_ready(self.proc, (self.address,), self.server.port, self.log)
+        wait_for_greeting(self.proc, (self.address,), self.server.port, self.log)
 
     def stop(self) -> None:
         """Stop it by its PID; connections it already serves stay up, as with a real sshd."""
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc)
             self.proc = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import os
 import subprocess
 import sys
 import time
@@ -340,9 +341,11 @@ def test_real_ranks_time_their_own_work_so_a_held_back_host_gets_a_smaller_batch
     # 50 ms a step without using the CPU (a CPU quota); rank 0 waits as long for it in
     # every all-reduce, and that wait is not rank 0's work.
     port = free_port()
+    helpers = os.pathsep.join([str(ROOT), str(ROOT / "tests")])  # the project, tests/toys.py
     procs = [subprocess.Popen([sys.executable, "tests/scripts/balance_rank.py"], cwd=ROOT,
-                              env=rank_env(rank, 2, port), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+                              env={**rank_env(rank, 2, port), "PYTHONPATH": helpers},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(2)]
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     last = [json.loads(out.strip().splitlines()[-1]) for out in outputs]

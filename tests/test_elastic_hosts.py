@@ -28,9 +28,7 @@ from sshd_fixture import HostSSHD, serve_sshd
 
 from distributed.hosts.ssh import SSHOptions
 from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram
-
-sys.path.insert(0, str(ROOT / "bench"))
-from netbed import Testbed, _run, worker_pid  # noqa: E402 - the bench's test bed and helpers
+from netbed import Events, Testbed, worker_pid
 
 THIRD = "127.0.0.7"
 
@@ -66,49 +64,32 @@ def launcher(sshd, program, tmp_path, on_event, **options):
                     on_output=lambda line: None, on_event=on_event)
 
 
-class Watch:
-    """The run's events, and waiting for one."""
+class Watch(Events):
+    """The run's events with their times of arrival (netbed's recorder), as these tests ask."""
 
-    def __init__(self):
-        self.events: list[dict] = []
-        self.arrived: list[float] = []
-        self.changed = threading.Condition()
-
-    def __call__(self, event: dict) -> None:
-        with self.changed:
-            self.events.append(event)
-            self.arrived.append(time.monotonic())
-            self.changed.notify_all()
+    @property
+    def events(self) -> list[dict]:
+        return [e for _, e in self.items]
 
     def arrival(self, event: dict) -> float:
         """When ``event`` arrived here."""
-        return self.arrived[next(i for i, e in enumerate(self.events) if e is event)]
+        return next(t for t, e in self.items if e is event)
 
     def wait_until(self, test, timeout: float) -> dict | None:
         """The first event that passes ``test``, or None once ``timeout`` s have gone."""
-        deadline = time.monotonic() + timeout
-        with self.changed:
-            while True:
-                for event in self.events:
-                    if test(event):
-                        return event
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self.changed.wait(left)
+        found = self.first(test, timeout)
+        return None if found is None else found[1]
 
     def wait_for(self, test, timeout: float) -> dict:
-        event = self.wait_until(test, timeout)
-        if event is None:
-            raise AssertionError(f"no such event within {timeout} s; last: {self.events[-3:]}")
-        return event
+        """The first event that passes ``test``; TimeoutError naming the last ones if none."""
+        return self.wait(test, timeout)[1]
 
     def membership(self) -> list[dict]:
-        return [e for e in self.events if e.get("event") == "membership"]
+        return [e for _, e in self.of("membership")]
 
     def val_losses(self) -> list[tuple[int, float]]:
-        return [(e["step"], e["val_global_loss"]) for e in self.events
-                if e.get("event") == "step" and "val_global_loss" in e and e["rank"] == 0]
+        return [(e["step"], e["val_global_loss"]) for _, e in self.of("step", 0)
+                if "val_global_loss" in e]
 
 
 def program(out: Path, max_steps: int, *extra: str) -> RankProgram:
@@ -283,12 +264,8 @@ def test_a_host_whose_link_goes_down_for_20_s_is_dropped_and_rejoins(tmp_path):
     out = tmp_path / "net"
     watch = Watch()
     with Testbed(2, subnet="10.213.91", pin=False) as bed:
-        config = {"master": bed.uplink_address,
-                  "workers": [h.address for h in bed.hosts], "ssh_user": "root",
-                  "ssh_key_path": str(bed.key_path), "python_env": sys.executable,
-                  "project_path": str(ROOT), "master_port": free_port()}
-        ssh = SSHOptions(known_hosts_path=bed.known_hosts, ssh_config_path=bed.ssh_config,
-                         allow_agent=False, look_for_keys=False, connect_timeout=3)
+        config = bed.hosts_config(free_port(), launcher_is_master=True)
+        ssh = SSHOptions(**bed.ssh_settings(connect_timeout=3))
         cut = bed.hosts[1]  # rank 2's host
         job = Launcher(config, program(out, 26000), options=LaunchOptions(
             run_dir=tmp_path / "launch", grace_period=2, probe_interval=1.0, min_nodes=2),
@@ -296,7 +273,7 @@ def test_a_host_whose_link_goes_down_for_20_s_is_dropped_and_rejoins(tmp_path):
             on_event=watch)
         with job:
             runner = start_in_background(job, watch, 2000)
-            _run("ip", "-n", cut.namespace, "link", "set", cut.interface, "down")
+            bed.set_link(cut, up=False)
             down_at = time.monotonic()
             try:
                 lost = watch.wait_for(lambda e: e.get("event") == "membership"
@@ -309,7 +286,7 @@ def test_a_host_whose_link_goes_down_for_20_s_is_dropped_and_rejoins(tmp_path):
                                  and e["step"] >= 13000,
                                  max(0.0, 20 - (time.monotonic() - down_at)))
             finally:
-                _run("ip", "-n", cut.namespace, "link", "set", cut.interface, "up")
+                bed.set_link(cut, up=True)
             up_at = time.monotonic()
             rejoined = watch.wait_for(lambda e: e.get("event") == "membership"
                                       and e["ranks"] == [0, 1, 2] and e["step"] > lost["step"],

@@ -455,10 +455,9 @@ def test_progress_bound_is_ten_measured_rounds_and_at_least_five_minutes():
 
 DRIVER = """
 import json, signal, sys
-sys.path.insert(0, sys.argv[1])
 from distributed.launch.launcher import Launcher, RankProgram, split_options
-hosts = json.loads(sys.argv[2])
-options, ssh = split_options(json.loads(sys.argv[3]))
+hosts = json.loads(sys.argv[1])
+options, ssh = split_options(json.loads(sys.argv[2]))
 with Launcher(hosts, RankProgram.from_script("sleeper.py"), options=options, ssh=ssh) as launcher:
     result = launcher.run()
 restored = (signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -475,9 +474,9 @@ def start_driver(run: Run) -> subprocess.Popen[str]:
                    "look_for_keys": False, "connect_timeout": 3.0, "grace_period": 2.0,
                    "project_root": str(run.project)}
     return subprocess.Popen(
-        [sys.executable, "-c", DRIVER, str(ROOT), json.dumps(run.hosts()), json.dumps(options)],
+        [sys.executable, "-c", DRIVER, json.dumps(run.hosts()), json.dumps(options)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
-        start_new_session=True)
+        start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

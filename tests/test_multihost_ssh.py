@@ -128,23 +128,23 @@ def test_network_trainer_driver_runs_the_script_on_every_host_and_returns_the_mo
     hosts_file = tmp_path / "hosts.json"
     hosts_file.write_text(json.dumps(hosts(sshd)))
     options = {"known_hosts_path": str(sshd.known_hosts), "ssh_config_path": str(sshd.ssh_config),
-               "allow_agent": False, "look_for_keys": False, "run_dir": str(tmp_path / "run")}
-    env = dict(os.environ, EXOGYM_TEST_LAUNCHER_OPTIONS=json.dumps(options))
+               "allow_agent": False, "look_for_keys": False, "run_dir": str(tmp_path / "run"),
+               "env": {"PYTHONPATH": str(ROOT)}}
+    env = dict(os.environ, EXOGYM_TEST_LAUNCHER_OPTIONS=json.dumps(options), PYTHONPATH=str(ROOT))
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
+    fit = dict(max_steps=30, batch_size=32, val_size=64, val_interval=10, num_threads=1,
+               logger=None, progress=False, seed=0)
     done = subprocess.run([sys.executable, "tests/scripts/network_fit.py", str(hosts_file),
-                           str(tmp_path / "final.pt")], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+                           str(tmp_path / "final.pt"), json.dumps(fit)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     real = torch.load(tmp_path / "final.pt")
-
-    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
-    from network_fit import FIT
 
     from distributed.tasks.builtin import digits_task
 
     model, train, val = digits_task(seed=0)
     simulated = LocalTrainer(model, train, val).fit(
-        strategy=DiLoCoStrategy(H=10, lr=0.003), num_nodes=3, **FIT).state_dict()
+        strategy=DiLoCoStrategy(H=10, lr=0.003), num_nodes=3, **fit).state_dict()
     for key in real:
         assert torch.allclose(real[key], simulated[key], atol=1e-5), key

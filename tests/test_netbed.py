@@ -1,4 +1,4 @@
-"""The benchmark's testbed removes what an earlier, killed benchmark left behind, and only that."""
+"""The test bed removes what an earlier, killed benchmark left behind, and only that."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 from netns import netns_available
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-from netbed import OWNER_FILE, PREFIX, reap_stale_beds  # noqa: E402
+from netbed import OWNER_FILE, PREFIX, reap_stale_beds
 
 REASON = netns_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")

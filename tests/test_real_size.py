@@ -39,9 +39,7 @@ from distributed.rank.worker import run_profile
 from distributed.tasks.tokens import gpt_task
 from exogym import Trainer
 from exogym.strategy import DiLoCoStrategy
-
-sys.path.insert(0, str(ROOT / "bench"))
-from netbed import Events, worker_pid  # noqa: E402 - the bench's helpers
+from netbed import Events, worker_pid
 
 THIRD = "127.0.0.7"
 #: The profile's model at 23M parameters, with short sequences and small batches.

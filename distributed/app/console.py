@@ -144,7 +144,7 @@ def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
     Yields whether tracebacks are shown (``--debug`` on the command or the app).
     """
     # Here rather than at the top: these modules load rich tables and the profiles, which a
-    # bare ``--help`` does not need (bench/cli_help_time.py keeps it under half a second).
+    # bare ``--help`` does not need (python -m bench.cli_help_time keeps it under half a second).
     from distributed.app.run import RunFailedError
     from distributed.hosts.hostsfile import HostsFileError
     from distributed.hosts.preflight import PreflightError

@@ -19,7 +19,7 @@ wizard call :func:`recommend`. What it measures:
 
 Then ``distributed.planning.projection.predict`` -- the one cost model -- gives
 each candidate's step time, bytes per step and speedup. The speedup is the one
-``bench/multihost.py`` measures: ``N`` hosts' throughput over that of one host
+``python -m bench.multihost`` measures: ``N`` hosts' throughput over that of one host
 doing all ``N`` hosts' minibatches each step (gradient accumulation).
 
 The pick (:func:`pick`): the candidate of highest predicted throughput (samples

@@ -7,7 +7,7 @@ optimizer and the strategy's own local work (selection, compression,
 decoding), with collectives that return what they would among the planned
 number of hosts but send nothing. That time stands in for every host when the
 wizard predicts the speedup of each strategy (``distributed.planning.projection``,
-the model ``bench/project_speedup.py`` validates against measured runs), which
+the model ``python -m bench.project_speedup`` validates against measured runs), which
 adds the time on the wire.
 """
 

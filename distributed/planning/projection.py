@@ -62,11 +62,11 @@ constant, and loss recovery: a burst larger than a router's queue loses its
 tail, and TCP then waits a retransmission timeout (200 ms at least) -- DeMo's
 190 kB per step over 20 Mbit/s with a 50 ms queue measured 22% slower than
 predicted, with a 100 ms queue 5%. Compare its 2-host figures with a
-measurement (``bench/multihost.py``) before trusting its 64-host ones.
+measurement (``python -m bench.multihost``) before trusting its 64-host ones.
 
 The same model serves the faces: :func:`predict` with a profile's settings
 (:func:`relevant_settings`) is what the wizard shows before a run, and
-``bench/project_speedup.py`` holds it against the benchmark's measurements.
+``python -m bench.project_speedup`` holds it against the benchmark's measurements.
 """
 
 from __future__ import annotations

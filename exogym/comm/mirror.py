@@ -5,7 +5,7 @@ would if every member of its group held this rank's tensors (a sum is the
 group's size times the tensor, a gather that many copies of it). A mirrored
 run does all of a strategy's own work per step (selection, packing,
 compression, decoding) with no network and no waiting for peers, which is how
-``bench/multihost.py`` and :mod:`exogym.run.step_time` measure a strategy's
+``python -m bench.multihost`` and :mod:`exogym.run.step_time` measure a strategy's
 compute time. Bytes are counted as usual (by :mod:`exogym.comm`). The mirrored
 world may be larger than the process group: one process then does the work of
 one of ``world_size`` ranks. The side channel is the inner transport's.

@@ -25,7 +25,7 @@ A ring moves at the pace of its slowest link, so the time of a collective is::
 ``latency`` is the one-way time of one message round (half a round trip).
 What the model leaves out: congestion inside the switch, TCP's slow start
 and loss recovery, and protocol headers (a measured throughput, as
-``recommend`` and ``bench/linkprobe.py`` take, already includes them).
+``recommend`` and ``tests/netbed/linkprobe.py`` take, already includes them).
 """
 
 from __future__ import annotations

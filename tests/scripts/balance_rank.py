@@ -1,6 +1,9 @@
 """One rank of a DDP run with ``balance='batch'`` across real rank processes, rank 1 held back.
 
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/scripts/balance_rank.py
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p PYTHONPATH=.:tests \
+        python tests/scripts/balance_rank.py
+
+(the project and the tests' helpers on PYTHONPATH).
 
 Rank 1's training forward waits 50 ms without using the CPU, as a host held
 to part of its core by a quota does. Each rank prints its batch size of the
@@ -9,19 +12,14 @@ last step as its last line: ``{"rank": r, "batch_size": b}``.
 
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent)]
+import torch
+from toys import TinyNet, toy_dataset
 
-import torch  # noqa: E402
-from toys import TinyNet, toy_dataset  # noqa: E402
-
-from distributed.rank.environment import rank_environment  # noqa: E402
-from distributed.rank.trainer import RankTrainer  # noqa: E402
-from exogym.strategy import OptimSpec, SimpleReduceStrategy  # noqa: E402
+from distributed.rank.environment import rank_environment
+from distributed.rank.trainer import RankTrainer
+from exogym.strategy import OptimSpec, SimpleReduceStrategy
 
 
 class HeldBackOnRankOne(TinyNet):

@@ -1,17 +1,14 @@
 """Browse for exogym agents and print one JSON line per change: {"event", "name", "t"}.
 
-Run inside a network namespace by tests/test_discovery.py; runs until killed.
+Run inside a network namespace by tests/test_discovery.py, with the project on PYTHONPATH;
+runs until killed.
 """
 
 import json
-import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from distributed.hosts.discovery import Browser  # noqa: E402
+from distributed.hosts.discovery import Browser
 
 
 def report(event: str, advert) -> None:

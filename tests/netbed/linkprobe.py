@@ -1,4 +1,4 @@
-"""One host's side of a link probe (run inside a host namespace by ``bench/netbed.py``).
+"""One host's side of a link probe (run inside a host namespace by ``netbed.links.measure_ring``).
 
 At ``--start-at`` (a ``time.time()`` value shared by every host) the host
 sends ``--bytes`` bytes to ``--peer`` while receiving as many from whichever

@@ -1,0 +1,1 @@
+"""Benchmarks: they print figures and assert nothing; run by hand as ``python -m bench.NAME``."""

@@ -1,0 +1,151 @@
+"""A bed host held to part of its core: a cgroup v1 ``cpu`` group with a CPU quota.
+
+The host's ``sshd`` is moved into the group before any rank starts, so every
+process it starts (the rank, gloo's threads, the SSH session) is born in it and
+shares ``fraction`` of one core. :class:`RankWatch` says which group each rank
+of a job really ran in.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from pathlib import Path
+
+from tests.netbed import PREFIX, worker_pid
+from tests.netbed.stale import bed_stands
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 100_000
+
+
+class SlowGroup:
+    """A cgroup v1 ``cpu`` group whose processes share ``fraction`` of one core.
+
+    Args:
+        name: the group's folder under ``/sys/fs/cgroup/cpu`` (unique per bench).
+        fraction: the quota, a fraction of ``cpu.cfs_period_us`` (100 ms).
+    """
+
+    def __init__(self, name: str, fraction: float) -> None:
+        self.path = CPU_CGROUP / name
+        self.fraction = fraction
+
+    def create(self) -> None:
+        """Make the group and set its period and quota."""
+        self.path.mkdir()
+        (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (self.path / "cpu.cfs_quota_us").write_text(str(round(PERIOD_US * self.fraction)))
+
+    def add(self, pid: int) -> None:
+        """Move ``pid`` into the group; what it starts from now on is born in it.
+
+        A process that is gone already is skipped: a host's sshd forks a child for every
+        connection (the bed's own check that it answers, too), and such a child can exit
+        between the listing of the host's processes and its move.
+        """
+        try:
+            (self.path / "cgroup.procs").write_text(str(pid))
+        except ProcessLookupError:
+            pass
+
+    def members(self) -> list[int]:
+        """The processes in the group."""
+        return _read_pids(self.path)
+
+    def throttled_s(self) -> float:
+        """Seconds the group's processes have waited for their quota since it was made."""
+        stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines())
+        return int(stat.get("throttled_time", 0)) / 1e9
+
+    def remove(self) -> None:
+        """Move every process back to the root group, then delete the group."""
+        release(self.path)
+
+
+def release(group: Path) -> None:
+    """Move ``group``'s processes to the root ``cpu`` group and delete ``group``.
+
+    A process that exits between the listing and the move is skipped; an
+    ``rmdir`` refused while the kernel still counts a process that just left
+    is tried again for up to 5 seconds.
+    """
+    deadline = time.monotonic() + 5
+    while group.exists():
+        for pid in _read_pids(group):
+            try:
+                (CPU_CGROUP / "cgroup.procs").write_text(str(pid))
+            except ProcessLookupError:
+                pass
+        try:
+            group.rmdir()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _read_pids(group: Path) -> list[int]:
+    try:
+        return [int(p) for p in (group / "cgroup.procs").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def reap_stale_groups() -> list[str]:
+    """Remove the slow groups of earlier benches whose test bed is gone (killed unclean)."""
+    removed = []
+    for group in CPU_CGROUP.glob(f"{PREFIX}-*-slow"):
+        tag = group.name.split("-")[1]
+        if not bed_stands(tag):
+            release(group)
+            removed.append(f"cgroup {group}")
+    return removed
+
+
+def cpu_cgroup_of(pid: int) -> str | None:
+    """The ``cpu`` controller's group of ``pid`` (``/`` for the root), or None if it is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):
+            return path
+    return None
+
+
+class RankWatch:
+    """While a job runs, finds each rank's process and notes its ``cpu`` group.
+
+    Args:
+        ranks: how many ranks the job has.
+        marker: a string on the job's command line alone (its output folder).
+    """
+
+    def __init__(self, ranks: int, marker: str) -> None:
+        self.ranks = ranks
+        self.marker = marker
+        self.found: dict[int, tuple[int, str]] = {}  # rank -> (pid, cpu group)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> RankWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while len(self.found) < self.ranks and not self._stop.wait(0.5):
+            for rank in set(range(self.ranks)) - set(self.found):
+                pid = worker_pid(rank, self.marker)
+                group = None if pid is None else cpu_cgroup_of(pid)
+                if group is not None:
+                    self.found[rank] = (pid, group)
