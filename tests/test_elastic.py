@@ -21,7 +21,7 @@ from distributed.app.dashboard import Dashboard
 from distributed.app.web.state import WebState
 from distributed.launch.options import LaunchOptions
 from distributed.profiles.profile import launch_key_problems
-from distributed.rank.environment import rank_environment
+from distributed.worker.environment import rank_environment
 from exogym import comm
 from exogym.comm.elastic import ElasticGroups
 from exogym.elastic import (

@@ -1,8 +1,8 @@
 """The house's layers, read from the source: every import points down, and none forms a cycle.
 
     faces (cli_typer.py, wizard.py) -> distributed.app
-    -> distributed.{launch, rank, planning, profiles}   (launch -> rank -> profiles,
-                                                         planning -> profiles)
+    -> distributed.{launch, worker, planning, profiles}   (launch -> worker -> profiles,
+                                                           planning -> profiles)
     -> distributed.{hosts, tasks} -> exogym -> torch
     (distributed.hosts.onhost: shipped to hosts as source, imports nothing of the project)
 
@@ -22,21 +22,20 @@ ROOT = Path(__file__).resolve().parents[1]
 # What each layer may import from the project, besides itself.
 ALLOWED: dict[str, set[str]] = {
     "faces": {"distributed.app"},
-    "distributed.app": {"distributed.launch", "distributed.rank", "distributed.planning",
+    "distributed.app": {"distributed.launch", "distributed.worker", "distributed.planning",
                         "distributed.profiles", "distributed.hosts", "distributed.tasks",
                         "exogym"},
-    "distributed.launch": {"distributed.rank", "distributed.profiles", "distributed.hosts",
+    "distributed.launch": {"distributed.worker", "distributed.profiles", "distributed.hosts",
                            "exogym"},
-    "distributed.rank": {"distributed.profiles", "distributed.hosts", "distributed.tasks",
-                         "exogym"},
+    "distributed.worker": {"distributed.profiles", "distributed.hosts", "distributed.tasks",
+                           "exogym"},
     "distributed.planning": {"distributed.profiles", "distributed.hosts", "distributed.tasks",
                              "exogym"},
     "distributed.profiles": {"distributed.hosts", "distributed.tasks", "exogym"},
     "distributed.hosts.onhost": set(),
     "distributed.hosts": {"distributed.hosts.onhost", "exogym"},
     "distributed.tasks": {"exogym"},
-    "distributed.entry": {"distributed.rank", "distributed.app", "distributed.launch",
-                          "distributed.tasks"},
+    "distributed.entry": {"distributed.app", "distributed.launch", "distributed.tasks"},
     "exogym": set(),
 }
 
@@ -57,8 +56,8 @@ def project_modules() -> dict[str, Path]:
 def layer_of(module: str) -> str:
     if module in ("cli_typer", "wizard"):
         return "faces"
-    if module in ("distributed", "distributed.worker"):
-        return "distributed.entry"  # the package's lazy names and the worker's command line
+    if module == "distributed":
+        return "distributed.entry"  # the package's lazy names
     for layer in sorted(ALLOWED, key=len, reverse=True):
         if module == layer or module.startswith(layer + "."):
             return layer

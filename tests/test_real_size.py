@@ -35,8 +35,8 @@ from sshd_fixture import HostSSHD, serve_sshd
 from distributed.hosts.ssh import SSHOptions
 from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram
 from distributed.profiles.profile import parse_overrides
-from distributed.rank.worker import run_profile
 from distributed.tasks.tokens import gpt_task
+from distributed.worker.run_profile import run_profile
 from exogym import Trainer
 from exogym.strategy import DiLoCoStrategy
 

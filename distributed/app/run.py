@@ -64,9 +64,9 @@ from distributed.profiles.run_dir import (
     place_run,
     record_resume,
 )
-from distributed.rank.command import override_items, set_args, worker_args
-from distributed.rank.environment import FINAL_MODEL
 from distributed.tasks.extras import missing_extra, require_extra
+from distributed.worker.command import override_items, set_args, worker_args
+from distributed.worker.environment import FINAL_MODEL
 from exogym.fit_args import BALANCE_MODES
 from exogym.logger import LOGGER_NAMES
 from exogym.plural import plural
@@ -576,7 +576,7 @@ def finished_run(profile: Profile, placement: RunPlacement) -> TrainOutcome | No
 
 def _train_local(profile: Profile, placement: RunPlacement, console: Console,
                  live: bool | None, web: WebDashboard | None = None) -> TrainOutcome:
-    from distributed.rank.worker import run_profile
+    from distributed.worker.run_profile import run_profile
     from exogym.rank import LostRankError
     from exogym.trainer import RankFailedError
 

@@ -82,7 +82,7 @@ from distributed.launch.results import (
     OutputLine,
     RankResult,
 )
-from distributed.rank.environment import (
+from distributed.worker.environment import (
     DEVICE_VARIABLE,
     LOST_AFTER_VARIABLE,
     MIN_NODES_VARIABLE,

@@ -19,8 +19,8 @@ sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent)]
 import torch  # noqa: E402
 from toys import TinyNet, toy_dataset  # noqa: E402
 
-from distributed.rank.environment import rank_environment  # noqa: E402
-from distributed.rank.trainer import RankTrainer  # noqa: E402
+from distributed.worker.environment import rank_environment  # noqa: E402
+from distributed.worker.rank_trainer import RankTrainer  # noqa: E402
 from exogym.strategy import OptimSpec, SimpleReduceStrategy  # noqa: E402
 
 
