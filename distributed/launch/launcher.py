@@ -26,7 +26,7 @@ What ``run`` does:
    NAME=value`` (so the SSH server's ``AcceptEnv`` does not matter); secrets
    travel over the channel's stdin to a small supervisor
    (``distributed.hosts.onhost.bootstrap``) that puts them in the rank's environment only.
-   Each rank runs in a process group of its own (``distributed.launch.rank_run``).
+   Each rank runs in a process group of its own (``distributed.launch.rank_process``).
 4. Streams every line to ``on_output`` with a ``[host:rank]`` prefix, saves it
    to ``run_dir/rank{r}.log``, and turns metric lines
    (``exogym.metrics.encode_event``) into dicts for ``on_event``.
@@ -74,7 +74,7 @@ from distributed.launch.options import (
 )
 from distributed.launch.program import RankPlan, RankProgram
 from distributed.launch.progress import ProgressWatch
-from distributed.launch.rank_run import ExitQueue, RankRun, RankRunContext
+from distributed.launch.rank_process import ExitQueue, RankRun, RankRunContext
 from distributed.launch.results import (
     AttemptResult,
     LaunchError,
