@@ -379,7 +379,7 @@ def _probe_after(tmp_path, exit_codes: list[int | None]) -> tuple[list[str], lis
     with ``exit_codes`` (the last one the run that just ended)."""
     from types import SimpleNamespace
 
-    from distributed.launch.elastic import ElasticAttempt
+    from distributed.launch.elastic_attempt import ElasticAttempt
     from distributed.launch.results import RankResult
 
     def result(code: int | None) -> RankResult:
@@ -478,7 +478,7 @@ def test_a_lost_rank_that_acknowledges_after_the_run_ended_is_not_shown_rejoinin
     when the run is already over: there is no round left for it."""
     from types import SimpleNamespace
 
-    from distributed.launch.elastic import ElasticAttempt
+    from distributed.launch.elastic_attempt import ElasticAttempt
     from exogym import elastic
 
     declare_lost(store, 1, "no heartbeat")

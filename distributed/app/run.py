@@ -242,7 +242,7 @@ def elastic_override(overrides: Mapping[str, Any] | None, min_nodes: int | None,
 
     With ``min_nodes`` a run across hosts goes on while at least that many hosts
     remain: lost hosts are dropped and rejoin when they answer again
-    (:mod:`distributed.launch.elastic`).
+    (:mod:`distributed.launch.elastic_attempt`).
     """
     merged = dict(overrides or {})
     if min_nodes is not None:

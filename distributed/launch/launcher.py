@@ -65,7 +65,7 @@ from distributed.hosts.preflight import PreflightError, PreflightReport
 from distributed.hosts.remote import BOOTSTRAP_SOURCE, hand_command, rank_command
 from distributed.hosts.session import HostSession, is_this_machine
 from distributed.hosts.ssh import SSHOptions, ssh_command_line
-from distributed.launch.elastic import ElasticAttempt
+from distributed.launch.elastic_attempt import ElasticAttempt
 from distributed.launch.options import (
     SECRET_ENV_NAMES,
     LaunchOptions,
