@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from distributed.hosts.discovery import Browser  # noqa: E402
+from distributed.hosts.mdns import Browser  # noqa: E402
 
 
 def report(event: str, advert) -> None:
