@@ -562,7 +562,7 @@ def slurm(
     """Write an sbatch script that runs PROFILE on a SLURM cluster; print how to submit it."""
     with reported_errors(ctx, debug):
         from distributed.app.run import balance_override
-        from distributed.app.slurm import SlurmJob, submit_hint, write_sbatch_script
+        from distributed.app.sbatch import SlurmJob, submit_hint, write_sbatch_script
 
         balanced = [f"{key}={value}" for key, value in balance_override({}, balance).items()]
         job = SlurmJob(profile=profile, nodes=nodes, gpus_per_node=gpus_per_node, time=time,

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from distributed.app.recommend import Recommendation
-    from distributed.app.setup import HostsConfig, PreflightReport, Profile
+    from distributed.app.wizard_steps import HostsConfig, PreflightReport, Profile
 
 PROJECT_ROOT = Path(__file__).resolve().parent
 DEFAULT_HOSTS_FILE = "distributed_hosts.json"
@@ -264,7 +264,7 @@ class Wizard:
         """The hosts file found, shown and checked; None to build one or simulate instead."""
         from rich.table import Table
 
-        from distributed.app.setup import HostsFileError, load_hosts
+        from distributed.app.wizard_steps import HostsFileError, load_hosts
 
         try:
             config = load_hosts(self.hosts_path)
@@ -304,7 +304,7 @@ class Wizard:
 
     def build_hosts(self) -> HostsConfig | None:
         """Ask for the hosts, checking each as it is added; None for one machine."""
-        from distributed.app.setup import HostsFileError, is_loopback, is_other_machine, load_hosts
+        from distributed.app.wizard_steps import HostsFileError, is_loopback, is_other_machine, load_hosts
 
         where = self.ask.select("Where should it train?", [
             ("On this machine only: simulate the nodes here", "local", None),
@@ -389,7 +389,7 @@ class Wizard:
             hosts_mapping,
             other_machines,
         )
-        from distributed.app.setup import HostsFileError, load_hosts
+        from distributed.app.wizard_steps import HostsFileError, load_hosts
 
         self.console.print(f"Looking for machines on the LAN ({DISCOVERY_TIMEOUT_S:g} s)...")
         try:
@@ -462,7 +462,7 @@ class Wizard:
     # ------------------------------------------------------------------ profile and strategy
 
     def choose_profile(self) -> Profile:
-        from distributed.app.setup import list_profiles, load_profile
+        from distributed.app.wizard_steps import list_profiles, load_profile
 
         path, entries = list_profiles(self.config_path)
         choices = [(f"{e.name}: {e.row['description'] or e.row['task']}", e.name, e.why_not)
@@ -492,7 +492,7 @@ class Wizard:
                                "with no worker to measure the link to (the nodes are simulated "
                                "here), type the speed to assume.", highlight=False)
         if how == "measure":
-            from distributed.app.setup import LinkError, measure_link_to
+            from distributed.app.wizard_steps import LinkError, measure_link_to
 
             try:
                 measured = measure_link_to(hosts, self.ssh.get("known_hosts"),
@@ -558,7 +558,7 @@ class Wizard:
         """The strategy to write and its settings: a candidate of ``rec`` (the pick unless
         another is chosen, or ``--strategy``'s best), else one the profile can run."""
         from distributed.app.recommend import figures, pick
-        from distributed.app.setup import same_strategy, usable_strategies
+        from distributed.app.wizard_steps import same_strategy, usable_strategies
 
         if rec is None:
             usable = usable_strategies(base, COMPARED)
@@ -611,7 +611,7 @@ class Wizard:
     # ------------------------------------------------------------------ files and run
 
     def write_hosts(self, config: HostsConfig) -> Path:
-        from distributed.app.setup import same_hosts, write_hosts_file
+        from distributed.app.wizard_steps import same_hosts, write_hosts_file
 
         path = self.hosts_path
         if path.exists() and same_hosts(path, config):
@@ -631,7 +631,7 @@ class Wizard:
     @property
     def local_profiles(self) -> Path:
         """Where profiles are written: the local profiles file beside the config file."""
-        from distributed.app.setup import local_profiles_file
+        from distributed.app.wizard_steps import local_profiles_file
 
         return local_profiles_file(self.config_path)
 
@@ -639,14 +639,14 @@ class Wizard:
         """Write profile ``name`` to the local profiles file (``config.local.ini``), asking
         before replacing another; ``suggested``: the name that says what it runs, offered
         (made free) when ``name`` is taken."""
-        from distributed.app import setup
+        from distributed.app import wizard_steps
 
         local = self.local_profiles
         while True:
-            current = setup.existing_profile(self.config_path, name)
+            current = wizard_steps.existing_profile(self.config_path, name)
             if current is None:
                 break
-            where = setup.profile_file(self.config_path, name)
+            where = wizard_steps.profile_file(self.config_path, name)
             if current == values:
                 self.console.print(f"Profile {name} in {where} already has these settings.")
                 return name
@@ -659,9 +659,9 @@ class Wizard:
             if self.ask.confirm(question, default=self.ask.assume_yes):
                 break
             name = self.ask.text("Name of the new profile instead:",
-                                 setup.free_profile_name(self.config_path, suggested, values),
+                                 wizard_steps.free_profile_name(self.config_path, suggested, values),
                                  lambda t: bool(t.strip()) or "a name, e.g. my-run")
-        path, backup = setup.write_profile(self.config_path, name, values)
+        path, backup = wizard_steps.write_profile(self.config_path, name, values)
         self.written.append(path)
         self.console.print(f"Wrote profile [bold]{name}[/] to {path}"
                            + (f" (previous file in {backup})" if backup else "")
@@ -673,7 +673,7 @@ class Wizard:
         from distributed.app import run
         from distributed.app.compare import profile_for_strategy
         from distributed.app.recommend import spec_for
-        from distributed.app.setup import free_profile_name, load_profile, profile_name_for
+        from distributed.app.wizard_steps import free_profile_name, load_profile, profile_name_for
 
         self.console.rule("exogym set-up")
         hosts = self.hosts()
@@ -776,7 +776,7 @@ def main(
         fail("the wizard asks questions and needs a terminal; run it in one, or pass --yes to "
              "take every default without asking (for scripts and CI)", 2, debug)
     with reported_errors(ctx, debug):
-        from distributed.app.setup import DEFAULT_CONFIG, parse_overrides
+        from distributed.app.wizard_steps import DEFAULT_CONFIG, parse_overrides
 
         wizard = Wizard(
             console, Asker(console, yes),

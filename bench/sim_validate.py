@@ -49,7 +49,7 @@ def simulate(bench: Bench, case: StrategyCase, window: Window, network: dict[str
              hosts: int) -> float:
     """Simulated seconds per step of ``case`` over ``window``, on this machine."""
     from distributed.profiles.profile import load_profile, parse_overrides
-    from distributed.rank.worker import run_profile
+    from distributed.worker.run_profile import run_profile
 
     overrides = [*bench.common_overrides(window, bench.args.batch_size, f"sim-{case.slug}"),
                  *case.overrides(), f"num_nodes={hosts}", "logger=None",

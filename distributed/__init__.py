@@ -4,7 +4,7 @@ Folders by role; arrows point down and nothing points up (a test reads every
 import and enforces it)::
 
     app/                          what the faces (cli_typer.py, wizard.py) call
-    launch/ rank/ profiles/ planning/
+    launch/ worker/ profiles/ planning/
     hosts/ tasks/
     exogym
 

@@ -221,7 +221,7 @@ def test_resume_with_hosts_resumes_every_rank_from_its_first_start(tmp_path):
 
 
 def test_a_profiles_command_line_is_the_same_on_the_hosts_and_by_hand():
-    from distributed.rank.worker import build_parser
+    from distributed.worker.run_profile import build_parser
 
     overrides = {"max_steps": 7, "shuffle": False}
     by_hand = worker_command(TrainRequest("digits-ddp", config="my.ini", overrides=overrides,

@@ -295,7 +295,7 @@ def printed_commands(output: str) -> list[str]:
 
 
 def test_dry_run_of_a_simulation_prints_a_command_that_runs_as_printed_from_anywhere(tmp_path):
-    from distributed.rank.environment import FINAL_MODEL
+    from distributed.worker.environment import FINAL_MODEL
 
     out = tmp_path / "out dir"
     elsewhere = tmp_path / "elsewhere"
@@ -321,7 +321,7 @@ def test_dry_run_across_hosts_prints_commands_that_start_the_run_by_hand(sshd, t
 
     from faces_support import TINY, sshd_hosts
 
-    from distributed.rank.environment import FINAL_MODEL
+    from distributed.worker.environment import FINAL_MODEL
 
     out = tmp_path / "out dir"
     hosts = tmp_path / "hosts.json"

@@ -24,8 +24,8 @@ from netns import namespaces, netns_available
 from ranks import ROOT, free_port
 from sshd_fixture import serve_sshd
 
-from distributed.hosts.discovery import DiscoveryError, MachineAdvert, require_zeroconf
 from distributed.hosts.hostsfile import load_hosts
+from distributed.hosts.mdns import DiscoveryError, MachineAdvert, require_zeroconf
 
 CLI = str(ROOT / "cli_typer.py")
 NETNS = netns_available()
@@ -60,7 +60,7 @@ def test_a_field_over_the_txt_limit_is_refused_with_its_name():
 
 
 def test_an_advertised_name_that_is_not_a_dns_label_is_refused_before_any_work():
-    from distributed.hosts.discovery import this_machine
+    from distributed.hosts.mdns import this_machine
 
     with pytest.raises(DiscoveryError, match=r"letters, digits or hyphens.*'my mac'.*--name"):
         this_machine(name="my mac")
@@ -74,7 +74,7 @@ def test_the_ssh_command_names_the_first_address_and_a_port_other_than_22():
 
 
 def test_a_taken_name_is_followed_by_name_2_name_3_each_within_one_dns_label():
-    from distributed.hosts.discovery import instance_names
+    from distributed.hosts.mdns import instance_names
 
     assert list(instance_names("vm", 4)) == ["vm", "vm-2", "vm-3", "vm-4"]
     long = list(instance_names("p" * 63, 12))
@@ -85,7 +85,7 @@ def test_a_taken_name_is_followed_by_name_2_name_3_each_within_one_dns_label():
 def test_a_browser_puts_the_addresses_on_its_own_subnets_first():
     from ipaddress import IPv4Network
 
-    from distributed.hosts.discovery import reachable_first
+    from distributed.hosts.mdns import reachable_first
 
     lan = [IPv4Network("192.168.1.0/24"), IPv4Network("127.0.0.0/8")]
     assert reachable_first(["172.17.0.1", "10.8.0.3", "192.168.1.7"], lan) == [

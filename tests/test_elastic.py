@@ -21,7 +21,7 @@ from distributed.app.dashboard import Dashboard
 from distributed.app.web.state import WebState
 from distributed.launch.options import LaunchOptions
 from distributed.profiles.profile import launch_key_problems
-from distributed.rank.environment import rank_environment
+from distributed.worker.environment import rank_environment
 from exogym import comm
 from exogym.comm.elastic_groups import ElasticGroups
 from exogym.membership.hosts import (
@@ -379,7 +379,7 @@ def _probe_after(tmp_path, exit_codes: list[int | None]) -> tuple[list[str], lis
     with ``exit_codes`` (the last one the run that just ended)."""
     from types import SimpleNamespace
 
-    from distributed.launch.elastic import ElasticAttempt
+    from distributed.launch.elastic_attempt import ElasticAttempt
     from distributed.launch.results import RankResult
 
     def result(code: int | None) -> RankResult:
@@ -478,7 +478,7 @@ def test_a_lost_rank_that_acknowledges_after_the_run_ended_is_not_shown_rejoinin
     when the run is already over: there is no round left for it."""
     from types import SimpleNamespace
 
-    from distributed.launch.elastic import ElasticAttempt
+    from distributed.launch.elastic_attempt import ElasticAttempt
     from exogym.membership import hosts as elastic
 
     declare_lost(store, 1, "no heartbeat")

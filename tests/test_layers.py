@@ -1,8 +1,8 @@
 """The house's layers, read from the source: every import points down, and none forms a cycle.
 
     faces (cli_typer.py, wizard.py) -> distributed.app
-    -> distributed.{launch, rank, planning, profiles}   (launch -> rank -> profiles,
-                                                         planning -> profiles)
+    -> distributed.{launch, worker, planning, profiles}   (launch -> worker -> profiles,
+                                                           planning -> profiles)
     -> distributed.{hosts, tasks} -> exogym -> torch
     (distributed.hosts.onhost: shipped to hosts as source, imports nothing of the project)
 
@@ -32,21 +32,20 @@ EXOGYM = set(EXOGYM_ORDER)
 # What each layer may import from the project, besides itself.
 ALLOWED: dict[str, set[str]] = {
     "faces": {"distributed.app"},
-    "distributed.app": {"distributed.launch", "distributed.rank", "distributed.planning",
+    "distributed.app": {"distributed.launch", "distributed.worker", "distributed.planning",
                         "distributed.profiles", "distributed.hosts", "distributed.tasks",
                         *EXOGYM},
-    "distributed.launch": {"distributed.rank", "distributed.profiles", "distributed.hosts",
+    "distributed.launch": {"distributed.worker", "distributed.profiles", "distributed.hosts",
                            *EXOGYM},
-    "distributed.rank": {"distributed.profiles", "distributed.hosts", "distributed.tasks",
-                         *EXOGYM},
+    "distributed.worker": {"distributed.profiles", "distributed.hosts", "distributed.tasks",
+                           *EXOGYM},
     "distributed.planning": {"distributed.profiles", "distributed.hosts", "distributed.tasks",
                              *EXOGYM},
     "distributed.profiles": {"distributed.hosts", "distributed.tasks", *EXOGYM},
     "distributed.hosts.onhost": set(),
     "distributed.hosts": {"distributed.hosts.onhost", *EXOGYM},
     "distributed.tasks": {*EXOGYM},
-    "distributed.entry": {"distributed.rank", "distributed.app", "distributed.launch",
-                          "distributed.tasks"},
+    "distributed.entry": {"distributed.app", "distributed.launch", "distributed.tasks"},
 }
 ALLOWED.update({layer: set(EXOGYM_ORDER[i + 1:]) for i, layer in enumerate(EXOGYM_ORDER)})
 
@@ -67,8 +66,8 @@ def project_modules() -> dict[str, Path]:
 def layer_of(module: str) -> str:
     if module in ("cli_typer", "wizard"):
         return "faces"
-    if module in ("distributed", "distributed.worker"):
-        return "distributed.entry"  # the package's lazy names and the worker's command line
+    if module == "distributed":
+        return "distributed.entry"  # the package's lazy names
     for layer in sorted(ALLOWED, key=len, reverse=True):
         if module == layer or module.startswith(layer + "."):
             return layer

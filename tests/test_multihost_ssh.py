@@ -24,7 +24,7 @@ from sshd_fixture import serve_sshd
 from distributed.hosts.ssh import SSHOptions
 from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram
 from distributed.profiles.profile import parse_overrides
-from distributed.rank.worker import run_profile
+from distributed.worker.run_profile import run_profile
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from ranks import ROOT, free_port, rank_env, start_ranks, wait_all
 from safetensors.torch import load_file
 
 from distributed.profiles.profile import parse_overrides
-from distributed.rank.environment import rank_environment
-from distributed.rank.worker import run_profile
+from distributed.worker.environment import rank_environment
+from distributed.worker.run_profile import run_profile
 
 COMMON = ["max_steps=40", "val_interval=20", "num_threads=1", "checkpoint_interval=None"]
 

@@ -27,6 +27,7 @@ from io import StringIO
 
 import pytest
 import torch
+from netbed import Events, worker_pid
 from ranks import ROOT, free_port
 from rich.console import Console
 from safetensors.torch import load_file
@@ -35,11 +36,10 @@ from sshd_fixture import HostSSHD, serve_sshd
 from distributed.hosts.ssh import SSHOptions
 from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram
 from distributed.profiles.profile import parse_overrides
-from distributed.rank.worker import run_profile
 from distributed.tasks.tokens import gpt_task
+from distributed.worker.run_profile import run_profile
 from exogym import Trainer
 from exogym.strategy import DiLoCoStrategy
-from netbed import Events, worker_pid
 
 THIRD = "127.0.0.7"
 #: The profile's model at 23M parameters, with short sequences and small batches.

@@ -29,7 +29,7 @@ from distributed.hosts.hostsfile import HostsFileError, HostSpec, load_hosts
 from distributed.hosts.preflight import HostCheck, _check_slots
 from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram
 from distributed.profiles.profile import parse_overrides
-from distributed.rank.worker import run_profile
+from distributed.worker.run_profile import run_profile
 
 runner = CliRunner()
 BASE = {"python_env": "/opt/py/bin/python", "project_path": "/srv/gym"}
@@ -196,8 +196,8 @@ def test_check_hosts_fails_cuda_slots_on_a_host_without_gpus(sshd, tmp_path, mon
 
 
 def test_each_cuda_rank_of_a_host_takes_the_gpu_of_its_local_rank():
-    from distributed.rank.environment import RankEnvironment
-    from distributed.rank.trainer import RankTrainer
+    from distributed.worker.environment import RankEnvironment
+    from distributed.worker.rank_trainer import RankTrainer
 
     spec = SimpleNamespace(device_type="cuda", devices=[0, 1, 2, 3])
     for local_rank in range(4):

@@ -16,9 +16,9 @@ from ranks import ROOT, free_port, wait_all
 from safetensors.torch import load_file
 from test_network import COMMON, assert_states_close, simulate
 
-from distributed.app.slurm import SlurmJob, write_sbatch_script
-from distributed.rank.environment import rank_environment
-from distributed.rank.slurm import expand_nodelist, port_for_job, tasks_on_node
+from distributed.app.sbatch import SlurmJob, write_sbatch_script
+from distributed.worker.environment import rank_environment
+from distributed.worker.slurm_variables import expand_nodelist, port_for_job, tasks_on_node
 
 SLURM_PAGE = "docs/slurm-trackers.md"
 

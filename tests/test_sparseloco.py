@@ -8,7 +8,7 @@ from toys import BNNet, CrashAt, TinyNet, assert_models_close, assert_models_dif
 
 from distributed.app.compare import plan_comparison
 from distributed.profiles.profile import load_profile
-from distributed.rank.worker import run_profile
+from distributed.worker.run_profile import run_profile
 from exogym import RankFailedError, Trainer
 from exogym.strategy import DiLoCoStrategy, SparseLoCoStrategy
 from exogym.strategy.facts import sparse_chunking, sparseloco_payload_bytes

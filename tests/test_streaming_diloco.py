@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from toys import BNNet, CrashAt, assert_models_close, assert_models_differ, tiny_model, toy_dataset
 
 from distributed.profiles.profile import parse_overrides
-from distributed.rank.worker import run_profile
+from distributed.worker.run_profile import run_profile
 from exogym import RankFailedError, Trainer, comm
 from exogym.run.checkpoint import checkpoint_path, list_steps, load_checkpoint
 from exogym.strategy import (

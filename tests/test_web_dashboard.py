@@ -26,8 +26,8 @@ from rich.console import Console
 from distributed.app.dashboard import Dashboard
 from distributed.app.fanout import FanOut
 from distributed.app.web import server as web_server
+from distributed.app.web.page_lifetime import keep_serving
 from distributed.app.web.server import WebDashboard, plotly_js_path
-from distributed.app.web.session import keep_serving
 from distributed.app.web.state import WebState
 
 ROOT = Path(__file__).resolve().parents[1]

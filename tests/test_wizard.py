@@ -331,14 +331,14 @@ def test_the_wizard_writes_profiles_beside_config_ini_and_leaves_config_ini_alon
 
 
 def test_a_profile_written_under_a_shared_name_takes_its_place_from_the_local_file(tmp_path):
-    from distributed.app import setup
+    from distributed.app import wizard_steps
 
     config = project_config(tmp_path)
     shared = config.read_text()
     values = {**load_profile("digits-diloco", config).values, "H": 64}
-    path, backup = setup.write_profile(config, "digits-diloco", values)
+    path, backup = wizard_steps.write_profile(config, "digits-diloco", values)
     assert (path, backup) == (tmp_path / "config.local.ini", None)
-    assert setup.profile_file(config, "digits-diloco") == path
+    assert wizard_steps.profile_file(config, "digits-diloco") == path
     assert load_profile("digits-diloco", config).values["H"] == 64
     assert ProfileSet(config, local=False).values("digits-diloco")["H"] == 20
     assert config.read_text() == shared

@@ -2,6 +2,6 @@
 
 Run a profile, check hosts, compare strategies, the dashboards, the
 NetworkTrainer driver, and the set-up steps the wizard takes. May import
-launch, rank, profiles, planning, hosts, tasks and exogym; nothing imports app
+launch, worker, profiles, planning, hosts, tasks and exogym; nothing imports app
 but the faces.
 """

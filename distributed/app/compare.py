@@ -325,7 +325,7 @@ def run_comparison(plans: Sequence[Profile],
     # Here, not at the top: they bring torch, which planning a comparison (and the wizard's
     # and the CLI's profile listings, which import this module) must not pay for.
     from distributed.app.run import RunFailedError, brief_failure
-    from distributed.rank.worker import run_profile
+    from distributed.worker.run_profile import run_profile
     from exogym.report.summary import RunReporter
     from exogym.run.run_rank import LostRankError
     from exogym.run.trainer import RankFailedError

@@ -1,7 +1,7 @@
 """Machines on the LAN for the faces: run the agent, list what answers, turn answers into hosts.
 
 ``cli_typer.py agent`` and ``discover`` and the wizard's first step call these;
-the mDNS work itself is ``distributed.hosts.discovery``'s. Setting
+the mDNS work itself is ``distributed.hosts.mdns``'s. Setting
 ``EXOGYM_DISCOVERED`` to a file written by ``discover --json`` makes
 ``find_machines`` read that list instead of browsing (for a network whose
 multicast is blocked, or to replay a saved answer).
@@ -20,7 +20,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from distributed.hosts.discovery import (
+from distributed.hosts.hostkeys import HostKey, fetch_host_key, is_known, trust_host_key
+from distributed.hosts.mdns import (
     Advertiser,
     Browser,
     DiscoveryError,
@@ -29,7 +30,6 @@ from distributed.hosts.discovery import (
     ipv4_addresses,
     this_machine,
 )
-from distributed.hosts.hostkeys import HostKey, fetch_host_key, is_known, trust_host_key
 from distributed.hosts.ssh import SSHOptions
 
 __all__ = ["Browser", "DiscoveryError", "HostKey", "MachineAdvert", "DISCOVERED_ENV",

@@ -6,7 +6,7 @@ on your machine and as a rank on every host:
 - In a process started with the rank variables (``RANK``, ``WORLD_SIZE``,
   ``MASTER_ADDR``, ``MASTER_PORT`` — set by our SSH launcher, by ``torchrun``,
   by SLURM or any scheduler), ``fit()`` trains that one rank
-  (:class:`distributed.rank.trainer.RankTrainer`).
+  (:class:`distributed.worker.rank_trainer.RankTrainer`).
 - In the driver (no rank variables), ``fit()`` checks its arguments' names
   and plain values (:class:`exogym.config.fit_args.FitArgs`), starts the same
   script on every host of the hosts file (:mod:`distributed.launch.script`)
@@ -26,8 +26,8 @@ import torch
 from distributed.hosts.hostsfile import load_hosts
 from distributed.launch.options import split_options
 from distributed.launch.script import run_script_on_hosts, script_program
-from distributed.rank.environment import rank_environment
-from distributed.rank.trainer import RankTrainer
+from distributed.worker.environment import rank_environment
+from distributed.worker.rank_trainer import RankTrainer
 from exogym.base.arg_errors import unknown_args_error
 from exogym.base.plural import plural
 from exogym.config.fit_args import FitArgs, refuse_simulation_only

@@ -64,9 +64,9 @@ from distributed.profiles.run_dir import (
     place_run,
     record_resume,
 )
-from distributed.rank.command import override_items, set_args, worker_args
-from distributed.rank.environment import FINAL_MODEL
 from distributed.tasks.extras import missing_extra, require_extra
+from distributed.worker.command import override_items, set_args, worker_args
+from distributed.worker.environment import FINAL_MODEL
 from exogym.base.plural import plural
 from exogym.base.terminal import output_console
 from exogym.config.fit_args import BALANCE_MODES
@@ -242,7 +242,7 @@ def elastic_override(overrides: Mapping[str, Any] | None, min_nodes: int | None,
 
     With ``min_nodes`` a run across hosts goes on while at least that many hosts
     remain: lost hosts are dropped and rejoin when they answer again
-    (:mod:`distributed.launch.elastic`).
+    (:mod:`distributed.launch.elastic_attempt`).
     """
     merged = dict(overrides or {})
     if min_nodes is not None:
@@ -576,7 +576,7 @@ def finished_run(profile: Profile, placement: RunPlacement) -> TrainOutcome | No
 
 def _train_local(profile: Profile, placement: RunPlacement, console: Console,
                  live: bool | None, web: WebDashboard | None = None) -> TrainOutcome:
-    from distributed.rank.worker import run_profile
+    from distributed.worker.run_profile import run_profile
     from exogym.run.run_rank import LostRankError
     from exogym.run.trainer import RankFailedError
 

@@ -38,7 +38,7 @@ from distributed.profiles.profile import (
     ProfileSet,
     strategy_class,
 )
-from distributed.rank.command import set_args
+from distributed.worker.command import set_args
 
 __all__ = ["RunWith", "run_with"]
 

@@ -2,6 +2,7 @@
 
 The rank program and its per-host plan, one rank's run (start, stream, stop),
 the launcher that starts and watches every rank, and script mode. Built on
-hosts (sessions, shells, pre-flight) and the wire facts of rank; may import
-rank, profiles, hosts and exogym, never app.
+hosts (sessions, shells, pre-flight) and on what the worker agrees with it
+(its command line, the rank variables); may import worker, profiles, hosts and
+exogym, never app.
 """

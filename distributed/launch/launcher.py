@@ -26,7 +26,7 @@ What ``run`` does:
    NAME=value`` (so the SSH server's ``AcceptEnv`` does not matter); secrets
    travel over the channel's stdin to a small supervisor
    (``distributed.hosts.onhost.bootstrap``) that puts them in the rank's environment only.
-   Each rank runs in a process group of its own (``distributed.launch.rank_run``).
+   Each rank runs in a process group of its own (``distributed.launch.rank_process``).
 4. Streams every line to ``on_output`` with a ``[host:rank]`` prefix, saves it
    to ``run_dir/rank{r}.log``, and turns metric lines
    (``exogym.report.metrics.encode_event``) into dicts for ``on_event``.
@@ -65,7 +65,7 @@ from distributed.hosts.preflight import PreflightError, PreflightReport
 from distributed.hosts.remote import BOOTSTRAP_SOURCE, hand_command, rank_command
 from distributed.hosts.session import HostSession, is_this_machine
 from distributed.hosts.ssh import SSHOptions, ssh_command_line
-from distributed.launch.elastic import ElasticAttempt
+from distributed.launch.elastic_attempt import ElasticAttempt
 from distributed.launch.options import (
     SECRET_ENV_NAMES,
     LaunchOptions,
@@ -74,7 +74,7 @@ from distributed.launch.options import (
 )
 from distributed.launch.program import RankPlan, RankProgram
 from distributed.launch.progress import ProgressWatch
-from distributed.launch.rank_run import ExitQueue, RankRun, RankRunContext
+from distributed.launch.rank_process import ExitQueue, RankRun, RankRunContext
 from distributed.launch.results import (
     AttemptResult,
     LaunchError,
@@ -82,7 +82,7 @@ from distributed.launch.results import (
     OutputLine,
     RankResult,
 )
-from distributed.rank.environment import (
+from distributed.worker.environment import (
     DEVICE_VARIABLE,
     LOST_AFTER_VARIABLE,
     MIN_NODES_VARIABLE,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distributed.hosts.ssh import SSHOptions
-from distributed.rank.environment import RUN_DIR_VARIABLE
+from distributed.worker.environment import RUN_DIR_VARIABLE
 from exogym.base.arg_errors import unknown_args_error
 
 #: Variables always treated as secrets: sent over stdin, never shown or logged.

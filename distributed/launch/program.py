@@ -1,7 +1,7 @@
 """What every rank of a job runs (``RankProgram``), and how one rank is started (``RankPlan``).
 
 A program is a profile (every host runs ``python -m distributed.worker
---profile NAME``, the command line written by :mod:`distributed.rank.command`)
+--profile NAME``, the command line written by :mod:`distributed.worker.command`)
 or a script (every host runs the same script, as under torchrun). A plan is
 one rank's exact command on its host: what a dry run shows and the launcher
 starts.
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from distributed.hosts.hostsfile import HostSpec
-from distributed.rank.command import RESUME_ARGS, Overrides, set_args, worker_args
+from distributed.worker.command import RESUME_ARGS, Overrides, set_args, worker_args
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from distributed.hosts.sync import PROJECT_ROOT
 from distributed.launch.launcher import Launcher
 from distributed.launch.options import split_options
 from distributed.launch.program import RankProgram
-from distributed.rank.environment import FINAL_MODEL
+from distributed.worker.environment import FINAL_MODEL
 
 
 def script_program(script: str | None = None, args: Sequence[str] | None = None) -> RankProgram:

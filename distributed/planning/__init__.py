@@ -2,5 +2,5 @@
 
 The projection of step time and speedup, and the measured step time it starts
 from. May import profiles, tasks and exogym (torch-free where the faces use it);
-never hosts, launch, rank or app.
+never hosts, launch, worker or app.
 """

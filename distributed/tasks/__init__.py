@@ -1,7 +1,7 @@
 """tasks: the built-in training tasks (digits, chargpt, gpt) and tasks/whisper.
 
 A task is ``f(**settings) -> (model, train_dataset, val_dataset)``. May import
-exogym only; never hosts, profiles, planning, launch, rank or app.
+exogym only; never hosts, profiles, planning, launch, worker or app.
 """
 
 #: The names a profile's ``task`` key may give for a built-in task (``builtin.BUILTIN_TASKS``'s

@@ -17,8 +17,8 @@ import time
 import torch
 from toys import TinyNet, toy_dataset
 
-from distributed.rank.environment import rank_environment
-from distributed.rank.trainer import RankTrainer
+from distributed.worker.environment import rank_environment
+from distributed.worker.rank_trainer import RankTrainer
 from exogym.strategy import OptimSpec, SimpleReduceStrategy
 
 

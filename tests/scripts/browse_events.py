@@ -8,7 +8,7 @@ import json
 import threading
 import time
 
-from distributed.hosts.discovery import Browser
+from distributed.hosts.mdns import Browser
 
 
 def report(event: str, advert) -> None:

@@ -2,12 +2,12 @@
 
 ``state.py`` keeps the runs' rows and chart points, ``server.py`` serves the
 page (``static/``), ``/state`` and ``/events`` with the standard library and
-is the progress sink the runs feed, ``session.py`` opens it for a command and
+is the progress sink the runs feed, ``page_lifetime.py`` opens it for a command and
 keeps it serving after the run while a person looks. Standard library only,
 no torch; plotly.js comes from the installed ``plotly`` package (the ``web`` extra).
 """
 
+from distributed.app.web.page_lifetime import keep_serving, open_web
 from distributed.app.web.server import WEB_EXTRA_HINT, WebDashboard, plotly_js_path
-from distributed.app.web.session import keep_serving, open_web
 
 __all__ = ["WEB_EXTRA_HINT", "WebDashboard", "keep_serving", "open_web", "plotly_js_path"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from distributed.rank.environment import (
+from distributed.worker.environment import (
     DEVICE_VARIABLE,
     FINAL_MODEL,
     RUN_DIR_VARIABLE,

@@ -4,7 +4,7 @@ A rank is started with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` (and optionally ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``) in its
 environment, by our SSH launcher, ``torchrun``, or any scheduler that sets
 them; under ``srun`` they are read from SLURM's own variables
-(:mod:`distributed.rank.slurm`), explicit ones winning. Rank 0 leaves the run's final model in
+(:mod:`distributed.worker.slurm_variables`), explicit ones winning. Rank 0 leaves the run's final model in
 ``FINAL_MODEL`` for the driver.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distributed.hosts.netif import interface_for
-from distributed.rank.slurm import slurm_rank_variables
+from distributed.worker.slurm_variables import slurm_rank_variables
 
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: The final model a run leaves in its output folder (safetensors; run config in its metadata).

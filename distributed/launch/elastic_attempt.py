@@ -33,7 +33,7 @@ from typing import Any
 from distributed.hosts.session import HostSession
 from distributed.launch.program import RankPlan
 from distributed.launch.progress import ProgressWatch
-from distributed.launch.rank_run import ExitQueue, RankRun, RankRunContext
+from distributed.launch.rank_process import ExitQueue, RankRun, RankRunContext
 from distributed.launch.results import AttemptResult, RankResult
 from exogym.base.plural import plural
 

@@ -33,8 +33,8 @@ from distributed.profiles.profile import (
     parse_overrides,
 )
 from distributed.profiles.run_dir import place_run, rank_identity, record_resume
-from distributed.rank.environment import FINAL_MODEL, rank_environment
-from distributed.rank.trainer import RankTrainer
+from distributed.worker.environment import FINAL_MODEL, rank_environment
+from distributed.worker.rank_trainer import RankTrainer
 from exogym.base.io import atomic_save_safetensors, atomic_write_json
 from exogym.base.plural import plural
 from exogym.run.run_rank import LostRankError

@@ -2,7 +2,7 @@
 
 ``python cli_typer.py slurm PROFILE --nodes N`` writes it; ``sbatch`` submits
 it. Every task runs ``srun PYTHON -m distributed.worker --profile NAME``,
-which reads its rank from SLURM's variables (:mod:`distributed.rank.slurm`):
+which reads its rank from SLURM's variables (:mod:`distributed.worker.slurm_variables`):
 no torchrun, no ``scontrol``. The script fixes ``MASTER_PORT`` (from the job
 id unless you chose one), so every task agrees on the port.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 from distributed.app.run import config_for_hosts
 from distributed.hosts.sync import PROJECT_ROOT
 from distributed.profiles.profile import load_profile, parse_overrides
-from distributed.rank.command import worker_args
-from distributed.rank.slurm import PORT_BASE, PORT_SPAN
+from distributed.worker.command import worker_args
+from distributed.worker.slurm_variables import PORT_BASE, PORT_SPAN
 from exogym.base.io import atomic_write_text
 from exogym.base.plural import plural
 

@@ -4,7 +4,7 @@ The launcher starts it on every host, ``dry_run`` shows it for a local
 simulation, and the CLI's own command line (``--set key=value``) shares its
 override format: a mapping of profile keys, or ``"key=value"`` strings, with
 booleans written ``true``/``false`` as ``config.ini`` reads them. The parser on
-the other side is :func:`distributed.rank.worker.build_parser`; this module
+the other side is :func:`distributed.worker.run_profile.build_parser`; this module
 imports nothing heavy, so the launcher stays light.
 """
 
