@@ -134,3 +134,11 @@ def test_netbed_needs_only_the_standard_library():
             found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {name}" for name in names
                       if name.split(".")[0] not in (*sys.stdlib_module_names, "netbed")]
     assert found == []
+
+
+def test_the_bed_runs_its_hosts_in_this_checkout():
+    # The hosts file a bed writes names the project's root as every host's checkout.
+    from netbed.bed import PROJECT_ROOT
+
+    assert PROJECT_ROOT == ROOT
+    assert (PROJECT_ROOT / "cli_typer.py").is_file() and (PROJECT_ROOT / "distributed").is_dir()

@@ -52,7 +52,7 @@ from .stale import OWNER_FILE, PREFIX
 from .system import TestbedError, pid_alive, run, sshd_binary, stop_process
 
 #: The checkout the bed's hosts run: every host sees this machine's files.
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
