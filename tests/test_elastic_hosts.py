@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from netbed import Events, Testbed, worker_pid
 from ranks import ROOT, free_port
 from rich.console import Console
 from safetensors.torch import load_file
@@ -28,7 +29,6 @@ from sshd_fixture import HostSSHD, serve_sshd
 
 from distributed.hosts.ssh import SSHOptions
 from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram
-from netbed import Events, Testbed, worker_pid
 
 THIRD = "127.0.0.7"
 
