@@ -99,7 +99,7 @@ def test_unknown_strategy_lists_the_known_ones():
     with pytest.raises(ValueError, match="knows ddp, diloco, sparta, fedavg, demo, sparta_diloco"):
         bytes_per_step("fedsgd", P, 2)
     assert set(STRATEGIES) == {"ddp", "diloco", "sparta", "fedavg", "demo", "sparta_diloco",
-                               "streaming_diloco", "sparseloco", "none"}
+                               "streaming_diloco", "sparseloco", "desloc", "muloco", "none"}
 
 
 def test_bad_host_counts_are_rejected():
@@ -262,8 +262,10 @@ def test_payload_matches_the_comm_counters_of_a_real_run():
 
     from exogym import Trainer
     from exogym.strategy import (
+        DESLOCStrategy,
         DiLoCoStrategy,
         FedAvgStrategy,
+        MuLoCoStrategy,
         SimpleReduceStrategy,
         SparseLoCoStrategy,
     )
@@ -278,7 +280,11 @@ def test_payload_matches_the_comm_counters_of_a_real_run():
             ("diloco", DiLoCoStrategy(H=2), {"H": 2, "num_buffers": buffers}),
             ("fedavg", FedAvgStrategy(H=2), {"H": 2, "num_buffers": buffers}),
             ("sparseloco", SparseLoCoStrategy(H=2, topk=4, chunk=16),
-             {"H": 2, "topk": 4, "chunk": 16, "shapes": shapes, "num_buffers": buffers})):
+             {"H": 2, "topk": 4, "chunk": 16, "shapes": shapes, "num_buffers": buffers}),
+            # parameters every 2 steps (with the buffers), first moment every 2, second every 4
+            ("desloc", DESLOCStrategy(H_params=2, H_m1=2, H_m2=4),
+             {"H_params": 2, "H_m1": 2, "H_m2": 4, "num_buffers": buffers}),
+            ("muloco", MuLoCoStrategy(H=2), {"H": 2, "num_buffers": buffers})):
         trainer = Trainer(model, ds, None)
         trainer.fit(strategy=strategy, num_nodes=2, max_steps=4, batch_size=8, val_size=0,
                     logger=None, progress=False)
@@ -306,8 +312,10 @@ def test_the_projections_defaults_are_the_strategy_classes_own():
 
     from exogym.strategy import (
         DeMoStrategy,
+        DESLOCStrategy,
         DiLoCoStrategy,
         FedAvgStrategy,
+        MuLoCoStrategy,
         SimpleReduceStrategy,
         SparseLoCoStrategy,
         SPARTADiLoCoStrategy,
@@ -318,7 +326,8 @@ def test_the_projections_defaults_are_the_strategy_classes_own():
     classes = {"ddp": SimpleReduceStrategy, "diloco": DiLoCoStrategy, "fedavg": FedAvgStrategy,
                "sparta": SPARTAStrategy, "sparta_diloco": SPARTADiLoCoStrategy,
                "demo": DeMoStrategy, "streaming_diloco": StreamingDiLoCoStrategy,
-               "sparseloco": SparseLoCoStrategy}
+               "sparseloco": SparseLoCoStrategy, "desloc": DESLOCStrategy,
+               "muloco": MuLoCoStrategy}
     assert set(classes) == set(DEFAULTS) - {"none"}
     for name, cls in classes.items():
         parameters = inspect.signature(cls.__init__).parameters

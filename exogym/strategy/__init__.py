@@ -22,6 +22,8 @@ __all__ = [
     "CommunicationModule",
     "OptimSpec",
     "SparseLoCoStrategy",
+    "DESLOCStrategy",
+    "MuLoCoStrategy",
     "MuonAdamW",
 ]
 
@@ -38,6 +40,8 @@ _HOMES = {
     "CommunicationModule": "communicate_optimize_strategy",
     "OptimSpec": "optim",
     "SparseLoCoStrategy": "sparseloco",
+    "DESLOCStrategy": "desloc",
+    "MuLoCoStrategy": "muloco",
     "MuonAdamW": "muon",
 }
 

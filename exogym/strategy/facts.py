@@ -3,10 +3,11 @@
 The strategy classes take their defaults from this module (``DILOCO_H``,
 ``SPARTA_P``, ...) and the payload formulas their ``traffic`` statements use
 (DeMo's chunk geometry, SparseLoCo's top-k payload, Streaming DiLoCo's
-fragments); :mod:`exogym.strategy.registry` lists, per strategy name, which
-of these settings its traffic depends on. The wire's own facts (bucket size,
-bytes per value, quantized payloads) are :mod:`exogym.comm.wire`'s, re-exported
-here. A default changed here changes the run and its prediction together.
+fragments, DES-LOC's three periods); :mod:`exogym.strategy.registry` lists, per
+strategy name, which of these settings its traffic depends on. The wire's own
+facts (bucket size, bytes per value, quantized payloads) are
+:mod:`exogym.comm.wire`'s, re-exported here. A default changed here changes the
+run and its prediction together.
 """
 
 from __future__ import annotations
@@ -32,8 +33,12 @@ __all__ = [
     "COMM_DTYPE",
     "DEMO_CHUNK",
     "DEMO_TOPK",
+    "DESLOC_H_M1",
+    "DESLOC_H_M2",
+    "DESLOC_H_PARAMS",
     "DILOCO_H",
     "FEDAVG_H",
+    "MULOCO_COMM_DTYPE",
     "SPARSELOCO_CHUNK",
     "SPARSELOCO_H",
     "SPARSELOCO_QUANT_BITS",
@@ -48,6 +53,7 @@ __all__ = [
     "ChunkGeometry",
     "chunk_size",
     "demo_payload_bytes",
+    "desloc_sent_bytes",
     "fragment_offset",
     "is_quantized",
     "quantized_payload_bytes",
@@ -68,6 +74,13 @@ SPARSELOCO_CHUNK = 4096  #: SparseLoCo's values per chunk (a 64x64 block's worth
 SPARSELOCO_TOPK = 64  #: SparseLoCo's values sent per chunk (1.56 % of 4,096).
 SPARSELOCO_QUANT_BITS = 2  #: bits per value SparseLoCo sends (None: float32).
 STREAMING_FRAGMENTS = 4  #: Streaming DiLoCo's fragments (its H is DiLoCo's).
+# DES-LOC's periods keep the relation Iacob et al. 2025 (arXiv 2505.22549) recommend,
+# K_u = 3·K_x and K_v = 6·K_x: each state is averaged about as often as it changes (the
+# second moment, beta2 = 0.999, moves slowest). Total: half of Local Adam's bytes at K_x.
+DESLOC_H_PARAMS = 100  #: DES-LOC's steps between averages of the parameters.
+DESLOC_H_M1 = 3 * DESLOC_H_PARAMS  #: DES-LOC's steps between averages of Adam's first moment.
+DESLOC_H_M2 = 6 * DESLOC_H_PARAMS  #: DES-LOC's steps between averages of Adam's second moment.
+MULOCO_COMM_DTYPE = "int4"  #: the type MuLoCo's outer deltas travel in.
 
 def fragment_offset(fragment: int, H: int, num_fragments: int) -> int:
     """The step within each ``H`` at which Streaming DiLoCo's ``fragment`` syncs.
@@ -89,6 +102,24 @@ def streaming_sync_bytes(fragment_numel: int, comm_dtype: str = COMM_DTYPE,
     if is_quantized(comm_dtype):
         return quantized_payload_bytes(fragment_numel, comm_dtype, chunk)
     return int(value_bytes_of(comm_dtype)) * fragment_numel
+
+
+def desloc_sent_bytes(steps: int, num_params: int, H_params: int = DESLOC_H_PARAMS,
+                      H_m1: int = DESLOC_H_M1, H_m2: int = DESLOC_H_M2,
+                      comm_dtype: str = COMM_DTYPE, num_buffers: int = 0) -> int:
+    """Bytes one DES-LOC rank has sent after ``steps`` inner steps.
+
+    Every ``H_params`` steps the parameters and float buffers, every ``H_m1`` steps
+    Adam's first moment, every ``H_m2`` steps its second moment, each ``v`` bytes a
+    value (4 in float32, 2 in bfloat16)::
+
+        v * ((P + B) * (steps // H_params) + P * (steps // H_m1) + P * (steps // H_m2))
+
+    that is ``v * (P/H_params + P/H_m1 + P/H_m2)`` per step on average without buffers.
+    """
+    v = int(value_bytes_of(comm_dtype))
+    return v * ((num_params + num_buffers) * (steps // H_params)
+                + num_params * (steps // H_m1) + num_params * (steps // H_m2))
 
 
 def chunk_size(dim: int, limit: int) -> int:

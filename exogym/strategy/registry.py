@@ -19,8 +19,12 @@ from .facts import (
     COMM_DTYPE,
     DEMO_CHUNK,
     DEMO_TOPK,
+    DESLOC_H_M1,
+    DESLOC_H_M2,
+    DESLOC_H_PARAMS,
     DILOCO_H,
     FEDAVG_H,
+    MULOCO_COMM_DTYPE,
     SPARSELOCO_CHUNK,
     SPARSELOCO_H,
     SPARSELOCO_QUANT_BITS,
@@ -80,6 +84,15 @@ KNOWN: dict[str, Known] = {k.name: k for k in (
           "error-fed change, quantized: a percent of DiLoCo's bytes",
           {"H": SPARSELOCO_H, "topk": SPARSELOCO_TOPK, "chunk": SPARSELOCO_CHUNK,
            "quant_bits": SPARSELOCO_QUANT_BITS}),
+    Known("desloc", "desloc:DESLOCStrategy",
+          "local Adam steps; average the parameters every H_params steps and Adam's two "
+          "moments on their own, longer periods: half of Local Adam's traffic",
+          {"H_params": DESLOC_H_PARAMS, "H_m1": DESLOC_H_M1, "H_m2": DESLOC_H_M2,
+           "comm_dtype": COMM_DTYPE}),
+    Known("muloco", "muloco:MuLoCoStrategy",
+          "DiLoCo with Muon inner steps; the model change sent in 4 bits with error "
+          "feedback: about a seventh of DiLoCo's bytes",
+          {"H": DILOCO_H, "comm_dtype": MULOCO_COMM_DTYPE}),
     Known("none", "", "no communication (one host, or independent training)"),
 )}
 
