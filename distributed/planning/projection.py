@@ -215,9 +215,8 @@ def step_traffic(strategy: Any, num_params: int, hosts: int, *,
 
     Args:
         strategy: a strategy object (any ``exogym.strategy.Strategy`` that states its
-            traffic, a researcher's own included), or a known name: ``ddp``, ``diloco``,
-            ``sparta``, ``fedavg``, ``demo``, ``sparta_diloco``, ``streaming_diloco``,
-            ``sparseloco`` or ``none``.
+            traffic, a researcher's own included), or a name :data:`STRATEGIES` knows
+            (``exogym.strategy.registry``; ``none`` for no communication).
         num_params: trainable parameters ``P``.
         hosts: the number of hosts ``N``.
         shapes: the trainable tensors' shapes (DeMo and SparseLoCo size their payload per tensor).

@@ -9,8 +9,9 @@ OTHER's keys. Keys are flat; each goes to whoever accepts it:
 
 - ``task`` (a built-in name or ``package.module:function``) and the task's own
   arguments (e.g. ``hidden``, ``text_file``, ``n_layer``);
-- ``strategy`` (``ddp``, ``diloco``, ``fedavg``, ``sparta``, ``demo``,
-  ``sparta_diloco``, ``streaming_diloco``, ``sparseloco`` or ``package.module:Class``) and its arguments
+- ``strategy`` (a name ``exogym.strategy.registry`` knows: ``ddp``, ``diloco``, ``fedavg``,
+  ``sparta``, ``demo``, ``sparta_diloco``, ``streaming_diloco``, ``sparseloco``, ``desloc``,
+  ``muloco``; or ``package.module:Class``) and its arguments
   (``lr``, ``H``, ``inner_optim``, ``outer_lr``, ``p_sparta``, ...);
 - the run: ``num_nodes``, ``batch_size``, ``max_steps``, ``device``,
   ``checkpoint_interval``, ``output_dir``, ``seed``, ``val_size``, ...
