@@ -81,8 +81,7 @@ def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
     found: set[str] = set()
 
     def add(name: str) -> None:
-        while name and name not in known:
-            name = name.rpartition(".")[0]
+        name = longest_known(name, known)
         if name and name != module:
             found.add(name)
 
@@ -90,6 +89,13 @@ def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
         for name in imported_names(node, package, known):
             add(name)
     return found
+
+
+def longest_known(name: str, known: set[str]) -> str:
+    """The longest dotted prefix of ``name`` that is a project module ('' for none)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name
 
 
 def imported_names(node: ast.AST, package: str, known: set[str]) -> list[str]:
@@ -204,8 +210,7 @@ def runtime_imports(module: str, path: Path, known: set[str]) -> set[str]:
     found: set[str] = set()
 
     def add(name: str) -> None:
-        while name and name not in known:
-            name = name.rpartition(".")[0]
+        name = longest_known(name, known)
         if not name or name == module:
             return
         found.add(name)
