@@ -258,7 +258,7 @@ def test_a_rerun_never_replaces_the_last_model_and_overwrite_is_asked_for(tmp_pa
                    "--overwrite", cwd=tmp_path)
     assert replaced.returncode == 0, replaced.stderr
     assert ("--overwrite: removed the earlier run's run.json, model.safetensors, summary.json, "
-            "checkpoints; it was profile digits-diloco") in said(replaced)
+            "trace.jsonl, checkpoints; it was profile digits-diloco") in said(replaced)
     assert json.loads((base / "summary.json").read_text())["steps"] == 2
     assert json.loads((second / "summary.json").read_text()) == summary  # untouched
 

@@ -71,6 +71,7 @@ from exogym.base.plural import plural
 from exogym.base.terminal import output_console
 from exogym.config.fit_args import BALANCE_MODES
 from exogym.report.loggers import LOGGER_NAMES
+from exogym.report.trace import TRACE_FILE, TraceWriter
 
 __all__ = ["NothingToResumeError", "PreflightError", "RunFailedError", "RunFolderError",
            "RunInterrupted", "TrainOutcome", "TrainRequest", "dry_run", "logger_override",
@@ -629,15 +630,97 @@ def master_folders(launcher: Launcher, config: HostsConfig) -> Callable[[dict[st
     return call
 
 
+def start_hosts_trace(tracer: TraceWriter, launcher: Launcher, profile: Profile,
+                      placement: RunPlacement, where_out: Path) -> None:
+    """Start the trace of a run across hosts (:mod:`exogym.report.trace`) from the
+    launcher's event stream, which carries every rank's events.
+
+    With the master on this machine it is written straight into the run's folder,
+    beside the ``summary.json`` rank 0 writes; otherwise into the launcher's log
+    folder here, and sent to the run's folder on the master when the run ends
+    (:func:`end_hosts_trace`). A resumed run continues the trace already there.
+    """
+    config = launcher.config
+    if launcher.master_local:
+        path = where_out / TRACE_FILE
+    else:
+        path = launcher.run_dir / TRACE_FILE
+        if placement.resume:
+            try:
+                launcher.session.fetch(0, placement.folder / TRACE_FILE, path)
+            except Exception:  # noqa: BLE001 - no earlier trace to continue: start afresh
+                pass
+    tracer.start(path, source="hosts", num_nodes=config.world_size,
+                 config=profile.values, run=placement.identity.as_dict(),
+                 append=placement.resume, profile=profile.name,
+                 hosts=[{"rank": rank, "host": host.host}
+                        for rank, host in enumerate(config.rank_hosts)])
+
+
+def trace_links(launcher: Launcher) -> dict[int, dict[str, Any]]:
+    """What the launcher knows of each rank's link: its host and the interface pre-flight
+    found routing to the master. No rate or latency: a run measures no link before it
+    starts (``recommend`` does, :mod:`distributed.hosts.linkspeed`)."""
+    report = launcher.session.report
+    links = {}
+    for rank, host in enumerate(launcher.config.rank_hosts):
+        check = report.checks[host.rank] if report is not None and \
+            host.rank < len(report.checks) else None
+        route = ((check.probe or {}).get("route") or {}) if check is not None else {}
+        interface = route.get("interface") or (
+            check.interface if check is not None and check.interface != "-" else None)
+        links[rank] = {"host": host.host, "interface": interface,
+                       "probe_bytes_per_s": None, "probe_latency_s": None}
+    return links
+
+
+def end_hosts_trace(tracer: TraceWriter, launcher: Launcher, placement: RunPlacement,
+                    result: Any, error: BaseException | None) -> str | None:
+    """Finish the trace: the ranks whose failure stopped an attempt, how the run ended;
+    with the master on another machine, send it to the run's folder there. Returns a
+    note for the person when the trace stayed elsewhere than that folder."""
+    if not tracer.started:
+        return None
+    why = None
+    if result is not None:
+        for attempt in result.attempts:
+            failed = attempt.first_failure
+            if failed is not None:  # when it failed is not known here: t is null
+                tracer.fault(t=None, rank=failed.rank, host=failed.host, what="failed",
+                             reason=failed.reason, restart=attempt.restart)
+        if not result.ok:
+            why = result.describe().splitlines()[0]
+    elif error is not None:
+        why = "interrupted" if isinstance(error, KeyboardInterrupt) else \
+            f"{type(error).__name__}: {error}"
+    path = tracer.end(failed=result is None or not result.ok, error=why,
+                      links=trace_links(launcher))
+    if path is None or launcher.master_local:
+        return None
+    master = launcher.config.master.host
+    try:
+        sent = master_folders(launcher, launcher.config)(
+            {"action": "put", "folder": str(placement.folder), "name": TRACE_FILE,
+             "text": path.read_text(encoding="utf-8")})
+    except Exception as exc:  # noqa: BLE001 - the trace stays here, and the person is told
+        sent = {"error": repr(exc)}
+    if "error" in sent:
+        return (f"the run's trace is in {path} on this machine: sending it to "
+                f"{placement.folder} on {master} failed ({sent['error']})")
+    path.unlink(missing_ok=True)  # the run's folder holds it now
+    return None
+
+
 def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
                  live: bool | None, web: WebDashboard | None = None) -> TrainOutcome:
     config = hosts_config(request)
     warn_before_start(profile, config.world_size)
     rank_hosts = [h.host for h in config.rank_hosts]
+    tracer = TraceWriter()  # every rank's events arrive here: the trace is written here
     dashboard = FanOut(Dashboard(config.world_size, rank_hosts,
                                  title=f"{profile.name}: {plural(config.world_size, 'rank')} on "
                                        f"{plural(len(config.hosts), 'host')}",
-                                 console=console, live=live), web)
+                                 console=console, live=live), web, tracer)
     if web is not None:
         web.begin_run(profile.name, profile.values, config.world_size, rank_hosts)
     with make_launcher(request, config, console=console, dashboard=dashboard) as launcher:
@@ -655,13 +738,23 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
         profile = placement.profile(profile)
         console.print(placement.note, markup=False, highlight=False, soft_wrap=True)
         launcher.program = rank_program(request, placement)
+        out = placement.folder
+        where_out = out if out.is_absolute() else \
+            Path(config.master.project_path).expanduser() / out
+        start_hosts_trace(tracer, launcher, profile, placement, where_out)
         started = time.monotonic()
+        result = None
+        error: BaseException | None = None
         try:
             result = launcher.run()
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             dashboard.close()
-    out = placement.folder
-    where_out = out if out.is_absolute() else Path(config.master.project_path).expanduser() / out
+            trace_note = end_hosts_trace(tracer, launcher, placement, result, error)
+    if trace_note:
+        console.print(f"note: {trace_note}", markup=False, highlight=False, soft_wrap=True)
     for rank in result.ranks:
         dashboard.set_status(rank.rank, "done" if rank.ok else
                              "stopped" if rank.stopped else "failed")

@@ -58,6 +58,8 @@ class RankTrainer(Trainer):
         self.writes_outputs = environment.rank == 0
         #: Every change of membership (``min_nodes`` runs): ``{"step", "ranks", "hosts", "reason"}``.
         self.membership: list[dict[str, Any]] | None = None
+        #: A trace this rank writes holds its own events only (the launcher's holds every rank's).
+        self.trace_source = "rank"
 
     def fit(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
         """Same arguments as :meth:`exogym.Trainer.fit`; ``num_nodes`` defaults to the world size."""
@@ -69,6 +71,7 @@ class RankTrainer(Trainer):
         if env.rank != 0:  # rank 0 writes the run's logs, to a tracker too
             kwargs["logger"] = None
             kwargs["wandb_project"] = None
+            kwargs["trace"] = None  # and a trace= asked for: of its own steps only
         final = super().fit(*args, **kwargs)
         if self.membership is not None:
             self.summary["membership"] = self.membership

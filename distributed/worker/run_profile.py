@@ -3,7 +3,8 @@
 Runs one rank of a profile when the rank variables are set (by our launcher,
 torchrun, SLURM, ...), or the whole profile as a local simulation when they
 are not. Rank 0 (or the simulation) writes the final model and a summary
-into the run's folder.
+into the run's folder; a simulation writes its trace there too (``trace.jsonl``,
+:mod:`exogym.report.trace`).
 
 Run alone (no rank variables), the worker chooses that folder as the CLI does
 (:mod:`distributed.profiles.run_dir`): the profile's ``output_dir`` (default
@@ -126,8 +127,9 @@ def run_profile(name: str | Profile, config: str | None = None,
         run_identity=identity.as_dict(),
     )
     if env is None:
+        fit_kwargs["trace"] = str(output_dir)  # trace.jsonl beside summary.json
         trainer = LocalTrainer(model, train_dataset, val_dataset)
-    else:
+    else:  # across hosts the launcher, which sees every rank's events, writes the trace
         fit_kwargs.pop("num_nodes", None)  # the world size is the number of started ranks
         trainer = RankTrainer(env, model, train_dataset, val_dataset)
     final = trainer.fit(**fit_kwargs)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import numbers
+import os
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -102,6 +103,20 @@ def _fraction(name: str, value: Any) -> None:
 def _path_or_auto(name: str, value: Any) -> None:
     if value is not None and not isinstance(value, str):
         raise TypeError(f"{name} must be a path or 'auto', got {value!r}")
+
+
+def _trace(name: str, value: Any) -> None:
+    if value is None or isinstance(value, bool) or isinstance(value, (str, os.PathLike)) \
+            and os.fspath(value):
+        return
+    raise TypeError(f"{name} must be a folder, a .jsonl path, True (the logger's run folder) "
+                    f"or None/False (no trace), got {value!r}")
+
+
+def _to_trace(value: Any) -> str | bool | None:
+    if value is None or value is False:
+        return None
+    return True if value is True else os.fspath(value)
 
 
 def _run_identity(name: str, value: Any) -> None:
@@ -457,6 +472,12 @@ class FitArgs(RunArgs):
         "while the ranks fit this machine's cores, else one per core, each running its ranks "
         "in turn (:mod:`exogym.comm.packed`); fewer than ``num_nodes`` packs the ranks that way.",
         _at_least(1, allow_none=True))
+    trace: str | bool | None = _arg(
+        None, "write the run's trace (``trace.jsonl``: each rank's compute and communication "
+        "seconds, bytes and samples per step, evaluations, membership changes; "
+        ":mod:`exogym.report.trace`) when it ends, also when it fails: a folder (the file "
+        "goes in it), a path ending in ``.jsonl``, or True (the logger's run folder, beside "
+        "its ``summary.json``). None: no trace.", _trace, convert=_to_trace)
     progress: bool | ProgressSink = _arg(
         True, "show the progress bar and summary table; or an object with "
         "``on_event``/``close``/``finish`` (``exogym.report.summary.ProgressSink``) that shows the "

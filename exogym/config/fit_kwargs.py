@@ -56,4 +56,5 @@ class FitKwargs(TypedDict, total=False):
     log_dir: str
     wandb_project: str | None
     processes: int | None
+    trace: str | bool | None
     progress: bool | ProgressSink

@@ -10,9 +10,12 @@ travel over the training process group, so byte counts and timings stay clean.
 Event kinds (the ``"event"`` key):
 
 - ``"step"``: one per (rank, step) with ``rank``, ``step``, ``train_loss``,
-  ``lr``, ``comm_bytes`` (cumulative), ``samples`` (cumulative), ``wall_s``;
-  eval steps add ``val_loss`` and ``val_global_loss``; with a simulated clock
-  (``fit(network=...)``) every step adds ``sim_time_s``.
+  ``lr``, ``comm_bytes`` (cumulative), ``samples`` (cumulative), ``wall_s``,
+  ``comm_s`` (the step's seconds inside counted collectives, waiting
+  included) and ``compute_s`` (the step's own work: its wall time less
+  ``comm_s``); eval steps add ``val_loss`` and ``val_global_loss``; with a
+  simulated clock (``fit(network=...)``) every step adds ``sim_time_s``, and
+  ``compute_s`` and ``sim_comm_s`` are what the clock charged the step.
 - ``"start"``: a rank is ready (``rank``, ``max_steps``, ``host``); under a
   non-iid ``partition`` it adds ``labels`` (its samples per label), and rank 0
   ``labels_by_rank`` (every rank's).

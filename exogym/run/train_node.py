@@ -153,6 +153,8 @@ class TrainNode:
                              "them out")
         self._last_loss = float("nan")  # reported by an idle step (balance='steps')
         self._comm_wall_seen = comm.collective_time()[0]
+        self._clock_seen = (0.0, 0.0)  # the clock's compute and communication at the last event
+        self._step_started = time.perf_counter()
         if self.balance is not None:
             self.train_stream.set_step_samples(self.balance.batch_size)
         self.autocast = (
@@ -196,6 +198,7 @@ class TrainNode:
 
     def train_step(self) -> dict[str, Any]:
         """Run one optimizer step (with accumulation) and return its metric event."""
+        self._step_started = time.perf_counter()
         if self.balance is not None:
             return self._balanced_step()
         accumulation = self.spec.accumulation_steps
@@ -235,8 +238,17 @@ class TrainNode:
             "comm_s": comm_wall - self._comm_wall_seen,
         }
         self._comm_wall_seen = comm_wall
-        if self.clock is not None:
-            event["sim_time_s"] = self.clock.now
+        clock = self.clock
+        if clock is None:
+            # measured: the step's wall time less its time in collectives
+            event["compute_s"] = max(0.0, time.perf_counter() - self._step_started
+                                     - event["comm_s"])
+        else:
+            # what the clock charged this step: its compute, and its collectives' time
+            event["compute_s"] = clock.compute_s - self._clock_seen[0]
+            event["sim_comm_s"] = clock.comm_s - self._clock_seen[1]
+            self._clock_seen = (clock.compute_s, clock.comm_s)
+            event["sim_time_s"] = clock.now
         return event
 
     # -- a step under balance (exogym.run.balance) ------------------------------------------

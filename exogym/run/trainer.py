@@ -46,6 +46,7 @@ from exogym.comm.shared_memory import SharedMemoryCollectives
 from exogym.config.fit_args import FitArgs, fit_args_doc, fit_signature
 from exogym.report.loggers import Logger, make_logger
 from exogym.report.summary import ProgressSink, RunReporter, summarize
+from exogym.report.trace import TraceWriter, trace_path
 from exogym.run.devices import available_cores, loopback_interface
 from exogym.run.memory import StateBytes, check_memory, with_measured_minibatch
 from exogym.run.run_rank import Rendezvous, run_rank
@@ -56,6 +57,11 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from exogym.config.fit_kwargs import FitKwargs
+
+
+_NO_RUN_FOLDER = ("fit(trace=True) writes the trace into the logger's run folder, but this "
+                  "run's logger has none (logger=None or 'wandb'): give trace= a folder or a "
+                  ".jsonl path, or logger='csv'")
 
 
 class RankFailedError(RuntimeError):
@@ -429,6 +435,10 @@ class Trainer:
         self.rank_stats: dict[int, dict[str, Any]] = {}
         self.log_dir: Path | None = None
         self.run_config: dict[str, Any] = {}
+        #: Where the last fit wrote its trace (``fit(trace=...)``); None without one.
+        self.trace_path: Path | None = None
+        #: Whose events the trace holds: every rank's, in a simulation.
+        self.trace_source = "simulation"
         #: The heading of the summary table shown when a fit ends.
         self.summary_title = "run summary"
 
@@ -445,7 +455,9 @@ class Trainer:
         self.state_bytes = self._check_memory(spec, placement)
         run_logger = make_logger(fit_args.logger, fit_args.log_dir, fit_args.run_name,
                                  fit_args.wandb_project)
-        return self._fit_spec(spec, placement, run_logger, fit_args.progress)
+        if fit_args.trace is True and not hasattr(run_logger, "run_dir"):
+            raise ValueError(_NO_RUN_FOLDER)
+        return self._fit_spec(spec, placement, run_logger, fit_args.progress, fit_args.trace)
 
     fit.__signature__ = fit_signature(  # type: ignore[attr-defined]
         {"Strategy": Strategy, "Logger": Logger, "ProgressSink": ProgressSink}, torch.nn.Module)
@@ -464,7 +476,8 @@ class Trainer:
         return spec.placement_here()
 
     def _fit_spec(self, spec: RunSpec, placement: Placement, run_logger: Logger | None,
-                  progress: bool | ProgressSink) -> torch.nn.Module:
+                  progress: bool | ProgressSink, trace: str | bool | None = None
+                  ) -> torch.nn.Module:
         if isinstance(progress, bool):
             reporter = RunReporter(spec.num_nodes, show=progress, log_interval=spec.log_interval)
         else:
@@ -485,15 +498,22 @@ class Trainer:
             reporter.on_event(event)
             if run_logger is not None:
                 run_logger.log_event(event)
+            if tracer.started:
+                tracer.on_event(event)
 
         if run_logger is not None:
             run_logger.start(spec.config())
             self.log_dir = getattr(run_logger, "run_dir", None)
+        tracer = self._start_trace(spec, trace)
         started = time.perf_counter()
         failed = True
+        error: BaseException | None = None
         try:
             states = self._execute(spec, placement, on_event)
             failed = False
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             reporter.close()
             self.history.sort(key=lambda r: (r["step"], r["rank"]))
@@ -511,11 +531,57 @@ class Trainer:
                 self.summary["state_bytes_per_rank"] = self.state_bytes.per_rank
             if run_logger is not None:
                 run_logger.finish(self.summary, failed=failed)
+            self._end_trace(tracer, spec, error)
         reporter.finish(self.summary, title=self.summary_title)
         final = copy.deepcopy(self.model)
         if states:  # none for a host's rank that was away at the end (exogym.membership.hosts)
             final.load_state_dict(average_state_dicts(states))
         return final
+
+    def _start_trace(self, spec: RunSpec, trace: str | bool | None) -> TraceWriter:
+        """The run's trace writer, started when ``fit(trace=...)`` asks for one
+        (:mod:`exogym.report.trace`); a run resumed from a checkpoint continues the trace
+        already there."""
+        tracer = TraceWriter()
+        if trace is None:
+            self.trace_path = None
+            return tracer
+        if trace is True:
+            if self.log_dir is None:
+                raise ValueError(_NO_RUN_FOLDER)
+            trace = str(self.log_dir)
+        self.trace_path = trace_path(trace)
+        tracer.start(self.trace_path, source=self.trace_source, num_nodes=spec.num_nodes,
+                     config=self.run_config, run=spec.run_identity,
+                     append=spec.resume_from is not None)
+        membership = spec.membership()
+        if membership is not None:
+            # the simulated schedule is known: note when the ranks reach each change
+            tracer.watch(c["step"] - 1 for c in membership.changes(1 << 62))
+            tracer.watch(at - 1 for _, at, _ in spec.rank_failures or ())
+        return tracer
+
+    def _end_trace(self, tracer: TraceWriter, spec: RunSpec, error: BaseException | None) -> None:
+        """Write what the events did not say (the simulated schedule's changes, the failure)
+        and publish the trace under its final name."""
+        if not tracer.started:
+            return
+        for rank, at, back in spec.rank_failures or ():
+            if at <= self.summary.get("steps", 0):
+                tracer.scheduled("fault", at, rank=rank, what="leaves", back_at_step=back)
+        for change in self.summary.get("membership") or []:
+            tracer.scheduled("membership", change["step"], ranks=change["ranks"],
+                             reason=change["reason"])
+        why = None
+        if error is not None:
+            lines = [line for line in str(error).splitlines() if line.strip()] or \
+                [type(error).__name__]
+            why = lines[-1].strip() if len(lines) > 1 else lines[0]
+            if isinstance(error, RankFailedError):
+                tracer.fault(rank=error.rank, what="failed", error=why)
+            elif isinstance(error, KeyboardInterrupt):
+                why = "interrupted"
+        tracer.end(failed=error is not None, error=why)
 
     def _execute(self, spec: RunSpec, placement: Placement,
                  on_event: Callable[[dict[str, Any]], None]) -> list[dict[str, torch.Tensor]]:

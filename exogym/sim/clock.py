@@ -42,6 +42,7 @@ class SimClock:
     compute_time_s: float | None = None
     now: float = 0.0
     comm_s: float = field(default=0.0)  # simulated time spent in collectives, waiting included
+    compute_s: float = field(default=0.0)  # simulated time spent computing
 
     def add_compute(self, measured_s: float, work: float = 1.0) -> float:
         """Advance by one step's compute; returns the simulated seconds added.
@@ -52,6 +53,7 @@ class SimClock:
         base = self.compute_time_s * work if self.compute_time_s is not None else measured_s
         seconds = max(0.0, base) / self.speed
         self.now += seconds
+        self.compute_s += seconds
         return seconds
 
     def collective_s(self, kind: str, payload: float, ranks: list[int]) -> float:

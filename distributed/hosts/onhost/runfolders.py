@@ -33,7 +33,7 @@ from typing import Any
 #: The file in a run's folder that says which run it is.
 RUN_FILE = "run.json"
 #: What a run writes into its folder; a folder with any of them holds a run.
-OUTPUTS = ("run.json", "model.safetensors", "summary.json", "checkpoints", "logs")
+OUTPUTS = ("run.json", "model.safetensors", "summary.json", "trace.jsonl", "checkpoints", "logs")
 #: ``BASE + LATEST_SUFFIX`` names the newest run started from ``BASE``.
 LATEST_SUFFIX = ".latest"
 #: An earlier run's outputs are moved here (inside the folder) before they are deleted.
@@ -277,10 +277,32 @@ def record_resume(folder: str, when: str, step: int | None = None) -> None:
     write_identity(folder, {**identity, "resumed": resumed})
 
 
+def put_text(folder: str, name: str, text: str) -> str:
+    """Write ``text`` as ``folder/name`` atomically (a file the launcher made for the run,
+    such as its trace); returns the path. ``name`` is a plain file name."""
+    if os.path.basename(name) != name or name in ("", ".", ".."):
+        raise OSError(f"{name!r} is not a plain file name")
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, os.path.join(folder, name))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return os.path.join(folder, name)
+
+
 def handle(message: dict[str, Any]) -> dict[str, Any]:
     """Do what ``message["action"]`` asks: ``scan`` (``base``, ``run_name``), ``claim``
-    (``base``, ``identity``, ``overwrite``) or ``resumed`` (``folder``, ``when``,
-    ``step``); errors come back as ``{"error": why}``."""
+    (``base``, ``identity``, ``overwrite``), ``resumed`` (``folder``, ``when``,
+    ``step``) or ``put`` (``folder``, ``name``, ``text``); errors come back as
+    ``{"error": why}``."""
     action = message.get("action")
     try:
         if action == "scan":
@@ -291,6 +313,9 @@ def handle(message: dict[str, Any]) -> dict[str, Any]:
         if action == "resumed":
             record_resume(str(message["folder"]), str(message["when"]), message.get("step"))
             return {}
+        if action == "put":
+            return {"path": put_text(str(message["folder"]), str(message["name"]),
+                                     str(message["text"]))}
     except OSError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"error": f"unknown action {action!r}"}
