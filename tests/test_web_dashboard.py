@@ -734,7 +734,8 @@ def test_page_in_chromium_says_when_plotly_js_cannot_be_loaded(chromium, tmp_pat
         wait_for(lambda: all("did not load" in p["text"] and p["shown"]
                              for p in placeholders(chromium).values()), 10,
                  "the placeholders to say plotly.js did not load")
-        assert len(chromium.execute_script(ROWS_JS)) == 1  # the rest of the page works
+        # the rest of the page works: the rank's row comes with the event stream
+        wait_for(lambda: len(chromium.execute_script(ROWS_JS)) == 1, 10, "the rank's row")
 
 
 TRACES_JS = """const gd = document.getElementById(arguments[0]);
