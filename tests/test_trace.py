@@ -293,17 +293,23 @@ def sshd(tmp_path_factory):
     yield from serve_sshd(tmp_path_factory)
 
 
-def test_a_run_across_hosts_traces_every_ranks_steps_in_its_run_folder(sshd, tmp_path):
-    from faces_support import sshd_hosts
-
+def train_on_hosts(sshd, config: dict, tmp_path):
+    """Run the small digits-diloco profile on the hosts ``config`` names; its output folder."""
     hosts = tmp_path / "hosts.json"
-    hosts.write_text(json.dumps(sshd_hosts(sshd, workers=2)))
+    hosts.write_text(json.dumps(config))
     out = tmp_path / "net"
     done = cli("distributed-train", "digits-diloco", "--hosts", hosts,
                "--known-hosts", sshd.known_hosts, "--ssh-config", sshd.ssh_config,
                "--run-dir", tmp_path / "launch", *SMALL, "--set", f"output_dir={out}",
                cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def test_a_run_across_hosts_traces_every_ranks_steps_in_its_run_folder(sshd, tmp_path):
+    from faces_support import sshd_hosts
+
+    out = train_on_hosts(sshd, sshd_hosts(sshd, workers=2), tmp_path)
     summary = json.loads((out / "summary.json").read_text())
     lines = read_trace(out / TRACE_FILE)
     header = lines[0]
@@ -327,14 +333,7 @@ def test_with_the_master_on_another_host_the_trace_is_sent_to_its_run_folder(ssh
     config = sshd_hosts(sshd, workers=2)
     first, second = config["workers"]
     config.update(master=first, workers=[second])
-    hosts = tmp_path / "hosts.json"
-    hosts.write_text(json.dumps(config))
-    out = tmp_path / "net"
-    done = cli("distributed-train", "digits-diloco", "--hosts", hosts,
-               "--known-hosts", sshd.known_hosts, "--ssh-config", sshd.ssh_config,
-               "--run-dir", tmp_path / "launch", *SMALL, "--set", f"output_dir={out}",
-               cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
+    out = train_on_hosts(sshd, config, tmp_path)
     lines = read_trace(out / TRACE_FILE)
     assert lines[0]["run"] == json.loads((out / "summary.json").read_text())["run"]
     assert {(s["rank"], s["step"]) for s in kinds(lines, "step")} == \
