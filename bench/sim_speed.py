@@ -22,26 +22,11 @@ from bench.harness.timing import bench_command, timed_run
 
 
 def workload():
-    """The model class (an MLP 784-256-128-10, 235k parameters) and 20,000 synthetic samples."""
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-    from torch.utils.data import TensorDataset
+    """A factory of the model (an MLP 784-256-128-10, 235k parameters) and 20,000 synthetic
+    samples."""
+    from bench.harness.workloads import SyntheticMLP, synthetic_digits
 
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(),
-                                     nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
-
-        def forward(self, batch):
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(20000, 28, 28, generator=g),
-                         torch.randint(0, 10, (20000,), generator=g))
-    return MLP, data
+    return (lambda: SyntheticMLP(256, 128)), synthetic_digits(20000)
 
 
 def one_run(name: str, nodes: int, steps: int) -> dict:
@@ -51,14 +36,14 @@ def one_run(name: str, nodes: int, steps: int) -> dict:
     from exogym import Trainer
     from exogym.strategy import DiLoCoStrategy, FedAvgStrategy, SimpleReduceStrategy
 
-    MLP, data = workload()
+    make_model, data = workload()
     strategies = {
         "ddp": lambda: SimpleReduceStrategy(),
         "diloco": lambda: DiLoCoStrategy(H=20),
         "fedavg": lambda: FedAvgStrategy(H=20),
     }
     torch.manual_seed(0)
-    trainer = Trainer(MLP(), data, data)
+    trainer = Trainer(make_model(), data, data)
     trainer.fit(strategy=strategies[name](), num_nodes=nodes, max_steps=steps, batch_size=32,
                 val_size=64, val_interval=100, logger=None, progress=False)
     return {"steps_per_s": trainer.summary["steps_per_s"],

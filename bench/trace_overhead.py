@@ -31,27 +31,12 @@ SIZES = {"tiny": (4, 4), "235k": (256, 128), "23M": (4096, 4096)}
 def workload(size: str):
     """An MLP of ``size`` and 2,000 synthetic 28x28 samples."""
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-    from torch.utils.data import TensorDataset
 
-    w1, w2 = SIZES[size]
+    from bench.harness.workloads import SyntheticMLP, synthetic_digits
 
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, w1), nn.ReLU(),
-                                     nn.Linear(w1, w2), nn.ReLU(), nn.Linear(w2, 10))
-
-        def forward(self, batch):
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(2000, 28, 28, generator=g),
-                         torch.randint(0, 10, (2000,), generator=g))
+    data = synthetic_digits(2000)
     torch.manual_seed(0)
-    return MLP(), data
+    return SyntheticMLP(*SIZES[size]), data
 
 
 def one_fit(model, data, nodes: int, steps: int, trace: Path | None) -> tuple[float, float]:
