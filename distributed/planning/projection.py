@@ -187,11 +187,12 @@ def canonical(strategy: str) -> str:
 
 def _strategy(name: str, settings: Mapping[str, object]) -> Any:
     """The strategy known as ``name``, built with the ``settings`` its traffic depends on."""
-    for key in registry.class_of(name).traffic_needs:
+    cls = registry.class_of(name)
+    for key in cls.traffic_needs:
         value = settings.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} needs {key}, an integer >= 1 (inner steps per round), "
-                             f"got {value!r}")
+            meaning = " (inner steps per round)" if key == "H" else ""
+            raise ValueError(f"{name} needs {key}, an integer >= 1{meaning}, got {value!r}")
     wanted = registry.KNOWN[name].traffic_defaults
     if "p_sparta" in wanted and settings.get("p_sparta") is not None:
         p = settings["p_sparta"]
@@ -199,7 +200,7 @@ def _strategy(name: str, settings: Mapping[str, object]) -> Any:
             raise ValueError(f"p_sparta must be a fraction within [0, 1], got {p!r}")
     kwargs = {k: v for k, v in settings.items() if k in wanted and v is not None}
     try:
-        return registry.class_of(name)(**kwargs)
+        return cls(**kwargs)
     except TypeError as exc:
         raise ValueError(f"{name}: {exc}") from exc
 
