@@ -99,7 +99,8 @@ def test_unknown_strategy_lists_the_known_ones():
     with pytest.raises(ValueError, match="knows ddp, diloco, sparta, fedavg, demo, sparta_diloco"):
         bytes_per_step("fedsgd", P, 2)
     assert set(STRATEGIES) == {"ddp", "diloco", "sparta", "fedavg", "demo", "sparta_diloco",
-                               "streaming_diloco", "sparseloco", "desloc", "muloco", "none"}
+                               "streaming_diloco", "sparseloco", "desloc", "muloco",
+                               "async_diloco", "none"}
 
 
 def test_bad_host_counts_are_rejected():
@@ -262,6 +263,7 @@ def test_payload_matches_the_comm_counters_of_a_real_run():
 
     from exogym import Trainer
     from exogym.strategy import (
+        AsyncDiLoCoStrategy,
         DESLOCStrategy,
         DiLoCoStrategy,
         FedAvgStrategy,
@@ -284,7 +286,10 @@ def test_payload_matches_the_comm_counters_of_a_real_run():
             # parameters every 2 steps (with the buffers), first moment every 2, second every 4
             ("desloc", DESLOCStrategy(H_params=2, H_m1=2, H_m2=4),
              {"H_params": 2, "H_m1": 2, "H_m2": 4, "num_buffers": buffers}),
-            ("muloco", MuLoCoStrategy(H=2), {"H": 2, "num_buffers": buffers})):
+            ("muloco", MuLoCoStrategy(H=2), {"H": 2, "num_buffers": buffers}),
+            # equal speeds: a merge of every worker every H steps, as a DiLoCo round
+            ("async_diloco", AsyncDiLoCoStrategy(H=2, quorum=2),
+             {"H": 2, "num_buffers": buffers})):
         trainer = Trainer(model, ds, None)
         trainer.fit(strategy=strategy, num_nodes=2, max_steps=4, batch_size=8, val_size=0,
                     logger=None, progress=False)
@@ -311,6 +316,7 @@ def test_the_projections_defaults_are_the_strategy_classes_own():
     import inspect
 
     from exogym.strategy import (
+        AsyncDiLoCoStrategy,
         DeMoStrategy,
         DESLOCStrategy,
         DiLoCoStrategy,
@@ -327,7 +333,7 @@ def test_the_projections_defaults_are_the_strategy_classes_own():
                "sparta": SPARTAStrategy, "sparta_diloco": SPARTADiLoCoStrategy,
                "demo": DeMoStrategy, "streaming_diloco": StreamingDiLoCoStrategy,
                "sparseloco": SparseLoCoStrategy, "desloc": DESLOCStrategy,
-               "muloco": MuLoCoStrategy}
+               "muloco": MuLoCoStrategy, "async_diloco": AsyncDiLoCoStrategy}
     assert set(classes) == set(DEFAULTS) - {"none"}
     for name, cls in classes.items():
         parameters = inspect.signature(cls.__init__).parameters

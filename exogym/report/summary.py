@@ -72,6 +72,9 @@ def summarize(history: list[dict[str, Any]], num_nodes: int, wall_s: float,
     balance = balance_summary(history)
     if balance is not None:
         summary["balance"] = balance
+    merges = merges_summary(history)
+    if merges is not None:
+        summary["merges"] = merges
     if last_eval is not None:
         summary["final_val_loss"] = last_eval["val_loss"]
         summary["final_val_global_loss"] = last_eval.get("val_global_loss")
@@ -116,6 +119,49 @@ def balance_summary(history: list[dict[str, Any]]) -> dict[str, Any] | None:
              for rank, row in sorted(last.items())]
     return {"mode": "batch" if key == "batch_size" else "steps", "ranks": ranks,
             "changes": changes}
+
+
+def merges_summary(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``summary['merges']`` of an asynchronous run (:mod:`exogym.strategy.async_diloco`):
+    None when no step row reports a merge.
+
+    ``{"versions", "merged", "steps", "dropped", "dropped_steps", "dropped_tokens",
+    "staleness_max", "staleness_mean", "rounds": [{"version", "step", "contributors",
+    "steps", "tokens", "staleness", "dropped", "dropped_steps", "dropped_tokens"}, ...],
+    "ranks": [{"rank", "version", "contributed"}]}``: every merge in order (a rank that
+    left mid-round shows under ``left`` of the next merge, its steps among the dropped
+    ones), and the version each rank trained from at its last step. ``steps`` merged plus
+    ``dropped_steps`` is every step the ranks trained.
+    """
+    rounds = [row["merge"] for row in history if row.get("merge")]
+    if not rounds:
+        return None
+    staleness = [s for merge in rounds for s in merge["staleness"]]
+    left = [gone for merge in rounds for gone in merge.get("left", [])]
+    contributed: dict[int, int] = {}
+    for merge in rounds:
+        for rank in merge["contributors"]:
+            contributed[rank] = contributed.get(rank, 0) + 1
+    last: dict[int, dict[str, Any]] = {}
+    for row in history:
+        if "version" in row:
+            last[row["rank"]] = row
+    return {
+        "versions": max(merge["version"] for merge in rounds),
+        "merged": sum(len(merge["contributors"]) for merge in rounds),
+        "dropped": sum(len(merge["dropped"]) for merge in rounds) + len(left),
+        "steps": sum(merge["steps"] for merge in rounds),
+        "dropped_steps": (sum(merge["dropped_steps"] for merge in rounds)
+                          + sum(gone["steps"] for gone in left)),
+        "dropped_tokens": (sum(merge["dropped_tokens"] for merge in rounds)
+                           + sum(gone["tokens"] for gone in left)),
+        "staleness_max": max(staleness, default=0),
+        "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+        "rounds": rounds,
+        "ranks": [{"rank": rank, "version": row["version"],
+                   "contributed": contributed.get(rank, 0)}
+                  for rank, row in sorted(last.items())],
+    }
 
 
 def balance_table(balance: dict[str, Any]) -> Table:
@@ -267,5 +313,14 @@ class RunReporter:
                                    f"{', '.join(map(str, change['ranks']))}")
         if summary.get("balance"):
             self.console.print(balance_table(summary["balance"]))
+        merges = summary.get("merges")
+        if merges:
+            self.console.print(
+                f"asynchronous merges: {plural(merges['versions'], 'version')}, "
+                f"{plural(merges['merged'], 'contribution')} merged (staleness mean "
+                f"{merges['staleness_mean']:.2f}, max {merges['staleness_max']}), "
+                f"{merges['dropped']} dropped ({merges['dropped_tokens']} samples); "
+                "contributions per rank: " + ", ".join(
+                    f"{r['rank']}: {r['contributed']}" for r in merges["ranks"]))
         if summary.get("label_histogram"):
             self.console.print(label_table(summary["label_histogram"]))

@@ -149,8 +149,13 @@ class TrainNode:
         self.balance = Balancer.for_run(spec, rank, self.max_steps)  # fit(balance=...)
         if self.balance is not None and self.membership is not None:
             raise ValueError(f"balance={spec.balance!r} cannot run with ranks that come and go: "
-                             "every rank takes part in agreeing on the shares; leave one of "
-                             "them out")
+                             "every rank takes part in agreeing on the shares; for unequal "
+                             "hosts that come and go use AsyncDiLoCoStrategy (it paces each "
+                             "rank at its own speed), or leave one of the two out")
+        # A strategy that paces its ranks itself (AsyncDiLoCo) says at each step who trains.
+        self.pacer = self.strategy if getattr(self.strategy, "paces_steps", False) else None
+        if self.pacer is not None:
+            self.pacer.samples_per_step = spec.batch_size
         self._last_loss = float("nan")  # reported by an idle step (balance='steps')
         self._comm_wall_seen = comm.collective_time()[0]
         self._clock_seen = (0.0, 0.0)  # the clock's compute and communication at the last event
@@ -201,9 +206,13 @@ class TrainNode:
         self._step_started = time.perf_counter()
         if self.balance is not None:
             return self._balanced_step()
+        pacer = self.pacer
+        if pacer is not None and not pacer.begin_step(self.step + 1, self._present()):
+            return self._idle_step(pacer.step_fields)
         accumulation = self.spec.accumulation_steps
         timer = self.timer
-        mark = timer.mark() if self.clock is not None else None
+        mark = timer.mark() if self.clock is not None or pacer is not None else None
+        started, clock_before = mark, timer.clock_reading()
         self.strategy.zero_grad()
         losses = []
         for _ in range(accumulation):
@@ -222,7 +231,30 @@ class TrainNode:
         if mark is not None:
             timer.strategy_work(mark)
         self.step += 1
-        return self._step_event(float(total) / accumulation, lr)
+        if pacer is None:
+            return self._step_event(float(total) / accumulation, lr)
+        assert started is not None
+        pacer.record_step(self.spec.batch_size, timer.balanced_seconds(started, clock_before))
+        self._last_loss = float(total) / accumulation
+        event = self._step_event(self._last_loss, lr)
+        event.update(pacer.step_fields())
+        return event
+
+    def _present(self) -> range | frozenset[int]:
+        """The ranks that train the next step."""
+        if self.membership is None:
+            return range(self.num_nodes)
+        return self.membership.present(self.step + 1)
+
+    def _idle_step(self, fields: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """A step this rank does not train: it meets the strategy's collectives only."""
+        lr = self.strategy.current_lr
+        self.strategy.idle_step()
+        self.step += 1
+        event = self._step_event(self._last_loss, lr)
+        event["idle"] = True
+        event.update(fields())
+        return event
 
     def _step_event(self, train_loss: float, lr: float) -> dict[str, Any]:
         comm_wall = comm.collective_time()[0]
@@ -262,12 +294,7 @@ class TrainNode:
         self.strategy.average_weight = balance.weight
         lr = self.strategy.current_lr
         if not trains:
-            self.strategy.idle_step()
-            self.step += 1
-            event = self._step_event(self._last_loss, lr)
-            event["idle"] = True
-            event.update(balance.event_fields())
-            return event
+            return self._idle_step(balance.event_fields)
         samples = balance.batch_size
         self.train_stream.set_step_samples(samples)
         timer = self.timer
@@ -339,6 +366,19 @@ class TrainNode:
             target.copy_(mean)
         return self._avg_model
 
+    @torch.no_grad()
+    def _global_model(self) -> torch.nn.Module:
+        shared = getattr(self.strategy, "global_model_tensors", None)
+        if shared is None:
+            return self._average_model()
+        if self._avg_model is None:
+            self._avg_model = copy.deepcopy(self.model)
+        self._avg_model.load_state_dict(self.model.state_dict())
+        trainable = [p for p in self._avg_model.parameters() if p.requires_grad]
+        for target, value in zip(trainable, shared()):
+            target.copy_(value)
+        return self._avg_model
+
     def evaluate(self) -> dict[str, float]:
         """Validation loss of this rank's model and of the average of all ranks' models."""
         sums: dict[str, list[float]] = {}
@@ -347,8 +387,9 @@ class TrainNode:
         extra = {f"val_{name}": num / den for name, (num, den) in sums.items() if den}
         if self.num_nodes == 1 or self.strategy.ranks_identical:
             return {"val_loss": local, "val_global_loss": local, **extra}
-        # Every rank scores the average model on its slice of the validation set.
-        total, count = self._eval_loss(self._average_model(), self.val_shard_loader)
+        # Every rank scores the global model (the average of the ranks' models, unless the
+        # strategy holds one all ranks share) on its slice of the validation set.
+        total, count = self._eval_loss(self._global_model(), self.val_shard_loader)
         total, count = self._side_reduce([total, count], comm.ReduceOp.SUM)
         return {"val_loss": local, "val_global_loss": total / max(count, 1), **extra}
 

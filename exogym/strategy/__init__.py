@@ -25,6 +25,7 @@ __all__ = [
     "DESLOCStrategy",
     "MuLoCoStrategy",
     "MuonAdamW",
+    "AsyncDiLoCoStrategy",
 ]
 
 _HOMES = {
@@ -43,6 +44,7 @@ _HOMES = {
     "DESLOCStrategy": "desloc",
     "MuLoCoStrategy": "muloco",
     "MuonAdamW": "muon",
+    "AsyncDiLoCoStrategy": "async_diloco",
 }
 
 

@@ -29,6 +29,9 @@ from exogym.comm.wire import (  # the wire's facts, re-exported for the strategi
 )
 
 __all__ = [
+    "ASYNC_GRACE_S",
+    "ASYNC_MAX_STALENESS",
+    "ASYNC_QUORUM",
     "BUCKET_BYTES",
     "COMM_DTYPE",
     "DEMO_CHUNK",
@@ -64,6 +67,9 @@ __all__ = [
 ]
 
 DILOCO_H = 100  #: DiLoCo's (and SPARTA-DiLoCo's) inner steps per outer round.
+ASYNC_QUORUM = 0.5  #: AsyncDiLoCo: the fraction of the workers present whose rounds call a merge.
+ASYNC_GRACE_S = 0.0  #: AsyncDiLoCo: seconds a merge waits past its quorum for a round about to end.
+ASYNC_MAX_STALENESS = 4  #: AsyncDiLoCo: versions a contribution may be behind and still count.
 FEDAVG_H = 1  #: FedAvg's local steps per averaging round.
 SPARTA_P = 0.005  #: SPARTA's fraction of each tensor averaged per round.
 SPARTA_INTERVAL = 1  #: SPARTA-DiLoCo's steps between sparse rounds.

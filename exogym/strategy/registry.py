@@ -93,6 +93,10 @@ KNOWN: dict[str, Known] = {k.name: k for k in (
           "DiLoCo with Muon inner steps; the model change sent in 4 bits with error "
           "feedback: about a seventh of DiLoCo's bytes",
           {"H": DILOCO_H, "comm_dtype": MULOCO_COMM_DTYPE}),
+    Known("async_diloco", "async_diloco:AsyncDiLoCoStrategy",
+          "DiLoCo without waiting: each worker's H steps at its own pace, merged as soon as "
+          "a quorum of them is in; one all-reduce per merge",
+          {"H": DILOCO_H, "comm_dtype": COMM_DTYPE}),
     Known("none", "", "no communication (one host, or independent training)"),
 )}
 
