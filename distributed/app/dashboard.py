@@ -69,7 +69,9 @@ class RankState:
         last_seen: this process's clock when it last reported, or None.
         started_at: this process's clock at its start event, or None.
         recent: ``(clock, step)`` of its recent step events, for the step rate.
-        share: its share of the work under ``balance`` (``batch 21``, ``12 steps/round``).
+        share: its share of the work under ``balance`` (``batch 21``, ``12 steps/round``),
+            or the global version it trains from under asynchronous DiLoCo (``v12 at 0.50x``:
+            its measured speed relative to the fastest rank).
     """
 
     rank: int
@@ -163,6 +165,7 @@ class Dashboard:
         self.refresh_per_second = refresh_per_second
         self.show_summary = show_summary
         self.clock = clock
+        self.versions = False  # some rank reports the global version it trains from
         self.history: list[dict[str, Any]] = []
         self.labels: dict[int, list[int]] = {}  # rank -> samples per label (non-iid partition)
         #: Every change of membership (hosts that came and went): step, ranks, hosts, reason.
@@ -246,6 +249,10 @@ class Dashboard:
             state.share = f"batch {event['batch_size']}"
         elif "inner_steps" in event:  # balance='steps'
             state.share = f"{event['inner_steps']} steps/round"
+        elif "version" in event:  # asynchronous DiLoCo: the global version it trains from
+            speed = event.get("measured_speed")
+            state.share = f"v{event['version']}" + (f" at {speed:.2f}x" if speed else "")
+            self.versions = True
         state.recent.append((now, state.step))
         while len(state.recent) > 2 and now - state.recent[0][0] > RATE_WINDOW_S:
             state.recent.popleft()
@@ -334,7 +341,8 @@ class Dashboard:
             shares = any(s.share is not None for s in states)
             for name in ("rank", "host", "status", "step", "loss", "val loss",
                          *(("val acc",) if accuracy else ()), "samples/s",
-                         *(("share",) if shares else ()), "sent", "last report"):
+                         *(("version" if self.versions else "share",) if shares else ()),
+                         "sent", "last report"):
                 table.add_column(name, justify="left" if name in ("host", "status") else "right",
                                  no_wrap=True)
             for s in states:

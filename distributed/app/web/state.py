@@ -70,6 +70,7 @@ class RankRow:
         val_accuracy: its own model's last validation accuracy, for a task that scores one.
         samples: samples trained on; ``wall_s`` the seconds it has trained (its own clock).
         bytes_sent: bytes it sent through the collectives.
+        version: the global version it trains from (asynchronous DiLoCo), or None.
         last_seen: the state's clock when it last reported, or None.
         recent: ``(wall_s, samples)`` of its steps within its last ``RATE_WINDOW_S``
             seconds of training (and the one before them), for its recent throughput.
@@ -87,6 +88,7 @@ class RankRow:
     samples: int = 0
     wall_s: float = 0.0
     bytes_sent: int = 0
+    version: int | None = None
     last_seen: float | None = None
     recent: deque[tuple[float, int]] = field(default_factory=deque, repr=False)
 
@@ -119,7 +121,7 @@ class RankRow:
                 "step": self.step, "max_steps": self.max_steps, "loss": _finite(self.loss),
                 "val_loss": _finite(self.val_loss), "val_accuracy": _finite(self.val_accuracy),
                 "samples_per_s": self.samples_per_s,
-                "bytes_sent": self.bytes_sent,
+                "bytes_sent": self.bytes_sent, "version": self.version,
                 "heartbeat_age_s": None if self.last_seen is None else now - self.last_seen}
 
 
@@ -264,6 +266,8 @@ class WebState:
         row.samples = int(event.get("samples", row.samples))
         row.wall_s = float(event.get("wall_s", row.wall_s))
         row.bytes_sent = int(event.get("comm_bytes", row.bytes_sent))
+        if event.get("version") is not None:
+            row.version = int(event["version"])
         row.record_rate()
         val = _finite(event.get("val_global_loss", event.get("val_loss")))
         if val is not None:

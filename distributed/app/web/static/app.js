@@ -153,6 +153,9 @@ function drawTable() {
   // a task that scores accuracy gets its column, as in the terminal's table
   table.classList.toggle("no-acc", !view.ranks.some((r) => r.val_accuracy !== null &&
                                                          r.val_accuracy !== undefined));
+  // asynchronous DiLoCo: the global version each rank trains from
+  table.classList.toggle("no-version", !view.ranks.some((r) => r.version !== null &&
+                                                             r.version !== undefined));
   const body = table.tBodies[0];
   const rows = [];
   for (const r of view.ranks) {
@@ -172,6 +175,8 @@ function drawTable() {
     cell(tr, fmt(r.val_loss, 4), "val-loss");
     cell(tr, percent(r.val_accuracy), "val-acc acc-col");
     cell(tr, fmt(r.samples_per_s, 1), "rate");
+    cell(tr, r.version === null || r.version === undefined ? "-" : "v" + r.version,
+         "version version-col");
     cell(tr, bytes(r.bytes_sent), "sent");
     const hb = cell(tr, "-", "heartbeat");
     if (r.heartbeat_age_s !== null) hb.dataset.age = r.heartbeat_age_s;
