@@ -136,10 +136,13 @@ def launcher(sshd, workers, program, tmp_path, on_event, **options):
                     on_output=lambda line: None, on_event=on_event)
 
 
-def test_three_hosts_with_min_nodes_lose_a_host_and_take_it_back_at_23m(sshd, third, tmp_path):
+@pytest.mark.parametrize("strategy", [[], ["strategy=async_diloco", "quorum=2"]],
+                         ids=["diloco", "async_diloco"])
+def test_three_hosts_with_min_nodes_lose_a_host_and_take_it_back_at_23m(sshd, third, tmp_path,
+                                                                        strategy):
     out = tmp_path / "net"
     events = Events()
-    program = RankProgram.from_profile("gpt-diloco", overrides=SMALL_STEPS + [
+    program = RankProgram.from_profile("gpt-diloco", overrides=SMALL_STEPS + strategy + [
         "num_nodes=3", "H=4", "max_steps=100", "val_interval=50", f"output_dir={out}"])
     with launcher(sshd, ["127.0.0.2", THIRD], program, tmp_path, events, min_nodes=2,
                   probe_interval=1.0) as job:
@@ -165,11 +168,16 @@ def test_three_hosts_with_min_nodes_lose_a_host_and_take_it_back_at_23m(sshd, th
     assert handed[-1]["bytes"] > 4 * 23_000_000 * 4  # model, Adam moments, outer state
     done = {e["rank"]: e for _, e in events.of("done")}
     assert sorted(done) == [0, 1, 2] and all(d["step"] == 100 for d in done.values())
-    # Every rank ended with the same model (a DiLoCo round ends the run) ...
+    # Every rank ended with the same model (a DiLoCo round, or the last merge, ends the run) ...
     assert len({d["model_digest"] for d in done.values()}) == 1, done
     final = load_file(out / "model.safetensors")
     assert all(torch.isfinite(t).all() for t in final.values())
     assert max(t.numel() * t.element_size() for t in final.values()) >= 16 * 2**20
+    if strategy:  # every merge in summary.json; the last one, at the end, has every rank
+        merges = json.loads((out / "summary.json").read_text())["merges"]
+        assert merges["rounds"][-1]["final"] and merges["rounds"][-1]["contributors"] == \
+            [0, 1, 2]
+        assert {r["rank"] for r in merges["ranks"]} == {0, 1, 2}
 
 
 def test_a_23m_model_through_torchrun_and_over_ssh_equals_the_simulation(sshd, tmp_path):

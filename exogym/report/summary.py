@@ -130,7 +130,8 @@ def merges_summary(history: list[dict[str, Any]]) -> dict[str, Any] | None:
     "steps", "tokens", "staleness", "dropped", "dropped_steps", "dropped_tokens"}, ...],
     "ranks": [{"rank", "version", "contributed"}]}``: every merge in order (a rank that
     left mid-round shows under ``left`` of the next merge, its steps among the dropped
-    ones), and the version each rank trained from at its last step. ``steps`` merged plus
+    ones), and the version each rank trained from at its last step (None where the
+    history holds none of its steps: a host sees only its own). ``steps`` merged plus
     ``dropped_steps`` is every step the ranks trained.
     """
     rounds = [row["merge"] for row in history if row.get("merge")]
@@ -158,9 +159,10 @@ def merges_summary(history: list[dict[str, Any]]) -> dict[str, Any] | None:
         "staleness_max": max(staleness, default=0),
         "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
         "rounds": rounds,
-        "ranks": [{"rank": rank, "version": row["version"],
+        "ranks": [{"rank": rank,
+                   "version": last[rank]["version"] if rank in last else None,
                    "contributed": contributed.get(rank, 0)}
-                  for rank, row in sorted(last.items())],
+                  for rank in sorted(set(last) | set(contributed))],
     }
 
 
