@@ -30,8 +30,10 @@ weighted change, the others with zeros. A contribution counts with weight
 ``1 / (1 + staleness)``, where ``staleness`` is how many versions the global
 model moved on since the contributor started its round; one more than
 ``max_staleness`` versions old is dropped (its worker starts afresh from the
-newest model) and counted. The merged change is the weighted mean of the
-contributions; the outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9 by
+newest model) and counted. The merged change is the sum of the weighted
+contributions divided by the sum of their undiscounted sizes (samples, or 1
+each): with no staleness, their mean weighted by samples; a stale contribution
+counts for less even when it is merged alone. The outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9 by
 default) steps the global model with it on every rank alike, and the version
 goes up by one. The contributors take the new global model and start a new
 round; the others train on and take the newest model when their own round
@@ -365,13 +367,18 @@ class AsyncDiLoCoStrategy(Strategy):
         staleness = self.version - worker.base_version
         if staleness > self.max_staleness or worker.steps == 0:
             return 0.0, staleness
-        size = worker.steps if self.weighting == "tokens" else 1
-        return size / (1.0 + staleness), staleness
+        return self._size(worker) / (1.0 + staleness), staleness
+
+    def _size(self, worker: _Worker) -> float:
+        """A contribution's size: its steps (``weighting='tokens'``), or 1."""
+        return float(worker.steps) if self.weighting == "tokens" else 1.0
 
     @torch.no_grad()
     def _merge(self, contributors: list[int], final: bool) -> None:
         weights = {r: self._weight(self.workers[r]) for r in contributors}
-        total = sum(w for w, _ in weights.values())
+        # Divided by the contributions' undiscounted sizes: a stale contribution counts
+        # for less even when it is merged alone.
+        total = sum(self._size(self.workers[r]) for r in contributors if weights[r][0] > 0)
         merged = [r for r in contributors if weights[r][0] > 0]
         dropped = [r for r in contributors if weights[r][0] == 0]
         mine = self.rank in merged
