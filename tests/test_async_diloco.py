@@ -41,6 +41,7 @@ def step_rows(trainer, rank=None):
     ({"weighting": "loss"}, "weighting must be one of 'tokens', 'equal', got 'loss'"),
     ({"grace_s": -0.5}, r"grace_s must be a number of seconds >= 0, got -0.5"),
     ({"H": 0}, "H must be an integer >= 1"),
+    ({"H": 4, "merge_delay": 4}, r"merge_delay must be an integer with 0 <= merge_delay < H=4"),
 ])
 def test_bad_settings_are_refused_naming_the_value_and_the_range(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -203,3 +204,32 @@ def test_unequal_speeds_reach_the_loss_sooner_than_synchronous_diloco_on_digits(
     ours = reached(run(AsyncDiLoCoStrategy(lr=3e-3, H=10, quorum=0.5), 400, SLOW))
     assert sync is not None and ours is not None
     assert ours <= 0.75 * sync, (ours, sync)
+
+
+def test_a_merge_delay_trains_on_while_the_merge_travels_and_rebases_onto_it(tmp_path):
+    options = dict(rank_speeds=SLOW, network="100kbit", checkpoint_interval=5,
+                   save_dir=str(tmp_path), run_name="d", keep_checkpoints=3)
+    later, expected = fit(AsyncDiLoCoStrategy(lr=0.01, H=4, quorum=3, merge_delay=2),
+                          max_steps=16, **options)
+    rounds = later.summary["merges"]["rounds"]
+    # called at a round's end, applied two steps later (the last merge, at the end, at once)
+    assert [(m["step"], m.get("applied_step")) for m in rounds[:2]] == [(4, 6), (8, 10)]
+    assert rounds[-1]["final"] and "applied_step" not in rounds[-1]
+    trained = sum(not r.get("idle") for r in step_rows(later))
+    assert later.summary["merges"]["steps"] + later.summary["merges"]["dropped_steps"] == trained
+    # the merges travel while the ranks train: with equal speeds, the two steps (0.02 s)
+    # hide part of each of the three merges before the end (0.09 s each on this link)
+    waited = []
+    for delay in (0, 2):
+        run, _ = fit(AsyncDiLoCoStrategy(lr=0.01, H=4, quorum=4, merge_delay=delay),
+                     max_steps=16, network="100kbit")
+        waited.append(sum(r["sim_comm_s"] for r in step_rows(run, 0)))
+    assert waited[1] == pytest.approx(waited[0] - 3 * 0.02, abs=1e-6), waited
+    # a checkpoint taken while a merge travels (step 5) resumes to the same end
+    for newer in tmp_path.glob("d/rank*/step0000001[05].ckpt"):
+        newer.unlink()
+    resumed, final = fit(AsyncDiLoCoStrategy(lr=0.01, H=4, quorum=3, merge_delay=2),
+                         max_steps=16, resume_from=str(tmp_path / "d"), **options)
+    assert min(r["step"] for r in step_rows(resumed)) == 6
+    for key, value in expected.state_dict().items():
+        torch.testing.assert_close(final.state_dict()[key], value)

@@ -103,6 +103,18 @@ class _Worker:
     trains: bool = False    # it trains at the current step
 
 
+@dataclass
+class _Pending:
+    """A merge whose result is applied at the end of step ``apply_after``."""
+
+    apply_after: int
+    started: int                      # the step it was called at
+    contributors: list[int]           # merged and dropped
+    record: dict[str, Any]            # what the reports say of it
+    reduced: list[torch.Tensor] | None = None  # the merged change and buffers, once reduced
+    handle: Any = None                # the all-reduce in flight
+
+
 class AsyncDiLoCoStrategy(Strategy):
     """Asynchronous DiLoCo with a quorum: fast workers never wait for slow ones.
 
@@ -128,6 +140,8 @@ class AsyncDiLoCoStrategy(Strategy):
         comm_dtype: type the changes travel in (``'float32'``, ``'bfloat16'``,
             ``'float16'``, or quantized ``'int8'``, ``'float8_e4m3fn'``, ``'int4'``,
             ``'int2'``).
+        merge_delay: steps every rank trains on while a merge's all-reduce travels
+            (``0 <= merge_delay < H``; default 0: the merge completes within its step).
         **kwargs: inner optimizer, schedule and clipping arguments of ``Strategy``.
 
     The rules are in this module's docstring. It paces its ranks itself, so
@@ -151,10 +165,15 @@ class AsyncDiLoCoStrategy(Strategy):
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         comm_dtype: str = COMM_DTYPE,
+        merge_delay: int = 0,
         **kwargs: Any,
     ):
         if not isinstance(H, int) or isinstance(H, bool) or H < 1:
             raise ValueError(f"H must be an integer >= 1, got {H!r}")
+        if isinstance(merge_delay, bool) or not isinstance(merge_delay, int) \
+                or not 0 <= merge_delay < H:
+            raise ValueError(f"merge_delay must be an integer with 0 <= merge_delay < H={H} "
+                             f"(steps trained while a merge travels), got {merge_delay!r}")
         _check_quorum(quorum)
         if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) \
                 or not grace_s >= 0 or math.isinf(grace_s):
@@ -173,6 +192,7 @@ class AsyncDiLoCoStrategy(Strategy):
         self.weighting = weighting
         self.max_staleness = max_staleness
         self.comm_dtype = comm_dtype
+        self.merge_delay = merge_delay
         self.outer_optim_spec = OuterOptimizer.from_args(
             "AsyncDiLoCoStrategy", outer_optim_spec, outer_optim, outer_lr, outer_momentum,
             nesterov,
@@ -227,6 +247,7 @@ class AsyncDiLoCoStrategy(Strategy):
         self._tick = 0
         self._grace_until: int | None = None
         self._merge_record: dict[str, Any] | None = None
+        self._pending: _Pending | None = None
         self._left: list[dict[str, Any]] = []
         self.merged_contributions = 0
         self.dropped_contributions = 0
@@ -330,12 +351,17 @@ class AsyncDiLoCoStrategy(Strategy):
         step = self._tick
         if step == PROBE_STEPS and step < self.max_steps and self.throughputs is None:
             self._agree_speeds()
+        pending = self._pending
+        if pending is not None and (step >= pending.apply_after or step >= self.max_steps):
+            self._apply(pending)
         present = sorted(self.workers)
-        ready = [r for r in present if self.workers[r].ready]
         if step >= self.max_steps:
             contributors = [r for r in present if self.workers[r].steps]
             self._merge(contributors, final=True)
             return
+        if self._pending is not None:
+            return  # one merge in flight at a time: rounds done meanwhile wait for the next
+        ready = [r for r in present if self.workers[r].ready]
         if not ready:
             return
         if len(ready) < len(present):
@@ -375,15 +401,34 @@ class AsyncDiLoCoStrategy(Strategy):
 
     @torch.no_grad()
     def _merge(self, contributors: list[int], final: bool) -> None:
+        """Merge the rounds of ``contributors``: at once, or, with ``merge_delay``, start
+        the all-reduce and apply it ``merge_delay`` steps later (:meth:`_apply`)."""
         weights = {r: self._weight(self.workers[r]) for r in contributors}
-        # Divided by the contributions' undiscounted sizes: a stale contribution counts
-        # for less even when it is merged alone.
-        total = sum(self._size(self.workers[r]) for r in contributors if weights[r][0] > 0)
         merged = [r for r in contributors if weights[r][0] > 0]
         dropped = [r for r in contributors if weights[r][0] == 0]
+        # Divided by the contributions' undiscounted sizes: a stale contribution counts
+        # for less even when it is merged alone.
+        total = sum(self._size(self.workers[r]) for r in merged)
+        delay = 0 if final or total == 0 else self.merge_delay
+        steps = sum(self.workers[r].steps for r in merged)
+        dropped_steps = sum(self.workers[r].steps for r in dropped)
+        self.merged_contributions += len(merged)
+        self.dropped_contributions += len(dropped)
+        record = {"version": self.version + (total > 0), "step": self._tick,
+                  "contributors": merged, "steps": steps,
+                  "tokens": steps * self.samples_per_step,
+                  "staleness": [weights[r][1] for r in merged], "dropped": dropped,
+                  "dropped_steps": dropped_steps,
+                  "dropped_tokens": dropped_steps * self.samples_per_step}
+        if final:
+            record["final"] = True
+        if self._left:
+            record["left"] = self._left
+            self._left = []
         mine = self.rank in merged
-        if total > 0:
-            share = weights[self.rank][0] / total if mine else 0.0
+        share = weights[self.rank][0] / total if mine else 0.0
+        pending = _Pending(self._tick + delay, self._tick, contributors, record)
+        if total > 0 and delay == 0:
             if mine:
                 # My change, weighted, in the parameters' own memory: they take the global
                 # model's values at the end of the merge anyway.
@@ -393,53 +438,88 @@ class AsyncDiLoCoStrategy(Strategy):
                 tensors = sent + self.buffers
                 torch._foreach_mul_(tensors, share)
             else:
-                if self._scratch is None:
-                    self._scratch = [torch.zeros_like(t) for t in self.params + self.buffers]
-                else:
-                    for t in self._scratch:
-                        t.zero_()
-                sent = self._scratch[:len(self.params)]
-                tensors = self._scratch
+                tensors = self._zeroed_scratch()
             comm.all_reduce_tensors(tensors, dtype=self.comm_dtype)
-            if self.outer.applied != self._tick:  # every rank holds the same merged change
-                for master, delta in zip(self.master, sent):
+            pending.reduced = tensors
+        elif total > 0:
+            # Training goes on while the all-reduce runs: the change travels in a buffer of
+            # its own, and the base keeps the model it was taken from, to rebase onto.
+            tensors = self._zeroed_scratch()
+            if mine:
+                for out, p, base in zip(tensors, self.params, self.base):
+                    torch.sub(base, p.detach(), out=out)
+                for out, buf in zip(tensors[len(self.params):], self.buffers):
+                    out.copy_(buf)
+                torch._foreach_mul_(tensors, share)
+            pending.reduced = tensors
+            pending.handle = comm.all_reduce_tensors(tensors, dtype=self.comm_dtype,
+                                                     async_op=True)
+        if delay and self.rank in contributors:
+            for base, p in zip(self.base, self.params):
+                base.copy_(p)  # the model its next round starts from, until the merge lands
+        for rank in contributors:
+            credit = self.workers[rank].credit
+            self.workers[rank] = _Worker(base_version=record["version"], credit=credit)
+        self._grace_until = None
+        if delay:
+            self._pending = pending
+        else:
+            self._apply(pending, final)
+        if not final:
+            self._agree_speeds()
+
+    def _zeroed_scratch(self) -> list[torch.Tensor]:
+        """A buffer for the parameters and float buffers, zeros (a merge's part to send)."""
+        if self._scratch is None:
+            self._scratch = [torch.zeros_like(t) for t in self.params + self.buffers]
+        else:
+            for t in self._scratch:
+                t.zero_()
+        return self._scratch
+
+    @torch.no_grad()
+    def _apply(self, pending: _Pending, final: bool = False) -> None:
+        """Step the global model with a merge's result; its contributors rebase onto it."""
+        self._pending = None
+        if pending.handle is not None:
+            pending.handle.wait()
+            pending.handle = None
+        reduced = pending.reduced
+        contributors = pending.contributors
+        if reduced is not None:
+            params = len(self.params)
+            if self.outer.applied != pending.started:  # the same merged change on every rank
+                for master, delta in zip(self.master, reduced[:params]):
                     master.grad = delta
                 self.outer_optim.step()
                 for master in self.master:
                     master.grad = None
-                self.outer.applied = self._tick
+                self.outer.applied = pending.started
             self.version += 1
-            if not mine and (final or self.rank in contributors):
-                # My buffers take the merged ones (the weighted mean of the contributors'),
-                # as my parameters take the global model; a contributor's hold them already.
-                for buf, mean in zip(self.buffers, self._scratch[len(self.params):]):
-                    buf.copy_(mean)
-        steps = sum(self.workers[r].steps for r in merged)
-        dropped_steps = sum(self.workers[r].steps for r in dropped)
-        self.merged_contributions += len(merged)
-        self.dropped_contributions += len(dropped)
-        record = {"version": self.version, "step": self._tick, "contributors": merged,
-                  "steps": steps, "tokens": steps * self.samples_per_step,
-                  "staleness": [weights[r][1] for r in merged], "dropped": dropped,
-                  "dropped_steps": dropped_steps,
-                  "dropped_tokens": dropped_steps * self.samples_per_step}
-        if final:
-            record["final"] = True
-        if self._left:
-            record["left"] = self._left
-            self._left = []
-        self._merge_record = record
-        for rank in contributors:
-            credit = self.workers[rank].credit
-            self.workers[rank] = _Worker(base_version=self.version, credit=credit)
+            if final or self.rank in contributors:
+                # My buffers take the merged ones (the weighted mean of the contributors').
+                for buf, mean in zip(self.buffers, reduced[params:]):
+                    if buf.data_ptr() != mean.data_ptr():
+                        buf.copy_(mean)
+        self._merge_record = pending.record
+        if pending.started != self._tick:
+            self._merge_record = {**pending.record, "applied_step": self._tick}
+        delayed = pending.started != self._tick
         if final or self.rank in contributors:
-            self._start_round()
-        self._grace_until = None
-        if final or len(contributors) == len(self.workers):
+            for p, master, base in zip(self.params, self.master, self.base):
+                if delayed and not final:
+                    # the newest global model, plus what this rank trained since it sent
+                    # its change (its base kept the model it sent it from)
+                    p.sub_(base).add_(master)
+                else:
+                    p.copy_(master)
+                base.copy_(master)
+            worker = self.workers.get(self.rank)
+            if worker is not None:
+                worker.base_version = self.version
+        if final or len(contributors) == len(self.workers) and not delayed:
             # Every rank took the same global model (and the same buffers): identical now.
             self.synced_at = self.local_step + 1
-        if not final:
-            self._agree_speeds()
 
     @torch.no_grad()
     def _start_round(self) -> None:
@@ -483,6 +563,7 @@ class AsyncDiLoCoStrategy(Strategy):
             "speeds": list(self.speeds),
             "throughputs": self.throughputs,
             "grace_until": self._grace_until,
+            "pending": self._pending_state(),
             "merged_contributions": self.merged_contributions,
             "dropped_contributions": self.dropped_contributions,
         })
@@ -501,15 +582,39 @@ class AsyncDiLoCoStrategy(Strategy):
         self.speeds = list(state["speeds"])
         self.throughputs = state["throughputs"]
         self._grace_until = state["grace_until"]
+        self._pending = None
+        saved = state.get("pending")
+        if saved is not None:
+            tensors = self._zeroed_scratch()
+            with torch.no_grad():
+                for t, value in zip(tensors, saved["reduced"]):
+                    t.copy_(value)
+            self._pending = _Pending(saved["apply_after"], saved["started"],
+                                     list(saved["contributors"]), dict(saved["record"]),
+                                     tensors)
         self.merged_contributions = state["merged_contributions"]
         self.dropped_contributions = state["dropped_contributions"]
         self._window = []
         self._warm = False
 
+    def _pending_state(self) -> dict[str, Any] | None:
+        """The merge in flight, its all-reduce waited for (a checkpoint, a hand-over)."""
+        pending = self._pending
+        if pending is None:
+            return None
+        if pending.handle is not None:
+            pending.handle.wait()
+            pending.handle = None
+        assert pending.reduced is not None
+        return {"apply_after": pending.apply_after, "started": pending.started,
+                "contributors": list(pending.contributors), "record": dict(pending.record),
+                "reduced": [t.detach() for t in pending.reduced]}
+
     def __config__(self) -> dict[str, Any]:
         config = super().__config__()
         config.update({"quorum": self.quorum, "grace_s": self.grace_s,
-                       "weighting": self.weighting, "max_staleness": self.max_staleness})
+                       "weighting": self.weighting, "max_staleness": self.max_staleness,
+                       "merge_delay": self.merge_delay})
         return config
 
 
