@@ -26,6 +26,12 @@ loss of the run with the absence is compared with the loss of the run without
 it at the same number of samples trained (interpolated between evaluations).
 Target: within 2%.
 
+``--workload teacher`` trains an MLP of 1.86M parameters (``--width 1024``) on
+inputs labelled by a fixed random teacher network (60,000 of them, so no run
+sees a sample twice per rank), whose merges at 100 Mbit/s take longer than a
+round's compute: there ``--merge-delay`` lets AsyncDiLoCo train through them
+(``--lr 1e-3`` suits it).
+
 Prints figures (per seed and medians); asserts nothing.
 """
 
@@ -40,16 +46,13 @@ SPEEDS = [1.0, 1.0, 1.0, 0.25]
 
 def _run(strategy: Any, args: argparse.Namespace, seed: int, steps: int,
          speeds: list[float] | None = None, **extra: Any) -> dict[str, Any]:
-    import torch
 
     from exogym import Trainer
-    from exogym.data.digits import DigitsMLP, digits_datasets
 
-    train, val = digits_datasets()
-    torch.manual_seed(seed)
-    trainer = Trainer(DigitsMLP(), train, val)
+    train, val, model = _workload(args, seed)
+    trainer = Trainer(model, train, val)
     trainer.fit(strategy=strategy, num_nodes=4, max_steps=steps, batch_size=args.batch_size,
-                val_size=len(val), val_interval=args.H, rank_speeds=speeds, speed_mode="clock",
+                val_size=min(len(val), 1000), val_interval=args.H, rank_speeds=speeds, speed_mode="clock",
                 compute_time_s=args.compute_s, network=args.network, seed=seed, logger=None,
                 progress=False, **extra)
     rows = [r for r in trainer.history if r.get("event", "step") == "step" and "samples" in r]
@@ -70,6 +73,23 @@ def _run(strategy: Any, args: argparse.Namespace, seed: int, steps: int,
             by_eval.append(sum(last.values()))
     return {"evals": evals, "samples": by_eval, "summary": trainer.summary,
             "trained_steps": sum(not r.get("idle") for r in rows)}
+
+
+def _workload(args: argparse.Namespace, seed: int) -> tuple[Any, Any, Any]:
+    """The training and validation data and a fresh model (seeded) of ``--workload``."""
+    import torch
+
+    if args.workload == "digits":
+        from exogym.data.digits import DigitsMLP, digits_datasets
+
+        train, val = digits_datasets()
+        torch.manual_seed(seed)
+        return train, val, DigitsMLP()
+    from bench.harness.workloads import SyntheticMLP, teacher_digits
+
+    train, val = teacher_digits(60_000, seed=1), teacher_digits(2_000, seed=2)
+    torch.manual_seed(seed)
+    return train, val, SyntheticMLP(args.width, args.width)
 
 
 def _reached(evals: list[tuple[float, float]], target: float) -> float | None:
@@ -95,7 +115,8 @@ def slow_rank(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     target = _run(diloco(), args, seed, args.steps)["evals"][-1][1]
     sync = _run(diloco(), args, seed, args.steps, SPEEDS)
     balanced = _run(diloco(), args, seed, 2 * args.steps, SPEEDS, balance="steps")
-    ours = _run(AsyncDiLoCoStrategy(lr=args.lr, H=args.H, quorum=args.quorum), args, seed,
+    ours = _run(AsyncDiLoCoStrategy(lr=args.lr, H=args.H, quorum=args.quorum,
+                                    merge_delay=args.merge_delay), args, seed,
                 2 * args.steps, SPEEDS)
     return {"target": target, "sync": _reached(sync["evals"], target),
             "balance": _reached(balanced["evals"], target),
@@ -107,7 +128,8 @@ def away(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     from exogym.strategy import AsyncDiLoCoStrategy
 
     def strategy() -> AsyncDiLoCoStrategy:
-        return AsyncDiLoCoStrategy(lr=args.lr, H=args.H, quorum=args.quorum)
+        return AsyncDiLoCoStrategy(lr=args.lr, H=args.H, quorum=args.quorum,
+                                   merge_delay=args.merge_delay)
 
     steps = 2 * args.steps
     leave = int(0.35 * steps) + args.H // 2  # mid-round
@@ -137,6 +159,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="simulated compute seconds of a step at full speed")
     parser.add_argument("--network", default="100mbit")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--workload", choices=("digits", "teacher"), default="digits",
+                        help="digits (4,810 parameters: compute-bound) or an MLP of --width "
+                             "on a teacher's labels (1.86M parameters at 1024: the merges "
+                             "take longer than a round's compute at 100 Mbit/s)")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--merge-delay", type=int, default=0,
+                        help="AsyncDiLoCo's steps trained while a merge travels")
     args = parser.parse_args(argv)
 
     from bench.harness.tables import print_table

@@ -34,3 +34,19 @@ def synthetic_digits(samples: int, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(samples, 28, 28, generator=g),
                          torch.randint(0, 10, (samples,), generator=g))
+
+
+def teacher_digits(samples: int, seed: int = 0, teacher_seed: int = 1234) -> TensorDataset:
+    """``samples`` random 28x28 inputs labelled by a fixed random teacher network
+    (784-64-10, tanh): a task an MLP can learn, with as much fresh data as asked for.
+
+    ``seed`` draws the inputs; every seed's labels come from the same teacher.
+    """
+    g = torch.Generator().manual_seed(teacher_seed)
+    w1 = torch.randn(784, 64, generator=g) / 784 ** 0.5
+    b1 = torch.randn(64, generator=g) * 0.1
+    w2 = torch.randn(64, 10, generator=g) / 64 ** 0.5
+    x = torch.randn(samples, 28, 28, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        labels = (torch.tanh(x.reshape(samples, 784) @ w1 + b1) @ w2).argmax(dim=1)
+    return TensorDataset(x, labels)
