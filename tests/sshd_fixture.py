@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from netbed.sshd import sshd_config, wait_for_greeting
 from netbed.system import sshd_binary, stop_process
 

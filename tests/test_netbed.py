@@ -10,9 +10,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from netns import netns_available
-
 from netbed import OWNER_FILE, PREFIX, reap_stale_beds
+from netns import netns_available
 
 REASON = netns_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
