@@ -813,8 +813,11 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
         started = time.monotonic()
         result = None
         error: BaseException | None = None
+        fault_note = None
         try:
             result = launcher.run()
+            if launcher.injector is not None and result.ok:
+                fault_note = record_faults(launcher, config, placement, launcher.fault_records)
         except BaseException as exc:
             error = exc
             raise
@@ -838,9 +841,8 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
         summary["membership"] = launcher.membership
     if launcher.injector is not None:
         summary["faults"] = launcher.fault_records
-        note = record_faults(launcher, config, placement, launcher.fault_records)
-        if note:
-            console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    if fault_note:
+        console.print(f"note: {fault_note}", markup=False, highlight=False, soft_wrap=True)
     dashboard.finish(summary)
     return TrainOutcome("hosts", profile, summary, out,
                         f"all {plural(config.world_size, 'rank')} finished; final model in "

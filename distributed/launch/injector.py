@@ -114,6 +114,7 @@ class FaultInjector:
         self.view: AttemptView | None = None
         self._lock = threading.RLock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._random: Iterator[tuple[float, FaultSpec]] | None = None
         self._next_random: tuple[float, FaultSpec] | None = None
@@ -213,6 +214,9 @@ class FaultInjector:
                 self.t0 = time.monotonic()
             rank = int(event["rank"])
             self.steps[rank] = int(event["step"])
+            if any(spec.at_step is not None and rank in spec.ranks
+                   and self.steps[rank] >= spec.at_step for _, spec in self.pending):
+                self._wake.set()  # a step fault is due: fire it now, not at the next tick
 
     def _now_s(self) -> float | None:
         return None if self.t0 is None else round(time.monotonic() - self.t0, 3)
@@ -244,12 +248,17 @@ class FaultInjector:
     def end_attempt(self) -> None:
         """The attempt is over: stop firing into it."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
 
     def _loop(self) -> None:
-        while not self._stop.wait(TICK_S):
+        while not self._stop.is_set():
+            self._wake.wait(TICK_S)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
             try:
                 self._tick()
             except Exception as exc:  # noqa: BLE001 - a fault that cannot be made is reported
