@@ -355,7 +355,7 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
                    "--hosts", str(hosts), "--min-nodes", "2", "--lost-after", "4",
                    "--known-hosts", str(bed.known_hosts), "--ssh-config", str(bed.ssh_config),
                    "--run-dir", str(tmp_path / "launch"), "--inject", ",".join(inject)]
-        for pair in ("max_steps=22000", "val_interval=2000", "val_size=256", "num_threads=1",
+        for pair in ("max_steps=19000", "val_interval=2000", "val_size=256", "num_threads=1",
                      "checkpoint_interval=None", "num_nodes=3", f"output_dir={out}"):
             command += ["--set", pair]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400,

@@ -214,12 +214,20 @@ def cut(seconds: float, tag: str) -> dict[str, Any]:
 
 
 def cut_status(tag: str) -> dict[str, Any]:
-    """The status file of cut ``tag`` (``{"state": "missing"}`` when there is none)."""
+    """The status file of cut ``tag`` (``{"state": "missing"}`` when there is none); once
+    the cut is over (restored or failed) the file is removed."""
+    path = _status_path(tag)
     try:
-        with open(_status_path(tag)) as f:
-            return json.load(f)
+        with open(path) as f:
+            status = json.load(f)
     except (OSError, ValueError):
         return {"state": "missing"}
+    if status.get("state") in ("restored", "failed"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return status
 
 
 def uncut(tag: str) -> dict[str, Any]:
