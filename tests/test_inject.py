@@ -395,3 +395,32 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
     assert "injected faults" in done.stdout
     assert shutil.which("nft") is None or "exogym_cut" not in subprocess.run(
         ["nft", "list", "tables"], capture_output=True, text=True).stdout
+
+
+# --------------------------------------------------------------------------- the injector's guard
+
+
+class _Run:
+    running = True
+
+
+def test_a_fault_that_would_leave_fewer_than_min_nodes_waits_for_ranks_to_come_back(config):
+    from distributed.launch.injector import AttemptView, FaultInjector
+
+    said = []
+    plan_ = plan(["freeze:2@step=50+5s", "slow:2@step=50x0.5"], config)
+    injector = FaultInjector(plan_, config, session=None, rank_run_dir="runs/x",
+                             emit=lambda event: None, say=lambda text, style: said.append(text))
+    away: set[int] = set()
+    injector.view = AttemptView(run_of=lambda rank: _Run(), away=lambda: set(away))
+    freeze, slow = plan_.faults
+    assert injector._blocked(freeze) is None
+    away.add(1)  # rank 1 lost (e.g. killed and not yet readmitted): one may be away
+    assert "2 ranks would be away at once, fewer than min_nodes=2 left" in \
+        injector._blocked(freeze)
+    assert injector._blocked(slow) is None  # a slow-down takes no rank away
+    away.clear()
+    away.add(2)
+    assert "rank 2 not running" in injector._blocked(freeze)
+    assert injector.throttle_path(2).startswith("runs/x/inject/")
+    assert injector.throttle_path(2).endswith("-rank2.json")
