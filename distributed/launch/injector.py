@@ -355,8 +355,17 @@ class FaultInjector:
         self._start_worker(self._start, active)
 
     def _start_worker(self, target: Callable[[_Active], None], active: _Active) -> None:
-        worker = threading.Thread(target=target, args=(active,), daemon=True,
-                                  name=f"fault-{active.index}")
+        def work() -> None:
+            try:
+                target(active)
+            except Exception as exc:  # noqa: BLE001 - reported as the fault's failure
+                why = f"{type(exc).__name__}: {exc}"
+                self.records[active.index]["outcome"] = f"failed: {why}"
+                self._event("failed", active.index, active.spec, error=why)
+                self.say(f"injected fault {active.index} ({active.spec.describe()}) failed: "
+                         f"{why}", "red")
+
+        worker = threading.Thread(target=work, daemon=True, name=f"fault-{active.index}")
         self._workers = [w for w in self._workers if w.is_alive()]
         self._workers.append(worker)
         worker.start()
@@ -471,7 +480,11 @@ class FaultInjector:
             self.active.clear()
         for active in ending:
             if active.spec.kind == "cut" and active.ends is not None:
-                time.sleep(max(0.0, min(active.ends - time.monotonic(), 120.0)))
+                left = max(0.0, min(active.ends - time.monotonic(), 120.0))
+                if left > 0.5:
+                    self.say(f"waiting {left:.0f} s for the cut of {active.spec.host} to end "
+                             "(its host takes the rules away then)", None)
+                time.sleep(left)
             if active.spec.kind != "kill":
                 self._end(active)
         for worker in self._workers:
