@@ -224,6 +224,33 @@ def test_the_command_line_refuses_bad_faults_before_connecting_to_anything(tmp_p
     assert local.exit_code == 2 and "give --hosts" in local.output, local.output
 
 
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    from sshd_fixture import serve_sshd
+
+    yield from serve_sshd(tmp_path_factory)
+
+
+def test_a_cut_of_a_host_that_shares_this_machines_network_is_refused_before_start(
+        sshd, tmp_path):
+    """127.0.0.2 is this machine under another address: a firewall cut there would cut
+    every host off. It is asked after pre-flight and refused before any rank starts."""
+    from faces_support import sshd_hosts
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps(sshd_hosts(sshd)))
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, [
+        "distributed-train", "digits-diloco", "--hosts", str(hosts), "--min-nodes", "2",
+        "--known-hosts", str(sshd.known_hosts), "--ssh-config", str(sshd.ssh_config),
+        "--set", f"output_dir={out}", "--run-dir", str(tmp_path / "launch"),
+        "--inject", f"cut:{sshd.addresses[0]}@5s+5s"])
+    assert result.exit_code == 2, result.output
+    assert f"the launcher may not cut {sshd.addresses[0]}" in result.output
+    assert "shares this machine's network stack" in result.output
+    assert not (tmp_path / "launch").exists() and not out.exists()  # nothing started
+
+
 # --------------------------------------------------------------------------- what records them
 
 

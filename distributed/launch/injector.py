@@ -172,24 +172,22 @@ class FaultInjector:
         for name in wanted:
             info = stacks[name]
             why = None
+            stack = (info.get("boot_id"), info.get("netns"))
+            twins = [other for other, o in stacks.items() if other != name
+                     and "error" not in o and (o.get("boot_id"), o.get("netns")) == stack]
             if "error" in info:
                 why = f"it could not be asked ({info['error']})"
+            elif stack == (here.get("boot_id"), here.get("netns")):
+                why = ("it shares this machine's network stack (the launcher's): a firewall "
+                       "cut there would cut the launcher and every host on it off too")
+            elif twins:
+                why = (f"it shares its network stack with {', '.join(twins)}: a firewall cut "
+                       "would cut both")
             elif info.get("uid") != 0:
                 why = (f"the launcher logs in there as uid {info.get('uid')}, not root: only "
                        "root may change its firewall")
             elif not info.get("tool"):
                 why = "neither nft nor iptables is installed there (apt-get install nftables)"
-            else:
-                stack = (info.get("boot_id"), info.get("netns"))
-                if stack == (here.get("boot_id"), here.get("netns")):
-                    why = ("it shares this machine's network stack (the launcher's): a firewall "
-                           "cut there would cut the launcher and every host on it off too")
-                else:
-                    twins = [other for other, o in stacks.items() if other != name
-                             and "error" not in o and (o.get("boot_id"), o.get("netns")) == stack]
-                    if twins:
-                        why = (f"it shares its network stack with {', '.join(twins)}: a firewall "
-                               "cut would cut both")
             self.cut_allowed[name] = why
         refused = {h: why for h, why in self.cut_allowed.items() if why is not None}
         for spec in self.plan.faults:
