@@ -451,3 +451,21 @@ def test_a_fault_that_would_leave_fewer_than_min_nodes_waits_for_ranks_to_come_b
     assert "rank 2 not running" in injector._blocked(freeze)
     assert injector.throttle_path(2).startswith("runs/x/inject/")
     assert injector.throttle_path(2).endswith("-rank2.json")
+
+
+def test_slow_downs_of_one_rank_that_overlap_multiply_and_end_one_by_one(config):
+    from distributed.launch.injector import FaultInjector
+
+    plan_ = plan(["slow:1@step=5x0.5+10s", "slow:1@step=6x0.5"], config)
+    injector = FaultInjector(plan_, config, session=None, rank_run_dir="runs/x",
+                             emit=lambda event: None, say=lambda text, style: None)
+    written = []
+    injector._rank_action = lambda rank, message: written.append(message["factor"]) or {}
+    first, second = plan_.faults
+    injector._slowing[0] = first
+    injector._set_throttle(1, 0)
+    injector._slowing[1] = second
+    injector._set_throttle(1, 1)
+    del injector._slowing[0]  # the first ends: the second still holds
+    injector._set_throttle(1, 0)
+    assert written == [0.5, 0.25, 0.5]

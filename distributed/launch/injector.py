@@ -121,6 +121,7 @@ class FaultInjector:
         self._last_fired: float | None = None
         self._held: dict[int, float] = {}  # fault index -> when it first had to wait
         self._workers: list[threading.Thread] = []
+        self._slowing: dict[int, FaultSpec] = {}  # slow-downs under way, by fault id
 
     # ------------------------------------------------------------------ before start
 
@@ -374,6 +375,17 @@ class FaultInjector:
         host = self.config.host_of(rank)
         return self._host_run(host.rank, message)
 
+    def _set_throttle(self, rank: int, index: int) -> dict[str, Any]:
+        """Write ``rank``'s throttle file: the product of the slow-downs under way on it
+        (1 when none is), so that overlapping ones neither undo nor replace each other."""
+        with self._lock:
+            factor = 1.0
+            for spec in self._slowing.values():
+                if rank in spec.ranks:
+                    factor *= float(spec.factor or 1.0)
+        return self._rank_action(rank, {"action": "throttle", "fault": index,
+                                        "path": self.throttle_path(rank), "factor": factor})
+
     def _pid(self, rank: int) -> int | None:
         assert self.view is not None
         run = self.view.run_of(rank)
@@ -394,9 +406,9 @@ class FaultInjector:
         else:
             for rank in spec.ranks:
                 if spec.kind == "slow":
-                    done = self._rank_action(rank, {"action": "throttle", "fault": index,
-                                                    "path": self.throttle_path(rank),
-                                                    "factor": spec.factor})
+                    with self._lock:
+                        self._slowing[index] = spec
+                    done = self._set_throttle(rank, index)
                 else:
                     pid = self._pid(rank)
                     if pid is None:
@@ -437,8 +449,9 @@ class FaultInjector:
                                          "group": True})
         elif spec.kind == "slow":
             for rank in spec.ranks:
-                self._rank_action(rank, {"action": "throttle", "fault": index,
-                                         "path": self.throttle_path(rank), "factor": 1.0})
+                with self._lock:
+                    self._slowing.pop(index, None)
+                self._set_throttle(rank, index)
         elif spec.kind == "cut":
             fields = self._cut_outcome(spec, active.tag)
         event = self._event("end", index, spec, **fields)
