@@ -279,6 +279,12 @@ class FaultInjector:
             if missing and spec.takes_down:
                 return f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} " \
                        "not running"
+        if spec.takes_down:
+            for index, active in self.active.items():
+                hit = sorted(set(active.spec.ranks) & set(spec.ranks))
+                if active.spec.takes_down and hit:
+                    return (f"rank{'s' if len(hit) > 1 else ''} {', '.join(map(str, hit))} "
+                            f"still under fault {index} ({active.spec.kind})")
         if spec.takes_down and self.plan.min_nodes is not None:
             for active in self.active.values():
                 if active.spec.takes_down:
