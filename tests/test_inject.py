@@ -374,15 +374,15 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
         hosts = tmp_path / "hosts.json"
         hosts.write_text(json.dumps(config))
         second, third = (h.address for h in bed.hosts)  # ranks 1 and 2
-        inject = ["slow:1@step=300x0.5+4s", f"kill:{third}@step=2000",
-                  "freeze:1@step=7000+6s"]
+        inject = ["slow:1@step=300x0.5+4s", f"kill:{third}@step=1500",
+                  "freeze:1@step=5000+5s"]
         if can_cut:
-            inject.append(f"cut:{third}@step=12000+6s")
+            inject.append(f"cut:{third}@step=9000+5s")
         command = [sys.executable, "cli_typer.py", "distributed-train", "digits-diloco",
-                   "--hosts", str(hosts), "--min-nodes", "2", "--lost-after", "4",
+                   "--hosts", str(hosts), "--min-nodes", "2", "--lost-after", "3",
                    "--known-hosts", str(bed.known_hosts), "--ssh-config", str(bed.ssh_config),
                    "--run-dir", str(tmp_path / "launch"), "--inject", ",".join(inject)]
-        for pair in ("max_steps=19000", "val_interval=2000", "val_size=256", "num_threads=1",
+        for pair in ("max_steps=15000", "val_interval=2000", "val_size=256", "num_threads=1",
                      "checkpoint_interval=None", "num_nodes=3", f"output_dir={out}"):
             command += ["--set", pair]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400,
@@ -398,7 +398,7 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
         assert f["outcome"] == "done", f
         assert f["fired_step"] >= f["at_step"] and f["fired_at_s"] is not None
     assert faults["kill"]["host"] == third and faults["freeze"]["ranks"] == [1]
-    assert faults["freeze"]["ended_at_s"] - faults["freeze"]["fired_at_s"] >= 5
+    assert faults["freeze"]["ended_at_s"] - faults["freeze"]["fired_at_s"] >= 4.5
     trace = read_trace(out / "trace.jsonl")
     lines = [x for x in trace if x["kind"] == "fault" and x.get("injected")]
     assert {(x["what"], x["phase"]) for x in lines} >= {
@@ -408,7 +408,7 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
     assert any("killed by SIGKILL" in r and third in r for r in lost), lost
     assert any("no heartbeat" in r and second in r for r in lost), lost  # the frozen rank
     if can_cut:
-        assert faults["cut"]["restored"] is True and faults["cut"]["cut_s"] >= 5.5
+        assert faults["cut"]["restored"] is True and faults["cut"]["cut_s"] >= 4.5
         assert any("no heartbeat" in r and third in r for r in lost), lost
     # The slow-down showed in rank 1's compute while it lasted (the trace has a line for
     # each of a rank's first 1000 steps).
