@@ -212,6 +212,21 @@ def distributed_train(
     ssh_timeout: SSHTimeout = None,
     run_dir: Annotated[Path | None, typer.Option(
         "--run-dir", file_okay=False, help="Where the ranks' logs go (hosts only).")] = None,
+    inject: Annotated[list[str] | None, typer.Option(
+        "--inject", metavar="SPEC",
+        help="Inject a fault into the run across hosts: KIND:TARGET@WHEN[+Ds][xF], KIND kill, "
+             "freeze, slow or cut; TARGET a host of the hosts file or a rank; WHEN step=N or "
+             "Ts (seconds after training starts); e.g. kill:127.0.0.3@step=300, "
+             "freeze:2@60s+20s, slow:1@step=100x0.5, cut:2@step=500+15s. Repeat it, or give "
+             "a comma list (docs/hosts.md).")] = None,
+    inject_random: Annotated[int | None, typer.Option(
+        "--inject-random", metavar="SEED",
+        help="Inject faults drawn from SEED (kill, freeze, slow, and cut where the hosts "
+             "permit it), one every 2/3 to 4/3 of --every; needs --min-nodes.")] = None,
+    every: Annotated[str | None, typer.Option(
+        "--every", metavar="30s",
+        help="With --inject-random: the mean time between faults (default 30s: every "
+             "20-40 s).")] = None,
     web: Web = False,
     web_port: WebPort = 0,
     web_host: WebHost = "127.0.0.1",
@@ -232,11 +247,13 @@ def distributed_train(
             local=local, resume=resume, fresh_if_none=fresh_if_none, overwrite=overwrite,
             max_restarts=max_restarts, sync=sync, accept_new_host_keys=accept_new_host_keys,
             known_hosts=known_hosts, ssh_config=ssh_config, ssh_timeout=ssh_timeout,
-            run_dir=str(run_dir) if run_dir else None)
+            run_dir=str(run_dir) if run_dir else None, inject=tuple(inject or ()),
+            inject_random=inject_random, inject_every=every)
         if strategy is not None and strategy.strip().lower() != "auto":
             raise ValueError(f"--strategy {strategy!r}: only auto is understood here; to run "
                              f"another strategy use --set strategy={strategy}")
         run.resolve_profile(request)  # a bad profile or --set fails here, before anything else
+        run.fault_plan(request)  # so does a bad --inject, --inject-random or --every
         if strategy is not None:
             from distributed.app.recommend import recommend as choose
 

@@ -2,7 +2,8 @@
 # Installs the system packages the test suite uses: sshd for the launcher's
 # tests, espeak-ng for synthesized speech, iproute2 for network namespaces,
 # SLURM and munge for a one-node cluster (tests/slurm_fixture.py), headless
-# chromium and its driver for the browser dashboard (tests/test_web_dashboard.py).
+# chromium and its driver for the browser dashboard (tests/test_web_dashboard.py),
+# nftables for injected cuts of a host's traffic (tests/test_inject.py, bench.chaos).
 # Does nothing for packages already present; uses sudo when not root.
 set -euo pipefail
 need=()
@@ -10,6 +11,7 @@ command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need+=(openssh-serve
 command -v ssh-keygen >/dev/null 2>&1 || need+=(openssh-client)
 command -v espeak-ng >/dev/null 2>&1 || need+=(espeak-ng)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || need+=(nftables)
 command -v tmux >/dev/null 2>&1 || need+=(tmux)
 command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ] || need+=(slurmctld)
 command -v slurmd >/dev/null 2>&1 || [ -x /usr/sbin/slurmd ] || need+=(slurmd)

@@ -30,6 +30,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from distributed.launch.faults import FaultLog, describe_fault_event
 from exogym.base.plural import plural
 from exogym.base.terminal import output_console
 from exogym.report.summary import (
@@ -170,6 +171,8 @@ class Dashboard:
         self.labels: dict[int, list[int]] = {}  # rank -> samples per label (non-iid partition)
         #: Every change of membership (hosts that came and went): step, ranks, hosts, reason.
         self.membership: list[dict[str, Any]] = []
+        #: The faults injected into the run (``--inject``), from their events.
+        self.faults = FaultLog()
         self.ranks: dict[int, RankState] = {}
         self._host_of = dict(enumerate(hosts)) if isinstance(hosts, Sequence) else dict(hosts or {})
         for rank in range(num_ranks or 0):
@@ -199,6 +202,11 @@ class Dashboard:
         kind = event.get("event", "step")
         if kind == "host" and "rank" in event:
             self.set_status(int(event["rank"]), str(event["state"]))
+            return
+        if kind == "fault" and event.get("injected"):
+            with self._lock:
+                self.faults.add(event)
+            self._log(describe_fault_event(event))
             return
         if kind == "membership":
             self.membership.append({k: event[k] for k in ("step", "ranks", "hosts", "reason")})
@@ -335,8 +343,15 @@ class Dashboard:
             left = ("" if not states or None in lefts
                     else ", done" if max(lefts) == 0
                     else f", about {human_duration(max(lefts))} left")
+            active = self.faults.active()
+            caption = None
+            if self.faults:
+                caption = f"injected faults: {len(self.faults.entries())}" + (
+                    "; under way: " + ", ".join(f"{f['what']} on {f['host']}" for f in active)
+                    if active else "")
             table = Table(title=f"{self.title}  ({elapsed:.0f} s{left})",
-                          title_justify="left", expand=False)
+                          title_justify="left", expand=False, caption=caption,
+                          caption_justify="left", caption_style="magenta")
             accuracy = any(s.val_accuracy is not None for s in states)
             shares = any(s.share is not None for s in states)
             for name in ("rank", "host", "status", "step", "loss", "val loss",
@@ -390,6 +405,8 @@ class Dashboard:
                                 max(1, len(self.ranks)), wall_s, self.labels)
             if self.membership:
                 summary["membership"] = list(self.membership)
+            if self.faults:
+                summary["faults"] = self.faults.entries()
             return summary
 
     def summary_table(self, summary: Mapping[str, Any], title: str = "run summary") -> Group:
@@ -442,6 +459,8 @@ class Dashboard:
                     self.console.print(f"step {change['step']}: {change['reason']}; training on "
                                        f"{', '.join(change['hosts'])}", markup=False,
                                        highlight=False, soft_wrap=True)
+            if summary.get("faults"):
+                self.console.print(fault_table(summary["faults"]))
             if summary.get("label_histogram"):
                 self.console.print(label_table(summary["label_histogram"]))
 
@@ -450,3 +469,35 @@ class Dashboard:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def fault_table(faults: Sequence[Mapping[str, Any]]) -> Table:
+    """The faults injected into a run (``summary["faults"]``), one row each."""
+    table = Table(title="injected faults", title_justify="left")
+    for name in ("#", "fault", "host", "ranks", "fired at", "ended at", "outcome"):
+        table.add_column(name, justify="right" if name == "#" else "left")
+
+    def moment(step: Any, at_s: Any) -> str:
+        if step is None and at_s is None:
+            return "-"
+        return ", ".join(p for p in (f"step {step}" if step is not None else "",
+                                     f"{at_s:.1f} s" if at_s is not None else "") if p)
+
+    for f in faults:
+        what = str(f.get("what"))
+        if f.get("factor"):
+            what += f" x{f['factor']:g}"
+        if f.get("duration_s") is not None:
+            what += f" +{f['duration_s']:g}s"
+        if f.get("random"):
+            what += " (random)"
+        outcome = f.get("outcome") or f.get("state") or "-"
+        if f.get("reason"):
+            outcome += f": {f['reason']}"
+        if f.get("error"):
+            outcome += f": {f['error']}"
+        table.add_row(str(f.get("id")), what, str(f.get("host")),
+                      ", ".join(map(str, f.get("ranks") or [])),
+                      moment(f.get("fired_step"), f.get("fired_at_s")),
+                      moment(f.get("ended_step"), f.get("ended_at_s")), outcome)
+    return table

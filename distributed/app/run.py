@@ -47,6 +47,7 @@ from distributed.hosts.onhost import runfolders
 from distributed.hosts.preflight import PreflightError
 from distributed.hosts.remote import module_source, probe_command
 from distributed.hosts.sync import PROJECT_ROOT
+from distributed.launch.faults import FaultPlan, FaultSpecError, plan_faults
 from distributed.launch.launcher import Launcher
 from distributed.launch.options import split_options
 from distributed.launch.program import RankProgram
@@ -139,6 +140,10 @@ class TrainRequest:
         run_dir: where the launcher writes the ranks' logs.
         launcher_options: more fields of ``LaunchOptions`` or ``SSHOptions``
             (e.g. ``allow_agent``; see ``distributed.launch.options.split_options``).
+        inject: faults to inject into a run across hosts (``--inject`` specs,
+            :mod:`distributed.launch.faults`).
+        inject_random: the seed of random faults (``--inject-random``), or None.
+        inject_every: how often random faults come (``--every``: ``30s``; default 30 s).
     """
 
     profile: str
@@ -157,6 +162,15 @@ class TrainRequest:
     ssh_timeout: float | None = None
     run_dir: str | None = None
     launcher_options: Mapping[str, Any] = field(default_factory=dict)
+    inject: tuple[str, ...] = ()
+    inject_random: int | None = None
+    inject_every: str | float | None = None
+
+    @property
+    def injects(self) -> bool:
+        """Whether faults are to be injected (``--inject``, ``--inject-random``, ``--every``)."""
+        return bool(self.inject) or self.inject_random is not None or \
+            self.inject_every is not None
 
     @property
     def multi_host(self) -> bool:
@@ -289,6 +303,29 @@ def config_for_hosts(config: str | None) -> str | None:
         return str(path)
 
 
+def fault_plan(request: TrainRequest, config: HostsConfig | None = None) -> FaultPlan | None:
+    """The faults the request injects, parsed and checked against its hosts and profile
+    (:func:`distributed.launch.faults.plan_faults`); None when it injects none.
+
+    Raises:
+        FaultSpecError: a spec that cannot run, or faults without a run across hosts.
+    """
+    if not request.injects:
+        return None
+    if not request.multi_host:
+        raise FaultSpecError("--inject and --inject-random make faults on real hosts: give "
+                             "--hosts (without --local); a simulation loses ranks with "
+                             "rank_failures= instead")
+    profile = resolve_profile(request)
+    config = config or hosts_config(request)
+    max_steps = profile.values.get("max_steps")
+    return plan_faults(request.inject, config,
+                       max_steps=max_steps if isinstance(max_steps, int) else None,
+                       min_nodes=profile.values.get("min_nodes"),
+                       max_restarts=request.max_restarts, random_seed=request.inject_random,
+                       every=request.inject_every)
+
+
 def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Console,
                   dashboard: Dashboard | FanOut | None = None) -> Launcher:
     """A ``Launcher`` running the request's profile on every host (ranks print no progress
@@ -308,7 +345,8 @@ def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Consol
     options, ssh = split_options(flat, owner="TrainRequest(launcher_options=...)")
     return Launcher(config, program, options=options, ssh=ssh, console=console,
                     on_event=dashboard.on_event if dashboard is not None else None,
-                    on_output=dashboard.on_output if dashboard is not None else None)
+                    on_output=dashboard.on_output if dashboard is not None else None,
+                    faults=fault_plan(request, config))
 
 
 def rank_program(request: TrainRequest, placement: RunPlacement | None = None) -> RankProgram:
@@ -383,6 +421,12 @@ def train_command(request: TrainRequest) -> str:
         args += ["--ssh-timeout", f"{request.ssh_timeout:g}"]
     if request.run_dir:
         args += ["--run-dir", request.run_dir]
+    for spec in request.inject:
+        args += ["--inject", spec]
+    if request.inject_random is not None:
+        args += ["--inject-random", str(request.inject_random)]
+    if request.inject_every is not None:
+        args += ["--every", str(request.inject_every)]
     return shlex.join(args)
 
 
@@ -454,6 +498,10 @@ def dry_run(request: TrainRequest, console: Console) -> Profile:
         with make_launcher(request, config, console=console) as launcher:
             launcher.dry_run()
             notes = dry_run_notes(request, profile, config, launcher)
+            if launcher.injector is not None:
+                notes += [f"{line} (whether a cut is allowed is asked of its host when the "
+                          "run starts)" if "cut" in line else line
+                          for line in launcher.injector.plan.describe()]
         notes += run_warnings(profile, config.world_size)
         if notes:
             console.print("", markup=False)
@@ -496,6 +544,7 @@ def train(request: TrainRequest, console: Console | None = None, *,
                              "an earlier one: give one of them")
     if request.multi_host:
         return _train_hosts(request, profile, console, live, web)
+    fault_plan(request)  # faults without hosts are refused, naming why
     require_extra(profile.task)  # a task whose extra is missing here stops before any rank
     placement = place_run(profile, ranks=int(profile.values.get("num_nodes") or 1),
                           resume=request.resume, overwrite=request.overwrite,
@@ -711,6 +760,24 @@ def end_hosts_trace(tracer: TraceWriter, launcher: Launcher, placement: RunPlace
     return None
 
 
+def record_faults(launcher: Launcher, config: HostsConfig, placement: RunPlacement,
+                  records: list[dict[str, Any]]) -> str | None:
+    """Add the injected faults to the ``summary.json`` in the run's folder on the master
+    (``"faults"``: each fault's spec, when it fired and ended, and how it went); a note
+    for the person when that could not be done."""
+    try:
+        done = master_folders(launcher, config)(
+            {"action": "merge", "folder": str(placement.folder), "name": "summary.json",
+             "fields": {"faults": records}})
+    except Exception as exc:  # noqa: BLE001 - the printed summary still has them
+        done = {"error": repr(exc)}
+    if "error" in done:
+        return (f"the injected faults could not be added to {placement.folder}/summary.json "
+                f"on {config.master.host} ({done['error']}); the printed summary and the "
+                "trace have them")
+    return None
+
+
 def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
                  live: bool | None, web: WebDashboard | None = None) -> TrainOutcome:
     config = hosts_config(request)
@@ -727,6 +794,7 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
         if request.sync:
             launcher.session.sync()
         launcher.session.preflight()  # shows the table; PreflightError when a host is not ready
+        launcher.check_faults()  # a cut a host does not permit is refused before anything starts
         # The ranks see the profile with the --set values as their command line carries them.
         as_ranks_see_it = profile.with_overrides(
             parse_overrides(override_items(request.overrides)))
@@ -745,8 +813,11 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
         started = time.monotonic()
         result = None
         error: BaseException | None = None
+        fault_note = None
         try:
             result = launcher.run()
+            if launcher.injector is not None and result.ok:
+                fault_note = record_faults(launcher, config, placement, launcher.fault_records)
         except BaseException as exc:
             error = exc
             raise
@@ -768,6 +839,10 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
     summary = dashboard.summary(time.monotonic() - started)
     if launcher.membership:  # hosts came and went (min_nodes)
         summary["membership"] = launcher.membership
+    if launcher.injector is not None:
+        summary["faults"] = launcher.fault_records
+    if fault_note:
+        console.print(f"note: {fault_note}", markup=False, highlight=False, soft_wrap=True)
     dashboard.finish(summary)
     return TrainOutcome("hosts", profile, summary, out,
                         f"all {plural(config.world_size, 'rank')} finished; final model in "

@@ -66,6 +66,8 @@ from distributed.hosts.remote import BOOTSTRAP_SOURCE, hand_command, rank_comman
 from distributed.hosts.session import HostSession, is_this_machine
 from distributed.hosts.ssh import SSHOptions, ssh_command_line
 from distributed.launch.elastic_attempt import ElasticAttempt
+from distributed.launch.faults import FaultPlan
+from distributed.launch.injector import AttemptView, FaultInjector
 from distributed.launch.options import (
     SECRET_ENV_NAMES,
     LaunchOptions,
@@ -87,6 +89,7 @@ from distributed.worker.environment import (
     LOST_AFTER_VARIABLE,
     MIN_NODES_VARIABLE,
     RUN_DIR_VARIABLE,
+    THROTTLE_VARIABLE,
 )
 from exogym.base.io import atomic_write_text
 from exogym.base.plural import plural
@@ -134,8 +137,11 @@ class Launcher:
             ``master_local`` and ``probe_timeout`` stay unset). Its owner
             closes it; ``close`` closes only a session the launcher opened.
         on_output: called with every ``OutputLine`` (default: print it).
-        on_event: called with every metric event dict a rank emits.
+        on_event: called with every metric event dict a rank emits (and every injected
+            fault's, ``{"event": "fault", "injected": true, ...}``).
         console: a ``rich.console.Console`` for tables and messages (default: stdout).
+        faults: faults to inject while the job runs (:mod:`distributed.launch.faults`,
+            carried out by :mod:`distributed.launch.injector`); None: none.
     """
 
     def __init__(
@@ -149,6 +155,7 @@ class Launcher:
         on_output: Callable[[OutputLine], None] | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
         console: Any = None,
+        faults: FaultPlan | None = None,
     ) -> None:
         config = hosts if isinstance(hosts, HostsConfig) else load_hosts(hosts)
         if not isinstance(program, RankProgram):
@@ -200,6 +207,18 @@ class Launcher:
         self._interrupted: str | None = None
         # SimpleQueue: its put() may be called from a signal handler
         self._exits: ExitQueue = queue.SimpleQueue()
+        #: Carries out ``faults`` (None without any).
+        self.injector: FaultInjector | None = None
+        if faults:
+            if faults.min_nodes != options.min_nodes:
+                raise ValueError(f"the fault plan was checked for min_nodes={faults.min_nodes} "
+                                 f"but the launch has min_nodes={options.min_nodes}")
+            self.injector = FaultInjector(
+                faults, self.config, session, self.rank_run_dir,
+                emit=lambda event: self._deliver(self._on_event, event),
+                say=lambda text, style: self._say(text, style=style))
+        #: Every injected fault of the last run, as ``summary.json`` records it.
+        self.fault_records: list[dict[str, Any]] = []
 
     @property
     def master_local(self) -> bool:
@@ -246,6 +265,21 @@ class Launcher:
 
     # ------------------------------------------------------------------ plan / dry run
 
+    def check_faults(self) -> FaultPlan | None:
+        """Ask the hosts whether the faults to inject can be made there (a ``cut`` needs
+        leave to change a host's firewall); after pre-flight, before anything starts.
+        ``run`` does it when it was not done.
+
+        Returns:
+            The fault plan as it will run (random cuts without the hosts that refuse them).
+
+        Raises:
+            FaultSpecError: a given fault that cannot be made, naming the host and why.
+        """
+        if self.injector is None:
+            return None
+        return self.injector.check()
+
     def plan(self, restart: int = 0) -> list[RankPlan]:
         """How each rank would be started on run ``restart``; connects to nothing."""
         plans = []
@@ -266,6 +300,8 @@ class Launcher:
                     env["NCCL_SOCKET_IFNAME"] = host.interface
                 if host.device:
                     env[DEVICE_VARIABLE] = host.device
+                if self.injector is not None:
+                    env[THROTTLE_VARIABLE] = self.injector.throttle_path(rank)
                 if self.options.min_nodes is not None:
                     env[MIN_NODES_VARIABLE] = str(self.options.min_nodes)
                     env[LOST_AFTER_VARIABLE] = f"{self.options.lost_after:g}"
@@ -343,23 +379,32 @@ class Launcher:
             self.session.sync()
         if self.session.report is None or not self.session.report.ok:
             self.session.preflight()
+        if self.injector is not None and not self.injector.checked:
+            self.injector.check()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         attempts: list[AttemptResult] = []
         self._interrupted = None
         max_restarts = self.options.max_restarts
+        if self.injector is not None:
+            for line in self.injector.plan.describe():
+                self._say(line, style="magenta")
         with self._signals_handled():
-            for restart in range(max_restarts + 1):
-                if restart:
-                    failed = attempts[-1].first_failure
-                    why = f"{failed.label} {failed.reason}" if failed else "a rank failed"
-                    self._say(f"restart {restart} of {max_restarts} after {why}",
-                              style="yellow")
-                    self.session.connect()
-                attempt = self._attempt(restart)
-                attempts.append(attempt)
-                self._write_index(attempts)
-                if attempt.ok or attempt.interrupted:
-                    break
+            try:
+                for restart in range(max_restarts + 1):
+                    if restart:
+                        failed = attempts[-1].first_failure
+                        why = f"{failed.label} {failed.reason}" if failed else "a rank failed"
+                        self._say(f"restart {restart} of {max_restarts} after {why}",
+                                  style="yellow")
+                        self.session.connect()
+                    attempt = self._attempt(restart)
+                    attempts.append(attempt)
+                    self._write_index(attempts)
+                    if attempt.ok or attempt.interrupted:
+                        break
+            finally:
+                if self.injector is not None:
+                    self.fault_records = self.injector.finish()
         result = LaunchResult(self.run_dir, tuple(attempts))
         self._say(result.describe().splitlines()[0], style="green" if result.ok else "red")
         return result
@@ -390,8 +435,12 @@ class Launcher:
         grace = self.options.grace_period
         progress = ProgressWatch(self.options.stall_after)
 
+        injector = self.injector
+
         def on_event(event: dict[str, Any]) -> None:
             progress.on_event(event)
+            if injector is not None:
+                injector.on_event(event)
             self._deliver(self._on_event, event)
 
         context = RankRunContext(
@@ -407,9 +456,16 @@ class Launcher:
                                      self.options.probe_interval,
                                      lambda text, style: self._say(text, style=style),
                                      lambda: self._interrupted, progress)
+            if injector is not None:
+                injector.begin_attempt(AttemptView(
+                    run_of=elastic.runs.get,
+                    away=lambda: set(elastic.lost) | {r for r, run in list(elastic.runs.items())
+                                                      if not run.running}))
             try:
                 return elastic.run()
             finally:
+                if injector is not None:
+                    injector.end_attempt()
                 self.membership = elastic.membership
                 elastic.close()
         runs = [RankRun(plan, self.session.shell(plan.host.rank),
@@ -419,7 +475,19 @@ class Launcher:
                   + f"; logs in {self.run_dir}")
         with ThreadPoolExecutor(max_workers=max(1, min(32, len(runs)))) as pool:
             list(pool.map(RankRun.start, runs))
+        if injector is not None:
+            injector.begin_attempt(AttemptView(
+                run_of=lambda rank: runs[rank],
+                away=lambda: {run.plan.rank for run in runs if not run.running}))
+        try:
+            return self._watch(runs, progress, grace, restart)
+        finally:
+            if injector is not None:
+                injector.end_attempt()
 
+    def _watch(self, runs: list[RankRun], progress: ProgressWatch, grace: float,
+               restart: int) -> AttemptResult:
+        """Watch the ranks of an attempt until all have ended; stop them all on a failure."""
         pending = {r.plan.rank for r in runs}
         first: RankRun | None = None
         stopping_since: float | None = None

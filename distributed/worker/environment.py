@@ -30,6 +30,9 @@ DEVICE_VARIABLE = "EXOGYM_DEVICE"
 MIN_NODES_VARIABLE = "EXOGYM_MIN_NODES"
 #: With ``min_nodes``: the seconds of silence after which the launcher declares a rank lost.
 LOST_AFTER_VARIABLE = "EXOGYM_LOST_AFTER"
+#: Set by the launcher when faults are injected: the file (relative to the rank's project
+#: folder) through which the rank is slowed down (:mod:`distributed.worker.throttle`).
+THROTTLE_VARIABLE = "EXOGYM_THROTTLE_FILE"
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from distributed.worker.environment import (
     RankEnvironment,
     choose_interface,
 )
+from distributed.worker.throttle import throttle_from_environment
 from exogym.base.io import atomic_save_safetensors
 from exogym.config.fit_args import refuse_simulation_only
 from exogym.report.metrics import encode_event
@@ -97,7 +98,7 @@ class RankTrainer(Trainer):
             devices = [devices[env.local_rank % len(devices)]]
         return Placement(ranks_per_machine=env.local_world_size, devices=devices,
                          backend="nccl" if spec.device_type == "cuda" else None,
-                         broadcast_init=True)
+                         broadcast_init=True, throttle=throttle_from_environment(env.rank))
 
     def _execute(self, spec: RunSpec, placement: Placement,
                  on_event: Callable[[dict[str, Any]], None]) -> list[dict[str, torch.Tensor]]:

@@ -185,6 +185,9 @@ class TraceWriter:
         elif kind == "host":
             self._write({"kind": "host", "t": self._t(),
                          **{k: event.get(k) for k in ("rank", "host", "state", "reason")}})
+        elif kind == "fault":  # an injected fault (distributed.launch.injector)
+            self._write({"kind": "fault", "t": self._t(),
+                         **{k: _plain(v) for k, v in event.items() if k != "event"}})
         elif kind == "hand_over":
             self._write({"kind": "hand_over", "t": self._t(),
                          **{k: event.get(k) for k in ("rank", "step", "source", "joiners",

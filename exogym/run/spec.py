@@ -11,7 +11,7 @@ rank 0's weights are broadcast — travels beside the spec as a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -80,12 +80,15 @@ class Placement:
             of its own, else gloo.
         broadcast_init: rank 0's initial weights are broadcast to the others before
             the first step (hosts whose seeded initialisation may differ).
+        throttle: slows this machine's rank down from outside (an injected ``slow``
+            fault, :class:`exogym.run.timing.Throttle`); None: never.
     """
 
     ranks_per_machine: int
     devices: list[int] | None = None
     backend: str | None = None
     broadcast_init: bool = False
+    throttle: Any = field(default=None, compare=False)
 
     def threads_per_rank(self, spec: RunSpec) -> int:
         """``spec.num_threads``, or this machine's cores shared by the ranks it runs."""

@@ -11,18 +11,27 @@ compute_time_s=..., rank_speeds=...)``), makes a rank slowed by
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from exogym import comm
 
 if TYPE_CHECKING:
     from exogym.sim.clock import SimClock
 
-__all__ = ["Mark", "StepTimer"]
+__all__ = ["Mark", "StepTimer", "Throttle"]
 
 #: A moment of a rank: wall time, this thread's CPU time, and the wall and CPU
 #: seconds spent inside collectives so far.
 Mark = tuple[float, float, float, float]
+
+
+class Throttle(Protocol):
+    """Slows a real rank down from outside (an injected ``slow`` fault): :meth:`factor`
+    is the share of its speed the rank computes at now, 1.0 for full speed."""
+
+    def factor(self) -> float:
+        """The rank's speed factor now, 0 < F <= 1."""
+        ...
 
 
 class StepTimer:
@@ -38,14 +47,16 @@ class StepTimer:
         alone_on_machine: the rank has its machine to itself (a real host): the
             balancer times it by the wall clock, which a CPU quota or a throttled
             chip slows while the thread's CPU time stays the same.
+        throttle: slows the rank down from outside (None: never), see :meth:`throttle_step`.
     """
 
     def __init__(self, clock: SimClock | None, one_thread: bool, speed_mode: str,
-                 alone_on_machine: bool):
+                 alone_on_machine: bool, throttle: Throttle | None = None):
         self.clock = clock
         self.one_thread = one_thread
         self.speed_mode = speed_mode
         self.alone_on_machine = alone_on_machine
+        self.throttle = throttle
 
     @property
     def now(self) -> float | None:
@@ -89,6 +100,23 @@ class StepTimer:
         if mark is not None and clock is not None and self.speed_mode == "wall" \
                 and clock.speed < 1.0:
             comm.pause(self.compute_since(mark) * (1.0 / clock.speed - 1.0))
+
+    def throttle_step(self, mark: Mark, event: dict[str, Any]) -> float:
+        """Under a throttle at factor F < 1, sleep off ``1/F - 1`` times the compute of the
+        step since ``mark`` (collectives aside), as a rank at F of its speed would take;
+        the step's event gets ``throttle`` (F) and, without a simulated clock, the sleep
+        in its ``compute_s``. Returns the seconds slept."""
+        if self.throttle is None:
+            return 0.0
+        factor = self.throttle.factor()
+        if not 0.0 < factor < 1.0:
+            return 0.0
+        seconds = self.compute_since(mark) * (1.0 / factor - 1.0)
+        comm.pause(seconds)
+        event["throttle"] = factor
+        if self.clock is None and "compute_s" in event:
+            event["compute_s"] += seconds
+        return seconds
 
     def clock_reading(self) -> tuple[float, float] | None:
         """The simulated time and the part of it spent communicating (None without a clock)."""

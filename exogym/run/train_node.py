@@ -144,7 +144,8 @@ class TrainNode:
             comm.use_clock(self.clock)
         self.timer = StepTimer(self.clock, one_thread=self.placement.threads_per_rank(spec) == 1,
                                speed_mode=spec.speed_mode,
-                               alone_on_machine=self.placement.ranks_per_machine == 1)
+                               alone_on_machine=self.placement.ranks_per_machine == 1,
+                               throttle=self.placement.throttle)
         self.attendance = Attendance(self.membership, rank, emit)
         self.balance = Balancer.for_run(spec, rank, self.max_steps)  # fit(balance=...)
         if self.balance is not None and self.membership is not None:
@@ -518,7 +519,10 @@ class TrainNode:
         """Train one step and emit its event (with evaluation and checkpoint when due)."""
         spec = self.spec
         mark = self.timer.mark() if self.clock is not None else None
+        throttle_mark = self.timer.mark() if self.timer.throttle is not None else None
         event = self.train_step()
+        if throttle_mark is not None:
+            self.timer.throttle_step(throttle_mark, event)
         if self.balance is not None:  # new shares from the next step, in the checkpoint too
             self.balance.end_step(self.step)
         if self.val_loader is not None and (

@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from distributed.launch.faults import FaultLog, describe_fault_event
+
 #: A rank's state before it reports.
 WAITING = "waiting"
 #: Chart points kept per rank and run, about: a longer run keeps every n-th step (and every
@@ -139,6 +141,8 @@ class RunInfo:
         summary: the final figures (``exogym.report.summary.summarize``), once finished.
         membership: every change of membership where hosts come and go
             (``min_nodes``): ``{"step", "ranks", "hosts", "reason"}``.
+        faults: the faults injected into the run (``--inject``), one entry each
+            (:class:`distributed.launch.faults.FaultLog`), with a line in words.
     """
 
     name: str
@@ -150,6 +154,8 @@ class RunInfo:
     summary: dict[str, Any] | None = None
     ranks: dict[int, RankRow] = field(default_factory=dict)
     membership: list[dict[str, Any]] = field(default_factory=list)
+    faults: FaultLog = field(default_factory=FaultLog)
+    fault_lines: list[str] = field(default_factory=list)
 
     def elapsed_s(self, now: float) -> float | None:
         """Seconds the run has lasted: up to ``now`` while it runs; once over, its own
@@ -167,7 +173,8 @@ class RunInfo:
         return {"name": self.name, "config": self.config, "status": self.status,
                 "elapsed_s": self.elapsed_s(now),
                 "summary": None if self.summary is None else _plain(self.summary),
-                "membership": _plain(self.membership)}
+                "membership": _plain(self.membership),
+                "faults": _plain(self.faults.entries()), "fault_lines": list(self.fault_lines)}
 
 
 class WebState:
@@ -222,6 +229,13 @@ class WebState:
         kind = event.get("event", "step")
         if kind == "host" and "rank" in event:  # a host lost or rejoining (min_nodes)
             self.set_status(int(event["rank"]), str(event["state"]))
+            return
+        if kind == "fault" and event.get("injected"):
+            with self.changed:
+                run = self._current()
+                run.faults.add(dict(event))
+                run.fault_lines.append(describe_fault_event(dict(event)))
+                self._bump()
             return
         if kind == "membership":
             with self.changed:

@@ -298,11 +298,23 @@ def put_text(folder: str, name: str, text: str) -> str:
     return os.path.join(folder, name)
 
 
+def merge_json(folder: str, name: str, fields: dict[str, Any]) -> str:
+    """Add ``fields`` to the JSON object in ``folder/name`` (a run's ``summary.json``) and
+    write it back atomically; returns the path. A missing file is an ``OSError``."""
+    path = os.path.join(folder, name)
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise OSError(f"{path} does not hold a JSON object")
+    data.update(fields)
+    return put_text(folder, name, json.dumps(data, indent=2) + "\n")
+
+
 def handle(message: dict[str, Any]) -> dict[str, Any]:
     """Do what ``message["action"]`` asks: ``scan`` (``base``, ``run_name``), ``claim``
     (``base``, ``identity``, ``overwrite``), ``resumed`` (``folder``, ``when``,
-    ``step``) or ``put`` (``folder``, ``name``, ``text``); errors come back as
-    ``{"error": why}``."""
+    ``step``), ``put`` (``folder``, ``name``, ``text``) or ``merge`` (``folder``,
+    ``name``, ``fields``); errors come back as ``{"error": why}``."""
     action = message.get("action")
     try:
         if action == "scan":
@@ -316,6 +328,9 @@ def handle(message: dict[str, Any]) -> dict[str, Any]:
         if action == "put":
             return {"path": put_text(str(message["folder"]), str(message["name"]),
                                      str(message["text"]))}
+        if action == "merge":
+            return {"path": merge_json(str(message["folder"]), str(message["name"]),
+                                       dict(message["fields"]))}
     except OSError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"error": f"unknown action {action!r}"}

@@ -245,6 +245,27 @@ function drawStatus() {
                change.hosts.join(", "));
   }
   document.getElementById("summary").textContent = lines.join(" · ");
+  drawFaults(run);
+}
+
+// The faults injected into the run (--inject, --inject-random): one line each, as they come.
+function drawFaults(run) {
+  const box = document.getElementById("faults");
+  const list = run.fault_lines || [];
+  box.hidden = list.length === 0;
+  if (box.childElementCount === list.length + 1) return;
+  box.replaceChildren();
+  const title = document.createElement("h3");
+  const active = (run.faults || []).filter((f) => f.state === "active").length;
+  title.textContent = "Injected faults (" + (run.faults || []).length + ")" +
+    (active ? ", " + active + " under way" : "");
+  box.appendChild(title);
+  for (const line of list) {
+    const item = document.createElement("div");
+    item.className = "fault";
+    item.textContent = line;
+    box.appendChild(item);
+  }
 }
 
 let configShown = -1;  // runs whose configuration is drawn (redrawn only when one is added)
