@@ -136,7 +136,7 @@ def test_resume_runs_nothing_and_the_front_of_known_points(quick, tmp_path):
 
 @pytest.mark.parametrize("args, said", [
     (["--only", "diloco,nosuch"], "nosuch is not a strategy of the table; give names from ddp"),
-    (["--steps", "25"], "does not divide --steps 25"),
+    (["--steps", "25"], "--steps 25: the periods of DiLoCo H=2"),
     (["--jobs", "0"], "--jobs must be at least 1, got 0"),
     (["--budget", "2"], "--budget must be within (0, 1]"),
     (["--report-only"], "does not exist"),

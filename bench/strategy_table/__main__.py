@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -57,15 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
 def settle(args: argparse.Namespace, parser: argparse.ArgumentParser
            ) -> tuple[Scale, list[Entry], Path]:
     """The scale, the entries and the output folder; exits with a message on a bad value."""
-    scale = grid.QUICK if args.quick else grid.FULL
-    if args.steps is not None:
-        if args.steps < 1:
-            parser.error(f"--steps must be at least 1, got {args.steps}")
-        scale = dataclasses.replace(scale, steps=args.steps)
-    if args.seeds is not None:
-        if not 1 <= args.seeds <= 100:
-            parser.error(f"--seeds must be within 1..100, got {args.seeds}")
-        scale = dataclasses.replace(scale, seeds=tuple(range(args.seeds)))
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    if args.seeds is not None and not 1 <= args.seeds <= 100:
+        parser.error(f"--seeds must be within 1..100, got {args.seeds}")
+    scale = grid.make_scale("quick" if args.quick else "full", args.steps, args.seeds)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.budget is not None and not 0 < args.budget <= 1:

@@ -112,31 +112,62 @@ def _desloc(h: int) -> dict[str, int]:
     return {"H_params": h, "H_m1": 3 * h, "H_m2": 6 * h}
 
 
-QUICK = Scale(
-    name="quick",
-    model={"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
-    num_nodes=4, steps=24, batch_size=8, val_size=32, lr=3e-3, warmup_steps=4, seeds=(0, 1),
-    sweeps={"diloco": (2, 4, 8), "streaming_diloco": (4, 8, 12), "sparseloco": (4, 16, 64),
-            "sparta": (0.005, 0.02, 0.05), "sparta_diloco": (2, 4, 8), "fedavg": (2, 4, 8),
-            "demo": (2, 8, 32), "muloco": (2, 4, 8), "desloc": (1, 2, 4),
-            "async_diloco": (2, 4, 8)},
-    fixed={"streaming_diloco": {"num_fragments": 2, "fragment_delay": 1, "comm_dtype": "int4"},
-           "sparseloco": {"H": 4, "chunk": 256}, "sparta_diloco": {"p_sparta": 0.005}},
-)
+def sweeps_for(steps: int, fragments: int) -> tuple[dict[str, tuple[Any, ...]],
+                                                     dict[str, dict[str, Any]]]:
+    """The swept values and fixed settings for a run of ``steps`` steps.
 
-FULL = Scale(
-    name="full",
-    model={"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 64},
-    num_nodes=4, steps=240, batch_size=16, val_size=256, lr=1e-3, warmup_steps=20,
-    seeds=(0, 1, 2),
-    sweeps={"diloco": (12, 24, 48), "streaming_diloco": (12, 24, 48), "sparseloco": (16, 64, 256),
-            "sparta": (0.002, 0.01, 0.05), "sparta_diloco": (12, 24, 48),
-            "fedavg": (12, 24, 48), "demo": (4, 16, 64), "muloco": (12, 24, 48),
-            "desloc": (10, 20, 40), "async_diloco": (12, 24, 48)},
-    fixed={"streaming_diloco": {"num_fragments": 4, "fragment_delay": 1, "comm_dtype": "int4"},
-           "sparseloco": {"H": 24, "chunk": 4096}, "sparta_diloco": {"p_sparta": 0.005}},
-)
-SCALES = {"quick": QUICK, "full": FULL}
+    Periods are fractions of the run, so a longer run keeps the same number of
+    rounds: the DiLoCo family's ``H`` at 1/12, 1/6 and 1/3 of it (12, 6 and 3 rounds),
+    SparseLoCo's at 1/6, DES-LOC's ``H_params`` at 1/18, 1/12 and 1/6 (its second
+    moment, at 6x, then averaged 3, 2 and once). Top-k and ``p`` do not depend on it.
+    """
+    H = (steps // 12, steps // 6, steps // 3)
+    sweeps: dict[str, tuple[Any, ...]] = {
+        "diloco": H, "streaming_diloco": H, "sparta_diloco": H, "fedavg": H, "muloco": H,
+        "async_diloco": H, "desloc": (steps // 18, steps // 12, steps // 6)}
+    fixed = {"streaming_diloco": {"num_fragments": fragments, "fragment_delay": 1,
+                                  "comm_dtype": "int4"},
+             "sparseloco": {"H": steps // 6}, "sparta_diloco": {"p_sparta": 0.005}}
+    return sweeps, fixed
+
+
+def make_scale(name: str, steps: int | None = None, seeds: int | None = None) -> Scale:
+    """The ``quick`` or ``full`` scale, with other ``steps`` or number of ``seeds``.
+
+    ``full``: chargpt-bench's model (4 layers, 4 heads, 256 wide, context 64:
+    3.26M parameters), K=4, 72 steps of 16 windows per rank, 3 seeds. ``quick``: 2 layers,
+    32 wide, context 32 (37k parameters), 24 steps of 8, 2 seeds.
+    """
+    if name == "full":
+        base = Scale(name="full", model={"n_layer": 4, "n_head": 4, "n_embd": 256,
+                                         "block_size": 64},
+                     num_nodes=4, steps=72, batch_size=16, val_size=256, lr=1e-3,
+                     warmup_steps=20, seeds=(0, 1, 2), sweeps={})
+        topk = {"sparseloco": (16, 64, 256), "sparta": (0.002, 0.01, 0.05),
+                "demo": (4, 16, 64)}
+        chunk, fragments = 4096, 4
+    elif name == "quick":
+        base = Scale(name="quick", model={"n_layer": 2, "n_head": 2, "n_embd": 32,
+                                          "block_size": 32},
+                     num_nodes=4, steps=24, batch_size=8, val_size=32, lr=3e-3,
+                     warmup_steps=4, seeds=(0, 1), sweeps={})
+        topk = {"sparseloco": (4, 16, 64), "sparta": (0.005, 0.02, 0.05), "demo": (2, 8, 32)}
+        chunk, fragments = 256, 2
+    else:
+        raise ValueError(f"scale must be 'quick' or 'full', got {name!r}")
+    steps = base.steps if steps is None else steps
+    sweeps, fixed = sweeps_for(steps, fragments)
+    fixed["sparseloco"]["chunk"] = chunk
+    return Scale(name=base.name, model=base.model, num_nodes=base.num_nodes, steps=steps,
+                 batch_size=base.batch_size, val_size=base.val_size, lr=base.lr,
+                 warmup_steps=base.warmup_steps,
+                 seeds=base.seeds if seeds is None else tuple(range(seeds)),
+                 sweeps={**sweeps, **topk}, fixed=fixed)
+
+
+QUICK = make_scale("quick")
+FULL = make_scale("full")
+
 
 
 def settings_of(scale: Scale, entry: Entry, value: Any) -> dict[str, Any]:
@@ -181,14 +212,16 @@ def check_scale(scale: Scale, entries: list[Entry]) -> list[str]:
     if scale.steps < 1 or scale.num_nodes < 2 or not scale.seeds:
         problems.append(f"need steps >= 1, num_nodes >= 2 and a seed; got steps={scale.steps}, "
                         f"num_nodes={scale.num_nodes}, seeds={list(scale.seeds)}")
+    bad = []
     for entry in entries:
         for value in scale.sweeps.get(entry.name, (None,)):
             settings = settings_of(scale, entry, value)
-            bad = [p for p in entry.periods(settings) if p < 1 or scale.steps % p]
-            if bad:
-                problems.append(f"{entry.label} {describe(entry, value)}: the period "
-                                f"{bad[0]} does not divide --steps {scale.steps}; give steps "
-                                f"that are a multiple of it")
+            if any(p < 1 or scale.steps % p for p in entry.periods(settings)):
+                bad.append(f"{entry.label} {describe(entry, value)}".strip())
+    if bad:
+        problems.append(f"--steps {scale.steps}: the periods of {', '.join(bad)} do not "
+                        "divide it (each is a fraction of the steps); a multiple of 36 "
+                        "always works")
     return problems
 
 

@@ -39,7 +39,8 @@ def plot(table: list[dict[str, Any]], sweeps: dict[str, Any], title: str) -> byt
     ax.set_xlabel("bytes sent per rank, relative to DDP (log)")
     ax.set_ylabel("final validation loss (mean over seeds; bars: min-max)")
     ax.set_title(title + "\n(x: the sweep's other values, first seed)", fontsize=9)
-    ax.legend(fontsize=7, loc="best")
+    if measured:
+        ax.legend(fontsize=7, loc="best")
     ax.grid(alpha=0.3, which="both")
     buffer = io.BytesIO()
     fig.tight_layout()

@@ -11,9 +11,13 @@ workers are stopped and :class:`Stalled` names the runs in flight.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import multiprocessing
+import os
+import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bench.strategy_table import child
@@ -25,11 +29,34 @@ class Stalled(RuntimeError):
     """No run finished within the bound; the message names the runs that were in flight."""
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (a worker's ranks), read from ``/proc``."""
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            tree.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(
+                int(entry.name))
+    found, todo = [], list(tree.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(tree.get(child, []))
+    return found
+
+
 def _stop(pool: cf.ProcessPoolExecutor) -> None:
-    """Stop the pool's own worker processes, by their ids, and drop what is queued."""
-    for process in list(getattr(pool, "_processes", {}).values()):
-        if process.is_alive():
-            process.terminate()
+    """Stop the pool's worker processes and the ranks they started, by their ids, and drop
+    what is queued."""
+    workers = [p for p in list(getattr(pool, "_processes", {}).values()) if p.is_alive()]
+    for process in workers:
+        for pid in _descendants(process.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        process.terminate()
     pool.shutdown(wait=False, cancel_futures=True)
 
 
