@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +26,18 @@ NAMES = ["ddp", "diloco", "streaming_diloco", "sparseloco", "sparta", "sparta_di
          "demo", "muloco", "desloc", "async_diloco"]
 
 
-def bench(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.strategy_table", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the bench to its end; on a timeout, stop it and every process it started."""
+    command = [sys.executable, "-m", "bench.strategy_table", *args]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(args)} took over {timeout} s:\n{stdout[-2000:]}{stderr[-2000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +156,18 @@ def test_bad_input_is_refused_before_any_run(tmp_path, args, said):
     done = bench("--quick", "--out", str(tmp_path / "none"), *args, timeout=60)
     assert done.returncode == 2 and said in done.stderr, done.stderr
     assert not (tmp_path / "none").exists()
+
+
+def test_dry_run_plans_the_full_table_and_runs_nothing(tmp_path):
+    done = bench("--dry-run", "--out", str(tmp_path / "full"), timeout=60)
+    assert done.returncode == 0, done.stderr
+    has_async = importlib.util.find_spec("exogym.strategy.async_diloco") is not None
+    # DDP's 3 seeds; 3 sweep values and 2 more seeds for each of the others; Streaming
+    # DiLoCo (and AsyncDiLoCo) again at 1 Gbit/s for each seed.
+    assert f"of about {59 if has_async else 51};" in done.stdout
+    keys = [line.strip() for line in done.stdout.splitlines() if line.startswith("  ")]
+    assert keys[0] == "ddp|-|seed=0|100mbit" and keys[1].startswith("demo|")
+    assert "diloco|H=6|seed=0|100mbit" in keys and not (tmp_path / "full").exists()
 
 
 def test_existing_results_need_resume(quick):

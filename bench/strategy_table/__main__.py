@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -48,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue the results in --out: finished runs are not run again")
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing: the table, table.md and the plot from --out's results")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the runs that would start now and how many in all, run none")
     parser.add_argument("--stall-s", type=float, default=900.0,
                         help="stop with an error when no run finishes for this long (900)")
     return parser
@@ -121,7 +124,12 @@ def report(data: dict[str, Any], scale: Scale, entries: list[Entry],
     return table
 
 
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _on_sigterm)  # stop the workers and ranks, as on Ctrl-C
     parser = build_parser()
     args = parser.parse_args(argv)
     scale, entries, out = settle(args, parser)
@@ -137,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         report(data, scale, entries, unavailable, out, final=True)
         return 0
-    out.mkdir(parents=True, exist_ok=True)
     runnable = [e for e in entries if e.name not in unavailable]
     runs = data["runs"]
 
@@ -155,12 +162,24 @@ def main(argv: list[str] | None = None) -> int:
         return specs
 
     first = [s for e in runnable for s in todo(grid.sweep_specs(scale, e, args.device))]
+    # DDP's first seed first (every choice needs it), then the slowest strategy's sweep, so
+    # that its final seeds do not start last and leave the other workers idle at the end.
+    first.sort(key=lambda s: (s["key"] != grid.run_key(BY_NAME["ddp"], None, scale.seeds[0],
+                                                       NETWORK),
+                              s["strategy"] not in grid.SLOWEST))
     first += ready()
     planned = sum(len(grid.sweep_specs(scale, e, args.device)) + len(grid.seed_specs(
         scale, e, scale.sweeps.get(e.name, (None,))[0], args.device)) for e in runnable)
     left = sum(1 for k, r in runs.items() if r.get("status") == "ok")
     print(f"{len(first)} runs to start now, {left} already done of about {planned}; "
           f"{args.jobs} at a time on {args.device}; results in {out}", flush=True)
+    if args.dry_run:
+        for spec in first:
+            print(f"  {spec['key']}")
+        print("then each strategy's chosen value at its other seeds (and 1 Gbit/s runs where "
+              "its time cannot be derived) as its sweep ends")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     count = {"done": 0}
 

@@ -105,6 +105,9 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("async_diloco", "AsyncDiLoCo", "H", home=ASYNC_HOME),
 )
 NAMES = tuple(e.name for e in ENTRIES)
+#: The strategies whose runs take longest (DeMo: about twice a DiLoCo run on the lent GPU
+#: and here): their sweeps start first.
+SLOWEST = ("demo", "muloco")
 BY_NAME = {e.name: e for e in ENTRIES}
 
 
