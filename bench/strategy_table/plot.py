@@ -15,7 +15,7 @@ def plot(table: list[dict[str, Any]], sweeps: dict[str, Any], title: str) -> byt
     import matplotlib.pyplot as plt
 
     measured = [r for r in table if "bytes_ratio" in r]
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    fig, ax = plt.subplots(figsize=(10, 5), dpi=120)
     for i, r in enumerate(measured):
         color = f"C{i % 10}"
         loss = r["val_loss"]
@@ -34,13 +34,15 @@ def plot(table: list[dict[str, Any]], sweeps: dict[str, Any], title: str) -> byt
                    for r in measured if r.get("pareto"))
     if front:
         xs, ys = zip(*front, strict=True)
-        ax.step(xs, ys, where="post", color="black", ls="--", lw=1, label="Pareto front")
+        ax.step(xs, ys, where="post", color="black", ls="--", lw=1)
+        ax.plot(xs, ys, "o", ms=13, mfc="none", mec="black", mew=1.2, ls="--", color="black",
+                label="on the Pareto front")
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent per rank, relative to DDP (log)")
     ax.set_ylabel("final validation loss (mean over seeds; bars: min-max)")
     ax.set_title(title + "\n(x: the sweep's other values, first seed)", fontsize=9)
     if measured:
-        ax.legend(fontsize=7, loc="best")
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(alpha=0.3, which="both")
     buffer = io.BytesIO()
     fig.tight_layout()
