@@ -235,7 +235,13 @@ class TrainNode:
         if pacer is None:
             return self._step_event(float(total) / accumulation, lr)
         assert started is not None
-        pacer.record_step(self.spec.batch_size, timer.balanced_seconds(started, clock_before))
+        # A host paces by its measured speed; ranks sharing this machine's cores run at the
+        # speeds the simulation gives them (their measured times differ by the noise).
+        speeds = self.spec.rank_speeds
+        given = None if timer.alone_on_machine else (
+            speeds[self.rank] if speeds is not None else 1.0)
+        pacer.record_step(self.spec.batch_size, timer.balanced_seconds(started, clock_before),
+                          given)
         self._last_loss = float(total) / accumulation
         event = self._step_event(self._last_loss, lr)
         event.update(pacer.step_fields())

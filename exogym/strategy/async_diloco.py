@@ -14,10 +14,13 @@ times its speed trains at a fraction ``s`` of the steps (the first step at
 which its running credit ``s + s + ...`` reaches a whole step) and idles at
 the others: an idle step computes nothing and takes no time. So each rank
 takes its own time for its ``H`` steps and nobody waits between merges. Speeds
-are measured as ``fit(balance=...)`` measures them (:mod:`exogym.run.balance`:
-each rank's samples per second of compute, collectives aside) and agreed over
-the side channel after :data:`PROBE_STEPS` steps and at every merge; a speed
-within :data:`SPEED_TOLERANCE` of the fastest counts as full speed. Every rank
+are measured on hosts as ``fit(balance=...)`` measures them
+(:mod:`exogym.run.balance`: each rank's samples per second of compute,
+collectives aside); in a simulation, whose ranks share this machine's cores,
+they are the ``rank_speeds`` given (1.0 without), not the machine's noise.
+They are agreed over the side channel after :data:`PROBE_STEPS` steps and at
+every merge; a speed within :data:`SPEED_TOLERANCE` of the fastest counts as
+full speed. Every rank
 therefore knows, without asking, which ranks train at which step.
 
 **Merge.** After a step at which at least ``quorum`` workers (a count, or a
@@ -242,6 +245,8 @@ class AsyncDiLoCoStrategy(Strategy):
         self.workers: dict[int, _Worker] = {}
         self.speeds = [1.0] * num_nodes
         self.throughputs: list[float] | None = None
+        self.given_speeds: list[float] | None = None  # a simulation's rank_speeds
+        self._given_speed: float | None = None
         self._window: list[tuple[int, float]] = []
         self._warm = False
         self._tick = 0
@@ -285,8 +290,10 @@ class AsyncDiLoCoStrategy(Strategy):
                 worker.ready = worker.steps >= self.H
         return self.workers[self.rank].trains
 
-    def record_step(self, samples: int, seconds: float) -> None:
-        """One trained step of this rank: ``samples`` in ``seconds`` of compute."""
+    def record_step(self, samples: int, seconds: float, speed: float | None = None) -> None:
+        """One trained step of this rank: ``samples`` in ``seconds`` of compute; ``speed``:
+        the speed a simulation gives it (it then paces by that, not by its measurement)."""
+        self._given_speed = speed
         if not self._warm:
             self._warm = True
             return
@@ -298,10 +305,14 @@ class AsyncDiLoCoStrategy(Strategy):
         mine = (sum(n for n, _ in self._window) / sum(t for _, t in self._window)
                 if self._window else 0.0)
         self._window = []
-        vector = torch.zeros(self.num_nodes, dtype=torch.float64)
+        vector = torch.zeros(2 * self.num_nodes, dtype=torch.float64)
         vector[self.rank] = mine
+        vector[self.num_nodes + self.rank] = self._given_speed or 0.0
         comm.side_all_reduce(vector)
-        measured = vector.tolist()
+        measured = vector[:self.num_nodes].tolist()
+        given = vector[self.num_nodes:].tolist()
+        if all(g > 0 for g in given):  # a simulation: every rank's speed is known
+            self.given_speeds = given
         old = self.throughputs
         throughputs = []
         for rank, value in enumerate(measured):
@@ -313,12 +324,14 @@ class AsyncDiLoCoStrategy(Strategy):
             else:
                 throughputs.append(value)
         known = [t for t in throughputs if t > 0]
-        if not known:
+        if known:
+            self.throughputs = throughputs
+        paces = self.given_speeds or (throughputs if known else None)
+        if paces is None:
             return
-        self.throughputs = throughputs
-        fastest = max(known)
+        fastest = max(paces)
         speeds = []
-        for t in throughputs:
+        for t in paces:
             s = t / fastest if t > 0 else 1.0
             speeds.append(1.0 if s >= 1.0 - SPEED_TOLERANCE else s)
         self.speeds = speeds
@@ -562,6 +575,7 @@ class AsyncDiLoCoStrategy(Strategy):
             "workers": {r: asdict(w) for r, w in self.workers.items()},
             "speeds": list(self.speeds),
             "throughputs": self.throughputs,
+            "given_speeds": self.given_speeds,
             "grace_until": self._grace_until,
             "pending": self._pending_state(),
             "merged_contributions": self.merged_contributions,
@@ -581,6 +595,7 @@ class AsyncDiLoCoStrategy(Strategy):
         self.workers = {int(r): _Worker(**w) for r, w in state["workers"].items()}
         self.speeds = list(state["speeds"])
         self.throughputs = state["throughputs"]
+        self.given_speeds = state.get("given_speeds")
         self._grace_until = state["grace_until"]
         self._pending = None
         saved = state.get("pending")
