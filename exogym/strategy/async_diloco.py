@@ -50,7 +50,10 @@ ranks end with the same global model, which ``fit`` returns.
 **Ranks that come and go** (``rank_failures``; ``min_nodes`` across hosts): a
 worker that leaves mid-round loses that round (counted as dropped, with its
 samples); one that comes back takes the state from a worker present and starts
-a round from the newest global model.
+a round from the newest global model. Across hosts the members are decided once
+a round, so a worker lost mid-round is found at the next merge, which it does
+not complete: the merge's mean is over the contributions that arrived, and the
+lost worker is left out until the next round's members are decided.
 
 **Bytes.** One all-reduce of the parameters and float buffers per merge, as a
 DiLoCo round: ``4 * P`` bytes per rank per merge in float32.
@@ -113,7 +116,7 @@ class _Pending:
     apply_after: int
     started: int                      # the step it was called at
     contributors: list[int]           # merged and dropped
-    record: dict[str, Any]            # what the reports say of it
+    record: dict[str, Any]            # its contributions' steps, weights and staleness
     reduced: list[torch.Tensor] | None = None  # the merged change and buffers, once reduced
     handle: Any = None                # the all-reduce in flight
 
@@ -254,6 +257,9 @@ class AsyncDiLoCoStrategy(Strategy):
         self._merge_record: dict[str, Any] | None = None
         self._pending: _Pending | None = None
         self._left: list[dict[str, Any]] = []
+        # Workers found lost in a merge, left out until the membership's next round
+        # (hosts that come and go decide their members once a round).
+        self._lost: set[int] = set()
         self.merged_contributions = 0
         self.dropped_contributions = 0
 
@@ -264,7 +270,9 @@ class AsyncDiLoCoStrategy(Strategy):
         worker's round and return whether this rank trains (False: it idles)."""
         self._tick = step
         self._merge_record = None
-        present = sorted(present)
+        if (step - 1) % self.H == 0:
+            self._lost = set()  # a round of the membership begins: it was decided anew
+        present = sorted(r for r in present if r not in self._lost)
         for rank in sorted(self.workers):
             if rank not in present:
                 gone = self.workers.pop(rank)
@@ -418,29 +426,17 @@ class AsyncDiLoCoStrategy(Strategy):
         the all-reduce and apply it ``merge_delay`` steps later (:meth:`_apply`)."""
         weights = {r: self._weight(self.workers[r]) for r in contributors}
         merged = [r for r in contributors if weights[r][0] > 0]
-        dropped = [r for r in contributors if weights[r][0] == 0]
         # Divided by the contributions' undiscounted sizes: a stale contribution counts
         # for less even when it is merged alone.
-        total = sum(self._size(self.workers[r]) for r in merged)
+        sizes = {r: self._size(self.workers[r]) for r in merged}
+        total = sum(sizes.values())
         delay = 0 if final or total == 0 else self.merge_delay
-        steps = sum(self.workers[r].steps for r in merged)
-        dropped_steps = sum(self.workers[r].steps for r in dropped)
-        self.merged_contributions += len(merged)
-        self.dropped_contributions += len(dropped)
-        record = {"version": self.version + (total > 0), "step": self._tick,
-                  "contributors": merged, "steps": steps,
-                  "tokens": steps * self.samples_per_step,
-                  "staleness": [weights[r][1] for r in merged], "dropped": dropped,
-                  "dropped_steps": dropped_steps,
-                  "dropped_tokens": dropped_steps * self.samples_per_step}
-        if final:
-            record["final"] = True
-        if self._left:
-            record["left"] = self._left
-            self._left = []
+        pending = _Pending(self._tick + delay, self._tick, contributors, {
+            "merged": merged, "sizes": sizes, "total": total, "final": final,
+            "steps": {r: self.workers[r].steps for r in contributors},
+            "staleness": {r: weights[r][1] for r in contributors}})
         mine = self.rank in merged
         share = weights[self.rank][0] / total if mine else 0.0
-        pending = _Pending(self._tick + delay, self._tick, contributors, record)
         if total > 0 and delay == 0:
             if mine:
                 # My change, weighted, in the parameters' own memory: they take the global
@@ -472,7 +468,8 @@ class AsyncDiLoCoStrategy(Strategy):
                 base.copy_(p)  # the model its next round starts from, until the merge lands
         for rank in contributors:
             credit = self.workers[rank].credit
-            self.workers[rank] = _Worker(base_version=record["version"], credit=credit)
+            self.workers[rank] = _Worker(base_version=self.version + (total > 0),
+                                         credit=credit)
         self._grace_until = None
         if delay:
             self._pending = pending
@@ -497,9 +494,25 @@ class AsyncDiLoCoStrategy(Strategy):
         if pending.handle is not None:
             pending.handle.wait()
             pending.handle = None
+        facts = pending.record
         reduced = pending.reduced
         contributors = pending.contributors
+        # Hosts that come and go decide their members once a round: a worker lost since
+        # then completed no all-reduce, so its part is not in the sum. The sum is divided
+        # by the sizes of the contributions that arrived, and the lost worker's round is
+        # dropped; it is left out until the next round's members are decided.
+        lost = []
         if reduced is not None:
+            arrived = set(comm.present_ranks())
+            lost = [r for r in sorted(set(self.workers) | set(contributors))
+                    if r not in arrived]
+        merged = [r for r in facts["merged"] if r not in lost]
+        kept = sum(facts["sizes"][r] for r in merged)
+        applied = reduced is not None and kept > 0
+        if applied:
+            assert reduced is not None
+            if lost and kept < facts["total"]:
+                torch._foreach_mul_(reduced, facts["total"] / kept)
             params = len(self.params)
             if self.outer.applied != pending.started:  # the same merged change on every rank
                 for master, delta in zip(self.master, reduced[:params]):
@@ -514,9 +527,35 @@ class AsyncDiLoCoStrategy(Strategy):
                 for buf, mean in zip(self.buffers, reduced[params:]):
                     if buf.data_ptr() != mean.data_ptr():
                         buf.copy_(mean)
-        self._merge_record = pending.record
+        for rank in lost:
+            gone = self.workers.pop(rank, None)
+            self._lost.add(rank)
+            steps = facts["steps"][rank] if rank in contributors else (gone.steps if gone else 0)
+            if steps:
+                self.dropped_contributions += 1
+                self._left.append({"rank": rank, "step": self._tick, "steps": steps,
+                                   "tokens": steps * self.samples_per_step})
+        if not applied:
+            merged = []
+        dropped = [r for r in contributors if r not in merged and r not in lost]
+        self.merged_contributions += len(merged)
+        self.dropped_contributions += len(dropped)
+        steps = sum(facts["steps"][r] for r in merged)
+        dropped_steps = sum(facts["steps"][r] for r in dropped)
+        record: dict[str, Any] = {
+            "version": self.version, "step": pending.started, "contributors": merged,
+            "steps": steps, "tokens": steps * self.samples_per_step,
+            "staleness": [facts["staleness"][r] for r in merged], "dropped": dropped,
+            "dropped_steps": dropped_steps,
+            "dropped_tokens": dropped_steps * self.samples_per_step}
         if pending.started != self._tick:
-            self._merge_record = {**pending.record, "applied_step": self._tick}
+            record["applied_step"] = self._tick
+        if final:
+            record["final"] = True
+        if self._left:
+            record["left"] = self._left
+            self._left = []
+        self._merge_record = record
         delayed = pending.started != self._tick
         if final or self.rank in contributors:
             for p, master, base in zip(self.params, self.master, self.base):
@@ -530,6 +569,9 @@ class AsyncDiLoCoStrategy(Strategy):
             worker = self.workers.get(self.rank)
             if worker is not None:
                 worker.base_version = self.version
+        for rank in contributors:
+            if rank in self.workers:
+                self.workers[rank].base_version = self.version
         if final or len(contributors) == len(self.workers) and not delayed:
             # Every rank took the same global model (and the same buffers): identical now.
             self.synced_at = self.local_step + 1
@@ -578,6 +620,7 @@ class AsyncDiLoCoStrategy(Strategy):
             "given_speeds": self.given_speeds,
             "grace_until": self._grace_until,
             "pending": self._pending_state(),
+            "lost": sorted(self._lost),
             "merged_contributions": self.merged_contributions,
             "dropped_contributions": self.dropped_contributions,
         })
@@ -597,6 +640,7 @@ class AsyncDiLoCoStrategy(Strategy):
         self.throughputs = state["throughputs"]
         self.given_speeds = state.get("given_speeds")
         self._grace_until = state["grace_until"]
+        self._lost = set(state.get("lost", ()))
         self._pending = None
         saved = state.get("pending")
         if saved is not None:
@@ -622,7 +666,7 @@ class AsyncDiLoCoStrategy(Strategy):
             pending.handle = None
         assert pending.reduced is not None
         return {"apply_after": pending.apply_after, "started": pending.started,
-                "contributors": list(pending.contributors), "record": dict(pending.record),
+                "contributors": list(pending.contributors), "record": pending.record,
                 "reduced": [t.detach() for t in pending.reduced]}
 
     def __config__(self) -> dict[str, Any]:
