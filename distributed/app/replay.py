@@ -654,6 +654,14 @@ class ReplayResult:
             row["place"] = place
         return rows
 
+    def timelines(self) -> dict[str, dict[int, float]]:
+        """Seconds at each step: ``real``, then each replay by its label (``replay`` for the
+        run as recorded)."""
+        out = {"real": dict(self.real.times)}
+        for variant, figures in self.replays:
+            out["replay" if variant.recorded else variant.label] = dict(figures.times)
+        return out
+
     def ratios(self) -> dict[str, Any]:
         """Replay over real: total time, median round, each evaluation's loss."""
         real, rep = self.real, self.replay
