@@ -473,6 +473,10 @@ def recommend(
     hosts: Annotated[Path | None, typer.Option(
         "--hosts", "-H", dir_okay=False,
         help="Hosts file: time a step on every host and measure the links.")] = None,
+    trace: Annotated[Path | None, typer.Option(
+        "--trace", metavar="RUN_DIR", file_okay=False,
+        help="A recorded run's folder of PROFILE: its hosts' steps and links (trace.jsonl) "
+             "instead of measuring them again.")] = None,
     link_mbit: LinkMbit = None,
     json_out: Annotated[bool, typer.Option(
         "--json", help="Print one JSON object: strategy, reason, candidates, measurements.")
@@ -500,12 +504,20 @@ def recommend(
             overrides=run.parse_overrides(set_), hosts=hosts,
             accept_new_host_keys=accept_new_host_keys, known_hosts=known_hosts,
             ssh_config=ssh_config)
+        if hosts is not None and trace is not None:
+            raise ValueError("--hosts measures the hosts and --trace reads a recorded run's: "
+                             "give one of them")
         if hosts is not None:
             run.hosts_config(request)  # a bad hosts file fails before any measurement
         run.resolve_profile(request)
+        recording = None
+        if trace is not None:
+            from distributed.app.replay import load_recording
+
+            recording = load_recording(trace)
         # With --json, progress goes to stderr and stdout holds the object alone.
         console = make_console(stderr=json_out)
-        rec = choose(request, console, link_mbit=link_mbit)
+        rec = choose(request, console, link_mbit=link_mbit, trace=recording)
         if json_out:
             print(json.dumps(rec.to_dict(), indent=2))
             return
