@@ -562,6 +562,10 @@ def plan_variants(recording: Recording, strategies: Sequence[str],
                           f"{'it' if len(fixed) == 1 else 'them'} from the recording (the "
                           f"cluster, its links and events); a what-if may change the "
                           "strategy's and the run's other settings")
+    wrong = [_value_problem(key, value, recording) for key, value in overrides.items()]
+    wrong = [w for w in wrong if w]
+    if wrong:
+        raise ReplayError("; ".join(wrong))
     names = []
     for given in strategies:
         try:
@@ -609,6 +613,35 @@ def plan_variants(recording: Recording, strategies: Sequence[str],
     if len(set(labels)) != len(labels):
         raise ReplayError("two what-ifs are the same run: give each strategy once")
     return variants
+
+
+def _value_problem(key: str, value: Any, recording: Recording) -> str | None:
+    """Why ``--set key=value`` is of the wrong kind: the run's own value of ``key`` (or,
+    where it had none, the default of a strategy's argument of that name) is a number or
+    a flag and ``value`` is not; None when it fits or nothing says what it should be."""
+    import inspect
+
+    reference = recording.identity.settings.get(key, recording.identity.may_change.get(key))
+    if reference is None:
+        for known in registry.KNOWN.values():
+            if key in known.traffic_defaults and known.traffic_defaults[key] is not None:
+                reference = known.traffic_defaults[key]
+                break
+        if reference is None:
+            try:
+                parameter = inspect.signature(recording.profile.resolved.strategy_cls
+                                              ).parameters.get(key)
+            except (TypeError, ValueError):
+                parameter = None
+            if parameter is not None and parameter.default is not inspect.Parameter.empty:
+                reference = parameter.default
+    if isinstance(reference, bool):
+        if not isinstance(value, bool):
+            return f"--set {key}={value!r}: {key} is true or false (the run had {reference})"
+    elif isinstance(reference, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"--set {key}={value!r}: {key} is a number (the run had {reference})"
+    return None
 
 
 @dataclass
