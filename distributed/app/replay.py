@@ -8,16 +8,20 @@ run again on this machine (:func:`replay`):
   (``run.json``: its fingerprint must be the trace's), so the same seed and data
   order, and as many steps as the run made;
 - **the same ranks**: each rank's speed (``rank_speeds``) from its recorded
-  compute seconds per step, on a fixed simulated step (``compute_time_s``: the
-  fastest rank's mean), so the clock charges every rank what it took;
+  own seconds per step (across hosts a step's wall time less its collectives;
+  with a simulated clock the compute it charged), on a fixed simulated step
+  (``compute_time_s``: the fastest rank's mean), so the clock charges every rank
+  what it took;
 - **the same links**: ``network=`` from each host's pre-flight link rate and
   latency across hosts (the trace's ``hosts``), or the simulation's own network;
 - **the same events**: the recorded membership timeline (hosts lost and
   readmitted) as ``rank_failures``.
 
-Evaluation costs a real run time that the simulated clock does not charge: the
-seconds one evaluation added to the recorded run (:func:`eval_seconds`) are
-added to the replay's timeline at each evaluation.
+Evaluation and the hand-over of the state to a readmitted rank cost a real run
+time that the simulated clock does not charge: the seconds one evaluation added
+to the recorded run (:func:`eval_seconds`) are added to the replay's timeline at
+each evaluation, and each recorded hand-over's seconds at the replay's
+readmission of the same order (:func:`hand_over_seconds`).
 
 Figures (:class:`Timeline`), for the recorded run and each replay, on one rank's
 clock (the lowest rank present at every step; wall seconds across hosts, simulated
@@ -185,9 +189,17 @@ def eval_seconds(lines: Sequence[Mapping[str, Any]], rank: int) -> float:
     return max(0.0, statistics.median(extra_with) - base)
 
 
+def hand_over_seconds(lines: Sequence[Mapping[str, Any]], rank: int) -> list[float]:
+    """The seconds each readmission's hand-over of the state took ``rank``, in order (the
+    trace's ``hand_over`` lines: one per rank and readmission)."""
+    return [float(line.get("seconds") or 0.0) for line in lines
+            if line.get("kind") == "hand_over" and line.get("rank") == rank]
+
+
 def timeline(lines: Sequence[Mapping[str, Any]], round_steps: int, num_nodes: int, *,
              rank: int | None = None, add_eval_s: float = 0.0,
-             measured_eval: bool = False) -> Timeline:
+             measured_eval: bool = False,
+             add_hand_overs: Sequence[float] = ()) -> Timeline:
     """A run's :class:`Timeline` from its trace lines.
 
     Args:
@@ -198,6 +210,9 @@ def timeline(lines: Sequence[Mapping[str, Any]], round_steps: int, num_nodes: in
         add_eval_s: seconds to add at each evaluation (a replay of a measured run: the
             simulated clock charges no evaluation, the recorded run paid for them).
         measured_eval: note the evaluation's cost measured in ``lines`` as ``eval_s``.
+        add_hand_overs: seconds to add at each readmission, in order (a replay: the
+            simulation hands a returning rank the state without charging the clock, the
+            recorded run paid for it, :func:`hand_over_seconds`).
     """
     rank = reference_rank(lines, num_nodes) if rank is None else rank
     clocked = any(line.get("kind") in ("step", "steps") and line.get("sim_time_s") is not None
@@ -208,9 +223,14 @@ def timeline(lines: Sequence[Mapping[str, Any]], round_steps: int, num_nodes: in
                    for line in lines if line.get("kind") == "eval" and line.get("rank") == rank
                    and line.get("val_loss") is not None)
     eval_steps = [step for step, _ in evals]
+    rejoins = [int(change["step"]) for before, change in zip(membership_lines(lines),
+                                                               membership_lines(lines)[1:])
+               if set(change.get("ranks") or ()) - set(before.get("ranks") or ())]
+    paid = list(zip(rejoins, add_hand_overs))
     times: dict[int, float] = {}
     for step in sorted(mine):
-        extra = add_eval_s * sum(1 for s in eval_steps if s <= step)
+        extra = add_eval_s * sum(1 for s in eval_steps if s <= step) + \
+            sum(seconds for at, seconds in paid if at <= step)
         times[step] = float(mine[step][key]) + extra
     rounds = _rounds(times, round_steps)
     evaluations = [(step, loss, times[step]) for step, loss in evals if step in times]
@@ -295,7 +315,13 @@ class Recording:
                     if line.get("kind") in ("step", "steps")), default=0)
 
     def compute_per_step(self) -> list[float]:
-        """Each rank's mean compute seconds per step, as recorded."""
+        """Each rank's mean seconds of its own per step: measured across hosts, the step's
+        wall time less its time in collectives (waiting for peers included there), so what
+        the rank does between steps counts too; evaluation steps and a rank's first step
+        after a (re)start are left out. With a simulated clock, the compute it charged."""
+        own = self._own_wall_time()
+        if own is not None:
+            return own
         total = [0.0] * self.num_nodes
         count = [0] * self.num_nodes
         latest: dict[tuple[int, int], dict[str, Any]] = {}
@@ -314,6 +340,28 @@ class Recording:
                               f"rank{'s' if len(missing) > 1 else ''} "
                               f"{', '.join(map(str, missing))}")
         return [total[r] / count[r] for r in range(self.num_nodes)]
+
+    def _own_wall_time(self) -> list[float] | None:
+        if any(line.get("sim_time_s") is not None for line in self.lines
+               if line.get("kind") == "step"):
+            return None
+        evaluated = {(line["rank"], line["step"]) for line in self.lines
+                     if line.get("kind") == "eval"}
+        latest: dict[tuple[int, int], Mapping[str, Any]] = {}
+        for line in self.lines:
+            if line.get("kind") == "step" and line.get("wall_s") is not None:
+                latest[(line["rank"], line["step"])] = line
+        spans: dict[int, list[float]] = {}
+        for (rank, step), line in latest.items():
+            before = latest.get((rank, step - 1))
+            if before is None or (rank, step) in evaluated or not 0 <= rank < self.num_nodes:
+                continue
+            took = line["wall_s"] - before["wall_s"] - (line.get("comm_s") or 0.0)
+            if took > 0:  # a restarted rank's clock starts again: no span across it
+                spans.setdefault(rank, []).append(took)
+        if len(spans) < self.num_nodes:
+            return None
+        return [statistics.fmean(spans[r]) for r in range(self.num_nodes)]
 
     def network(self) -> tuple[dict[str, Any] | None, str]:
         """The links to replay on, as a ``network`` value, and where they come from."""
@@ -766,8 +814,10 @@ def replay(recording: Recording, variants: Sequence[Variant],
     real = timeline(recording.lines, recording.round_steps, recording.num_nodes,
                     measured_eval=True)
     eval_s = real.eval_s if real.clock == "wall" else 0.0
+    hand_overs = hand_over_seconds(recording.lines, real.rank) if real.clock == "wall" else []
     _, cluster = replay_profile(recording, Path(variants[0].profile.resolved.output_dir).parent)
     cluster["eval_s"] = _r(eval_s)
+    cluster["hand_over_s"] = [_r(h) for h in hand_overs]
     results = []
     for variant in variants:
         sink = progress(variant) if progress is not None else False
@@ -777,7 +827,8 @@ def replay(recording: Recording, variants: Sequence[Variant],
             raise RunFailedError(f"replaying {variant.label}: {brief_failure(exc)}") from exc
         lines = read_trace(trainer.trace_path)
         figures = timeline(lines, round_steps_of(variant.profile), recording.num_nodes,
-                           rank=real.rank if variant.recorded else None, add_eval_s=eval_s)
+                           rank=real.rank if variant.recorded else None, add_eval_s=eval_s,
+                           add_hand_overs=hand_overs)
         results.append((variant, figures))
         if on_result is not None:
             on_result(variant, figures)
