@@ -171,19 +171,28 @@ def test_the_membership_timeline_becomes_rank_failures_and_its_cost():
              {"kind": "membership", "step": 1, "ranks": [0, 1, 2], "reason": "start"},
              {"kind": "membership", "step": 21, "ranks": [0, 1], "reason": "b lost"},
              {"kind": "membership", "step": 41, "ranks": [0, 1, 2], "reason": "b rejoined"}]
-    # rank 0's clock: rounds of 10 steps, 1 s each, but 6 s for the round the host was lost in
+    # rank 0's clock: rounds of 10 steps, 1 s each, but 6 s for the round the host was lost in;
+    # rank 1 lost mid-round at step 55 and back at 58, announced by no membership change
     wall = 0.0
     for step in range(1, 61):
         wall += 0.6 if step in range(11, 21) else 0.1
-        lines.append({"kind": "step", "rank": 0, "step": step, "compute_s": 0.1, "comm_s": 0.0,
-                      "wall_s": wall})
+        for rank in range(3):
+            if (rank == 2 and 21 <= step <= 40) or (rank == 1 and 55 <= step <= 57):
+                continue
+            lines.append({"kind": "step", "rank": rank, "step": step, "compute_s": 0.1,
+                          "comm_s": 0.0, "wall_s": wall})
     recording = Recording(Path("."), lines, lines[0], None, None, 3, 10)  # type: ignore[arg-type]
-    assert recording.rank_failures() == [[2, 21, 41]]
+    assert recording.rank_failures() == [[1, 55, 58], [2, 21, 41]]
     figures = timeline(lines, 10, 3)
     assert figures.rank == 0 and figures.round_s_median == pytest.approx(1.0)
     lost = {m["step"]: m.get("lost_s") for m in figures.membership}
     assert lost[21] == pytest.approx(5.0) and lost[41] == pytest.approx(0.0)
+    assert lost[55] == pytest.approx(0.0) and 58 in lost
     assert figures.wall_s == pytest.approx(11.0)
+    # a replay's timeline pays each recorded hand-over at its readmission of the same order
+    paid = timeline(lines, 10, 3, add_hand_overs=[0.5, 2.0])
+    assert paid.times[57] == pytest.approx(figures.times[57] + 0.5)
+    assert paid.wall_s == pytest.approx(11.0 + 2.5)
 
 
 @pytest.fixture(scope="module")

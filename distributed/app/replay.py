@@ -158,6 +158,38 @@ def membership_lines(lines: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
     return [dict(line) for line in lines if line.get("kind") == "membership"]
 
 
+def absences(lines: Sequence[Mapping[str, Any]], num_nodes: int
+             ) -> list[tuple[int, int, int | None]]:
+    """When each rank was away: ``(rank, first step it missed, first step it trained
+    again or None)``, from the steps each rank recorded (a ``steps`` block counts as
+    present from its first step to its last). The steps say it whether or not a
+    membership change was announced: a rank lost in the middle of a round and back
+    before the round ended leaves no change of its own."""
+    present: dict[int, set[int]] = {}
+    last = 0
+    for line in lines:
+        if line.get("kind") == "step":
+            present.setdefault(line["rank"], set()).add(line["step"])
+            last = max(last, line["step"])
+        elif line.get("kind") == "steps":
+            present.setdefault(line["rank"], set()).update(range(line["first"],
+                                                                 line["last"] + 1))
+            last = max(last, line["last"])
+    found: list[tuple[int, int, int | None]] = []
+    for rank in range(num_nodes):
+        mine = present.get(rank, set())
+        away = None
+        for step in range(1, last + 1):
+            if step not in mine and away is None:
+                away = step
+            elif step in mine and away is not None:
+                found.append((rank, away, step))
+                away = None
+        if away is not None:
+            found.append((rank, away, None))
+    return found
+
+
 def reference_rank(lines: Sequence[Mapping[str, Any]], num_nodes: int) -> int:
     """The lowest rank present at every step: no membership change leaves it out."""
     changes = membership_lines(lines)
@@ -223,9 +255,7 @@ def timeline(lines: Sequence[Mapping[str, Any]], round_steps: int, num_nodes: in
                    for line in lines if line.get("kind") == "eval" and line.get("rank") == rank
                    and line.get("val_loss") is not None)
     eval_steps = [step for step, _ in evals]
-    rejoins = [int(change["step"]) for before, change in zip(membership_lines(lines),
-                                                               membership_lines(lines)[1:])
-               if set(change.get("ranks") or ()) - set(before.get("ranks") or ())]
+    rejoins = sorted(back for _, _, back in absences(lines, num_nodes) if back is not None)
     paid = list(zip(rejoins, add_hand_overs))
     times: dict[int, float] = {}
     for step in sorted(mine):
@@ -235,6 +265,15 @@ def timeline(lines: Sequence[Mapping[str, Any]], round_steps: int, num_nodes: in
     rounds = _rounds(times, round_steps)
     evaluations = [(step, loss, times[step]) for step, loss in evals if step in times]
     changes = membership_lines(lines)
+    announced = {int(c.get("step") or 1) for c in changes}
+    for away_rank, first, back in absences(lines, num_nodes):
+        if first not in announced:
+            changes.append({"step": first, "ranks": None,
+                            "reason": f"rank {away_rank} recorded no step from step {first}"})
+        if back is not None and back not in announced:
+            changes.append({"step": back, "ranks": None,
+                            "reason": f"rank {away_rank} recorded steps again from step {back}"})
+    changes.sort(key=lambda c: int(c.get("step") or 1))
     median = statistics.median(rounds.values()) if rounds else 0.0
     membership = []
     for change in changes:
@@ -317,8 +356,9 @@ class Recording:
     def compute_per_step(self) -> list[float]:
         """Each rank's mean seconds of its own per step: measured across hosts, the step's
         wall time less its time in collectives (waiting for peers included there), so what
-        the rank does between steps counts too; evaluation steps and a rank's first step
-        after a (re)start are left out. With a simulated clock, the compute it charged."""
+        the rank does between steps counts too; evaluation steps, readmissions' steps (their
+        hand-over is paid apart) and a rank's first step after a (re)start are left out.
+        With a simulated clock, the compute it charged."""
         own = self._own_wall_time()
         if own is not None:
             return own
@@ -347,6 +387,8 @@ class Recording:
             return None
         evaluated = {(line["rank"], line["step"]) for line in self.lines
                      if line.get("kind") == "eval"}
+        # a readmission's step holds the hand-over, which the replay pays apart
+        handed = {back for _, _, back in absences(self.lines, self.num_nodes) if back}
         latest: dict[tuple[int, int], Mapping[str, Any]] = {}
         for line in self.lines:
             if line.get("kind") == "step" and line.get("wall_s") is not None:
@@ -354,7 +396,8 @@ class Recording:
         spans: dict[int, list[float]] = {}
         for (rank, step), line in latest.items():
             before = latest.get((rank, step - 1))
-            if before is None or (rank, step) in evaluated or not 0 <= rank < self.num_nodes:
+            if before is None or (rank, step) in evaluated or step in handed \
+                    or not 0 <= rank < self.num_nodes:
                 continue
             took = line["wall_s"] - before["wall_s"] - (line.get("comm_s") or 0.0)
             if took > 0:  # a restarted rank's clock starts again: no span across it
@@ -396,22 +439,8 @@ class Recording:
         return value, where
 
     def rank_failures(self) -> list[list[int | None]] | None:
-        """The recorded membership timeline as ``rank_failures`` entries."""
-        changes = membership_lines(self.lines)
-        if len(changes) <= 1:
-            return None
-        failures: list[list[int | None]] = []
-        away: dict[int, list[int | None]] = {}
-        for change in changes:
-            present = set(change.get("ranks") or ())
-            step = int(change.get("step") or 1)
-            for rank in range(self.num_nodes):
-                if rank not in present and rank not in away and step > 1:
-                    away[rank] = [rank, step, None]
-                    failures.append(away[rank])
-                elif rank in present and rank in away:
-                    away.pop(rank)[2] = step
-        return failures or None
+        """The recorded absences (:func:`absences`) as ``rank_failures`` entries."""
+        return [list(a) for a in absences(self.lines, self.num_nodes)] or None
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
