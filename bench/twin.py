@@ -41,7 +41,7 @@ from typing import Any
 
 from bench.harness import ROOT
 from bench.harness.session import QUICK_MODEL, on_bed
-from bench.harness.slow_host import SlowGroup, reap_stale_groups
+from bench.harness.slow_host import SlowGroup, cpu_cgroup_of, reap_stale_groups
 from tests.netbed import PREFIX, Testbed, free_port, worker_pid
 
 #: Targets: replay / real within these.
@@ -53,10 +53,13 @@ class Watch:
     """A progress sink for :func:`distributed.app.run.train` that notes each rank's last
     step and, once, kills ``rank``'s process when it reaches ``kill_step``."""
 
-    def __init__(self, rank: int, kill_step: int, marker: str) -> None:
+    def __init__(self, rank: int, kill_step: int, marker: str, slow_rank: int = 1) -> None:
         self.rank = rank
         self.kill_step = kill_step
         self.marker = marker
+        self.slow_rank = slow_rank
+        #: the ``cpu`` cgroup the slowed rank's process ran in (seen at its first step)
+        self.slow_cgroup: str | None = None
         self.killed: dict[str, Any] = {}
         self.steps: dict[int, int] = {}
         self.lock = threading.Lock()
@@ -69,6 +72,9 @@ class Watch:
             return
         rank, step = event.get("rank"), event.get("step", 0)
         self.steps[rank] = step
+        if rank == self.slow_rank and self.slow_cgroup is None:
+            pid = worker_pid(rank, self.marker)
+            self.slow_cgroup = cpu_cgroup_of(pid) if pid is not None else "not found"
         with self.lock:
             if rank == self.rank and step >= self.kill_step and not self.killed:
                 pid = worker_pid(rank, self.marker)
@@ -83,7 +89,8 @@ class Watch:
         pass
 
 
-def run_case(bed: Testbed, strategy: str, args: argparse.Namespace, out: Path) -> dict:
+def run_case(bed: Testbed, strategy: str, args: argparse.Namespace, out: Path,
+             group: SlowGroup) -> dict:
     """One real run on the bed, then its replay here; the comparison (``to_dict``)."""
     from rich.console import Console
 
@@ -119,6 +126,7 @@ def run_case(bed: Testbed, strategy: str, args: argparse.Namespace, out: Path) -
                           "env": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
     watch = Watch(len(bed.hosts), int(steps * args.kill_at), str(folder))
     log = io.StringIO()
+    throttled = group.throttled_s()
     began = time.monotonic()
     print(f"{strategy}: {steps} steps on {len(bed.hosts) + 1} hosts at {args.rate}, rank 1 "
           f"at {args.slow:g} of a core, rank {watch.rank} killed at step {watch.kill_step}",
@@ -129,14 +137,18 @@ def run_case(bed: Testbed, strategy: str, args: argparse.Namespace, out: Path) -
         print(log.getvalue()[-4000:], file=sys.stderr)
         raise
     real_s = time.monotonic() - began
-    print(f"  real run done in {real_s:.0f} s (killed: {watch.killed or 'not reached'}); "
-          "replaying it here", flush=True)
+    throttled = round(group.throttled_s() - throttled, 2)
+    print(f"  real run done in {real_s:.0f} s (killed: {watch.killed or 'not reached'}; rank 1 "
+          f"in cpu cgroup {watch.slow_cgroup}, throttled {throttled:.1f} s); replaying it here",
+          flush=True)
     recording = load_recording(folder)
     variants = plan_variants(recording, [], {}, folder / "replay")
     began = time.monotonic()
     result = replay(recording, variants)
     report = result.to_dict()
-    report["bench"] = {"run_dir": str(folder), "real_run_s": real_s, "replay_run_s": time.monotonic() - began,
+    report["bench"] = {"run_dir": str(folder), "real_run_s": real_s,
+                       "slow_rank_cgroup": watch.slow_cgroup, "slow_group_throttled_s": throttled,
+                       "replay_run_s": time.monotonic() - began,
                        "killed": {k: v for k, v in watch.killed.items() if k != "at"}}
     return report
 
@@ -159,7 +171,7 @@ def print_case(strategy: str, report: dict) -> list[str]:
     print(f"\n{strategy}: real ({real['clock']} clock) vs replay; links "
           f"{report['cluster']['network']}, rank_speeds {report['cluster']['rank_speeds']}, "
           f"rank_failures {report['cluster']['rank_failures']}, eval "
-          f"{report['cluster']['eval_s']:.3g} s")
+          f"{report['cluster']['eval_s']:.3g} s, hand-overs {report['cluster']['hand_over_s']} s")
     print(f"  {'':<38} {'real':>10} {'replay':>10} {'ratio':>8}")
     line("total wall time (s)", real["wall_s"], rep["wall_s"], ratios["wall_s"], TIME_TOLERANCE)
     line(f"median round of {real['round_steps']} step(s) (s)", real["round_s_median"],
@@ -224,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 group.add(pid)
             reports, missed = {}, []
             for strategy in strategies:
-                reports[strategy] = run_case(bed, strategy, args, out)
+                reports[strategy] = run_case(bed, strategy, args, out, group)
                 missed += print_case(strategy, reports[strategy])
             path = out / "twin.json"
             tmp = path.with_suffix(".json.tmp")

@@ -7,11 +7,12 @@ run again on this machine (:func:`replay`):
 - **the same run**: the profile and every setting from the run's identity
   (``run.json``: its fingerprint must be the trace's), so the same seed and data
   order, and as many steps as the run made;
-- **the same ranks**: each rank's speed (``rank_speeds``) from its recorded
-  own seconds per step (across hosts a step's wall time less its collectives;
-  with a simulated clock the compute it charged), on a fixed simulated step
-  (``compute_time_s``: the fastest rank's mean), so the clock charges every rank
-  what it took;
+- **the same ranks**: each rank's own seconds at each step as recorded (across
+  hosts a step's wall time less its collectives; with a simulated clock the
+  compute it charged) as the clock's ``compute_schedule``, so the clock charges
+  every rank what it took, step by step (a machine busier in one part of the run
+  than in another included); ``rank_speeds`` (on ``compute_time_s``, the fastest
+  rank's mean) say each rank's mean speed;
 - **the same links**: ``network=`` from each host's pre-flight link rate and
   latency across hosts (the trace's ``hosts``), or the simulation's own network;
 - **the same events**: the recorded membership timeline (hosts lost and
@@ -381,6 +382,46 @@ class Recording:
                               f"{', '.join(map(str, missing))}")
         return [total[r] / count[r] for r in range(self.num_nodes)]
 
+    def compute_schedule(self) -> list[list[float]]:
+        """Per rank, its own seconds at each step 1..:attr:`steps`, as recorded (what
+        :meth:`compute_per_step` averages); a step whose own time is not known (an
+        evaluation's, a readmission's, a step the rank was away for, a restart's first)
+        gets the rank's mean. A ``steps`` block's steps share its sum evenly."""
+        means = self.compute_per_step()
+        steps = self.steps
+        schedule = [[means[r]] * steps for r in range(self.num_nodes)]
+        clocked = any(line.get("sim_time_s") is not None for line in self.lines
+                      if line.get("kind") == "step")
+        evaluated = {(line["rank"], line["step"]) for line in self.lines
+                     if line.get("kind") == "eval"}
+        handed = {back for _, _, back in absences(self.lines, self.num_nodes) if back}
+        points: dict[int, dict[int, Mapping[str, Any]]] = {}
+        for line in self.lines:  # later lines replace earlier ones (a restarted job)
+            if line.get("kind") in ("step", "steps") and 0 <= line["rank"] < self.num_nodes:
+                points.setdefault(line["rank"], {})[line.get("step", line.get("last"))] = line
+        for rank, mine in points.items():
+            for end in sorted(mine):
+                line = mine[end]
+                count = int(line.get("count", 1))
+                first = end - count + 1
+                if clocked:
+                    own = line.get("compute_s")
+                else:
+                    before = mine.get(first - 1)
+                    if (rank, end) in evaluated or end in handed or line.get("wall_s") is None:
+                        continue
+                    if before is not None and before.get("wall_s") is not None:
+                        own = line["wall_s"] - before["wall_s"] - (line.get("comm_s") or 0.0)
+                    elif first == 1:  # a rank's clock starts at its training's start
+                        own = line["wall_s"] - (line.get("comm_s") or 0.0)
+                    else:
+                        continue
+                if own is None or own < 0 or not 1 <= first <= end <= steps:
+                    continue
+                for step in range(first, end + 1):
+                    schedule[rank][step - 1] = float(own) / count
+        return schedule
+
     def _own_wall_time(self) -> list[float] | None:
         if any(line.get("sim_time_s") is not None for line in self.lines
                if line.get("kind") == "step"):
@@ -565,6 +606,7 @@ class Variant:
         settings: the ``--set`` values it adds.
         profile: the profile that runs, the recorded cluster applied.
         rank_failures: the recorded membership changes, as ``fit`` takes them.
+        compute_schedule: each rank's compute at each step, as ``fit`` takes it.
         recorded: True for the run as recorded.
     """
 
@@ -573,6 +615,7 @@ class Variant:
     settings: dict[str, Any]
     profile: Profile
     rank_failures: list[list[int | None]] | None = None
+    compute_schedule: list[list[float]] | None = None
     recorded: bool = False
 
 
@@ -584,10 +627,14 @@ def replay_profile(recording: Recording, out: Path, base: Profile | None = None,
     It trains the run's samples: as many steps as the run made, scaled when ``base``
     has another ``batch_size``, unless ``max_steps`` is given.
 
+    The clock charges each rank, step by step, what it took in the recorded run
+    (``compute_schedule``, in full-speed seconds so that ``rank_speeds`` divides them
+    back), scaled by ``base``'s batch size over the run's.
+
     Returns:
         The profile, and the cluster's settings as applied (for the report); the
-        membership changes (``rank_failures``, a simulation's argument, no profile key)
-        are in the latter alone.
+        membership changes (``rank_failures``) and the schedule (``compute_schedule``),
+        arguments of a simulation and no profile keys, are in the latter alone.
     """
     base = base or recording.profile
     compute = recording.compute_per_step()
@@ -614,8 +661,12 @@ def replay_profile(recording: Recording, out: Path, base: Profile | None = None,
         profile = base.with_overrides(values)
     except ProfileError as exc:
         raise ReplayError(f"the recorded cluster does not fit {label}: {exc}") from None
+    scale = own_batch / batch if isinstance(batch, int) and isinstance(own_batch, int) else 1.0
+    schedule = [[own * speed * scale for own in row]
+                for row, speed in zip(recording.compute_schedule(), cluster["rank_speeds"])]
     report = {**cluster, "rank_failures": failures, "links_from": links_from, "max_steps": steps,
-              "compute_per_step_s": [round(c, 6) for c in compute]}
+              "compute_per_step_s": [round(c, 6) for c in compute],
+              "compute_schedule": schedule}
     return profile, report
 
 
@@ -661,7 +712,8 @@ def plan_variants(recording: Recording, strategies: Sequence[str],
         names = [recorded_strategy]
     base, cluster = replay_profile(recording, out, label="as recorded")
     failures = cluster["rank_failures"]
-    variants = [Variant("as recorded", recorded_strategy, {}, base, failures, recorded=True)]
+    variants = [Variant("as recorded", recorded_strategy, {}, base, failures,
+                        cluster["compute_schedule"], recorded=True)]
     used: set[str] = set()
     for name in names:
         source = recording.profile
@@ -674,9 +726,9 @@ def plan_variants(recording: Recording, strategies: Sequence[str],
         used |= set(taken)
         extra = COMPARE_SETTINGS.get(name, {}) if name != recorded_strategy else {}
         label = " ".join([name, *(f"{k}={v}" for k, v in {**extra, **taken}.items())])
-        profile, _ = replay_profile(recording, out, plan, label,
-                                    max_steps=overrides.get("max_steps"))
-        variants.append(Variant(label, name, taken, profile, failures))
+        profile, own = replay_profile(recording, out, plan, label,
+                                      max_steps=overrides.get("max_steps"))
+        variants.append(Variant(label, name, taken, profile, failures, own["compute_schedule"]))
     unused = sorted(set(overrides) - used)
     if unused:
         accepted = set().union(*(v.profile.resolved.routing.named for v in variants))
@@ -815,7 +867,8 @@ def simulate(variant: Variant, progress: Any = False) -> Any:
                 save_dir=str(out / "checkpoints"), log_dir=str(out / "logs"),
                 progress=progress, trace=str(out),
                 rank_failures=[tuple(f) for f in variant.rank_failures]
-                if variant.rank_failures else None)
+                if variant.rank_failures else None,
+                compute_schedule=variant.compute_schedule)
     atomic_write_json(out / "summary.json", {"profile": profile.name, "replay": variant.label,
                                              **trainer.summary})
     return trainer
@@ -845,6 +898,9 @@ def replay(recording: Recording, variants: Sequence[Variant],
     eval_s = real.eval_s if real.clock == "wall" else 0.0
     hand_overs = hand_over_seconds(recording.lines, real.rank) if real.clock == "wall" else []
     _, cluster = replay_profile(recording, Path(variants[0].profile.resolved.output_dir).parent)
+    schedule = cluster.pop("compute_schedule")
+    cluster["compute_schedule"] = (f"each rank's {len(schedule[0])} steps as recorded "
+                                   "(full-speed seconds, divided by rank_speeds)")
     cluster["eval_s"] = _r(eval_s)
     cluster["hand_over_s"] = [_r(h) for h in hand_overs]
     results = []
