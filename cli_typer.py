@@ -590,10 +590,10 @@ def replay_run(
             load_recording,
             plan_variants,
             replay,
+            write_outputs,
         )
         from distributed.app.run import parse_overrides
-        from distributed.app.web.replay_page import PageServer, replay_html
-        from exogym.base.io import atomic_write_bytes
+        from distributed.app.web.replay_page import PageServer
 
         recording = load_recording(run_dir)
         folder = out or run_dir / REPLAY_FOLDER
@@ -609,12 +609,7 @@ def replay_run(
             return False
 
         result = replay(recording, variants, progress=started)
-        report = result.to_dict()
-        folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(folder / "replay.json",
-                           (json.dumps(report, indent=1) + "\n").encode("utf-8"))
-        page = replay_html(report, result.timelines())
-        atomic_write_bytes(folder / "replay.html", page.encode("utf-8"))
+        report, page = write_outputs(result, folder)
         if json_out:
             print(json.dumps(report))
         else:

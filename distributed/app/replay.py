@@ -56,7 +56,7 @@ from exogym.strategy import registry
 
 __all__ = ["REPLAY_FOLDER", "Recording", "ReplayError", "ReplayResult", "Timeline", "Variant",
            "eval_seconds", "load_recording", "plan_variants", "replay", "replay_profile",
-           "time_to_loss", "timeline"]
+           "time_to_loss", "timeline", "write_outputs"]
 
 #: The replays' folder inside the run's folder (``--out`` replaces it).
 REPLAY_FOLDER = "replay"
@@ -843,6 +843,21 @@ class ReplayResult:
                 "real": self.real.to_dict(), "replay": self.replay.to_dict(),
                 "ratios": self.ratios(), "cluster": self.cluster,
                 "what_if": self.ranking() if len(self.replays) > 1 else []}
+
+
+def write_outputs(result: ReplayResult, folder: Path) -> tuple[dict[str, Any], str]:
+    """Write ``replay.json`` (the comparison) and ``replay.html`` (its page) into
+    ``folder``, each atomically; returns the comparison and the page."""
+    from distributed.app.web.replay_page import replay_html
+    from exogym.base.io import atomic_write_bytes
+
+    report = result.to_dict()
+    page = replay_html(report, result.timelines())
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(folder / "replay.json",
+                       (json.dumps(report, indent=1) + "\n").encode("utf-8"))
+    atomic_write_bytes(folder / "replay.html", page.encode("utf-8"))
+    return report, page
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
