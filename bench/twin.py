@@ -22,6 +22,7 @@ Targets: total and median round within 15 %, every validation loss within 2 %.
 
     python -m bench.twin                      # chargpt-bench, 100mbit
     python -m bench.twin --quick              # a small model, fewer steps
+    python -m bench.twin --replay-only        # replay the runs in --out again, no bed
 
 Needs root, iproute2, sshd and cgroup v1 ``cpu`` (``tests/setup_system.sh``).
 """
@@ -94,7 +95,6 @@ def run_case(bed: Testbed, strategy: str, args: argparse.Namespace, out: Path,
     """One real run on the bed, then its replay here; the comparison (``to_dict``)."""
     from rich.console import Console
 
-    from distributed.app.replay import load_recording, plan_variants, replay
     from distributed.app.run import TrainRequest, train
     from distributed.hosts.hostsfile import load_hosts
 
@@ -141,15 +141,22 @@ def run_case(bed: Testbed, strategy: str, args: argparse.Namespace, out: Path,
     print(f"  real run done in {real_s:.0f} s (killed: {watch.killed or 'not reached'}; rank 1 "
           f"in cpu cgroup {watch.slow_cgroup}, throttled {throttled:.1f} s); replaying it here",
           flush=True)
-    recording = load_recording(folder)
-    variants = plan_variants(recording, [], {}, folder / "replay")
-    began = time.monotonic()
-    result = replay(recording, variants)
-    report = result.to_dict()
+    report = replay_run(folder)
     report["bench"] = {"run_dir": str(folder), "real_run_s": real_s,
                        "slow_rank_cgroup": watch.slow_cgroup, "slow_group_throttled_s": throttled,
-                       "replay_run_s": time.monotonic() - began,
                        "killed": {k: v for k, v in watch.killed.items() if k != "at"}}
+    return report
+
+
+def replay_run(folder: Path) -> dict:
+    """Replay the recorded run in ``folder`` here; the comparison (``to_dict``)."""
+    from distributed.app.replay import load_recording, plan_variants, replay, write_outputs
+
+    recording = load_recording(folder)
+    began = time.monotonic()
+    result = replay(recording, plan_variants(recording, [], {}, folder / "replay"))
+    report, _ = write_outputs(result, folder / "replay")
+    report["replay_run_s"] = round(time.monotonic() - began, 1)
     return report
 
 
@@ -170,8 +177,8 @@ def print_case(strategy: str, report: dict) -> list[str]:
 
     print(f"\n{strategy}: real ({real['clock']} clock) vs replay; links "
           f"{report['cluster']['network']}, rank_speeds {report['cluster']['rank_speeds']}, "
-          f"rank_failures {report['cluster']['rank_failures']}, eval "
-          f"{report['cluster']['eval_s']:.3g} s, hand-overs {report['cluster']['hand_over_s']} s")
+          f"rank_failures {report['cluster']['rank_failures']}, evaluation "
+          f"{report['cluster']['eval_s']} s, hand-overs {report['cluster']['hand_over_s']} s")
     print(f"  {'':<38} {'real':>10} {'replay':>10} {'ratio':>8}")
     line("total wall time (s)", real["wall_s"], rep["wall_s"], ratios["wall_s"], TIME_TOLERANCE)
     line(f"median round of {real['round_steps']} step(s) (s)", real["round_s_median"],
@@ -209,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--quick", action="store_true",
                         help=f"a small model ({', '.join(QUICK_MODEL)}), fewer steps")
+    parser.add_argument("--replay-only", action="store_true",
+                        help="build no bed and run nothing: replay the runs an earlier bench "
+                             "left in --out again (after a change to the replay)")
     parser.add_argument("--subnet", default="10.213.81")
     parser.add_argument("--out", default=str(ROOT / "runs" / "twin"),
                         help="where the runs (each with its trace and replay) and twin.json "
@@ -225,6 +235,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--kill-at must be between 0 and 1, got {args.kill_at}")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.replay_only:
+        missed = []
+        for strategy in strategies:
+            if not (out / strategy / "trace.jsonl").is_file():
+                parser.error(f"--replay-only: {out / strategy} holds no recorded run; run the "
+                             "bench without --replay-only first")
+        for strategy in strategies:
+            missed += print_case(strategy, replay_run(out / strategy))
+        print("targets missed: " + (", ".join(missed) if missed else "none"))
+        return 0
 
     def body(bed: Testbed) -> int:
         bed.shape(args.rate)

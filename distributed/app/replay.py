@@ -20,8 +20,10 @@ run again on this machine (:func:`replay`):
 
 Evaluation and the hand-over of the state to a readmitted rank cost a real run
 time that the simulated clock does not charge: the seconds one evaluation added
-to the recorded run (:func:`eval_seconds`) are added to the replay's timeline at
-each evaluation, and each recorded hand-over's seconds at the replay's
+to the recorded run (:func:`eval_seconds`, apart for an evaluation that ends a
+round and one inside a round, which must first gather the ranks' models) are
+added to the replay's timeline at each evaluation, by where it falls in the
+replayed strategy's rounds, and each recorded hand-over's seconds at the replay's
 readmission of the same order (:func:`hand_over_seconds`).
 
 Figures (:class:`Timeline`), for the recorded run and each replay, on one rank's
@@ -87,7 +89,7 @@ class Timeline:
         evaluations: ``(step, validation loss, seconds)`` at each evaluation.
         membership: each change of the ranks that train: ``step``, ``ranks``,
             ``reason``, ``lost_s`` (what the rounds around it took beyond the median round).
-        eval_s: seconds one evaluation adds (in ``times``).
+        eval_s: seconds one evaluation adds, at a round's end and inside one (in ``times``).
     """
 
     clock: str
@@ -97,7 +99,7 @@ class Timeline:
     rounds: list[float]
     evaluations: list[tuple[int, float, float]]
     membership: list[dict[str, Any]] = field(default_factory=list)
-    eval_s: float = 0.0
+    eval_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def wall_s(self) -> float:
@@ -134,7 +136,7 @@ class Timeline:
                 "evaluations": [[step, loss] for step, loss, _ in self.evaluations],
                 "evaluation_s": [_r(t) for _, _, t in self.evaluations],
                 "final_val_loss": self.final_val_loss,
-                "membership": self.membership, "eval_s": _r(self.eval_s)}
+                "membership": self.membership, "eval_s": self.eval_s}
 
 
 def _r(value: float | None) -> float | None:
@@ -200,26 +202,35 @@ def reference_rank(lines: Sequence[Mapping[str, Any]], num_nodes: int) -> int:
     return min(everywhere) if everywhere else 0
 
 
-def eval_seconds(lines: Sequence[Mapping[str, Any]], rank: int) -> float:
-    """What one evaluation added to a measured run's step, on ``rank``'s clock: the median
-    step with an evaluation less the median step without, each less its compute and
-    collectives (0 when the run has a simulated clock: it charges no evaluation)."""
+def eval_seconds(lines: Sequence[Mapping[str, Any]], rank: int, round_steps: int = 1
+                 ) -> dict[str, float]:
+    """What one evaluation added to a measured run's step, on ``rank``'s clock, apart for
+    evaluations that end a round (``round_end``) and those inside one (``mid_round``: the
+    averaged model's loss then needs the ranks' models gathered first): for each, the
+    median step with an evaluation less the median step without, each less its compute
+    and collectives. Where the run had no evaluation of a kind, the other's figure
+    stands for it; 0 when the run has a simulated clock (it charges no evaluation)."""
     steps = {line["step"]: line for line in lines
              if line.get("kind") == "step" and line.get("rank") == rank}
     evaluated = {line["step"] for line in lines
                  if line.get("kind") == "eval" and line.get("rank") == rank}
-    extra_with, extra_without = [], []
+    extra: dict[str, list[float]] = {"round_end": [], "mid_round": [], "none": []}
     for step, line in steps.items():
         before = steps.get(step - 1)
         if before is None or line.get("sim_time_s") is not None or "wall_s" not in line:
             continue
         rest = (line["wall_s"] - before["wall_s"] - (line.get("compute_s") or 0.0)
                 - (line.get("comm_s") or 0.0))
-        (extra_with if step in evaluated else extra_without).append(rest)
-    if not extra_with:
-        return 0.0
-    base = statistics.median(extra_without) if extra_without else 0.0
-    return max(0.0, statistics.median(extra_with) - base)
+        kind = "none" if step not in evaluated else \
+            "round_end" if step % round_steps == 0 else "mid_round"
+        extra[kind].append(rest)
+    base = statistics.median(extra["none"]) if extra["none"] else 0.0
+    found = {kind: max(0.0, statistics.median(extra[kind]) - base)
+             for kind in ("round_end", "mid_round") if extra[kind]}
+    if not found:
+        return {"round_end": 0.0, "mid_round": 0.0}
+    return {kind: round(found.get(kind, next(iter(found.values()))), 6)
+            for kind in ("round_end", "mid_round")}
 
 
 def hand_over_seconds(lines: Sequence[Mapping[str, Any]], rank: int) -> list[float]:
@@ -230,7 +241,7 @@ def hand_over_seconds(lines: Sequence[Mapping[str, Any]], rank: int) -> list[flo
 
 
 def timeline(lines: Sequence[Mapping[str, Any]], round_steps: int, num_nodes: int, *,
-             rank: int | None = None, add_eval_s: float = 0.0,
+             rank: int | None = None, add_eval_s: Mapping[str, float] | None = None,
              measured_eval: bool = False,
              add_hand_overs: Sequence[float] = ()) -> Timeline:
     """A run's :class:`Timeline` from its trace lines.
@@ -240,8 +251,9 @@ def timeline(lines: Sequence[Mapping[str, Any]], round_steps: int, num_nodes: in
         round_steps: steps per round of its strategy.
         num_nodes: its ranks.
         rank: whose clock (default :func:`reference_rank`).
-        add_eval_s: seconds to add at each evaluation (a replay of a measured run: the
-            simulated clock charges no evaluation, the recorded run paid for them).
+        add_eval_s: seconds to add at each evaluation, by where it falls in a round of
+            this run (``round_end``, ``mid_round``: :func:`eval_seconds`), for a replay of a
+            measured run: the simulated clock charges no evaluation, the run paid for them.
         measured_eval: note the evaluation's cost measured in ``lines`` as ``eval_s``.
         add_hand_overs: seconds to add at each readmission, in order (a replay: the
             simulation hands a returning rank the state without charging the clock, the
@@ -260,7 +272,7 @@ def timeline(lines: Sequence[Mapping[str, Any]], round_steps: int, num_nodes: in
     paid = list(zip(rejoins, add_hand_overs))
     times: dict[int, float] = {}
     for step in sorted(mine):
-        extra = add_eval_s * sum(1 for s in eval_steps if s <= step) + \
+        extra = sum(_eval_cost(add_eval_s, s, round_steps) for s in eval_steps if s <= step) + \
             sum(seconds for at, seconds in paid if at <= step)
         times[step] = float(mine[step][key]) + extra
     rounds = _rounds(times, round_steps)
@@ -287,7 +299,14 @@ def timeline(lines: Sequence[Mapping[str, Any]], round_steps: int, num_nodes: in
         membership.append(entry)
     return Timeline("simulated" if clocked else "wall", rank, round_steps, times,
                     [rounds[i] for i in sorted(rounds)], evaluations, membership,
-                    eval_seconds(lines, rank) if measured_eval else add_eval_s)
+                    eval_seconds(lines, rank, round_steps) if measured_eval
+                    else dict(add_eval_s or {"round_end": 0.0, "mid_round": 0.0}))
+
+
+def _eval_cost(costs: Mapping[str, float] | None, step: int, round_steps: int) -> float:
+    if not costs:
+        return 0.0
+    return costs["round_end" if step % round_steps == 0 else "mid_round"]
 
 
 def _rounds(times: Mapping[int, float], round_steps: int) -> dict[int, float]:
@@ -910,13 +929,13 @@ def replay(recording: Recording, variants: Sequence[Variant],
 
     real = timeline(recording.lines, recording.round_steps, recording.num_nodes,
                     measured_eval=True)
-    eval_s = real.eval_s if real.clock == "wall" else 0.0
+    eval_s = real.eval_s if real.clock == "wall" else {"round_end": 0.0, "mid_round": 0.0}
     hand_overs = hand_over_seconds(recording.lines, real.rank) if real.clock == "wall" else []
     _, cluster = replay_profile(recording, Path(variants[0].profile.resolved.output_dir).parent)
     schedule = cluster.pop("compute_schedule")
     cluster["compute_schedule"] = (f"each rank's {len(schedule[0])} steps as recorded "
                                    "(full-speed seconds, divided by rank_speeds)")
-    cluster["eval_s"] = _r(eval_s)
+    cluster["eval_s"] = eval_s
     cluster["hand_over_s"] = [_r(h) for h in hand_overs]
     results = []
     for variant in variants:
