@@ -230,3 +230,21 @@ def test_a_run_across_hosts_records_its_links_and_replays(sshd, tmp_path):
     for (_, a), (_, b) in zip(report["real"]["evaluations"], report["replay"]["evaluations"]):
         assert b == pytest.approx(a, rel=0.02)
     assert report["replay"]["wall_s"] > 0 and report["real"]["wall_s"] > 0
+
+
+def test_the_page_off_this_machine_needs_its_token():
+    import urllib.error
+
+    from distributed.app.web.replay_page import PageServer
+
+    server = PageServer("<p>figures</p>", "0.0.0.0", 0)
+    try:
+        token = server.url.split("?token=")[1]
+        port = server.url.split(":")[2].split("/")[0]
+        with pytest.raises(urllib.error.HTTPError, match="403"):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/?token={token}",
+                                    timeout=10) as answer:
+            assert answer.read() == b"<p>figures</p>"
+    finally:
+        server.stop()

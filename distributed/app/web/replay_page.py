@@ -4,17 +4,24 @@ One self-contained HTML page (inline SVG, no script, nothing fetched from
 elsewhere): the validation loss of the recorded run and of every replay against
 time, the time at each step (the two timelines), and the figures' table. It is
 written beside the replays (``replay.html``) and served by :class:`PageServer`, the
-standard library's HTTP server on 127.0.0.1 by default.
+standard library's HTTP server on 127.0.0.1 by default; bound to any other
+address (``0.0.0.0``: the LAN) it requires a random token, given in the printed
+URL (``?token=...``), as the live dashboard does.
 """
 
 from __future__ import annotations
 
+import hmac
 import html
+import secrets
 import threading
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from distributed.app.web.server import is_loopback
 
 __all__ = ["PageServer", "replay_html"]
 
@@ -163,7 +170,14 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:  # noqa: N802 - the base's name
-        if self.path.split("?")[0] not in ("/", "/index.html"):
+        parts = urlsplit(self.path)
+        token = self.server.token
+        if token is not None:
+            given = (parse_qs(parts.query).get("token") or [""])[0]
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                self.send_error(HTTPStatus.FORBIDDEN, "the page's URL carries a token: use it")
+                return
+        if parts.path not in ("/", "/index.html"):
             self.send_error(HTTPStatus.NOT_FOUND)
             return
         body = self.server.page.encode("utf-8")
@@ -189,6 +203,7 @@ class PageServer:
     class _Server(ThreadingHTTPServer):
         daemon_threads = True
         page = ""
+        token: str | None = None
 
     def __init__(self, page: str, host: str = "127.0.0.1", port: int = 0) -> None:
         try:
@@ -197,13 +212,20 @@ class PageServer:
             raise ValueError(f"--web-host {host} --web-port {port} cannot be bound: "
                              f"{exc.strerror or exc}") from None
         self._server.page = page
+        self._server.token = None if is_loopback(host) else secrets.token_urlsafe(16)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
     @property
     def url(self) -> str:
+        """Where the page is (with ``?token=`` off this machine)."""
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}/"
+        if host in ("0.0.0.0", "::"):
+            from distributed.app.web.server import lan_address
+
+            host = lan_address()
+        token = self._server.token
+        return f"http://{host}:{port}/" + (f"?token={token}" if token else "")
 
     def stop(self) -> None:
         """Stop serving and close the socket."""
