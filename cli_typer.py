@@ -7,6 +7,7 @@
     python cli_typer.py profiles
     python cli_typer.py compare digits-base --strategies ddp,diloco,fedavg   # plot in runs/
     python cli_typer.py recommend chargpt-bench --hosts distributed_hosts.json   # pick a strategy
+    python cli_typer.py replay runs/digits-diloco --strategy ddp   # re-simulate a run; what if
     python cli_typer.py slurm digits-diloco --nodes 4 --time 1:00:00   # then: sbatch digits-diloco.sbatch
     python cli_typer.py agent            # on each machine: advertise it on the LAN
     python cli_typer.py discover --json  # list the machines that answer
@@ -489,6 +490,10 @@ def recommend(
     hosts: Annotated[Path | None, typer.Option(
         "--hosts", "-H", dir_okay=False,
         help="Hosts file: time a step on every host and measure the links.")] = None,
+    trace: Annotated[Path | None, typer.Option(
+        "--trace", metavar="RUN_DIR", file_okay=False,
+        help="A recorded run's folder of PROFILE: its hosts' steps and links (trace.jsonl) "
+             "instead of measuring them again.")] = None,
     link_mbit: LinkMbit = None,
     json_out: Annotated[bool, typer.Option(
         "--json", help="Print one JSON object: strategy, reason, candidates, measurements.")
@@ -516,12 +521,20 @@ def recommend(
             overrides=run.parse_overrides(set_), hosts=hosts,
             accept_new_host_keys=accept_new_host_keys, known_hosts=known_hosts,
             ssh_config=ssh_config)
+        if hosts is not None and trace is not None:
+            raise ValueError("--hosts measures the hosts and --trace reads a recorded run's: "
+                             "give one of them")
         if hosts is not None:
             run.hosts_config(request)  # a bad hosts file fails before any measurement
         run.resolve_profile(request)
+        recording = None
+        if trace is not None:
+            from distributed.app.replay import load_recording
+
+            recording = load_recording(trace)
         # With --json, progress goes to stderr and stdout holds the object alone.
         console = make_console(stderr=json_out)
-        rec = choose(request, console, link_mbit=link_mbit)
+        rec = choose(request, console, link_mbit=link_mbit, trace=recording)
         if json_out:
             print(json.dumps(rec.to_dict(), indent=2))
             return
@@ -546,6 +559,155 @@ def recommend(
                       soft_wrap=True)
         out.print(f"rule: {RULE}; speedup over one host doing all {m.hosts} hosts' work.",
                   markup=False, soft_wrap=True)
+
+
+@app.command("replay")
+def replay_run(
+    ctx: typer.Context,
+    run_dir: Annotated[Path, typer.Argument(
+        help="A run's folder (runs/NAME, as distributed-train printed it), with its trace.",
+        file_okay=False)],
+    strategy: Annotated[list[str] | None, typer.Option(
+        "--strategy", metavar="NAME",
+        help="What if: replay the same cluster under this strategy too (repeatable).")] = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", "-s", metavar="KEY=VALUE",
+        help="What if: replay with this setting (repeatable); with --strategy, every named "
+             "strategy runs with it.")] = None,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print one JSON object: real, replay, ratios, cluster, what_if.")
+    ] = False,
+    out: Annotated[Path | None, typer.Option(
+        "--out", "-o", file_okay=False,
+        help="Folder of the replays (default: RUN_DIR/replay).")] = None,
+    web: Annotated[bool, typer.Option(
+        "--web", help="Show both curves on one page in the browser; prints its URL.")] = False,
+    web_port: WebPort = 0,
+    web_host: WebHost = "127.0.0.1",
+    web_seconds: Annotated[float, typer.Option(
+        "--web-seconds", min=0, metavar="S",
+        help="With --web and no terminal: keep the page up this long (on a terminal: until "
+             "Enter).")] = 0.0,
+    debug: Debug = False,
+) -> None:
+    """Replay a recorded run in the simulator, side by side with the real one; what if.
+
+    The same profile, settings, seed and data order, each rank's recorded speed, the links
+    measured before the run and the recorded membership changes; it prints total time,
+    time per round, time lost to each membership change and the validation loss at each
+    evaluation, real and replayed. --strategy and --set replay the same cluster under other
+    strategies or settings, ranked by the time to the recorded final validation loss.
+    """
+    with reported_errors(ctx, debug):
+        import json
+        import time
+
+        from distributed.app.replay import (
+            REPLAY_FOLDER,
+            load_recording,
+            plan_variants,
+            replay,
+            write_outputs,
+        )
+        from distributed.app.run import parse_overrides
+        from distributed.app.web.replay_page import PageServer
+
+        recording = load_recording(run_dir)
+        folder = out or run_dir / REPLAY_FOLDER
+        variants = plan_variants(recording, strategy or [], parse_overrides(set_), folder)
+        console = make_console(stderr=json_out)
+        console.print(f"Replaying {run_dir} ({recording.profile.name}, "
+                      f"{plural(recording.num_nodes, 'rank')}, "
+                      f"{plural(recording.steps, 'step')}, recorded {recording.source}): "
+                      f"{', '.join(v.label for v in variants)}", markup=False, soft_wrap=True)
+
+        def started(variant):
+            console.print(f"  replaying {variant.label} ...", markup=False)
+            return False
+
+        result = replay(recording, variants, progress=started)
+        report, page = write_outputs(result, folder)
+        if json_out:
+            print(json.dumps(report))
+        else:
+            _print_replay(report, make_console())
+            console.print(f"written: {folder / 'replay.json'}, {folder / 'replay.html'}",
+                          markup=False, soft_wrap=True)
+        if web:
+            server = PageServer(page, web_host, web_port)
+            try:
+                console.print(f"page: {server.url}", markup=False, soft_wrap=True)
+                if sys.stdin is not None and sys.stdin.isatty():
+                    console.print("Press Enter (or Ctrl-C) to stop serving it.", markup=False)
+                    try:
+                        sys.stdin.readline()
+                    except KeyboardInterrupt:
+                        pass
+                elif web_seconds > 0:
+                    console.print(f"serving it for {web_seconds:g} s (no terminal attached)",
+                                  markup=False)
+                    time.sleep(web_seconds)
+                else:
+                    console.print("no terminal attached and --web-seconds 0: the page stops "
+                                  f"now; it is also in {folder / 'replay.html'}", markup=False,
+                                  soft_wrap=True)
+            finally:
+                server.stop()
+
+
+def _print_replay(report: dict, out) -> None:
+    """The replay's comparison as two tables: real against replay, and the what-ifs."""
+    from rich.table import Table
+
+    def cell(value, digits: int = 4) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+
+    real, rep, ratios = report["real"], report["replay"], report["ratios"]
+    table = Table(title=f"{report['profile']}: real ({real['clock']} clock) and replay",
+                  title_justify="left")
+    for column in ("", "real", "replay", "replay / real"):
+        table.add_column(column, justify="left" if not column else "right")
+    table.add_row("total time (s)", cell(real["wall_s"]), cell(rep["wall_s"]),
+                  cell(ratios["wall_s"], 3))
+    table.add_row(f"round of {plural(real['round_steps'], 'step')}, median (s)",
+                  cell(real["round_s_median"]), cell(rep["round_s_median"]),
+                  cell(ratios["round_s_median"], 3))
+    table.add_row("round, 10th - 90th percentile (s)",
+                  f"{cell(real['round_s_p10'])} - {cell(real['round_s_p90'])}",
+                  f"{cell(rep['round_s_p10'])} - {cell(rep['round_s_p90'])}", "")
+    replayed = {m["step"]: m for m in rep["membership"]}
+    for change in real["membership"]:
+        if change["step"] > 1:
+            table.add_row(f"lost to step {change['step']}: {change['reason']} (s)",
+                          cell(change.get("lost_s")),
+                          cell(replayed.get(change["step"], {}).get("lost_s")), "")
+    losses = dict((s, v) for s, v in rep["evaluations"])
+    for (step, value), (_, ratio) in zip(real["evaluations"], ratios["val_loss"]):
+        table.add_row(f"val loss at step {step}", cell(value), cell(losses.get(step)),
+                      cell(ratio, 4))
+    out.print(table)
+    cluster = report["cluster"]
+    out.print(f"replayed with: links from {cluster['links_from']} ({cluster['network']}), "
+              f"rank_speeds {cluster['rank_speeds']} on a {cluster['compute_time_s']:.4g} s "
+              f"step, rank_failures {cluster['rank_failures']}, per evaluation "
+              f"{cluster['eval_s']['round_end']:.3g} s at a round's end and "
+              f"{cluster['eval_s']['mid_round']:.3g} s inside one added, hand-overs "
+              f"{cluster['hand_over_s']} s added", markup=False, soft_wrap=True)
+    if report["what_if"]:
+        ranking = Table(title=f"What if: time to the recorded final val loss "
+                              f"{cell(report['target_val_loss'])}", title_justify="left")
+        for column in ("#", "replay", "time to it (s)", "total (s)", "median round (s)",
+                       "final val loss"):
+            ranking.add_column(column, justify="left" if column == "replay" else "right")
+        for row in report["what_if"]:
+            ranking.add_row(str(row["place"]), row["label"],
+                            cell(row["time_to_target_s"]) if row["reaches_target"]
+                            else "never (within the run's samples)",
+                            cell(row["wall_s"]), cell(row["round_s_median"]),
+                            cell(row["final_val_loss"]))
+        out.print(ranking)
 
 
 @app.command("slurm")

@@ -116,6 +116,19 @@ def test_a_straggler_makes_everyone_wait_at_a_collective_not_between(digits, par
     assert t[(0, 4)] == t[(1, 4)] == pytest.approx(8 * COMPUTE + 2 * sync)
 
 
+def test_a_compute_schedule_charges_each_step_its_own_seconds(digits, params):
+    trainer = fit(digits, DiLoCoStrategy(H=2), max_steps=5, network="100mbit",
+                  compute_schedule=[[0.1, 0.2, 0.3, 0.4], [0.1, 0.1, 0.1, 0.1]],
+                  rank_speeds=[1.0, 0.5], speed_mode="clock")
+    t = clocks(trainer)
+    sync = 4 * params * 8 / 1e8
+    assert t[(0, 1)] == pytest.approx(0.1) and t[(1, 1)] == pytest.approx(0.2)  # / speed
+    assert t[(0, 2)] == t[(1, 2)] == pytest.approx(0.4 + sync)
+    assert t[(0, 3)] == pytest.approx(0.7 + sync)
+    assert t[(0, 4)] == t[(1, 4)] == pytest.approx(1.1 + 2 * sync)
+    assert t[(0, 5)] == pytest.approx(1.1 + 2 * sync + 0.25)  # past the list: its mean
+
+
 def test_sparta_pays_for_its_counted_bytes_every_step(digits):
     trainer = fit(digits, SPARTAStrategy(p_sparta=0.05), max_steps=3, network="10mbit",
                   compute_time_s=COMPUTE)
@@ -174,6 +187,8 @@ def test_no_clock_no_sim_time(digits):
     (dict(speed_mode="sometimes"), "speed_mode"),
     (dict(compute_time_s=-1.0), "compute_time_s"),
     (dict(network=Network("1gbit", rank_bandwidth=["1gbit"])), "one per rank"),
+    (dict(compute_schedule=[[0.1]]), "one per rank"),
+    (dict(compute_schedule=[[0.1], "fast"]), "compute_schedule"),
 ])
 def test_bad_clock_arguments_fail_before_any_rank_starts(digits, bad, match):
     with pytest.raises((ValueError, TypeError), match=match):

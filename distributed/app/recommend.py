@@ -561,8 +561,13 @@ LOCAL_ROUNDS = 2
 def measure(request: TrainRequest, console: Console, *, link_mbit: float | None = None,
             warmup: int = 3, steps: int = 10, link_seconds: float = 2.0,
             specs: Sequence[CandidateSpec] | None = None,
-            time_hosts: bool = True, progress: StageReport | None = None) -> Measurements:
+            time_hosts: bool = True, progress: StageReport | None = None,
+            trace: Any = None) -> Measurements:
     """Measure what the predictions need: step times here and on the hosts, and the links.
+
+    With ``trace`` (a recorded run, :func:`distributed.app.replay.load_recording`) the hosts'
+    steps and links are read from its trace instead of measured again: each rank's recorded
+    compute per step, each host's pre-flight link (or a simulation's network).
 
     Args:
         request: the profile (and ``--set``) and, for real hosts, the hosts file and SSH files.
@@ -574,12 +579,16 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
         time_hosts: time the step on the hosts; False lets this machine's step
             stand in for every host (what the wizard's estimates do).
         progress: told as each stage starts (default: nothing is told).
+        trace: a recorded run whose hosts and links stand in for measuring them.
 
     Raises:
         ProfileError, HostsFileError: bad input, before any work.
         ValueError: no hosts and no ``link_mbit``.
         RecommendError: a measurement failed.
     """
+    if trace is not None:
+        return _measure_recorded(request, trace, link_mbit=link_mbit, specs=specs,
+                                 progress=progress)
     config = hosts_config(request) if request.multi_host else None  # bad files fail first
     profile = resolve_profile(request)
     if link_mbit is not None:
@@ -665,11 +674,79 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
         else "measured", host_steps=timings, links=links, local_s=local)
 
 
+def _measure_recorded(request: TrainRequest, recording: Any, *, link_mbit: float | None,
+                      specs: Sequence[CandidateSpec] | None,
+                      progress: StageReport | None) -> Measurements:
+    """:func:`measure` with the hosts' steps and links read from a recorded run."""
+    from distributed.app.replay import ReplayError
+
+    profile = resolve_profile(request)
+    if profile.name != recording.profile.name:
+        raise ReplayError(f"--trace {recording.folder} is a run of profile "
+                          f"{recording.profile.name}, not {profile.name}: give its profile")
+    hosts = recording.num_nodes
+    if hosts < 2:
+        raise RecommendError(f"the recorded run had {plural(hosts, 'rank')}: strategies differ "
+                             "only with 2 or more")
+    specs = list(specs or candidate_specs(profile))
+    timed, as_own = _local_plan(profile, specs)
+    total, done = 1 + LOCAL_ROUNDS * (len(timed) + 1), 0
+
+    def stage(text: str) -> None:
+        nonlocal done
+        if progress is not None:
+            progress(text, done, total)
+        done += 1
+
+    stage(f"building {profile.name}'s model and warming up")
+    resolved = profile.resolved
+    task = resolved.task_fn(**resolved.task_kwargs)
+    facts = measure_model(profile, ranks_here=1, num_nodes=hosts, task=task, steps=3)
+    reference_run = _reference(profile, hosts, facts.batch_size)
+    if reference_run is not None:
+        timed.append(("reference", reference_run))
+    local = _local_steps(profile, timed, as_own, hosts, 1, stage, task, rounds=LOCAL_ROUNDS)
+    names = {h["rank"]: h["host"] for h in recording.header.get("hosts") or []}
+    per_rank: dict[int, list[float]] = {}
+    for line in recording.lines:
+        if line.get("kind") == "step" and line.get("compute_s") is not None:
+            per_rank.setdefault(line["rank"], []).append(float(line["compute_s"]))
+    mean = recording.compute_per_step()
+    timings = tuple(HostTiming(names.get(r, f"rank {r}"), mean[r],
+                               statistics.stdev(per_rank[r]) if len(per_rank.get(r, [])) > 1
+                               else 0.0) for r in range(hosts))
+    links: tuple[LinkMeasurement, ...] = ()
+    if link_mbit is None:
+        network, _ = recording.network()
+        if network is None:
+            raise RecommendError(f"{recording.folder} is a simulation without a network: "
+                                 "nothing to take the link from; give --link-mbit")
+        rates = network.get("rank_bandwidth") or [network["bandwidth"]] * hosts
+        links = tuple(LinkMeasurement(f"{names.get(r, f'rank {r}')} (recorded)",
+                                      round(float(rate) / 8), 1.0, network.get("latency_s"))
+                      for r, rate in enumerate(rates))
+    if progress is not None:
+        progress("done", total, total)
+    scale = statistics.fmean(t.step_s for t in timings) / local["own"]
+    throughput = projection.mbit_to_bytes_per_s(float(link_mbit)) if link_mbit is not None \
+        else min(m.bytes_per_s for m in links)
+    compute = {kind: s * scale for kind, s in local.items() if kind not in ("own", "reference")}
+    compute.setdefault("ddp", local["own"] * scale)
+    reference = local.get("reference", math.inf) * scale
+    return Measurements(
+        hosts=hosts, num_params=facts.num_params, shapes=facts.shapes, compute_s=compute,
+        compute_sd_s=statistics.fmean(t.step_sd_s for t in timings),
+        minibatch_s=min(reference / hosts, compute["ddp"]),
+        throughput_bytes_per_s=throughput,
+        link="modelled" if link_mbit is not None else "recorded", host_steps=timings,
+        links=links, local_s=local)
+
+
 def recommend(request: TrainRequest, console: Console | None = None, *,
               link_mbit: float | None = None, steps: int = 10,
               link_seconds: float = 2.0, time_hosts: bool = True,
-              new_profile: bool = False, progress: StageReport | None = None
-              ) -> Recommendation:
+              new_profile: bool = False, progress: StageReport | None = None,
+              trace: Any = None) -> Recommendation:
     """Measure, predict every candidate, pick one and say why.
 
     Args:
@@ -684,6 +761,8 @@ def recommend(request: TrainRequest, console: Console | None = None, *,
             ``--set`` can switch the profile to.
         progress: told as each stage of the measurement starts (default: a progress
             bar in a terminal, else one ``[recommend]`` line per stage).
+        trace: a recorded run (:func:`distributed.app.replay.load_recording`) whose hosts'
+            steps and links stand in for measuring them again.
 
     Raises:
         ProfileError, HostsFileError, ValueError: bad input, before any work.
@@ -698,7 +777,7 @@ def recommend(request: TrainRequest, console: Console | None = None, *,
                 stage_progress(console, "Measuring", log_prefix="[recommend]"))
         measured = measure(request, console, link_mbit=link_mbit, steps=steps,
                            link_seconds=link_seconds, specs=specs, time_hosts=time_hosts,
-                           progress=progress)
+                           progress=progress, trace=trace)
     rows = predict_candidates(measured, specs,
                               {s.label: _why_not(profile, s, new_profile) for s in specs})
     if not new_profile:

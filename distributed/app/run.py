@@ -679,8 +679,31 @@ def master_folders(launcher: Launcher, config: HostsConfig) -> Callable[[dict[st
     return call
 
 
+def probe_links(launcher: Launcher, console: Console) -> dict[int, Any]:
+    """Each host's link rate and latency, measured once pre-flight has passed
+    (:func:`distributed.hosts.linkspeed.probe_hosts`, ``link_probe_s`` seconds per host,
+    one host at a time); a probe that fails is said and recorded, never fatal."""
+    from distributed.hosts.linkspeed import probe_hosts
+
+    seconds = launcher.options.link_probe_s
+    if not seconds or len(launcher.config.hosts) < 2:
+        return {}
+    links = probe_hosts(launcher.session, seconds=seconds)
+    words = []
+    for link in links.values():
+        if link.error:
+            words.append(f"{link.host}: not measured ({link.error})")
+        else:
+            latency = "" if link.latency_s is None else f", {link.latency_s * 1e3:.2f} ms"
+            words.append(f"{link.host} {link.rate_bps / 1e6:.1f} Mbit/s{latency}")
+    console.print("links (pre-flight probe, sender to peer): " + "; ".join(words),
+                  markup=False, highlight=False, soft_wrap=True)
+    return links
+
+
 def start_hosts_trace(tracer: TraceWriter, launcher: Launcher, profile: Profile,
-                      placement: RunPlacement, where_out: Path) -> None:
+                      placement: RunPlacement, where_out: Path,
+                      links: Mapping[int, Any] | None = None) -> None:
     """Start the trace of a run across hosts (:mod:`exogym.report.trace`) from the
     launcher's event stream, which carries every rank's events.
 
@@ -688,6 +711,8 @@ def start_hosts_trace(tracer: TraceWriter, launcher: Launcher, profile: Profile,
     beside the ``summary.json`` rank 0 writes; otherwise into the launcher's log
     folder here, and sent to the run's folder on the master when the run ends
     (:func:`end_hosts_trace`). A resumed run continues the trace already there.
+    ``links`` (per host index, :func:`probe_links`) puts each rank's host's measured link
+    rate and latency into the header's ``hosts``.
     """
     config = launcher.config
     if launcher.master_local:
@@ -702,29 +727,39 @@ def start_hosts_trace(tracer: TraceWriter, launcher: Launcher, profile: Profile,
     tracer.start(path, source="hosts", num_nodes=config.world_size,
                  config=profile.values, run=placement.identity.as_dict(),
                  append=placement.resume, profile=profile.name,
-                 hosts=[{"rank": rank, "host": host.host}
+                 hosts=[{"rank": rank, "host": host.host,
+                         **_link_fields((links or {}).get(host.rank))}
                         for rank, host in enumerate(config.rank_hosts)])
 
 
-def trace_links(launcher: Launcher) -> dict[int, dict[str, Any]]:
-    """What the launcher knows of each rank's link: its host and the interface pre-flight
-    found routing to the master. No rate or latency: a run measures no link before it
-    starts (``recommend`` does, :mod:`distributed.hosts.linkspeed`)."""
+def _link_fields(link: Any) -> dict[str, Any]:
+    """A host's probed link as trace fields (nulls when it was not measured)."""
+    if link is None:
+        return {"link_rate_bps": None, "latency_s": None}
+    return link.as_trace()
+
+
+def trace_links(launcher: Launcher, links: Mapping[int, Any] | None = None
+                ) -> dict[int, dict[str, Any]]:
+    """What the launcher knows of each rank's link: its host, the interface pre-flight
+    found routing to the master and, from ``links`` (:func:`probe_links`), the rate and
+    latency its host's probe measured."""
     report = launcher.session.report
-    links = {}
+    found = {}
     for rank, host in enumerate(launcher.config.rank_hosts):
         check = report.checks[host.rank] if report is not None and \
             host.rank < len(report.checks) else None
         route = ((check.probe or {}).get("route") or {}) if check is not None else {}
         interface = route.get("interface") or (
             check.interface if check is not None and check.interface != "-" else None)
-        links[rank] = {"host": host.host, "interface": interface,
-                       "probe_bytes_per_s": None, "probe_latency_s": None}
-    return links
+        found[rank] = {"host": host.host, "interface": interface,
+                       **_link_fields((links or {}).get(host.rank))}
+    return found
 
 
 def end_hosts_trace(tracer: TraceWriter, launcher: Launcher, placement: RunPlacement,
-                    result: Any, error: BaseException | None) -> str | None:
+                    result: Any, error: BaseException | None,
+                    links: Mapping[int, Any] | None = None) -> str | None:
     """Finish the trace: the ranks whose failure stopped an attempt, how the run ended;
     with the master on another machine, send it to the run's folder there. Returns a
     note for the person when the trace stayed elsewhere than that folder."""
@@ -743,7 +778,7 @@ def end_hosts_trace(tracer: TraceWriter, launcher: Launcher, placement: RunPlace
         why = "interrupted" if isinstance(error, KeyboardInterrupt) else \
             f"{type(error).__name__}: {error}"
     path = tracer.end(failed=result is None or not result.ok, error=why,
-                      links=trace_links(launcher))
+                      links=trace_links(launcher, links))
     if path is None or launcher.master_local:
         return None
     master = launcher.config.master.host
@@ -795,6 +830,7 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
             launcher.session.sync()
         launcher.session.preflight()  # shows the table; PreflightError when a host is not ready
         launcher.check_faults()  # a cut a host does not permit is refused before anything starts
+        links = probe_links(launcher, console)  # for the trace: each host's rate and latency
         # The ranks see the profile with the --set values as their command line carries them.
         as_ranks_see_it = profile.with_overrides(
             parse_overrides(override_items(request.overrides)))
@@ -809,7 +845,7 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
         out = placement.folder
         where_out = out if out.is_absolute() else \
             Path(config.master.project_path).expanduser() / out
-        start_hosts_trace(tracer, launcher, profile, placement, where_out)
+        start_hosts_trace(tracer, launcher, profile, placement, where_out, links)
         started = time.monotonic()
         result = None
         error: BaseException | None = None
@@ -823,7 +859,7 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
             raise
         finally:
             dashboard.close()
-            trace_note = end_hosts_trace(tracer, launcher, placement, result, error)
+            trace_note = end_hosts_trace(tracer, launcher, placement, result, error, links)
     if trace_note:
         console.print(f"note: {trace_note}", markup=False, highlight=False, soft_wrap=True)
     for rank in result.ranks:

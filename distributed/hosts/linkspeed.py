@@ -35,21 +35,29 @@ import json, socket, time
 def main(message):
     server = socket.socket(socket.AF_INET6 if message.get("ipv6") else socket.AF_INET)
     server.bind(("", 0))
-    server.listen(1)
+    server.listen(2)
     server.settimeout(message["timeout"])
     print(json.dumps({"port": server.getsockname()[1]}), flush=True)
-    conn, _ = server.accept()
-    conn.settimeout(message["timeout"])
     total, first, last = 0, None, None
     while True:
+        conn, _ = server.accept()
+        conn.settimeout(message["timeout"])
         data = conn.recv(1 << 20)
-        if not data:
-            break
-        last = time.perf_counter()
-        if first is None:
-            first = last
-        total += len(data)
-    conn.close()
+        if data[:1] == b"p":  # a latency probe first: echo every message until it closes
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while data:
+                conn.sendall(data)
+                data = conn.recv(64)
+            conn.close()
+            continue
+        while data:
+            last = time.perf_counter()
+            if first is None:
+                first = last
+            total += len(data)
+            data = conn.recv(1 << 20)
+        conn.close()
+        break
     server.close()
     print(json.dumps({"bytes": total, "seconds": (last - first) if first else 0.0}), flush=True)
 '''
@@ -60,10 +68,20 @@ import json, socket, time
 
 def main(message):
     chunk = bytes(256 * 1024)
-    sent = 0
+    sent, rtts = 0, []
+    address = (message["host"], message["port"])
     try:
-        with socket.create_connection((message["host"], message["port"]),
-                                      timeout=message["timeout"]) as sock:
+        pings = int(message.get("pings") or 0)
+        if pings:  # one-byte round trips on a connection of their own, before the transfer
+            with socket.create_connection(address, timeout=message["timeout"]) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for _ in range(pings):
+                    began = time.perf_counter()
+                    sock.sendall(b"p")
+                    if not sock.recv(1):
+                        break
+                    rtts.append(time.perf_counter() - began)
+        with socket.create_connection(address, timeout=message["timeout"]) as sock:
             deadline = time.perf_counter() + message["seconds"]
             while time.perf_counter() < deadline:
                 sock.sendall(chunk)
@@ -73,7 +91,7 @@ def main(message):
     except OSError as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return
-    print(json.dumps({"sent": sent}), flush=True)
+    print(json.dumps({"sent": sent, "rtt_s": rtts}), flush=True)
 '''
 
 
@@ -89,11 +107,14 @@ class LinkMeasurement:
         host: the host measured.
         bytes: bytes the host received.
         seconds: from its first byte to its last.
+        latency_s: one-way latency, half the shortest of the one-byte round trips
+            before the transfer (None: not measured).
     """
 
     host: str
     bytes: int
     seconds: float
+    latency_s: float | None = None
 
     @property
     def bytes_per_s(self) -> float:
@@ -166,7 +187,7 @@ def measure_link(host: HostSpec, options: SSHOptions | None = None, seconds: flo
 
 def measure_between(sender: Shell, sender_host: HostSpec, receiver: Shell,
                     receiver_host: HostSpec, address: str, seconds: float = 1.0,
-                    timeout: float = 20.0) -> LinkMeasurement:
+                    timeout: float = 20.0, pings: int = 0) -> LinkMeasurement:
     """Send zeros from one host to another over TCP for ``seconds``; what the receiver got.
 
     Args:
@@ -177,6 +198,8 @@ def measure_between(sender: Shell, sender_host: HostSpec, receiver: Shell,
         address: the address the sender reaches the receiver at.
         seconds: how long to send.
         timeout: how long any one step may take.
+        pings: one-byte round trips timed first, on a connection of their own (0: the
+            latency is not measured).
 
     Raises:
         LinkError: when either side fails or gives no answer.
@@ -190,7 +213,7 @@ def measure_between(sender: Shell, sender_host: HostSpec, receiver: Shell,
         sending = sender.start(
             probe_command(sender_host.project_path, sender_host.python_env),
             {"code": SENDER_SOURCE, "host": address, "port": port, "seconds": seconds,
-             "timeout": timeout})
+             "timeout": timeout, "pings": pings})
         sent = _read_json_line(sending.stdout, timeout + seconds, "count of bytes sent")
         if "error" in sent:
             raise LinkError(f"{sender_host.host} cannot send to {address}:{port} "
@@ -201,5 +224,95 @@ def measure_between(sender: Shell, sender_host: HostSpec, receiver: Shell,
         for started in (sending, listening):
             if started is not None:
                 started.close()
+    rtts = [float(r) for r in sent.get("rtt_s") or []]
     return LinkMeasurement(f"{sender_host.host} -> {receiver_host.host}", int(result["bytes"]),
-                           float(result["seconds"]))
+                           float(result["seconds"]), min(rtts) / 2 if rtts else None)
+
+
+
+#: Seconds each host's pre-flight transfer lasts (``LaunchOptions.link_probe_s``).
+PROBE_SECONDS = 0.5
+#: One-byte round trips each pre-flight probe times for the latency.
+PROBE_PINGS = 20
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """A host's link as the pre-flight probe measured it: what it sends to a peer.
+
+    Args:
+        host: the host, as the hosts file names it.
+        peer: the host it sent to (the master; the master itself sends to the first worker).
+        rate_bps: bits per second the peer received (None when the probe failed).
+        latency_s: one-way latency, half the shortest round trip (None when not measured).
+        bytes, seconds: what the peer received, and over how long.
+        error: why the probe failed, else None.
+    """
+
+    host: str
+    peer: str
+    rate_bps: float | None
+    latency_s: float | None
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+    def as_trace(self) -> dict[str, object]:
+        """The fields a trace records for the host (:mod:`exogym.report.trace`)."""
+        out: dict[str, object] = {
+            "link_rate_bps": None if self.rate_bps is None else round(self.rate_bps),
+            "latency_s": None if self.latency_s is None else round(self.latency_s, 7),
+            "link_peer": self.peer, "probe_bytes": self.bytes,
+            "probe_seconds": round(self.seconds, 6)}
+        if self.error:
+            out["link_error"] = self.error
+        return out
+
+
+def probe_hosts(session, seconds: float = PROBE_SECONDS, pings: int = PROBE_PINGS,
+                timeout: float = 10.0) -> dict[int, HostLink]:
+    """Measure every host's link before a run, one host after the other (so that no two
+    transfers share a link): each worker sends to the master for ``seconds``, the master
+    to the first worker, each after ``pings`` one-byte round trips for the latency.
+
+    Bounded: each host's probe gives up after ``timeout`` seconds of silence, and a
+    failure is recorded (``HostLink.error``), never raised: the run does not depend on it.
+
+    Args:
+        session: the job's connected :class:`distributed.hosts.session.HostSession`.
+        seconds: how long each transfer lasts.
+        pings: round trips timed before it.
+        timeout: how long any one step of a probe may take.
+
+    Returns:
+        Per host index (``HostSpec.rank``), its link; empty with a single host.
+    """
+    config = session.config
+    hosts = config.hosts
+    if len(hosts) < 2:
+        return {}
+    found: dict[int, HostLink] = {}
+    for host in hosts:
+        if host.rank == 0:
+            peer = hosts[1]
+            address = session.targets[peer.rank].hostname if peer.rank in session.targets \
+                else peer.host
+        else:
+            peer = hosts[0]
+            address = session.master_addr
+        sender, receiver = session.shell(host.rank), session.shell(peer.rank)
+        if sender is None or receiver is None:
+            found[host.rank] = HostLink(host.host, peer.host, None, None,
+                                        error="not connected")
+            continue
+        try:
+            measured = measure_between(sender, host, receiver, peer, address, seconds=seconds,
+                                       timeout=timeout, pings=pings)
+        except (LinkError, OSError, ValueError) as exc:
+            found[host.rank] = HostLink(host.host, peer.host, None, None, error=str(exc))
+            continue
+        rate = measured.bytes_per_s * 8 if measured.seconds > 0 else None
+        found[host.rank] = HostLink(host.host, peer.host, rate, measured.latency_s,
+                                    measured.bytes, measured.seconds,
+                                    None if rate else "the peer received nothing")
+    return found

@@ -62,6 +62,9 @@ class LaunchOptions:
         stall_after: stop a run whose steps make no progress for this many seconds,
             naming what its ranks wait for (:mod:`distributed.launch.progress`);
             ``None`` (default): 10 of its measured rounds, at least 5 minutes.
+        link_probe_s: seconds each host sends to a peer after pre-flight, so that the
+            run's trace records every host's link rate and latency (``distributed-train``
+            across hosts; :func:`distributed.hosts.linkspeed.probe_hosts`); 0: no probe.
 
     ``project_root``, ``master_local`` and ``probe_timeout`` configure the host
     session the launcher opens; leave them unset when giving it a session.
@@ -81,6 +84,7 @@ class LaunchOptions:
     lost_after: float = 10.0
     probe_interval: float = 1.0
     stall_after: float | None = None
+    link_probe_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.min_nodes is not None and (not isinstance(self.min_nodes, int) or
@@ -101,6 +105,10 @@ class LaunchOptions:
                 or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be a whole number >= 0, got "
                              f"{self.max_restarts!r}")
+        if isinstance(self.link_probe_s, bool) or not isinstance(
+                self.link_probe_s, (int, float)) or not 0 <= self.link_probe_s <= 60:
+            raise ValueError(f"link_probe_s must be a number of seconds from 0 (no probe) to "
+                             f"60, got {self.link_probe_s!r}")
         if self.grace_period < 0:
             raise ValueError(f"grace_period must be >= 0 seconds, got {self.grace_period!r}")
         if isinstance(self.secret_names, str):

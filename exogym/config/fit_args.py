@@ -237,6 +237,23 @@ def _rank_failures(name: str, value: Any) -> None:
                          f"None) tuples, got {value!r}")
 
 
+def _compute_schedule(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value or any(
+            isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or not row or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e6
+                for v in row) for row in value):
+        raise ValueError(f"compute_schedule must be a list of lists of seconds >= 0, one list "
+                         f"per rank (its steps' compute, step 1 first), got "
+                         f"{_short(value)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _speed_mode(name: str, value: Any) -> None:
     if value not in SPEED_MODES:
         raise ValueError(f"speed_mode must be 'wall' (a slow rank really takes longer) or "
@@ -397,6 +414,13 @@ class RunArgs:
         "stayed (the rules: :mod:`exogym.membership.simulated`). The summary lists every change as "
         "``membership``.", _rank_failures,
         convert=lambda v: None if v is None else [tuple(entry) for entry in v])
+    compute_schedule: list[list[float]] | None = _arg(
+        None, "per rank, the simulated compute seconds of each of its steps (step 1 first; "
+        "steps past the list are charged its mean), instead of ``compute_time_s`` and the "
+        "measured compute; still divided by ``rank_speeds``: how a replay gives the clock "
+        "what a recorded run's ranks took, step by step (:mod:`distributed.app.replay`).",
+        _compute_schedule,
+        convert=lambda v: None if v is None else [[float(x) for x in row] for row in v])
     run_identity: dict[str, Any] | None = _arg(
         None, "who this run is (a dict of JSON values, e.g. its profile, the fingerprint of "
         "its settings and its start time): written into every checkpoint as ``'run'``; "
@@ -408,7 +432,7 @@ class RunArgs:
     def has_clock(self) -> bool:
         """True when ranks keep a simulated clock (a network, compute time or speeds given)."""
         return (self.network is not None or self.compute_time_s is not None
-                or self.rank_speeds is not None)
+                or self.rank_speeds is not None or self.compute_schedule is not None)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -425,6 +449,9 @@ class RunArgs:
                              f"num_nodes={self.num_nodes}: give one per rank")
         if self.network is not None:
             self.network.check_ranks(self.num_nodes)
+        if self.compute_schedule is not None and len(self.compute_schedule) != self.num_nodes:
+            raise ValueError(f"compute_schedule has {plural(len(self.compute_schedule), 'list')} "
+                             f"for num_nodes={self.num_nodes}: give one per rank")
         problem = balance_problem(self.balance, self.strategy)
         if problem is not None:
             raise ValueError(problem)
@@ -518,7 +545,7 @@ class FitArgs(RunArgs):
 
 
 #: Arguments that only a simulation on one machine has a use for.
-SIMULATION_ONLY = ("processes", "rank_failures")
+SIMULATION_ONLY = ("processes", "rank_failures", "compute_schedule")
 
 
 def refuse_simulation_only(values: Mapping[str, Any], where: str) -> None:

@@ -51,6 +51,7 @@ class FitKwargs(TypedDict, total=False):
     speed_mode: str
     balance: str
     rank_failures: list[tuple[int, int, int | None]] | None
+    compute_schedule: list[list[float]] | None
     run_identity: dict[str, Any] | None
     logger: Logger | str | None
     log_dir: str

@@ -43,13 +43,16 @@ from typing import IO, Any
 
 from exogym.base.io import usual_file_mode
 
-__all__ = ["BLOCK_STEPS", "FORMAT_VERSION", "FULL_STEPS", "TRACE_FILE", "TraceWriter",
-           "read_trace", "trace_path"]
+__all__ = ["BLOCK_STEPS", "FORMAT_VERSION", "FULL_STEPS", "READABLE_VERSIONS", "TRACE_FILE",
+           "TraceWriter", "read_trace", "trace_path"]
 
 #: The trace's file name in a run folder.
 TRACE_FILE = "trace.jsonl"
-#: The version of the format; a reader refuses a version it does not know.
-FORMAT_VERSION = 1
+#: The version of the format written. 2: across hosts, the header's ``hosts`` and the
+#: ``link`` lines carry each host's pre-flight ``link_rate_bps`` and ``latency_s``.
+FORMAT_VERSION = 2
+#: The versions :func:`read_trace` reads; it refuses any other.
+READABLE_VERSIONS = (1, 2)
 #: Steps of each rank written one line each; beyond them, blocks of :data:`BLOCK_STEPS`.
 FULL_STEPS = 1000
 #: Steps of a rank summarised by one ``steps`` line once it is past :data:`FULL_STEPS`.
@@ -396,15 +399,20 @@ def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The lines of a trace, parsed.
 
     Raises:
-        ValueError: a ``run`` line of a format version this code does not know.
+        ValueError: a ``run`` line of a format version this code does not know
+            (:data:`READABLE_VERSIONS`), or a line that is not JSON.
     """
     lines = []
     with open(path, encoding="utf-8") as f:
-        for text in f:
+        for number, text in enumerate(f, 1):
             if text.strip():
-                line = json.loads(text)
-                if line.get("kind") == "run" and line.get("version") != FORMAT_VERSION:
+                try:
+                    line = json.loads(text)
+                except ValueError as exc:
+                    raise ValueError(f"{path}: line {number} is not JSON ({exc})") from None
+                if line.get("kind") == "run" and line.get("version") not in READABLE_VERSIONS:
                     raise ValueError(f"{path}: trace format version {line.get('version')!r}; "
-                                     f"this code reads version {FORMAT_VERSION}")
+                                     f"this code reads versions "
+                                     f"{', '.join(map(str, READABLE_VERSIONS))}")
                 lines.append(line)
     return lines

@@ -81,16 +81,16 @@ class StepTimer:
             return max(0.0, (cpu - mark[1]) - (cpu_in - mark[3]))
         return max(0.0, (wall - mark[0]) - (wall_in - mark[2]))
 
-    def forward_backward(self, mark: Mark, work: float = 1.0) -> None:
+    def forward_backward(self, mark: Mark, work: float = 1.0, step: int | None = None) -> None:
         """Charge the forward and backward passes to the simulated clock (before the
         strategy's step, whose collectives start when the last rank arrives); ``work``:
-        the step's samples over ``batch_size``."""
+        the step's samples over ``batch_size``; ``step``: which step (a schedule's entry)."""
         if self.clock is not None:
-            self.clock.add_compute(self.compute_since(mark), work)
+            self.clock.add_compute(self.compute_since(mark), work, step)
 
     def strategy_work(self, mark: Mark) -> None:
         """Charge the strategy's own work in its step (the optimizer, compression)."""
-        if self.clock is not None and self.clock.compute_time_s is None:
+        if self.clock is not None and not self.clock.fixed:
             self.clock.add_compute(self.compute_since(mark))
 
     def lag(self, mark: Mark | None) -> None:

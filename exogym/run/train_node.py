@@ -140,7 +140,9 @@ class TrainNode:
         self.clock: SimClock | None = None
         if spec.has_clock:
             speed = spec.rank_speeds[rank] if spec.rank_speeds is not None else 1.0
-            self.clock = SimClock(spec.network, speed, spec.compute_time_s)
+            schedule = spec.compute_schedule[rank] if spec.compute_schedule is not None else None
+            self.clock = SimClock(spec.network, speed, spec.compute_time_s,
+                                  tuple(schedule) if schedule is not None else None)
             comm.use_clock(self.clock)
         self.timer = StepTimer(self.clock, one_thread=self.placement.threads_per_rank(spec) == 1,
                                speed_mode=spec.speed_mode,
@@ -225,7 +227,7 @@ class TrainNode:
         total = losses[0] if accumulation == 1 else torch.stack(losses).float().sum()
         lr = self.strategy.current_lr
         if mark is not None:
-            timer.forward_backward(mark)
+            timer.forward_backward(mark, step=self.step + 1)
             mark = timer.mark()
         self.strategy.step()
         self.strategy.zero_grad()  # nothing reads them any more: ranks in turn hold one set
@@ -309,7 +311,7 @@ class TrainNode:
         clock_before = timer.clock_reading()
         self.strategy.zero_grad()
         self._last_loss = self._mean_loss_backward(samples)
-        timer.forward_backward(mark, samples / self.spec.batch_size)
+        timer.forward_backward(mark, samples / self.spec.batch_size, self.step + 1)
         strategy_mark = timer.mark()
         self.strategy.step()
         self.strategy.zero_grad()

@@ -35,22 +35,40 @@ class SimClock:
             wait for the slowest rank).
         speed: this rank's compute speed (1.0: as measured; 0.5: twice as long).
         compute_time_s: fixed compute time of a step at full speed (None: measured).
+        schedule: each step's compute at full speed, step 1 first (``compute_schedule``:
+            a replay's recorded steps); steps past it are charged its mean. Takes
+            precedence over ``compute_time_s``.
     """
 
     network: Network | None
     speed: float = 1.0
     compute_time_s: float | None = None
+    schedule: tuple[float, ...] | None = None
     now: float = 0.0
     comm_s: float = field(default=0.0)  # simulated time spent in collectives, waiting included
     compute_s: float = field(default=0.0)  # simulated time spent computing
 
-    def add_compute(self, measured_s: float, work: float = 1.0) -> float:
+    @property
+    def fixed(self) -> bool:
+        """True when a step's compute is given (``compute_time_s`` or a schedule), not measured."""
+        return self.compute_time_s is not None or self.schedule is not None
+
+    def add_compute(self, measured_s: float, work: float = 1.0, step: int | None = None
+                    ) -> float:
         """Advance by one step's compute; returns the simulated seconds added.
 
-        ``work`` scales a fixed ``compute_time_s``: the step's samples over
-        ``batch_size`` (a rank whose batch ``fit(balance='batch')`` changed).
+        ``work`` scales a fixed ``compute_time_s`` (or the schedule's): the step's samples
+        over ``batch_size`` (a rank whose batch ``fit(balance='batch')`` changed).
+        ``step`` (from 1) picks the schedule's entry.
         """
-        base = self.compute_time_s * work if self.compute_time_s is not None else measured_s
+        if self.schedule is not None and step is not None:
+            given = self.schedule[step - 1] if 0 < step <= len(self.schedule) else \
+                sum(self.schedule) / len(self.schedule)
+            base = given * work
+        elif self.compute_time_s is not None:
+            base = self.compute_time_s * work
+        else:
+            base = measured_s
         seconds = max(0.0, base) / self.speed
         self.now += seconds
         self.compute_s += seconds

@@ -1,0 +1,954 @@
+"""Replay a recorded run in the simulator, and ask "what if" of the same cluster.
+
+``cli_typer.py replay RUN_DIR`` reads a run's folder (``trace.jsonl``,
+``summary.json``, ``run.json``; :mod:`exogym.report.trace`) and simulates the
+run again on this machine (:func:`replay`):
+
+- **the same run**: the profile and every setting from the run's identity
+  (``run.json``: its fingerprint must be the trace's), so the same seed and data
+  order, and as many steps as the run made;
+- **the same ranks**: each rank's own seconds at each step as recorded (across
+  hosts a step's wall time less its collectives; with a simulated clock the
+  compute it charged) as the clock's ``compute_schedule``, so the clock charges
+  every rank what it took, step by step (a machine busier in one part of the run
+  than in another included); ``rank_speeds`` (on ``compute_time_s``, the fastest
+  rank's mean) say each rank's mean speed;
+- **the same links**: ``network=`` from each host's pre-flight link rate and
+  latency across hosts (the trace's ``hosts``), or the simulation's own network;
+- **the same events**: the recorded membership timeline (hosts lost and
+  readmitted) as ``rank_failures``.
+
+Evaluation and the hand-over of the state to a readmitted rank cost a real run
+time that the simulated clock does not charge: the seconds one evaluation added
+to the recorded run (:func:`eval_seconds`, apart for an evaluation that ends a
+round and one inside a round, which must first gather the ranks' models) are
+added to the replay's timeline at each evaluation, by where it falls in the
+replayed strategy's rounds, and each recorded hand-over's seconds at the replay's
+readmission of the same order (:func:`hand_over_seconds`).
+
+Figures (:class:`Timeline`), for the recorded run and each replay, on one rank's
+clock (the lowest rank present at every step; wall seconds across hosts, simulated
+seconds in a clocked simulation): total time, the time of every round (the
+strategy's ``round_steps``: ``H``, or one step), the time each membership change
+cost (the rounds around it beyond the median round) and the validation loss at
+each evaluation.
+
+**What if** (:func:`plan_variants`): the same cluster, links and events under
+other strategies or settings; each is ranked by the simulated time it takes to
+reach the recorded run's final validation loss, or said never to reach it within
+the run's samples. Every variant is checked before the first replay starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distributed.app.compare import COMPARE_SETTINGS, profile_for_strategy
+from distributed.profiles.profile import Profile, ProfileError
+from distributed.profiles.run_dir import RunIdentity
+from exogym.report.trace import FORMAT_VERSION, TRACE_FILE, read_trace
+from exogym.strategy import registry
+
+__all__ = ["REPLAY_FOLDER", "Recording", "ReplayError", "ReplayResult", "Timeline", "Variant",
+           "eval_seconds", "load_recording", "plan_variants", "replay", "replay_profile",
+           "time_to_loss", "timeline", "write_outputs"]
+
+#: The replays' folder inside the run's folder (``--out`` replaces it).
+REPLAY_FOLDER = "replay"
+#: The trace format a replay needs: its header carries the hosts' pre-flight links.
+NEEDED_VERSION = 2
+#: Keys a what-if may not set: the replay sets them from the recording.
+RECORDED_KEYS = frozenset({"network", "rank_speeds", "compute_time_s", "speed_mode",
+                           "rank_failures", "num_nodes", "output_dir", "task"})
+
+
+class ReplayError(ValueError):
+    """The run folder, its trace or a what-if cannot be replayed; the message says why."""
+
+
+# ------------------------------------------------------------------ the figures of a run
+
+
+@dataclass
+class Timeline:
+    """What one run took, on one rank's clock.
+
+    Args:
+        clock: ``wall`` (measured seconds) or ``simulated`` (a simulated clock's).
+        rank: the rank whose clock it is.
+        round_steps: steps per round of the run's strategy.
+        times: seconds at the end of each step known (evaluations' extra included).
+        rounds: seconds of each whole round, in order.
+        evaluations: ``(step, validation loss, seconds)`` at each evaluation.
+        membership: each change of the ranks that train: ``step``, ``ranks``,
+            ``reason``, ``lost_s`` (what the rounds around it took beyond the median round).
+        eval_s: seconds one evaluation adds, at a round's end and inside one (in ``times``).
+    """
+
+    clock: str
+    rank: int
+    round_steps: int
+    times: dict[int, float]
+    rounds: list[float]
+    evaluations: list[tuple[int, float, float]]
+    membership: list[dict[str, Any]] = field(default_factory=list)
+    eval_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def wall_s(self) -> float:
+        """Seconds to the last step."""
+        return self.times[max(self.times)] if self.times else 0.0
+
+    @property
+    def steps(self) -> int:
+        return max(self.times) if self.times else 0
+
+    def round_quantile(self, q: float) -> float | None:
+        if not self.rounds:
+            return None
+        if len(self.rounds) == 1:
+            return self.rounds[0]
+        return statistics.quantiles(self.rounds, n=20, method="inclusive")[round(q * 20) - 1] \
+            if 0 < q < 1 else (min(self.rounds) if q == 0 else max(self.rounds))
+
+    @property
+    def round_s_median(self) -> float | None:
+        return statistics.median(self.rounds) if self.rounds else None
+
+    @property
+    def final_val_loss(self) -> float | None:
+        return self.evaluations[-1][1] if self.evaluations else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The figures as JSON values."""
+        return {"clock": self.clock, "rank": self.rank, "steps": self.steps,
+                "wall_s": _r(self.wall_s), "round_steps": self.round_steps,
+                "rounds": len(self.rounds), "round_s_median": _r(self.round_s_median),
+                "round_s_p10": _r(self.round_quantile(0.1)),
+                "round_s_p90": _r(self.round_quantile(0.9)),
+                "evaluations": [[step, loss] for step, loss, _ in self.evaluations],
+                "evaluation_s": [_r(t) for _, _, t in self.evaluations],
+                "final_val_loss": self.final_val_loss,
+                "membership": self.membership, "eval_s": self.eval_s}
+
+
+def _r(value: float | None) -> float | None:
+    return None if value is None else round(float(value), 6)
+
+
+def _step_points(lines: Sequence[Mapping[str, Any]], key: str) -> dict[int, dict[int, Any]]:
+    """Per rank, ``step -> line`` for every ``step`` line and each ``steps`` block's last step
+    (a block's times are at its last step); later lines replace earlier ones (restarts)."""
+    points: dict[int, dict[int, Any]] = {}
+    for line in lines:
+        kind = line.get("kind")
+        if kind == "step" and line.get(key) is not None:
+            points.setdefault(line["rank"], {})[line["step"]] = line
+        elif kind == "steps" and line.get(key) is not None:
+            points.setdefault(line["rank"], {})[line["last"]] = line
+    return points
+
+
+def membership_lines(lines: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The run's membership changes, in order (the start's included)."""
+    return [dict(line) for line in lines if line.get("kind") == "membership"]
+
+
+def absences(lines: Sequence[Mapping[str, Any]], num_nodes: int
+             ) -> list[tuple[int, int, int | None]]:
+    """When each rank was away: ``(rank, first step it missed, first step it trained
+    again or None)``, from the steps each rank recorded (a ``steps`` block counts as
+    present from its first step to its last). The steps say it whether or not a
+    membership change was announced: a rank lost in the middle of a round and back
+    before the round ended leaves no change of its own."""
+    present: dict[int, set[int]] = {}
+    last = 0
+    for line in lines:
+        if line.get("kind") == "step":
+            present.setdefault(line["rank"], set()).add(line["step"])
+            last = max(last, line["step"])
+        elif line.get("kind") == "steps":
+            present.setdefault(line["rank"], set()).update(range(line["first"],
+                                                                 line["last"] + 1))
+            last = max(last, line["last"])
+    found: list[tuple[int, int, int | None]] = []
+    for rank in range(num_nodes):
+        mine = present.get(rank, set())
+        away = None
+        for step in range(1, last + 1):
+            if step not in mine and away is None:
+                away = step
+            elif step in mine and away is not None:
+                found.append((rank, away, step))
+                away = None
+        if away is not None:
+            found.append((rank, away, None))
+    return found
+
+
+def reference_rank(lines: Sequence[Mapping[str, Any]], num_nodes: int) -> int:
+    """The lowest rank present at every step: no membership change leaves it out."""
+    changes = membership_lines(lines)
+    everywhere = set(range(num_nodes))
+    for change in changes:
+        everywhere &= set(change.get("ranks") or ())
+    return min(everywhere) if everywhere else 0
+
+
+def eval_seconds(lines: Sequence[Mapping[str, Any]], rank: int, round_steps: int = 1
+                 ) -> dict[str, float]:
+    """What one evaluation added to a measured run's step, on ``rank``'s clock, apart for
+    evaluations that end a round (``round_end``) and those inside one (``mid_round``: the
+    averaged model's loss then needs the ranks' models gathered first): for each, the
+    median step with an evaluation less the median step without, each less its compute
+    and collectives. Where the run had no evaluation of a kind, the other's figure
+    stands for it; 0 when the run has a simulated clock (it charges no evaluation)."""
+    steps = {line["step"]: line for line in lines
+             if line.get("kind") == "step" and line.get("rank") == rank}
+    evaluated = {line["step"] for line in lines
+                 if line.get("kind") == "eval" and line.get("rank") == rank}
+    extra: dict[str, list[float]] = {"round_end": [], "mid_round": [], "none": []}
+    for step, line in steps.items():
+        before = steps.get(step - 1)
+        if before is None or line.get("sim_time_s") is not None or "wall_s" not in line:
+            continue
+        rest = (line["wall_s"] - before["wall_s"] - (line.get("compute_s") or 0.0)
+                - (line.get("comm_s") or 0.0))
+        kind = "none" if step not in evaluated else \
+            "round_end" if step % round_steps == 0 else "mid_round"
+        extra[kind].append(rest)
+    base = statistics.median(extra["none"]) if extra["none"] else 0.0
+    found = {kind: max(0.0, statistics.median(extra[kind]) - base)
+             for kind in ("round_end", "mid_round") if extra[kind]}
+    if not found:
+        return {"round_end": 0.0, "mid_round": 0.0}
+    return {kind: round(found.get(kind, next(iter(found.values()))), 6)
+            for kind in ("round_end", "mid_round")}
+
+
+def hand_over_seconds(lines: Sequence[Mapping[str, Any]], rank: int) -> list[float]:
+    """The seconds each readmission's hand-over of the state took ``rank``, in order (the
+    trace's ``hand_over`` lines: one per rank and readmission)."""
+    return [float(line.get("seconds") or 0.0) for line in lines
+            if line.get("kind") == "hand_over" and line.get("rank") == rank]
+
+
+def timeline(lines: Sequence[Mapping[str, Any]], round_steps: int, num_nodes: int, *,
+             rank: int | None = None, add_eval_s: Mapping[str, float] | None = None,
+             measured_eval: bool = False,
+             add_hand_overs: Sequence[float] = ()) -> Timeline:
+    """A run's :class:`Timeline` from its trace lines.
+
+    Args:
+        lines: the trace, parsed.
+        round_steps: steps per round of its strategy.
+        num_nodes: its ranks.
+        rank: whose clock (default :func:`reference_rank`).
+        add_eval_s: seconds to add at each evaluation, by where it falls in a round of
+            this run (``round_end``, ``mid_round``: :func:`eval_seconds`), for a replay of a
+            measured run: the simulated clock charges no evaluation, the run paid for them.
+        measured_eval: note the evaluation's cost measured in ``lines`` as ``eval_s``.
+        add_hand_overs: seconds to add at each readmission, in order (a replay: the
+            simulation hands a returning rank the state without charging the clock, the
+            recorded run paid for it, :func:`hand_over_seconds`).
+    """
+    rank = reference_rank(lines, num_nodes) if rank is None else rank
+    clocked = any(line.get("kind") in ("step", "steps") and line.get("sim_time_s") is not None
+                  for line in lines)
+    key = "sim_time_s" if clocked else "wall_s"
+    mine = _step_points(lines, key).get(rank, {})
+    evals = sorted((line["step"], float(line.get("val_global_loss", line.get("val_loss"))))
+                   for line in lines if line.get("kind") == "eval" and line.get("rank") == rank
+                   and line.get("val_loss") is not None)
+    eval_steps = [step for step, _ in evals]
+    rejoins = sorted(back for _, _, back in absences(lines, num_nodes) if back is not None)
+    paid = list(zip(rejoins, add_hand_overs))
+    times: dict[int, float] = {}
+    for step in sorted(mine):
+        extra = sum(_eval_cost(add_eval_s, s, round_steps) for s in eval_steps if s <= step) + \
+            sum(seconds for at, seconds in paid if at <= step)
+        times[step] = float(mine[step][key]) + extra
+    rounds = _rounds(times, round_steps)
+    evaluations = [(step, loss, times[step]) for step, loss in evals if step in times]
+    changes = membership_lines(lines)
+    announced = {int(c.get("step") or 1) for c in changes}
+    for away_rank, first, back in absences(lines, num_nodes):
+        if first not in announced:
+            changes.append({"step": first, "ranks": None,
+                            "reason": f"rank {away_rank} recorded no step from step {first}"})
+        if back is not None and back not in announced:
+            changes.append({"step": back, "ranks": None,
+                            "reason": f"rank {away_rank} recorded steps again from step {back}"})
+    changes.sort(key=lambda c: int(c.get("step") or 1))
+    median = statistics.median(rounds.values()) if rounds else 0.0
+    membership = []
+    for change in changes:
+        step = int(change.get("step") or 1)
+        entry = {"step": step, "ranks": change.get("ranks"), "reason": change.get("reason")}
+        if step > 1:
+            around = {(step - 2) // round_steps, (step - 1) // round_steps}
+            entry["lost_s"] = _r(sum(max(0.0, rounds[i] - median) for i in around
+                                     if i in rounds))
+        membership.append(entry)
+    return Timeline("simulated" if clocked else "wall", rank, round_steps, times,
+                    [rounds[i] for i in sorted(rounds)], evaluations, membership,
+                    eval_seconds(lines, rank, round_steps) if measured_eval
+                    else dict(add_eval_s or {"round_end": 0.0, "mid_round": 0.0}))
+
+
+def _eval_cost(costs: Mapping[str, float] | None, step: int, round_steps: int) -> float:
+    if not costs:
+        return 0.0
+    return costs["round_end" if step % round_steps == 0 else "mid_round"]
+
+
+def _rounds(times: Mapping[int, float], round_steps: int) -> dict[int, float]:
+    """Seconds of each whole round ``i`` (steps ``i*R+1 .. (i+1)*R``), from the times at the
+    rounds' last steps; a gap of several rounds (steps summarised in blocks) is shared
+    evenly among them."""
+    ends = [0] + sorted(s for s in times if s % round_steps == 0)
+    at = {0: 0.0, **times}
+    rounds: dict[int, float] = {}
+    for before, after in zip(ends, ends[1:]):
+        count = (after - before) // round_steps
+        each = (at[after] - at[before]) / count
+        for i in range(before // round_steps, after // round_steps):
+            rounds[i] = each
+    return rounds
+
+
+def time_to_loss(evaluations: Sequence[tuple[int, float, float]], target: float) -> float | None:
+    """The first time the validation loss reaches ``target`` (linear between
+    evaluations); None when it never does."""
+    previous: tuple[float, float] | None = None
+    for _, loss, t in evaluations:
+        if loss <= target:
+            if previous is None or previous[1] == loss:
+                return t
+            t0, l0 = previous
+            return t0 + (t - t0) * (l0 - target) / (l0 - loss)
+        previous = (t, loss)
+    return None
+
+
+# ------------------------------------------------------------------ the recording
+
+
+@dataclass
+class Recording:
+    """A recorded run, read and checked.
+
+    Args:
+        folder: the run's folder.
+        lines: its trace, parsed.
+        header: the trace's ``run`` line.
+        identity: the run's identity (``run.json``, else ``summary.json``'s ``run``).
+        profile: the run's profile, rebuilt from its identity's settings.
+        num_nodes: its ranks.
+        round_steps: steps per round of its strategy.
+    """
+
+    folder: Path
+    lines: list[dict[str, Any]]
+    header: dict[str, Any]
+    identity: RunIdentity
+    profile: Profile
+    num_nodes: int
+    round_steps: int
+
+    @property
+    def source(self) -> str:
+        return str(self.header.get("source"))
+
+    @property
+    def steps(self) -> int:
+        """The last step any rank recorded."""
+        return max((line.get("step", line.get("last", 0)) for line in self.lines
+                    if line.get("kind") in ("step", "steps")), default=0)
+
+    def compute_per_step(self) -> list[float]:
+        """Each rank's mean seconds of its own per step: measured across hosts, the step's
+        wall time less its time in collectives (waiting for peers included there), so what
+        the rank does between steps counts too; evaluation steps, readmissions' steps (their
+        hand-over is paid apart) and a rank's first step after a (re)start are left out.
+        With a simulated clock, the compute it charged."""
+        own = self._own_wall_time()
+        if own is not None:
+            return own
+        total = [0.0] * self.num_nodes
+        count = [0] * self.num_nodes
+        latest: dict[tuple[int, int], dict[str, Any]] = {}
+        for line in self.lines:  # a restarted job's later lines replace the earlier ones
+            if line.get("kind") == "step" and line.get("compute_s") is not None:
+                latest[(line["rank"], line["step"])] = line
+            elif line.get("kind") == "steps" and line.get("compute_s") is not None:
+                latest[(line["rank"], -line["last"])] = line
+        for (rank, _), line in latest.items():
+            if 0 <= rank < self.num_nodes:
+                total[rank] += float(line["compute_s"])
+                count[rank] += int(line.get("count", 1))
+        missing = [r for r in range(self.num_nodes) if not count[r]]
+        if missing:
+            raise ReplayError(f"{self.folder / TRACE_FILE}: no compute seconds recorded for "
+                              f"rank{'s' if len(missing) > 1 else ''} "
+                              f"{', '.join(map(str, missing))}")
+        return [total[r] / count[r] for r in range(self.num_nodes)]
+
+    def compute_schedule(self) -> list[list[float]]:
+        """Per rank, its own seconds at each step 1..:attr:`steps`, as recorded (what
+        :meth:`compute_per_step` averages); a step whose own time is not known (an
+        evaluation's, a readmission's, a step the rank was away for, a restart's first)
+        gets the rank's mean. A ``steps`` block's steps share its sum evenly."""
+        means = self.compute_per_step()
+        steps = self.steps
+        schedule = [[means[r]] * steps for r in range(self.num_nodes)]
+        clocked = any(line.get("sim_time_s") is not None for line in self.lines
+                      if line.get("kind") == "step")
+        evaluated = {(line["rank"], line["step"]) for line in self.lines
+                     if line.get("kind") == "eval"}
+        handed = {back for _, _, back in absences(self.lines, self.num_nodes) if back}
+        points: dict[int, dict[int, Mapping[str, Any]]] = {}
+        for line in self.lines:  # later lines replace earlier ones (a restarted job)
+            if line.get("kind") in ("step", "steps") and 0 <= line["rank"] < self.num_nodes:
+                points.setdefault(line["rank"], {})[line.get("step", line.get("last"))] = line
+        for rank, mine in points.items():
+            for end in sorted(mine):
+                line = mine[end]
+                count = int(line.get("count", 1))
+                first = end - count + 1
+                if clocked:
+                    own = line.get("compute_s")
+                else:
+                    before = mine.get(first - 1)
+                    if (rank, end) in evaluated or end in handed or line.get("wall_s") is None:
+                        continue
+                    if before is not None and before.get("wall_s") is not None:
+                        own = line["wall_s"] - before["wall_s"] - (line.get("comm_s") or 0.0)
+                    elif first == 1:  # a rank's clock starts at its training's start
+                        own = line["wall_s"] - (line.get("comm_s") or 0.0)
+                    else:
+                        continue
+                if own is None or own < 0 or not 1 <= first <= end <= steps:
+                    continue
+                for step in range(first, end + 1):
+                    schedule[rank][step - 1] = float(own) / count
+        return schedule
+
+    def _own_wall_time(self) -> list[float] | None:
+        if any(line.get("sim_time_s") is not None for line in self.lines
+               if line.get("kind") == "step"):
+            return None
+        evaluated = {(line["rank"], line["step"]) for line in self.lines
+                     if line.get("kind") == "eval"}
+        # a readmission's step holds the hand-over, which the replay pays apart
+        handed = {back for _, _, back in absences(self.lines, self.num_nodes) if back}
+        latest: dict[tuple[int, int], Mapping[str, Any]] = {}
+        for line in self.lines:
+            if line.get("kind") == "step" and line.get("wall_s") is not None:
+                latest[(line["rank"], line["step"])] = line
+        spans: dict[int, list[float]] = {}
+        for (rank, step), line in latest.items():
+            before = latest.get((rank, step - 1))
+            if before is None or (rank, step) in evaluated or step in handed \
+                    or not 0 <= rank < self.num_nodes:
+                continue
+            took = line["wall_s"] - before["wall_s"] - (line.get("comm_s") or 0.0)
+            if took > 0:  # a restarted rank's clock starts again: no span across it
+                spans.setdefault(rank, []).append(took)
+        if len(spans) < self.num_nodes:
+            return None
+        return [statistics.fmean(spans[r]) for r in range(self.num_nodes)]
+
+    def network(self) -> tuple[dict[str, Any] | None, str]:
+        """The links to replay on, as a ``network`` value, and where they come from."""
+        if self.source == "simulation":
+            net = (self.header.get("config") or {}).get("network")
+            if not net:
+                return None, "none: the simulation had no network (collectives cost nothing)"
+            value = {"bandwidth": net["bandwidth_bits_per_s"], "latency_s": net["latency_s"]}
+            if net.get("rank_bandwidth_bits_per_s"):
+                value["rank_bandwidth"] = list(net["rank_bandwidth_bits_per_s"])
+            return value, "the simulation's own network"
+        hosts = sorted(self.header.get("hosts") or [], key=lambda h: h["rank"])
+        rates = [h.get("link_rate_bps") for h in hosts]
+        latencies = [h["latency_s"] for h in hosts if h.get("latency_s") is not None]
+        where = "each host's pre-flight probe"
+        if len(hosts) != self.num_nodes or any(not r for r in rates):
+            achieved = {line["rank"]: line.get("achieved_bytes_per_s") for line in self.lines
+                        if line.get("kind") == "link"}
+            if len(achieved) < self.num_nodes or any(
+                    not achieved.get(r) for r in range(self.num_nodes)):
+                raise ReplayError(f"{self.folder / TRACE_FILE}: the hosts' links were not "
+                                  "measured before the run (link_probe_s=0, or the probe "
+                                  "failed) and no rank's collectives recorded a rate: "
+                                  "nothing to replay the links with")
+            rates = [achieved[r] * 8 for r in range(self.num_nodes)]
+            where = ("what each rank's collectives achieved (a lower bound: the pre-flight "
+                     "probe measured no link)")
+        value = {"bandwidth": float(min(rates)),
+                 "latency_s": float(statistics.median(latencies)) if latencies else 0.0}
+        if len(set(rates)) > 1:
+            value["rank_bandwidth"] = [float(r) for r in rates]
+        return value, where
+
+    def rank_failures(self) -> list[list[int | None]] | None:
+        """The recorded absences (:func:`absences`) as ``rank_failures`` entries."""
+        return [list(a) for a in absences(self.lines, self.num_nodes)] or None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ReplayError(f"{path} cannot be read: {exc}") from None
+    return data if isinstance(data, dict) else None
+
+
+def rebuild_profile(identity: RunIdentity, header: Mapping[str, Any]) -> Profile:
+    """The run's profile from its identity's settings (as it ran, every default filled in);
+    a simulation's network from the trace's header (the identity holds only its text)."""
+    values = {**identity.settings, **identity.may_change}
+    values.pop("network", None)
+    net = (header.get("config") or {}).get("network") if header.get("source") == "simulation" \
+        else None
+    if net:
+        values["network"] = {"bandwidth": net["bandwidth_bits_per_s"],
+                             "latency_s": net["latency_s"]}
+        if net.get("rank_bandwidth_bits_per_s"):
+            values["network"]["rank_bandwidth"] = list(net["rank_bandwidth_bits_per_s"])
+    elif identity.settings.get("network") is not None:
+        values["network"] = identity.settings["network"]
+    return Profile(identity.profile, values, "the run's own settings")
+
+
+def load_recording(folder: str | Path) -> Recording:
+    """Read and check a run's folder; every problem is a :class:`ReplayError`.
+
+    Refused: a folder without a trace, a trace of an older format or that ended
+    before its first step, a trace whose run is not the folder's (profile,
+    settings or ranks differ), settings that make no valid profile here.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ReplayError(f"{folder} is not a folder: give a run's folder (runs/NAME, as "
+                          "distributed-train printed it)")
+    path = folder / TRACE_FILE
+    if not path.is_file():
+        raise ReplayError(f"{folder} holds no {TRACE_FILE}: only a run of this version records "
+                          "one (distributed-train, a local simulation or across hosts); run it "
+                          "again to replay it")
+    try:
+        lines = read_trace(path)
+    except (OSError, ValueError) as exc:
+        raise ReplayError(f"{path} cannot be read: {exc}") from None
+    headers = [line for line in lines if line.get("kind") == "run"]
+    if not headers:
+        raise ReplayError(f"{path} has no run line: not a trace")
+    header = headers[0]
+    version = header.get("version")
+    if version != NEEDED_VERSION:
+        raise ReplayError(f"{path} is a trace of format version {version} (an older version "
+                          f"recorded it); a replay needs version {NEEDED_VERSION} (written "
+                          f"since the hosts' links are probed before a run; this code writes "
+                          f"{FORMAT_VERSION}): run it again to replay it")
+    if header.get("source") not in ("simulation", "hosts"):
+        raise ReplayError(f"{path} is one rank's own trace (source {header.get('source')!r}: "
+                          "NetworkTrainer's script mode); a replay needs every rank's, as "
+                          "distributed-train records it")
+    recorded = RunIdentity.from_dict(header.get("run"))
+    if recorded is None:
+        raise ReplayError(f"{path} names no run (its header's 'run' is empty): a run of "
+                          "distributed-train records its identity")
+    on_file = RunIdentity.from_dict(_read_json(folder / "run.json")) or \
+        RunIdentity.from_dict((_read_json(folder / "summary.json") or {}).get("run"))
+    if on_file is not None and (on_file.profile, on_file.fingerprint) != (
+            recorded.profile, recorded.fingerprint):
+        differ = recorded.differences(on_file, there="in the trace", here="in the folder")
+        raise ReplayError(f"{path} does not match the run in {folder}: the trace is of profile "
+                          f"{recorded.profile} ({recorded.fingerprint[:12]}), the folder's "
+                          f"run.json of {on_file.profile} ({on_file.fingerprint[:12]})"
+                          + (f"; they differ in {', '.join(differ[:6])}" if differ else ""))
+    num_nodes = int(header.get("num_nodes") or 0)
+    if recorded.settings.get("num_nodes") not in (None, num_nodes):
+        raise ReplayError(f"{path} records {num_nodes} ranks but its run's settings say "
+                          f"num_nodes={recorded.settings['num_nodes']}: the trace does not "
+                          "match the profile")
+    ranks = {line["rank"] for line in lines if line.get("kind") in ("step", "steps")}
+    if not ranks:
+        raise ReplayError(f"{path} records no step: the run ended before its first step")
+    if max(ranks) >= num_nodes:
+        raise ReplayError(f"{path} has steps of rank {max(ranks)} in a run of {num_nodes} "
+                          "ranks: the trace does not match the profile")
+    profile = rebuild_profile(recorded, header)
+    problems = profile.problems()
+    if problems:
+        raise ReplayError(f"the settings of the run in {folder} make no valid profile here "
+                          f"(this checkout's code differs from the one that ran it):\n  "
+                          + "\n  ".join(problems))
+    again = RunIdentity.of(profile, num_nodes)
+    if again.fingerprint != recorded.fingerprint:
+        differ = recorded.differences(again, there="recorded", here="rebuilt here")
+        raise ReplayError(f"the profile rebuilt from {path} is not the run it records (its "
+                          f"settings fingerprint differs: "
+                          f"{', '.join(differ[:6]) or 'the same keys, other defaults'}); "
+                          "this checkout's defaults differ from the ones the run had")
+    return Recording(folder, lines, header, recorded, profile, num_nodes,
+                     round_steps_of(profile))
+
+
+def round_steps_of(profile: Profile) -> int:
+    """Steps per round of the profile's strategy (``Strategy.round_steps``: ``H``, or 1)."""
+    resolved = profile.resolved
+    strategy = resolved.strategy_cls(**resolved.strategy_kwargs)
+    return max(1, int(getattr(strategy, "round_steps", 1) or 1))
+
+
+# ------------------------------------------------------------------ the replays
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One replay: the run as recorded, or a what-if.
+
+    Args:
+        label: how tables name it (``as recorded``, ``diloco``, ``diloco H=50``).
+        strategy: the strategy's name.
+        settings: the ``--set`` values it adds.
+        profile: the profile that runs, the recorded cluster applied.
+        rank_failures: the recorded membership changes, as ``fit`` takes them.
+        compute_schedule: each rank's compute at each step, as ``fit`` takes it.
+        recorded: True for the run as recorded.
+    """
+
+    label: str
+    strategy: str
+    settings: dict[str, Any]
+    profile: Profile
+    rank_failures: list[list[int | None]] | None = None
+    compute_schedule: list[list[float]] | None = None
+    recorded: bool = False
+
+
+def replay_profile(recording: Recording, out: Path, base: Profile | None = None,
+                   label: str = "as recorded", max_steps: Any = None
+                   ) -> tuple[Profile, dict[str, Any]]:
+    """``base`` (default: the recorded profile) on the recorded cluster: its links, its
+    ranks' speeds, its membership changes; the simulated clock charges what the run took.
+    It trains the run's samples: as many steps as the run made, scaled when ``base``
+    has another ``batch_size``, unless ``max_steps`` is given.
+
+    The clock charges each rank, step by step, what it took in the recorded run
+    (``compute_schedule``, in full-speed seconds so that ``rank_speeds`` divides them
+    back), scaled by ``base``'s batch size over the run's.
+
+    Returns:
+        The profile, and the cluster's settings as applied (for the report); the
+        membership changes (``rank_failures``) and the schedule (``compute_schedule``),
+        arguments of a simulation and no profile keys, are in the latter alone.
+    """
+    base = base or recording.profile
+    compute = recording.compute_per_step()
+    reference = min(compute)
+    network, links_from = recording.network()
+    failures = recording.rank_failures()
+    steps = recording.steps
+    batch = recording.profile.values.get("batch_size")
+    own_batch = base.values.get("batch_size")
+    if max_steps is not None:
+        steps = max_steps
+    elif isinstance(batch, int) and isinstance(own_batch, int) and own_batch != batch:
+        steps = max(1, math.ceil(steps * batch / own_batch))  # the same samples
+    cluster: dict[str, Any] = {
+        "compute_time_s": reference,
+        "rank_speeds": [round(reference / c, 6) if c > 0 else 1.0 for c in compute],
+        "speed_mode": "clock",
+        "network": network,
+    }
+    values = {**cluster, "max_steps": steps, "num_nodes": recording.num_nodes,
+              "logger": None, "checkpoint_interval": None,
+              "output_dir": str(out / _slug(label))}
+    try:
+        profile = base.with_overrides(values)
+    except ProfileError as exc:
+        raise ReplayError(f"the recorded cluster does not fit {label}: {exc}") from None
+    scale = own_batch / batch if isinstance(batch, int) and isinstance(own_batch, int) else 1.0
+    schedule = [[own * speed * scale for own in row]
+                for row, speed in zip(recording.compute_schedule(), cluster["rank_speeds"])]
+    report = {**cluster, "rank_failures": failures, "links_from": links_from, "max_steps": steps,
+              "compute_per_step_s": [round(c, 6) for c in compute],
+              "compute_schedule": schedule}
+    return profile, report
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in label).strip("-") or "run"
+
+
+def plan_variants(recording: Recording, strategies: Sequence[str],
+                  overrides: Mapping[str, Any], out: Path) -> list[Variant]:
+    """The run as recorded, then each what-if: every strategy of ``strategies`` (or the
+    recorded one, when only ``overrides`` are given) with ``overrides`` where it takes
+    them. Checked whole before any replay: an unknown strategy, a key no variant
+    takes, a value of the wrong type, a key the recording fixes.
+
+    Raises:
+        ReplayError: naming the strategy, key or value and what is accepted.
+    """
+    fixed = sorted(set(overrides) & RECORDED_KEYS)
+    if fixed:
+        raise ReplayError(f"--set {', '.join(fixed)}: the replay takes "
+                          f"{'it' if len(fixed) == 1 else 'them'} from the recording (the "
+                          f"cluster, its links and events); a what-if may change the "
+                          "strategy's and the run's other settings")
+    wrong = [_value_problem(key, value, recording) for key, value in overrides.items()]
+    wrong = [w for w in wrong if w]
+    if wrong:
+        raise ReplayError("; ".join(wrong))
+    names = []
+    for given in strategies:
+        try:
+            names.append(registry.canonical(given))
+        except (TypeError, ValueError):
+            key = str(given).strip().lower().replace("-", "_")
+            close = difflib.get_close_matches(key, list(registry.KNOWN), n=1)
+            raise ReplayError(f"--strategy {given!r} is not a strategy"
+                              + (f" (did you mean {close[0]!r}?)" if close else "")
+                              + f": the known ones are {', '.join(registry.KNOWN)}") from None
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ReplayError(f"--strategy {', '.join(repeated)} given twice")
+    recorded_strategy = registry.canonical(recording.profile.strategy)
+    if not names and overrides:
+        names = [recorded_strategy]
+    base, cluster = replay_profile(recording, out, label="as recorded")
+    failures = cluster["rank_failures"]
+    variants = [Variant("as recorded", recorded_strategy, {}, base, failures,
+                        cluster["compute_schedule"], recorded=True)]
+    used: set[str] = set()
+    for name in names:
+        source = recording.profile
+        try:
+            plan = profile_for_strategy(source, name, dict(overrides)) \
+                if name != recorded_strategy else source.with_overrides(dict(overrides))
+        except ProfileError as exc:
+            raise ReplayError(f"what if {name}: {exc}") from None
+        taken = {k: v for k, v in overrides.items() if plan.values.get(k) == v}
+        used |= set(taken)
+        extra = COMPARE_SETTINGS.get(name, {}) if name != recorded_strategy else {}
+        label = " ".join([name, *(f"{k}={v}" for k, v in {**extra, **taken}.items())])
+        profile, own = replay_profile(recording, out, plan, label,
+                                      max_steps=overrides.get("max_steps"))
+        variants.append(Variant(label, name, taken, profile, failures, own["compute_schedule"]))
+    unused = sorted(set(overrides) - used)
+    if unused:
+        accepted = set().union(*(v.profile.resolved.routing.named for v in variants))
+        hints = []
+        for key in unused:
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ReplayError(f"--set {', '.join(hints)}: no replayed strategy, nor the task or the "
+                          f"run, accepts {'it' if len(unused) == 1 else 'them'}")
+    labels = [v.label for v in variants]
+    if len(set(labels)) != len(labels):
+        raise ReplayError("two what-ifs are the same run: give each strategy once")
+    return variants
+
+
+def _value_problem(key: str, value: Any, recording: Recording) -> str | None:
+    """Why ``--set key=value`` is of the wrong kind: the run's own value of ``key`` (or,
+    where it had none, the default of a strategy's argument of that name) is a number or
+    a flag and ``value`` is not; None when it fits or nothing says what it should be."""
+    import inspect
+
+    reference = recording.identity.settings.get(key, recording.identity.may_change.get(key))
+    if reference is None:
+        for known in registry.KNOWN.values():
+            if key in known.traffic_defaults and known.traffic_defaults[key] is not None:
+                reference = known.traffic_defaults[key]
+                break
+        if reference is None:
+            try:
+                parameter = inspect.signature(recording.profile.resolved.strategy_cls
+                                              ).parameters.get(key)
+            except (TypeError, ValueError):
+                parameter = None
+            if parameter is not None and parameter.default is not inspect.Parameter.empty:
+                reference = parameter.default
+    if isinstance(reference, bool):
+        if not isinstance(value, bool):
+            return f"--set {key}={value!r}: {key} is true or false (the run had {reference})"
+    elif isinstance(reference, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"--set {key}={value!r}: {key} is a number (the run had {reference})"
+    return None
+
+
+@dataclass
+class ReplayResult:
+    """A replay and what it is compared with.
+
+    Args:
+        recording: the recorded run.
+        real: its figures.
+        replays: per variant (the run as recorded first), its figures.
+        cluster: the cluster's settings the replays ran with (``rank_failures`` too).
+        target: the recorded run's final validation loss.
+    """
+
+    recording: Recording
+    real: Timeline
+    replays: list[tuple[Variant, Timeline]]
+    cluster: dict[str, Any]
+    target: float | None
+
+    @property
+    def replay(self) -> Timeline:
+        return self.replays[0][1]
+
+    def ranking(self) -> list[dict[str, Any]]:
+        """Every replay, by simulated time to the recorded final validation loss (the ones
+        that never reach it last, by their final loss)."""
+        rows = []
+        for variant, figures in self.replays:
+            reach = time_to_loss(figures.evaluations, self.target) \
+                if self.target is not None else None
+            rows.append({"label": variant.label, "strategy": variant.strategy,
+                         "settings": variant.settings, "recorded": variant.recorded,
+                         "time_to_target_s": _r(reach), "reaches_target": reach is not None,
+                         "wall_s": _r(figures.wall_s),
+                         "round_s_median": _r(figures.round_s_median),
+                         "final_val_loss": figures.final_val_loss,
+                         "evaluations": [[s, v] for s, v, _ in figures.evaluations]})
+        rows.sort(key=lambda r: (not r["reaches_target"], r["time_to_target_s"] or 0.0,
+                                 r["final_val_loss"] if r["final_val_loss"] is not None
+                                 else math.inf))
+        for place, row in enumerate(rows, 1):
+            row["place"] = place
+        return rows
+
+    def timelines(self) -> dict[str, dict[int, float]]:
+        """Seconds at each step: ``real``, then each replay by its label (``replay`` for the
+        run as recorded)."""
+        out = {"real": dict(self.real.times)}
+        for variant, figures in self.replays:
+            out["replay" if variant.recorded else variant.label] = dict(figures.times)
+        return out
+
+    def ratios(self) -> dict[str, Any]:
+        """Replay over real: total time, median round, each evaluation's loss."""
+        real, rep = self.real, self.replay
+        losses = dict((s, v) for s, v, _ in rep.evaluations)
+        return {"wall_s": _ratio(rep.wall_s, real.wall_s),
+                "round_s_median": _ratio(rep.round_s_median, real.round_s_median),
+                "val_loss": [[s, _ratio(losses.get(s), v)] for s, v, _ in real.evaluations]}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The comparison as one JSON object: ``real``, ``replay``, ``ratios``, the
+        cluster replayed, and the what-ifs' ranking."""
+        rec = self.recording
+        return {"run_dir": str(rec.folder), "profile": rec.profile.name,
+                "strategy": rec.profile.strategy, "source": rec.source,
+                "num_nodes": rec.num_nodes, "steps": rec.steps,
+                "target_val_loss": self.target,
+                "real": self.real.to_dict(), "replay": self.replay.to_dict(),
+                "ratios": self.ratios(), "cluster": self.cluster,
+                "what_if": self.ranking() if len(self.replays) > 1 else []}
+
+
+def write_outputs(result: ReplayResult, folder: Path) -> tuple[dict[str, Any], str]:
+    """Write ``replay.json`` (the comparison) and ``replay.html`` (its page) into
+    ``folder``, each atomically; returns the comparison and the page."""
+    from distributed.app.web.replay_page import replay_html
+    from exogym.base.io import atomic_write_bytes
+
+    report = result.to_dict()
+    page = replay_html(report, result.timelines())
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(folder / "replay.json",
+                       (json.dumps(report, indent=1) + "\n").encode("utf-8"))
+    atomic_write_bytes(folder / "replay.html", page.encode("utf-8"))
+    return report, page
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return round(a / b, 6)
+
+
+def simulate(variant: Variant, progress: Any = False) -> Any:
+    """Run one variant as a local simulation into its profile's ``output_dir`` (its trace
+    and ``summary.json`` there); returns the trainer."""
+    from exogym.base.io import atomic_write_json
+    from exogym.run.trainer import LocalTrainer
+
+    profile = variant.profile
+    resolved = profile.resolved
+    out = resolved.output_dir
+    model, train_dataset, val_dataset = resolved.task_fn(**resolved.task_kwargs)
+    strategy = resolved.strategy_cls(**resolved.strategy_kwargs)
+    trainer = LocalTrainer(model, train_dataset, val_dataset)
+    trainer.fit(**resolved.run_kwargs, strategy=strategy, run_name=profile.name,
+                save_dir=str(out / "checkpoints"), log_dir=str(out / "logs"),
+                progress=progress, trace=str(out),
+                rank_failures=[tuple(f) for f in variant.rank_failures]
+                if variant.rank_failures else None,
+                compute_schedule=variant.compute_schedule)
+    atomic_write_json(out / "summary.json", {"profile": profile.name, "replay": variant.label,
+                                             **trainer.summary})
+    return trainer
+
+
+def replay(recording: Recording, variants: Sequence[Variant],
+           progress: Callable[[Variant], Any] | None = None,
+           on_result: Callable[[Variant, Timeline], None] | None = None) -> ReplayResult:
+    """Simulate every variant on the recorded cluster, one after another.
+
+    Args:
+        recording: from :func:`load_recording`.
+        variants: from :func:`plan_variants` (the run as recorded first).
+        progress: for each variant, what shows its run (a ``ProgressSink`` or a bool).
+        on_result: called after each replay.
+
+    Raises:
+        RunFailedError: a replay's rank failed.
+    """
+    # Here: they bring torch, which checking the input must not wait for.
+    from distributed.app.run import RunFailedError, brief_failure
+    from exogym.run.run_rank import LostRankError
+    from exogym.run.trainer import RankFailedError
+
+    real = timeline(recording.lines, recording.round_steps, recording.num_nodes,
+                    measured_eval=True)
+    eval_s = real.eval_s if real.clock == "wall" else {"round_end": 0.0, "mid_round": 0.0}
+    hand_overs = hand_over_seconds(recording.lines, real.rank) if real.clock == "wall" else []
+    _, cluster = replay_profile(recording, Path(variants[0].profile.resolved.output_dir).parent)
+    schedule = cluster.pop("compute_schedule")
+    cluster["compute_schedule"] = (f"each rank's {len(schedule[0])} steps as recorded "
+                                   "(full-speed seconds, divided by rank_speeds)")
+    cluster["eval_s"] = eval_s
+    cluster["hand_over_s"] = [_r(h) for h in hand_overs]
+    results = []
+    for variant in variants:
+        sink = progress(variant) if progress is not None else False
+        try:
+            trainer = simulate(variant, sink)
+        except (RankFailedError, LostRankError) as exc:
+            raise RunFailedError(f"replaying {variant.label}: {brief_failure(exc)}") from exc
+        lines = read_trace(trainer.trace_path)
+        figures = timeline(lines, round_steps_of(variant.profile), recording.num_nodes,
+                           rank=real.rank if variant.recorded else None, add_eval_s=eval_s,
+                           add_hand_overs=hand_overs)
+        results.append((variant, figures))
+        if on_result is not None:
+            on_result(variant, figures)
+    return ReplayResult(recording, real, results, cluster, real.final_val_loss)
