@@ -21,10 +21,11 @@ The duration (``--seconds``, default 300) sets the run's steps: a short calibrat
 run measures the steps per second of the three hosts, and both runs get that rate
 times the duration.
 
-The chaos run's trace (``trace.jsonl``, every fault marked ``"injected": true``) is
-kept in the output folder (``--out``) with ``chaos.json``, the figures printed here:
-a replay of the soak in the simulator reads that trace and compares with
-``chaos.json``'s ``chaos`` entry (``trace``, ``val_loss``, ``faults``).
+Then the soak is replayed in the simulator (``python cli_typer.py replay RUN_DIR
+--json``, :mod:`distributed.app.replay`) from its trace (every fault marked
+``"injected": true``), and the replay's total time is compared with the real
+one (target: within 15%). The trace and ``chaos.json``, the figures printed
+here, are kept in the output folder (``--out``).
 
     python -m bench.chaos                      # 5 minutes
     python -m bench.chaos --seconds 90 --seed 3
@@ -125,6 +126,20 @@ def leftovers(bed: Testbed, marker: str) -> list[str]:
     return found
 
 
+def replay(run_dir: Path, timeout: float) -> dict[str, Any]:
+    """``cli_typer.py replay RUN_DIR --json`` of a run: the simulator's account of it, with
+    the recorded one (its ``real`` and ``replay`` entries), or ``{"error": ...}``."""
+    try:
+        done = subprocess.run([sys.executable, "cli_typer.py", "replay", str(run_dir), "--json"],
+                              cwd=PROJECT_ROOT, capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, "CI": "true"})
+    except subprocess.TimeoutExpired:
+        return {"error": f"the replay did not finish in {timeout:.0f} s"}
+    if done.returncode != 0:
+        return {"error": (done.stdout + done.stderr)[-3000:]}
+    return json.loads(done.stdout)
+
+
 def _has(tool: str) -> bool:
     from shutil import which
 
@@ -188,6 +203,7 @@ def main() -> None:
     after = [f"namespace of bed {tag}"] if bed_stands(tag) else []
     after += [x for x in (f"link xu{tag}",) if Path(f"/sys/class/net/xu{tag}").exists()]
 
+    twin = replay(Path(chaos["trace_path"]).parent, timeout)
     base_loss = baseline["summary"].get("final_val_global_loss")
     chaos_loss = chaos["summary"].get("final_val_global_loss")
     faults = chaos["summary"].get("faults") or []
@@ -206,6 +222,15 @@ def main() -> None:
     print(f"fault-free run: exit code {baseline['exit_code']}, {baseline['wall_s']:.0f} s")
     print(f"final validation loss: fault-free {base_loss}, chaos {chaos_loss}" + (
         f", ratio {ratio:.3f}" if ratio is not None else ""))
+    replay_ratio = None
+    if "error" in twin:
+        print(f"replay of the soak: FAILED: {twin['error']}")
+    else:
+        real_s, replay_s = twin["real"]["wall_s"], twin["replay"]["wall_s"]
+        replay_ratio = replay_s / real_s if real_s else None
+        print(f"replay of the soak in the simulator: {replay_s:.1f} s against the real "
+              f"{real_s:.1f} s" + (f", ratio {replay_ratio:.3f} (target within 15%)"
+                                    if replay_ratio is not None else ""))
     problems = left_baseline + left_chaos + after
     print("left behind: " + ("; ".join(problems) if problems else
                              "nothing (no process, no rank, no cut's table, no namespace)"))
@@ -218,10 +243,14 @@ def main() -> None:
                   "val_loss": chaos_loss, "trace": chaos["trace_path"], "faults": faults,
                   "membership": changes},
         "val_loss_ratio": ratio, "left_behind": problems,
+        "replay": ({"error": twin["error"]} if "error" in twin else
+                   {"real_wall_s": twin["real"]["wall_s"],
+                    "replay_wall_s": twin["replay"]["wall_s"], "ratio": replay_ratio}),
     }
     atomic_write_text(folder / "chaos.json", json.dumps(result, indent=2) + "\n")
     print(f"kept in {folder} (chaos.json; the chaos run's trace: {chaos['trace_path']})")
-    ok = chaos["exit_code"] == 0 and baseline["exit_code"] == 0 and not problems and fired
+    ok = (chaos["exit_code"] == 0 and baseline["exit_code"] == 0 and not problems and fired
+          and "error" not in twin)
     if not ok:
         if chaos["exit_code"] != 0:
             sys.stderr.write(chaos["output"][-4000:])
