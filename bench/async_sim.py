@@ -14,8 +14,10 @@ exact and repeatable. Every run evaluates the global model every ``H`` steps.
 equal speeds after ``--steps`` steps (every rank trains every step). Then, with
 the slow rank, the simulated time at which each run's validation loss first
 reaches it: synchronous DiLoCo (the same steps and samples as the target run),
-DiLoCo with ``balance='steps'`` and AsyncDiLoCo (``quorum=0.5``), both given
-twice the steps (a slow rank trains fewer of them). Targets: AsyncDiLoCo at
+DiLoCo with ``balance='steps'`` and AsyncDiLoCo (``quorum=0.5``; with rounds of
+``H`` steps, and with ``adaptive_H``: rounds as long as each rank's speed
+allows), all but the first given twice the steps (a slow rank trains fewer of
+them). Targets: AsyncDiLoCo at
 most 0.75x the time of synchronous DiLoCo, and no later than DiLoCo with
 ``balance='steps'``.
 
@@ -118,9 +120,13 @@ def slow_rank(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     ours = _run(AsyncDiLoCoStrategy(lr=args.lr, H=args.H, quorum=args.quorum,
                                     merge_delay=args.merge_delay), args, seed,
                 2 * args.steps, SPEEDS)
+    adaptive = _run(AsyncDiLoCoStrategy(lr=args.lr, H=args.H, quorum=args.quorum,
+                                        merge_delay=args.merge_delay, adaptive_H=True),
+                    args, seed, 2 * args.steps, SPEEDS)
     return {"target": target, "sync": _reached(sync["evals"], target),
             "balance": _reached(balanced["evals"], target),
-            "async": _reached(ours["evals"], target), "merges": ours["summary"]["merges"]}
+            "async": _reached(ours["evals"], target),
+            "adaptive": _reached(adaptive["evals"], target), "merges": ours["summary"]["merges"]}
 
 
 def away(args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -174,20 +180,22 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for seed, r in enumerate(slow):
         rows.append([str(seed), f"{r['target']:.4f}", _s(r["sync"]), _s(r["balance"]),
-                     _s(r["async"]), _ratio(r["async"], r["sync"]),
-                     _ratio(r["async"], r["balance"]),
-                     f"{r['merges']['versions']}", f"{r['merges']['staleness_mean']:.2f}"])
+                     _s(r["async"]), _s(r["adaptive"]), _ratio(r["async"], r["sync"]),
+                     _ratio(r["async"], r["balance"]), _ratio(r["adaptive"], r["sync"]),
+                     _ratio(r["adaptive"], r["balance"]),
+                     f"{r['merges']['staleness_mean']:.2f}"])
     print_table(f"Simulated time to DiLoCo's loss with equal speeds, speeds {SPEEDS}, "
                 f"{args.network}, H={args.H}",
                 ["seed", "target loss", "DiLoCo", "DiLoCo balance=steps", "AsyncDiLoCo",
-                 "async/sync (<=0.75)", "async/balance (<=1)", "versions", "mean staleness"],
-                rows)
-    ratios = [r["async"] / r["sync"] for r in slow if r["async"] and r["sync"]]
-    versus = [r["async"] / r["balance"] for r in slow if r["async"] and r["balance"]]
-    if ratios:
-        print(f"median async/sync {statistics.median(ratios):.3f} "
-              f"(max {max(ratios):.3f}); median async/balance "
-              f"{statistics.median(versus):.3f} (max {max(versus):.3f})" if versus else "")
+                 "AsyncDiLoCo adaptive_H", "async/sync (<=0.75)", "async/balance (<=1)",
+                 "adaptive/sync", "adaptive/balance", "mean staleness"], rows)
+    for key in ("async", "adaptive"):
+        ratios = [r[key] / r["sync"] for r in slow if r[key] and r["sync"]]
+        versus = [r[key] / r["balance"] for r in slow if r[key] and r["balance"]]
+        if ratios and versus:
+            print(f"{key}: median /sync {statistics.median(ratios):.3f} (max "
+                  f"{max(ratios):.3f}); median /balance {statistics.median(versus):.3f} "
+                  f"(max {max(versus):.3f})")
 
     gone = [away(args, seed) for seed in range(args.seeds)]
     rows = [[str(seed), f"{g['leave']}-{g['back']}", str(g["trained"]), str(g["accounted"]),

@@ -272,3 +272,21 @@ def test_a_merge_delay_trains_on_while_the_merge_travels_and_rebases_onto_it(tmp
     assert min(r["step"] for r in step_rows(resumed)) == 6
     for key, value in expected.state_dict().items():
         torch.testing.assert_close(final.state_dict()[key], value)
+
+
+def test_adaptive_rounds_are_as_long_as_the_speed_allows_and_give_balanced_diloco():
+    # a quarter as fast: rounds of H/4 = 2 steps, fresh at every merge, weighted by steps
+    ours, final = fit(AsyncDiLoCoStrategy(lr=0.01, H=8, quorum=3, adaptive_H=True),
+                      max_steps=24, rank_speeds=SLOW)
+    rounds = ours.summary["merges"]["rounds"]
+    assert all(m["contributors"] == [0, 1, 2, 3] and m["staleness"] == [0, 0, 0, 0]
+               for m in rounds)
+    assert [m["step"] for m in rounds] == [8, 16, 24]
+    # the same rounds as DiLoCo with balance='steps' (each rank's inner steps its speed
+    # allows, averaged by samples): the same model
+    _, balanced = fit(DiLoCoStrategy(lr=0.01, H=8), max_steps=24, rank_speeds=SLOW,
+                      balance="steps")
+    for key, value in balanced.state_dict().items():
+        torch.testing.assert_close(final.state_dict()[key], value, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="adaptive_H must be True or False"):
+        AsyncDiLoCoStrategy(adaptive_H="yes")

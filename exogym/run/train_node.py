@@ -159,6 +159,7 @@ class TrainNode:
         self.pacer = self.strategy if getattr(self.strategy, "paces_steps", False) else None
         if self.pacer is not None:
             self.pacer.samples_per_step = spec.batch_size
+            self.train_stream.set_step_samples(spec.batch_size)
         self._last_loss = float("nan")  # reported by an idle step (balance='steps')
         self._comm_wall_seen = comm.collective_time()[0]
         self._clock_seen = (0.0, 0.0)  # the clock's compute and communication at the last event
@@ -209,13 +210,11 @@ class TrainNode:
         self._step_started = time.perf_counter()
         if self.balance is not None:
             return self._balanced_step()
-        pacer = self.pacer
-        if pacer is not None and not pacer.begin_step(self.step + 1, self._present()):
-            return self._idle_step(pacer.step_fields)
+        if self.pacer is not None:
+            return self._paced_step()
         accumulation = self.spec.accumulation_steps
         timer = self.timer
-        mark = timer.mark() if self.clock is not None or pacer is not None else None
-        started, clock_before = mark, timer.clock_reading()
+        mark = timer.mark() if self.clock is not None else None
         self.strategy.zero_grad()
         losses = []
         for _ in range(accumulation):
@@ -234,17 +233,35 @@ class TrainNode:
         if mark is not None:
             timer.strategy_work(mark)
         self.step += 1
-        if pacer is None:
-            return self._step_event(float(total) / accumulation, lr)
-        assert started is not None
+        return self._step_event(float(total) / accumulation, lr)
+
+    def _paced_step(self) -> dict[str, Any]:
+        """A step of a strategy that paces its ranks (AsyncDiLoCo): this rank trains it, on
+        ``batch_size`` samples (a step at an epoch's end goes on into the next, so every
+        trained step has the same samples), or idles through it."""
+        pacer = self.pacer
+        assert pacer is not None
+        if not pacer.begin_step(self.step + 1, self._present()):
+            return self._idle_step(pacer.step_fields)
+        samples = self.spec.batch_size
+        timer = self.timer
+        mark = timer.mark()
+        clock_before = timer.clock_reading()
+        lr = self.strategy.current_lr
+        self.strategy.zero_grad()
+        self._last_loss = self._mean_loss_backward(samples)
+        timer.forward_backward(mark, step=self.step + 1)
+        strategy_mark = timer.mark()
+        self.strategy.step()
+        self.strategy.zero_grad()
+        timer.strategy_work(strategy_mark)
         # A host paces by its measured speed; ranks sharing this machine's cores run at the
         # speeds the simulation gives them (their measured times differ by the noise).
         speeds = self.spec.rank_speeds
         given = None if timer.alone_on_machine else (
             speeds[self.rank] if speeds is not None else 1.0)
-        pacer.record_step(self.spec.batch_size, timer.balanced_seconds(started, clock_before),
-                          given)
-        self._last_loss = float(total) / accumulation
+        pacer.record_step(samples, timer.balanced_seconds(mark, clock_before), given)
+        self.step += 1
         event = self._step_event(self._last_loss, lr)
         event.update(pacer.step_fields())
         return event

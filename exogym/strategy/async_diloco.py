@@ -148,6 +148,9 @@ class AsyncDiLoCoStrategy(Strategy):
             ``'int2'``).
         merge_delay: steps every rank trains on while a merge's all-reduce travels
             (``0 <= merge_delay < H``; default 0: the merge completes within its step).
+        adaptive_H: a worker's round is ``H`` times its speed (rounded, at least 1) rather
+            than ``H`` (dynamic local updates, as in Async Local-SGD): a slow worker
+            offers fresh, shorter rounds at the fast ones' pace instead of late long ones.
         **kwargs: inner optimizer, schedule and clipping arguments of ``Strategy``.
 
     The rules are in this module's docstring. It paces its ranks itself, so
@@ -172,6 +175,7 @@ class AsyncDiLoCoStrategy(Strategy):
         nesterov: bool = True,
         comm_dtype: str = COMM_DTYPE,
         merge_delay: int = 0,
+        adaptive_H: bool = False,
         **kwargs: Any,
     ):
         if not isinstance(H, int) or isinstance(H, bool) or H < 1:
@@ -199,6 +203,9 @@ class AsyncDiLoCoStrategy(Strategy):
         self.max_staleness = max_staleness
         self.comm_dtype = comm_dtype
         self.merge_delay = merge_delay
+        if not isinstance(adaptive_H, bool):
+            raise ValueError(f"adaptive_H must be True or False, got {adaptive_H!r}")
+        self.adaptive_H = adaptive_H
         self.outer_optim_spec = OuterOptimizer.from_args(
             "AsyncDiLoCoStrategy", outer_optim_spec, outer_optim, outer_lr, outer_momentum,
             nesterov,
@@ -223,6 +230,13 @@ class AsyncDiLoCoStrategy(Strategy):
         values = model.num_params + model.num_buffers
         return [Traffic(wire_collective(self.comm_dtype), wire_bytes(values, self.comm_dtype),
                         every=self.H)]
+
+    def round_length(self, rank: int) -> int:
+        """Inner steps of ``rank``'s rounds: ``H``, or with ``adaptive_H`` ``H`` times its
+        speed, rounded (at least 1), so that a slow worker's rounds end with the others'."""
+        if not self.adaptive_H:
+            return self.H
+        return max(1, min(self.H, round(self.H * self.speeds[rank])))
 
     def quorum_count(self, present: int) -> int:
         """Contributions that call a merge when ``present`` workers are here."""
@@ -295,7 +309,7 @@ class AsyncDiLoCoStrategy(Strategy):
                 worker.credit = max(0.0, worker.credit - 1.0)
                 worker.trains = True
                 worker.steps += 1
-                worker.ready = worker.steps >= self.H
+                worker.ready = worker.steps >= self.round_length(rank)
         return self.workers[self.rank].trains
 
     def record_step(self, samples: int, seconds: float, speed: float | None = None) -> None:
@@ -343,6 +357,9 @@ class AsyncDiLoCoStrategy(Strategy):
             s = t / fastest if t > 0 else 1.0
             speeds.append(1.0 if s >= 1.0 - SPEED_TOLERANCE else s)
         self.speeds = speeds
+        for rank, worker in self.workers.items():  # adaptive_H: rounds may end sooner now
+            if not worker.ready and worker.steps and worker.steps >= self.round_length(rank):
+                worker.ready = True
 
     def _step_seconds(self) -> float | None:
         """Seconds of a step at the fastest rank's speed (None before any measurement)."""
@@ -351,7 +368,7 @@ class AsyncDiLoCoStrategy(Strategy):
 
     def _steps_to_finish(self, worker: _Worker, rank: int) -> int:
         """Steps of the run until ``worker`` finishes its round at its pace."""
-        left = self.H - worker.steps
+        left = self.round_length(rank) - worker.steps
         speed = self.speeds[rank]
         return max(0, math.ceil((left - worker.credit) / speed - 1e-9)) if left > 0 else 0
 
@@ -673,7 +690,7 @@ class AsyncDiLoCoStrategy(Strategy):
         config = super().__config__()
         config.update({"quorum": self.quorum, "grace_s": self.grace_s,
                        "weighting": self.weighting, "max_staleness": self.max_staleness,
-                       "merge_delay": self.merge_delay})
+                       "merge_delay": self.merge_delay, "adaptive_H": self.adaptive_H})
         return config
 
 
