@@ -1,7 +1,7 @@
 """What the benches share, so that none keeps a copy of its own.
 
 - :mod:`bench.harness.timing`: the window of steps a bench times, medians over
-  repeats, a child process timed;
+  repeats, a loss curve against the clock, a child process timed;
 - :mod:`bench.harness.tables`: tables in the terminal (rich) and in markdown;
 - :mod:`bench.harness.machine`: what this machine's processes use (CPU, memory);
 - :mod:`bench.harness.jobs`: a profile launched on the network-namespace bed's

@@ -1,4 +1,5 @@
-"""How the benches time: a window of steps, medians over repeated runs, a child timed.
+"""How the benches time: a window of steps, medians over repeated runs, a loss curve against
+the clock, a child timed.
 
 A bench times whole communication periods (DiLoCo's ``H`` steps, a DDP step):
 ranks run freely between communications and meet at each one, so only a
