@@ -138,6 +138,44 @@ def test_a_rank_away_mid_round_loses_only_what_is_counted_as_dropped():
     assert trainer.summary["membership"][-1]["ranks"] == [0, 1, 2, 3]
 
 
+def test_a_worker_lost_on_its_host_mid_round_is_dropped_and_the_rest_merged(monkeypatch):
+    # Across hosts (min_nodes) the members are decided once a round: rank 2, killed
+    # mid-round, is still a member when the round's merge comes, and the all-reduce
+    # completes among ranks 0 and 1 only. Rank 0 here, rank 1's change added by the
+    # stand-in all-reduce, weighted as rank 0 weighted its own (1/3: 2 steps of 6).
+    from exogym.strategy import async_diloco
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1, bias=False)
+    strategy = AsyncDiLoCoStrategy(lr=0.1, H=2, quorum=3, outer_lr=1.0, outer_momentum=0.0,
+                                   nesterov=False)
+    strategy.max_steps = 8
+    strategy._init_node(model, 0, 3)
+    start = model.weight.detach().clone()
+    theirs = torch.tensor([[0.3, -0.6, 0.9]])
+    sent = {}
+
+    def all_reduce(tensors, dtype=None, **options):
+        sent["mine"] = tensors[0].clone()
+        tensors[0].add_(theirs / 3)
+
+    monkeypatch.setattr(async_diloco.comm, "all_reduce_tensors", all_reduce)
+    monkeypatch.setattr(async_diloco.comm, "present_ranks", lambda group=None: [0, 1])
+    monkeypatch.setattr(async_diloco.comm, "side_all_reduce", lambda tensor, op=None: None)
+    for step in (1, 2):
+        assert strategy.begin_step(step, [0, 1, 2])
+        model.weight.grad = torch.ones_like(model.weight)
+        strategy.step()
+    # the mean of the two changes that arrived, not two thirds of it
+    mine = 3 * sent["mine"]
+    torch.testing.assert_close(strategy.master[0], start - (mine + theirs) / 2)
+    merge = strategy.step_fields()["merge"]
+    assert merge["contributors"] == [0, 1] and merge["steps"] == 4
+    assert merge["left"] == [{"rank": 2, "step": 2, "steps": 2, "tokens": 2}]
+    # the next round's members leave rank 2 out: its round is not counted twice
+    assert strategy.begin_step(3, [0, 1])
+    assert sorted(strategy.workers) == [0, 1] and strategy.dropped_contributions == 1
+
 def test_the_run_ends_with_one_global_model_every_evaluation_scores():
     trainer, final = fit(AsyncDiLoCoStrategy(lr=0.01, H=4, quorum=2), max_steps=14,
                          rank_speeds=SLOW)

@@ -47,7 +47,10 @@ ranks end with the same global model, which ``fit`` returns.
 **Ranks that come and go** (``rank_failures``; ``min_nodes`` across hosts): a
 worker that leaves mid-round loses that round (counted as dropped, with its
 samples); one that comes back takes the state from a worker present and starts
-a round from the newest global model.
+a round from the newest global model. Across hosts the members are decided once
+a round, so a worker lost mid-round is found at the next merge, which it does
+not complete: the merge's mean is over the contributions that arrived, and the
+lost worker is left out until the next round's members are decided.
 
 **Bytes.** One all-reduce of the parameters and float buffers per merge, as a
 DiLoCo round: ``4 * P`` bytes per rank per merge in float32.
@@ -228,6 +231,9 @@ class AsyncDiLoCoStrategy(Strategy):
         self._grace_until: int | None = None
         self._merge_record: dict[str, Any] | None = None
         self._left: list[dict[str, Any]] = []
+        # Workers found lost in a merge, left out until the membership's next round
+        # (hosts that come and go decide their members once a round).
+        self._lost: set[int] = set()
         self.merged_contributions = 0
         self.dropped_contributions = 0
 
@@ -238,7 +244,9 @@ class AsyncDiLoCoStrategy(Strategy):
         worker's round and return whether this rank trains (False: it idles)."""
         self._tick = step
         self._merge_record = None
-        present = sorted(present)
+        if (step - 1) % self.H == 0:
+            self._lost = set()  # a round of the membership begins: it was decided anew
+        present = sorted(r for r in present if r not in self._lost)
         for rank in sorted(self.workers):
             if rank not in present:
                 gone = self.workers.pop(rank)
@@ -401,19 +409,41 @@ class AsyncDiLoCoStrategy(Strategy):
                 sent = self._scratch[:len(self.params)]
                 tensors = self._scratch
             comm.all_reduce_tensors(tensors, dtype=self.comm_dtype)
-            if self.outer.applied != self._tick:  # every rank holds the same merged change
-                for master, delta in zip(self.master, sent):
-                    master.grad = delta
-                self.outer_optim.step()
-                for master in self.master:
-                    master.grad = None
-                self.outer.applied = self._tick
-            self.version += 1
-            if not mine and (final or self.rank in contributors):
-                # My buffers take the merged ones (the weighted mean of the contributors'),
-                # as my parameters take the global model; a contributor's hold them already.
-                for buf, mean in zip(self.buffers, self._scratch[len(self.params):]):
-                    buf.copy_(mean)
+            # Hosts that come and go: a worker lost since the membership's round began
+            # completed no all-reduce, so its part is not in the sum: the sum is divided by
+            # the sizes of the contributions that arrived, and the lost round is dropped.
+            arrived = set(comm.present_ranks())
+            lost = [r for r in sorted(self.workers) if r not in arrived]
+            kept = sum(self._size(self.workers[r]) for r in merged if r not in lost)
+            if lost and kept > 0:
+                torch._foreach_mul_(tensors, total / kept)
+            if kept > 0:
+                if self.outer.applied != self._tick:  # every rank holds the same change
+                    for master, delta in zip(self.master, sent):
+                        master.grad = delta
+                    self.outer_optim.step()
+                    for master in self.master:
+                        master.grad = None
+                    self.outer.applied = self._tick
+                self.version += 1
+                if not mine and (final or self.rank in contributors):
+                    # My buffers take the merged ones (the weighted mean of the
+                    # contributors'), as my parameters take the global model; a
+                    # contributor's hold them already.
+                    for buf, mean in zip(self.buffers, self._scratch[len(self.params):]):
+                        buf.copy_(mean)
+        else:
+            lost = []
+        for rank in lost:
+            gone = self.workers.pop(rank)
+            self._lost.add(rank)
+            if gone.steps:
+                self.dropped_contributions += 1
+                self._left.append({"rank": rank, "step": self._tick, "steps": gone.steps,
+                                   "tokens": gone.steps * self.samples_per_step})
+        merged = [r for r in merged if r not in lost]
+        dropped = [r for r in dropped if r not in lost]
+        contributors = [r for r in contributors if r not in lost]
         steps = sum(self.workers[r].steps for r in merged)
         dropped_steps = sum(self.workers[r].steps for r in dropped)
         self.merged_contributions += len(merged)
@@ -483,6 +513,7 @@ class AsyncDiLoCoStrategy(Strategy):
             "speeds": list(self.speeds),
             "throughputs": self.throughputs,
             "grace_until": self._grace_until,
+            "lost": sorted(self._lost),
             "merged_contributions": self.merged_contributions,
             "dropped_contributions": self.dropped_contributions,
         })
@@ -501,6 +532,7 @@ class AsyncDiLoCoStrategy(Strategy):
         self.speeds = list(state["speeds"])
         self.throughputs = state["throughputs"]
         self._grace_until = state["grace_until"]
+        self._lost = set(state.get("lost", ()))
         self.merged_contributions = state["merged_contributions"]
         self.dropped_contributions = state["dropped_contributions"]
         self._window = []
