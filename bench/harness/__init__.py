@@ -9,7 +9,10 @@
 - :mod:`bench.harness.session`: a bench's life on the bed: its options, the bed
   built and always taken down, Ctrl-C;
 - :mod:`bench.harness.strategies`: strategies as the benches write them (``diloco:100``);
-- :mod:`bench.harness.slow_host`: a bed host held to part of its core.
+- :mod:`bench.harness.slow_host`: a bed host held to part of its core;
+- :mod:`bench.harness.outage`: a bed host lost (sshd stopped, rank killed) and back;
+- :mod:`bench.harness.elastic_job`: a ``min_nodes`` job with the launcher in host 0's
+  namespace, so that every rank runs in a bed host.
 
 The bed itself is :mod:`netbed` (the project root), which the tests use too.
 """
