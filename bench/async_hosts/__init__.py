@@ -4,6 +4,7 @@ Run as root from the project root::
 
     python -m bench.async_hosts                       # both runs, 6-15 minutes
     python -m bench.async_hosts --slow 0.1 --steps 120 --kill-at 35
+    python -m bench.async_hosts --report runs/async-hosts/results.json --target 2.87
 
 **The hosts.** Three network namespaces on one bridge (:mod:`netbed`), each
 with its own ``sshd``, every link shaped to ``--rate`` (100mbit) with ``tc

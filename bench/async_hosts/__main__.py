@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="profile override for both runs (e.g. n_layer=2)")
     parser.add_argument("--subnet", default="10.213.83", help="the hosts' /24 (three octets)")
+    parser.add_argument("--report", metavar="RESULTS", default=None,
+                        help="print the comparison of a results.json written earlier (with "
+                             "--target: against that loss) instead of running")
     parser.add_argument("--out", default=str(ROOT / "runs" / "async-hosts"),
                         help="output folder (default runs/async-hosts)")
     return parser
@@ -157,9 +161,27 @@ def report(runs: dict[str, dict[str, Any]], verdict: dict[str, Any],
           f"{fmt(ratio, '.2f', 'x')} (the project's target: >= 1.2x)")
 
 
+def reprint(path: Path, target: float | None) -> int:
+    """Print the comparison of the runs saved in ``path``, against ``target`` if given."""
+    try:
+        saved = json.loads(path.read_text())
+        settings = argparse.Namespace(**saved["settings"])
+        runs = saved["runs"]
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"--report {path}: not a results.json of this bench ({exc})", file=sys.stderr)
+        return 2
+    settings.target = target
+    for run in runs.values():
+        run["curve"] = [tuple(point) for point in run["curve"]]
+    report(runs, compare(runs, target), settings)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.report is not None:
+        return reprint(Path(args.report), args.target)
     problems = requirements()
     if problems:
         print("python -m bench.async_hosts cannot run here:\n"
