@@ -39,6 +39,7 @@ import time
 from io import StringIO
 from pathlib import Path
 
+from bench.harness.outage import HostOutage
 from bench.harness.tables import print_table
 from tests.netbed import Events, Testbed, check_requirements, free_port, worker_pid
 
@@ -98,10 +99,9 @@ def scenario(name: str, away: float, max_steps: int, batch_size: int) -> dict:
                                  60)
             round_s = t2 - t1
             pid = worker_pid(2, str(out))
+            outage = HostOutage(bed, cut, 2, str(out))
             if name == "kill":
-                bed.stop_sshd(cut)
-                hit = time.monotonic()
-                os.kill(pid, signal.SIGKILL)
+                hit = outage.hit()
             elif name == "freeze":
                 hit = time.monotonic()
                 os.kill(pid, signal.SIGSTOP)
@@ -113,7 +113,7 @@ def scenario(name: str, away: float, max_steps: int, batch_size: int) -> dict:
             t_round, _ = events.wait(round_end(0), 120, after=t_lost)
             time.sleep(max(0.0, away - (time.monotonic() - hit)))
             if name == "kill":
-                bed.start_sshd(cut)
+                outage.back()
             elif name == "freeze":
                 os.kill(pid, signal.SIGCONT)
             else:

@@ -11,7 +11,7 @@ from typing import Any
 from bench.harness.jobs import Bench, BenchError
 from bench.harness.machine import own_cpu_s
 from bench.harness.slow_host import RankWatch, SlowGroup
-from bench.harness.timing import StepEvents, Window, round_up, steps_by_rank
+from bench.harness.timing import StepEvents, Window, loss_at, round_up, steps_by_rank, time_to_loss
 
 FAST, SLOW = 0, 1  # host indices (and ranks): host 0 is the master
 
@@ -88,30 +88,6 @@ class Timing:
         eval_s = (max(0.0, statistics.median(evaluated) - statistics.median(plain))
                   if evaluated else None)
         return cls(samples, seconds, eval_s)
-
-
-def loss_at(curve: list[tuple[float, float]], at: float) -> float | None:
-    """The loss on ``curve`` (wall time, loss) at time ``at``: linear between points, the
-    last point's for a run that had ended by then, None before the first point."""
-    if not curve or at < curve[0][0]:
-        return None
-    for (t0, l0), (t1, l1) in zip(curve, curve[1:]):
-        if t0 <= at <= t1:
-            return l0 + (l1 - l0) * (at - t0) / (t1 - t0) if t1 > t0 else l1
-    return curve[-1][1]
-
-
-def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | None:
-    """The first wall time at which ``curve`` reaches ``target`` (linear between points)."""
-    previous: tuple[float, float] | None = None
-    for t, loss in curve:
-        if loss <= target:
-            if previous is None or previous[1] == loss:
-                return t
-            t0, l0 = previous
-            return t0 + (t - t0) * (l0 - target) / (l0 - loss)
-        previous = (t, loss)
-    return None
 
 
 def run_case(bench: Bench, case: Case, group: SlowGroup, args: argparse.Namespace,

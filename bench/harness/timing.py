@@ -1,4 +1,5 @@
-"""How the benches time: a window of steps, medians over repeated runs, a child timed.
+"""How the benches time: a window of steps, medians over repeated runs, a loss curve against
+the clock, a child timed.
 
 A bench times whole communication periods (DiLoCo's ``H`` steps, a DDP step):
 ranks run freely between communications and meet at each one, so only a
@@ -84,6 +85,30 @@ def with_medians(base: Mapping[str, Any], items: Sequence[Mapping[str, Any]],
         if value is not None:
             merged[key] = value
     return merged
+
+
+def loss_at(curve: list[tuple[float, float]], at: float) -> float | None:
+    """The loss on ``curve`` (wall time, loss) at time ``at``: linear between points, the
+    last point's for a run that had ended by then, None before the first point."""
+    if not curve or at < curve[0][0]:
+        return None
+    for (t0, l0), (t1, l1) in zip(curve, curve[1:]):
+        if t0 <= at <= t1:
+            return l0 + (l1 - l0) * (at - t0) / (t1 - t0) if t1 > t0 else l1
+    return curve[-1][1]
+
+
+def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The first wall time at which ``curve`` reaches ``target`` (linear between points)."""
+    previous: tuple[float, float] | None = None
+    for t, loss in curve:
+        if loss <= target:
+            if previous is None or previous[1] == loss:
+                return t
+            t0, l0 = previous
+            return t0 + (t - t0) * (l0 - target) / (l0 - loss)
+        previous = (t, loss)
+    return None
 
 
 @dataclass(frozen=True)
