@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grace-s", type=float, default=0.0, help="AsyncDiLoCo's grace_s")
     parser.add_argument("--max-staleness", type=int, default=4,
                         help="AsyncDiLoCo's max_staleness (default 4)")
+    parser.add_argument("--adaptive-H", action="store_true",
+                        help="AsyncDiLoCo's adaptive_H: each worker's round as long as its "
+                             "measured speed allows")
     parser.add_argument("--val-every", type=int, default=40,
                         help="steps between evaluations, a multiple of --H (default 40)")
     parser.add_argument("--val-size", type=int, default=128, help="validation sequences")

@@ -35,7 +35,8 @@ def overrides(strategy: str, args: argparse.Namespace, output_dir: Path) -> list
         return ["strategy=diloco", f"max_steps={args.steps}", *common]
     return ["strategy=async_diloco", f"max_steps={args.async_steps}",
             f"quorum={args.quorum}", f"grace_s={args.grace_s}",
-            f"max_staleness={args.max_staleness}", "weighting=tokens", *common]
+            f"max_staleness={args.max_staleness}", "weighting=tokens",
+            f"adaptive_H={'true' if args.adaptive_H else 'false'}", *common]
 
 
 def _wait(job: ElasticJob, test: Callable[[Event], bool], timeout: float, what: str,
