@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ROOT
+from exogym.report.metrics import time_to_loss  # noqa: F401 (the benches' name for it)
 
 StepEvents = dict[int, dict[int, Mapping[str, Any]]]
 
@@ -98,17 +99,6 @@ def loss_at(curve: list[tuple[float, float]], at: float) -> float | None:
     return curve[-1][1]
 
 
-def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | None:
-    """The first wall time at which ``curve`` reaches ``target`` (linear between points)."""
-    previous: tuple[float, float] | None = None
-    for t, loss in curve:
-        if loss <= target:
-            if previous is None or previous[1] == loss:
-                return t
-            t0, l0 = previous
-            return t0 + (t - t0) * (l0 - target) / (l0 - loss)
-        previous = (t, loss)
-    return None
 
 
 @dataclass(frozen=True)

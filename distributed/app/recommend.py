@@ -612,13 +612,7 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
     total = (1 + LOCAL_ROUNDS * (len(timed) + 1)  # + 1: the reference
              + ((1 + len(remote_kinds)) if on_hosts and time_hosts else 0)
              + (1 if on_hosts and link_mbit is None else 0))
-    done = 0
-
-    def stage(text: str) -> None:
-        nonlocal done
-        if progress is not None:
-            progress(text, done, total)
-        done += 1
+    stage = _stages(progress, total)
 
     stage(f"building {profile.name}'s model and warming up")
     resolved = profile.resolved
@@ -690,13 +684,8 @@ def _measure_recorded(request: TrainRequest, recording: Any, *, link_mbit: float
                              "only with 2 or more")
     specs = list(specs or candidate_specs(profile))
     timed, as_own = _local_plan(profile, specs)
-    total, done = 1 + LOCAL_ROUNDS * (len(timed) + 1), 0
-
-    def stage(text: str) -> None:
-        nonlocal done
-        if progress is not None:
-            progress(text, done, total)
-        done += 1
+    total = 1 + LOCAL_ROUNDS * (len(timed) + 1)
+    stage = _stages(progress, total)
 
     stage(f"building {profile.name}'s model and warming up")
     resolved = profile.resolved
@@ -821,3 +810,16 @@ def table_rows(rec: Recommendation) -> list[list[str]]:
                      f"{c.speedup:.2f}x", human_bytes(c.wire_bytes), note])
     return rows
 
+
+def _stages(progress: Callable[[str, int, int], None] | None,
+            total: int) -> Callable[[str], None]:
+    """A function that reports each stage of ``total`` to ``progress`` (when given), counting."""
+    done = 0
+
+    def stage(text: str) -> None:
+        nonlocal done
+        if progress is not None:
+            progress(text, done, total)
+        done += 1
+
+    return stage

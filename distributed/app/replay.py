@@ -53,6 +53,7 @@ from typing import Any
 from distributed.app.compare import COMPARE_SETTINGS, profile_for_strategy
 from distributed.profiles.profile import Profile, ProfileError
 from distributed.profiles.run_dir import RunIdentity
+from exogym.report.metrics import time_to_loss as loss_reached_at
 from exogym.report.trace import FORMAT_VERSION, TRACE_FILE, read_trace
 from exogym.strategy import registry
 
@@ -327,15 +328,7 @@ def _rounds(times: Mapping[int, float], round_steps: int) -> dict[int, float]:
 def time_to_loss(evaluations: Sequence[tuple[int, float, float]], target: float) -> float | None:
     """The first time the validation loss reaches ``target`` (linear between
     evaluations); None when it never does."""
-    previous: tuple[float, float] | None = None
-    for _, loss, t in evaluations:
-        if loss <= target:
-            if previous is None or previous[1] == loss:
-                return t
-            t0, l0 = previous
-            return t0 + (t - t0) * (l0 - target) / (l0 - loss)
-        previous = (t, loss)
-    return None
+    return loss_reached_at([(t, loss) for _, loss, t in evaluations], target)
 
 
 # ------------------------------------------------------------------ the recording

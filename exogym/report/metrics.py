@@ -59,3 +59,17 @@ def decode_line(line: str) -> dict[str, Any] | None:
         if value in ("nan", "inf", "-inf"):
             event[key] = float(value)
     return event
+
+
+def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The first time at which ``curve`` (``(time, loss)`` points in order) reaches
+    ``target``, linear between points; None when it never does."""
+    previous: tuple[float, float] | None = None
+    for t, loss in curve:
+        if loss <= target:
+            if previous is None or previous[1] == loss:
+                return t
+            t0, l0 = previous
+            return t0 + (t - t0) * (l0 - target) / (l0 - loss)
+        previous = (t, loss)
+    return None
