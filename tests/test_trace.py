@@ -233,6 +233,20 @@ def test_ten_thousand_steps_of_eight_ranks_stay_a_few_megabytes(tmp_path):
     assert (tmp_path / TRACE_FILE).stat().st_size < 2_500_000
 
 
+def test_a_block_of_steps_never_spans_an_absence(tmp_path):
+    # past the steps written one by one, a rank away for steps 8-19 shows as a gap between
+    # blocks (a replay reads absences from the steps each rank recorded)
+    writer = TraceWriter(full_steps=2, block_steps=5)
+    writer.start(tmp_path / TRACE_FILE, source="hosts", num_nodes=1, config={})
+    for step in [*range(1, 8), *range(20, 26)]:
+        writer.on_event({"event": "step", "rank": 0, "step": step, "comm_s": 0.01,
+                         "compute_s": 0.02, "comm_bytes": step, "samples": step})
+    writer.end()
+    blocks = [(b["first"], b["last"], b["count"]) for b in read_trace(tmp_path / TRACE_FILE)
+              if b["kind"] == "steps"]
+    assert blocks == [(3, 7, 5), (20, 24, 5), (25, 25, 1)]
+
+
 def test_the_launchers_membership_host_and_hand_over_events_become_timed_lines(tmp_path):
     writer = TraceWriter()
     writer.on_event({"event": "step", "rank": 0, "step": 1})  # before start: not traced

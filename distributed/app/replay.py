@@ -194,6 +194,44 @@ def absences(lines: Sequence[Mapping[str, Any]], num_nodes: int
     return found
 
 
+def detection_waits(lines: Sequence[Mapping[str, Any]], num_nodes: int
+                    ) -> list[tuple[int, int, float]]:
+    """What the ranks that stayed waited for a lost rank to be declared lost: ``(rank,
+    step, seconds)`` for each loss of a run across hosts.
+
+    A rank that hangs (frozen, cut off) is declared lost only after the launcher's
+    ``lost_after`` seconds without a heartbeat; meanwhile the others wait in the
+    collective it does not join. The simulator drops an absent rank at once, so a
+    replay adds this wait, as recorded: at each membership change that lost a rank, the
+    collective seconds of each remaining rank's step (or block of steps) that holds
+    the step before it, beyond that rank's usual collective seconds per step.
+    """
+    records: dict[int, list[tuple[int, int, float]]] = {}
+    for line in lines:  # (first step, last step, collective seconds)
+        if line.get("kind") == "step" and line.get("comm_s") is not None:
+            records.setdefault(line["rank"], []).append(
+                (line["step"], line["step"], float(line["comm_s"])))
+        elif line.get("kind") == "steps" and line.get("comm_s") is not None:
+            records.setdefault(line["rank"], []).append(
+                (line["first"], line["last"], float(line["comm_s"])))
+    usual = {rank: statistics.median(c / (b - a + 1) for a, b, c in mine)
+             for rank, mine in records.items() if mine}
+    waits: list[tuple[int, int, float]] = []
+    changes = membership_lines(lines)
+    for before, after in zip(changes, changes[1:]):
+        if not set(after["ranks"]) < set(before["ranks"]):
+            continue  # no rank lost here
+        stalled = after["step"] - 1
+        for rank in after["ranks"]:
+            for first, last, comm in records.get(rank, []):
+                if first <= stalled <= last and 0 <= rank < num_nodes:
+                    extra = comm - usual[rank] * (last - first + 1)
+                    if extra > 0:
+                        waits.append((rank, stalled, extra))
+                    break
+    return waits
+
+
 def reference_rank(lines: Sequence[Mapping[str, Any]], num_nodes: int) -> int:
     """The lowest rank present at every step: no membership change leaves it out."""
     changes = membership_lines(lines)
@@ -432,6 +470,10 @@ class Recording:
                     continue
                 for step in range(first, end + 1):
                     schedule[rank][step - 1] = float(own) / count
+        if not clocked:
+            for rank, step, seconds in detection_waits(self.lines, self.num_nodes):
+                if 1 <= step <= steps:
+                    schedule[rank][step - 1] += seconds
         return schedule
 
     def _own_wall_time(self) -> list[float] | None:

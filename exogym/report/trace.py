@@ -263,6 +263,11 @@ class TraceWriter:
                       comm: float, wall_comm: float, sent: int | None, took: int | None,
                       sim: float | None, event: Mapping[str, Any]) -> None:
         block = state.block
+        if block is not None and step != block["last"] + 1:
+            # the rank was away (or started again): a block holds consecutive steps only,
+            # so that a reader sees which steps it trained
+            self._close_block(state)
+            block = None
         if block is None:
             block = state.block = {"rank": rank, "first": step, "compute": [], "comm": [],
                                    "wall_comm": 0.0, "bytes": 0, "samples": 0, "idle": 0}
