@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from ranks import ROOT
 
-from distributed.app.replay import Recording, timeline
+from distributed.app.replay import Recording, detection_waits, timeline
 from exogym.report.trace import TRACE_FILE, read_trace
 
 RECORDED = ["--set", "num_nodes=3", "--set", "max_steps=40", "--set", "H=10",
@@ -200,6 +200,23 @@ def sshd(tmp_path_factory):
     from sshd_fixture import serve_sshd
 
     yield from serve_sshd(tmp_path_factory)
+
+
+def test_the_wait_for_a_hung_rank_to_be_declared_lost_is_replayed():
+    # rank 2 hangs after step 10: ranks 0 and 1 wait 5 s in step 10's collective before the
+    # launcher declares it lost; a kill (rank 1, step 20) costs them next to nothing
+    lines = [{"kind": "membership", "step": 1, "ranks": [0, 1, 2], "reason": "start"},
+             {"kind": "membership", "step": 11, "ranks": [0, 1], "reason": "rank 2 lost"},
+             {"kind": "membership", "step": 16, "ranks": [0, 1, 2], "reason": "rejoined"},
+             {"kind": "membership", "step": 21, "ranks": [0, 2], "reason": "rank 1 lost"}]
+    for rank in range(3):
+        for step in range(1, 25):
+            comm = 0.1 + (5.0 if step == 10 and rank < 2 else 0.0) \
+                + (0.05 if step == 20 and rank != 1 else 0.0)
+            lines.append({"kind": "step", "rank": rank, "step": step, "comm_s": comm})
+    waits = detection_waits(lines, 3)
+    assert [(rank, step) for rank, step, _ in waits] == [(0, 10), (1, 10), (0, 20), (2, 20)]
+    assert [round(seconds, 6) for _, _, seconds in waits] == [5.0, 5.0, 0.05, 0.05]
 
 
 def test_a_run_across_hosts_records_its_links_and_replays(sshd, tmp_path):
