@@ -611,6 +611,7 @@ def replay_run(
         )
         from distributed.app.run import parse_overrides
         from distributed.app.web.replay_page import PageServer
+        from exogym.base.terminal import stdout_to_stderr
 
         recording = load_recording(run_dir)
         folder = out or run_dir / REPLAY_FOLDER
@@ -625,7 +626,11 @@ def replay_run(
             console.print(f"  replaying {variant.label} ...", markup=False)
             return False
 
-        result = replay(recording, variants, progress=started)
+        if json_out:  # the simulations' ranks print to standard output: keep it for the JSON
+            with stdout_to_stderr():
+                result = replay(recording, variants, progress=started)
+        else:
+            result = replay(recording, variants, progress=started)
         report, page = write_outputs(result, folder)
         if json_out:
             print(json.dumps(report))

@@ -11,6 +11,9 @@ columns. ``COLUMNS``, when set, wins everywhere, as it does for rich itself.
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console, JustifyMethod
@@ -49,3 +52,19 @@ def output_console(*, stderr: bool = False, **kwargs: Any) -> Console:
     if console.is_terminal or "COLUMNS" in os.environ:
         return console
     return _UnfoldedConsole(stderr=stderr, width=UNFOLDED_WIDTH, soft_wrap=True, **kwargs)
+
+
+@contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Within the block, what this process and the processes it starts write to standard
+    output goes to standard error (a command whose output is one JSON object keeps its
+    standard output for that object)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
