@@ -607,11 +607,11 @@ def replay_run(
             load_recording,
             plan_variants,
             replay,
+            stdout_to_stderr,
             write_outputs,
         )
         from distributed.app.run import parse_overrides
         from distributed.app.web.replay_page import PageServer
-        from exogym.base.terminal import stdout_to_stderr
 
         recording = load_recording(run_dir)
         folder = out or run_dir / REPLAY_FOLDER

@@ -53,6 +53,7 @@ from typing import Any
 from distributed.app.compare import COMPARE_SETTINGS, profile_for_strategy
 from distributed.profiles.profile import Profile, ProfileError
 from distributed.profiles.run_dir import RunIdentity
+from exogym.base.terminal import stdout_to_stderr
 from exogym.report.metrics import time_to_loss as loss_reached_at
 from exogym.report.trace import FORMAT_VERSION, TRACE_FILE, read_trace
 from exogym.sim.network import collective_bytes, collective_rounds
@@ -60,7 +61,7 @@ from exogym.strategy import registry
 
 __all__ = ["REPLAY_FOLDER", "Recording", "ReplayError", "ReplayResult", "Timeline", "Variant",
            "eval_seconds", "load_recording", "plan_variants", "replay", "replay_profile",
-           "time_to_loss", "timeline", "write_outputs"]
+           "stdout_to_stderr", "time_to_loss", "timeline", "write_outputs"]
 
 #: The replays' folder inside the run's folder (``--out`` replaces it).
 REPLAY_FOLDER = "replay"
