@@ -42,8 +42,8 @@ from typing import Any
 
 from bench.harness import ROOT
 from bench.harness.session import QUICK_MODEL, on_bed
-from bench.harness.slow_host import SlowGroup, cpu_cgroup_of, reap_stale_groups
-from tests.netbed import PREFIX, Testbed, free_port, worker_pid
+from bench.harness.slow_host import SlowGroup, cpu_cgroup_of, reap_stale_groups, slowed
+from tests.netbed import Testbed, free_port, worker_pid
 
 #: Targets: replay / real within these.
 TIME_TOLERANCE = 0.15
@@ -249,11 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     def body(bed: Testbed) -> int:
         bed.shape(args.rate)
         bed.shape_uplink(args.rate)
-        group = SlowGroup(f"{PREFIX}-{bed.tag}-slow", args.slow)
-        group.create()
-        try:
-            for pid in bed.pids(bed.hosts[0]):
-                group.add(pid)
+        with slowed(bed, bed.hosts[0], args.slow) as group:
             reports, missed = {}, []
             for strategy in strategies:
                 reports[strategy] = run_case(bed, strategy, args, out, group)
@@ -265,8 +261,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nwrote {path}")
             print("targets missed: " + (", ".join(missed) if missed else "none"))
             return 0
-        finally:
-            group.remove()
 
     return on_bed("python -m bench.twin", body, hosts=2, subnet=args.subnet, pin=False,
                   reap_also=reap_stale_groups)

@@ -14,11 +14,11 @@ import bench.async_hosts
 from bench.async_hosts.runs import LOST, SLOW, run_case
 from bench.harness import ROOT
 from bench.harness.session import on_bed
-from bench.harness.slow_host import CPU_CGROUP, PERIOD_US, SlowGroup, reap_stale_groups
+from bench.harness.slow_host import CPU_CGROUP, PERIOD_US, reap_stale_groups, slowed
 from bench.harness.tables import print_table
 from bench.harness.timing import time_to_loss
 from exogym.base.io import atomic_write_json
-from tests.netbed import PREFIX, Testbed, check_requirements, rate_bits
+from tests.netbed import Testbed, check_requirements, rate_bits
 
 RUNS = ("diloco", "async_diloco")
 LABELS = {"diloco": "DiLoCo (synchronous)", "async_diloco": "AsyncDiLoCo"}
@@ -197,11 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
 
     def measure(bed: Testbed) -> int:
-        group = SlowGroup(f"{PREFIX}-{bed.tag}-slow", args.slow)
-        group.create()
-        try:
-            for pid in bed.pids(bed.hosts[SLOW]):  # its sshd: rank 1 inherits the group
-                group.add(pid)
+        with slowed(bed, bed.hosts[SLOW], args.slow) as group:  # rank 1 inherits the group
             bed.shape(args.rate)
             print(f"hosts {', '.join(h.address for h in bed.hosts)}; host {SLOW} in cpu group "
                   f"{group.path} (quota {round(PERIOD_US * args.slow)} of {PERIOD_US} us, "
@@ -218,10 +214,6 @@ def main(argv: list[str] | None = None) -> int:
                 "created": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "settings": vars(args) | {"out": str(out)}, "runs": runs, **verdict})
             print(f"wrote {path}")
-        finally:
-            if group.path.exists():
-                group.remove()
-                print(f"removed {group.path}", flush=True)
         return 0
 
     return on_bed("python -m bench.async_hosts", measure, hosts=3, subnet=args.subnet,

@@ -15,10 +15,10 @@ from bench.balance_hosts.runs import FAST, SLOW, run_all
 from bench.harness import ROOT
 from bench.harness.jobs import Bench
 from bench.harness.session import add_job_arguments, on_bed
-from bench.harness.slow_host import CPU_CGROUP, PERIOD_US, SlowGroup, reap_stale_groups
+from bench.harness.slow_host import CPU_CGROUP, PERIOD_US, reap_stale_groups, slowed
 from bench.harness.timing import round_up
 from exogym.base.io import atomic_write_json
-from tests.netbed import PREFIX, Testbed, check_requirements, rate_bits
+from tests.netbed import Testbed, check_requirements, rate_bits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,12 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
 
     def measure(bed: Testbed) -> int:
-        group = SlowGroup(f"{PREFIX}-{bed.tag}-slow", args.slow)
-        group.create()
-        try:
-            slow_host = bed.hosts[SLOW]
-            for pid in bed.pids(slow_host):  # its sshd: every rank it starts inherits the group
-                group.add(pid)
+        slow_host = bed.hosts[SLOW]
+        # its sshd goes into the group: every rank it starts inherits it
+        with slowed(bed, slow_host, args.slow) as group:
             print(f"hosts {bed.hosts[FAST].address} (fast, core {bed.hosts[FAST].cpu}) and "
                   f"{slow_host.address} (core {slow_host.cpu}, cpu group {group.path}: "
                   f"quota {round(PERIOD_US * args.slow)} of {PERIOD_US} us; members "
@@ -128,10 +125,6 @@ def main(argv: list[str] | None = None) -> int:
                 "created": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "settings": vars(args) | {"out": str(out)}, "runs": runs, "rows": rows})
             print(f"wrote {path}")
-        finally:
-            if group.path.exists():
-                group.remove()
-                print(f"removed {group.path}", flush=True)
         return 0
 
     return on_bed("python -m bench.balance_hosts", measure, hosts=2, subnet=args.subnet,

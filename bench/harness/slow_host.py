@@ -11,7 +11,10 @@ from __future__ import annotations
 import errno
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from tests.netbed import PREFIX, worker_pid
 from tests.netbed.stale import bed_stands
@@ -62,6 +65,23 @@ class SlowGroup:
     def remove(self) -> None:
         """Move every process back to the root group, then delete the group."""
         release(self.path)
+
+
+@contextmanager
+def slowed(bed: Any, host: Any, fraction: float) -> Iterator[SlowGroup]:
+    """``host`` of ``bed`` held to ``fraction`` of a core for the block: its sshd moved into a
+    new group (every rank it starts is born there); the group removed at the end, also on
+    errors."""
+    group = SlowGroup(f"{PREFIX}-{bed.tag}-slow", fraction)
+    group.create()
+    try:
+        for pid in bed.pids(host):
+            group.add(pid)
+        yield group
+    finally:
+        if group.path.exists():
+            group.remove()
+            print(f"removed {group.path}", flush=True)
 
 
 def release(group: Path) -> None:
