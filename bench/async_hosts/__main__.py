@@ -14,11 +14,11 @@ import bench.async_hosts
 from bench.async_hosts.runs import LOST, SLOW, run_case
 from bench.harness import ROOT
 from bench.harness.session import on_bed
-from bench.harness.slow_host import CPU_CGROUP, PERIOD_US, reap_stale_groups, slowed
+from bench.harness.slow_host import PERIOD_US, cgroup_problems, reap_stale_groups, slowed
 from bench.harness.tables import print_table
 from bench.harness.timing import time_to_loss
 from exogym.base.io import atomic_write_json
-from tests.netbed import Testbed, check_requirements, rate_bits
+from tests.netbed import Testbed, rate_bits
 
 RUNS = ("diloco", "async_diloco")
 LABELS = {"diloco": "DiLoCo (synchronous)", "async_diloco": "AsyncDiLoCo"}
@@ -102,15 +102,6 @@ def check_args(args: argparse.Namespace) -> None:
                          "the host is back")
 
 
-def requirements() -> list[str]:
-    """What this machine lacks to run the bench, each with its fix."""
-    problems = check_requirements(pin=False)
-    if not (CPU_CGROUP / "cpu.cfs_quota_us").exists():
-        problems.append(f"the cgroup v1 cpu controller is not mounted at {CPU_CGROUP}: "
-                        f"mount -t cgroup -o cpu cgroup {CPU_CGROUP}")
-    return problems
-
-
 def fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
@@ -185,11 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.report is not None:
         return reprint(Path(args.report), args.target)
-    problems = requirements()
-    if problems:
-        print("python -m bench.async_hosts cannot run here:\n"
-              + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
-        return 2
     try:
         check_args(args)
     except ValueError as exc:
@@ -217,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return on_bed("python -m bench.async_hosts", measure, hosts=3, subnet=args.subnet,
-                  pin=False, queue=args.queue, reap_also=reap_stale_groups)
+                  pin=False, queue=args.queue, reap_also=reap_stale_groups,
+                  also_needs=cgroup_problems)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ from bench.balance_hosts.runs import FAST, SLOW, run_all
 from bench.harness import ROOT
 from bench.harness.jobs import Bench
 from bench.harness.session import add_job_arguments, on_bed
-from bench.harness.slow_host import CPU_CGROUP, PERIOD_US, reap_stale_groups, slowed
+from bench.harness.slow_host import PERIOD_US, cgroup_problems, reap_stale_groups, slowed
 from bench.harness.timing import round_up
 from exogym.base.io import atomic_write_json
-from tests.netbed import Testbed, check_requirements, rate_bits
+from tests.netbed import Testbed, rate_bits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,25 +81,9 @@ def check_args(args: argparse.Namespace) -> None:
                              "give more steps")
 
 
-def requirements() -> list[str]:
-    """What this machine lacks to run the bench, each with its fix."""
-    problems = check_requirements(pin=True)
-    if not (CPU_CGROUP / "cpu.cfs_quota_us").exists():
-        problems.append(f"the cgroup v1 cpu controller is not mounted at {CPU_CGROUP}: "
-                        f"mount -t cgroup -o cpu cgroup {CPU_CGROUP}")
-    if (os.cpu_count() or 1) < 2:
-        problems.append("two hosts need two cores of their own")
-    return problems
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    problems = requirements()
-    if problems:
-        print("python -m bench.balance_hosts cannot run here:\n"
-              + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
-        return 2
     try:
         check_args(args)
     except ValueError as exc:
@@ -128,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return on_bed("python -m bench.balance_hosts", measure, hosts=2, subnet=args.subnet,
-                  queue=args.queue, reap_also=reap_stale_groups)
+                  queue=args.queue, reap_also=reap_stale_groups,
+                  also_needs=lambda: cgroup_problems() + (
+                      [] if (os.cpu_count() or 1) >= 2
+                      else ["two hosts need two cores of their own"]))
 
 
 if __name__ == "__main__":

@@ -123,15 +123,18 @@ def signals_raise() -> Iterator[dict[str, bool]]:
 
 def on_bed(command: str, body: Callable[[Testbed], int], *, hosts: int, subnet: str,
            pin: bool = True, queue: str = "100ms",
-           reap_also: Callable[[], list[str]] | None = None) -> int:
+           reap_also: Callable[[], list[str]] | None = None,
+           also_needs: Callable[[], list[str]] | None = None) -> int:
     """Run ``body`` on a fresh bed of ``hosts`` hosts, then take the bed down.
 
     What earlier benches left behind is removed first (their beds, and what
     ``reap_also`` removes). Returns ``body``'s exit code; 2 when this machine
     cannot host the bed (said, with the fixes), 130 on Ctrl-C or SIGTERM, 1 on a
     bench or bed error (printed) or when part of the bed could not be removed.
+    ``also_needs`` says what else the bench needs of this machine (e.g.
+    :func:`bench.harness.slow_host.cgroup_problems`), checked with the bed's needs.
     """
-    problems = check_requirements(pin)
+    problems = check_requirements(pin) + (also_needs() if also_needs else [])
     if problems:
         print(f"{command} cannot run here:\n" + "\n".join(f"  - {p}" for p in problems),
               file=sys.stderr)

@@ -67,6 +67,14 @@ class SlowGroup:
         release(self.path)
 
 
+def cgroup_problems() -> list[str]:
+    """What this machine lacks to hold a host to part of a core, with the fix (none: [])."""
+    if (CPU_CGROUP / "cpu.cfs_quota_us").exists():
+        return []
+    return [f"the cgroup v1 cpu controller is not mounted at {CPU_CGROUP}: "
+            f"mount -t cgroup -o cpu cgroup {CPU_CGROUP}"]
+
+
 @contextmanager
 def slowed(bed: Any, host: Any, fraction: float) -> Iterator[SlowGroup]:
     """``host`` of ``bed`` held to ``fraction`` of a core for the block: its sshd moved into a
