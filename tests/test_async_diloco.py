@@ -290,3 +290,25 @@ def test_adaptive_rounds_are_as_long_as_the_speed_allows_and_give_balanced_diloc
         torch.testing.assert_close(final.state_dict()[key], value, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="adaptive_H must be True or False"):
         AsyncDiLoCoStrategy(adaptive_H="yes")
+
+
+@pytest.mark.parametrize("weighting, share", [("tokens", 2 / 8), ("equal", 1 / 2)])
+def test_a_contribution_weighs_its_steps_or_counts_alike(monkeypatch, weighting, share):
+    # rank 0 offers 2 steps, rank 1 six: rank 0 sends its change times its share of the merge
+    from exogym.strategy import async_diloco
+    from exogym.strategy.async_diloco import _Worker
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    strategy = AsyncDiLoCoStrategy(H=8, quorum=2, weighting=weighting)
+    strategy.max_steps = 100
+    strategy._init_node(model, 0, 2)
+    with torch.no_grad():
+        model.weight.sub_(1.0)  # a change of -1 from the base, in every weight
+    strategy.workers = {0: _Worker(steps=2, ready=True), 1: _Worker(steps=6, ready=True)}
+    sent = {}
+    monkeypatch.setattr(async_diloco.comm, "all_reduce_tensors",
+                        lambda tensors, **options: sent.setdefault("mine", tensors[0].clone()))
+    monkeypatch.setattr(async_diloco.comm, "present_ranks", lambda group=None: [0, 1])
+    monkeypatch.setattr(async_diloco.comm, "side_all_reduce", lambda tensor, op=None: None)
+    strategy._merge([0, 1], final=False)
+    torch.testing.assert_close(sent["mine"], torch.full((1, 2), share))
