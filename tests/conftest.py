@@ -22,6 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 _NO_MACHINES = Path(tempfile.mkdtemp(prefix="exogym-tests-")) / "discovered.json"
 _NO_MACHINES.write_text("[]\n", encoding="utf-8")
 os.environ["EXOGYM_DISCOVERED"] = str(_NO_MACHINES)
+# Runs across hosts skip the pre-flight link probe (half a second of data per host, every
+# run) unless a test of the probe asks for it (tests/test_replay.py, tests/test_launcher.py).
+os.environ["EXOGYM_LINK_PROBE_S"] = "0"
 
 
 #: Library loggers the commands configure (``distributed.app.console.QUIET_LOGGERS``, named

@@ -374,7 +374,7 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
         hosts = tmp_path / "hosts.json"
         hosts.write_text(json.dumps(config))
         second, third = (h.address for h in bed.hosts)  # ranks 1 and 2
-        inject = ["slow:1@step=300x0.5+4s", f"kill:{third}@step=1500",
+        inject = ["slow:1@step=300x0.25+4s", f"kill:{third}@step=1500",
                   "freeze:1@step=5000+5s"]
         if can_cut:
             inject.append(f"cut:{third}@step=9000+5s")

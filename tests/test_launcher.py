@@ -941,6 +941,33 @@ def test_flat_options_split_into_launch_options_and_ssh_options():
     assert ssh == SSHOptions(known_hosts_path="kh", allow_agent=False)
 
 
+def test_the_link_probe_defaults_to_half_a_second_or_to_its_environment_variable(monkeypatch):
+    monkeypatch.delenv("EXOGYM_LINK_PROBE_S", raising=False)
+    assert LaunchOptions().link_probe_s == 0.5
+    monkeypatch.setenv("EXOGYM_LINK_PROBE_S", "0")
+    assert LaunchOptions().link_probe_s == 0.0
+    assert LaunchOptions(link_probe_s=2).link_probe_s == 2  # the caller's value wins
+    for bad in ("abc", "-1", "61", "nan"):
+        monkeypatch.setenv("EXOGYM_LINK_PROBE_S", bad)
+        with pytest.raises(ValueError, match=rf"EXOGYM_LINK_PROBE_S='{bad}': give the seconds "
+                                             r"of the link probe, from 0 \(no probe\) to 60"):
+            LaunchOptions()
+
+
+def test_a_bad_link_probe_variable_is_refused_before_any_host_is_reached(tmp_path):
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps({"master": "192.0.2.1", "workers": [{"host": "192.0.2.2"}],
+                                 "python_env": sys.executable, "project_path": str(ROOT)}))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(ROOT / "cli_typer.py"), "distributed-train",
+                           "digits-diloco", "--hosts", str(hosts)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "EXOGYM_LINK_PROBE_S": "fast", "CI": "true"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "EXOGYM_LINK_PROBE_S='fast'" in done.stdout + done.stderr
+    assert time.monotonic() - started < 20  # 192.0.2.x (documentation range): never tried
+
+
 def test_an_unknown_flat_option_is_named_with_the_close_one_before_anything_starts(tmp_path):
     hosts = {"master": "127.0.0.1", "workers": [], "python_env": sys.executable,
              "project_path": str(tmp_path)}

@@ -219,8 +219,10 @@ def test_the_wait_for_a_hung_rank_to_be_declared_lost_is_replayed():
     assert [round(seconds, 6) for _, _, seconds in waits] == [5.0, 5.0, 0.05, 0.05]
 
 
-def test_a_run_across_hosts_records_its_links_and_replays(sshd, tmp_path):
+def test_a_run_across_hosts_records_its_links_and_replays(sshd, tmp_path, monkeypatch):
     from faces_support import sshd_hosts
+
+    monkeypatch.setenv("EXOGYM_LINK_PROBE_S", "0.5")  # the default (tests/conftest.py: 0)
 
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps(sshd_hosts(sshd, workers=2)))

@@ -28,6 +28,27 @@ LAUNCHER_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "N
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
+#: Sets the default of ``LaunchOptions.link_probe_s`` (seconds; 0: no link probe).
+LINK_PROBE_VARIABLE = "EXOGYM_LINK_PROBE_S"
+#: ``link_probe_s`` when neither the caller nor the environment sets it.
+LINK_PROBE_DEFAULT_S = 0.5
+
+
+def default_link_probe_s() -> float:
+    """``EXOGYM_LINK_PROBE_S`` when set (ValueError naming it unless it is a number of
+    seconds from 0 to 60), else :data:`LINK_PROBE_DEFAULT_S`."""
+    text = os.environ.get(LINK_PROBE_VARIABLE, "").strip()
+    if not text:
+        return LINK_PROBE_DEFAULT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 60:
+        raise ValueError(f"{LINK_PROBE_VARIABLE}={text!r}: give the seconds of the link "
+                         "probe, from 0 (no probe) to 60")
+    return seconds
+
 
 @dataclass(frozen=True)
 class LaunchOptions:
@@ -65,6 +86,7 @@ class LaunchOptions:
         link_probe_s: seconds each host sends to a peer after pre-flight, so that the
             run's trace records every host's link rate and latency (``distributed-train``
             across hosts; :func:`distributed.hosts.linkspeed.probe_hosts`); 0: no probe.
+            Default 0.5, or ``EXOGYM_LINK_PROBE_S`` when it is set.
 
     ``project_root``, ``master_local`` and ``probe_timeout`` configure the host
     session the launcher opens; leave them unset when giving it a session.
@@ -84,7 +106,7 @@ class LaunchOptions:
     lost_after: float = 10.0
     probe_interval: float = 1.0
     stall_after: float | None = None
-    link_probe_s: float = 0.5
+    link_probe_s: float = field(default_factory=default_link_probe_s)
 
     def __post_init__(self) -> None:
         if self.min_nodes is not None and (not isinstance(self.min_nodes, int) or
