@@ -143,7 +143,7 @@ def test_three_hosts_with_min_nodes_lose_a_host_and_take_it_back_at_23m(sshd, th
     out = tmp_path / "net"
     events = Events()
     program = RankProgram.from_profile("gpt-diloco", overrides=SMALL_STEPS + strategy + [
-        "num_nodes=3", "H=4", "max_steps=100", "val_interval=50", f"output_dir={out}"])
+        "num_nodes=3", "H=4", "max_steps=60", "val_interval=30", f"output_dir={out}"])
     with launcher(sshd, ["127.0.0.2", THIRD], program, tmp_path, events, min_nodes=2,
                   probe_interval=1.0) as job:
         runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
@@ -161,13 +161,14 @@ def test_three_hosts_with_min_nodes_lose_a_host_and_take_it_back_at_23m(sshd, th
                                    and e["ranks"] == [0, 1, 2] and e["step"] > 1, 100)
         runner.join(timeout=200)
     result = job.result
+    print(f"rejoined at step {rejoined['step']} of 60")
     assert result.ok, result.describe()
     assert [m["ranks"] for _, m in events.of("membership")] == [[0, 1, 2], [0, 1], [0, 1, 2]]
     handed = [e for _, e in events.of("hand_over", 2)]
     assert handed and handed[-1]["step"] == rejoined["step"]
     assert handed[-1]["bytes"] > 4 * 23_000_000 * 4  # model, Adam moments, outer state
     done = {e["rank"]: e for _, e in events.of("done")}
-    assert sorted(done) == [0, 1, 2] and all(d["step"] == 100 for d in done.values())
+    assert sorted(done) == [0, 1, 2] and all(d["step"] == 60 for d in done.values())
     # Every rank ended with the same model (a DiLoCo round, or the last merge, ends the run) ...
     assert len({d["model_digest"] for d in done.values()}) == 1, done
     final = load_file(out / "model.safetensors")
