@@ -4,6 +4,7 @@ Run as root from the project root::
 
     python -m bench.async_hosts                       # both runs, 6-15 minutes
     python -m bench.async_hosts --slow 0.1 --steps 120 --kill-at 35
+    python -m bench.async_hosts --fast 0.7 --slow 0.35 --adaptive-H
     python -m bench.async_hosts --report runs/async-hosts/results.json --target 2.87
 
 **The hosts.** Three network namespaces on one bridge (:mod:`netbed`), each
@@ -12,11 +13,18 @@ tbf``. The runs use ``min_nodes=2``, which needs the launcher on the master host
 (the rendezvous store lives in it), so the launcher runs inside host 0's
 namespace beside rank 0 (:mod:`bench.harness.elastic_job`); ranks 1 and 2 start
 over SSH on hosts 1 and 2. Nothing is pinned: the three ranks share this
-machine's cores.
+machine's cores (each within its quota with ``--fast``).
 
 - **A slow host**: host 1's ``sshd`` is moved into a cgroup v1 ``cpu`` group
   with ``cpu.cfs_quota_us`` = ``--slow`` x 100,000 us (50,000 by default), so
   rank 1, started by it, has half a core (:mod:`bench.harness.slow_host`).
+- **Hosts with cores of their own** (``--fast F``): hosts 0 and 2 are held to
+  F of a core each as well (the launcher's process joins host 0's group before
+  it starts rank 0; host 2's sshd joins its group again when it is back), so
+  that the fast ranks neither share the machine's cores nor get a core freed by
+  a rank that waits, as on machines of their own. On two cores,
+  ``--fast 0.7 --slow 0.35`` is one host at half the speed of the others,
+  scaled to fit; the bench checks that each held rank runs in its group.
 - **A lost host**: at ``--kill-at`` seconds on rank 0's training clock (from the
   start of its loop, which its step events' ``wall_s`` count from), whatever
   step it is at, host 2's ``sshd`` is stopped and its rank killed

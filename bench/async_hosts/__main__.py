@@ -7,6 +7,7 @@ import json
 import shutil
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds host 2 stays away before its sshd is back (default 15)")
     parser.add_argument("--slow", type=float, default=0.5,
                         help="host 1's CPU quota, a fraction of one core (default 0.5)")
+    parser.add_argument("--fast", type=float, default=None,
+                        help="hosts 0 and 2 each held to this fraction of a core too (default: "
+                             "not held, they share the machine's cores): hosts with a core "
+                             "of their own, scaled to fit this machine")
     parser.add_argument("--rate", default="100mbit", help="every link's rate, tc syntax")
     parser.add_argument("--queue", default="100ms", help="tbf queue of each link (tc latency)")
     parser.add_argument("--run-timeout", type=float, default=900.0,
@@ -82,6 +87,9 @@ def check_args(args: argparse.Namespace) -> None:
         args.async_steps = round(1.5 * args.steps / args.H) * args.H
     if not 0 < args.slow < 1:
         raise ValueError(f"--slow must be a fraction between 0 and 1, got {args.slow}")
+    if args.fast is not None and not args.slow < args.fast <= 1:
+        raise ValueError(f"--fast must be a fraction above --slow {args.slow:g} and at most 1, "
+                         f"got {args.fast}")
     if min(args.H, args.batch_size, args.val_size, args.max_staleness + 1) < 1:
         raise ValueError("--H, --batch-size and --val-size must be >= 1, --max-staleness >= 0")
     if args.quorum <= 0 or (args.quorum > 1 and not args.quorum.is_integer()) \
@@ -136,9 +144,11 @@ def report(runs: dict[str, dict[str, Any]], verdict: dict[str, Any],
             "/".join(str(n) for n in run["trained_steps"].values()),
             "/".join(f"{s:.2f}" for s in run["step_compute_s"].values()),
             f"{run['throttled_s']:.0f} s", f"{run['other_cores']:.2f}"))
+    fast = getattr(args, "fast", None)  # absent from results saved before --fast
+    others = "" if fast is None else f" (hosts 0 and {LOST}: {fast:.0%})"
     print_table(f"DiLoCo against AsyncDiLoCo on 3 hosts: links {args.rate}, host {SLOW} held to "
-                f"{args.slow:.0%} of a core, host {LOST} lost at {args.kill_at:g} s for "
-                f"{args.away:g} s, min_nodes=2, H={args.H}, {args.profile}",
+                f"{args.slow:.0%} of a core{others}, host {LOST} lost at {args.kill_at:g} s "
+                f"for {args.away:g} s, min_nodes=2, H={args.H}, {args.profile}",
                 ("run", "steps", "wall time", "final val loss",
                  f"time to {verdict['target']:.4f}", "kill at step / s",
                  "readmitted after", "membership (step:ranks)", "merges",
@@ -183,15 +193,22 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
 
     def measure(bed: Testbed) -> int:
-        with slowed(bed, bed.hosts[SLOW], args.slow) as group:  # rank 1 inherits the group
+        with slowed(bed, bed.hosts[SLOW], args.slow) as group, ExitStack() as stack:
+            # rank 1 is born in its host's group; rank 0 in the launcher's (run_case)
+            held = {} if args.fast is None else {
+                index: stack.enter_context(slowed(bed, bed.hosts[index], args.fast, f"h{index}"))
+                for index in (0, LOST)}
             bed.shape(args.rate)
             print(f"hosts {', '.join(h.address for h in bed.hosts)}; host {SLOW} in cpu group "
                   f"{group.path} (quota {round(PERIOD_US * args.slow)} of {PERIOD_US} us, "
                   f"members {group.members()}); links {args.rate}", flush=True)
             shutil.rmtree(out / "logs", ignore_errors=True)  # logs of an earlier run
             budget = {"left": args.wait_max}
+            if held:
+                print(f"hosts 0 and {LOST} each held to {args.fast:g} of a core "
+                      f"({', '.join(str(g.path) for g in held.values())})", flush=True)
             runs = {name: run_case(bed, name, args, group, number, out, budget,
-                                   lambda text: print(text, flush=True))
+                                   lambda text: print(text, flush=True), held)
                     for number, name in enumerate(RUNS, 1)}
             verdict = compare(runs, args.target)
             print()

@@ -15,9 +15,9 @@ from bench.harness.elastic_job import ElasticJob
 from bench.harness.jobs import BenchError, bench_pids, wait_for_quiet
 from bench.harness.machine import CpuSample
 from bench.harness.outage import HostOutage
-from bench.harness.slow_host import SlowGroup
+from bench.harness.slow_host import SlowGroup, cpu_cgroup_of
 from bench.harness.timing import steps_by_rank
-from tests.netbed import Testbed
+from tests.netbed import Testbed, worker_pid
 
 SLOW, LOST = 1, 2  # host indices (and ranks): host 0 is the master, never lost
 #: Seconds a run may take to start its ranks and train its first step.
@@ -60,12 +60,17 @@ def _wait(job: ElasticJob, test: Callable[[Event], bool], timeout: float, what: 
 
 def run_case(bed: Testbed, strategy: str, args: argparse.Namespace, group: SlowGroup,
              number: int, out: Path, budget: dict[str, float],
-             say: Callable[[str], None]) -> dict[str, Any]:
+             say: Callable[[str], None],
+             held: dict[int, SlowGroup] | None = None) -> dict[str, Any]:
     """Launch one run, lose host 2 at ``--kill-at`` s for ``--away`` s, return its figures.
 
     Waits first (within ``budget['left']`` seconds, shared by the runs) until other
-    processes keep fewer than ``--quiet-cores`` cores busy.
+    processes keep fewer than ``--quiet-cores`` cores busy. ``held`` (``--fast``): the
+    groups holding hosts 0 and 2 to part of a core; the launcher (and so rank 0, which
+    it starts beside it) joins host 0's, and host 2's sshd joins its group again when
+    it is back.
     """
+    held = held or {}
     slug = f"{number}-{strategy}"
     folder = bed.workdir / slug
     output_dir = bed.workdir / "out" / slug
@@ -76,13 +81,18 @@ def run_case(bed: Testbed, strategy: str, args: argparse.Namespace, group: SlowG
     wait_for_quiet(bed, args.quiet_cores, budget, say)
     waited = time.monotonic() - waited
     throttled = group.throttled_s()
+    held_before = {rank: g.throttled_s() for rank, g in held.items()}
     say(f"  {strategy}: {steps} steps, host {LOST} lost at {args.kill_at:g} s of training "
         f"for {args.away:g} s")
     with job:
         job.start()
+        assert job.proc is not None
+        if 0 in held:  # before the launcher (busy with its pre-flight) starts rank 0
+            held[0].add(job.proc.pid)
         started = time.monotonic()
         arrived, first = _wait(job, lambda e: e.get("event") == "step" and e.get("rank") == 0,
                                START_S, "rank 0's first step")
+        _check_groups(held, str(output_dir))
         before = CpuSample.take(bench_pids(bed))
         # Rank 0's clock started when its loop did: the kill comes at --kill-at on that
         # clock, whatever step rank 0 is at (it may wait at a round's end for long).
@@ -103,6 +113,9 @@ def run_case(bed: Testbed, strategy: str, args: argparse.Namespace, group: SlowG
             time.sleep(max(0.0, args.away - (time.monotonic() - hit)))
         finally:
             back = outage.back()
+            if LOST in held:  # the new sshd starts the rank again: in its group
+                for pid in bed.pids(bed.hosts[LOST]):
+                    held[LOST].add(pid)
         say(f"    {back - hit:.1f} s later: host {LOST}'s sshd answers again")
         result = job.wait(timeout=args.run_timeout - (time.monotonic() - started))
     _keep_logs(folder, out / "logs" / slug)
@@ -115,7 +128,20 @@ def run_case(bed: Testbed, strategy: str, args: argparse.Namespace, group: SlowG
     summary = json.loads(summary_path.read_text())
     return figures(strategy, job, summary, at_kill, hit, back, steps) | {
         "throttled_s": group.throttled_s() - throttled, "other_cores": other_cores,
+        "held_throttled_s": {str(rank): g.throttled_s() - held_before[rank]
+                             for rank, g in held.items()},
         "waited_for_quiet_s": waited}
+
+
+def _check_groups(held: dict[int, SlowGroup], marker: str) -> None:
+    """BenchError unless the ranks of the held hosts run in their hosts' groups."""
+    for rank, group in held.items():
+        pid = worker_pid(rank, marker)
+        where = None if pid is None else cpu_cgroup_of(pid)
+        if where is None or where.strip("/") != group.path.name:
+            raise BenchError(f"rank {rank} (pid {pid}) runs in cpu group {where}, not in "
+                             f"{group.path}: its host is not held to {group.fraction:g} of a "
+                             "core")
 
 
 def figures(strategy: str, job: ElasticJob, summary: dict[str, Any], at_kill: Event,

@@ -76,11 +76,11 @@ def cgroup_problems() -> list[str]:
 
 
 @contextmanager
-def slowed(bed: Any, host: Any, fraction: float) -> Iterator[SlowGroup]:
+def slowed(bed: Any, host: Any, fraction: float, part: str = "") -> Iterator[SlowGroup]:
     """``host`` of ``bed`` held to ``fraction`` of a core for the block: its sshd moved into a
     new group (every rank it starts is born there); the group removed at the end, also on
-    errors."""
-    group = SlowGroup(f"{PREFIX}-{bed.tag}-slow", fraction)
+    errors. ``part`` tells apart the groups of one bed when it holds several hosts."""
+    group = SlowGroup(f"{PREFIX}-{bed.tag}{'-' + part if part else ''}-slow", fraction)
     group.create()
     try:
         for pid in bed.pids(host):
