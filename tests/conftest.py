@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 _NO_MACHINES = Path(tempfile.mkdtemp(prefix="exogym-tests-")) / "discovered.json"
 _NO_MACHINES.write_text("[]\n", encoding="utf-8")
 os.environ["EXOGYM_DISCOVERED"] = str(_NO_MACHINES)
+# Several tests press Ctrl-C on commands they start (SIGINT). A shell that starts the suite
+# as a background job without job control hands it SIGINT ignored, which every command it
+# starts would inherit (and Python leaves an ignored SIGINT ignored): take the default back.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # Runs across hosts skip the pre-flight link probe (half a second of data per host, every
 # run) unless a test of the probe asks for it (tests/test_replay.py, tests/test_launcher.py).
 os.environ["EXOGYM_LINK_PROBE_S"] = "0"
