@@ -223,7 +223,7 @@ def test_a_frozen_rank_is_dropped_within_the_deadline_and_rejoins_after_it_thaws
 def test_min_nodes_stops_cleanly_naming_the_host_and_resume_continues(sshd, third, tmp_path):
     out = tmp_path / "net"
     watch = Watch()
-    with launcher(sshd, program(out, 4000, "checkpoint_interval=1000"), tmp_path, watch,
+    with launcher(sshd, program(out, 3000, "checkpoint_interval=1000"), tmp_path, watch,
                   min_nodes=3) as job:
         runner = start_in_background(job, watch, 1500)
         third.stop()
@@ -246,7 +246,7 @@ def test_min_nodes_stops_cleanly_naming_the_host_and_resume_continues(sshd, thir
     third.start()
     watch = Watch()
     resumed = RankProgram.from_profile("digits-diloco", overrides=[
-        "max_steps=4000", "val_interval=500", "val_size=256", "num_threads=1",
+        "max_steps=3000", "val_interval=500", "val_size=256", "num_threads=1",
         "checkpoint_interval=1000", "num_nodes=3", "lr_scheduler=cosine", f"output_dir={out}"],
         resume=True)
     with launcher(sshd, resumed, tmp_path, watch, min_nodes=3) as job:
@@ -316,7 +316,7 @@ def test_when_the_master_dies_every_rank_stops_and_resume_continues(sshd, third,
     out = tmp_path / "net"
     hosts_file = tmp_path / "hosts.json"
     hosts_file.write_text(json.dumps(hosts(sshd)))
-    settings = ["max_steps=4000", "val_interval=500", "val_size=256", "num_threads=1",
+    settings = ["max_steps=3000", "val_interval=500", "val_size=256", "num_threads=1",
                 "checkpoint_interval=1000", f"output_dir={out}"]
     command = [sys.executable, "cli_typer.py", "distributed-train", "digits-diloco",
                "--hosts", str(hosts_file), "--min-nodes", "2", "--lost-after", "3",
@@ -331,7 +331,7 @@ def test_when_the_master_dies_every_rank_stops_and_resume_continues(sshd, third,
     from exogym.run.checkpoint import list_steps
     root = out / "checkpoints" / "digits-diloco"
     deadline = time.monotonic() + 180
-    while not all(2000 in list_steps(root, r) for r in range(3)):
+    while not all(1000 in list_steps(root, r) for r in range(3)):
         assert cli.poll() is None and time.monotonic() < deadline, cli.stdout.read().decode()
         time.sleep(0.2)
     # The master host dies: the launcher (with the run's store) and its rank 0 at once.
@@ -352,4 +352,4 @@ def test_when_the_master_dies_every_rank_stops_and_resume_continues(sshd, third,
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"resumed from step {newest}" in done.stdout
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 4000
+    assert summary["steps"] == 3000
