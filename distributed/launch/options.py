@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from distributed.hosts.linkspeed import PROBE_SECONDS
 from distributed.hosts.ssh import SSHOptions
 from distributed.worker.environment import RUN_DIR_VARIABLE
 from exogym.base.arg_errors import unknown_args_error
@@ -31,7 +32,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Sets the default of ``LaunchOptions.link_probe_s`` (seconds; 0: no link probe).
 LINK_PROBE_VARIABLE = "EXOGYM_LINK_PROBE_S"
 #: ``link_probe_s`` when neither the caller nor the environment sets it.
-LINK_PROBE_DEFAULT_S = 0.5
+LINK_PROBE_DEFAULT_S = PROBE_SECONDS
 
 
 def default_link_probe_s() -> float:
