@@ -23,16 +23,16 @@ __all__ = ["NetworkTrainer", "DistributedLauncher", "Launcher", "RankProgram",
            "WhisperModelWrapper"]
 
 _LAZY = {
-    "NetworkTrainer": ("distributed.app.network_trainer", "NetworkTrainer"),
-    "DistributedLauncher": ("distributed.launch.launcher", "Launcher"),
-    "Launcher": ("distributed.launch.launcher", "Launcher"),
-    "RankProgram": ("distributed.launch.launcher", "RankProgram"),
-    "WhisperModelWrapper": ("distributed.tasks.whisper.wrapper", "WhisperModelWrapper"),
+    "NetworkTrainer": (".app.network_trainer", "NetworkTrainer"),
+    "DistributedLauncher": (".launch.launcher", "Launcher"),
+    "Launcher": (".launch.launcher", "Launcher"),
+    "RankProgram": (".launch.launcher", "RankProgram"),
+    "WhisperModelWrapper": (".tasks.whisper.wrapper", "WhisperModelWrapper"),
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'distributed' has no attribute {name!r}")
+        return getattr(importlib.import_module(module, __name__), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

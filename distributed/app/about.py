@@ -55,6 +55,19 @@ def git_commit(root: Path = PROJECT_ROOT) -> str | None:
     return head.stdout.strip() + ("+" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
+def command_words() -> list[str]:
+    """How the user started this command line: ``["exogym"]`` for the installed command,
+    ``["python", "cli_typer.py"]`` from a checkout. Hints that print a command use it."""
+    if Path(sys.argv[0]).name in ("exogym", "exogym.exe"):
+        return ["exogym"]
+    return ["python", "cli_typer.py"]
+
+
+def command_name() -> str:
+    """:func:`command_words` as one string: ``exogym`` or ``python cli_typer.py``."""
+    return " ".join(command_words())
+
+
 def version_line(program: str) -> str:
     """One line for ``--version``: ``exogym 0.1.0 (cli_typer.py, commit abc1234, Python 3.11.7)``."""
     parts = [program]

@@ -29,7 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distributed.profiles.profile import (
+from exogym.base.arg_errors import init_arg_names
+from exogym.base.io import atomic_write_bytes
+from exogym.strategy import registry
+
+from ..profiles.profile import (
     KeyRouting,
     Profile,
     ProfileError,
@@ -38,10 +42,7 @@ from distributed.profiles.profile import (
     parse_value,
     strategy_class,
 )
-from distributed.tasks.extras import require_extra
-from exogym.base.arg_errors import init_arg_names
-from exogym.base.io import atomic_write_bytes
-from exogym.strategy import registry
+from ..tasks.extras import require_extra
 
 __all__ = ["COMPARE_SETTINGS", "PLOT_NAME", "StartClock", "StrategyResult", "check_extras",
            "check_plotting", "comparison_figure", "comparison_folder", "parse_overrides",
@@ -324,11 +325,12 @@ def run_comparison(plans: Sequence[Profile],
     """
     # Here, not at the top: they bring torch, which planning a comparison (and the wizard's
     # and the CLI's profile listings, which import this module) must not pay for.
-    from distributed.app.run import RunFailedError, brief_failure
-    from distributed.worker.run_profile import run_profile
     from exogym.report.summary import RunReporter
     from exogym.run.run_rank import LostRankError
     from exogym.run.trainer import RankFailedError
+
+    from ..worker.run_profile import run_profile
+    from .run import RunFailedError, brief_failure
 
     results = []
     for plan in plans:

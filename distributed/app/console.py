@@ -145,10 +145,10 @@ def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
     """
     # Here rather than at the top: these modules load rich tables and the profiles, which a
     # bare ``--help`` does not need (python -m bench.cli_help_time keeps it under half a second).
-    from distributed.app.run import RunFailedError
-    from distributed.hosts.hostsfile import HostsFileError
-    from distributed.hosts.preflight import PreflightError
-    from distributed.profiles.profile import ProfileError
+    from ..hosts.hostsfile import HostsFileError
+    from ..hosts.preflight import PreflightError
+    from ..profiles.profile import ProfileError
+    from .run import RunFailedError
 
     debug = debug or bool((ctx.obj or {}).get("debug"))
     quiet_library_logs(debug)

@@ -30,7 +30,6 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from distributed.launch.faults import FaultLog, describe_fault_event
 from exogym.base.plural import plural
 from exogym.base.terminal import output_console
 from exogym.report.summary import (
@@ -40,6 +39,8 @@ from exogym.report.summary import (
     label_table,
     summarize,
 )
+
+from ..launch.faults import FaultLog, describe_fault_event
 
 #: Status of a rank that has not reported yet.
 WAITING = "waiting"

@@ -20,8 +20,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from distributed.hosts.hostkeys import HostKey, fetch_host_key, is_known, trust_host_key
-from distributed.hosts.mdns import (
+from ..hosts.hostkeys import HostKey, fetch_host_key, is_known, trust_host_key
+from ..hosts.mdns import (
     Advertiser,
     Browser,
     DiscoveryError,
@@ -30,7 +30,7 @@ from distributed.hosts.mdns import (
     ipv4_addresses,
     this_machine,
 )
-from distributed.hosts.ssh import SSHOptions
+from ..hosts.ssh import SSHOptions
 
 __all__ = ["Browser", "DiscoveryError", "HostKey", "MachineAdvert", "DISCOVERED_ENV",
            "fetch_host_key", "find_machines", "hosts_mapping", "is_known", "machines_table", "other_machines",
@@ -114,7 +114,7 @@ def serve_agent(console: Console, name: str | None = None, ssh_port: int = 22,
 
 def ssh_options(known_hosts: str | None = None) -> SSHOptions:
     """The SSH options whose known_hosts file host keys are recorded in (as the launcher's)."""
-    from distributed.app.hosts_check import ssh_files
+    from .hosts_check import ssh_files
 
     files = ssh_files(known_hosts, None)
     return SSHOptions(**{k: v for k, v in files.items() if k == "known_hosts_path"})

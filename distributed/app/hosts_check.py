@@ -15,10 +15,10 @@ from typing import Any
 
 from rich.console import Console
 
-from distributed.hosts.hostsfile import HostsConfig, load_hosts
-from distributed.hosts.preflight import PreflightReport
-from distributed.hosts.session import HostSession
-from distributed.hosts.ssh import SSHConnectError, SSHOptions
+from ..hosts.hostsfile import HostsConfig, load_hosts
+from ..hosts.preflight import PreflightReport
+from ..hosts.session import HostSession
+from ..hosts.ssh import SSHConnectError, SSHOptions
 
 #: Environment variables that supply SSH file locations when no option gives them.
 KNOWN_HOSTS_ENV = "EXOGYM_KNOWN_HOSTS"

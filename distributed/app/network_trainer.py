@@ -23,15 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distributed.hosts.hostsfile import load_hosts
-from distributed.launch.options import split_options
-from distributed.launch.script import run_script_on_hosts, script_program
-from distributed.worker.environment import rank_environment
-from distributed.worker.rank_trainer import RankTrainer
 from exogym.base.arg_errors import unknown_args_error
 from exogym.base.plural import plural
 from exogym.config.fit_args import FitArgs, refuse_simulation_only
 from exogym.report.summary import summarize
+
+from ..hosts.hostsfile import load_hosts
+from ..launch.options import split_options
+from ..launch.script import run_script_on_hosts, script_program
+from ..worker.environment import rank_environment
+from ..worker.rank_trainer import RankTrainer
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

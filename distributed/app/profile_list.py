@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from distributed.profiles.profile import SUMMARY_COLUMNS, Profile, ProfileError, ProfileSet
-from distributed.tasks.extras import needed_extra
+from ..profiles.profile import SUMMARY_COLUMNS, Profile, ProfileError, ProfileSet
+from ..tasks.extras import needed_extra
 
 __all__ = ["SUMMARY_COLUMNS", "ProfileEntry", "list_profiles", "profile_names"]
 

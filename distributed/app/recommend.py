@@ -47,19 +47,20 @@ from typing import Any
 
 from rich.console import Console
 
-from distributed.app.compare import profile_for_strategy
-from distributed.app.console import StageReport, stage_progress
-from distributed.app.hosts_check import ssh_files
-from distributed.app.run import TrainRequest, hosts_config, make_launcher, resolve_profile
-from distributed.app.run_with import RunWith, run_with
-from distributed.hosts.hostsfile import HostsConfig
-from distributed.hosts.linkspeed import LinkError, LinkMeasurement, measure_between
-from distributed.planning import projection
-from distributed.planning.estimate import measure_model
-from distributed.profiles.profile import Profile, ProfileError
 from exogym.base.plural import plural
 from exogym.base.terminal import output_console
 from exogym.report.summary import human_bytes
+
+from ..hosts.hostsfile import HostsConfig
+from ..hosts.linkspeed import LinkError, LinkMeasurement, measure_between
+from ..planning import projection
+from ..planning.estimate import measure_model
+from ..profiles.profile import Profile, ProfileError
+from .compare import profile_for_strategy
+from .console import StageReport, stage_progress
+from .hosts_check import ssh_files
+from .run import TrainRequest, hosts_config, make_launcher, resolve_profile
+from .run_with import RunWith, run_with
 
 __all__ = ["COMPUTE_KIND", "Candidate", "CandidateSpec", "HostTiming", "Measurements",
            "Recommendation", "RecommendError", "StageReport", "TIE", "candidate_specs",
@@ -502,8 +503,8 @@ def _host_steps(request: TrainRequest, config: HostsConfig, console: Console,
 def _links(request: TrainRequest, config: HostsConfig, console: Console,
            seconds: float) -> tuple[LinkMeasurement, ...]:
     """One transfer from the master to every worker, through the hosts' own shells."""
-    from distributed.hosts.session import HostSession
-    from distributed.launch.options import split_options
+    from ..hosts.session import HostSession
+    from ..launch.options import split_options
 
     launch, options = split_options({**ssh_files(request.known_hosts, request.ssh_config),
                                 "accept_new_host_keys": request.accept_new_host_keys,
@@ -672,7 +673,7 @@ def _measure_recorded(request: TrainRequest, recording: Any, *, link_mbit: float
                       specs: Sequence[CandidateSpec] | None,
                       progress: StageReport | None) -> Measurements:
     """:func:`measure` with the hosts' steps and links read from a recorded run."""
-    from distributed.app.replay import ReplayError
+    from .replay import ReplayError
 
     profile = resolve_profile(request)
     if profile.name != recording.profile.name:

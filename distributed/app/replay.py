@@ -50,14 +50,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distributed.app.compare import COMPARE_SETTINGS, profile_for_strategy
-from distributed.profiles.profile import Profile, ProfileError
-from distributed.profiles.run_dir import RunIdentity
 from exogym.base.terminal import stdout_to_stderr
 from exogym.report.metrics import time_to_loss as loss_reached_at
 from exogym.report.trace import FORMAT_VERSION, TRACE_FILE, read_trace
 from exogym.sim.network import collective_bytes, collective_rounds
 from exogym.strategy import registry
+
+from ..profiles.profile import Profile, ProfileError
+from ..profiles.run_dir import RunIdentity
+from .compare import COMPARE_SETTINGS, profile_for_strategy
 
 __all__ = ["REPLAY_FOLDER", "Recording", "ReplayError", "ReplayResult", "Timeline", "Variant",
            "eval_seconds", "load_recording", "plan_variants", "replay", "replay_profile",
@@ -930,8 +931,9 @@ class ReplayResult:
 def write_outputs(result: ReplayResult, folder: Path) -> tuple[dict[str, Any], str]:
     """Write ``replay.json`` (the comparison) and ``replay.html`` (its page) into
     ``folder``, each atomically; returns the comparison and the page."""
-    from distributed.app.web.replay_page import replay_html
     from exogym.base.io import atomic_write_bytes
+
+    from .web.replay_page import replay_html
 
     report = result.to_dict()
     page = replay_html(report, result.timelines())
@@ -986,9 +988,10 @@ def replay(recording: Recording, variants: Sequence[Variant],
         RunFailedError: a replay's rank failed.
     """
     # Here: they bring torch, which checking the input must not wait for.
-    from distributed.app.run import RunFailedError, brief_failure
     from exogym.run.run_rank import LostRankError
     from exogym.run.trainer import RankFailedError
+
+    from .run import RunFailedError, brief_failure
 
     real = timeline(recording.lines, recording.round_steps, recording.num_nodes,
                     measured_eval=True)

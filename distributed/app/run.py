@@ -38,41 +38,43 @@ from typing import Any
 
 from rich.console import Console
 
-from distributed.app.dashboard import Dashboard
-from distributed.app.fanout import FanOut
-from distributed.app.hosts_check import ssh_files
-from distributed.app.web.server import WebDashboard
-from distributed.hosts.hostsfile import HostsConfig, load_hosts
-from distributed.hosts.onhost import runfolders
-from distributed.hosts.preflight import PreflightError
-from distributed.hosts.remote import module_source, probe_command
-from distributed.hosts.sync import PROJECT_ROOT
-from distributed.launch.faults import FaultPlan, FaultSpecError, plan_faults
-from distributed.launch.launcher import Launcher
-from distributed.launch.options import split_options
-from distributed.launch.program import RankProgram
-from distributed.profiles.profile import (
+from exogym.base.plural import plural
+from exogym.base.terminal import output_console
+from exogym.config.fit_args import BALANCE_MODES
+from exogym.report.loggers import LOGGER_NAMES
+from exogym.report.trace import TRACE_FILE, TraceWriter
+
+from ..hosts.hostsfile import HostsConfig, load_hosts
+from ..hosts.onhost import runfolders
+from ..hosts.preflight import PreflightError
+from ..hosts.remote import module_source, probe_command
+from ..hosts.sync import PROJECT_ROOT, is_checkout
+from ..launch.faults import FaultPlan, FaultSpecError, plan_faults
+from ..launch.launcher import Launcher
+from ..launch.options import split_options
+from ..launch.program import RankProgram
+from ..profiles.profile import (
     LAUNCH_KEYS,
     Profile,
     ProfileWarning,
     load_profile,
     parse_overrides,
 )
-from distributed.profiles.run_dir import (
+from ..profiles.run_dir import (
     NothingToResumeError,
     RunFolderError,
     RunPlacement,
     place_run,
     record_resume,
 )
-from distributed.tasks.extras import missing_extra, require_extra
-from distributed.worker.command import override_items, set_args, worker_args
-from distributed.worker.environment import FINAL_MODEL
-from exogym.base.plural import plural
-from exogym.base.terminal import output_console
-from exogym.config.fit_args import BALANCE_MODES
-from exogym.report.loggers import LOGGER_NAMES
-from exogym.report.trace import TRACE_FILE, TraceWriter
+from ..tasks.extras import missing_extra, require_extra
+from ..worker.command import override_items, set_args, worker_args
+from ..worker.environment import FINAL_MODEL
+from .about import command_words
+from .dashboard import Dashboard
+from .fanout import FanOut
+from .hosts_check import ssh_files
+from .web.server import WebDashboard
 
 __all__ = ["NothingToResumeError", "PreflightError", "RunFailedError", "RunFolderError",
            "RunInterrupted", "TrainOutcome", "TrainRequest", "dry_run", "logger_override",
@@ -370,7 +372,8 @@ def worker_command(request: TrainRequest) -> str:
     absolute."""
     config = request.config
     here = Path.cwd().resolve()
-    away = here != PROJECT_ROOT.resolve()
+    # a checkout's package is imported from its root; an installed one from anywhere
+    away = is_checkout(PROJECT_ROOT) and here != PROJECT_ROOT.resolve()
     if away and config is not None:
         config = str(Path(config).expanduser().resolve())
     command = shlex.join(["python", *worker_args(request.profile, config=config,
@@ -391,7 +394,7 @@ def train_command(request: TrainRequest) -> str:
     Raises:
         ValueError: when the hosts are a loaded ``HostsConfig`` read from no file.
     """
-    args = ["python", "cli_typer.py", "distributed-train", request.profile]
+    args = [*command_words(), "distributed-train", request.profile]
     if request.config:
         args += ["--config", str(request.config)]
     if request.hosts is not None:
@@ -626,9 +629,10 @@ def finished_run(profile: Profile, placement: RunPlacement) -> TrainOutcome | No
 
 def _train_local(profile: Profile, placement: RunPlacement, console: Console,
                  live: bool | None, web: WebDashboard | None = None) -> TrainOutcome:
-    from distributed.worker.run_profile import run_profile
     from exogym.run.run_rank import LostRankError
     from exogym.run.trainer import RankFailedError
+
+    from ..worker.run_profile import run_profile
 
     nodes = int(profile.values.get("num_nodes") or 1)
     warn_before_start(profile, nodes, os.cpu_count())
@@ -683,7 +687,7 @@ def probe_links(launcher: Launcher, console: Console) -> dict[int, Any]:
     """Each host's link rate and latency, measured once pre-flight has passed
     (:func:`distributed.hosts.linkspeed.probe_hosts`, ``link_probe_s`` seconds per host,
     one host at a time); a probe that fails is said and recorded, never fatal."""
-    from distributed.hosts.linkspeed import probe_hosts
+    from ..hosts.linkspeed import probe_hosts
 
     seconds = launcher.options.link_probe_s
     if not seconds or len(launcher.config.hosts) < 2:

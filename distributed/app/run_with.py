@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from distributed.profiles.profile import (
+from ..profiles.profile import (
     LAUNCH_KEYS,
     RUN_KEYS,
     Profile,
@@ -38,7 +38,7 @@ from distributed.profiles.profile import (
     ProfileSet,
     strategy_class,
 )
-from distributed.worker.command import set_args
+from ..worker.command import set_args
 
 __all__ = ["RunWith", "run_with"]
 

@@ -15,13 +15,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distributed.app.run import config_for_hosts
-from distributed.hosts.sync import PROJECT_ROOT
-from distributed.profiles.profile import load_profile, parse_overrides
-from distributed.worker.command import worker_args
-from distributed.worker.slurm_variables import PORT_BASE, PORT_SPAN
 from exogym.base.io import atomic_write_text
 from exogym.base.plural import plural
+
+from ..hosts.sync import WORK_ROOT
+from ..profiles.profile import load_profile, parse_overrides
+from ..worker.command import worker_args
+from ..worker.slurm_variables import PORT_BASE, PORT_SPAN
+from .run import config_for_hosts
 
 # SLURM's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}")
@@ -51,7 +52,7 @@ class SlurmJob:
     gpus_per_node: int | None = None
     time: str | None = None
     partition: str | None = None
-    project_path: str = str(PROJECT_ROOT)
+    project_path: str = str(WORK_ROOT)
     python: str = sys.executable
     config: str | None = None
     overrides: list[str] = field(default_factory=list)

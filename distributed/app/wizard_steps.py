@@ -15,21 +15,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from distributed.app.compare import profile_for_strategy
-from distributed.app.profile_list import ProfileEntry, list_profiles
-from distributed.hosts.hostsfile import (
+from ..hosts.hostsfile import (
     HostsConfig,
     HostsFileError,
     is_loopback,
     is_other_machine,
     load_hosts,
 )
-from distributed.hosts.linkspeed import LinkError, LinkMeasurement, measure_link
-from distributed.hosts.preflight import PreflightReport
-from distributed.hosts.ssh import SSHOptions
-from distributed.hosts.sync import local_profiles_path
-from distributed.planning import projection
-from distributed.profiles.profile import (
+from ..hosts.linkspeed import LinkError, LinkMeasurement, measure_link
+from ..hosts.preflight import PreflightReport
+from ..hosts.ssh import SSHOptions
+from ..hosts.sync import WORK_ROOT, local_profiles_path
+from ..planning import projection
+from ..profiles.profile import (
     DEFAULT_CONFIG,
     SUMMARY_COLUMNS,
     Profile,
@@ -38,15 +36,17 @@ from distributed.profiles.profile import (
     load_profile,
     parse_overrides,
 )
-from distributed.profiles.setup_files import (
+from ..profiles.setup_files import (
     hosts_text,
     local_profiles_header,
     with_profile,
     write_with_backup,
 )
+from .compare import profile_for_strategy
+from .profile_list import ProfileEntry, list_profiles
 
 __all__ = [
-    "DEFAULT_CONFIG", "HostsConfig", "HostsFileError", "LinkError", "PreflightReport", "Profile",
+    "DEFAULT_CONFIG", "WORK_ROOT", "HostsConfig", "HostsFileError", "LinkError", "PreflightReport", "Profile",
     "ProfileError", "existing_profile", "free_profile_name", "is_loopback", "is_other_machine",
     "load_hosts", "load_profile", "list_profiles", "local_profiles_file", "measure_link_to",
     "parse_overrides", "ProfileEntry", "profile_file", "profile_name_for", "SUMMARY_COLUMNS",

@@ -12,7 +12,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from distributed.hosts.ssh import SSHOptions, _record_host_key, fingerprint
+from .ssh import SSHOptions, _record_host_key, fingerprint
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from distributed.hosts.hostsfile import HostSpec
-from distributed.hosts.remote import Shell, SSHShell, probe_command
-from distributed.hosts.ssh import (
+from .hostsfile import HostSpec
+from .remote import Shell, SSHShell, probe_command
+from .ssh import (
     SSHConnectError,
     SSHOptions,
     connect,

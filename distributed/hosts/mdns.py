@@ -40,8 +40,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from distributed.hosts.onhost.probe import hash_files, torch_version
-from distributed.hosts.sync import PROJECT_ROOT, code_files
+from .onhost.probe import hash_files, torch_version
+from .sync import PROJECT_ROOT, WORK_ROOT, code_files
 
 SERVICE_TYPE = "_exogym._tcp.local."
 TXT_LIMIT = 255  # bytes of one "key=value" string of a TXT record
@@ -286,7 +286,7 @@ def this_machine(name: str | None = None, ssh_port: int = 22, ssh_user: str | No
         name=name, host=host,
         addresses=tuple(addresses if addresses is not None else ipv4_addresses()),
         ssh_port=ssh_port, ssh_user=ssh_user or getpass.getuser(), python=sys.executable,
-        project_path=str(PROJECT_ROOT), code_hash=digest[:12], torch=torch_version() or "",
+        project_path=str(WORK_ROOT), code_hash=digest[:12], torch=torch_version() or "",
         device=kind, device_name=device_name, cores=os.cpu_count() or 1,
         memory_bytes=memory_bytes())
 

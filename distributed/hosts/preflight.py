@@ -20,9 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from distributed.hosts.hostsfile import HostsConfig, HostSpec
-from distributed.hosts.onhost.probe import bind_master_port
-from distributed.hosts.remote import (
+from exogym.base.plural import plural
+
+from .hostsfile import HostsConfig, HostSpec
+from .onhost.probe import bind_master_port
+from .remote import (
     NO_PROJECT_PATH,
     NO_PYTHON,
     PROBE_SOURCE,
@@ -31,9 +33,8 @@ from distributed.hosts.remote import (
     Started,
     probe_command,
 )
-from distributed.hosts.ssh import SSHConnectError
-from distributed.hosts.sync import LOCAL_PROFILES_SUFFIX
-from exogym.base.plural import plural
+from .ssh import SSHConnectError
+from .sync import LOCAL_PROFILES_SUFFIX
 
 #: The oldest Python a rank may run on (pyproject's requires-python).
 MIN_PYTHON = (3, 10)

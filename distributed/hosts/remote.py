@@ -30,7 +30,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO, Any
 
-from distributed.hosts.onhost import bootstrap, probe
+from .onhost import bootstrap, probe
 
 LOADER = ('import json,sys;m=json.loads(sys.stdin.readline());g={"__name__":"exogym_remote"};'
           'exec(m.pop("code"),g);g["main"](m)')

@@ -7,7 +7,7 @@ environment, no secrets. ``check-hosts`` and the wizard use a session as it
 is; the job launcher (``distributed.launch.launcher``) starts its ranks on a
 session's connections::
 
-    from distributed.hosts.session import HostSession
+    from .session import HostSession
 
     with HostSession("hosts.json") as session:
         report = session.preflight(raise_on_failure=False)
@@ -28,10 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distributed.hosts.hostsfile import HostsConfig, load_hosts
-from distributed.hosts.preflight import PreflightError, PreflightReport, run_preflight
-from distributed.hosts.remote import LocalShell, Shell, SSHShell
-from distributed.hosts.ssh import (
+from exogym.base.io import atomic_copy_stream
+from exogym.base.plural import plural
+
+from .hostsfile import HostsConfig, load_hosts
+from .preflight import PreflightError, PreflightReport, run_preflight
+from .remote import LocalShell, Shell, SSHShell
+from .ssh import (
     SSHConnectError,
     SSHOptions,
     SSHTarget,
@@ -39,7 +42,7 @@ from distributed.hosts.ssh import (
     load_ssh_config,
     resolve_target,
 )
-from distributed.hosts.sync import (
+from .sync import (
     PROJECT_ROOT,
     SyncStats,
     code_files,
@@ -48,8 +51,6 @@ from distributed.hosts.sync import (
     sync_files,
     tracked_files,
 )
-from exogym.base.io import atomic_copy_stream
-from exogym.base.plural import plural
 
 if TYPE_CHECKING:
     from typing_extensions import Self

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distributed.hosts.hostsfile import HostSpec
 from exogym.base.io import atomic_write_text
+
+from .hostsfile import HostSpec
 
 if TYPE_CHECKING:
     import paramiko

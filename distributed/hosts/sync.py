@@ -23,9 +23,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+#: This package's folder: ``distributed/`` in a checkout, ``exogym_distributed/`` installed.
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+#: The folder holding ``exogym/`` and this package: a checkout, or the site-packages of an
+#: installed wheel. What is synced to hosts, laid out the same there; ranks start in it.
+PROJECT_ROOT = PACKAGE_DIR.parent
+#: The name a host runs this package under (``python -m NAME.worker`` in its project_path):
+#: its folder's name, since a host holds the same layout as this machine.
+PACKAGE_FOLDER = PACKAGE_DIR.name
+
+
+def is_checkout(root: str | os.PathLike[str]) -> bool:
+    """Whether ``root`` is a checkout of this project (``exogym/``, ``config.ini`` and this
+    package beside them), not a site-packages folder."""
+    root = Path(root)
+    return ((root / "config.ini").is_file() and (root / "exogym").is_dir()
+            and (root / PACKAGE_FOLDER).is_dir())
+
+
+#: The built-in profiles: ``config.ini`` of the checkout, or the copy an installed wheel holds.
+BUILTIN_CONFIG = (PROJECT_ROOT / "config.ini" if is_checkout(PROJECT_ROOT)
+                  else PACKAGE_DIR / "config.ini")
+#: Where relative paths of a run start (``runs/``): the checkout, or installed, the folder
+#: the command runs in.
+WORK_ROOT = PROJECT_ROOT if is_checkout(PROJECT_ROOT) else Path.cwd()
+
 #: Suffixes of the files whose content must match on every host (the code hash).
-#: This checkout: what is synced to hosts, and where relative paths on hosts start.
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 CODE_SUFFIXES = (".py", ".pyi", ".ini", ".toml", ".cfg")
 #: How a checkout's own profiles file is named beside a profiles file: ``config.local.ini``.
@@ -38,10 +61,13 @@ _SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", "build", "
 def tracked_files(root: str | os.PathLike[str]) -> list[str]:
     """Relative paths of the files ``git`` tracks under ``root``.
 
-    When ``root`` is not a git checkout (or git is missing), every file under
+    Under an installed wheel's site-packages, the files of ``exogym`` and this package
+    (:func:`installed_files`). When ``root`` is not a git checkout (or git is missing), every file under
     it except hidden directories, caches, virtual environments and run outputs.
     """
     root = Path(root)
+    if not is_checkout(root) and (root / "exogym").is_dir() and (root / PACKAGE_FOLDER).is_dir():
+        return installed_files(root)
     try:
         out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached"],
                              check=True, capture_output=True).stdout
@@ -59,6 +85,19 @@ def tracked_files(root: str | os.PathLike[str]) -> list[str]:
     return sorted(found)
 
 
+def installed_files(root: str | os.PathLike[str]) -> list[str]:
+    """The files of an installed ``exogym`` and this package under ``root`` (site-packages),
+    relative to it: what a host needs to run, laid out as here."""
+    root = Path(root)
+    found: list[str] = []
+    for top in ("exogym", PACKAGE_FOLDER):
+        for dirpath, dirnames, filenames in os.walk(root / top):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            found += [Path(dirpath, name).relative_to(root).as_posix() for name in filenames
+                      if not name.endswith((".pyc", ".pyo"))]
+    return sorted(found)
+
+
 def local_profiles_path(config: str | os.PathLike[str]) -> Path:
     """Where a checkout keeps its own profiles beside the profiles file ``config``:
     ``config.ini`` -> ``config.local.ini`` (``my.ini`` -> ``my.local.ini``).
@@ -68,6 +107,9 @@ def local_profiles_path(config: str | os.PathLike[str]) -> Path:
     the hosts with the tracked files (:func:`shared_files`).
     """
     path = Path(config)
+    if not is_checkout(PROJECT_ROOT) and path.resolve() == BUILTIN_CONFIG.resolve():
+        # installed: the built-in profiles sit in site-packages; the user's own are here
+        return WORK_ROOT / ("config" + LOCAL_PROFILES_SUFFIX)
     return path.with_name(path.stem + LOCAL_PROFILES_SUFFIX)
 
 

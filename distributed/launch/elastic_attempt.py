@@ -30,12 +30,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from distributed.hosts.session import HostSession
-from distributed.launch.program import RankPlan
-from distributed.launch.progress import ProgressWatch
-from distributed.launch.rank_process import ExitQueue, RankRun, RankRunContext
-from distributed.launch.results import AttemptResult, RankResult
 from exogym.base.plural import plural
+
+from ..hosts.session import HostSession
+from .program import RankPlan
+from .progress import ProgressWatch
+from .rank_process import ExitQueue, RankRun, RankRunContext
+from .results import AttemptResult, RankResult
 
 #: Seconds a rank may take from its start to its first heartbeat (imports, data).
 START_ALLOWANCE_S = 120.0

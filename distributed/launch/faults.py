@@ -36,8 +36,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from distributed.hosts.hostsfile import HostsConfig
 from exogym.base.plural import plural
+
+from ..hosts.hostsfile import HostsConfig
 
 __all__ = ["KILL_AWAY_S", "KINDS", "FaultLog", "FaultPlan", "FaultSpec", "FaultSpecError",
            "RandomFaults", "describe_fault_event", "parse_every", "parse_fault", "parse_faults",

@@ -39,12 +39,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from distributed.hosts.hostsfile import HostsConfig
-from distributed.hosts.onhost import inject as onhost
-from distributed.hosts.remote import module_source, probe_command
-from distributed.hosts.session import HostSession
-from distributed.launch.faults import FaultPlan, FaultSpec, FaultSpecError
 from exogym.base.plural import plural
+
+from ..hosts.hostsfile import HostsConfig
+from ..hosts.onhost import inject as onhost
+from ..hosts.remote import module_source, probe_command
+from ..hosts.session import HostSession
+from .faults import FaultPlan, FaultSpec, FaultSpecError
 
 __all__ = ["AttemptView", "FaultInjector"]
 

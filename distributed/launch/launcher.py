@@ -2,8 +2,8 @@
 
 A library API, used by NetworkTrainer, the CLI and the wizard::
 
-    from distributed.hosts.hostsfile import load_hosts
-    from distributed.launch.launcher import LaunchOptions, Launcher, RankProgram
+    from ..hosts.hostsfile import load_hosts
+    from .launcher import LaunchOptions, Launcher, RankProgram
 
     program = RankProgram.from_profile("digits-diloco", overrides={"max_steps": 200})
     options = LaunchOptions(secret_names=["WANDB_API_KEY"])
@@ -60,39 +60,41 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distributed.hosts.hostsfile import HostsConfig, load_hosts
-from distributed.hosts.preflight import PreflightError, PreflightReport
-from distributed.hosts.remote import BOOTSTRAP_SOURCE, hand_command, rank_command
-from distributed.hosts.session import HostSession, is_this_machine
-from distributed.hosts.ssh import SSHOptions, ssh_command_line
-from distributed.launch.elastic_attempt import ElasticAttempt
-from distributed.launch.faults import FaultPlan
-from distributed.launch.injector import AttemptView, FaultInjector
-from distributed.launch.options import (
-    SECRET_ENV_NAMES,
-    LaunchOptions,
-    split_env,
-    split_options,
-)
-from distributed.launch.program import RankPlan, RankProgram
-from distributed.launch.progress import ProgressWatch
-from distributed.launch.rank_process import ExitQueue, RankRun, RankRunContext
-from distributed.launch.results import (
-    AttemptResult,
-    LaunchError,
-    LaunchResult,
-    OutputLine,
-    RankResult,
-)
-from distributed.worker.environment import (
+from exogym.base.io import atomic_write_text
+from exogym.base.plural import plural
+
+from ..hosts.hostsfile import HostsConfig, load_hosts
+from ..hosts.preflight import PreflightError, PreflightReport
+from ..hosts.remote import BOOTSTRAP_SOURCE, hand_command, rank_command
+from ..hosts.session import HostSession, is_this_machine
+from ..hosts.ssh import SSHOptions, ssh_command_line
+from ..hosts.sync import WORK_ROOT, is_checkout
+from ..worker.environment import (
     DEVICE_VARIABLE,
     LOST_AFTER_VARIABLE,
     MIN_NODES_VARIABLE,
     RUN_DIR_VARIABLE,
     THROTTLE_VARIABLE,
 )
-from exogym.base.io import atomic_write_text
-from exogym.base.plural import plural
+from .elastic_attempt import ElasticAttempt
+from .faults import FaultPlan
+from .injector import AttemptView, FaultInjector
+from .options import (
+    SECRET_ENV_NAMES,
+    LaunchOptions,
+    split_env,
+    split_options,
+)
+from .program import RankPlan, RankProgram
+from .progress import ProgressWatch
+from .rank_process import ExitQueue, RankRun, RankRunContext
+from .results import (
+    AttemptResult,
+    LaunchError,
+    LaunchResult,
+    OutputLine,
+    RankResult,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -192,7 +194,8 @@ class Launcher:
         project_root = session.project_root
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = Path(options.run_dir) if options.run_dir is not None else (
-            project_root / "runs" / f"launch-{stamp}")
+            (project_root if is_checkout(project_root) else WORK_ROOT) / "runs"
+            / f"launch-{stamp}")
         self.run_dir = run_dir.expanduser().resolve()
         try:
             self.rank_run_dir = str(self.run_dir.relative_to(project_root))

@@ -15,10 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from distributed.hosts.linkspeed import PROBE_SECONDS
-from distributed.hosts.ssh import SSHOptions
-from distributed.worker.environment import RUN_DIR_VARIABLE
 from exogym.base.arg_errors import unknown_args_error
+
+from ..hosts.linkspeed import PROBE_SECONDS
+from ..hosts.ssh import SSHOptions
+from ..worker.environment import RUN_DIR_VARIABLE
 
 #: Variables always treated as secrets: sent over stdin, never shown or logged.
 SECRET_ENV_NAMES = frozenset({"WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from distributed.hosts.hostsfile import HostSpec
-from distributed.worker.command import RESUME_ARGS, Overrides, set_args, worker_args
+from ..hosts.hostsfile import HostSpec
+from ..worker.command import RESUME_ARGS, Overrides, set_args, worker_args
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distributed.hosts.onhost.bootstrap import MARK
-from distributed.hosts.remote import Shell, Started
-from distributed.launch.program import RankPlan
-from distributed.launch.results import OutputLine, RankResult
 from exogym.report.metrics import decode_line
+
+from ..hosts.onhost.bootstrap import MARK
+from ..hosts.remote import Shell, Started
+from .program import RankPlan
+from .results import OutputLine, RankResult
 
 #: How many of a rank's last output lines a result keeps.
 LAST_LINES = 20

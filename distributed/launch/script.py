@@ -15,12 +15,12 @@ from typing import Any
 
 from safetensors.torch import load_file
 
-from distributed.hosts.hostsfile import HostsConfig
-from distributed.hosts.sync import PROJECT_ROOT
-from distributed.launch.launcher import Launcher
-from distributed.launch.options import split_options
-from distributed.launch.program import RankProgram
-from distributed.worker.environment import FINAL_MODEL
+from ..hosts.hostsfile import HostsConfig
+from ..hosts.sync import PROJECT_ROOT
+from ..worker.environment import FINAL_MODEL
+from .launcher import Launcher
+from .options import split_options
+from .program import RankProgram
 
 
 def script_program(script: str | None = None, args: Sequence[str] | None = None) -> RankProgram:

@@ -17,12 +17,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from distributed.profiles.profile import Profile
-from distributed.tasks.builtin import count_parameters
 from exogym.config.fit_args import RunArgs
 from exogym.run.memory import with_measured_minibatch
 from exogym.run.spec import Placement, make_run_spec
 from exogym.run.step_time import measure_step_seconds
+
+from ..profiles.profile import Profile
+from ..tasks.builtin import count_parameters
 
 
 @dataclass(frozen=True)

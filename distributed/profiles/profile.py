@@ -38,13 +38,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from distributed.hosts.sync import PROJECT_ROOT, local_profiles_path
-from distributed.tasks import BUILTIN_TASK_NAMES
 from exogym.config.fit_args import balance_problem, profile_keys, value_problems
 from exogym.strategy import registry
 
+from ..hosts.sync import BUILTIN_CONFIG, local_profiles_path
+from ..tasks import BUILTIN_TASK_NAMES
+
 SECTION_PREFIX = "distributed:"
-DEFAULT_CONFIG = PROJECT_ROOT / "config.ini"
+DEFAULT_CONFIG = BUILTIN_CONFIG
 
 #: Keys for the launcher of a run across hosts (``distributed.launch.options.LaunchOptions``).
 LAUNCH_KEYS = {"min_nodes", "lost_after", "stall_after"}
@@ -146,8 +147,9 @@ class KeyRouting:
     def of(cls, task_fn: Callable[..., Any], strategy_cls: type) -> KeyRouting:
         """The routing of a task function and a strategy class."""
         # Here, not at the top: the tasks bring torch, and reading profiles stays light.
-        from distributed.tasks.builtin import task_arg_names
         from exogym.base.arg_errors import init_arg_names
+
+        from ..tasks.builtin import task_arg_names
 
         task_args = task_arg_names(task_fn)
         return cls(None if task_args is None else frozenset(task_args),
@@ -272,7 +274,7 @@ class Profile:
 
     @cached_property
     def _resolution(self) -> tuple[ResolvedProfile | None, tuple[str, ...]]:
-        from distributed.tasks.builtin import resolve_task
+        from ..tasks.builtin import resolve_task
 
         quick = self.quick_problems()
         if quick:

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distributed.hosts.onhost import runfolders
-from distributed.profiles.profile import RUN_KEYS, Profile
+from ..hosts.onhost import runfolders
+from .profile import RUN_KEYS, Profile
 
 #: Settings that may differ when a run is resumed; every other key is part of the run's
 #: fingerprint. How far it trains (``max_steps``, ``num_epochs``); what it records and how

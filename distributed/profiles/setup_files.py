@@ -17,9 +17,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from distributed.hosts.hostsfile import HostsConfig
-from distributed.profiles.profile import SECTION_PREFIX, parse_value
 from exogym.base.io import atomic_write_bytes, atomic_write_text
+
+from ..hosts.hostsfile import HostsConfig
+from .profile import SECTION_PREFIX, parse_value
 
 
 def local_profiles_header(shared: str) -> str:

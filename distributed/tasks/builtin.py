@@ -30,10 +30,11 @@ import torch
 import torch.nn as nn
 from torch.utils.data import Dataset
 
-from distributed.tasks import BUILTIN_TASK_NAMES
-from distributed.tasks.extras import install_command, require_extra
-from distributed.tasks.tokens import TokenGPT
 from exogym.data.digits import DigitsCNN, DigitsMLP, digits_datasets
+
+from . import BUILTIN_TASK_NAMES
+from .extras import install_command, require_extra
+from .tokens import TokenGPT
 
 TaskResult = tuple[nn.Module, Dataset, Dataset]
 
@@ -155,7 +156,7 @@ def chargpt_task(text_file: str | None = None, block_size: int = 64, n_layer: in
 def _whisper_task(**kwargs: Any) -> TaskResult:
     require_extra("whisper")
     try:
-        from distributed.tasks.whisper.task import build_whisper_task, collate_whisper_batch
+        from .whisper.task import build_whisper_task, collate_whisper_batch
     except ImportError as exc:
         raise ImportError(f"the whisper task could not be loaded ({exc}); reinstall its "
                           f"extra from the project's folder: {install_command('whisper')}"
@@ -167,7 +168,7 @@ def _whisper_task(**kwargs: Any) -> TaskResult:
 
 
 def _gpt_task(**kwargs: Any) -> TaskResult:
-    from distributed.tasks.tokens import gpt_task
+    from .tokens import gpt_task
 
     return gpt_task(**kwargs)
 
@@ -198,12 +199,12 @@ def task_arg_names(fn: Callable[..., Any]) -> set[str] | None:
     """Keyword names a task function accepts; None when it takes ``**kwargs``."""
     if fn is _whisper_task:
         try:
-            from distributed.tasks.whisper.task import build_whisper_task
+            from .whisper.task import build_whisper_task
         except ImportError:
             return None
         fn = build_whisper_task
     elif fn is _gpt_task:
-        from distributed.tasks.tokens import gpt_task
+        from .tokens import gpt_task
 
         fn = gpt_task
     params = inspect.signature(fn).parameters.values()

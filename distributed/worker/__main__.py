@@ -6,7 +6,7 @@ The command line hosts, torchrun and SLURM run; the worker itself is
 
 import sys
 
-from distributed.worker.run_profile import main
+from .run_profile import main
 
 if __name__ == "__main__":
     sys.exit(main())

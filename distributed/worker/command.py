@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-#: The module every rank runs in profile mode.
-WORKER_MODULE = "distributed.worker"
+from ..hosts.sync import PACKAGE_FOLDER
+
+#: The module every rank runs in profile mode (``distributed.worker`` from a checkout).
+WORKER_MODULE = f"{PACKAGE_FOLDER}.worker"
 #: What a worker is given to continue from its newest complete checkpoint.
 RESUME_ARGS = ("--resume",)
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from distributed.hosts.netif import interface_for
-from distributed.worker.slurm_variables import slurm_rank_variables
+from ..hosts.netif import interface_for
+from .slurm_variables import slurm_rank_variables
 
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: The final model a run leaves in its output folder (safetensors; run config in its metadata).

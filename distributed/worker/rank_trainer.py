@@ -21,14 +21,6 @@ from typing import Any
 
 import torch
 
-from distributed.worker.environment import (
-    DEVICE_VARIABLE,
-    FINAL_MODEL,
-    RUN_DIR_VARIABLE,
-    RankEnvironment,
-    choose_interface,
-)
-from distributed.worker.throttle import throttle_from_environment
 from exogym.base.io import atomic_save_safetensors
 from exogym.config.fit_args import refuse_simulation_only
 from exogym.report.metrics import encode_event
@@ -36,6 +28,15 @@ from exogym.run.memory import StateBytes, check_memory
 from exogym.run.run_rank import Rendezvous, run_rank
 from exogym.run.spec import Placement, RunSpec
 from exogym.run.trainer import Trainer
+
+from .environment import (
+    DEVICE_VARIABLE,
+    FINAL_MODEL,
+    RUN_DIR_VARIABLE,
+    RankEnvironment,
+    choose_interface,
+)
+from .throttle import throttle_from_environment
 
 
 class RankTrainer(Trainer):

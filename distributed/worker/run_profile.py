@@ -26,24 +26,26 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from distributed.profiles.profile import (
+from exogym.base.io import atomic_save_safetensors, atomic_write_json
+from exogym.base.plural import plural
+from exogym.run.run_rank import LostRankError
+from exogym.run.trainer import LocalTrainer, RankFailedError
+
+from ..profiles.profile import (
     Profile,
     ProfileError,
     ProfileWarning,
     load_profile,
     parse_overrides,
 )
-from distributed.profiles.run_dir import place_run, rank_identity, record_resume
-from distributed.worker.environment import FINAL_MODEL, rank_environment
-from distributed.worker.rank_trainer import RankTrainer
-from exogym.base.io import atomic_save_safetensors, atomic_write_json
-from exogym.base.plural import plural
-from exogym.run.run_rank import LostRankError
-from exogym.run.trainer import LocalTrainer, RankFailedError
+from ..profiles.run_dir import place_run, rank_identity, record_resume
+from .environment import FINAL_MODEL, rank_environment
+from .rank_trainer import RankTrainer
 
 if TYPE_CHECKING:
-    from distributed.profiles.run_dir import RunPlacement
     from exogym.report.summary import ProgressSink
+
+    from ..profiles.run_dir import RunPlacement
 
 
 def build_parser() -> argparse.ArgumentParser:

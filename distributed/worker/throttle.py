@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from distributed.worker.environment import THROTTLE_VARIABLE
+from .environment import THROTTLE_VARIABLE
 
 #: Seconds between two looks at the throttle file.
 CHECK_EVERY_S = 0.1

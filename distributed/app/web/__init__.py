@@ -7,7 +7,7 @@ keeps it serving after the run while a person looks. Standard library only,
 no torch; plotly.js comes from the installed ``plotly`` package (the ``web`` extra).
 """
 
-from distributed.app.web.page_lifetime import keep_serving, open_web
-from distributed.app.web.server import WEB_EXTRA_HINT, WebDashboard, plotly_js_path
+from .page_lifetime import keep_serving, open_web
+from .server import WEB_EXTRA_HINT, WebDashboard, plotly_js_path
 
 __all__ = ["WEB_EXTRA_HINT", "WebDashboard", "keep_serving", "open_web", "plotly_js_path"]

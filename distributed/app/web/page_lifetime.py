@@ -15,7 +15,7 @@ from typing import TextIO
 
 from rich.console import Console
 
-from distributed.app.web.server import WebDashboard
+from .server import WebDashboard
 
 
 def open_web(enabled: bool, console: Console, *, host: str = "127.0.0.1", port: int = 0,

@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from distributed.app.web.server import is_loopback
+from .server import is_loopback
 
 __all__ = ["PageServer", "replay_html"]
 
@@ -221,7 +221,7 @@ class PageServer:
         """Where the page is (with ``?token=`` off this machine)."""
         host, port = self._server.server_address[:2]
         if host in ("0.0.0.0", "::"):
-            from distributed.app.web.server import lan_address
+            from .server import lan_address
 
             host = lan_address()
         token = self._server.token

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from distributed.app.web.state import WebState
+from .state import WebState
 
 __all__ = ["WEB_EXTRA_HINT", "WebDashboard", "plotly_js_path"]
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from distributed.launch.faults import FaultLog, describe_fault_event
+from ...launch.faults import FaultLog, describe_fault_event
 
 #: A rank's state before it reports.
 WAITING = "waiting"

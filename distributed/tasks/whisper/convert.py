@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from distributed.tasks.extras import install_command
 from exogym.base.io import atomic_write_text, new_temp_dir_beside, publish_dir
 from exogym.base.plural import plural
+
+from ..extras import install_command
 
 if TYPE_CHECKING:
     from transformers import WhisperConfig, WhisperForConditionalGeneration, WhisperProcessor

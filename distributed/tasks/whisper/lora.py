@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from distributed.tasks.whisper.wrapper import (
+from .wrapper import (
     WhisperModelWrapper,
     is_peft,
     merge_and_save,

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from torch import nn
 
-from distributed.tasks.whisper.convert import default_cache_dir, load_whisper
-from distributed.tasks.whisper.lora import apply_lora
-from distributed.tasks.whisper.speech_data import (
+from .convert import default_cache_dir, load_whisper
+from .lora import apply_lora
+from .speech_data import (
     DEFAULT_SENTENCES,
     AudioFolderDataset,
     collate_whisper_batch,
@@ -30,7 +30,7 @@ from distributed.tasks.whisper.speech_data import (
     synthesize_speech_folder,
     word_error_rate,
 )
-from distributed.tasks.whisper.wrapper import WhisperModelWrapper, transcribe_dataset
+from .wrapper import WhisperModelWrapper, transcribe_dataset
 
 # Two voices at one speed: 40 sentences give 80 utterances, about 64 for training, which
 # a CPU can fine-tune tiny.en on in minutes.

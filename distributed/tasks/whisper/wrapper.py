@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from distributed.tasks.whisper.speech_data import (
+from exogym.base.io import new_temp_dir_beside, publish_dir
+
+from .speech_data import (
     collate_whisper_batch,
     normalize_words,
     word_edit_distance,
 )
-from exogym.base.io import new_temp_dir_beside, publish_dir
 
 if TYPE_CHECKING:
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
