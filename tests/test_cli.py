@@ -392,3 +392,16 @@ def test_distributed_train_runs_across_three_hosts_with_the_dashboard(sshd, tmp_
                                           for r in range(3)}
     assert "training samples per label" in result.output
     assert (tmp_path / "launch" / "rank2.log").is_file()
+
+
+@pytest.mark.parametrize("option", [
+    ["--min-nodes", "2"], ["--lost-after", "3"], ["--stall-after", "30"],
+    ["--inject", "kill:1@step=3"], ["--inject-random", "1"], ["--balance", "steps"],
+    ["--max-restarts", "1"], ["--sync"], ["--run-dir", "logs-here"]])
+def test_options_only_a_run_across_hosts_reads_are_refused_without_hosts(option, tmp_path):
+    result = CliRunner().invoke(app, ["distributed-train", "digits-diloco", *option,
+                                      "--set", f"output_dir={tmp_path / 'run'}"])
+    assert result.exit_code == 2, result.output
+    assert f"{option[0]} only applies to a run across hosts" in result.output
+    assert "--hosts" in result.output
+    assert not (tmp_path / "run").exists()  # refused before anything started

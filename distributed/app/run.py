@@ -31,7 +31,7 @@ import os
 import shlex
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -275,6 +275,36 @@ def launch_settings(profile: Profile) -> dict[str, Any]:
     """The launcher's settings a profile carries (``min_nodes``, ``lost_after``,
     ``stall_after``)."""
     return {k: profile.values[k] for k in sorted(LAUNCH_KEYS) if profile.values.get(k) is not None}
+
+
+def refuse_hosts_only_options(request: TrainRequest, given: Sequence[str],
+                              profile: Profile) -> None:
+    """Refuse, before anything starts, options that only a run across hosts reads when the
+    request simulates here (no ``--hosts``, or ``--local``): they would be ignored.
+
+    Args:
+        request: the request.
+        given: the command-line options given (``--min-nodes``, ...), as typed.
+        profile: the request's resolved profile (``--balance`` is read by a simulation
+            whose ranks are given speeds, ``rank_speeds``).
+
+    Raises:
+        ValueError: naming the options and what to do.
+    """
+    if request.multi_host:
+        return
+    ignored = [o for o in given if o != "--balance"]
+    if "--balance" in given and not profile.resolved.run_kwargs.get("rank_speeds"):
+        ignored.append("--balance")
+    if not ignored:
+        return
+    why = "--local simulates here" if request.hosts is not None else "without --hosts it simulates here"
+    balance = (" (--balance also works in a simulation whose ranks are given speeds: "
+               "--set rank_speeds=[1,0.5,...])" if "--balance" in ignored else "")
+    verb = "apply" if len(ignored) > 1 else "applies"
+    raise ValueError(f"{', '.join(ignored)} only {verb} to a run across hosts, and {why}: "
+                     f"give --hosts HOSTS.json, or leave {'them' if len(ignored) > 1 else 'it'} "
+                     f"out{balance}")
 
 
 def resolve_profile(request: TrainRequest) -> Profile:

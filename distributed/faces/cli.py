@@ -254,7 +254,14 @@ def distributed_train(
         if strategy is not None and strategy.strip().lower() != "auto":
             raise ValueError(f"--strategy {strategy!r}: only auto is understood here; to run "
                              f"another strategy use --set strategy={strategy}")
-        run.resolve_profile(request)  # a bad profile or --set fails here, before anything else
+        resolved = run.resolve_profile(request)  # a bad profile or --set fails here, first
+        given = [flag for flag, value in (
+            ("--min-nodes", min_nodes), ("--lost-after", lost_after),
+            ("--stall-after", stall_after), ("--max-restarts", max_restarts or None),
+            ("--run-dir", run_dir), ("--sync", sync or None), ("--inject", inject),
+            ("--inject-random", inject_random), ("--every", every), ("--balance", balance))
+            if value is not None]
+        run.refuse_hosts_only_options(request, given, resolved)
         run.fault_plan(request)  # so does a bad --inject, --inject-random or --every
         if strategy is not None:
             from ..app.recommend import recommend as choose
@@ -322,6 +329,55 @@ def check_hosts(
         ready = (f"the only host in {hosts} is ready." if len(report.checks) == 1 else
                  f"all {plural(len(report.checks), 'host')} in {hosts} are ready.")
         console.print(ready, markup=False)
+
+
+@app.command("setup-hosts")
+def setup_hosts(
+    ctx: typer.Context,
+    hosts: Annotated[Path, typer.Argument(dir_okay=False, help="Hosts file of the hosts to set "
+                                                                "up.")],
+    extra: Annotated[list[str] | None, typer.Option(
+        "--extra", metavar="NAME",
+        help="An extra of the project each host's environment gets (repeatable; default: "
+             "distributed and examples; e.g. --extra whisper adds the Whisper task's).")] = None,
+    python: Annotated[str, typer.Option(
+        "--python", help="The hosts' own interpreter that makes each environment.")
+    ] = "python3",
+    wheels: Annotated[str, typer.Option(
+        "--wheels", metavar="auto|always|never",
+        help="Where packages come from: auto (the host's package index when it answers, "
+             "else wheels sent from here), always (wheels from here), never (its index).")
+    ] = "auto",
+    write: Annotated[bool, typer.Option(
+        "--write/--no-write", help="Write the project_path and python_env chosen into the "
+                                   "hosts file (a .bak keeps the old one).")] = True,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print what was done as one JSON object at the end.")] = False,
+    accept_new_host_keys: AcceptNewHostKeys = False,
+    known_hosts: KnownHosts = None,
+    ssh_config: SSHConfig = None,
+    ssh_timeout: SSHTimeout = None,
+    debug: Debug = False,
+) -> None:
+    """Make every host ready to train: copy this project there, make its Python
+    environment with the locked versions, then pre-flight it."""
+    with reported_errors(ctx, debug) as debug:
+        from ..app.setup_hosts import SetupRequest
+        from ..app.setup_hosts import setup_hosts as set_up
+
+        console = make_console()
+        request = SetupRequest(
+            hosts_file=hosts, extras=tuple(extra) if extra else SetupRequest.extras,
+            base_python=python, wheels=wheels.strip().lower(), write=write,
+            known_hosts=known_hosts, ssh_config=ssh_config,
+            accept_new_host_keys=accept_new_host_keys, ssh_timeout=ssh_timeout)
+        outcome = set_up(request, console)
+        count = len(outcome.report.checks) if outcome.report else len(outcome.hosts)
+        console.print(f"{plural(count, 'host')} in {hosts} ready to train.", markup=False)
+        if as_json:
+            import json
+
+            print(json.dumps(outcome.to_dict()))
 
 
 @app.command("profiles")

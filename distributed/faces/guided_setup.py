@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ..app.about import command_name
 from ..app.console import fail, make_console, plural, reported_errors
 from ..app.wizard_steps import WORK_ROOT
 
@@ -208,6 +209,7 @@ class Wizard:
         self.ssh = dict(ssh)
         self.written: list[Path] = []  # files written so far, to say so if cancelled
         self.started = False  # whether training (ranks) started
+        self.hosts_ready = True  # whether every host checked so far passed pre-flight
 
     def cancelled_message(self) -> str:
         """What a Ctrl-C before the run leaves behind, in one line."""
@@ -243,10 +245,34 @@ class Wizard:
             self.ssh["accept_new_host_keys"] = True
             return True
 
-        return check_hosts(config, self.console, known_hosts=self.ssh.get("known_hosts"),
-                           ssh_config=self.ssh.get("ssh_config"),
-                           accept_new_host_keys=self.ssh.get("accept_new_host_keys", False),
-                           show=False, trust_new_keys=trust)
+        report = check_hosts(config, self.console, known_hosts=self.ssh.get("known_hosts"),
+                             ssh_config=self.ssh.get("ssh_config"),
+                             accept_new_host_keys=self.ssh.get("accept_new_host_keys", False),
+                             show=False, trust_new_keys=trust)
+        self.hosts_ready = self.hosts_ready and report.ok
+        return report
+
+    def set_up_hosts(self, hosts_file: Path) -> bool:
+        """The last step before training: offer ``setup-hosts`` (the project copied to every
+        host, its Python environment made with the locked versions, pre-flight); True when
+        it ran and every host is ready. Offered first when a host failed pre-flight."""
+        from ..app.setup_hosts import SetupRequest, setup_hosts
+
+        if not self.ask.confirm("Set up the hosts now: copy this project to each one and make "
+                                "its Python environment with the locked versions "
+                                f"(`{command_name()} setup-hosts {hosts_file}`)?",
+                                default=not self.hosts_ready):
+            return False
+        try:
+            setup_hosts(SetupRequest(
+                hosts_file, known_hosts=self.ssh.get("known_hosts"),
+                ssh_config=self.ssh.get("ssh_config"),
+                accept_new_host_keys=self.ssh.get("accept_new_host_keys", False)), self.console)
+        except ValueError as exc:  # the hosts' problems, each named
+            self.console.print(f"[red]setting up the hosts failed:[/] {exc}", highlight=False)
+            return False
+        self.hosts_ready = True
+        return True
 
     def show_host_check(self, report: PreflightReport, host: str) -> bool:
         """One line about ``host`` from ``report``; True when it is ready."""
@@ -709,10 +735,11 @@ class Wizard:
         hosts_file: Path | None = None
         if hosts is not None:
             hosts_file = self.write_hosts(hosts)
-            inside = self.config_path.resolve().is_relative_to(WORK_ROOT)
-            sync = self.ask.confirm(f"Copy this checkout's tracked files and your profiles "
-                                    f"({self.local_profiles.name}) to the workers first?",
-                                    default=inside)
+            if not self.set_up_hosts(hosts_file):
+                inside = self.config_path.resolve().is_relative_to(WORK_ROOT)
+                sync = self.ask.confirm(f"Copy this checkout's tracked files and your profiles "
+                                        f"({self.local_profiles.name}) to the workers first?",
+                                        default=inside)
         request = self.request(hosts_file, name, config=str(self.config_path), sync=sync,
                                run_dir=str(self.run_dir) if self.run_dir else None)
         self.console.print("The same run from the command line: [bold]"

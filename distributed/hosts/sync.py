@@ -183,7 +183,7 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
     made: set[str] = set()
     sftp = client.open_sftp()
     try:
-        _makedirs(sftp, base, made)
+        makedirs_remote(sftp, base, made)
         for rel in files:
             source = local_root / rel
             info = source.stat()
@@ -197,15 +197,15 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
                     continue
             except FileNotFoundError:
                 exists = False  # not there yet
-            _makedirs(sftp, posixpath.dirname(target), made)
+            makedirs_remote(sftp, posixpath.dirname(target), made)
             temp = f"{target}.exogym-sync.tmp"
             sftp.put(str(source), temp)
             sftp.chmod(temp, stat.S_IMODE(info.st_mode))
             sftp.utime(temp, (info.st_atime, info.st_mtime))
             if exists and rel in keep_previous and not _same_content(sftp, target, source):
-                _replace(sftp, target, f"{target}.bak")
+                replace_remote(sftp, target, f"{target}.bak")
                 kept.append(rel)
-            _replace(sftp, temp, target)
+            replace_remote(sftp, temp, target)
             copied += 1
             sent += info.st_size
     finally:
@@ -220,7 +220,7 @@ def _same_content(sftp: Any, remote: str, local: Path) -> bool:
         return bytes(handle.read()) == local.read_bytes()
 
 
-def _replace(sftp: Any, source: str, target: str) -> None:
+def replace_remote(sftp: Any, source: str, target: str) -> None:
     """Rename ``source`` to ``target`` on the host, replacing ``target``."""
     try:
         sftp.posix_rename(source, target)
@@ -232,7 +232,7 @@ def _replace(sftp: Any, source: str, target: str) -> None:
         sftp.rename(source, target)
 
 
-def _makedirs(sftp: Any, path: str, made: set[str]) -> None:
+def makedirs_remote(sftp: Any, path: str, made: set[str]) -> None:
     """``mkdir -p`` over SFTP, remembering what already exists."""
     if not path or path in (".", "/") or path in made:
         return
@@ -243,6 +243,6 @@ def _makedirs(sftp: Any, path: str, made: set[str]) -> None:
         raise NotADirectoryError(f"{path} exists on the host and is not a directory")
     except FileNotFoundError:
         pass  # create it below, after its parent
-    _makedirs(sftp, posixpath.dirname(path), made)
+    makedirs_remote(sftp, posixpath.dirname(path), made)
     sftp.mkdir(path)
     made.add(path)

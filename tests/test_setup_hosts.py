@@ -1,0 +1,191 @@
+"""`setup-hosts`: hosts that hold nothing but their system python3 made ready to train.
+
+The end-to-end test sets up namespace hosts (each its own network and sshd, no index
+reachable, so wheels are sent from here), checks that a second run changes nothing and
+a changed file travels alone, and trains across them with --min-nodes. The rest are the
+pieces: which paths a hosts file gets, which wheel platforms a host accepts, and the
+errors for a platform without a wheel or an environment setup may not touch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distributed.app.setup_hosts import DEFAULT_PROJECT_PATH, fill_paths
+from distributed.hosts.provision import (
+    HostPlatform,
+    NoWheelError,
+    ProvisionError,
+    declared_requirements,
+    download_wheels,
+    lock_path,
+    venv_of,
+    wheel_error,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+LINUX = HostPlatform(python="3.11.2", implementation="cpython", system="Linux",
+                     machine="x86_64", libc="glibc", libc_version="2.36")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_missing_paths_are_filled_per_host_and_this_machine_keeps_its_checkout():
+    data = {"master": "127.0.0.1", "workers": ["10.0.0.2", {"host": "10.0.0.3",
+                                                           "project_path": "/srv/gym"}],
+            "ssh_user": "me"}
+    out, filled = fill_paths(data, this_checkout="/here", this_python="/here/.venv/bin/python")
+    assert out["master"] == {"host": "127.0.0.1", "project_path": "/here",
+                             "python_env": "/here/.venv/bin/python"}
+    assert out["workers"][0] == {"host": "10.0.0.2", "project_path": DEFAULT_PROJECT_PATH,
+                                 "python_env": f"{DEFAULT_PROJECT_PATH}/.venv/bin/python"}
+    # a project_path given is kept, and its environment goes inside it
+    assert out["workers"][1] == {"host": "10.0.0.3", "project_path": "/srv/gym",
+                                 "python_env": "/srv/gym/.venv/bin/python"}
+    assert filled["10.0.0.3"] == {"python_env": "/srv/gym/.venv/bin/python"}
+    assert out["ssh_user"] == "me" and data["workers"][0] == "10.0.0.2"  # input untouched
+    # top-level values count for every host: nothing to fill
+    same, none = fill_paths({**data, "python_env": "/opt/v/bin/python", "project_path": "/p"})
+    assert none == {} and same["workers"][0] == "10.0.0.2"
+
+
+def test_a_host_accepts_the_wheel_platforms_of_its_c_library_and_system():
+    tags = LINUX.wheel_platforms()
+    assert tags[0] == "manylinux_2_36_x86_64" and "manylinux_2_17_x86_64" in tags
+    assert "manylinux2014_x86_64" in tags and "manylinux1_x86_64" in tags
+    assert "manylinux_2_37_x86_64" not in tags
+    mac = HostPlatform(python="3.12.1", implementation="cpython", system="Darwin",
+                       machine="arm64", mac_version="14.2")
+    mac_tags = mac.wheel_platforms()
+    assert mac_tags[:2] == ["macosx_14_0_arm64", "macosx_14_0_universal2"]
+    assert "macosx_11_0_arm64" in mac_tags and "macosx_10_9_universal2" in mac_tags
+    args = mac.pip_download_args()
+    assert args[:3] == ["--only-binary=:all:", "--python-version", "3.12"]
+    assert "cp" in args
+    musl = HostPlatform(python="3.11.2", implementation="cpython", system="Linux",
+                        machine="x86_64", libc=None, libc_version=None)
+    with pytest.raises(ProvisionError, match="not glibc"):
+        musl.wheel_platforms()
+
+
+def test_pip_finding_no_wheel_names_the_package_and_the_platform():
+    output = ("ERROR: Could not find a version that satisfies the requirement torch==2.13.0 "
+              "(from versions: none)\nERROR: No matching distribution found for torch==2.13.0\n")
+    error = wheel_error(output, LINUX)
+    assert isinstance(error, NoWheelError) and error.package == "torch==2.13.0"
+    assert "torch==2.13.0" in str(error) and "Linux x86_64 (glibc 2.36), CPython 3.11" in str(error)
+
+
+def test_a_platform_without_a_wheel_is_refused_naming_the_package(tmp_path):
+    riscv = HostPlatform(python="3.11.2", implementation="cpython", system="Linux",
+                         machine="riscv64", libc="glibc", libc_version="2.36")
+    with pytest.raises(NoWheelError) as caught:
+        download_wheels(riscv, ["torch==2.13.0"], lock_path(), cache=tmp_path, timeout=300)
+    assert caught.value.package.startswith("torch")
+    assert "riscv64" in str(caught.value) and "CPython 3.11" in str(caught.value)
+    assert not (tmp_path / next(iter(os.listdir(tmp_path))) / ".complete").exists()
+
+
+def test_setup_manages_only_environments_it_can_name():
+    assert venv_of("/srv/gym/.venv/bin/python") == "/srv/gym/.venv"
+    assert venv_of("~/exogym/.venv/bin/python3") == "~/exogym/.venv"
+    for bad in ("python3", "/usr/bin/env", "/opt/python/python"):
+        with pytest.raises(ValueError, match="VENV/bin/python"):
+            venv_of(bad)
+
+
+def test_the_requirements_are_the_declared_ones_of_the_extras_asked():
+    found = declared_requirements(["distributed", "examples"])
+    names = {r.split(">")[0].split("=")[0].split("[")[0].strip().lower() for r in found}
+    assert {"torch", "numpy", "paramiko", "typer", "scikit-learn"} <= names
+    assert not any(r.startswith("exogym") for r in found)
+    with pytest.raises(ValueError, match="unknown extra 'gpu'"):
+        declared_requirements(["gpu"])
+
+
+@pytest.mark.slow
+def test_fresh_namespace_hosts_are_set_up_checked_and_train_with_min_nodes(tmp_path):
+    """Two namespace hosts with empty project folders and only /usr/bin/python3: setup
+    copies the project and installs the lock from wheels sent from here (the namespaces
+    reach no index), writes the paths into the hosts file and pre-flights; a second run
+    changes nothing, a changed file travels alone; then a run with --min-nodes 2 trains."""
+    from netbed import Testbed, check_requirements
+    from netns import netns_available
+
+    missing = netns_available() or "; ".join(check_requirements(pin=False))
+    if missing:
+        pytest.skip(missing)
+    if not Path("/usr/bin/python3").exists():
+        pytest.skip("no system python3 at /usr/bin/python3 to make the hosts' environments with")
+    with Testbed(2, subnet="10.213.47", pin=False) as bed:
+        config = {"master": {"host": bed.uplink_address, "python_env": sys.executable,
+                             "project_path": str(ROOT)},
+                  "workers": [{"host": h.address, "project_path": str(tmp_path / f"host{i}")}
+                              for i, h in enumerate(bed.hosts)],
+                  "ssh_user": "root", "ssh_key_path": str(bed.key_path),
+                  "master_port": free_port()}
+        hosts = tmp_path / "hosts.json"
+        hosts.write_text(json.dumps(config))
+        ssh = ["--known-hosts", str(bed.known_hosts), "--ssh-config", str(bed.ssh_config)]
+        env = {**os.environ, "CI": "true"}
+
+        def setup() -> dict:
+            done = subprocess.run([sys.executable, "cli_typer.py", "setup-hosts", str(hosts),
+                                   "--python", "/usr/bin/python3", "--json", *ssh], cwd=ROOT,
+                                  env=env, capture_output=True, text=True, timeout=900)
+            assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+            assert "ready to train" in done.stdout
+            return json.loads(done.stdout.strip().splitlines()[-1])
+
+        first = setup()
+        assert first["ready"] is True
+        assert {h["environment"] for h in first["hosts"]} == {"wheels"}
+        for i, h in enumerate(first["hosts"]):
+            venv = tmp_path / f"host{i}" / ".venv"
+            assert (venv / "exogym-setup.json").is_file() and h["wheels_sent"] > 10
+            assert h["files_copied"] > 100 and h["files_unchanged"] == 0
+            assert (tmp_path / f"host{i}" / "distributed" / "worker" / "__main__.py").is_file()
+            # the environment holds the lock's torch, made from the system's interpreter
+            version = subprocess.run([str(venv / "bin" / "python"), "-c",
+                                      "import sys, torch; print(sys.base_prefix, "
+                                      "torch.__version__)"], capture_output=True, text=True,
+                                     timeout=120)
+            assert version.stdout.split() == ["/usr", "2.13.0+cpu"], version.stderr
+        written = json.loads(hosts.read_text())
+        assert [w["python_env"] for w in written["workers"]] == [
+            str(tmp_path / f"host{i}" / ".venv" / "bin" / "python") for i in range(2)]
+        assert (tmp_path / "hosts.json.bak").is_file()
+
+        again = setup()
+        assert {h["environment"] for h in again["hosts"]} == {"unchanged"}
+        assert [h["files_copied"] for h in again["hosts"]] == [0, 0]
+
+        changed = ROOT / "distributed" / "hosts" / "provision.py"
+        os.utime(changed)
+        third = setup()
+        assert [h["files_copied"] for h in third["hosts"]] == [1, 1]
+
+        out = tmp_path / "run"
+        command = [sys.executable, "cli_typer.py", "distributed-train", "digits-diloco",
+                   "--hosts", str(hosts), "--min-nodes", "2", *ssh]
+        for pair in ("max_steps=40", "H=10", "val_interval=20", "val_size=128",
+                     "num_threads=1", "checkpoint_interval=None", "num_nodes=3",
+                     f"output_dir={out}"):
+            command += ["--set", pair]
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ranks"] and len(summary["ranks"]) == 3, summary.keys()
+    assert (out / "model.safetensors").is_file()
