@@ -1,6 +1,7 @@
 """Packaging that ``pyproject.toml`` cannot state: ``distributed/`` installs as
 ``exogym_distributed`` (dask owns the name ``distributed``), with the built-in profiles
-(``config.ini``) inside it. Everything else is in ``pyproject.toml``."""
+(``config.ini``) and the lock (``constraints.txt``, which ``setup-hosts`` installs on
+hosts) inside it. Everything else is in ``pyproject.toml``."""
 
 from pathlib import Path
 
@@ -10,13 +11,18 @@ from setuptools.command.build_py import build_py
 INSTALLED_NAME = "exogym_distributed"
 
 
+#: Files of the checkout's root that an installed package carries.
+ROOT_FILES = ("config.ini", "constraints.txt")
+
+
 class BuildWithProfiles(build_py):
-    """Copies ``config.ini`` into the installed package, where an installed command reads it."""
+    """Copies ``ROOT_FILES`` into the installed package, where an installed command reads them."""
 
     def run(self) -> None:
         super().run()
-        if not self.editable_mode:  # an editable install reads the checkout's own config.ini
-            self.copy_file("config.ini", str(Path(self.build_lib, INSTALLED_NAME, "config.ini")))
+        if not self.editable_mode:  # an editable install reads the checkout's own files
+            for name in ROOT_FILES:
+                self.copy_file(name, str(Path(self.build_lib, INSTALLED_NAME, name)))
 
 
 packages = find_packages(include=["exogym", "exogym.*"])

@@ -58,7 +58,7 @@ def main() -> int:
     parser.add_argument("--cold", action="store_true",
                         help="empty this machine's wheel and pip caches for the first run")
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=150)
 
     def body(bed) -> int:
         folder = Path(tempfile.mkdtemp(prefix="bench-setup-"))

@@ -67,6 +67,8 @@ INSTALL_TIMEOUT_S = 1800.0
 DOWNLOAD_TIMEOUT_S = 1800.0
 #: How the wheel installs choose: the host's index when it answers, else sent wheels.
 WHEEL_MODES = ("auto", "always", "never")
+#: The installer sent with the wheels (a static binary in a wheel; pip where it has none).
+UV_REQUIREMENT = "uv>=0.5,<1"
 
 FACTS_SOURCE = module_source(platform_facts)
 
@@ -272,7 +274,10 @@ def download_wheels(platform: HostPlatform, requirements: Sequence[str], lock: P
         NoWheelError: naming the package that has no wheel for the platform.
         ProvisionError: when pip fails otherwise or takes longer than ``timeout``.
     """
-    key = environment_key(platform, requirements, lock.read_text(encoding="utf-8"))
+    # wheels depend on the Python's minor version and the platform tags, not the patch
+    key = hashlib.sha256(json.dumps([platform.python_tag, platform.implementation,
+                                     platform.wheel_platforms(), list(requirements),
+                                     lock.read_text(encoding="utf-8")]).encode()).hexdigest()[:32]
     folder = cache / key
     with _download_locks_guard:
         guard = _download_locks.setdefault(key, threading.Lock())
@@ -291,6 +296,10 @@ def download_wheels(platform: HostPlatform, requirements: Sequence[str], lock: P
                                  f"{timeout:g} s") from None
         if done_run.returncode != 0:
             raise wheel_error(done_run.stdout + done_run.stderr, platform)
+        # uv installs the wheels on the host several times faster than pip; a platform
+        # without a uv wheel installs with pip
+        subprocess.run([*command[:command.index("-c")], "--no-deps", UV_REQUIREMENT],
+                       capture_output=True, text=True, timeout=timeout)
         done.write_text(json.dumps({"requirements": list(requirements)}))
         return folder
 
@@ -445,26 +454,25 @@ class HostProvisioner:
             raise ProvisionError(f"[{self.host}] {self.base_python} ({platform.describe()}) has "
                                  "no venv module: install it there (Debian, Ubuntu: apt install "
                                  "python3-venv) and run setup again")
-        online = self.wheels == "never" or (
+        online = self.wheels == "never" or bool(
             self.wheels == "auto" and self.facts(probe_index=True).get("index"))
-        mark = time.monotonic()
-        if not env.get("exists") or env.get("empty") or env.get("marker") is not None:
-            self._make_venv(platform, result)  # new, or one this setup made before
-            result.steps["venv"] = time.monotonic() - mark
-        elif env.get("is_venv") and env.get("python"):
+        if env.get("exists") and not env.get("empty") and env.get("marker") is None:
+            if not (env.get("is_venv") and env.get("python")):
+                raise ProvisionError(f"[{self.host}] {self.venv} exists and is no virtual "
+                                     "environment that setup made or can use: point python_env "
+                                     "to a new folder (VENV/bin/python) or leave it out")
             result.notes.append(f"installing into the existing environment {self.venv}")
+            fresh = False
         else:
-            raise ProvisionError(f"[{self.host}] {self.venv} exists and is no virtual "
-                                 "environment that setup made or can use: point python_env "
-                                 "to a new folder (VENV/bin/python) or leave it out")
+            fresh = True  # new, or one this setup made before: made again
         files = self._send_requirements()
         if online:
             self.say(f"[{self.host}] installing from its package index ({platform.describe()})")
-            result.action = "index"
             try:
-                mark = time.monotonic()
-                self._install(files, wheels_dir=None)
-                result.steps["install"] = time.monotonic() - mark
+                if fresh:
+                    self._timed(result, "venv", self._make_venv, platform, result)
+                result.action = "index"
+                self._timed(result, "install", self._install, files, None)
             except ProvisionError as exc:
                 if self.wheels == "never":
                     raise
@@ -472,26 +480,59 @@ class HostProvisioner:
                                     "sent wheels instead")
                 online = False
         if not online:
-            mark = time.monotonic()
-            folder = download_wheels(platform, self.requirements, self.lock)
-            result.steps["download"] = time.monotonic() - mark
-            mark = time.monotonic()
-            remote = self._send_wheels(folder, result)
-            result.steps["send"] = time.monotonic() - mark
-            mark = time.monotonic()
+            folder = self._timed(result, "download", download_wheels, platform,
+                                 self.requirements, self.lock)
+            remote = self._timed(result, "send", self._send_wheels, folder, result)
+            uv = self._unpack_uv(folder, remote)
+            if fresh:
+                self._timed(result, "venv", self._make_venv, platform, result, uv, folder,
+                            remote)
             self.say(f"[{self.host}] installing {result.wheels_sent} wheels sent from here "
-                     f"({platform.describe()})")
+                     f"({platform.describe()}{', with uv' if uv else ''})")
             result.action = "wheels"
-            self._install(files, wheels_dir=remote)
-            result.steps["install"] = time.monotonic() - mark
+            self._timed(result, "install", self._install, files, remote, uv)
         self._write_marker(key)
         result.seconds = time.monotonic() - start
         return result
 
-    def _make_venv(self, platform: HostPlatform, result: ProvisionResult) -> None:
+    @staticmethod
+    def _timed(result: ProvisionResult, step: str, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``, its seconds added to ``result.steps[step]``."""
+        mark = time.monotonic()
+        try:
+            return call(*args)
+        finally:
+            result.steps[step] = result.steps.get(step, 0.0) + time.monotonic() - mark
+
+    def _unpack_uv(self, folder: Path, remote: str) -> str | None:
+        """The path on the host of uv's binary, taken out of the uv wheel sent (None when
+        the platform has no uv wheel, or it does not run there)."""
+        wheel = next((p.name for p in sorted(folder.glob("uv-*.whl"))), None)
+        if wheel is None:
+            return None
+        target = posixpath.join(self._setup_dir(), "bin", "uv")
+        code = ("import os,sys,zipfile\nz=zipfile.ZipFile(sys.argv[1])\n"
+                "name=[n for n in z.namelist() if n.endswith('/scripts/uv')][0]\n"
+                "os.makedirs(os.path.dirname(sys.argv[2]),exist_ok=True)\n"
+                "open(sys.argv[2]+'.tmp','wb').write(z.read(name))\n"
+                "os.chmod(sys.argv[2]+'.tmp',0o755);os.replace(sys.argv[2]+'.tmp',sys.argv[2])\n")
+        py = shell_path(self.base_python) if "/" in self.base_python else \
+            shlex.quote(self.base_python)
+        done = self.shell.run(f"{py} -c {shlex.quote(code)} "
+                              f"{shell_path(posixpath.join(remote, wheel))} {shell_path(target)} "
+                              f"&& {shell_path(target)} --version", timeout=VENV_TIMEOUT_S)
+        return target if done.returncode == 0 else None
+
+    def _make_venv(self, platform: HostPlatform, result: ProvisionResult, uv: str | None = None,
+                   folder: Path | None = None, remote: str | None = None) -> None:
         py = shell_path(self.base_python) if "/" in self.base_python else \
             shlex.quote(self.base_python)
         venv = shell_path(self.venv)
+        if uv is not None:
+            self._run(f"env UV_PYTHON_DOWNLOADS=never {shell_path(uv)} venv --quiet --clear "
+                      f"--python {py} {venv}",
+                      f"making the environment {self.venv}", VENV_TIMEOUT_S)
+            return
         if platform.ensurepip:
             self._run(f"{py} -m venv --clear {venv}", f"making the environment {self.venv}",
                       VENV_TIMEOUT_S)
@@ -499,8 +540,9 @@ class HostProvisioner:
         # No ensurepip (Debian without python3-venv's wheels): pip comes from a wheel sent.
         self._run(f"{py} -m venv --clear --without-pip {venv}",
                   f"making the environment {self.venv}", VENV_TIMEOUT_S)
-        folder = download_wheels(platform, self.requirements, self.lock)
-        remote = self._send_wheels(folder, result)
+        if folder is None or remote is None:
+            folder = download_wheels(platform, self.requirements, self.lock)
+            remote = self._send_wheels(folder, result)
         pip_wheel = next((p.name for p in folder.glob("pip-*.whl")), None)
         if pip_wheel is None:
             raise ProvisionError(f"[{self.host}] no pip wheel was downloaded for "
@@ -545,8 +587,16 @@ class HostProvisioner:
             result.bytes_sent += size
         return remote
 
-    def _install(self, files: tuple[str, str], wheels_dir: str | None) -> None:
+    def _install(self, files: tuple[str, str], wheels_dir: str | None,
+                 uv: str | None = None) -> None:
         requirements, lock = (shell_path(f) for f in files)
+        if uv is not None and wheels_dir is not None:
+            self._run(f"env UV_PYTHON_DOWNLOADS=never {shell_path(uv)} pip install --quiet --offline "
+                      f"--no-index --find-links "
+                      f"{shell_path(wheels_dir)} --python {shell_path(self.python_env)} "
+                      f"-r {requirements} -c {lock}", "installing the requirements with uv",
+                      INSTALL_TIMEOUT_S)
+            return
         source = (f"--no-index --find-links {shell_path(wheels_dir)}" if wheels_dir
                   else "--retries 2 --timeout 30")
         self._run(f"{shell_path(self.python_env)} -m pip install --disable-pip-version-check "
