@@ -187,5 +187,5 @@ def test_fresh_namespace_hosts_are_set_up_checked_and_train_with_min_nodes(tmp_p
                               timeout=600)
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["ranks"] and len(summary["ranks"]) == 3, summary.keys()
+    assert summary["steps"] == 40, summary
     assert (out / "model.safetensors").is_file()
