@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -62,6 +63,12 @@ def main() -> int:
 
     def body(bed) -> int:
         folder = Path(tempfile.mkdtemp(prefix="bench-setup-"))
+        try:
+            return measure(bed, folder)
+        finally:  # each host's environment holds a torch: gigabytes
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def measure(bed, folder: Path) -> int:
         env = {**os.environ, "CI": "true"}
         if args.cold:
             env["XDG_CACHE_HOME"] = str(folder / "cache")

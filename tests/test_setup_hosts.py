@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -189,3 +190,5 @@ def test_fresh_namespace_hosts_are_set_up_checked_and_train_with_min_nodes(tmp_p
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 40, summary
     assert (out / "model.safetensors").is_file()
+    for i in range(2):  # each host's environment holds a torch: gigabytes
+        shutil.rmtree(tmp_path / f"host{i}", ignore_errors=True)

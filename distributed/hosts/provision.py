@@ -504,6 +504,12 @@ class HostProvisioner:
         finally:
             result.steps[step] = result.steps.get(step, 0.0) + time.monotonic() - mark
 
+    def _uv_env(self) -> str:
+        """``env ...`` before a uv command: no Python downloads, its cache in the project's
+        setup folder (beside the environment, so files are linked, not copied)."""
+        cache = shell_path(posixpath.join(self._setup_dir(), "uv-cache"))
+        return f"env UV_PYTHON_DOWNLOADS=never UV_CACHE_DIR={cache}"
+
     def _unpack_uv(self, folder: Path, remote: str) -> str | None:
         """The path on the host of uv's binary, taken out of the uv wheel sent (None when
         the platform has no uv wheel, or it does not run there)."""
@@ -529,7 +535,7 @@ class HostProvisioner:
             shlex.quote(self.base_python)
         venv = shell_path(self.venv)
         if uv is not None:
-            self._run(f"env UV_PYTHON_DOWNLOADS=never {shell_path(uv)} venv --quiet --clear "
+            self._run(f"{self._uv_env()} {shell_path(uv)} venv --quiet --clear "
                       f"--python {py} {venv}",
                       f"making the environment {self.venv}", VENV_TIMEOUT_S)
             return
@@ -591,7 +597,7 @@ class HostProvisioner:
                  uv: str | None = None) -> None:
         requirements, lock = (shell_path(f) for f in files)
         if uv is not None and wheels_dir is not None:
-            self._run(f"env UV_PYTHON_DOWNLOADS=never {shell_path(uv)} pip install --quiet --offline "
+            self._run(f"{self._uv_env()} {shell_path(uv)} pip install --quiet --offline "
                       f"--no-index --find-links "
                       f"{shell_path(wheels_dir)} --python {shell_path(self.python_env)} "
                       f"-r {requirements} -c {lock}", "installing the requirements with uv",
