@@ -192,3 +192,21 @@ def test_fresh_namespace_hosts_are_set_up_checked_and_train_with_min_nodes(tmp_p
     assert (out / "model.safetensors").is_file()
     for i in range(2):  # each host's environment holds a torch: gigabytes
         shutil.rmtree(tmp_path / f"host{i}", ignore_errors=True)
+
+
+def test_an_installed_package_sends_its_own_files_laid_out_as_installed(tmp_path):
+    """Under a wheel's site-packages the files sent are exogym's and this package's (with
+    its config.ini), not every package there; a host then runs the same layout."""
+    from distributed.hosts.sync import PACKAGE_FOLDER, is_checkout, tracked_files
+
+    site = tmp_path / "site-packages"
+    for rel in ("exogym/__init__.py", f"{PACKAGE_FOLDER}/__init__.py",
+                f"{PACKAGE_FOLDER}/config.ini", f"{PACKAGE_FOLDER}/worker/__main__.py",
+                f"{PACKAGE_FOLDER}/__pycache__/x.cpython-311.pyc", "numpy/__init__.py",
+                "dask/__init__.py"):
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text("")
+    assert not is_checkout(site)
+    assert tracked_files(site) == sorted(["exogym/__init__.py", f"{PACKAGE_FOLDER}/__init__.py",
+                                          f"{PACKAGE_FOLDER}/config.ini",
+                                          f"{PACKAGE_FOLDER}/worker/__main__.py"])
