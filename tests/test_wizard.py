@@ -179,6 +179,10 @@ def test_wizard_in_a_terminal_builds_hosts_trusts_keys_writes_files_and_trains(s
         child.expect(r"Strategy diloco \(--strategy\): DiLoCo H=10,")  # the one H below 20
         answer("Local steps between two rounds of communication, H", "\r")
         answer("Name of the profile to write", clear + "wizard-test\r")
+        # the hosts run this machine's own Python, which setup never touches: it says so
+        answer("Set up the hosts now", "y")
+        child.expect(r"setting up the hosts failed")
+        child.expect(r"is no virtual environment that setup made or can use")
         answer("Copy this checkout", "n")
         answer("Start training now", "y")
         child.expect(pexpect.EOF, timeout=300)
