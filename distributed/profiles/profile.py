@@ -99,6 +99,18 @@ def strategy_class(name: str) -> type:
     raise ProfileError(unknown_strategy(name))
 
 
+def imported_names(values: dict[str, Any]) -> list[str]:
+    """The ``package.module:name`` values a profile with these keys would import: its task
+    and its strategy, unless they are built-in names."""
+    profile = Profile("", values)
+    found = []
+    if "task" in values and profile.task not in BUILTIN_TASK_NAMES and ":" in profile.task:
+        found.append(profile.task)
+    if profile.strategy.lower().replace("-", "_") not in STRATEGIES and ":" in profile.strategy:
+        found.append(profile.strategy)
+    return found
+
+
 def unknown_strategy(name: str) -> str:
     """Why ``name`` is not a strategy a profile can give."""
     return (f"unknown strategy {name!r}: use one of {', '.join(sorted(STRATEGIES))} "
@@ -358,6 +370,17 @@ class ProfileSet:
     def files(self) -> str:
         """The files read, in words: ``config.ini`` or ``config.ini and config.local.ini``."""
         return " and ".join(str(file) for file in self.read)
+
+    def imported_names(self) -> set[str]:
+        """Every ``package.module:name`` this person's own profiles import (as task or
+        strategy): code they chose to run, which a run folder may name too."""
+        found: set[str] = set()
+        for name in self.raw:
+            try:
+                found.update(imported_names(self._resolve(name)))
+            except ProfileError:
+                continue
+        return found
 
     def names(self) -> list[str]:
         """Profile names in file order: the shared file's, then those only the local file has."""
