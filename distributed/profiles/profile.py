@@ -308,6 +308,10 @@ class Profile:
         if unknown:
             return None, tuple(unknown)
         task, strategy, run = routing.split(self.values)
+        try:  # a strategy's own checks (lr=abc) fail here, before any run is placed
+            strategy_cls(**strategy)
+        except (TypeError, ValueError) as exc:
+            return None, (f"strategy {self.strategy!r}: {exc}",)
         # `balance = none` in a profile reads as None
         mismatch = strategy_balance_problem(run.get("balance") or "none", strategy_cls, strategy)
         if mismatch is not None:
