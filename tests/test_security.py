@@ -174,3 +174,114 @@ def test_a_run_folder_naming_code_is_not_imported_unless_the_persons_profile_nam
     marker.unlink()
     cli(*args, "--trust-code", cwd=tmp_path, env=env)
     assert marker.exists()
+
+
+# -- C: limits and hostile text, refused before anything is allocated --------------------
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("num_nodes=100000000", "num_nodes=100000000 is over the limit of 1,024"),
+    ("max_steps=10000000000", "max_steps=10000000000 is over the limit of 1,000,000,000"),
+    ("max_steps=1e309", "'1e309' is not a finite number once read (it reads as inf)"),
+    ("lr=[1, -1e400]", "it reads as -inf"),
+    ("lr=", "--set lr= gives no value"),
+    ("lr=" + "9" * 5000, "a number of 5,000 digits"),
+], ids=["num_nodes", "max_steps", "1e309", "-1e400", "empty", "digits"])
+def test_a_setting_beyond_its_limit_is_refused_naming_the_limit(setting, message):
+    from distributed.profiles.profile import ProfileError, load_profile, parse_overrides
+
+    with pytest.raises(ProfileError) as refused:
+        load_profile("digits-ddp", overrides=parse_overrides([setting]))
+    assert message in str(refused.value)
+
+
+def test_a_refusal_prints_the_persons_text_literally(tmp_path):
+    done = cli("distributed-train", "digits-ddp", "--set", "partition=dirichlet:-1:",
+               "--dry-run", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "dirichlet:-1:" in done.stderr and "\N{THUMBS DOWN SIGN}" not in done.stderr
+
+
+def _hosts(tmp_path: Path, text: str | bytes) -> Path:
+    path = tmp_path / "hosts.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+HOST_ENV = '"python_env": "python", "project_path": "/x"'
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"master": "127.0.0.1", "workers": [{"host": "127.0.0.2", "slots": 1000000000}], '
+     + HOST_ENV + "}", "an integer from 1 to 1024"),
+    ('{"master": "127.0.0.1", "workers": [{"host": "127.0.0.2", "slots": 1000}, '
+     '{"host": "127.0.0.3", "slots": 1000}], ' + HOST_ENV + "}", "add up to 2,001 ranks"),
+    ('{"master": "10.0.0.1", "workers": ' + json.dumps([f"10.1.{i // 250}.{i % 250}"
+                                                       for i in range(1100)])
+     + ", " + HOST_ENV + "}", "lists 1,100 hosts"),
+    ('{"master": "127.0.0.1\\u202e", "workers": [], ' + HOST_ENV + "}",
+     "not printable (\\u202e)"),
+    ('{"master": "127.0.0.1", "workers": ["a\\u0000b"], ' + HOST_ENV + "}",
+     "not printable (\\x00)"),
+    ('{"master": "127.0.0.1", "workers": [], "python_env": "python\\u001b[2J", '
+     '"project_path": "/x"}', "not printable (\\x1b)"),
+    ("[" * 100_000, "nests lists or objects deeper"),
+    ('{"master": "a", "master_port": ' + "9" * 5000 + "}", "a number of more digits"),
+    (b"\x00\x01binary" * 10, "holds NUL bytes"),
+    (b"\xff\xfe{}", "is not UTF-8 text"),
+], ids=["slots", "world", "hosts", "bidi", "nul", "escape", "nested", "digits", "binary",
+        "not-utf8"])
+def test_a_hostile_hosts_file_is_refused_naming_the_file(tmp_path, text, message):
+    from distributed.hosts.hostsfile import HostsFileError, load_hosts
+
+    path = _hosts(tmp_path, text)
+    with pytest.raises(HostsFileError) as refused:
+        load_hosts(path)
+    assert message in str(refused.value)
+
+
+def test_check_hosts_refuses_a_billion_slots_before_allocating_anything(tmp_path):
+    path = _hosts(tmp_path, '{"master": "127.0.0.1", "workers": [{"host": "127.0.0.2", '
+                            '"slots": 1000000000}], ' + HOST_ENV + "}")
+    done = cli("check-hosts", path, cwd=tmp_path, timeout=60)
+    assert done.returncode == 2 and "an integer from 1 to 1024" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x00\x01\x02" * 100, "holds NUL bytes"),
+    (b"[distributed:x]\ntask = digits\nlr = \xff\xfe\n", "is not UTF-8 text"),
+    (b"[distributed:x]\ntask = digits\nmax_steps = " + b"9" * 5000 + b"\n",
+     "a number of 5,000 digits"),
+    (b"[distributed:x]\ntask = digits\nlr = 1e999\n", "not a finite number"),
+], ids=["binary", "not-utf8", "digits", "1e999"])
+def test_a_hostile_config_file_is_refused_naming_the_file(tmp_path, content, message):
+    from distributed.profiles.profile import ProfileError, ProfileSet
+
+    path = tmp_path / "config.ini"
+    path.write_bytes(content)
+    with pytest.raises(ProfileError) as refused:
+        ProfileSet(path, local=False).get("x")
+    assert message in str(refused.value) and str(path) in str(refused.value)
+
+
+def test_a_lan_advert_is_shown_with_its_control_characters_escaped():
+    import io
+
+    from rich.console import Console
+
+    from distributed.app.discovery import machines_table
+    from distributed.hosts.mdns import MachineAdvert
+
+    props = {b"host": b"mini\x1b[2J\x1b]0;owned\x07", b"py": "/usr/bin/python\u202e".encode(),
+             b"path": b"[bold red]x[/]", b"cores": b"9" * 5000}
+    advert = MachineAdvert.from_service("evil\x1b[31m._exogym._tcp.local.", ["10.0.0.9"], 22,
+                                        props)
+    assert "\x1b" not in advert.host and advert.host.startswith("mini\\x1b[2J")
+    assert "\u202e" not in advert.python and advert.python.endswith("\\u202e")
+    assert advert.cores == 0
+    out = io.StringIO()
+    Console(file=out, width=400, force_terminal=False).print(machines_table([advert]))
+    shown = out.getvalue()
+    assert "\x1b" not in shown and "[bold red]x[/]" in shown
+
