@@ -285,3 +285,107 @@ def test_a_lan_advert_is_shown_with_its_control_characters_escaped():
     shown = out.getvalue()
     assert "\x1b" not in shown and "[bold red]x[/]" in shown
 
+
+# -- D: a local simulation opens no port another machine can reach ----------------------
+
+VICTIM = """
+import torch
+from exogym import Trainer
+from exogym.strategy import DiLoCoStrategy
+from torch.utils.data import TensorDataset
+torch.manual_seed(0)
+x = torch.randn(4096, 64); y = torch.randint(0, 4, (4096,))
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__(); self.l = torch.nn.Linear(64, 4)
+    def forward(self, batch):
+        import time; time.sleep(0.05)
+        return torch.nn.functional.cross_entropy(self.l(batch[0]), batch[1])
+ds = TensorDataset(x, y)
+Trainer(Net(), ds, ds).fit(strategy=DiLoCoStrategy(H=2), num_nodes=4, processes=2,
+                           max_steps=120, batch_size=8, val_size=0, logger=None, progress=False)
+print("victim done", flush=True)
+"""
+
+
+def _listening(namespace: str) -> list[tuple[str, int]]:
+    out = subprocess.run(["ip", "netns", "exec", namespace, "ss", "-ltnH"], capture_output=True,
+                         text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        local = line.split()[3]
+        host, _, port = local.rpartition(":")
+        found.append((host.strip("[]"), int(port)))
+    return found
+
+
+def test_a_stranger_on_the_lan_reaches_no_port_of_a_local_simulation():
+    import time
+
+    from netns import namespaces, netns_available
+
+    why = netns_available()
+    if why:
+        pytest.skip(why)
+    with namespaces(2, subnet="10.231.9") as (names, addresses):
+        victim = subprocess.Popen(["ip", "netns", "exec", names[0], "ip", "link", "set", "lo",
+                                   "up"])
+        victim.wait(10)
+        victim = subprocess.Popen(["ip", "netns", "exec", names[0], sys.executable, "-c",
+                                   VICTIM], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            seen: set[tuple[str, int]] = set()
+            deadline = time.monotonic() + 60
+            while victim.poll() is None and time.monotonic() < deadline:
+                seen.update(_listening(names[0]))
+                if len(seen) >= 3:  # the store and the ranks' gloo pairs
+                    break
+                time.sleep(0.2)
+            assert seen, "the simulation never listened: nothing was checked"
+            assert all(host in ("127.0.0.1", "::1") for host, _ in seen), seen
+            for _, port in seen:  # and from the other machine: nothing answers
+                stranger = subprocess.run(
+                    ["ip", "netns", "exec", names[1], sys.executable, "-c",
+                     "import socket,sys\n"
+                     "s=socket.socket(); s.settimeout(3)\n"
+                     f"sys.exit(s.connect_ex(({addresses[0]!r}, {port})) == 0)"],
+                    capture_output=True, timeout=30)
+                assert stranger.returncode == 0, f"port {port} answered the stranger"
+            out, _ = victim.communicate(timeout=300)
+            assert victim.returncode == 0 and "victim done" in out, out[-3000:]
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+                victim.wait()
+
+
+def test_a_forged_shared_memory_announcement_maps_nothing(tmp_path):
+    from exogym.comm.mailbox import AnnouncementError, Mailbox, new_run_id
+    from exogym.comm.store import open_store
+
+    store = open_store("127.0.0.1", 0, is_master=True)
+    run = new_run_id()
+    reader = Mailbox(run, 0, timeout_s=5, directory=tmp_path)
+    owner = Mailbox(run, 1, timeout_s=5, directory=tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    segment = owner.take(16, "n/read/1", 1)
+    segment.data[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    forged = {
+        "a path": f"../{victim.name}:4096:0:1",
+        "another run's segment": f"exogym-1-deadbeef-1-1:{segment.nbytes}:0:4",
+        "another process's": f"{run}-2-1:{segment.nbytes}:0:4",
+        "a file of another size": f"{segment.path.name}:{segment.nbytes * 2}:0:4",
+        "bytes past its end": f"{segment.path.name}:{segment.nbytes}:{segment.nbytes}:4",
+        "another file": "victim:8:0:1",
+    }
+    for why, value in forged.items():
+        store.set(f"x/{why}", value)
+        with pytest.raises(AnnouncementError, match="refused|cannot be read"):
+            reader.read(store, f"x/{why}", lambda why=why: why, owner=1)
+    assert victim.read_bytes() == b"precious"  # neither extended nor zeroed
+    Mailbox.announce(store, "x/real", segment, 0, 4)
+    assert reader.read(store, "x/real", lambda: "real", owner=1).tolist() == [1, 2, 3, 4]
+    owner.close()
