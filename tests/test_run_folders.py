@@ -30,6 +30,8 @@ from distributed.profiles.run_dir import (
     RunIdentity,
     place_run,
     rank_identity,
+    replace_rank_folder,
+    take_placement,
 )
 
 CLI = [sys.executable, str(ROOT / "cli_typer.py")]
@@ -123,10 +125,16 @@ def test_overwrite_replaces_only_the_earlier_runs_outputs(tmp_path):
     (base / "checkpoints/p/rank0").mkdir(parents=True)
     (base / "notes.txt").write_text("the person's own")
     again = place_run(profile(tmp_path), overwrite=True)
-    assert again.folder == base
+    assert again.folder == base and again.replacing
+    # nothing is removed until the run starts: a run refused meanwhile loses nothing
+    assert identity_in(base)["fingerprint"] == earlier.identity.fingerprint
+    assert (base / "model.safetensors").read_text() == "earlier"
+    assert f"started {earlier.identity.started}" in again.note and "as this run starts" \
+        in again.note
+    taken = take_placement(again)
     assert sorted(p.name for p in base.iterdir()) == ["notes.txt", "run.json"]
     assert identity_in(base)["fingerprint"] == again.identity.fingerprint
-    assert f"started {earlier.identity.started}" in again.note and "removed" in again.note
+    assert not taken.replacing and "removed" in taken.note
     with pytest.raises(RunFolderError, match="--resume continues a run and --overwrite"):
         place_run(profile(tmp_path), resume=True, overwrite=True)
 
@@ -187,6 +195,8 @@ def test_rank_zero_takes_the_folder_claimed_for_it_and_refuses_another_runs(tmp_
     with pytest.raises(RunFolderError, match="holds an earlier run .* add --overwrite"):
         rank_identity(given, 0, 2, started="2030-01-01T00:00:00Z")
     replaced = rank_identity(given, 0, 2, overwrite=True, started="2030-01-01T00:00:00Z")
+    assert identity_in(placed.folder)["started"] == placed.identity.started  # not yet
+    replace_rank_folder(given, replaced)  # as the run starts, every check passed
     assert identity_in(placed.folder)["started"] == replaced.started == "2030-01-01T00:00:00Z"
     # A host whose profile differs from the launcher's says so.
     with pytest.raises(RunFolderError, match=r"settings on this host differ .*lr \(0.003 "
@@ -254,6 +264,17 @@ def test_a_rerun_never_replaces_the_last_model_and_overwrite_is_asked_for(tmp_pa
     assert json.loads(metadata["run"])["started"] == identity_in(second)["started"]
     assert json.loads((base / "summary.json").read_text())["steps"] == 4
 
+    # an overwrite refused for a bad value, found by the strategy or only as the task is
+    # built, loses nothing of the earlier run
+    kept = {p.relative_to(base): p.read_bytes() for p in base.rglob("*") if p.is_file()}
+    assert {Path("run.json"), Path("trace.jsonl")} <= kept.keys()
+    assert any(p.parts[0] == "checkpoints" for p in kept)
+    for bad in ("lr=abc", "model=xyz"):
+        refused = cli("distributed-train", "digits-diloco", *SMALL, "--set", "max_steps=2",
+                      "--overwrite", "--set", bad, cwd=tmp_path)
+        assert refused.returncode == 2, said(refused)
+        assert {p.relative_to(base): p.read_bytes() for p in base.rglob("*")
+                if p.is_file()} == kept
     replaced = cli("distributed-train", "digits-diloco", *SMALL, "--set", "max_steps=2",
                    "--overwrite", cwd=tmp_path)
     assert replaced.returncode == 0, replaced.stderr

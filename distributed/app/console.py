@@ -78,7 +78,7 @@ def stage_progress(console: Console, title: str,
 
 def fail(message: str, code: int, debug: bool, exc: BaseException | None = None) -> NoReturn:
     """Print one readable paragraph on stderr (and the traceback with --debug), then exit."""
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
     if debug and exc is not None:
         err.print("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
                   markup=False, end="")
@@ -131,7 +131,7 @@ def plain_warnings(debug: bool) -> None:
         if debug or not mine:
             _default_showwarning(message, category, filename, lineno, file, line)
             return
-        Console(stderr=True, highlight=False, soft_wrap=True).print(
+        Console(stderr=True, highlight=False, soft_wrap=True, emoji=False).print(
             f"warning: {message}", style="yellow", markup=False)
 
     warnings.showwarning = show

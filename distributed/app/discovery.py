@@ -19,6 +19,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..hosts.hostkeys import HostKey, fetch_host_key, is_known, trust_host_key
 from ..hosts.mdns import (
@@ -66,11 +67,12 @@ def machines_table(machines: Sequence[MachineAdvert]) -> Table:
     for column in ("name", "host", "addresses", "ssh", "device", "cores", "memory", "torch",
                    "code", "python", "project"):
         table.add_column(column, overflow="fold")
-    for m in machines:
-        table.add_row(m.name, m.host, ", ".join(m.addresses), m.ssh_command,
-                      f"{m.device} ({m.device_name})" if m.device_name else m.device,
-                      str(m.cores), f"{m.memory_gb:g} GB", m.torch or "-", m.code_hash,
-                      m.python, m.project_path)
+    for m in machines:  # cells as plain text: what another machine says is no markup
+        table.add_row(*(Text(cell) for cell in (
+            m.name, m.host, ", ".join(m.addresses), m.ssh_command,
+            f"{m.device} ({m.device_name})" if m.device_name else m.device,
+            str(m.cores), f"{m.memory_gb:g} GB", m.torch or "-", m.code_hash,
+            m.python, m.project_path)))
     return table
 
 

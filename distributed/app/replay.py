@@ -56,7 +56,7 @@ from exogym.report.trace import FORMAT_VERSION, TRACE_FILE, read_trace
 from exogym.sim.network import collective_bytes, collective_rounds
 from exogym.strategy import registry
 
-from ..profiles.profile import Profile, ProfileError
+from ..profiles.profile import Profile, ProfileError, ProfileSet, imported_names
 from ..profiles.run_dir import RunIdentity
 from .compare import COMPARE_SETTINGS, profile_for_strategy
 
@@ -594,12 +594,43 @@ def rebuild_profile(identity: RunIdentity, header: Mapping[str, Any]) -> Profile
     return Profile(identity.profile, values, "the run's own settings")
 
 
-def load_recording(folder: str | Path) -> Recording:
+def untrusted_code(identity: RunIdentity, where: Path, config: str | Path | None = None,
+                   trust_code: bool = False) -> None:
+    """Refuse a recorded run whose task or strategy is code to import (``module:name``)
+    that none of this person's own profiles (``config``: default the project's) names.
+
+    A run folder is only files: whoever can write there (or hands one over) chooses what
+    it names, and the settings' fingerprint is a plain hash anyone can compute again.
+
+    Raises:
+        ReplayError: naming the code and the two ways to accept it.
+    """
+    named = imported_names({**identity.settings, **identity.may_change})
+    if not named or trust_code:
+        return
+    try:
+        own = ProfileSet(config)
+        mine, files = own.imported_names(), own.files
+    except ProfileError:
+        mine, files = set(), str(config or "config.ini")
+    foreign = [name for name in named if name not in mine]
+    if foreign:
+        raise ReplayError(
+            f"{where} names code to import ({', '.join(map(repr, foreign))}) that none of your "
+            f"profiles in {files} names: it is not imported, since a run folder can name any "
+            "code and importing it runs that code. If you trust it, name it as the task or "
+            "strategy of one of your profiles, or add --trust-code")
+
+
+def load_recording(folder: str | Path, config: str | Path | None = None,
+                   trust_code: bool = False) -> Recording:
     """Read and check a run's folder; every problem is a :class:`ReplayError`.
 
     Refused: a folder without a trace, a trace of an older format or that ended
     before its first step, a trace whose run is not the folder's (profile,
-    settings or ranks differ), settings that make no valid profile here.
+    settings or ranks differ), settings that make no valid profile here, a task or
+    strategy to import that the person's own profiles (``config``) do not name,
+    unless ``trust_code`` (:func:`untrusted_code`).
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -632,6 +663,7 @@ def load_recording(folder: str | Path) -> Recording:
     if recorded is None:
         raise ReplayError(f"{path} names no run (its header's 'run' is empty): a run of "
                           "distributed-train records its identity")
+    untrusted_code(recorded, path, config, trust_code)
     on_file = RunIdentity.from_dict(_read_json(folder / "run.json")) or \
         RunIdentity.from_dict((_read_json(folder / "summary.json") or {}).get("run"))
     if on_file is not None and (on_file.profile, on_file.fingerprint) != (

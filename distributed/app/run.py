@@ -66,6 +66,7 @@ from ..profiles.run_dir import (
     RunPlacement,
     place_run,
     record_resume,
+    take_placement,
 )
 from ..tasks.extras import missing_extra, require_extra
 from ..worker.command import override_items, set_args, worker_args
@@ -875,6 +876,10 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
                               call=master_folders(launcher, config), where=where)
         profile = placement.profile(profile)
         console.print(placement.note, markup=False, highlight=False, soft_wrap=True)
+        if placement.replacing:  # every check has passed: the earlier run goes now
+            placement = take_placement(placement, call=master_folders(launcher, config),
+                                       where=where)
+            console.print(placement.note, markup=False, highlight=False, soft_wrap=True)
         launcher.program = rank_program(request, placement)
         out = placement.folder
         where_out = out if out.is_absolute() else \

@@ -95,6 +95,10 @@ def show_version(value: bool) -> None:
 
 # Options shared by several commands.
 Debug = Annotated[bool, typer.Option("--debug", help="Show the full traceback of an error.")]
+TrustCode = Annotated[bool, typer.Option(
+    "--trust-code",
+    help="Import the task or strategy a run folder names (module:name) even when none of "
+         "your profiles names it: only for a folder you trust, importing runs its code.")]
 ConfigFile = Annotated[Path | None, typer.Option(
     "--config", "-c", dir_okay=False, help="Profiles file (default: the project's config.ini).")]
 Overrides = Annotated[list[str] | None, typer.Option(
@@ -562,6 +566,7 @@ def recommend(
     accept_new_host_keys: AcceptNewHostKeys = False,
     known_hosts: KnownHosts = None,
     ssh_config: SSHConfig = None,
+    trust_code: TrustCode = False,
     debug: Debug = False,
 ) -> None:
     """Measure the hosts and links, predict every strategy, and pick one."""
@@ -590,7 +595,7 @@ def recommend(
         if trace is not None:
             from ..app.replay import load_recording
 
-            recording = load_recording(trace)
+            recording = load_recording(trace, config, trust_code)
         # With --json, progress goes to stderr and stdout holds the object alone.
         console = make_console(stderr=json_out)
         rec = choose(request, console, link_mbit=link_mbit, trace=recording)
@@ -639,6 +644,8 @@ def replay_run(
     out: Annotated[Path | None, typer.Option(
         "--out", "-o", file_okay=False,
         help="Folder of the replays (default: RUN_DIR/replay).")] = None,
+    config: ConfigFile = None,
+    trust_code: TrustCode = False,
     web: Annotated[bool, typer.Option(
         "--web", help="Show both curves on one page in the browser; prints its URL.")] = False,
     web_port: WebPort = 0,
@@ -672,7 +679,7 @@ def replay_run(
         from ..app.run import parse_overrides
         from ..app.web.replay_page import PageServer
 
-        recording = load_recording(run_dir)
+        recording = load_recording(run_dir, config, trust_code)
         folder = out or run_dir / REPLAY_FOLDER
         variants = plan_variants(recording, strategy or [], parse_overrides(set_), folder)
         console = make_console(stderr=json_out)

@@ -43,8 +43,12 @@ from pathlib import Path
 from typing import Any
 
 from exogym.base.plural import plural
+from exogym.base.terminal import unprintable
+from exogym.config.fit_args import MAX_NUM_NODES
 
 DEFAULT_MASTER_PORT = 29500
+#: The largest hosts file read: a host takes a line or a few.
+MAX_HOSTS_FILE_BYTES = 1 << 20
 
 #: Keys a host object accepts. All but ``host`` may also be top-level defaults.
 HOST_KEYS = (
@@ -70,8 +74,10 @@ _CHECKED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "a network interface name such as eth0 or en0"),
     ("device", lambda v: isinstance(v, str) and bool(_DEVICE_RE.match(v)),
      "one of cpu, cuda, cuda:N, mps, auto"),
-    ("slots", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-     "the number of ranks to run on the host, an integer >= 1 (e.g. its GPU count)"),
+    ("slots", lambda v: isinstance(v, int) and not isinstance(v, bool)
+     and 1 <= v <= MAX_NUM_NODES,
+     f"the number of ranks to run on the host, an integer from 1 to {MAX_NUM_NODES} (the "
+     "most ranks a run may have; e.g. its GPU count)"),
 )
 
 JsonPath = tuple  # a JSON path: keys (str) and list indices (int)
@@ -240,7 +246,21 @@ def load_hosts(source: str | os.PathLike[str] | Mapping[str, Any]) -> HostsConfi
         return _Validator(dict(source), lines={}, source=None).run()
     path = Path(source).expanduser()
     try:
-        text = path.read_text(encoding="utf-8")
+        size = path.stat().st_size
+        if size > MAX_HOSTS_FILE_BYTES:
+            raise HostsFileError([f"hosts file: {str(path)!r} is {size:,} bytes, not a hosts "
+                                  f"file (at most {MAX_HOSTS_FILE_BYTES:,}); give the JSON "
+                                  "file listing your hosts"], str(path))
+        raw = path.read_bytes()
+        if b"\0" in raw:
+            raise HostsFileError([f"hosts file: {str(path)!r} holds NUL bytes: a binary file, "
+                                  "not a hosts file; give the JSON file listing your hosts"],
+                                 str(path))
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HostsFileError([f"hosts file: {str(path)!r} is not UTF-8 text (byte "
+                              f"{exc.start}); give the JSON file listing your hosts"],
+                             str(path)) from None
     except FileNotFoundError:
         message = (f"hosts file: {str(path)!r} does not exist; create it from "
                    "distributed_hosts.json.example")
@@ -255,7 +275,19 @@ def load_hosts(source: str | os.PathLike[str] | Mapping[str, Any]) -> HostsConfi
         message = (f"hosts file line {exc.lineno} column {exc.colno}: invalid JSON: {exc.msg}; "
                    "check for a missing comma, quote or bracket there (or just before)")
         raise HostsFileError([message], str(path)) from None
-    validator = _Validator(data, lines=_value_lines(text), source=str(path))
+    except RecursionError:
+        raise HostsFileError([f"hosts file: {str(path)!r} nests lists or objects deeper than "
+                              "Python reads: a hosts file is a few levels deep"],
+                             str(path)) from None
+    except ValueError as exc:  # a number of more digits than Python converts
+        raise HostsFileError([f"hosts file: {str(path)!r} holds a number of more digits than "
+                              f"Python reads ({exc.args[0].split(':')[0]}): no setting is that "
+                              "large"], str(path)) from None
+    try:
+        lines = _value_lines(text)
+    except RecursionError:
+        lines = {}
+    validator = _Validator(data, lines=lines, source=str(path))
     for where, keys in duplicates:
         for key in keys:
             validator.problem((), f'key "{key}" appears twice in {where}; keep one')
@@ -391,6 +423,9 @@ class _Validator:
         elif not isinstance(data["workers"], list):
             self.problem(("workers",), '"workers" must be a list of addresses, got '
                          f"{_show(data['workers'])}")
+        elif len(data["workers"]) >= MAX_NUM_NODES:
+            self.problem(("workers",), f'"workers" lists {len(data["workers"]):,} hosts: a run '
+                         f"has at most {MAX_NUM_NODES} ranks, the master's included")
         else:
             entries.extend((("workers", i), w) for i, w in enumerate(data["workers"]))
 
@@ -438,6 +473,10 @@ class _Validator:
                              "to it: set it to the master's LAN address (the one the workers "
                              "reach it at)")
 
+        world = sum(h.get("slots", 1) for h in hosts)
+        if world > MAX_NUM_NODES:
+            self.problem((), f"the hosts' slots add up to {world:,} ranks: a run has at most "
+                         f"{MAX_NUM_NODES}; lower \"slots\" or list fewer hosts")
         if self.problems:
             return None
         specs = []
@@ -490,6 +529,8 @@ class _Validator:
             self.problem(path, f"{name} must be a host address (IP or name), got {_show(value)}")
             return None
         value = value.strip()
+        if self._unprintable(value, path, name):
+            return None
         if "@" in value:
             user, _, host = value.rpartition("@")
             self.problem(path, f"{name} is {_show(value)}: write the address alone and the user "
@@ -519,7 +560,8 @@ class _Validator:
             if key in obj:
                 value = obj[key]
                 if isinstance(value, str) and value.strip():
-                    out[key] = value.strip()
+                    if not self._unprintable(value, path + (key,), _field(path + (key,))):
+                        out[key] = value.strip()
                 else:
                     self.problem(path + (key,), f"{_field(path + (key,))} must be {what} "
                                  f"(a non-empty string), got {_show(value)}")
@@ -532,6 +574,16 @@ class _Validator:
                 self.problem(path + (key,), f"{_field(path + (key,))} must be {what}, "
                              f"got {_show(obj[key])}")
         return out
+
+    def _unprintable(self, value: str, path: JsonPath, name: str) -> bool:
+        """Note a value holding control or format characters (NUL, escape, newline, a
+        bidirectional override that shows one name while another is used)."""
+        found = unprintable(value)
+        if found:
+            self.problem(path, f"{name} holds characters that are not printable "
+                         f"({', '.join(dict.fromkeys(found))}): {_show(value)}; write it "
+                         "without them")
+        return bool(found)
 
     def _port(self, obj: dict[str, Any], path: JsonPath) -> int | None:
         value = obj[path[-1]]

@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from exogym.base.terminal import printable
+
 from .onhost.probe import hash_files, torch_version
 from .sync import PROJECT_ROOT, WORK_ROOT, code_files
 
@@ -147,7 +149,12 @@ class MachineAdvert:
     def from_service(cls, name: str, addresses: list[str], port: int,
                      properties: Mapping[bytes, bytes | None]) -> MachineAdvert:
         """Rebuild an advert from a resolved service (its TXT record decoded)."""
-        props = {k.decode(): (v or b"").decode(errors="replace") for k, v in properties.items()}
+        # Whatever a machine on the LAN says is shown as text: a control character (an
+        # escape sequence that rewrites the terminal) or a bidirectional override appears
+        # as its escape.
+        props = {printable(k.decode(errors="replace")):
+                 printable((v or b"").decode(errors="replace")) for k, v in properties.items()}
+        name = printable(name)
         instance = name[:-len(SERVICE_TYPE) - 1] if name.endswith("." + SERVICE_TYPE) else name
 
         def number(key: str) -> int:

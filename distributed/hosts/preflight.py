@@ -145,7 +145,7 @@ class PreflightReport:
         from rich.console import Console
 
         buffer = io.StringIO()
-        Console(file=buffer, width=160, no_color=True, force_terminal=False).print(self.table())
+        Console(file=buffer, width=160, no_color=True, force_terminal=False, emoji=False).print(self.table())
         return buffer.getvalue()
 
 

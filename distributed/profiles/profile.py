@@ -32,6 +32,7 @@ import ast
 import configparser
 import difflib
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -68,8 +69,20 @@ class ProfileWarning(UserWarning):
     batch larger than a rank's data, many more ranks than cores); warned before it starts."""
 
 
+#: The longest value a config file or ``--set`` may give (a path, a list of numbers).
+MAX_VALUE_CHARS = 100_000
+#: The largest config file read (profiles are a few lines each).
+MAX_CONFIG_BYTES = 4 << 20
+
+
 def parse_value(text: str) -> Any:
-    """A config value as Python: numbers, booleans, None, lists, else the string."""
+    """A config value as Python: numbers, booleans, None, lists, else the string.
+
+    Raises:
+        ProfileError: a number that is not finite once read (``1e309``, ``nan``), one of
+            more digits than Python reads, a value nested deeper than Python parses,
+            or a value longer than :data:`MAX_VALUE_CHARS`.
+    """
     stripped = text.strip()
     lowered = stripped.lower()
     if lowered in ("true", "yes", "on"):
@@ -78,10 +91,54 @@ def parse_value(text: str) -> Any:
         return False
     if lowered in ("none", "null", ""):
         return None
+    if len(stripped) > MAX_VALUE_CHARS:
+        raise ProfileError(f"a value of {len(stripped):,} characters (at most "
+                           f"{MAX_VALUE_CHARS:,}): {stripped[:40]!r}...")
     try:
-        return ast.literal_eval(stripped)
-    except (ValueError, SyntaxError):
+        value = ast.literal_eval(stripped)
+    except (ValueError, SyntaxError, MemoryError, RecursionError) as exc:
+        if "digits" in str(exc):  # Python's limit on the digits of an int it reads
+            raise ProfileError(f"a number of {len(stripped):,} digits: {stripped[:20]}... is "
+                               "beyond any setting (at most 2**63)") from None
         return stripped
+    if _huge(value):
+        raise ProfileError(f"a number of {len(stripped):,} digits: {stripped[:20]}... is "
+                           "beyond any setting (at most 2**63)")
+    if not _finite(value):
+        raise ProfileError(f"{stripped[:40]!r} is not a finite number once read (it reads as "
+                           f"{_nonfinite(value)}): give a number within the float range")
+    return value
+
+
+def _finite(value: Any) -> bool:
+    """Whether ``value`` holds no infinite or NaN float (in lists, tuples, dicts too)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, complex):
+        return math.isfinite(value.real) and math.isfinite(value.imag)
+    if isinstance(value, (list, tuple, set)):
+        return all(_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_finite(k) and _finite(v) for k, v in value.items())
+    return True
+
+
+def _huge(value: Any) -> bool:
+    """Whether ``value`` holds a whole number beyond 64 bits (in lists, tuples, dicts too)."""
+    if isinstance(value, int):
+        return abs(value) >= 2**63
+    if isinstance(value, (list, tuple, set)):
+        return any(_huge(v) for v in value)
+    if isinstance(value, dict):
+        return any(_huge(k) or _huge(v) for k, v in value.items())
+    return False
+
+
+def _nonfinite(value: Any) -> str:
+    if isinstance(value, (float, complex)):
+        return repr(value)
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    return next(_nonfinite(v) for _, v in items if not _finite(v))
 
 
 def strategy_class(name: str) -> type:
@@ -97,6 +154,18 @@ def strategy_class(name: str) -> type:
             raise ProfileError(f"strategy {name!r} cannot be imported: {exc}") from exc
         return cls
     raise ProfileError(unknown_strategy(name))
+
+
+def imported_names(values: dict[str, Any]) -> list[str]:
+    """The ``package.module:name`` values a profile with these keys would import: its task
+    and its strategy, unless they are built-in names."""
+    profile = Profile("", values)
+    found = []
+    if "task" in values and profile.task not in BUILTIN_TASK_NAMES and ":" in profile.task:
+        found.append(profile.task)
+    if profile.strategy.lower().replace("-", "_") not in STRATEGIES and ":" in profile.strategy:
+        found.append(profile.strategy)
+    return found
 
 
 def unknown_strategy(name: str) -> str:
@@ -296,6 +365,10 @@ class Profile:
         if unknown:
             return None, tuple(unknown)
         task, strategy, run = routing.split(self.values)
+        try:  # a strategy's own checks (lr=abc) fail here, before any run is placed
+            strategy_cls(**strategy)
+        except (TypeError, ValueError) as exc:
+            return None, (f"strategy {self.strategy!r}: {exc}",)
         # `balance = none` in a profile reads as None
         mismatch = strategy_balance_problem(run.get("balance") or "none", strategy_cls, strategy)
         if mismatch is not None:
@@ -359,6 +432,17 @@ class ProfileSet:
         """The files read, in words: ``config.ini`` or ``config.ini and config.local.ini``."""
         return " and ".join(str(file) for file in self.read)
 
+    def imported_names(self) -> set[str]:
+        """Every ``package.module:name`` this person's own profiles import (as task or
+        strategy): code they chose to run, which a run folder may name too."""
+        found: set[str] = set()
+        for name in self.raw:
+            try:
+                found.update(imported_names(self._resolve(name)))
+            except ProfileError:
+                continue
+        return found
+
     def names(self) -> list[str]:
         """Profile names in file order: the shared file's, then those only the local file has."""
         return list(self.raw)
@@ -377,7 +461,13 @@ class ProfileSet:
                 f"[{SECTION_PREFIX}NAME] and the profiles are: {', '.join(self.raw) or 'none'}")
         if name in chain:
             raise ProfileError(f"base_profile cycle: {' -> '.join(chain + (name,))}")
-        own = {k: parse_value(v) for k, v in self.raw[name].items()}
+        own = {}
+        for key, text in self.raw[name].items():
+            try:
+                own[key] = parse_value(text)
+            except ProfileError as exc:
+                raise ProfileError(f"{self.source(name)}: profile {name!r}, key {key!r}: "
+                                   f"{exc}") from None
         base = own.pop("base_profile", None)
         if base:
             return {**self._resolve(str(base), chain + (name,)), **own}
@@ -410,7 +500,20 @@ def _read_sections(path: Path) -> dict[str, dict[str, str]]:
     parser = configparser.ConfigParser(interpolation=None)
     parser.optionxform = str  # keep key case: H is not h
     try:
-        parser.read(path, encoding="utf-8")
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ProfileError(f"{path} is {size:,} bytes, not a profiles file (at most "
+                               f"{MAX_CONFIG_BYTES:,} bytes): give the config.ini of profiles")
+        raw = path.read_bytes()
+        if b"\0" in raw:
+            raise ProfileError(f"{path} holds NUL bytes: a binary file, not a profiles file; "
+                               "give the config.ini of profiles")
+        parser.read_string(raw.decode("utf-8"), source=str(path))
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path} is not UTF-8 text (byte {exc.start}): not a profiles "
+                           "file; give the config.ini of profiles") from None
+    except OSError as exc:
+        raise ProfileError(f"cannot read {path}: {exc.strerror or exc}") from None
     except configparser.Error as exc:
         raise ProfileError(f"{path}: {exc}") from exc
     return {section[len(SECTION_PREFIX):].strip(): dict(parser[section])
@@ -424,7 +527,13 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise ProfileError(f"--set expects key=value, got {pair!r}")
-        out[key.strip()] = parse_value(value)
+        if not value.strip():
+            raise ProfileError(f"--set {key.strip()}= gives no value: write the value after "
+                               f"the '=', or --set {key.strip()}=none to unset the key")
+        try:
+            out[key.strip()] = parse_value(value)
+        except ProfileError as exc:
+            raise ProfileError(f"--set {pair[:60]}: {exc}") from None
     return out
 
 

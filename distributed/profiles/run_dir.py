@@ -19,7 +19,9 @@ it can run on a master host too). The *base folder* is the profile's ``output_di
   the first free ``BASE-2``, ``BASE-3``, ...; ``BASE.latest`` then points to it.
   With ``overwrite`` it takes the base folder itself, removing only an earlier
   run's outputs there (``run.json``, ``model.safetensors``, ``summary.json``,
-  ``checkpoints/``, ``logs/``).
+  ``checkpoints/``, ``logs/``): not when the folder is chosen but once every check
+  has passed, as the new run starts (:func:`take_placement`), so a run refused for a
+  bad value loses nothing.
 - ``resume`` continues the newest run started from the base folder whose
   fingerprint is this run's; where runs exist but none has these settings it is
   refused, naming the keys that differ; with no checkpoint to continue it raises
@@ -31,6 +33,7 @@ it can run on a master host too). The *base folder* is the profile's ``output_di
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -247,6 +250,8 @@ class RunPlacement:
         steps: each rank's newest checkpoint step in ``folder`` when resuming (the
             ranks the folder's machine holds).
         note: one line for the person: which folder, what was replaced or changed.
+        replacing: the folder still holds the earlier run that this one replaces
+            (``--overwrite``); :func:`take_placement` removes it as the run starts.
     """
 
     folder: Path
@@ -254,6 +259,7 @@ class RunPlacement:
     resume: bool = False
     steps: dict[int, int] = field(default_factory=dict)
     note: str = ""
+    replacing: bool = False
 
     def profile(self, profile: Profile) -> Profile:
         """``profile`` writing into this placement's folder."""
@@ -286,7 +292,8 @@ def place_run(profile: Profile, *, ranks: int | None = None, resume: bool = Fals
         profile: the resolved profile; its ``output_dir`` is the base folder.
         ranks: how many ranks run (None: the profile's ``num_nodes``).
         resume: continue the newest run of the base folder with these settings.
-        overwrite: a new run in the base folder itself, replacing the run there.
+        overwrite: a new run in the base folder itself, replacing the run there once
+            every check has passed (the placement is ``replacing``: :func:`take_placement`).
         fresh_if_none: with ``resume``, start a new run when there is nothing to resume.
         started: the start time to record (default: now).
         call: what does the file work (default: here; the app passes one that runs on
@@ -322,6 +329,15 @@ def place_run(profile: Profile, *, ranks: int | None = None, resume: bool = Fals
 
 def _place_new(base: str, identity: RunIdentity, overwrite: bool, call: FolderCall,
                where: str) -> RunPlacement:
+    if overwrite:
+        answer = _do(call, {"action": "look", "base": base}, where)
+        if answer.get("outputs"):
+            earlier = RunIdentity.from_dict(answer.get("identity"))
+            note = (f"this run's folder: {base}{where} (--overwrite: the earlier run there"
+                    + (f", {earlier.describe()}," if earlier else "")
+                    + " is removed as this run starts, once every check has passed: "
+                    + ", ".join(answer["outputs"]) + ")")
+            return RunPlacement(Path(base), identity, note=note, replacing=True)
     answer = _do(call, {"action": "claim", "base": base, "identity": identity.as_dict(),
                         "overwrite": overwrite}, where)
     folder = Path(answer["folder"])
@@ -392,6 +408,33 @@ def _place_resume(profile: Profile, base: str, identity: RunIdentity,
         "is nothing to resume")
 
 
+def take_placement(placement: RunPlacement, call: FolderCall = local_folders,
+                   where: str = "") -> RunPlacement:
+    """Claim a placement's folder for good, just before the run starts: for one that
+    replaces an earlier run (``replacing``), remove that run's outputs and write this
+    run's ``run.json``; any other placement is already claimed and comes back as it is."""
+    if not placement.replacing:
+        return placement
+    answer = _do(call, {"action": "claim", "base": str(placement.folder),
+                        "identity": placement.identity.as_dict(), "overwrite": True}, where)
+    earlier = RunIdentity.from_dict(answer.get("replaced_identity"))
+    note = ("--overwrite: removed the earlier run's " + ", ".join(answer.get("replaced") or [])
+            + (f"; it was {earlier.describe()}" if earlier else ""))
+    return dataclasses.replace(placement, replacing=False, note=note)
+
+
+def replace_rank_folder(profile: Profile, identity: RunIdentity) -> None:
+    """Rank 0 started with rank variables and ``--overwrite``: replace the run in its folder
+    with this one, unless the folder was already claimed for it (by the launcher)."""
+    folder = str(profile.resolved.output_dir)
+    theirs = RunIdentity.from_dict(runfolders.read_identity(folder))
+    if theirs is not None and theirs.same_run(identity):
+        return
+    if os.path.isdir(folder):
+        runfolders.clear_outputs(folder)
+    runfolders.write_identity(folder, identity.as_dict())
+
+
 def record_resume(placement: RunPlacement, call: FolderCall = local_folders,
                   where: str = "") -> None:
     """Note in the folder's ``run.json`` that the run was resumed now, and from which step."""
@@ -414,7 +457,8 @@ def rank_identity(profile: Profile, rank: int, ranks: int, *, resume: bool = Fal
         profile: the resolved profile.
         rank, ranks: this rank and the world size.
         resume: the rank resumes (``--resume``; also every restart).
-        overwrite: a new run may replace another run in the folder.
+        overwrite: a new run may replace another run in the folder (the caller replaces
+            it with :func:`replace_rank_folder` once every check has passed).
         started: the run's start time as the launcher's side recorded it (``--run-started``).
 
     Raises:
@@ -452,10 +496,7 @@ def rank_identity(profile: Profile, rank: int, ranks: int, *, resume: bool = Fal
             f"{folder}/run.json): {'; '.join(theirs.differences(identity, here='on this host'))}"
             ". Every host must read the same profile: copy this checkout to the hosts "
             "(--sync)")
-    if overwrite:
-        if os.path.isdir(folder):
-            runfolders.clear_outputs(folder)
-        runfolders.write_identity(folder, identity.as_dict())
+    if overwrite:  # replaced once every check has passed (replace_rank_folder)
         return identity
     if runfolders.holds_run(folder) or not runfolders.write_identity(
             folder, identity.as_dict(), exclusive=True):

@@ -38,7 +38,13 @@ from ..profiles.profile import (
     load_profile,
     parse_overrides,
 )
-from ..profiles.run_dir import place_run, rank_identity, record_resume
+from ..profiles.run_dir import (
+    place_run,
+    rank_identity,
+    record_resume,
+    replace_rank_folder,
+    take_placement,
+)
 from .environment import FINAL_MODEL, rank_environment
 from .rank_trainer import RankTrainer
 
@@ -131,9 +137,13 @@ def run_profile(name: str | Profile, config: str | None = None,
     if env is None:
         fit_kwargs["trace"] = str(output_dir)  # trace.jsonl beside summary.json
         trainer = LocalTrainer(model, train_dataset, val_dataset)
+        if placement.replacing:  # the earlier run goes once fit has checked everything
+            trainer.before_start = lambda: _replaced(take_placement(placement), progress)
     else:  # across hosts the launcher, which sees every rank's events, writes the trace
         fit_kwargs.pop("num_nodes", None)  # the world size is the number of started ranks
         trainer = RankTrainer(env, model, train_dataset, val_dataset)
+        if overwrite and env.rank == 0:
+            trainer.before_start = lambda: replace_rank_folder(profile, identity)
     final = trainer.fit(**fit_kwargs)
     if resume and not trainer.summary.get("steps") and (output_dir / "summary.json").is_file():
         # resumed at its last step: nothing trained, so the finished run's results stand
@@ -151,6 +161,11 @@ def run_profile(name: str | Profile, config: str | None = None,
                           {"profile": profile.name, "run": identity.as_dict(),
                            **trainer.summary})
     return trainer
+
+
+def _replaced(placement: RunPlacement, progress: bool | ProgressSink) -> None:
+    if progress is not False:
+        print(placement.note, flush=True)
 
 
 def warn_small_shards(train_dataset: Any, ranks: int, batch_size: int | None) -> None:

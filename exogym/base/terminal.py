@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,13 +22,34 @@ from rich.rule import Rule
 from rich.style import Style
 from rich.text import Text
 
-__all__ = ["RULE_WIDTH", "UNFOLDED_WIDTH", "output_console"]
+__all__ = ["RULE_WIDTH", "UNFOLDED_WIDTH", "output_console", "printable", "unprintable"]
 
 #: Width given to output that is not a terminal: more than any table or line here needs,
 #: so none is folded (a table takes its natural width, never this one).
 UNFOLDED_WIDTH = 10_000
 #: Width of a rule printed off a terminal.
 RULE_WIDTH = 80
+
+
+def unprintable(text: str) -> list[str]:
+    """The characters of ``text`` a terminal would act on rather than show: control
+    characters (NUL, escape, newline, ...) and format characters (the bidirectional
+    overrides that reorder what follows, zero-width ones), as ``\\x1b``, ``\\u202e``."""
+    return [_escaped(c) for c in text if unicodedata.category(c) in ("Cc", "Cf")]
+
+
+def printable(text: str) -> str:
+    """``text`` with every character :func:`unprintable` names written as its escape, so
+    that text from elsewhere (the LAN, a file) shows as it is and cannot move the cursor,
+    hide what follows or reorder it."""
+    return "".join(_escaped(c) if unicodedata.category(c) in ("Cc", "Cf") else c
+                   for c in text)
+
+
+def _escaped(c: str) -> str:
+    code = ord(c)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 \
+        else f"\\U{code:08x}"
 
 
 class _UnfoldedConsole(Console):
@@ -46,8 +68,10 @@ def output_console(*, stderr: bool = False, **kwargs: Any) -> Console:
 
     Args:
         stderr: print to standard error.
-        **kwargs: more ``Console`` arguments (``highlight``, ...); not ``width``.
+        **kwargs: more ``Console`` arguments (``highlight``, ...); not ``width``. Emoji
+            codes are off unless asked for: ``:-1:`` in a person's value stays as written.
     """
+    kwargs.setdefault("emoji", False)
     console = Console(stderr=stderr, **kwargs)
     if console.is_terminal or "COLUMNS" in os.environ:
         return console

@@ -11,13 +11,17 @@ itself done in the store; the owner reuses the segment once every reader of
 its last part has counted.
 
 Segments are named by run, process and a serial number, so a name is never
-reused; the owner removes its files when the world closes, and the trainer
-removes whatever a process that died left behind (:func:`remove_segments`).
+reused; a reader maps only a segment of this run, of the process it expects,
+of the size announced (:meth:`Mailbox.read`); the owner removes its files when
+the world closes, and the trainer removes whatever a process that died left
+behind (:func:`remove_segments`).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import stat
 import tempfile
 import uuid
 from collections import OrderedDict
@@ -35,6 +39,13 @@ MIN_SEGMENT_BYTES = 1 << 20
 KEEP_FREE = 2
 #: Mapped segments of other processes a reader keeps open.
 KEEP_MAPPED = 8
+#: An announcement: ``SEGMENT:SIZE:OFFSET:NBYTES``, the segment named ``RUN-PROCESS-SERIAL``.
+_ANNOUNCEMENT = re.compile(r"(?P<name>[A-Za-z0-9_.-]+-(?P<serial>\d+)):"
+                           r"(?P<size>\d{1,15}):(?P<offset>\d{1,15}):(?P<nbytes>\d{1,15})")
+
+
+class AnnouncementError(RuntimeError):
+    """A shared-memory announcement in the store names no segment of this run."""
 
 
 def segment_dir() -> Path:
@@ -170,25 +181,62 @@ class Mailbox:
 
     # -- other processes' segments -----------------------------------------------------
 
-    def read(self, store: Any, key: str, what: Callable[[], str]) -> torch.Tensor:
-        """The bytes announced under ``key`` (a view of the owner's segment, not a copy).
+    def read(self, store: Any, key: str, what: Callable[[], str], owner: int) -> torch.Tensor:
+        """The bytes announced under ``key`` by process ``owner`` (a view of its segment,
+        not a copy).
 
         Waits for the announcement up to the mailbox's timeout; ``what`` says in an
-        error what was waited for.
+        error what was waited for. An announcement is believed only when it names a
+        segment of this run and of ``owner`` (``RUN-OWNER-SERIAL``, never a path), a byte
+        range inside it, and a file of that very size that this user owns: a segment is
+        mapped as it is, never a file extended or one elsewhere written.
+
+        Raises:
+            PeerTimeoutError: nothing was announced in time.
+            AnnouncementError: the announcement is not one of this run's.
         """
         if not store.wait([key], self.timeout_s):
             raise PeerTimeoutError(f"{what()}: not posted within {self.timeout_s:.0f} s "
                                    "(the process that owes it failed or stopped)")
-        name, size, offset, nbytes = store.get(key).decode().rsplit(":", 3)
+        raw = store.get(key)
+        name, size, offset, nbytes = self._checked(key, raw, owner)
         data = self._mapped.get(name)
         if data is None:
-            data = _map(self.directory / name, int(size))
+            self._check_file(key, name, size)
+            data = _map(self.directory / name, size)
             self._mapped[name] = data
             while len(self._mapped) > KEEP_MAPPED:
                 self._mapped.popitem(last=False)
         else:
             self._mapped.move_to_end(name)
-        return data[int(offset):int(offset) + int(nbytes)]
+        return data[offset:offset + nbytes]
+
+    def _checked(self, key: str, raw: bytes, owner: int) -> tuple[str, int, int, int]:
+        """The segment, its size and the byte range an announcement names, if it is one
+        this run's process ``owner`` can have made."""
+        text = raw.decode("ascii", errors="replace")
+        match = _ANNOUNCEMENT.fullmatch(text)
+        if match is None or match["name"] != f"{self.run_id}-{owner}-{match['serial']}":
+            raise AnnouncementError(f"store key {key!r} announces {text[:80]!r}, not a "
+                                    f"segment of this run's process {owner}: refused")
+        size, offset, nbytes = int(match["size"]), int(match["offset"]), int(match["nbytes"])
+        if offset + nbytes > size:
+            raise AnnouncementError(f"store key {key!r} announces bytes {offset}.."
+                                    f"{offset + nbytes} of a {size}-byte segment: refused")
+        return match["name"], size, offset, nbytes
+
+    def _check_file(self, key: str, name: str, size: int) -> None:
+        path = self.directory / name
+        try:
+            info = os.lstat(path)
+        except OSError as exc:
+            raise AnnouncementError(f"store key {key!r} announces segment {name}, which "
+                                    f"cannot be read: {exc.strerror}") from None
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() \
+                or info.st_size != size:
+            raise AnnouncementError(f"store key {key!r} announces segment {name} of {size} "
+                                    f"bytes, but {path} is not a file of this user of that "
+                                    "size: refused")
 
     def close(self) -> None:
         """Remove this process's segments and forget the others'."""

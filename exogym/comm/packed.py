@@ -397,7 +397,7 @@ class PackedWorld(Collectives):
         if suffix:
             if not store.wait([f"{name}/{process}{suffix}"], self.timeout_s):
                 raise RuntimeError(what() + f": not ready within {self.timeout_s:.0f} s")
-        return self._mailbox.read(store, f"{name}/{process}", what)
+        return self._mailbox.read(store, f"{name}/{process}", what, process)
 
     def _exchange_name(self, key: tuple[str, int, int], lo: int) -> str:
         return f"{self.namespace}/{key[0]}/{key[1]}/{key[2]}/{lo}"

@@ -8,6 +8,9 @@ transports (shared memory, gloo, NCCL), never through it: torch's store
 server drops the connection of a client that sends a value over 8 MiB, and a
 store every rank polls must stay quick.
 
+The server listens on the address it is given alone (:func:`listen_on`): a
+local run's store on loopback is out of reach of every other machine.
+
 :class:`ControlStore` is the only way the project writes to a store. A value
 over :data:`MAX_VALUE_BYTES` is refused in the writer, naming the key, instead
 of reaching the server.
@@ -15,6 +18,9 @@ of reaching the server.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -107,6 +113,48 @@ def open_store(addr: str, port: int, *, is_master: bool = False, world_size: int
         world_size: processes that will join through it (None: not known yet).
         timeout_s: how long a call on the store waits.
     """
-    return ControlStore(dist.TCPStore(addr, port, world_size, is_master=is_master,
-                                      timeout=timedelta(seconds=timeout_s),
-                                      wait_for_workers=False))
+    if not is_master:
+        return ControlStore(dist.TCPStore(addr, port, world_size, is_master=False,
+                                          timeout=timedelta(seconds=timeout_s),
+                                          wait_for_workers=False))
+    listener = listen_on(addr, port)
+    port = listener.getsockname()[1]
+    fd = listener.detach()  # the store's server owns the socket from here, and closes it
+    try:
+        store = dist.TCPStore(addr, port, world_size, is_master=True,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                              master_listen_fd=fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+    return ControlStore(store)
+
+
+def listen_on(addr: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``addr:port`` alone (port 0: one the system picks).
+
+    torch's ``TCPStore`` asked to serve on ``127.0.0.1`` listens on every interface
+    (``*:PORT``), so anyone on the network could read and write a local run's store;
+    handed this socket (``master_listen_fd``) it serves on the one address given.
+
+    Raises:
+        OSError: naming the address, when it is not one of this machine's or the port
+            is taken.
+    """
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(
+            addr, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise OSError(f"the store's address {addr!r} does not resolve: {exc}") from None
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(where)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        listener.close()
+        raise OSError(exc.errno, f"cannot listen on {addr}:{port} for the store: "
+                                 f"{exc.strerror or exc}") from None
+    listener.set_inheritable(False)
+    return listener

@@ -57,18 +57,43 @@ def _arg(default: Any, help: str, check: Check | None = None, profile: bool = Fa
 # -- checks ----------------------------------------------------------------------------
 
 
-def check_int_at_least(name: str, value: Any, low: int, allow_none: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is an integer ``>= low`` (or None when allowed)."""
+#: The most ranks a run may have: a simulation runs them on one machine, a run across
+#: hosts one per slot; beyond this a run is a typo, refused before anything is allocated.
+MAX_NUM_NODES = 1024
+#: The most steps a run may train: a billion steps of a millisecond each take 11 days.
+MAX_STEPS = 10**9
+#: The largest whole number any other argument takes (counts, intervals, sizes).
+MAX_COUNT = 10**12
+
+
+def check_int_at_least(name: str, value: Any, low: int, allow_none: bool = False,
+                       high: int = MAX_COUNT) -> None:
+    """Raise ``ValueError`` unless ``value`` is an integer ``>= low`` and ``<= high`` (or
+    None when allowed)."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         kind = f"an integer >= {low}" + (" or None" if allow_none else "")
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
+        raise ValueError(f"{name} must be {kind}, got {_brief(value)}")
+    if value > high:
+        raise ValueError(f"{name}={_brief(value)} is over the limit of {high:,} "
+                         f"({LIMIT_WHY.get(name, 'beyond any real run')}): give at most {high:,}")
 
 
-def _at_least(low: int, allow_none: bool = False) -> Check:
+#: Why an argument's limit is what it is, by name.
+LIMIT_WHY = {"num_nodes": "the most ranks a run may have",
+             "max_steps": "a billion steps of a millisecond each take 11 days"}
+
+
+def _brief(value: Any) -> str:
+    """``value``'s repr, shortened when long (a number of a thousand digits)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+
+
+def _at_least(low: int, allow_none: bool = False, high: int = MAX_COUNT) -> Check:
     def check(name: str, value: Any) -> None:
-        check_int_at_least(name, value, low, allow_none)
+        check_int_at_least(name, value, low, allow_none, high)
     return check
 
 
@@ -321,9 +346,11 @@ class RunArgs:
     strategy: Strategy | None = _arg(
         None, "how ranks train and communicate (e.g. ``DiLoCoStrategy(H=100)``).",
         _strategy_given)
-    num_nodes: int = _arg(1, "number of ranks K.", _at_least(1), profile=True)
-    max_steps: int | None = _arg(None, "optimizer steps per rank (overrides ``num_epochs``).",
-                                 _at_least(1, allow_none=True), profile=True)
+    num_nodes: int = _arg(1, f"number of ranks K (at most {MAX_NUM_NODES}).",
+                          _at_least(1, high=MAX_NUM_NODES), profile=True)
+    max_steps: int | None = _arg(None, "optimizer steps per rank (overrides ``num_epochs``; at "
+                                 "most a billion).",
+                                 _at_least(1, allow_none=True, high=MAX_STEPS), profile=True)
     device: str | None = _arg(
         None, "``'cpu'``, ``'cuda'``, ``'cuda:N'``, ``'mps'``; None: the best available.",
         _device, profile=True)

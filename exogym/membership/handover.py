@@ -9,55 +9,100 @@ the tensors), then the tensors, small ones coalesced into buffers of up to
 across hosts, point to point). A tensor equal to one sent already (DiLoCo's
 outer parameters equal the model's right after a round) is sent once and
 copied on arrival.
+
+The description is JSON (:mod:`exogym.base.plain_state`), never a pickle: a rank
+that receives a hand-over builds only dicts, lists, numbers, strings and the
+tensors described, whoever sent it.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from exogym import comm
+from exogym.base import plain_state
 
 #: Small tensors travel together in buffers of up to this many bytes.
 BUCKET_BYTES = 16 << 20
 #: Where a tensor may start in such a buffer (a multiple of every element's size).
 ALIGN = 16
+#: The longest description of a state's structure a joiner accepts.
+MAX_DESCRIPTION_BYTES = 64 << 20
 
 
 class _Slot:
-    """Where a tensor stood in a flattened state."""
+    """Where a tensor stood in a flattened state (``numpy``: it was a NumPy array)."""
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, numpy: bool = False):
         self.index = index
+        self.numpy = numpy
 
 
 def flatten_tensors(value: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """The distinct tensors inside a nested state (dicts, lists, tuples), in order, and
     the state with each replaced by a placeholder: ``{"state": ..., "tensors": [(shape,
-    dtype)]}``. A tensor equal to an earlier one of its shape and dtype takes its place."""
+    dtype)]}``. A tensor equal to an earlier one of its shape and dtype takes its place.
+
+    Raises:
+        plain_state.PlainStateError: the state holds a value that is not plain data.
+    """
     tensors: list[torch.Tensor] = []
     alike: dict[tuple[Any, ...], list[int]] = {}
 
-    def walk(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            t = v.detach().to("cpu").contiguous()
-            # Only tensors of one shape, dtype and first and last values are compared whole.
-            flat = t.reshape(-1)
-            kind = (tuple(t.shape), t.dtype, flat[:8].numpy().tobytes() if t.numel() > 1
-                    else None, flat[-8:].numpy().tobytes() if t.numel() > 1 else None)
-            for index in alike.get(kind, ()) if t.numel() > 1 else ():
-                if torch.equal(tensors[index], t):
-                    return _Slot(index)
-            alike.setdefault(kind, []).append(len(tensors))
-            tensors.append(t)
-            return _Slot(len(tensors) - 1)
-        return _descend(v, None, lambda x, _: walk(x))
+    def index_of(v: torch.Tensor) -> int:
+        t = v.detach().to("cpu").contiguous()
+        # Only tensors of one shape, dtype and first and last values are compared whole.
+        flat = t.reshape(-1)
+        kind = (tuple(t.shape), t.dtype, flat[:8].numpy().tobytes() if t.numel() > 1
+                else None, flat[-8:].numpy().tobytes() if t.numel() > 1 else None)
+        for index in alike.get(kind, ()) if t.numel() > 1 else ():
+            if torch.equal(tensors[index], t):
+                return index
+        alike.setdefault(kind, []).append(len(tensors))
+        tensors.append(t)
+        return len(tensors) - 1
 
-    state = walk(value)
-    return tensors, {"state": state, "tensors": [(tuple(t.shape), t.dtype) for t in tensors]}
+    plain = plain_state.to_plain(value, index_of)
+    return tensors, _skeleton(plain, [(tuple(t.shape), t.dtype) for t in tensors])
+
+
+def _skeleton(plain: Any, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> dict[str, Any]:
+    def slot(i: int) -> _Slot:
+        if type(i) is not int or not 0 <= i < len(shapes):
+            raise plain_state.PlainStateError(f"the state description names tensor {i} of "
+                                              f"{len(shapes)}")
+        return _Slot(i)
+
+    state = plain_state.from_plain(plain, slot, numpy_of=lambda s: _Slot(s.index, True))
+    return {"state": state, "plain": plain, "tensors": shapes}
+
+
+def describe(skeleton: dict[str, Any]) -> bytes:
+    """A skeleton of :func:`flatten_tensors` as the JSON bytes a joiner reads."""
+    return plain_state.dumps({"state": skeleton["plain"], "tensors": [
+        [list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in skeleton["tensors"]]})
+
+
+def read_description(raw: bytes) -> dict[str, Any]:
+    """The skeleton :func:`describe` wrote.
+
+    Raises:
+        plain_state.PlainStateError: the bytes are not such a description.
+    """
+    data = plain_state.loads(raw)
+    shapes = data.get("tensors") if isinstance(data, dict) else None
+    if not isinstance(shapes, list) or "state" not in data:
+        raise plain_state.PlainStateError("not a hand-over's description")
+    parsed = []
+    for entry in shapes:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
+                and all(type(n) is int and n >= 0 for n in entry[0])):
+            raise plain_state.PlainStateError(f"not a tensor's shape and dtype: {entry!r:.80}")
+        parsed.append((tuple(entry[0]), plain_state.dtype_named(entry[1])))
+    return _skeleton(data["state"], parsed)
 
 
 def unflatten_tensors(skeleton: dict[str, Any], tensors: list[torch.Tensor],
@@ -74,15 +119,15 @@ def unflatten_tensors(skeleton: dict[str, Any], tensors: list[torch.Tensor],
     def walk(v: Any, mine: Any) -> Any:
         if isinstance(v, _Slot):
             t = tensors[v.index]
-            if _fits(mine, t.shape, t.dtype):
+            if not v.numpy and _fits(mine, t.shape, t.dtype):
                 if mine.data_ptr() != t.data_ptr():
                     mine.copy_(t)
                 used.add(v.index)
                 return mine
             if v.index in used:
-                return t.clone()
+                t = t.clone()
             used.add(v.index)
-            return t
+            return t.numpy() if v.numpy else t
         return _descend(v, mine, walk)
 
     return walk(skeleton["state"], into)
@@ -92,8 +137,11 @@ def _descend(v: Any, mine: Any, walk: Callable[[Any, Any], Any]) -> Any:
     """``walk`` applied to the members of a dict, list or tuple ``v`` alongside the same
     members of ``mine`` (None where it has none); any other ``v`` as it is."""
     if isinstance(v, dict):
-        return type(v)((k, walk(x, mine.get(k) if isinstance(mine, dict) else None))
-                       for k, x in v.items())
+        out = type(v)((k, walk(x, mine.get(k) if isinstance(mine, dict) else None))
+                      for k, x in v.items())
+        if hasattr(v, "_metadata"):  # a module's state_dict: its versions go with it
+            out._metadata = v._metadata
+        return out
     if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
         same = isinstance(mine, (list, tuple)) and len(mine) == len(v)
         return type(v)(walk(x, mine[i] if same else None) for i, x in enumerate(v))
@@ -117,7 +165,7 @@ def _targets(skeleton: dict[str, Any], into: Any) -> dict[int, torch.Tensor]:
     def walk(v: Any, mine: Any) -> Any:
         if isinstance(v, _Slot):
             shape, dtype = shapes[v.index]
-            if v.index not in found and _fits(mine, shape, dtype):
+            if v.index not in found and not v.numpy and _fits(mine, shape, dtype):
                 found[v.index] = mine.detach()
             return v
         return _descend(v, mine, walk)
@@ -156,18 +204,20 @@ def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int,
     """
     if rank == source:
         tensors, skeleton = flatten_tensors(state)
-        buffer = io.BytesIO()
-        torch.save(skeleton, buffer)
-        description = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        description = torch.frombuffer(bytearray(describe(skeleton)), dtype=torch.uint8)
         size = torch.tensor([description.numel()], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
     comm.side_broadcast(size, source, ranks)
     if rank != source:
+        if not 0 < int(size.item()) <= MAX_DESCRIPTION_BYTES:
+            raise ValueError(f"rank {rank}: rank {source} announced a hand-over description "
+                             f"of {int(size.item())} bytes (at most {MAX_DESCRIPTION_BYTES}): "
+                             "not a hand-over of this run")
         description = torch.empty(int(size.item()), dtype=torch.uint8)
     comm.side_broadcast(description, source, ranks)
     if rank != source:
-        skeleton = torch.load(io.BytesIO(description.numpy().tobytes()), weights_only=False)
+        skeleton = read_description(description.numpy().tobytes())
     shapes = skeleton["tensors"]
     sizes = [_nbytes(shape, dtype) for shape, dtype in shapes]
     targets = _targets(skeleton, into) if rank != source else {}

@@ -1,8 +1,11 @@
 """Checkpoints of one rank: written atomically, verified on load, the newest few kept.
 
 Layout: ``<dir>/rank<r>/step<00000100>.ckpt``. A file is a magic header, the
-SHA-256 of the payload, then the ``torch.save`` payload; a truncated or
-corrupted file fails the check and is skipped in favour of an older one. Every
+SHA-256 of the payload, then the payload: ``torch.save`` of the state's JSON
+description and its tensors (:mod:`exogym.base.plain_state`), read back with
+``weights_only=True``, so a checkpoint someone else wrote can hold wrong numbers but
+never runs code when it is loaded. A truncated or corrupted file fails the check
+and is skipped in favour of an older one. Every
 rank of a run must resume from the same step, so the step is agreed on by all
 ranks (see ``TrainNode``), never chosen by one.
 """
@@ -17,9 +20,12 @@ from typing import IO, Any
 
 import torch
 
+from exogym.base import plain_state
 from exogym.base.io import atomic_write
 
-MAGIC = b"EXOGYM-CKPT-1\n"
+MAGIC = b"EXOGYM-CKPT-2\n"
+#: The header of checkpoints whose payload was a pickle (loading one could run code).
+PICKLED_MAGIC = b"EXOGYM-CKPT-1\n"
 #: A checkpoint is read this much at a time.
 CHUNK_BYTES = 8 << 20
 _NAME = re.compile(r"^step(\d{8})\.ckpt$")
@@ -91,10 +97,13 @@ def save_checkpoint(state: dict[str, Any], root: str | Path, rank: int, step: in
     memory beyond the state itself.
     """
 
+    description, tensors = plain_state.split(state)
+    payload = {"state": description.decode("utf-8"), "tensors": tensors}
+
     def write(f: IO[bytes]) -> None:
         f.write(MAGIC + bytes(32))
         hashing = _Hashing(f)
-        torch.save(state, hashing)
+        torch.save(payload, hashing)
         f.seek(len(MAGIC))
         f.write(hashing.hash.digest())
         f.seek(0, io.SEEK_END)
@@ -116,6 +125,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             header = f.read(head)
+            if header.startswith(PICKLED_MAGIC):
+                raise CheckpointError(f"{path} was written by an earlier exogym as a pickle, "
+                                      "which could run code when loaded: it is not loaded; "
+                                      "start the run afresh")
             if len(header) < head or not header.startswith(MAGIC):
                 raise CheckpointError(f"{path} is not a complete exogym checkpoint (bad header)")
             digest = hashlib.sha256()
@@ -124,9 +137,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             if digest.digest() != header[len(MAGIC):]:
                 raise CheckpointError(f"{path} is partial or corrupted (checksum mismatch)")
             try:
-                return torch.load(io.BufferedReader(_From(f, head), CHUNK_BYTES),
-                                  map_location="cpu", weights_only=False)
-            except Exception as exc:  # noqa: BLE001 - any unpickling failure means unusable
+                payload = torch.load(io.BufferedReader(_From(f, head), CHUNK_BYTES),
+                                     map_location="cpu", weights_only=True)
+                if not isinstance(payload, dict) or not isinstance(payload.get("state"), str) \
+                        or not isinstance(payload.get("tensors"), list):
+                    raise plain_state.PlainStateError("the payload is not a state and tensors")
+                return plain_state.join(payload["state"].encode("utf-8"), payload["tensors"])
+            except Exception as exc:  # noqa: BLE001 - any failure to read it means unusable
                 raise CheckpointError(f"{path} cannot be loaded: {exc}") from exc
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc

@@ -441,6 +441,9 @@ class Trainer:
         self.trace_source = "simulation"
         #: The heading of the summary table shown when a fit ends.
         self.summary_title = "run summary"
+        #: Called once ``fit`` has checked every argument, before it writes or starts
+        #: anything: where a caller replaces an earlier run, so a refusal loses nothing.
+        self.before_start: Callable[[], None] | None = None
 
     def fit(self, *args: Any, **kwargs: Unpack[FitKwargs]) -> torch.nn.Module:
         fit_args = FitArgs.from_call("fit()", args, dict(kwargs))
@@ -453,6 +456,8 @@ class Trainer:
         spec = with_measured_minibatch(spec, placement)
         self._processes = self._packing(spec, placement, fit_args.processes)
         self.state_bytes = self._check_memory(spec, placement)
+        if self.before_start is not None:
+            self.before_start()
         run_logger = make_logger(fit_args.logger, fit_args.log_dir, fit_args.run_name,
                                  fit_args.wandb_project)
         if fit_args.trace is True and not hasattr(run_logger, "run_dir"):

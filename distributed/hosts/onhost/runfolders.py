@@ -233,6 +233,14 @@ def clear_outputs(folder: str) -> list[str]:
     return moved
 
 
+def look(base: str) -> dict[str, Any]:
+    """What an overwrite of ``base`` would replace, touching nothing: ``{"identity": the
+    earlier run's identity or None, "outputs": the names of :data:`OUTPUTS` there}``."""
+    base = os.path.normpath(base)
+    return {"identity": read_identity(base),
+            "outputs": [name for name in OUTPUTS if os.path.lexists(os.path.join(base, name))]}
+
+
 def claim_new(base: str, identity: dict[str, Any], overwrite: bool = False) -> dict[str, Any]:
     """Claim a folder for a new run and write its ``run.json``; point ``base.latest`` to it.
 
@@ -311,7 +319,8 @@ def merge_json(folder: str, name: str, fields: dict[str, Any]) -> str:
 
 
 def handle(message: dict[str, Any]) -> dict[str, Any]:
-    """Do what ``message["action"]`` asks: ``scan`` (``base``, ``run_name``), ``claim``
+    """Do what ``message["action"]`` asks: ``scan`` (``base``, ``run_name``), ``look``
+    (``base``), ``claim``
     (``base``, ``identity``, ``overwrite``), ``resumed`` (``folder``, ``when``,
     ``step``), ``put`` (``folder``, ``name``, ``text``) or ``merge`` (``folder``,
     ``name``, ``fields``); errors come back as ``{"error": why}``."""
@@ -319,6 +328,8 @@ def handle(message: dict[str, Any]) -> dict[str, Any]:
     try:
         if action == "scan":
             return scan(str(message["base"]), str(message["run_name"]))
+        if action == "look":
+            return look(str(message["base"]))
         if action == "claim":
             return claim_new(str(message["base"]), dict(message["identity"]),
                              bool(message.get("overwrite")))

@@ -1,0 +1,391 @@
+"""Nobody else gets in: every attack a stranger can make is refused.
+
+A stranger here can write files a person later opens (a checkpoint, a run folder
+with its trace, a hosts file), or reach this machine over the network. Each test
+makes one such attack, as the stranger would, and checks that it is refused: no
+code of theirs runs, nothing of the person's is lost, nothing hangs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ranks import ROOT
+from toys import tiny_model, toy_dataset
+
+from exogym import Trainer
+from exogym.run.checkpoint import MAGIC, CheckpointError, checkpoint_path, load_checkpoint
+from exogym.strategy import FedAvgStrategy
+
+QUIET = dict(logger=None, progress=False)
+
+
+def cli(*args, cwd: Path, env: dict | None = None, timeout: float = 120
+        ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "cli_typer.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "400", **(env or {})})
+
+
+class _Planted:
+    """Unpickling this creates the file ``marker``: what a stranger's payload would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _crafted_checkpoint(path: Path, payload: object) -> None:
+    """A checkpoint with a valid header and checksum around ``payload`` (torch.save'd)."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    body = buffer.getvalue()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(MAGIC + hashlib.sha256(body).digest() + body)
+
+
+# -- A: no file runs code --------------------------------------------------------------
+
+
+def test_a_crafted_checkpoint_is_refused_without_running_its_code(tmp_path):
+    marker = tmp_path / "ran"
+    path = checkpoint_path(tmp_path / "run", 0, 4)
+    _crafted_checkpoint(path, {"state": _Planted(marker)})
+    with pytest.raises(CheckpointError, match="cannot be loaded"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_resuming_from_a_crafted_checkpoint_runs_no_code_and_starts_afresh(tmp_path, capfd):
+    marker = tmp_path / "ran"
+    _crafted_checkpoint(checkpoint_path(tmp_path / "run", 0, 4), {"step": _Planted(marker)})
+    ds = toy_dataset(32)
+    trainer = Trainer(tiny_model(), ds, ds)
+    trainer.fit(strategy=FedAvgStrategy(), num_nodes=1, max_steps=2, batch_size=8,
+                save_dir=str(tmp_path), run_name="run", resume_from="auto", **QUIET)
+    assert not marker.exists()
+    assert [r["step"] for r in trainer.history] == [1, 2]  # nothing was resumed
+    assert "skipping checkpoint" in capfd.readouterr().out
+
+
+def test_a_checkpoint_round_trips_the_training_state_as_tensors_and_json(tmp_path):
+    import random
+
+    import numpy as np
+
+    from exogym.run.checkpoint import save_checkpoint
+
+    model = torch.nn.BatchNorm1d(3)
+    state = {"model": model.state_dict(), "rng": {"numpy": np.random.get_state(),
+                                                  "python": random.getstate()},
+             "optim": {"state": {0: {"step": torch.tensor(3.0)}},
+                       "param_groups": [{"betas": (0.9, 0.99), "lr": float("inf")}]},
+             "dtype": torch.bfloat16}
+    back = load_checkpoint(save_checkpoint(state, tmp_path, 0, 1))
+    assert back["model"]._metadata == model.state_dict()._metadata  # the module versions
+    assert back["rng"]["python"] == state["rng"]["python"]
+    assert (back["rng"]["numpy"][1] == state["rng"]["numpy"][1]).all()
+    assert back["optim"]["state"][0]["step"].item() == 3.0
+    assert back["optim"]["param_groups"][0]["betas"] == (0.9, 0.99)
+    assert back["dtype"] is torch.bfloat16
+
+
+def test_a_state_holding_an_object_is_refused_when_saved_naming_its_place(tmp_path):
+    from exogym.base.plain_state import PlainStateError
+    from exogym.run.checkpoint import save_checkpoint
+
+    with pytest.raises(PlainStateError, match=r"state\['strategy'\]\['helper'\] is a .*Path"):
+        save_checkpoint({"strategy": {"helper": Path("x")}}, tmp_path, 0, 1)
+
+
+def test_a_hand_over_description_that_is_a_pickle_is_refused_without_running_it(tmp_path):
+    import io
+
+    from exogym.base.plain_state import PlainStateError
+    from exogym.membership.handover import describe, flatten_tensors, read_description
+
+    marker = tmp_path / "ran"
+    buffer = io.BytesIO()
+    torch.save({"state": _Planted(marker), "tensors": []}, buffer)
+    with pytest.raises(PlainStateError):
+        read_description(buffer.getvalue())
+    assert not marker.exists()
+    # what a rank really sends reads back
+    tensors, skeleton = flatten_tensors({"model": {"w": torch.ones(2)}, "step": 3})
+    again = read_description(describe(skeleton))
+    assert again["tensors"] == [((2,), torch.float32)] and again["state"]["step"] == 3
+
+
+def test_no_loader_unpickles():
+    found = subprocess.run(
+        ["grep", "-rnE", r"weights_only *= *False|pickle\.loads?\(|cloudpickle\.loads?\(",
+         "exogym", "distributed"], capture_output=True, text=True, cwd=ROOT)
+    assert found.stdout == ""
+
+
+def _planted_run_folder(folder: Path, task: str) -> None:
+    """A run folder as a stranger writes it: its trace names ``task`` to import."""
+    from exogym.report.trace import TRACE_FILE
+
+    settings = {"task": task, "strategy": "ddp", "num_nodes": 1, "max_steps": 1}
+    header = {"kind": "run", "version": 2, "source": "simulation", "num_nodes": 1,
+              "run": {"profile": "p", "fingerprint": "0" * 64,
+                      "started": "2024-01-01T00:00:00Z", "settings": settings}}
+    step = {"kind": "step", "rank": 0, "step": 1, "loss": 1.0}
+    folder.mkdir(parents=True)
+    (folder / TRACE_FILE).write_text(json.dumps(header) + "\n" + json.dumps(step) + "\n")
+
+
+@pytest.mark.parametrize("command", ["replay", "recommend"])
+def test_a_run_folder_naming_code_is_not_imported_unless_the_persons_profile_names_it(
+        tmp_path, command):
+    # the module a stranger's folder names: importing it leaves a marker behind
+    (tmp_path / "lib").mkdir()
+    marker = tmp_path / "imported"
+    (tmp_path / "lib" / "planted_task.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\ndef task(**kw):\n    return None\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "lib"), os.environ.get(
+        "PYTHONPATH", "")])}
+    run = tmp_path / "run"
+    _planted_run_folder(run, "planted_task:task")
+    args = ["replay", run] if command == "replay" else \
+        ["recommend", "digits-ddp", "--trace", run, "--link-mbit", "100"]
+    done = cli(*args, cwd=tmp_path, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "'planted_task:task'" in done.stderr and "--trust-code" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not marker.exists()
+    # the person's own profile names the same task: it is theirs to run
+    config = tmp_path / "config.ini"
+    config.write_text("[distributed:mine]\ntask = planted_task:task\nstrategy = ddp\n")
+    cli("replay", run, "--config", config, cwd=tmp_path, env=env)
+    assert marker.exists()
+    marker.unlink()
+    cli(*args, "--trust-code", cwd=tmp_path, env=env)
+    assert marker.exists()
+
+
+# -- C: limits and hostile text, refused before anything is allocated --------------------
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("num_nodes=100000000", "num_nodes=100000000 is over the limit of 1,024"),
+    ("max_steps=10000000000", "max_steps=10000000000 is over the limit of 1,000,000,000"),
+    ("max_steps=1e309", "'1e309' is not a finite number once read (it reads as inf)"),
+    ("lr=[1, -1e400]", "it reads as -inf"),
+    ("lr=", "--set lr= gives no value"),
+    ("lr=" + "9" * 5000, "a number of 5,000 digits"),
+], ids=["num_nodes", "max_steps", "1e309", "-1e400", "empty", "digits"])
+def test_a_setting_beyond_its_limit_is_refused_naming_the_limit(setting, message):
+    from distributed.profiles.profile import ProfileError, load_profile, parse_overrides
+
+    with pytest.raises(ProfileError) as refused:
+        load_profile("digits-ddp", overrides=parse_overrides([setting]))
+    assert message in str(refused.value)
+
+
+def test_a_refusal_prints_the_persons_text_literally(tmp_path):
+    done = cli("distributed-train", "digits-ddp", "--set", "partition=dirichlet:-1:",
+               "--dry-run", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "dirichlet:-1:" in done.stderr and "\N{THUMBS DOWN SIGN}" not in done.stderr
+
+
+def _hosts(tmp_path: Path, text: str | bytes) -> Path:
+    path = tmp_path / "hosts.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+HOST_ENV = '"python_env": "python", "project_path": "/x"'
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"master": "127.0.0.1", "workers": [{"host": "127.0.0.2", "slots": 1000000000}], '
+     + HOST_ENV + "}", "an integer from 1 to 1024"),
+    ('{"master": "127.0.0.1", "workers": [{"host": "127.0.0.2", "slots": 1000}, '
+     '{"host": "127.0.0.3", "slots": 1000}], ' + HOST_ENV + "}", "add up to 2,001 ranks"),
+    ('{"master": "10.0.0.1", "workers": ' + json.dumps([f"10.1.{i // 250}.{i % 250}"
+                                                       for i in range(1100)])
+     + ", " + HOST_ENV + "}", "lists 1,100 hosts"),
+    ('{"master": "127.0.0.1\\u202e", "workers": [], ' + HOST_ENV + "}",
+     "not printable (\\u202e)"),
+    ('{"master": "127.0.0.1", "workers": ["a\\u0000b"], ' + HOST_ENV + "}",
+     "not printable (\\x00)"),
+    ('{"master": "127.0.0.1", "workers": [], "python_env": "python\\u001b[2J", '
+     '"project_path": "/x"}', "not printable (\\x1b)"),
+    ("[" * 100_000, "nests lists or objects deeper"),
+    ('{"master": "a", "master_port": ' + "9" * 5000 + "}", "a number of more digits"),
+    (b"\x00\x01binary" * 10, "holds NUL bytes"),
+    (b"\xff\xfe{}", "is not UTF-8 text"),
+], ids=["slots", "world", "hosts", "bidi", "nul", "escape", "nested", "digits", "binary",
+        "not-utf8"])
+def test_a_hostile_hosts_file_is_refused_naming_the_file(tmp_path, text, message):
+    from distributed.hosts.hostsfile import HostsFileError, load_hosts
+
+    path = _hosts(tmp_path, text)
+    with pytest.raises(HostsFileError) as refused:
+        load_hosts(path)
+    assert message in str(refused.value)
+
+
+def test_check_hosts_refuses_a_billion_slots_before_allocating_anything(tmp_path):
+    path = _hosts(tmp_path, '{"master": "127.0.0.1", "workers": [{"host": "127.0.0.2", '
+                            '"slots": 1000000000}], ' + HOST_ENV + "}")
+    done = cli("check-hosts", path, cwd=tmp_path, timeout=60)
+    assert done.returncode == 2 and "an integer from 1 to 1024" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x00\x01\x02" * 100, "holds NUL bytes"),
+    (b"[distributed:x]\ntask = digits\nlr = \xff\xfe\n", "is not UTF-8 text"),
+    (b"[distributed:x]\ntask = digits\nmax_steps = " + b"9" * 5000 + b"\n",
+     "a number of 5,000 digits"),
+    (b"[distributed:x]\ntask = digits\nlr = 1e999\n", "not a finite number"),
+], ids=["binary", "not-utf8", "digits", "1e999"])
+def test_a_hostile_config_file_is_refused_naming_the_file(tmp_path, content, message):
+    from distributed.profiles.profile import ProfileError, ProfileSet
+
+    path = tmp_path / "config.ini"
+    path.write_bytes(content)
+    with pytest.raises(ProfileError) as refused:
+        ProfileSet(path, local=False).get("x")
+    assert message in str(refused.value) and str(path) in str(refused.value)
+
+
+def test_a_lan_advert_is_shown_with_its_control_characters_escaped():
+    import io
+
+    from rich.console import Console
+
+    from distributed.app.discovery import machines_table
+    from distributed.hosts.mdns import MachineAdvert
+
+    props = {b"host": b"mini\x1b[2J\x1b]0;owned\x07", b"py": "/usr/bin/python\u202e".encode(),
+             b"path": b"[bold red]x[/]", b"cores": b"9" * 5000}
+    advert = MachineAdvert.from_service("evil\x1b[31m._exogym._tcp.local.", ["10.0.0.9"], 22,
+                                        props)
+    assert "\x1b" not in advert.host and advert.host.startswith("mini\\x1b[2J")
+    assert "\u202e" not in advert.python and advert.python.endswith("\\u202e")
+    assert advert.cores == 0
+    out = io.StringIO()
+    Console(file=out, width=400, force_terminal=False).print(machines_table([advert]))
+    shown = out.getvalue()
+    assert "\x1b" not in shown and "[bold red]x[/]" in shown
+
+
+# -- D: a local simulation opens no port another machine can reach ----------------------
+
+VICTIM = """
+import torch
+from exogym import Trainer
+from exogym.strategy import DiLoCoStrategy
+from torch.utils.data import TensorDataset
+torch.manual_seed(0)
+x = torch.randn(4096, 64); y = torch.randint(0, 4, (4096,))
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__(); self.l = torch.nn.Linear(64, 4)
+    def forward(self, batch):
+        import time; time.sleep(0.05)
+        return torch.nn.functional.cross_entropy(self.l(batch[0]), batch[1])
+ds = TensorDataset(x, y)
+Trainer(Net(), ds, ds).fit(strategy=DiLoCoStrategy(H=2), num_nodes=4, processes=2,
+                           max_steps=120, batch_size=8, val_size=0, logger=None, progress=False)
+print("victim done", flush=True)
+"""
+
+
+def _listening(namespace: str) -> list[tuple[str, int]]:
+    out = subprocess.run(["ip", "netns", "exec", namespace, "ss", "-ltnH"], capture_output=True,
+                         text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        local = line.split()[3]
+        host, _, port = local.rpartition(":")
+        found.append((host.strip("[]"), int(port)))
+    return found
+
+
+def test_a_stranger_on_the_lan_reaches_no_port_of_a_local_simulation():
+    import time
+
+    from netns import namespaces, netns_available
+
+    why = netns_available()
+    if why:
+        pytest.skip(why)
+    with namespaces(2, subnet="10.231.9") as (names, addresses):
+        victim = subprocess.Popen(["ip", "netns", "exec", names[0], "ip", "link", "set", "lo",
+                                   "up"])
+        victim.wait(10)
+        victim = subprocess.Popen(["ip", "netns", "exec", names[0], sys.executable, "-c",
+                                   VICTIM], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            seen: set[tuple[str, int]] = set()
+            deadline = time.monotonic() + 60
+            while victim.poll() is None and time.monotonic() < deadline:
+                seen.update(_listening(names[0]))
+                if len(seen) >= 3:  # the store and the ranks' gloo pairs
+                    break
+                time.sleep(0.2)
+            assert seen, "the simulation never listened: nothing was checked"
+            assert all(host in ("127.0.0.1", "::1") for host, _ in seen), seen
+            for _, port in seen:  # and from the other machine: nothing answers
+                stranger = subprocess.run(
+                    ["ip", "netns", "exec", names[1], sys.executable, "-c",
+                     "import socket,sys\n"
+                     "s=socket.socket(); s.settimeout(3)\n"
+                     f"sys.exit(s.connect_ex(({addresses[0]!r}, {port})) == 0)"],
+                    capture_output=True, timeout=30)
+                assert stranger.returncode == 0, f"port {port} answered the stranger"
+            out, _ = victim.communicate(timeout=300)
+            assert victim.returncode == 0 and "victim done" in out, out[-3000:]
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+                victim.wait()
+
+
+def test_a_forged_shared_memory_announcement_maps_nothing(tmp_path):
+    from exogym.comm.mailbox import AnnouncementError, Mailbox, new_run_id
+    from exogym.comm.store import open_store
+
+    store = open_store("127.0.0.1", 0, is_master=True)
+    run = new_run_id()
+    reader = Mailbox(run, 0, timeout_s=5, directory=tmp_path)
+    owner = Mailbox(run, 1, timeout_s=5, directory=tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    segment = owner.take(16, "n/read/1", 1)
+    segment.data[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    forged = {
+        "a path": f"../{victim.name}:4096:0:1",
+        "another run's segment": f"exogym-1-deadbeef-1-1:{segment.nbytes}:0:4",
+        "another process's": f"{run}-2-1:{segment.nbytes}:0:4",
+        "a file of another size": f"{segment.path.name}:{segment.nbytes * 2}:0:4",
+        "bytes past its end": f"{segment.path.name}:{segment.nbytes}:{segment.nbytes}:4",
+        "another file": "victim:8:0:1",
+    }
+    for why, value in forged.items():
+        store.set(f"x/{why}", value)
+        with pytest.raises(AnnouncementError, match="refused|cannot be read"):
+            reader.read(store, f"x/{why}", lambda why=why: why, owner=1)
+    assert victim.read_bytes() == b"precious"  # neither extended nor zeroed
+    Mailbox.announce(store, "x/real", segment, 0, 4)
+    assert reader.read(store, "x/real", lambda: "real", owner=1).tolist() == [1, 2, 3, 4]
+    owner.close()
