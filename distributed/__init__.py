@@ -1,9 +1,13 @@
 """distributed: run exogym's training for real across the machines you own.
 
+Installed by pip it is ``exogym_distributed`` (dask owns the name ``distributed``);
+from a checkout it is ``distributed``. It imports itself only relatively, so both work.
+
 Folders by role; arrows point down and nothing points up (a test reads every
 import and enforces it)::
 
-    app/                          what the faces (cli_typer.py, wizard.py) call
+    faces/                        the command line (exogym, cli_typer.py) and the wizard
+    app/                          what the faces call
     launch/ worker/ profiles/ planning/
     hosts/ tasks/
     exogym
@@ -11,7 +15,7 @@ import and enforces it)::
 The names users import from here load on first use, so ``import distributed``
 stays light::
 
-    from distributed import NetworkTrainer, DistributedLauncher, WhisperModelWrapper
+    from exogym_distributed import NetworkTrainer, DistributedLauncher, WhisperModelWrapper
 """
 
 from __future__ import annotations
