@@ -145,6 +145,8 @@ def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
     """
     # Here rather than at the top: these modules load rich tables and the profiles, which a
     # bare ``--help`` does not need (python -m bench.cli_help_time keeps it under half a second).
+    from exogym.base.io import DiskFullError
+
     from ..hosts.hostsfile import HostsFileError
     from ..hosts.preflight import PreflightError
     from ..profiles.profile import ProfileError
@@ -161,6 +163,8 @@ def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
         fail("interrupted (any ranks already started were stopped)", 130, debug, exc)
     except RunFailedError as exc:
         fail(f"the run failed: {exc}", 1, debug, exc)
+    except DiskFullError as exc:
+        fail(f"{exc}; free some space there and run again", 1, debug, exc)
     except (ProfileError, HostsFileError, PreflightError) as exc:
         fail(str(exc), 2, debug, exc)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
