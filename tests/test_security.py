@@ -389,3 +389,111 @@ def test_a_forged_shared_memory_announcement_maps_nothing(tmp_path):
     Mailbox.announce(store, "x/real", segment, 0, 4)
     assert reader.read(store, "x/real", lambda: "real", owner=1).tolist() == [1, 2, 3, 4]
     owner.close()
+
+
+# ---------------------------------------------------------------- the dashboards' servers
+
+def _get(port: int, path: str = "/", host: str | None = None) -> tuple[int, bytes]:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.putrequest("GET", path, skip_host=host is not None)
+        if host is not None:
+            conn.putheader("Host", host)
+        conn.endheaders()
+        answer = conn.getresponse()
+        return answer.status, answer.read()
+    finally:
+        conn.close()
+
+
+def _dashboards():
+    """Both servers, each on loopback: (name, port, stop)."""
+    pytest.importorskip("plotly")
+    from distributed.app.web import WebDashboard
+    from distributed.app.web.replay_page import PageServer
+
+    live = WebDashboard()
+    page = PageServer("<p>figures</p>")
+    return [("live", live.port, live.stop),
+            ("replay", int(page.url.rsplit(":", 1)[1].strip("/")), page.stop)]
+
+
+def test_a_dashboard_refuses_a_request_addressed_to_a_strangers_name_dns_rebinding():
+    servers = _dashboards()
+    try:
+        for name, port, _ in servers:
+            for forged in (f"evil.example:{port}", "evil.example", f"127.0.0.1:{port + 1}",
+                           f"localhost.evil.example:{port}", ""):
+                status, body = _get(port, "/", forged)
+                assert status == 421, (name, forged, status)
+                assert b"own address" in body and b"figures" not in body
+            for own in (f"127.0.0.1:{port}", f"localhost:{port}", f"LOCALHOST:{port}"):
+                assert _get(port, "/", own)[0] == 200, (name, own)
+    finally:
+        for _, _, stop in servers:
+            stop()
+
+
+def test_a_dashboard_shared_on_the_lan_still_refuses_a_strangers_host_name():
+    pytest.importorskip("plotly")
+    from distributed.app.web import WebDashboard
+
+    with WebDashboard("0.0.0.0") as web:
+        token = web.token
+        status, _ = _get(web.port, f"/state?token={token}", f"attacker.example:{web.port}")
+        assert status == 421
+        assert _get(web.port, f"/state?token={token}", f"192.0.2.7:{web.port}")[0] == 200
+        assert _get(web.port, "/state", f"192.0.2.7:{web.port}")[0] == 403
+
+
+def _reset_mid_answer(port: int, path: str) -> None:
+    """Ask for ``path``, read a little of the answer, then reset the connection (RST)."""
+    import socket
+    import struct
+
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+    sock.recv(1024)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def test_a_browser_resetting_its_connection_prints_no_traceback(capfd):
+    import time
+
+    pytest.importorskip("plotly")
+    from distributed.app.web import WebDashboard
+
+    with WebDashboard() as web:
+        for _ in range(3):  # plotly.min.js is megabytes: the server is still writing it
+            _reset_mid_answer(web.port, "/plotly.min.js")
+        _reset_mid_answer(web.port, "/events")
+        time.sleep(1.0)
+        assert _get(web.port, "/state", f"127.0.0.1:{web.port}")[0] == 200  # still serving
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Connection" not in err, err
+
+
+def test_a_real_error_in_a_dashboard_is_one_line_and_bounded(capfd, monkeypatch):
+    pytest.importorskip("plotly")
+    from distributed.app.web import WebDashboard
+    from distributed.app.web.guard import ERRORS_SHOWN
+
+    with WebDashboard() as web:
+        def broken(since: int) -> dict:
+            raise RuntimeError("the state is broken")
+
+        monkeypatch.setattr(web.state, "view", broken)
+        for _ in range(ERRORS_SHOWN + 3):
+            try:
+                _get(web.port, "/state", f"127.0.0.1:{web.port}")
+            except ConnectionError:
+                pass
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if "the state is broken" in line]
+    assert "Traceback" not in err
+    assert len(lines) == ERRORS_SHOWN
+    assert lines[0].startswith("dashboard: answering 127.0.0.1 failed: RuntimeError")
+    assert lines[-1].endswith("further errors are not shown")

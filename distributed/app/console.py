@@ -23,6 +23,8 @@ import typer
 from rich.console import Console
 
 from exogym.base.plural import plural as plural  # the faces count with it (they import app only)
+from exogym.base.stop_signal import exit_status as exit_status
+from exogym.base.stop_signal import sigterm_as_interrupt as sigterm_as_interrupt
 from exogym.base.terminal import output_console
 
 #: Told as each stage of a long task starts: what it does, stages done, stages in all.
@@ -145,6 +147,8 @@ def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
     """
     # Here rather than at the top: these modules load rich tables and the profiles, which a
     # bare ``--help`` does not need (python -m bench.cli_help_time keeps it under half a second).
+    from exogym.base.io import DiskFullError
+
     from ..hosts.hostsfile import HostsFileError
     from ..hosts.preflight import PreflightError
     from ..profiles.profile import ProfileError
@@ -158,9 +162,12 @@ def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
     except typer.Exit:
         raise
     except KeyboardInterrupt as exc:
-        fail("interrupted (any ranks already started were stopped)", 130, debug, exc)
+        fail("interrupted (any ranks already started were stopped)", exit_status(exc), debug,
+             exc)
     except RunFailedError as exc:
         fail(f"the run failed: {exc}", 1, debug, exc)
+    except DiskFullError as exc:
+        fail(f"{exc}; free some space there and run again", 1, debug, exc)
     except (ProfileError, HostsFileError, PreflightError) as exc:
         fail(str(exc), 2, debug, exc)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:

@@ -2,7 +2,9 @@
 
 A written file gets the mode any new file of the user gets (``0o666`` less the
 umask; folders ``0o777`` less it), not the ``0o600`` of the temporary file it
-starts as; pass ``mode=0o600`` where a secret is written.
+starts as; pass ``mode=0o600`` where a secret is written. A full disk (or quota)
+removes the temporary file and raises :class:`DiskFullError`,
+``no space left on device: PATH``.
 
 Imports nothing heavy (torch only inside ``atomic_torch_save``), so the launcher
 and the CLI can use it without slowing their start.
@@ -10,6 +12,7 @@ and the CLI can use it without slowing their start.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -44,11 +47,38 @@ def usual_dir_mode() -> int:
     return 0o777 & ~current_umask()
 
 
+#: The errors of a full disk, or of a user's quota on it.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(OSError):
+    """A write found its disk (or the user's quota) full; its message names the file.
+
+    An ``OSError`` with ``errno`` ENOSPC or EDQUOT, so callers that handle OSError still do.
+    """
+
+    def __init__(self, path: str | os.PathLike, code: int = errno.ENOSPC) -> None:
+        super().__init__(code, "no space left on device", str(path))
+        self.path = str(path)
+
+    def __str__(self) -> str:
+        return f"no space left on device: {self.path}"
+
+
+def _disk_full(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in DISK_FULL
+
+
 def _atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
             mode: int | None = None, durable: bool = True) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        if _disk_full(exc):
+            raise DiskFullError(path, exc.errno) from exc
+        raise
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -58,11 +88,15 @@ def _atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
         # mkstemp made the file 0o600, whatever the umask.
         os.chmod(tmp, usual_file_mode() if mode is None else mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        # torch.save reports a failed write as a RuntimeError whose cause is the OSError
+        cause = exc if _disk_full(exc) else exc.__cause__ or exc.__context__
+        if _disk_full(cause) and not isinstance(exc, DiskFullError):
+            raise DiskFullError(path, cause.errno) from exc  # type: ignore[union-attr]
         raise
     return path
 

@@ -3,7 +3,8 @@
 ``state.py`` keeps the runs' rows and chart points, ``server.py`` serves the
 page (``static/``), ``/state`` and ``/events`` with the standard library and
 is the progress sink the runs feed, ``page_lifetime.py`` opens it for a command and
-keeps it serving after the run while a person looks. Standard library only,
+keeps it serving after the run while a person looks, ``guard.py`` refuses
+requests addressed to another name (DNS rebinding) and keeps closed connections quiet. Standard library only,
 no torch; plotly.js comes from the installed ``plotly`` package (the ``web`` extra).
 """
 

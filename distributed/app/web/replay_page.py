@@ -6,7 +6,8 @@ time, the time at each step (the two timelines), and the figures' table. It is
 written beside the replays (``replay.html``) and served by :class:`PageServer`, the
 standard library's HTTP server on 127.0.0.1 by default; bound to any other
 address (``0.0.0.0``: the LAN) it requires a random token, given in the printed
-URL (``?token=...``), as the live dashboard does.
+URL (``?token=...``), as the live dashboard does, and refuses a request whose
+``Host`` is not its own address (``guard.py``).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import secrets
 import threading
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from .guard import MISDIRECTED, QuietHTTPServer, host_allowed
 from .server import is_loopback
 
 __all__ = ["PageServer", "replay_html"]
@@ -171,6 +173,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - the base's name
         parts = urlsplit(self.path)
+        if not host_allowed(self.headers.get("Host"), *self.server.server_address[:2]):
+            self.send_response(HTTPStatus.MISDIRECTED_REQUEST)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(MISDIRECTED)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(MISDIRECTED)
+            return
         token = self.server.token
         if token is not None:
             given = (parse_qs(parts.query).get("token") or [""])[0]
@@ -200,8 +210,7 @@ class PageServer:
         ValueError: the address cannot be bound.
     """
 
-    class _Server(ThreadingHTTPServer):
-        daemon_threads = True
+    class _Server(QuietHTTPServer):
         page = ""
         token: str | None = None
 

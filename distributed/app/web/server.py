@@ -18,7 +18,8 @@ The server is the standard library's ``ThreadingHTTPServer`` in a daemon thread:
 Bound to 127.0.0.1 by default. Bound to any other address (``0.0.0.0`` shares
 it on the LAN) it requires a random token, given in the printed URL
 (``?token=...``); the page, once opened with it, keeps it in a cookie. Any
-request without it gets 403.
+request without it gets 403. A request whose ``Host`` is not the dashboard's own
+address gets 421, on loopback too (``guard.py``: against DNS rebinding).
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ import time
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from http.cookies import SimpleCookie
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from .guard import MISDIRECTED, QuietHTTPServer, host_allowed
 from .state import WebState
 
 __all__ = ["WEB_EXTRA_HINT", "WebDashboard", "plotly_js_path"]
@@ -131,6 +133,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - the base's name
         url = urlsplit(self.path)
         query = parse_qs(url.query)
+        if not host_allowed(self.headers.get("Host"), *self.server.server_address[:2]):
+            self._send(HTTPStatus.MISDIRECTED_REQUEST, MISDIRECTED, "text/plain; charset=utf-8",
+                       {"Connection": "close"})
+            self.close_connection = True
+            return
         if url.path == "/favicon.ico":
             self._send(HTTPStatus.NO_CONTENT, b"", "image/x-icon")
             return
@@ -201,8 +208,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.sent.pop(me, None)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(QuietHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], state: WebState, token: str | None,

@@ -1,0 +1,124 @@
+"""A run stopped from outside, or by a full disk, ends as cleanly as Ctrl-C ends it.
+
+SIGTERM (what ``kill``, systemd, SLURM and container runtimes send) keeps the
+checkpoint, completes the trace and prints the command to resume, exiting 143;
+a full disk names the file and leaves no temporary file; a resumed run's trace
+keeps the steps from before its interruption.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from exogym.base import io as exo_io
+from exogym.base.io import DiskFullError, atomic_torch_save, atomic_write_bytes
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_names_the_file_and_leaves_no_temporary_file(tmp_path, monkeypatch, code):
+    target = tmp_path / "run" / "model.bin"
+
+    real_fdopen = os.fdopen
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            raise OSError(code, os.strerror(code))
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(exo_io.os, "fdopen", lambda fd, mode: Full(real_fdopen(fd, mode)))
+    for write in (lambda: atomic_write_bytes(target, b"x" * 1000),
+                  lambda: atomic_torch_save({"w": torch.zeros(100)}, target)):
+        with pytest.raises(DiskFullError) as raised:
+            write()
+        assert str(raised.value) == f"no space left on device: {target}"
+        assert raised.value.errno == code and isinstance(raised.value, OSError)
+        assert list(target.parent.iterdir()) == []  # the temporary file is gone
+
+
+def test_a_disk_without_room_for_the_temporary_file_says_so(tmp_path, monkeypatch):
+    target = tmp_path / "trace.jsonl"
+
+    def no_inode(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(exo_io.tempfile, "mkstemp", no_inode)
+    with pytest.raises(DiskFullError, match=f"^no space left on device: {target}$"):
+        exo_io.atomic_write_text(target, "{}")
+
+
+def test_other_write_errors_pass_unchanged(tmp_path, monkeypatch):
+    real_fdopen = os.fdopen
+
+    def denied(fd, mode):
+        real_fdopen(fd, mode).close()
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(exo_io.os, "fdopen", denied)
+    with pytest.raises(PermissionError):
+        atomic_write_bytes(tmp_path / "f", b"x")
+    assert list(Path(tmp_path).iterdir()) == []
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does_and_its_resume_continues_the_trace(tmp_path):
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from ranks import ROOT, interrupt_after_checkpoints
+
+    from distributed.app.replay import load_recording
+
+    args = ["distributed-train", "digits-diloco", "--set", "max_steps=100000", "--set",
+            "num_nodes=2", "--set", "checkpoint_interval=5", "--set", "num_threads=1",
+            "--set", "val_size=16", "--set", "H=5", "--logger", "none"]
+    folder = tmp_path / "runs/digits-diloco"
+    returncode, _, err = interrupt_after_checkpoints(
+        args, tmp_path, folder / "checkpoints/digits-diloco/rank0", signum=signal.SIGTERM)
+    assert returncode == 143, err
+    assert "Traceback" not in err, err
+    assert "this run's newest checkpoint, at step" in err, err
+    command = err.strip().splitlines()[-1].strip()
+    assert command.endswith("--set logger=none --resume"), err
+    trace = folder / "trace.jsonl"
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert lines[-1]["kind"] == "end" and lines[-1]["error"] == "interrupted", lines[-1]
+    assert [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")] == []
+    before = {line["step"] for line in lines if line["kind"] == "step"}
+    assert before
+
+    # The resumed run, to a few steps past the checkpoint, writes on after those lines.
+    checkpoint_steps = [int(p.name.split(".")[0].rsplit("_", 1)[-1].lstrip("step"))
+                        for p in (folder / "checkpoints/digits-diloco/rank0").glob("*.ckpt")
+                        if any(c.isdigit() for c in p.name)]
+    resumed_to = max(before) + 10
+    resumed = [a if a != "max_steps=100000" else f"max_steps={resumed_to}" for a in args]
+    done = subprocess.run([sys.executable, str(ROOT / "cli_typer.py"), *resumed, "--resume"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "COLUMNS": "400"})
+    assert done.returncode == 0, done.stderr
+    after = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert after[:len(lines)] == lines  # the interrupted part, kept whole
+    runs = [line for line in after if line["kind"] == "run"]
+    assert [r["resumed"] for r in runs] == [False, True]
+    later = {line["step"] for line in after[len(lines):] if line["kind"] == "step"}
+    assert later and max(later) == resumed_to and min(later) <= max(before) + 1, \
+        (sorted(before)[-3:], sorted(later)[:3], checkpoint_steps)
+    assert after[-1]["kind"] == "end" and not after[-1].get("failed")
+    assert load_recording(folder) is not None  # replay still reads the whole trace
