@@ -93,7 +93,7 @@ def measure(uv: bool, console: Console) -> tuple[str, float, float | None, float
             subprocess.run(["pip", "install", "-q", "uv"], env=env, check=True)
             install = with_uv(install)
         log = work / "output.log"
-        console.print(f"[bold]{install}[/] && {run}  (in {clone})")
+        console.print(f"{install} && {run}  (in {clone})", markup=False, highlight=False)
         started = time.perf_counter()
         timed(install, cwd=clone, env=env, started=started, log=log)
         installed = time.perf_counter() - started
