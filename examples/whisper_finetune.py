@@ -8,7 +8,7 @@ heard. Prints validation loss and word error rate before and after.
     python -m examples.whisper_finetune
     python -m examples.whisper_finetune --lora-rank 8 --lr 1e-3
 
-(from the project root, which holds ``distributed``).
+(``pip install -e ".[whisper]"`` first: the Whisper task is ``exogym_distributed``'s).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from torch.utils.data import DataLoader
 
-from distributed.tasks.builtin import resolve_task
-from distributed.tasks.whisper.task import evaluate_wer
 from exogym import LocalTrainer
 from exogym.strategy import DiLoCoStrategy
+from exogym_distributed.tasks.builtin import resolve_task
+from exogym_distributed.tasks.whisper.task import evaluate_wer
 
 
 @torch.no_grad()

@@ -28,3 +28,10 @@ def code_block(page: str, after: str, lang: str) -> str:
 def code_lines(page: str, after: str, lang: str) -> list[str]:
     """The non-blank lines of :func:`code_block`'s block."""
     return [line for line in code_block(page, after, lang).splitlines() if line.strip()]
+
+
+if __name__ == "__main__":  # .ci/run reads the README's first command and a docs snippet with it
+    import sys
+
+    page, after, lang = sys.argv[1:]
+    print(code_block(page, after, lang), end="")

@@ -53,6 +53,13 @@ def test_the_readme_links_to_pages_that_exist():
     assert not missing, f"README.md links to files that do not exist: {missing}"
 
 
+def test_the_overview_page_gives_the_readmes_quick_start():
+    """The two commands are the same on both pages (CI runs the README's first one)."""
+    readme = code_block("README.md", "## Quick start", "bash")
+    assert len(readme.splitlines()) == 2, readme
+    assert code_block("docs/index.md", "## Quick start", "bash") == readme
+
+
 def test_the_strategies_of_writing_a_strategy_train_and_send_what_they_say():
     scope: dict = {"__name__": "writing_a_strategy"}
     for heading in ("## A strategy in a few lines", "## Checking settings", "## Stating its traffic",

@@ -353,8 +353,8 @@ def test_ctrl_c_names_this_runs_checkpoint_and_its_command_continues_this_run(tm
 
 
 def test_the_documented_snippet_loads_the_newest_model_from_another_folder(tmp_path):
-    """As printed, run where the run was made (not the project's root), with exogym
-    installed and ``distributed`` not (it is used from the checkout)."""
+    """As printed, run where the run was made (not the project's root), with what
+    ``pip install -e`` gives: exogym and exogym_distributed, and no ``distributed``."""
     made = cli("distributed-train", "digits-diloco", *SMALL, "--set", "max_steps=2",
                cwd=tmp_path)
     assert made.returncode == 0, made.stderr
@@ -362,13 +362,14 @@ def test_the_documented_snippet_loads_the_newest_model_from_another_folder(tmp_p
     check = ("\nfrom safetensors.torch import load_file as _load\n"
              "assert all((model.state_dict()[k] == v).all() for k, v in _load(path).items())\n"
              "print('loaded', metadata['run_profile'])\n")
-    site = tmp_path / "site"  # what pip install -e gives: exogym importable, from the checkout
+    site = tmp_path / "site"  # what pip install -e gives: both packages, from the checkout
     site.mkdir()
     (site / "exogym").symlink_to(ROOT / "exogym")
+    (site / "exogym_distributed").symlink_to(ROOT / "distributed")
     env = {**os.environ, "PYTHONPATH": str(site)}
     without = subprocess.run([sys.executable, "-c", "import distributed"], cwd=tmp_path,
                              env=env, capture_output=True, text=True)
-    assert "No module named 'distributed'" in without.stderr  # not importable by itself
+    assert "No module named 'distributed'" in without.stderr  # dask's name stays free
     loaded = subprocess.run([sys.executable, "-c", code + check], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert loaded.returncode == 0, loaded.stderr
