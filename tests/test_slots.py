@@ -69,7 +69,7 @@ def test_bad_slots_name_the_line_the_value_and_the_fix(tmp_path, value):
         load_hosts(path)
     (problem,) = caught.value.problems
     assert problem.startswith('hosts file line 4: "workers[0].slots" must be the number of '
-                              "ranks to run on the host, an integer >= 1")
+                              "ranks to run on the host, an integer from 1 to 1024")
     assert problem.endswith(f"got {json.dumps(value)}")
 
 

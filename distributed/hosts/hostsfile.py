@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exogym.base.escapes import unprintable
+from exogym.base.limits import MAX_NUM_NODES
 from exogym.base.plural import plural
-from exogym.base.terminal import unprintable
-from exogym.config.fit_args import MAX_NUM_NODES
 
 DEFAULT_MASTER_PORT = 29500
 #: The largest hosts file read: a host takes a line or a few.

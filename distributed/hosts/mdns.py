@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from exogym.base.terminal import printable
+from exogym.base.escapes import printable
 
 from .onhost.probe import hash_files, torch_version
 from .sync import PROJECT_ROOT, WORK_ROOT, code_files

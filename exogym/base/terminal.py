@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,6 +21,10 @@ from rich.rule import Rule
 from rich.style import Style
 from rich.text import Text
 
+from .escapes import printable, unprintable
+
+__all__ = ["printable", "unprintable"]
+
 __all__ = ["RULE_WIDTH", "UNFOLDED_WIDTH", "output_console", "printable", "unprintable"]
 
 #: Width given to output that is not a terminal: more than any table or line here needs,
@@ -29,27 +32,6 @@ __all__ = ["RULE_WIDTH", "UNFOLDED_WIDTH", "output_console", "printable", "unpri
 UNFOLDED_WIDTH = 10_000
 #: Width of a rule printed off a terminal.
 RULE_WIDTH = 80
-
-
-def unprintable(text: str) -> list[str]:
-    """The characters of ``text`` a terminal would act on rather than show: control
-    characters (NUL, escape, newline, ...) and format characters (the bidirectional
-    overrides that reorder what follows, zero-width ones), as ``\\x1b``, ``\\u202e``."""
-    return [_escaped(c) for c in text if unicodedata.category(c) in ("Cc", "Cf")]
-
-
-def printable(text: str) -> str:
-    """``text`` with every character :func:`unprintable` names written as its escape, so
-    that text from elsewhere (the LAN, a file) shows as it is and cannot move the cursor,
-    hide what follows or reorder it."""
-    return "".join(_escaped(c) if unicodedata.category(c) in ("Cc", "Cf") else c
-                   for c in text)
-
-
-def _escaped(c: str) -> str:
-    code = ord(c)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 \
-        else f"\\U{code:08x}"
 
 
 class _UnfoldedConsole(Console):

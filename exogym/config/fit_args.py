@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from exogym.base import limits
 from exogym.base.arg_errors import unknown_args_error
 from exogym.base.plural import plural
 from exogym.config.parsers import (
@@ -57,9 +58,9 @@ def _arg(default: Any, help: str, check: Check | None = None, profile: bool = Fa
 # -- checks ----------------------------------------------------------------------------
 
 
-#: The most ranks a run may have: a simulation runs them on one machine, a run across
-#: hosts one per slot; beyond this a run is a typo, refused before anything is allocated.
-MAX_NUM_NODES = 1024
+#: The most ranks a run may have (exogym.base.limits): a simulation runs them on one
+#: machine, a run across hosts one per slot; beyond it a run is a typo, refused first.
+MAX_NUM_NODES = limits.MAX_NUM_NODES
 #: The most steps a run may train: a billion steps of a millisecond each take 11 days.
 MAX_STEPS = 10**9
 #: The largest whole number any other argument takes (counts, intervals, sizes).
