@@ -90,8 +90,7 @@ def test_sigterm_stops_a_run_as_ctrl_c_does_and_its_resume_continues_the_trace(t
             "--set", "val_size=16", "--set", "H=5", "--logger", "none"]
     folder = tmp_path / "runs/digits-diloco"
     returncode, _, err = interrupt_after_checkpoints(
-        args, tmp_path, folder / "checkpoints/digits-diloco/rank0", count=3,
-        signum=signal.SIGTERM)  # a few rounds in, so that steps reached the trace on a busy machine
+        args, tmp_path, folder / "checkpoints/digits-diloco/rank0", signum=signal.SIGTERM)
     assert returncode == 143, err
     assert "Traceback" not in err, err
     assert "this run's newest checkpoint, at step" in err, err
