@@ -39,7 +39,6 @@ import torch
 
 from exogym import comm
 from exogym.base.io import atomic_torch_save
-from exogym.base.stop_signal import sigterm_as_interrupt, stop_on_sigterm
 from exogym.comm.averaging import RunningSum, average_of_sums, average_state_dicts
 from exogym.comm.mailbox import new_run_id, remove_segments
 from exogym.comm.packed import PackedWorld, process_ranks
@@ -248,7 +247,6 @@ def _local_rank_entry(payload: Any, placement: Placement, rank: int,
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
-    stop_on_sigterm()  # stopped from outside or by the parent: leave through the finally blocks
     emit = _EventBatches(events)
     try:
         spec: RunSpec = payload.obj if isinstance(payload, _Portable) else payload
@@ -284,7 +282,6 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    stop_on_sigterm()
     batches = _EventBatches(events)
     sending = threading.Lock()
 
@@ -517,8 +514,7 @@ class Trainer:
         failed = True
         error: BaseException | None = None
         try:
-            with sigterm_as_interrupt():  # SIGTERM stops the run as Ctrl-C does
-                states = self._execute(spec, placement, on_event)
+            states = self._execute(spec, placement, on_event)
             failed = False
         except BaseException as exc:
             error = exc
