@@ -18,11 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from ranks import ROOT
-from toys import tiny_model, toy_dataset
 
-from exogym import Trainer
 from exogym.run.checkpoint import MAGIC, CheckpointError, checkpoint_path, load_checkpoint
-from exogym.strategy import FedAvgStrategy
 
 QUIET = dict(logger=None, progress=False)
 
@@ -67,16 +64,25 @@ def test_a_crafted_checkpoint_is_refused_without_running_its_code(tmp_path):
     assert not marker.exists()
 
 
-def test_resuming_from_a_crafted_checkpoint_runs_no_code_and_starts_afresh(tmp_path, capfd):
+def test_resuming_from_a_crafted_checkpoint_runs_no_code_and_starts_afresh(tmp_path):
     marker = tmp_path / "ran"
     _crafted_checkpoint(checkpoint_path(tmp_path / "run", 0, 4), {"step": _Planted(marker)})
-    ds = toy_dataset(32)
-    trainer = Trainer(tiny_model(), ds, ds)
-    trainer.fit(strategy=FedAvgStrategy(), num_nodes=1, max_steps=2, batch_size=8,
-                save_dir=str(tmp_path), run_name="run", resume_from="auto", **QUIET)
+    # In an interpreter of its own, so that what the rank prints reaches this test's pipe
+    # whichever process started the ranks of earlier tests.
+    script = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+              "from toys import tiny_model, toy_dataset\n"
+              "from exogym import Trainer\nfrom exogym.strategy import FedAvgStrategy\n"
+              "ds = toy_dataset(32)\ntrainer = Trainer(tiny_model(), ds, ds)\n"
+              "trainer.fit(strategy=FedAvgStrategy(), num_nodes=1, max_steps=2, batch_size=8, "
+              f"save_dir={str(tmp_path)!r}, run_name='run', resume_from='auto', "
+              "logger=None, progress=False)\n"
+              "print('steps', json.dumps([r['step'] for r in trainer.history]))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert not marker.exists()
-    assert [r["step"] for r in trainer.history] == [1, 2]  # nothing was resumed
-    assert "skipping checkpoint" in capfd.readouterr().out
+    assert "steps [1, 2]" in done.stdout  # nothing was resumed
+    assert "skipping checkpoint" in done.stdout + done.stderr
 
 
 def test_a_checkpoint_round_trips_the_training_state_as_tensors_and_json(tmp_path):

@@ -1,10 +1,4 @@
-"""A run stopped from outside, or by a full disk, ends as cleanly as Ctrl-C ends it.
-
-SIGTERM (what ``kill``, systemd, SLURM and container runtimes send) keeps the
-checkpoint, completes the trace and prints the command to resume, exiting 143;
-a full disk names the file and leaves no temporary file; a resumed run's trace
-keeps the steps from before its interruption.
-"""
+"""A full disk names the file it could not write and leaves no temporary file."""
 
 from __future__ import annotations
 
