@@ -69,7 +69,7 @@ def test_resuming_from_a_crafted_checkpoint_runs_no_code_and_starts_afresh(tmp_p
     _crafted_checkpoint(checkpoint_path(tmp_path / "run", 0, 4), {"step": _Planted(marker)})
     # In an interpreter of its own, so that what the rank prints reaches this test's pipe
     # whichever process started the ranks of earlier tests.
-    script = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+    script = ("import json\n"
               "from toys import tiny_model, toy_dataset\n"
               "from exogym import Trainer\nfrom exogym.strategy import FedAvgStrategy\n"
               "ds = toy_dataset(32)\ntrainer = Trainer(tiny_model(), ds, ds)\n"
@@ -77,8 +77,9 @@ def test_resuming_from_a_crafted_checkpoint_runs_no_code_and_starts_afresh(tmp_p
               f"save_dir={str(tmp_path)!r}, run_name='run', resume_from='auto', "
               "logger=None, progress=False)\n"
               "print('steps', json.dumps([r['step'] for r in trainer.history]))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(ROOT)])}
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert not marker.exists()
     assert "steps [1, 2]" in done.stdout  # nothing was resumed
