@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from .onhost import platform_facts
-from .remote import LOADER, Shell, module_source, shell_path
+from .remote import LOADER, Shell, interpreter_word, module_source, shell_path
 from .sync import (
     PACKAGE_DIR,
     PROJECT_ROOT,
@@ -420,8 +420,7 @@ class HostProvisioner:
 
     def facts(self, probe_index: bool = False) -> dict[str, Any]:
         """What the host's system Python reports (:mod:`.onhost.platform_facts`)."""
-        py = shell_path(self.base_python) if "/" in self.base_python else \
-            shlex.quote(self.base_python)
+        py = interpreter_word(self.base_python)
         command = (f"command -v {py} >/dev/null 2>&1 || {{ echo 'no {self.base_python} on "
                    f"PATH' >&2; exit 91; }}; exec {py} -c {shlex.quote(LOADER)}")
         out = self._run("sh -c " + shlex.quote(command), f"asking {self.base_python} about the "
@@ -522,8 +521,7 @@ class HostProvisioner:
                 "os.makedirs(os.path.dirname(sys.argv[2]),exist_ok=True)\n"
                 "open(sys.argv[2]+'.tmp','wb').write(z.read(name))\n"
                 "os.chmod(sys.argv[2]+'.tmp',0o755);os.replace(sys.argv[2]+'.tmp',sys.argv[2])\n")
-        py = shell_path(self.base_python) if "/" in self.base_python else \
-            shlex.quote(self.base_python)
+        py = interpreter_word(self.base_python)
         done = self.shell.run(f"{py} -c {shlex.quote(code)} "
                               f"{shell_path(posixpath.join(remote, wheel))} {shell_path(target)} "
                               f"&& {shell_path(target)} --version", timeout=VENV_TIMEOUT_S)
@@ -531,8 +529,7 @@ class HostProvisioner:
 
     def _make_venv(self, platform: HostPlatform, result: ProvisionResult, uv: str | None = None,
                    folder: Path | None = None, remote: str | None = None) -> None:
-        py = shell_path(self.base_python) if "/" in self.base_python else \
-            shlex.quote(self.base_python)
+        py = interpreter_word(self.base_python)
         venv = shell_path(self.venv)
         if uv is not None:
             self._run(f"{self._uv_env()} {shell_path(uv)} venv --quiet --clear "

@@ -58,6 +58,12 @@ def shell_path(path: str) -> str:
     return shlex.quote(path)
 
 
+def interpreter_word(python: str) -> str:
+    """An interpreter as a shell word: a path quoted (``~/`` kept as the home directory),
+    a bare command (``python3``) quoted to be found on ``PATH``."""
+    return shell_path(python) if "/" in python else shlex.quote(python)
+
+
 def _in_project(project_path: str, python_env: str, env: Mapping[str, str],
                 supervised: bool) -> list[str]:
     """``cd project && [exec] env NAME=value ... python -u``: the words before a rank's
@@ -68,7 +74,7 @@ def _in_project(project_path: str, python_env: str, env: Mapping[str, str],
         parts.append("exec env" if supervised else "env")
     if assignments:
         parts.append(assignments)
-    parts.append(shell_path(python_env) if "/" in python_env else shlex.quote(python_env))
+    parts.append(interpreter_word(python_env))
     parts.append("-u")
     return parts
 
@@ -103,7 +109,7 @@ def probe_command(project_path: str, python_env: str) -> str:
     Exits ``NO_PROJECT_PATH`` when the directory is missing and ``NO_PYTHON``
     when the interpreter cannot be found, so each gets its own message.
     """
-    py = shell_path(python_env) if "/" in python_env else shlex.quote(python_env)
+    py = interpreter_word(python_env)
     script = (f"cd {shell_path(project_path)} 2>/dev/null || exit {NO_PROJECT_PATH}; "
               f"command -v {py} >/dev/null 2>&1 || exit {NO_PYTHON}; "
               f"exec {py} -c {shlex.quote(LOADER)}")
@@ -319,7 +325,7 @@ class SSHShell(Shell):
         return _SSHStarted(channel)
 
     def kill_group(self, pgid: int, grace: float, python_env: str) -> None:
-        py = shell_path(python_env) if "/" in python_env else shlex.quote(python_env)
+        py = interpreter_word(python_env)
         done = self.run(f"exec {py} -c {shlex.quote(LOADER)}",
                         {"code": BOOTSTRAP_SOURCE, "action": "kill", "pgid": pgid,
                          "grace": grace}, timeout=grace + 10.0)
