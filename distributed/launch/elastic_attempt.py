@@ -87,7 +87,8 @@ class ElasticAttempt:
         self.earlier: dict[int, list[RankResult]] = {}  # results of a rank's lost processes
         self.lost: dict[int, str] = {}  # rank -> why, while it is away
         self.state: dict[int, str] = {}
-        self.beats: dict[int, tuple[str, float]] = {}
+        # rank -> (highest beat seen, when it was seen, whether its process has beaten yet)
+        self.beats: dict[int, tuple[int, float, bool]] = {}
         self.logged = 0
         self.membership: list[dict[str, Any]] = []
         self.stop_reason: str | None = None
@@ -103,9 +104,11 @@ class ElasticAttempt:
         from exogym.membership import hosts as protocol
 
         self.protocol = protocol
+        self.comm = comm
         master = self.plans[0]
         self.store = comm.open_store(master.master_addr, master.master_port, is_master=True,
-                                     timeout_s=30)
+                                     timeout_s=30,
+                                     key=bytes.fromhex(context.bootstrap["store_key"]))
 
     # ------------------------------------------------------------------ events
 
@@ -129,8 +132,8 @@ class ElasticAttempt:
                          f"{', '.join(entry['hosts'])}", "yellow")
             for rank in decided["ranks"]:
                 if rank not in self.lost or rank in decided["joined"]:
-                    if self.lost.pop(rank, None) is not None:
-                        self.beats.pop(rank, None)  # judged afresh from its next beat
+                    if self.lost.pop(rank, None) is not None:  # judged afresh from its next beat
+                        self.beats[rank] = (self._beat_floor(rank), time.monotonic(), True)
                     self._host(rank, "training")
 
     # ------------------------------------------------------------------ losses
@@ -165,16 +168,20 @@ class ElasticAttempt:
         for rank, run in self.runs.items():
             if rank in self.lost or not run.running:
                 continue
-            beat_key = f"exogym/beat/{rank}"
-            value = self.store.get(beat_key).decode() if self.store.check([beat_key]) else ""
+            beat = self.comm.read_beat(self.store, f"exogym/beat/{rank}")
             seen = self.beats.get(rank)
-            if seen is None or seen[0] != value:
-                self.beats[rank] = (value, now)
+            if seen is None or beat > seen[0]:
+                self.beats[rank] = (beat, now, seen is not None)
                 continue
-            allowed = self.lost_after if value else self.lost_after + START_ALLOWANCE_S
+            allowed = self.lost_after if seen[2] else self.lost_after + START_ALLOWANCE_S
             if now - seen[1] > allowed:
                 self._lose(rank, f"no heartbeat for {self.lost_after:g} s: frozen, asleep or "
                                  "cut off")
+
+    def _beat_floor(self, rank: int) -> int:
+        """The highest beat seen from ``rank``: a later process must beat above it."""
+        seen = self.beats.get(rank)
+        return seen[0] if seen is not None else 0
 
     def _watch_returns(self, now: float) -> None:
         """Ranks that acknowledged their loss are back and wait for the next round."""
@@ -184,16 +191,15 @@ class ElasticAttempt:
             generation = self.protocol.loss_generation(self.store, rank)
             if self.protocol.ready_generation(self.store, rank) == generation:
                 self._host(rank, "rejoining")
-                self.beats[rank] = ("", now)
+                self.beats[rank] = (self._beat_floor(rank), now, False)
 
     # ------------------------------------------------------------------ bringing ranks back
 
     def _start(self, rank: int, shell: Any) -> RankRun:
         plan = self.plans[rank]
-        # A new process beats from 1 once it runs: until then the key holds nothing,
-        # and the watch gives it the time to start (not the last process's silence).
-        self.store.delete_key(f"exogym/beat/{rank}")
-        self.beats[rank] = ("", time.monotonic())
+        # A new process beats once it runs, higher than its predecessor (beats follow the
+        # clock): until then the watch gives it the time to start, not the last one's silence.
+        self.beats[rank] = (self._beat_floor(rank), time.monotonic(), False)
         run = RankRun(plan, shell, self.run_dir / f"rank{rank}.log", self.restart, self.context)
         self.runs[rank] = run
         run.start()
@@ -341,6 +347,10 @@ class ElasticAttempt:
                                  self.lost.get(self.first_lost) or "lost")
         survived = self.stop_reason is None and not self.interrupted() and all(
             r.ok for r in results if r.rank not in self.lost)
+        from exogym.comm.store import describe_ignored
+
+        if describe_ignored():
+            self.say(f"the launcher {describe_ignored()}", "yellow")
         return AttemptResult(restart=self.restart, ranks=tuple(results), first_failure=first,
                              interrupted=self.interrupted(), survived=survived,
                              stop_reason=self.stop_reason, checkpointed=self.checkpointed)

@@ -167,6 +167,9 @@ class Launcher:
         self.program = program
         self.options = options
         self.env, self.secrets = split_env(options)
+        #: Signs every value of the run's store (exogym.comm.store.SignedStore); it reaches
+        #: the ranks only through their supervisor's stdin, never a command line or log.
+        self.store_key = os.urandom(32)
         if session is None:
             probe_timeout = 60.0 if options.probe_timeout is None else options.probe_timeout
             session = HostSession(config, ssh=ssh, project_root=options.project_root,
@@ -447,7 +450,8 @@ class Launcher:
             self._deliver(self._on_event, event)
 
         context = RankRunContext(
-            bootstrap={"code": BOOTSTRAP_SOURCE, "env": self.secrets, "grace": grace},
+            bootstrap={"code": BOOTSTRAP_SOURCE, "env": self.secrets, "grace": grace,
+                       "store_key": self.store_key.hex()},
             grace_period=grace, redact=self._redact,
             on_output=lambda line: self._deliver(self._on_output, line),
             on_event=on_event, exits=self._exits)
@@ -542,7 +546,7 @@ class Launcher:
     # ------------------------------------------------------------------ output
 
     def _redact(self, text: str) -> str:
-        for value in self.secrets.values():
+        for value in (*self.secrets.values(), self.store_key.hex()):
             if len(value) >= 4 and value in text:
                 text = text.replace(value, "***")
         return text

@@ -10,12 +10,15 @@ them; under ``srun`` they are read from SLURM's own variables
 
 from __future__ import annotations
 
+import functools
 import os
+import select
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..hosts.netif import interface_for
+from ..hosts.onhost.bootstrap import STORE_KEY_FD_VARIABLE
 from .slurm_variables import slurm_rank_variables
 
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -33,6 +36,8 @@ LOST_AFTER_VARIABLE = "EXOGYM_LOST_AFTER"
 #: Set by the launcher when faults are injected: the file (relative to the rank's project
 #: folder) through which the rank is slowed down (:mod:`distributed.worker.throttle`).
 THROTTLE_VARIABLE = "EXOGYM_THROTTLE_FILE"
+#: Seconds a rank waits for the run's store key on the pipe its supervisor named.
+STORE_KEY_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class RankEnvironment:
         min_nodes: ranks come and go while at least this many remain; the store is
             the launcher's (None: every rank is needed, rank 0 hosts the store).
         lost_after: with ``min_nodes``, the launcher's deadline for a silent rank.
+        store_key: the run's store key, read from the pipe ``EXOGYM_STORE_KEY_FD``
+            names (a rank the launcher started); None under torchrun or SLURM alone.
     """
 
     rank: int
@@ -58,6 +65,47 @@ class RankEnvironment:
     agent_store: bool = False
     min_nodes: int | None = None
     lost_after: float = 10.0
+    store_key: bytes | None = field(default=None, repr=False, compare=False)
+
+
+@functools.cache
+def read_store_key(fd_text: str) -> bytes:
+    """The run's store key from the pipe descriptor ``fd_text`` (read once, then closed).
+
+    Raises:
+        ValueError: naming ``EXOGYM_STORE_KEY_FD``, when the descriptor is not a number,
+            nothing arrives within :data:`STORE_KEY_WAIT_S` or what arrives is not a key.
+    """
+    try:
+        fd = int(fd_text)
+    except ValueError:
+        raise ValueError(f"{STORE_KEY_FD_VARIABLE}={fd_text!r} must be a file descriptor") from None
+    data = b""
+    try:
+        while not data.endswith(b"\n") and len(data) < 1024:
+            ready, _, _ = select.select([fd], [], [], STORE_KEY_WAIT_S)
+            if not ready:
+                raise ValueError(f"no store key arrived on {STORE_KEY_FD_VARIABLE}={fd} within "
+                                 f"{STORE_KEY_WAIT_S:g} s")
+            chunk = os.read(fd, 1024)
+            if not chunk:
+                break
+            data += chunk
+    except OSError as exc:
+        raise ValueError(f"cannot read the store key from {STORE_KEY_FD_VARIABLE}={fd}: "
+                         f"{exc.strerror or exc}") from None
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    try:
+        key = bytes.fromhex(data.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        key = b""
+    if len(key) < 16:
+        raise ValueError(f"what arrived on {STORE_KEY_FD_VARIABLE}={fd} is not a store key")
+    return key
 
 
 def rank_environment(env: dict[str, str] | None = None) -> RankEnvironment | None:
@@ -88,10 +136,12 @@ def rank_environment(env: dict[str, str] | None = None) -> RankEnvironment | Non
             raise ValueError(f"{MIN_NODES_VARIABLE}={min_nodes} must be in 1..WORLD_SIZE "
                              f"(WORLD_SIZE={world})")
     lost_after = _optional(env, LOST_AFTER_VARIABLE, float, "a number of seconds")
+    key_fd = env.get(STORE_KEY_FD_VARIABLE)
     return RankEnvironment(rank, world, env["MASTER_ADDR"], port, local_rank, local_world,
                            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
                            min_nodes=min_nodes,
-                           lost_after=10.0 if lost_after is None else lost_after)
+                           lost_after=10.0 if lost_after is None else lost_after,
+                           store_key=read_store_key(key_fd) if key_fd else None)
 
 
 def _optional(env: dict[str, str], name: str, parse: Callable[[str], Any], what: str) -> Any:

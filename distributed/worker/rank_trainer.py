@@ -127,7 +127,7 @@ class RankTrainer(Trainer):
         rendezvous = Rendezvous(env.master_addr, env.master_port,
                                 store_on_rank0=not env.agent_store and not elastic,
                                 watch_peers=True, min_nodes=env.min_nodes,
-                                lost_after=env.lost_after)
+                                lost_after=env.lost_after, key=env.store_key)
         state = run_rank(spec, placement, env.rank, rendezvous, emit, average_final=True)
         if state is None:  # away at the end of a run whose ranks come and go
             self.writes_outputs = False

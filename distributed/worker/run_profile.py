@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from exogym.base.io import atomic_save_safetensors, atomic_write_json
 from exogym.base.plural import plural
+from exogym.comm.store import describe_ignored
 from exogym.run.run_rank import LostRankError
 from exogym.run.trainer import LocalTrainer, RankFailedError
 
@@ -207,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     except (LostRankError, RankFailedError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        ignored = describe_ignored()
+        if ignored:
+            print(f"exogym: this rank {ignored}", file=sys.stderr, flush=True)
     return 0
 
 

@@ -95,7 +95,13 @@ from exogym.comm.store import (
     ControlValueTooLarge as ControlValueTooLarge,
 )
 from exogym.comm.store import (
+    next_beat as next_beat,
+)
+from exogym.comm.store import (
     open_store as open_store,
+)
+from exogym.comm.store import (
+    read_beat as read_beat,
 )
 from exogym.comm.wire import (  # the planner reads the same numbers
     BUCKET_BYTES,

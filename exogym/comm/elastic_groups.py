@@ -167,6 +167,7 @@ class ElasticGroups(Collectives):
         self._wanted_name = f"e1-{_digest(self._wanted)}"
         self._group: _Group | None = None
         self._given_up: list[tuple[Any, Any]] = []  # (group, its call that may still hang)
+        self._group_stores: list[ControlStore] = []  # the stores the formed groups met through
         #: What the rank waits for now, for a watchdog's message (None: nothing).
         self.waiting_for: str | None = None
 
@@ -313,6 +314,9 @@ class ElasticGroups(Collectives):
         finally:
             self.waiting_for = None
         pg.set_timeout(timedelta(seconds=self.timeout_s))
+        # The group holds the store's C++ side only; a signed store's Python side must
+        # outlive it.
+        self._group_stores.append(client)
         return pg, True
 
     # -- waiting and voting --------------------------------------------------------------

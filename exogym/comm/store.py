@@ -11,6 +11,13 @@ store every rank polls must stay quick.
 The server listens on the address it is given alone (:func:`listen_on`): a
 local run's store on loopback is out of reach of every other machine.
 
+A run across hosts also signs every value it writes (:class:`SignedStore`):
+the launcher draws a key for the run and hands it to each rank over SSH, and a
+value whose signature does not hold is ignored and counted
+(:func:`ignored_messages`), never acted on. A stranger who reaches the port can
+then at worst make the run fail, with an error naming the key it found forged;
+it cannot stop the run, change its membership or plant an address.
+
 :class:`ControlStore` is the only way the project writes to a store. A value
 over :data:`MAX_VALUE_BYTES` is refused in the writer, naming the key, instead
 of reaching the server.
@@ -18,9 +25,14 @@ of reaching the server.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import hashlib
+import hmac
 import os
 import socket
+import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -43,16 +55,251 @@ def _encoded(key: str, value: str | bytes) -> bytes:
     return data
 
 
+#: Bytes of a run's store key (:func:`new_run_key`).
+RUN_KEY_BYTES = 32
+#: Bytes of the signature appended to every value of a signed store.
+SIGNATURE_BYTES = 32
+#: Seconds between looks at a key that holds a forged value, waiting for a signed one.
+_FORGED_POLL_S = 0.05
+#: What a read of a signed store compares a key with: no signed value is ever this.
+_PROBE = b"\x00exogym-probe"
+#: Counters a process remembers the highest value of (an older value sent again is ignored).
+_COUNTER_MEMORY = 4096
+
+
+def new_run_key() -> bytes:
+    """A fresh random key for one run's store."""
+    return os.urandom(RUN_KEY_BYTES)
+
+
+class UnsignedValueError(RuntimeError):
+    """A key of a signed store held only values this run did not sign, until the wait ran out."""
+
+
+class _Ignored:
+    """The values this process found unsigned, counted once per key and value."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+        self.keys: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.last: dict[str, bytes] = {}
+
+    def note(self, key: str, raw: bytes) -> None:
+        with self.lock:
+            if self.last.get(key) == raw:
+                return  # the same forged value, looked at again while waiting
+            if len(self.last) >= _COUNTER_MEMORY:
+                self.last.pop(next(iter(self.last)))
+            self.last[key] = raw
+            self.count += 1
+            self.keys[key] = self.keys.get(key, 0) + 1
+            self.keys.move_to_end(key)
+            while len(self.keys) > 16:
+                self.keys.popitem(last=False)
+
+
+_IGNORED = _Ignored()
+
+
+def ignored_messages() -> tuple[int, list[str]]:
+    """How many store values this process ignored as unsigned, and the keys (newest last)."""
+    with _IGNORED.lock:
+        return _IGNORED.count, list(_IGNORED.keys)
+
+
+def describe_ignored() -> str:
+    """A sentence on the unsigned values this process ignored; ``""`` when none."""
+    count, keys = ignored_messages()
+    if not count:
+        return ""
+    shown = ", ".join(keys[-3:])
+    return (f"ignored {count} store value{'s' if count != 1 else ''} not signed by this run "
+            f"(at {shown}): something other than the run's ranks writes to its store")
+
+
+class SignedStore(dist.Store):
+    """A store whose every value carries an HMAC-SHA256 signature under the run's key.
+
+    It is a ``torch.distributed`` store, so the groups ``torch.distributed`` forms
+    through it (gloo's rendezvous addresses) are signed too. A value is signed
+    together with its key, so a signed value cannot be moved to another key. A
+    value that does not verify is ignored and counted (:func:`ignored_messages`):
+    ``check`` and ``get_if_set`` see the key as unset, ``get`` waits for a signed
+    value (raising :class:`UnsignedValueError` after the store's timeout), and a
+    counter keeps the highest value this process saw, so an older value written
+    back is not taken.
+
+    Args:
+        inner: the store that holds the signed values (a ``TCPStore``).
+        key: the run's key (:func:`new_run_key`), at least 16 bytes.
+        timeout_s: how long ``get`` waits for a signed value.
+    """
+
+    def __init__(self, inner: dist.Store, key: bytes, timeout_s: float):
+        super().__init__()
+        if len(key) < 16:
+            raise ValueError(f"a run's store key must be at least 16 bytes, got {len(key)}")
+        self.inner = inner
+        self._key = bytes(key)
+        self.timeout_s = timeout_s
+        self._counters: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def port(self) -> int:
+        """The inner store's port."""
+        return self.inner.port
+
+    # -- signing ------------------------------------------------------------------------
+    def _signature(self, key: str, value: bytes) -> bytes:
+        name = key.encode()
+        message = len(name).to_bytes(4, "big") + name + value
+        return hmac.new(self._key, message, hashlib.sha256).digest()
+
+    def _sign(self, key: str, value: str | bytes) -> bytes:
+        data = _encoded(key, value)
+        return data + self._signature(key, data)
+
+    def _open(self, key: str, raw: bytes) -> bytes | None:
+        """The value of a signed ``raw``; None (noted) when its signature does not hold."""
+        raw = bytes(raw)
+        value, tag = raw[:-SIGNATURE_BYTES], raw[-SIGNATURE_BYTES:]
+        if len(raw) >= SIGNATURE_BYTES and hmac.compare_digest(tag, self._signature(key, value)):
+            return value
+        _IGNORED.note(key, raw)
+        return None
+
+    def _forged(self, key: str) -> UnsignedValueError:
+        return UnsignedValueError(
+            f"store key {key!r} held only values not signed by this run for "
+            f"{self.timeout_s:g} s: something other than the run's ranks writes to its store "
+            f"(port {self.port}); the run stops rather than act on them")
+
+    # -- the store's calls --------------------------------------------------------------
+    def set(self, key: str, value: str | bytes) -> None:  # noqa: D102 - dist.Store's
+        self.inner.set(key, self._sign(key, value))
+
+    def get(self, key: str) -> bytes:  # noqa: D102
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            value = self._open(key, self.inner.get(key))
+            if value is not None:
+                return value
+            if time.monotonic() > deadline:
+                raise self._forged(key)
+            time.sleep(_FORGED_POLL_S)
+
+    def _read(self, key: str) -> tuple[bytes | None, bytes | None]:
+        """``(raw, value)`` of ``key`` now: ``(None, None)`` when unset, value None when forged."""
+        # One round trip: a compare-and-set that can never match answers with the value,
+        # or with the probe itself when the key is unset.
+        raw = bytes(self.inner.compare_set(key, _PROBE, _PROBE))
+        if raw == _PROBE and not self.inner.check([key]):
+            return None, None
+        return raw, self._open(key, raw)
+
+    def check(self, keys: list[str]) -> bool:  # noqa: D102
+        if not self.inner.check(keys):
+            return False
+        raws = self.inner.multi_get(keys)
+        return all(self._open(k, raw) is not None for k, raw in zip(keys, raws))
+
+    def get_if_set(self, key: str) -> bytes | None:
+        """The value of ``key``; None when it is unset or holds a value this run did not sign."""
+        return self._read(key)[1]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:  # noqa: D102
+        raws = self.inner.multi_get(keys)
+        out = [self._open(k, raw) for k, raw in zip(keys, raws)]
+        return [v if v is not None else self.get(k) for k, v in zip(keys, out)]
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:  # noqa: D102
+        expected_raw = b"" if expected in ("", b"") else self._sign(key, expected)
+        desired_raw = self._sign(key, desired)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            now = bytes(self.inner.compare_set(key, expected_raw, desired_raw))
+            if now == desired_raw:
+                return _encoded(key, desired)
+            value = self._open(key, now)
+            if value is not None:
+                return value
+            # A forged value sits where the run expects its own: replace it, as if unset.
+            if expected_raw == b"":
+                if bytes(self.inner.compare_set(key, now, desired_raw)) == desired_raw:
+                    return _encoded(key, desired)
+            elif time.monotonic() > deadline:
+                raise self._forged(key)
+            else:
+                time.sleep(_FORGED_POLL_S)
+
+    def add(self, key: str, amount: int) -> int:  # noqa: D102
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            raw, value = self._read(key)
+            with self._lock:
+                known = self._counters.get(key)
+            if raw is not None and (value is None or int(value) < (known or 0)):
+                # Forged, or an older value written back: ignored (noted by _read, or here).
+                if value is not None:
+                    _IGNORED.note(key, raw)
+                if known is None:  # this process never saw it: wait for a signed value
+                    if time.monotonic() > deadline:
+                        raise self._forged(key)
+                    time.sleep(_FORGED_POLL_S)
+                    continue
+                self.inner.compare_set(key, raw, self._sign(key, str(known)))  # put it back
+                continue
+            current = 0 if value is None else int(value)
+            if amount == 0:
+                self._remember(key, current)
+                return current
+            new = current + amount
+            desired = self._sign(key, str(new))
+            if bytes(self.inner.compare_set(key, raw or b"", desired)) == desired:
+                self._remember(key, new)
+                return new
+
+    def _remember(self, key: str, value: int) -> None:
+        with self._lock:
+            self._counters[key] = max(value, self._counters.get(key, 0))
+            self._counters.move_to_end(key)
+            while len(self._counters) > _COUNTER_MEMORY:
+                self._counters.popitem(last=False)
+
+    def delete_key(self, key: str) -> bool:  # noqa: D102
+        with self._lock:
+            self._counters.pop(key, None)
+        return self.inner.delete_key(key)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # noqa: D102
+        if timeout is None:
+            self.inner.wait(keys)
+        else:
+            self.inner.wait(keys, timeout)
+
+    def num_keys(self) -> int:  # noqa: D102
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:  # noqa: D102
+        self.inner.set_timeout(timeout)
+
+
 class ControlStore:
     """A client (or the server) of the rendezvous store, holding small values only.
 
     Args:
         store: the torch store it wraps (``raw``, which a ``torch.distributed``
             group is formed through).
+        key: the run's key: every value is then signed and checked
+            (:class:`SignedStore`); None for a store only this machine reaches.
+        timeout_s: with ``key``, how long a read waits for a signed value.
     """
 
-    def __init__(self, store: dist.Store):
-        self.raw = store
+    def __init__(self, store: dist.Store, key: bytes | None = None, timeout_s: float = 300.0):
+        self.signed = key is not None
+        self.raw: dist.Store = store if key is None else SignedStore(store, key, timeout_s)
 
     @property
     def port(self) -> int:
@@ -98,12 +345,30 @@ class ControlStore:
         return self.raw.multi_get(list(keys))
 
     def get_if_set(self, key: str) -> bytes | None:
-        """The value of ``key``, or None at once when it is not set."""
+        """The value of ``key``, or None at once when it is not set (or, signed, forged)."""
+        if isinstance(self.raw, SignedStore):
+            return self.raw.get_if_set(key)
         return self.raw.get(key) if self.raw.check([key]) else None
 
 
+def next_beat(last: int) -> int:
+    """The heartbeat after ``last``: milliseconds of the wall clock, always above ``last``.
+
+    Beats only go up, also across a rank's restarts on its host, so a watcher takes
+    a beat only when it is higher than every one it saw: an earlier beat written
+    back to the store (by anyone who read it there) does not make a rank look alive.
+    """
+    return max(last + 1, time.time_ns() // 1_000_000)
+
+
+def read_beat(store: ControlStore, key: str) -> int:
+    """The heartbeat at ``key``; 0 when none (or, in a signed store, none signed)."""
+    value = store.get_if_set(key)
+    return int(value) if value is not None and value.isdigit() else 0
+
+
 def open_store(addr: str, port: int, *, is_master: bool = False, world_size: int | None = None,
-               timeout_s: float = 300.0) -> ControlStore:
+               timeout_s: float = 300.0, key: bytes | None = None) -> ControlStore:
     """The TCP store ranks meet at: hosted here (``is_master``) or reached at ``addr:port``.
 
     Args:
@@ -112,11 +377,12 @@ def open_store(addr: str, port: int, *, is_master: bool = False, world_size: int
         is_master: host the store in this process.
         world_size: processes that will join through it (None: not known yet).
         timeout_s: how long a call on the store waits.
+        key: the run's key (a run across hosts): every value is signed and checked.
     """
     if not is_master:
         return ControlStore(dist.TCPStore(addr, port, world_size, is_master=False,
                                           timeout=timedelta(seconds=timeout_s),
-                                          wait_for_workers=False))
+                                          wait_for_workers=False), key, timeout_s)
     listener = listen_on(addr, port)
     port = listener.getsockname()[1]
     fd = listener.detach()  # the store's server owns the socket from here, and closes it
@@ -128,7 +394,7 @@ def open_store(addr: str, port: int, *, is_master: bool = False, world_size: int
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
-    return ControlStore(store)
+    return ControlStore(store, key, timeout_s)
 
 
 def listen_on(addr: str, port: int) -> socket.socket:

@@ -66,6 +66,9 @@ class TorchGroup(Collectives):
                  timeout_s: float, device: torch.device | None = None):
         timeout = timedelta(seconds=timeout_s)
         kwargs = {"device_id": device} if backend == "nccl" and device is not None else {}
+        # The group holds the store's C++ side only: a signed store's Python side (and the
+        # store it wraps, the server itself on rank 0) must live as long as the group.
+        self._store = store
         dist.init_process_group(backend, store=store.raw, rank=rank, world_size=world_size,
                                 timeout=timeout, **kwargs)
         self._backend_by_group: dict[Any, str] = {}

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from exogym.comm.averaging import average_state_across_ranks, state_digest
 from exogym.comm.elastic_groups import ElasticGroups
 from exogym.comm.mirror import Mirror
 from exogym.comm.shared_memory import SharedMemoryBackend, SharedMemoryCollectives
+from exogym.comm.store import describe_ignored
 from exogym.comm.torch_group import TorchGroup
 from exogym.membership.hosts import ElasticMembership, MembershipStop, PeerLost
 from exogym.run.devices import backend_for, rank_device
@@ -54,6 +55,8 @@ class Rendezvous:
         lost_after: with ``min_nodes``, the seconds of silence after which the launcher
             declares a rank lost; a group that does not form within it plus
             :data:`FORM_MARGIN_S` is given up.
+        key: the run's store key, which every store value is signed with
+            (:class:`exogym.comm.store.SignedStore`); None: values go unsigned.
     """
 
     addr: str
@@ -62,6 +65,13 @@ class Rendezvous:
     watch_peers: bool = False
     min_nodes: int | None = None
     lost_after: float = 10.0
+    key: bytes | None = field(default=None, repr=False, compare=False)
+
+    def open_store(self, *, is_master: bool = False, world_size: int | None = None,
+                   timeout_s: float = 300.0) -> comm.ControlStore:
+        """The store at this address, hosted here with ``is_master``, signed with the run's key."""
+        return comm.open_store(self.addr, self.port, is_master=is_master,
+                               world_size=world_size, timeout_s=timeout_s, key=self.key)
 
 
 #: Seconds a group of hosts that come and go may take to form beyond ``lost_after``.
@@ -106,7 +116,7 @@ class PeerWatch:
                  on_lost: Callable[[list[int], str], None] | None = None,
                  judge_peers: bool = True,
                  on_wait: Callable[[dict[str, Any]], None] | None = None):
-        self.store = comm.open_store(rendezvous.addr, rendezvous.port, timeout_s=10)
+        self.store = rendezvous.open_store(timeout_s=10)
         self.rank = rank
         self.world_size = world_size
         self.interval_s = interval_s
@@ -117,7 +127,7 @@ class PeerWatch:
         self._reported_wait_at = 0.0
         self.rendezvous = rendezvous
         self.beats = 0
-        self.seen: dict[int, tuple[str, float]] = {}
+        self.seen: dict[int, tuple[int, float]] = {}
         self.store_lost = False
         self._failing_since: float | None = None
         self._gone = False  # in this spell of failures, the store's process was found gone
@@ -134,17 +144,16 @@ class PeerWatch:
         with self._lock:
             if self.store is None:  # a call failed: its late answer must not be misread
                 # Once the store's process was found gone, a reconnection is a quick check.
-                self.store = comm.open_store(self.rendezvous.addr, self.rendezvous.port,
-                                             timeout_s=RECONNECT_S if self._gone else 10)
-            self.beats += 1
+                self.store = self.rendezvous.open_store(
+                    timeout_s=RECONNECT_S if self._gone else 10)
+            self.beats = comm.next_beat(self.beats)
             self.store.set(self._key("beat", self.rank), str(self.beats))
             for peer in range(self.world_size if self.judge_peers else 0):
                 if peer == self.rank:
                     continue
-                key = self._key("beat", peer)
-                value = self.store.get(key).decode() if self.store.check([key]) else ""
-                if peer not in self.seen or self.seen[peer][0] != value:
-                    self.seen[peer] = (value, now)
+                beat = comm.read_beat(self.store, self._key("beat", peer))
+                if peer not in self.seen or beat > self.seen[peer][0]:
+                    self.seen[peer] = (beat, now)
 
     def _report_wait(self) -> None:
         wait = comm.waiting()
@@ -246,7 +255,12 @@ class PeerWatch:
             time.sleep(self.interval_s)
 
     def describe(self, lost: list[int]) -> str:
-        """A sentence naming the lost ranks."""
+        """A sentence naming the lost ranks (and the store values it ignored as unsigned)."""
+        said = self._describe(lost)
+        ignored = describe_ignored()
+        return f"{said}; this rank {ignored}" if ignored else said
+
+    def _describe(self, lost: list[int]) -> str:
         if lost == [-1]:
             where = f"{self.rendezvous.addr}:{self.rendezvous.port}"
             return (f"lost the master: the launcher's store at {where} stopped answering (the "
@@ -285,19 +299,16 @@ def _join(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezvous
     """The transport this rank's collectives travel on, chosen once (and the membership
     of a run whose hosts come and go)."""
     if rendezvous.min_nodes is not None:
-        where = rendezvous
-
         def client(timeout_s: float) -> comm.ControlStore:
-            return comm.open_store(where.addr, where.port, timeout_s=timeout_s)
+            return rendezvous.open_store(timeout_s=timeout_s)
 
         groups = ElasticGroups(spec.num_nodes, rank, client, spec.timeout_s,
                                form_timeout_s=rendezvous.lost_after + FORM_MARGIN_S)
         membership = ElasticMembership(groups, rank, spec.num_nodes, spec.strategy.round_steps,
                                        rendezvous.min_nodes)
         return groups, membership
-    store = comm.open_store(rendezvous.addr, rendezvous.port,
-                            is_master=rendezvous.store_on_rank0 and rank == 0,
-                            world_size=spec.num_nodes, timeout_s=spec.timeout_s)
+    store = rendezvous.open_store(is_master=rendezvous.store_on_rank0 and rank == 0,
+                                  world_size=spec.num_nodes, timeout_s=spec.timeout_s)
     backend = placement.backend or backend_for(spec.device_type, placement.devices,
                                                spec.num_nodes)
     group = TorchGroup(store, rank, spec.num_nodes, backend, spec.timeout_s, device)

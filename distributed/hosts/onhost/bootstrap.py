@@ -6,7 +6,9 @@ this file's source and the rank's secret variables. ``main`` then:
 
 1. starts the rank, ``python <rank args...>``, in a new session and process
    group of its own, with the secrets added to the rank's environment only:
-   they never appear on a command line, and the supervisor keeps no copy;
+   they never appear on a command line, and the supervisor keeps no copy. The
+   run's store key is not put in the environment at all: the rank reads it
+   from a pipe whose descriptor ``EXOGYM_STORE_KEY_FD`` names;
 2. reports that group's id on stdout, so the launcher can stop the rank and
    everything it started with one ``kill -- -PGID``;
 3. watches its stdin: end-of-file means the launcher or its SSH connection is
@@ -37,6 +39,8 @@ from typing import Any
 
 #: Lines the launcher reads back from the supervisor start with this.
 MARK = "@@exogym-launch "
+#: Names the descriptor of the pipe a rank reads the run's store key from.
+STORE_KEY_FD_VARIABLE = "EXOGYM_STORE_KEY_FD"
 
 
 def _say(payload: dict[str, Any]) -> None:
@@ -123,13 +127,24 @@ def supervise(message: dict[str, Any]) -> None:
     env = dict(os.environ)
     env.update(message.get("env", {}))
     argv = [sys.executable] + sys.argv[1:]
+    keep: tuple[int, ...] = ()
+    if message.get("store_key"):
+        # The key waits in a pipe the rank inherits: out of its argv and environment.
+        read_end, write_end = os.pipe()
+        os.write(write_end, str(message["store_key"]).encode() + b"\n")
+        os.close(write_end)
+        env[STORE_KEY_FD_VARIABLE] = str(read_end)
+        keep = (read_end,)
     try:
-        child = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+        child = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, pass_fds=keep,
                                  start_new_session=True, preexec_fn=_die_with_parent)
     except OSError as exc:
         sys.stderr.write(f"exogym: cannot start {' '.join(argv)}: {exc}\n")
         _say({"exit": 127})
         sys.exit(127)
+    finally:
+        for fd in keep:
+            os.close(fd)
     del env
     message.clear()
     _say({"pgid": child.pid, "supervisor": os.getpid()})
