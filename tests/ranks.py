@@ -59,9 +59,11 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
 
 
 def interrupt_after_checkpoints(args: list[str], cwd: Path, checkpoints: Path,
-                                count: int = 1) -> tuple[int, str, str]:
+                                count: int = 1, signum: int = signal.SIGINT
+                                ) -> tuple[int, str, str]:
     """Run ``cli_typer.py ARGS`` in ``cwd``, press Ctrl-C (SIGINT to its process group) once
-    ``checkpoints`` holds ``count`` checkpoint files; its exit code, stdout and stderr."""
+    ``checkpoints`` holds ``count`` checkpoint files; its exit code, stdout and stderr.
+    ``signum=SIGTERM`` stops it as ``kill``, systemd or SLURM would instead."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "cli_typer.py"), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
                             start_new_session=True, env={**os.environ, "COLUMNS": "400"})
@@ -71,7 +73,7 @@ def interrupt_after_checkpoints(args: list[str], cwd: Path, checkpoints: Path,
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, f"no checkpoint was written in {checkpoints}"
             time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        os.killpg(proc.pid, signum)  # SIGINT: what Ctrl-C in a terminal does
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

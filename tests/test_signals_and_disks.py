@@ -1,9 +1,11 @@
-"""A full disk names the file it could not write and leaves no temporary file."""
+"""A full disk names the file it could not write and leaves no temporary file; SIGTERM and
+Ctrl-C stop a run keeping its checkpoint and its trace."""
 
 from __future__ import annotations
 
 import errno
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,55 @@ def test_other_write_errors_pass_unchanged(tmp_path, monkeypatch):
     with pytest.raises(PermissionError):
         atomic_write_bytes(tmp_path / "f", b"x")
     assert list(Path(tmp_path).iterdir()) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_stops_a_run_as_ctrl_c_does_and_its_resume_continues_the_trace(tmp_path,
+                                                                               signum):
+    import json
+    import subprocess
+    import sys
+
+    from ranks import ROOT, interrupt_after_checkpoints
+
+    from distributed.app.replay import load_recording
+
+    args = ["distributed-train", "digits-diloco", "--set", "max_steps=100000", "--set",
+            "num_nodes=2", "--set", "checkpoint_interval=5", "--set", "num_threads=1",
+            "--set", "val_size=16", "--set", "H=5", "--logger", "none"]
+    folder = tmp_path / "runs/digits-diloco"
+    returncode, _, err = interrupt_after_checkpoints(
+        args, tmp_path, folder / "checkpoints/digits-diloco/rank0", signum=signum)
+    assert returncode == 128 + signum, err
+    assert "Traceback" not in err, err
+    assert "this run's newest checkpoint, at step" in err, err
+    command = err.strip().splitlines()[-1].strip()
+    assert command.endswith("--set logger=none --resume"), err
+    trace = folder / "trace.jsonl"
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert lines[-1]["kind"] == "end" and lines[-1]["error"] == "interrupted", lines[-1]
+    assert [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")] == []
+    before = {line["step"] for line in lines if line["kind"] == "step"}
+    # Every step up to the checkpoint the signal came after reached the trace, also those
+    # the ranks had not sent yet when it came.
+    assert before and max(before) >= 5, sorted(before)
+
+    # The resumed run, to a few steps past the checkpoint, writes on after those lines.
+    checkpoint_steps = [int(p.name.split(".")[0].rsplit("_", 1)[-1].lstrip("step"))
+                        for p in (folder / "checkpoints/digits-diloco/rank0").glob("*.ckpt")
+                        if any(c.isdigit() for c in p.name)]
+    resumed_to = max(before) + 10
+    resumed = [a if a != "max_steps=100000" else f"max_steps={resumed_to}" for a in args]
+    done = subprocess.run([sys.executable, str(ROOT / "cli_typer.py"), *resumed, "--resume"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "COLUMNS": "400"})
+    assert done.returncode == 0, done.stderr
+    after = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert after[:len(lines)] == lines  # the interrupted part, kept whole
+    runs = [line for line in after if line["kind"] == "run"]
+    assert [r["resumed"] for r in runs] == [False, True]
+    later = {line["step"] for line in after[len(lines):] if line["kind"] == "step"}
+    assert later and max(later) == resumed_to and min(later) <= max(before) + 1, \
+        (sorted(before)[-3:], sorted(later)[:3], checkpoint_steps)
+    assert after[-1]["kind"] == "end" and not after[-1].get("failed")
+    assert load_recording(folder) is not None  # replay still reads the whole trace

@@ -23,6 +23,8 @@ import typer
 from rich.console import Console
 
 from exogym.base.plural import plural as plural  # the faces count with it (they import app only)
+from exogym.base.stop_signal import exit_status as exit_status
+from exogym.base.stop_signal import sigterm_as_interrupt as sigterm_as_interrupt
 from exogym.base.terminal import output_console
 
 #: Told as each stage of a long task starts: what it does, stages done, stages in all.
@@ -160,7 +162,8 @@ def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
     except typer.Exit:
         raise
     except KeyboardInterrupt as exc:
-        fail("interrupted (any ranks already started were stopped)", 130, debug, exc)
+        fail("interrupted (any ranks already started were stopped)", exit_status(exc), debug,
+             exc)
     except RunFailedError as exc:
         fail(f"the run failed: {exc}", 1, debug, exc)
     except DiskFullError as exc:

@@ -32,7 +32,14 @@ import typer
 import typer.core
 
 from ..app.compare import DEFAULT_STRATEGIES
-from ..app.console import fail, make_console, plural, reported_errors
+from ..app.console import (
+    exit_status,
+    fail,
+    make_console,
+    plural,
+    reported_errors,
+    sigterm_as_interrupt,
+)
 from .guided_setup import main as wizard_main
 
 DEFAULT_PROFILE = "digits-diloco"
@@ -290,11 +297,12 @@ def distributed_train(
             console.print(f"{why}: simulating profile {profile} on this machine.",
                           markup=False)
         try:
-            outcome = run.train(request, console, web=page)
+            with sigterm_as_interrupt():  # kill, systemd, SLURM: stopped as Ctrl-C stops it
+                outcome = run.train(request, console, web=page)
         except KeyboardInterrupt as exc:
             hint = run.resume_hint(request, exc)
-            fail("interrupted (the ranks were stopped)" + (f"; {hint}" if hint else ""), 130,
-                 debug, exc)
+            fail("interrupted (the ranks were stopped)" + (f"; {hint}" if hint else ""),
+                 exit_status(exc), debug, exc)
         except run.PreflightError as exc:
             # The person's own command with --local added: their --set values, --config, ...
             cmd = run.train_command(dataclasses.replace(request, local=True))

@@ -39,6 +39,7 @@ import torch
 
 from exogym import comm
 from exogym.base.io import atomic_torch_save
+from exogym.base.stop_signal import sigterm_as_interrupt, stop_on_sigterm
 from exogym.comm.averaging import RunningSum, average_of_sums, average_state_dicts
 from exogym.comm.mailbox import new_run_id, remove_segments
 from exogym.comm.packed import PackedWorld, process_ranks
@@ -247,6 +248,7 @@ def _local_rank_entry(payload: Any, placement: Placement, rank: int,
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    stop_on_sigterm()  # stopped from outside or by the parent: leave through the finally blocks
     emit = _EventBatches(events)
     try:
         spec: RunSpec = payload.obj if isinstance(payload, _Portable) else payload
@@ -282,6 +284,7 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop_on_sigterm()
     batches = _EventBatches(events)
     sending = threading.Lock()
 
@@ -514,7 +517,8 @@ class Trainer:
         failed = True
         error: BaseException | None = None
         try:
-            states = self._execute(spec, placement, on_event)
+            with sigterm_as_interrupt():  # SIGTERM stops the run as Ctrl-C does
+                states = self._execute(spec, placement, on_event)
             failed = False
         except BaseException as exc:
             error = exc
@@ -648,6 +652,9 @@ class Trainer:
                 return [average_of_sums([(total.sums, total.count)], spec.model.state_dict())]
             finally:
                 _stop(procs)
+                # What the ranks sent on their way out (an interrupted run's last steps)
+                # still reaches the trace and the loggers.
+                _forward_rest([parent_end for parent_end, _ in pipes], on_event)
                 for parent_end, child_end in pipes:
                     parent_end.close()
                     child_end.close()
@@ -734,6 +741,21 @@ def _root_cause(errors: list[dict[str, Any]]) -> RankFailedError:
     own = [e for e in errors if not any(m in e["traceback"] for m in _COMM_MARKERS)]
     event = (own or errors)[0]
     return RankFailedError(event["rank"], f"rank {event['rank']} failed:\n{event['traceback']}")
+
+
+def _forward_rest(readers: list[connection.Connection],
+                  on_event: Callable[[dict[str, Any]], None]) -> None:
+    """Hand ``on_event`` the metric events still waiting in ``readers`` (the ranks have
+    stopped): their results and errors are left out, the run's outcome is decided."""
+    for conn in readers:
+        try:
+            while conn.poll():
+                message = conn.recv()
+                for event in message if isinstance(message, list) else [message]:
+                    if event.get("event") not in ("error", "result"):
+                        on_event(event)
+        except (EOFError, OSError):
+            continue
 
 
 def _stop(procs, grace_s: float = 3.0) -> None:
