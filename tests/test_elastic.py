@@ -492,6 +492,7 @@ def test_a_lost_rank_that_acknowledges_after_the_run_ended_is_not_shown_rejoinin
             context=SimpleNamespace(on_event=events.append))
         stand_in._host = lambda rank, state, reason="": ElasticAttempt._host(
             stand_in, rank, state, reason)
+        stand_in._beat_floor = lambda rank: ElasticAttempt._beat_floor(stand_in, rank)
         if ending:
             stand_in._ending.set()
         return stand_in

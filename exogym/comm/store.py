@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import hmac
 import os
 import socket
@@ -154,8 +153,7 @@ class SignedStore(dist.Store):
     # -- signing ------------------------------------------------------------------------
     def _signature(self, key: str, value: bytes) -> bytes:
         name = key.encode()
-        message = len(name).to_bytes(4, "big") + name + value
-        return hmac.new(self._key, message, hashlib.sha256).digest()
+        return hmac.digest(self._key, len(name).to_bytes(4, "big") + name + value, "sha256")
 
     def _sign(self, key: str, value: str | bytes) -> bytes:
         data = _encoded(key, value)
@@ -200,6 +198,8 @@ class SignedStore(dist.Store):
         return raw, self._open(key, raw)
 
     def check(self, keys: list[str]) -> bool:  # noqa: D102
+        if len(keys) == 1:
+            return self._read(keys[0])[1] is not None
         if not self.inner.check(keys):
             return False
         raws = self.inner.multi_get(keys)
@@ -235,31 +235,62 @@ class SignedStore(dist.Store):
                 time.sleep(_FORGED_POLL_S)
 
     def add(self, key: str, amount: int) -> int:  # noqa: D102
+        if amount == 0:
+            return self._count(key)
+        with self._lock:
+            known = self._counters.get(key)
+        # One compare-and-set, from the value this process last saw (or from unset): when
+        # the guess is wrong the store answers with what it holds, and the next try uses that.
+        current = known or 0
+        expected = b"" if known is None else self._sign(key, str(known))
         deadline = time.monotonic() + self.timeout_s
         while True:
-            raw, value = self._read(key)
-            with self._lock:
-                known = self._counters.get(key)
-            if raw is not None and (value is None or int(value) < (known or 0)):
-                # Forged, or an older value written back: ignored (noted by _read, or here).
-                if value is not None:
-                    _IGNORED.note(key, raw)
-                if known is None:  # this process never saw it: wait for a signed value
-                    if time.monotonic() > deadline:
-                        raise self._forged(key)
-                    time.sleep(_FORGED_POLL_S)
-                    continue
-                self.inner.compare_set(key, raw, self._sign(key, str(known)))  # put it back
+            desired = self._sign(key, str(current + amount))
+            now = bytes(self.inner.compare_set(key, expected, desired))
+            if now == desired:
+                self._remember(key, current + amount)
+                return current + amount
+            if expected and now == expected:  # unset: a counter never goes below what was seen
+                expected = b""
                 continue
-            current = 0 if value is None else int(value)
-            if amount == 0:
+            current, expected = self._settle(key, now, known, deadline)
+
+    def _count(self, key: str) -> int:
+        """The counter ``key``: 0 when unset (or what this process saw, if higher)."""
+        with self._lock:
+            known = self._counters.get(key)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            raw = bytes(self.inner.compare_set(key, _PROBE, _PROBE))
+            if raw == _PROBE and not self.inner.check([key]):
+                self._remember(key, known or 0)
+                return known or 0
+            current, expected = self._settle(key, raw, known, deadline)
+            if expected == raw:
                 self._remember(key, current)
                 return current
-            new = current + amount
-            desired = self._sign(key, str(new))
-            if bytes(self.inner.compare_set(key, raw or b"", desired)) == desired:
-                self._remember(key, new)
-                return new
+
+    def _settle(self, key: str, raw: bytes, known: int | None, deadline: float
+                ) -> tuple[int, bytes]:
+        """``(value, signed value)`` of the counter whose store value is ``raw``.
+
+        A forged value, or a signed one below what this process saw (written back), is
+        ignored: the counter is put back to the highest value seen, or, by a process that
+        never saw it, waited for until ``deadline`` (then :class:`UnsignedValueError`).
+        """
+        value = self._open(key, raw)
+        if value is not None and int(value) >= (known or 0):
+            return int(value), raw
+        if value is not None:
+            _IGNORED.note(key, raw)  # an older value written back
+        if known is None:
+            if time.monotonic() > deadline:
+                raise self._forged(key)
+            time.sleep(_FORGED_POLL_S)
+            return 0, b""
+        restored = self._sign(key, str(known))
+        self.inner.compare_set(key, raw, restored)
+        return known, restored
 
     def _remember(self, key: str, value: int) -> None:
         with self._lock:
