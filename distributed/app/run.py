@@ -66,6 +66,7 @@ from ..profiles.run_dir import (
     RunPlacement,
     place_run,
     record_resume,
+    release_placement,
     take_placement,
 )
 from ..tasks.extras import missing_extra, require_extra
@@ -593,7 +594,11 @@ def train(request: TrainRequest, console: Console | None = None, *,
     try:
         return _train_local(profile, placement, console, live, web)
     except KeyboardInterrupt as exc:
+        release_placement(placement)  # interrupted before the run wrote anything
         raise RunInterrupted(placement.folder, placement.folder) from exc
+    except BaseException:
+        release_placement(placement)  # refused before it wrote anything: no folder left
+        raise
 
 
 def resume_hint(request: TrainRequest, interrupted: BaseException | None = None) -> str | None:

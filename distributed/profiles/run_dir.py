@@ -252,6 +252,11 @@ class RunPlacement:
         note: one line for the person: which folder, what was replaced or changed.
         replacing: the folder still holds the earlier run that this one replaces
             (``--overwrite``); :func:`take_placement` removes it as the run starts.
+        claimed: this placement made the folder's ``run.json`` (a new run), so a run
+            refused before it wrote anything gives the folder back
+            (:func:`release_placement`).
+        previous_latest: the folder ``BASE.latest`` named before the claim.
+        base: the base folder it was claimed in (``output_dir`` as the profile gave it).
     """
 
     folder: Path
@@ -260,6 +265,9 @@ class RunPlacement:
     steps: dict[int, int] = field(default_factory=dict)
     note: str = ""
     replacing: bool = False
+    claimed: bool = False
+    previous_latest: str | None = None
+    base: str | None = None
 
     def profile(self, profile: Profile) -> Profile:
         """``profile`` writing into this placement's folder."""
@@ -349,7 +357,8 @@ def _place_new(base: str, identity: RunIdentity, overwrite: bool, call: FolderCa
     elif Path(answer["folder"]) != Path(base):
         note += (f" ({base} holds an earlier run, kept as it is; "
                  f"{runfolders.latest_path(base)} points to the newest run)")
-    return RunPlacement(folder, identity, note=note)
+    return RunPlacement(folder, identity, note=note, claimed=True,
+                        previous_latest=answer.get("previous_latest"), base=base)
 
 
 def _place_resume(profile: Profile, base: str, identity: RunIdentity,
@@ -421,6 +430,23 @@ def take_placement(placement: RunPlacement, call: FolderCall = local_folders,
     note = ("--overwrite: removed the earlier run's " + ", ".join(answer.get("replaced") or [])
             + (f"; it was {earlier.describe()}" if earlier else ""))
     return dataclasses.replace(placement, replacing=False, note=note)
+
+
+def release_placement(placement: RunPlacement | None, call: FolderCall = local_folders
+                      ) -> bool:
+    """Give back the folder of a new run refused before it wrote anything: the folder goes
+    when it holds only this run's ``run.json``, and ``BASE.latest`` names what it named
+    before. Anything else (a resumed run, a folder the run wrote to) is left as it is.
+
+    Returns:
+        Whether the folder was removed.
+    """
+    if placement is None or not placement.claimed or placement.base is None:
+        return False
+    answer = call({"action": "release", "base": placement.base,
+                   "folder": str(placement.folder), "identity": placement.identity.as_dict(),
+                   "previous_latest": placement.previous_latest})
+    return bool(answer.get("released"))
 
 
 def replace_rank_folder(profile: Profile, identity: RunIdentity) -> None:

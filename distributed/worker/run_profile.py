@@ -40,13 +40,15 @@ from ..profiles.profile import (
     parse_overrides,
 )
 from ..profiles.run_dir import (
+    RunIdentity,
     place_run,
     rank_identity,
     record_resume,
+    release_placement,
     replace_rank_folder,
     take_placement,
 )
-from .environment import FINAL_MODEL, rank_environment
+from .environment import FINAL_MODEL, RankEnvironment, rank_environment
 from .rank_trainer import RankTrainer
 
 if TYPE_CHECKING:
@@ -122,6 +124,19 @@ def run_profile(name: str | Profile, config: str | None = None,
                 print(placement.note, flush=True)
         profile = placement.profile(profile)
         identity, resume = placement.identity, placement.resume
+    try:
+        return _train(profile, env, identity, resume, placement, progress, overwrite)
+    except BaseException:
+        # Refused before it wrote anything (a value a check found, no GPU, Ctrl-C while
+        # the task loads): the new folder goes, and BASE.latest names what it named before.
+        release_placement(placement)
+        raise
+
+
+def _train(profile: Profile, env: RankEnvironment | None, identity: RunIdentity,
+           resume: bool, placement: RunPlacement | None, progress: bool | ProgressSink,
+           overwrite: bool) -> Any:
+    """The rest of :func:`run_profile`, once the run's folder and identity are known."""
     resolved = profile.resolved
     output_dir = resolved.output_dir
     model, train_dataset, val_dataset = resolved.task_fn(**resolved.task_kwargs)

@@ -65,6 +65,7 @@ class OptimSpec:
                     f"{', '.join(unknown)}; "
                     f"accepted: {', '.join(sorted(accepted))}"
                 )
+        check_optimizer_args(cls, kwargs)
         self.cls = cls
         self.kwargs = dict(kwargs)
 
@@ -109,6 +110,68 @@ class OptimSpec:
 
     def __config__(self) -> dict[str, Any]:
         return {"optimizer": self.cls.__name__, **{k: _plain(v) for k, v in self.kwargs.items()}}
+
+
+#: Optimizer arguments checked by name: (lowest, whether the lowest is allowed, highest
+#: or None, whether the highest is allowed).
+_RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
+    "lr": (0.0, False, None, False),
+    "adamw_lr": (0.0, False, None, False),
+    "momentum": (0.0, True, 1.0, False),
+    "dampening": (0.0, True, 1.0, True),
+    "weight_decay": (0.0, True, None, False),
+    "adamw_weight_decay": (0.0, True, None, False),
+    "eps": (0.0, True, None, False),
+    "adamw_eps": (0.0, True, None, False),
+    "alpha": (0.0, True, None, False),
+    "rho": (0.0, True, 1.0, True),
+}
+
+
+def _range_text(low: float, low_in: bool, high: float | None, high_in: bool) -> str:
+    if high is None:
+        return f"a number > {low:g}" if not low_in else f"a number >= {low:g}"
+    return (f"a number in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}")
+
+
+def _check_number(name: str, value: Any, low: float, low_in: bool, high: float | None,
+                  high_in: bool, cls_name: str) -> None:
+    import math
+
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value >= low if low_in else value > low) and (
+            high is None or (value <= high if high_in else value < high))
+    if not ok:
+        raise ValueError(f"{cls_name}: {name} must be {_range_text(low, low_in, high, high_in)}, "
+                         f"got {value!r}")
+
+
+def check_optimizer_args(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> None:
+    """Refuse an optimizer argument out of its range, naming it, before any optimizer exists.
+
+    ``lr``, ``momentum``, ``weight_decay``, ``eps``, ``betas`` and the other common ones are
+    checked by name; a torch optimizer is then built over one stand-in parameter, so that
+    whatever else torch would refuse on first use is refused now, with the arguments named.
+
+    Raises:
+        ValueError: naming the optimizer, the argument and its valid range.
+    """
+    name = cls.__name__
+    for key, value in kwargs.items():
+        if key in _RANGES:
+            _check_number(key, value, *_RANGES[key], name)
+        elif key in ("betas", "adamw_betas"):
+            if not (isinstance(value, (tuple, list)) and len(value) == 2):
+                raise ValueError(f"{name}: {key} must be two numbers in [0, 1), got {value!r}")
+            for i, beta in enumerate(value):
+                _check_number(f"{key}[{i}]", beta, 0.0, True, 1.0, False, name)
+    if cls.__module__.startswith("torch.optim"):
+        try:
+            cls([torch.zeros(1, requires_grad=True)], **kwargs)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+            raise ValueError(f"{name}({args}) is refused by torch: {exc}") from None
 
 
 def _cpu_implementation(cls: type, kwargs: dict[str, Any], params: list) -> dict[str, Any]:

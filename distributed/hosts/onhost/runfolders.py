@@ -195,9 +195,9 @@ def point_latest(base: str, folder: str) -> None:
     pointer = latest_path(base)
     parent = os.path.dirname(pointer) or "."
     target = os.path.relpath(folder, parent)
-    tmp = os.path.join(parent, f".{os.path.basename(pointer)}.{os.getpid()}.tmp")
-    if os.path.lexists(tmp):
-        os.unlink(tmp)
+    # A name of this call's own: claims in threads of one process must not share it.
+    tmp = os.path.join(parent, f".{os.path.basename(pointer)}.{os.getpid()}."
+                               f"{os.urandom(4).hex()}.tmp")
     try:
         os.symlink(target, tmp, target_is_directory=True)
     except (OSError, NotImplementedError):  # no symbolic links here: a one-line file
@@ -253,15 +253,18 @@ def claim_new(base: str, identity: dict[str, Any], overwrite: bool = False) -> d
 
     Returns:
         ``{"folder": the folder, "replaced": the earlier run's outputs removed,
-        "replaced_identity": that run's identity or None}``.
+        "replaced_identity": that run's identity or None, "previous_latest": the folder
+        ``base.latest`` named before, or None}``.
     """
     base = os.path.normpath(base)
     if overwrite:
         earlier = read_identity(base)
         removed = clear_outputs(base) if os.path.isdir(base) else []
         write_identity(base, identity)
+        previous = latest(base)
         point_latest(base, base)
-        return {"folder": base, "replaced": removed, "replaced_identity": earlier}
+        return {"folder": base, "replaced": removed, "replaced_identity": earlier,
+                "previous_latest": previous}
     n = 1
     while True:
         folder = numbered(base, n)
@@ -271,8 +274,41 @@ def claim_new(base: str, identity: dict[str, Any], overwrite: bool = False) -> d
         if os.path.exists(folder) and not os.path.isdir(folder):
             continue  # a file of that name: not ours to touch
         if write_identity(folder, identity, exclusive=True):
+            previous = latest(base)
             point_latest(base, folder)
-            return {"folder": folder, "replaced": [], "replaced_identity": None}
+            return {"folder": folder, "replaced": [], "replaced_identity": None,
+                    "previous_latest": previous}
+
+
+def release(base: str, folder: str, identity: dict[str, Any],
+            previous_latest: str | None) -> dict[str, Any]:
+    """Undo :func:`claim_new` for a run refused before it wrote anything: remove ``folder``
+    when it holds nothing but this run's ``run.json``, and point ``base.latest`` back to
+    ``previous_latest`` (or remove it when there was none). A folder holding anything
+    else, or another run's identity, is left as it is.
+
+    Returns:
+        ``{"released": whether the folder was removed}``.
+    """
+    base, folder = os.path.normpath(base), os.path.normpath(folder)
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return {"released": False}
+    if entries != [RUN_FILE] or read_identity(folder) != identity:
+        return {"released": False}
+    os.unlink(os.path.join(folder, RUN_FILE))
+    try:
+        os.rmdir(folder)
+    except OSError:  # something arrived meanwhile: it stays
+        return {"released": False}
+    pointed = latest(base)
+    if pointed is not None and os.path.normpath(pointed) == folder:
+        if previous_latest and os.path.isdir(previous_latest):
+            point_latest(base, previous_latest)
+        else:
+            os.unlink(latest_path(base))
+    return {"released": True}
 
 
 def record_resume(folder: str, when: str, step: int | None = None) -> None:
@@ -333,6 +369,10 @@ def handle(message: dict[str, Any]) -> dict[str, Any]:
         if action == "claim":
             return claim_new(str(message["base"]), dict(message["identity"]),
                              bool(message.get("overwrite")))
+        if action == "release":
+            previous = message.get("previous_latest")
+            return release(str(message["base"]), str(message["folder"]),
+                           dict(message["identity"]), str(previous) if previous else None)
         if action == "resumed":
             record_resume(str(message["folder"]), str(message["when"]), message.get("step"))
             return {}
