@@ -54,6 +54,33 @@ def test_a_run_refused_at_start_takes_no_folder_and_leaves_latest_alone(tmp_path
     assert runfolders.latest(str(runs / "digits-diloco")) == pointed
 
 
+DRY_REFUSED = [("outer_lr=-1", "outer_lr must be a number > 0"), ("H=0", "H must be an integer"),
+               ("lr=fast", "lr must be a positive number"),
+               ("outer_lr=abc", "outer_lr must be a number > 0, got 'abc'")]
+if not __import__("torch").cuda.is_available():
+    DRY_REFUSED.append(("device=cuda", "no CUDA GPU is available"))
+
+
+@pytest.mark.parametrize("setting, named", DRY_REFUSED)
+def test_a_dry_run_refuses_what_the_run_would_refuse(tmp_path, setting, named):
+    done = cli("distributed-train", "digits-diloco", "--dry-run", "--set", setting,
+               cwd=tmp_path)
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert named in done.stderr, done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_dry_run_warns_as_the_run_would(tmp_path):
+    done = cli("distributed-train", "digits-diloco", "--dry-run", "--set", "batch_size=5000",
+               "--set", "max_steps=10", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    said = done.stdout + done.stderr
+    assert "batch_size=5000 is larger than one rank's share of the data" in said, said
+    assert "H=20 > max_steps=10" in said, said
+    assert "nothing is started" in said
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_first_run_refused_leaves_no_runs_folder_behind(tmp_path):
     refused = cli("distributed-train", "digits-diloco", *QUICK, "--set", "outer_lr=-1",
                   cwd=tmp_path)

@@ -552,6 +552,12 @@ def dry_run(request: TrainRequest, console: Console) -> Profile:
     lacking = missing_extra(profile.task)
     for note in notes + ([lacking] if lacking else []):
         console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    if not lacking:
+        # Every check a run makes, with its warnings (the data against the batch size, the
+        # device, memory): what the run would refuse, the dry run refuses.
+        from ..worker.run_profile import run_profile
+
+        run_profile(profile, progress=False, local=True, check_only=True)
     return profile
 
 

@@ -83,7 +83,8 @@ def run_profile(name: str | Profile, config: str | None = None,
                 overrides: dict[str, Any] | None = None, resume: bool = False,
                 progress: bool | ProgressSink = True, local: bool | None = None, *,
                 placement: RunPlacement | None = None, overwrite: bool = False,
-                fresh_if_none: bool = False, started: str | None = None):
+                fresh_if_none: bool = False, started: str | None = None,
+                check_only: bool = False):
     """Train a profile: this rank (rank variables set) or a local simulation; returns the trainer.
 
     Args:
@@ -100,6 +101,9 @@ def run_profile(name: str | Profile, config: str | None = None,
         overwrite: a new run in ``output_dir`` itself, replacing the run there.
         fresh_if_none: with ``resume``, start a new run when there is nothing to resume.
         started: the run's start time as its launcher recorded it.
+        check_only: build the task and the strategy and make every check a run makes,
+            with its warnings, then return: no folder is claimed, nothing is written or
+            started (a dry run).
 
     Raises:
         RunFolderError: the folder cannot take this run (``NothingToResumeError``: nothing
@@ -110,6 +114,9 @@ def run_profile(name: str | Profile, config: str | None = None,
     else:
         profile = load_profile(name, config, overrides)
     env = None if local else rank_environment()
+    if check_only:
+        identity = RunIdentity.of(profile, int(profile.values.get("num_nodes") or 1), started)
+        return _train(profile, None, identity, resume, None, False, overwrite, check_only=True)
     if env is not None:
         identity = rank_identity(profile, env.rank, env.world_size, resume=resume,
                                  overwrite=overwrite, started=started)
@@ -135,7 +142,7 @@ def run_profile(name: str | Profile, config: str | None = None,
 
 def _train(profile: Profile, env: RankEnvironment | None, identity: RunIdentity,
            resume: bool, placement: RunPlacement | None, progress: bool | ProgressSink,
-           overwrite: bool) -> Any:
+           overwrite: bool, check_only: bool = False) -> Any:
     """The rest of :func:`run_profile`, once the run's folder and identity are known."""
     resolved = profile.resolved
     output_dir = resolved.output_dir
@@ -150,6 +157,10 @@ def _train(profile: Profile, env: RankEnvironment | None, identity: RunIdentity,
         resume_from="auto" if resume else None, progress=progress,
         run_identity=identity.as_dict(),
     )
+    if check_only:
+        trainer = LocalTrainer(model, train_dataset, val_dataset)
+        trainer.check(**fit_kwargs)
+        return trainer
     if env is None:
         fit_kwargs["trace"] = str(output_dir)  # trace.jsonl beside summary.json
         trainer = LocalTrainer(model, train_dataset, val_dataset)

@@ -448,7 +448,9 @@ class Trainer:
         #: anything: where a caller replaces an earlier run, so a refusal loses nothing.
         self.before_start: Callable[[], None] | None = None
 
-    def fit(self, *args: Any, **kwargs: Unpack[FitKwargs]) -> torch.nn.Module:
+    def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[FitArgs, RunSpec, Placement]:
+        """Every check ``fit`` makes before it writes or starts anything, with its warnings."""
         fit_args = FitArgs.from_call("fit()", args, dict(kwargs))
         if fit_args.device is None and self.device is not None:
             fit_args = dataclasses.replace(fit_args, device=self.device)
@@ -459,6 +461,19 @@ class Trainer:
         spec = with_measured_minibatch(spec, placement)
         self._processes = self._packing(spec, placement, fit_args.processes)
         self.state_bytes = self._check_memory(spec, placement)
+        return fit_args, spec, placement
+
+    def check(self, *args: Any, **kwargs: Unpack[FitKwargs]) -> None:
+        """Make every check ``fit`` would make with these arguments, and give its warnings,
+        without writing or starting anything (a dry run).
+
+        Raises:
+            ValueError, TypeError: what ``fit`` would refuse, worded as ``fit`` words it.
+        """
+        self._checked(args, dict(kwargs))
+
+    def fit(self, *args: Any, **kwargs: Unpack[FitKwargs]) -> torch.nn.Module:
+        fit_args, spec, placement = self._checked(args, dict(kwargs))
         if self.before_start is not None:
             self.before_start()
         run_logger = make_logger(fit_args.logger, fit_args.log_dir, fit_args.run_name,
