@@ -129,3 +129,106 @@ def test_optimizer_settings_are_checked_by_name_when_the_strategy_is_made(make, 
     with pytest.raises(ValueError) as caught:
         make(strategy)
     assert message in str(caught.value)
+
+
+# -- fit() says what the CLI says, before any rank starts --------------------------------
+
+class _Net(__import__("torch").nn.Module):
+    def __init__(self, returns: str = "loss"):
+        import torch
+
+        super().__init__()
+        self.returns = returns
+        self.layer = torch.nn.Linear(8, 2)
+
+    def forward(self, batch):
+        import torch
+
+        logits = self.layer(batch[0])
+        if self.returns == "tuple":
+            return torch.nn.functional.cross_entropy(logits, batch[1]), logits
+        if self.returns == "logits":
+            return logits
+        if self.returns == "per-sample":
+            return torch.nn.functional.cross_entropy(logits, batch[1], reduction="none")
+        return torch.nn.functional.cross_entropy(logits, batch[1])
+
+
+def _data(n: int):
+    import torch
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    return TensorDataset(torch.randn(n, 8), torch.randint(0, 2, (n,)))
+
+
+QUIET_FIT = dict(logger=None, progress=False, val_size=0)
+
+
+@pytest.mark.parametrize("returns, shown", [("tuple", "a tuple"),
+                                             ("logits", "a tensor of shape (2, 2)"),
+                                             ("per-sample", "a tensor of shape (2,)")])
+def test_fit_refuses_a_forward_that_returns_no_scalar_before_any_rank_starts(returns, shown):
+    import time
+
+    from exogym import Trainer
+    from exogym.strategy import DiLoCoStrategy
+
+    trainer = Trainer(_Net(returns), _data(64), _data(64))
+    started = time.monotonic()
+    with pytest.raises(TypeError, match="must return the loss as a scalar tensor") as caught:
+        trainer.fit(strategy=DiLoCoStrategy(H=2), num_nodes=2, max_steps=2, batch_size=8,
+                    **QUIET_FIT)
+    assert shown in str(caught.value) and "before any rank started" in str(caught.value)
+    assert len(str(caught.value)) < 400 and trainer.history == []
+    assert time.monotonic() - started < 10
+
+
+def test_fit_refuses_ranks_without_a_sample_of_their_own():
+    from exogym import Trainer
+    from exogym.strategy import DiLoCoStrategy
+
+    with pytest.raises(ValueError, match="3 samples for 4 ranks: rank 3 would have no sample"):
+        Trainer(_Net(), _data(3), _data(3)).fit(strategy=DiLoCoStrategy(H=2), num_nodes=4,
+                                                max_steps=2, batch_size=1, **QUIET_FIT)
+
+
+def test_fit_warns_of_a_batch_larger_than_a_ranks_share_as_the_cli_does():
+    from exogym import Trainer
+    from exogym.run.spec import DataWarning
+    from exogym.strategy import DiLoCoStrategy
+
+    with pytest.warns(DataWarning, match=r"batch_size=32 is larger than one rank's share of "
+                                         r"the data \(5 of 20 training samples over 4 ranks\)"):
+        Trainer(_Net(), _data(20), _data(20)).fit(strategy=DiLoCoStrategy(H=2), num_nodes=4,
+                                                  max_steps=2, batch_size=32, **QUIET_FIT)
+
+
+def test_a_quiet_fit_prints_nothing_when_a_rank_rejoins(capfd):
+    from exogym import Trainer
+    from exogym.strategy import DiLoCoStrategy
+
+    Trainer(_Net(), _data(64), _data(64)).fit(strategy=DiLoCoStrategy(H=2), num_nodes=3,
+                                              max_steps=8, batch_size=4,
+                                              rank_failures=[(2, 2, 4)], **QUIET_FIT)
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", (out, err)
+
+
+def test_a_fit_with_progress_tells_the_hand_over_once():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from exogym import Trainer
+    from exogym.report.summary import RunReporter
+    from exogym.strategy import DiLoCoStrategy
+
+    shown = StringIO()
+    reporter = RunReporter(3, console=Console(file=shown, width=200))
+    Trainer(_Net(), _data(64), _data(64)).fit(strategy=DiLoCoStrategy(H=2), num_nodes=3,
+                                              max_steps=8, batch_size=4, logger=None,
+                                              val_size=0, progress=reporter,
+                                              rank_failures=[(2, 2, 4)])
+    lines = [line for line in shown.getvalue().splitlines() if "handed the state" in line]
+    assert len(lines) == 1 and "rank 0 handed the state to rank 2" in lines[0], lines

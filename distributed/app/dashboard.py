@@ -35,6 +35,7 @@ from exogym.base.terminal import output_console
 from exogym.report.summary import (
     VAL_ACCURACY_COLUMN,
     balance_table,
+    hand_over_line,
     human_bytes,
     label_table,
     summarize,
@@ -198,8 +199,9 @@ class Dashboard:
         return state
 
     def on_event(self, event: dict[str, Any]) -> None:
-        """Take one metric event (``start``, ``step``, ``done``; from the launcher of a run
-        whose hosts come and go, ``host`` and ``membership``; others are ignored)."""
+        """Take one metric event (``start``, ``step``, ``done``, ``hand_over``; from the
+        launcher of a run whose hosts come and go, ``host`` and ``membership``; others are
+        ignored)."""
         kind = event.get("event", "step")
         if kind == "host" and "rank" in event:
             self.set_status(int(event["rank"]), str(event["state"]))
@@ -208,6 +210,11 @@ class Dashboard:
             with self._lock:
                 self.faults.add(event)
             self._log(describe_fault_event(event))
+            return
+        if kind == "hand_over":
+            line = hand_over_line(event)
+            if line:
+                self._log(line)
             return
         if kind == "membership":
             self.membership.append({k: event[k] for k in ("step", "ranks", "hosts", "reason")})

@@ -49,6 +49,9 @@ class RankTrainer(Trainer):
             defaults to the host's ``device`` from the hosts file.
     """
 
+    #: Rank 0's worker says what the data and the batch size do (once for the run).
+    checks_data = False
+
     def __init__(self, environment: RankEnvironment, model: torch.nn.Module, train_dataset: Any,
                  val_dataset: Any = None, **trainer_kwargs: Any):
         if trainer_kwargs.get("device") is None:

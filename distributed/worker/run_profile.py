@@ -30,6 +30,7 @@ from exogym.base.io import atomic_save_safetensors, atomic_write_json
 from exogym.base.plural import plural
 from exogym.comm.store import describe_ignored
 from exogym.run.run_rank import LostRankError
+from exogym.run.spec import DataWarning
 from exogym.run.trainer import LocalTrainer, RankFailedError
 
 from ..profiles.profile import (
@@ -148,7 +149,7 @@ def _train(profile: Profile, env: RankEnvironment | None, identity: RunIdentity,
     output_dir = resolved.output_dir
     model, train_dataset, val_dataset = resolved.task_fn(**resolved.task_kwargs)
     ranks = env.world_size if env is not None else int(resolved.run_kwargs.get("num_nodes") or 1)
-    if env is None or env.rank == 0:
+    if env is not None and env.rank == 0:  # a simulation's fit says it itself
         warn_small_shards(train_dataset, ranks, resolved.run_kwargs.get("batch_size"))
     strategy = resolved.strategy_cls(**resolved.strategy_kwargs)
     fit_kwargs = dict(
@@ -211,8 +212,9 @@ def warn_small_shards(train_dataset: Any, ranks: int, batch_size: int | None) ->
 
 def _plain_profile_warnings(message: Warning | str, category: type[Warning], filename: str,
                             lineno: int, line: str | None = None) -> str:
-    """A ``ProfileWarning`` as one plain line; any other warning as Python shows it."""
-    if issubclass(category, ProfileWarning):
+    """A ``ProfileWarning`` or ``DataWarning`` as one plain line; any other warning as
+    Python shows it."""
+    if issubclass(category, (ProfileWarning, DataWarning)):
         return f"warning: {message}\n"
     return _format_warning(message, category, filename, lineno, line)
 

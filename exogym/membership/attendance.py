@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from exogym import comm
-from exogym.base.plural import plural_noun
 from exogym.comm.protocol import PeerLost, RankDropped
 from exogym.membership.handover import hand_over
 from exogym.membership.simulated import RunMembership
@@ -106,11 +105,5 @@ class Attendance:
         seconds = time.perf_counter() - started
         self.emit({"event": "hand_over", "rank": self.rank, "step": step, "source": source,
                    "joiners": list(joining), "bytes": nbytes, "seconds": seconds})
-        if self.rank == source:
-            print(f"rank {self.rank}: handed the state to {plural_noun(len(joining), 'rank')} "
-                  f"{', '.join(map(str, joining))} "
-                  f"at step {step}: {nbytes / 2**20:.1f} MiB in {seconds:.2f} s", flush=True)
-            return
-        member.adopt_state(state, membership.reshards)
-        print(f"rank {self.rank}: took the state from rank {source} at step {step}: "
-              f"{nbytes / 2**20:.1f} MiB in {seconds:.2f} s", flush=True)
+        if self.rank != source:  # the event tells it (the run's progress shows it unless quiet)
+            member.adopt_state(state, membership.reshards)

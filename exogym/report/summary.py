@@ -212,6 +212,17 @@ class ProgressSink(Protocol):
         """Show the run's final figures (``summarize``'s dict); called after a success."""
 
 
+def hand_over_line(event: dict[str, Any]) -> str | None:
+    """The line a ``hand_over`` event is told as (by the rank that handed the state over;
+    None for a joiner's own event, which would tell the same hand-over again)."""
+    if event.get("rank") != event.get("source"):
+        return None
+    joiners = list(event.get("joiners") or [])
+    ranks = ("rank " if len(joiners) == 1 else "ranks ") + ", ".join(map(str, joiners))
+    return (f"step {event.get('step')}: rank {event.get('source')} handed the state to {ranks}: "
+            f"{(event.get('bytes') or 0) / 2**20:.1f} MiB in {event.get('seconds') or 0:.2f} s")
+
+
 class RunReporter:
     """Shows a run's progress from its events and prints the final summary.
 
@@ -253,6 +264,11 @@ class RunReporter:
             self.total = event.get("max_steps")
             if self.interactive:
                 self._start_bar()
+            return
+        if kind == "hand_over":
+            line = hand_over_line(event)
+            if line:
+                self.console.print(line, markup=False, highlight=False)
             return
         if kind != "step":
             return

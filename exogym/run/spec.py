@@ -11,6 +11,7 @@ rank 0's weights are broadcast — travels beside the spec as a
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,76 @@ def _check_dataset(name: str, dataset: Any) -> None:
                         f"is_train), got {type(dataset).__name__}")
     if hasattr(dataset, "__len__") and len(dataset) == 0:
         raise ValueError(f"{name} is empty")
+
+
+class DataWarning(UserWarning):
+    """The data and the run's settings do not fit as asked: e.g. a batch larger than a
+    rank's share of the data. The run goes on; the warning says what it does instead."""
+
+
+def check_data(train_dataset: Any, num_nodes: int, batch_size: int | None) -> None:
+    """Refuse ranks that would have no sample of their own, and warn (:class:`DataWarning`)
+    when ``batch_size`` is larger than one rank's share. A dataset without a length, or a
+    factory (which builds each rank's data itself), is not checked.
+
+    Raises:
+        ValueError: fewer training samples than ranks.
+    """
+    if is_factory(train_dataset) or not hasattr(train_dataset, "__len__") or \
+            isinstance(train_dataset, IterableDataset):
+        return
+    total = len(train_dataset)
+    if total < num_nodes:
+        left = f"rank {total}" if total == num_nodes - 1 else f"ranks {total}..{num_nodes - 1}"
+        raise ValueError(
+            f"train_dataset has {total} sample{'s' if total != 1 else ''} for {num_nodes} "
+            f"ranks: {left} would have no sample of their own and "
+            f"train on copies of other ranks' samples; give at least {num_nodes} samples or "
+            f"use num_nodes={total} (a dataset factory f(rank, num_nodes, is_train) gives "
+            "each rank whatever data it builds)")
+    share = total // num_nodes
+    if batch_size is not None and batch_size > share:
+        warnings.warn(f"batch_size={batch_size} is larger than one rank's share of the data "
+                      f"({share} of {total} training samples over {num_nodes} ranks): a step "
+                      f"trains {share} samples a rank, not {batch_size}; lower batch_size or "
+                      "the number of ranks", DataWarning, stacklevel=4)  # fit()'s caller
+
+
+def check_forward(model: torch.nn.Module, train_dataset: Any,
+                  dataloader_kwargs: dict[str, Any] | None) -> None:
+    """Call ``model`` on a batch of two training samples (one if there is one), as the ranks
+    will, and refuse an output that is not a scalar loss: before any process starts, in
+    one line.
+
+    The model is in eval mode and no gradient is kept, so nothing of it changes (no
+    running statistics, no dropout draw). A dataset without indexing, or a factory, is
+    not checked here (the ranks check each step).
+
+    Raises:
+        TypeError: naming what ``forward`` returned.
+    """
+    if is_factory(train_dataset) or isinstance(train_dataset, IterableDataset) or \
+            not hasattr(train_dataset, "__len__") or len(train_dataset) == 0:
+        return
+    from exogym.data.loading import eval_loader
+
+    samples = [0, 1][:len(train_dataset)]  # two: a loss per sample is no scalar then
+    batch = next(iter(eval_loader(train_dataset, samples, len(samples), dataloader_kwargs)))
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            loss = model(batch)
+    finally:
+        model.train(training)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) \
+            else f"a {type(loss).__name__}"
+        raise TypeError(f"model.forward(batch) must return the loss as a scalar tensor, but on "
+                        f"a batch of {len(samples)} training sample{'s' if len(samples) > 1 else ''}"
+                        f" it returned {shape} (checked before any rank started); return the "
+                        "loss itself, e.g. "
+                        "torch.nn.functional.cross_entropy(logits, labels)")
 
 
 def make_run_spec(model: torch.nn.Module, train_dataset: Any, val_dataset: Any,

@@ -51,7 +51,7 @@ from exogym.report.trace import TraceWriter, trace_path
 from exogym.run.devices import available_cores, loopback_interface
 from exogym.run.memory import StateBytes, check_memory, with_measured_minibatch
 from exogym.run.run_rank import Rendezvous, run_rank
-from exogym.run.spec import Placement, RunSpec, make_run_spec
+from exogym.run.spec import Placement, RunSpec, check_data, check_forward, make_run_spec
 from exogym.strategy.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -448,6 +448,10 @@ class Trainer:
         #: anything: where a caller replaces an earlier run, so a refusal loses nothing.
         self.before_start: Callable[[], None] | None = None
 
+    #: ``fit`` refuses ranks without a sample of their own and warns of a batch larger
+    #: than a rank's share (a rank across hosts leaves that to rank 0's worker).
+    checks_data = True
+
     def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                  ) -> tuple[FitArgs, RunSpec, Placement]:
         """Every check ``fit`` makes before it writes or starts anything, with its warnings."""
@@ -457,6 +461,9 @@ class Trainer:
         if fit_args.devices is None and self.devices is not None:
             fit_args = dataclasses.replace(fit_args, devices=self.devices)
         spec = make_run_spec(self.model, self.train_dataset, self.val_dataset, fit_args)
+        if self.checks_data:
+            check_data(spec.train_dataset, spec.num_nodes, spec.batch_size)
+        check_forward(spec.model, spec.train_dataset, spec.dataloader_kwargs)
         placement = self._placement(spec)
         spec = with_measured_minibatch(spec, placement)
         self._processes = self._packing(spec, placement, fit_args.processes)
