@@ -232,3 +232,40 @@ def test_a_fit_with_progress_tells_the_hand_over_once():
                                               rank_failures=[(2, 2, 4)])
     lines = [line for line in shown.getvalue().splitlines() if "handed the state" in line]
     assert len(lines) == 1 and "rank 0 handed the state to rank 2" in lines[0], lines
+
+
+# -- replay speaks plainly -------------------------------------------------------------
+
+def test_replay_says_why_a_setting_is_refused_and_describes_its_cluster_in_words(tmp_path):
+    done = cli("distributed-train", "digits-diloco", "--set", "max_steps=20", "--set", "H=5",
+               "--set", "network=100mbit", "--set", "val_size=16", "--logger", "none",
+               cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    folder = "runs/digits-diloco"
+    whatif = cli("replay", folder, "--strategy", "ddp", "--set", "H=50", cwd=tmp_path)
+    assert whatif.returncode == 2
+    assert "--set H: ddp has no setting H (it is diloco's, the recorded run's)" in whatif.stderr
+    assert "did you mean 'H'" not in whatif.stderr
+    typo = cli("replay", folder, "--strategy", "ddp", "--set", "Hh=50", cwd=tmp_path)
+    assert typo.returncode == 2 and "(did you mean 'H'?)" in typo.stderr, typo.stderr
+    shown = cli("replay", folder, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    line = next(x for x in shown.stdout.splitlines() if x.startswith("replayed with:"))
+    assert "100 Mbit/s per host" in line and "no rank left" in line, line
+    for raw in ("None", "{", "[]", "'bandwidth'"):
+        assert raw not in line, line
+
+
+def test_a_cluster_with_failures_and_hand_overs_is_described_in_words():
+    from distributed.app.replay import describe_cluster
+
+    said = describe_cluster({
+        "network": {"bandwidth": 7871128746.0, "latency_s": 0.0002,
+                    "rank_bandwidth": [1e9, 2e9]},
+        "links_from": "each host's pre-flight probe", "rank_speeds": [1.0, 0.5],
+        "compute_time_s": 0.02, "rank_failures": [[1, 5, 9], [0, 12, None]],
+        "eval_s": {"round_end": 0.1, "mid_round": 0.0}, "hand_over_s": [0.25]})
+    assert said == ("links 1 Gbit/s, 2 Gbit/s, 0.2 ms latency (from each host's pre-flight "
+                    "probe); ranks at 1.00, 0.50 of the fastest's speed (0.02 s a step); rank "
+                    "1 away from step 5 to 9; rank 0 away from step 12; an evaluation 0.1 s at "
+                    "a round's end, 0 s inside one; hand-overs of 0.25 s")

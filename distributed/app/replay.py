@@ -53,7 +53,7 @@ from typing import Any
 from exogym.base.terminal import stdout_to_stderr
 from exogym.report.metrics import time_to_loss as loss_reached_at
 from exogym.report.trace import FORMAT_VERSION, TRACE_FILE, read_trace
-from exogym.sim.network import collective_bytes, collective_rounds
+from exogym.sim.network import Network, collective_bytes, collective_rounds
 from exogym.strategy import registry
 
 from ..profiles.profile import Profile, ProfileError, ProfileSet, imported_names
@@ -846,13 +846,23 @@ def plan_variants(recording: Recording, strategies: Sequence[str],
         variants.append(Variant(label, name, taken, profile, failures, own["compute_schedule"]))
     unused = sorted(set(overrides) - used)
     if unused:
-        accepted = set().union(*(v.profile.resolved.routing.named for v in variants))
-        hints = []
+        whatifs = [v for v in variants if not v.recorded]
+        problems = []
         for key in unused:
-            close = difflib.get_close_matches(key, accepted, n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ReplayError(f"--set {', '.join(hints)}: no replayed strategy, nor the task or the "
-                          f"run, accepts {'it' if len(unused) == 1 else 'them'}")
+            takers = [v.strategy for v in variants
+                      if key in v.profile.resolved.routing.named]
+            if takers:  # a setting, only not of the strategies asked about
+                problems.append(
+                    f"--set {key}: {' and '.join(v.strategy for v in whatifs) or 'the replay'} "
+                    f"{'has' if len(whatifs) == 1 else 'have'} no setting {key} (it is "
+                    f"{registry.canonical(takers[0])}'s, the recorded run's); leave it out, "
+                    "or replay a strategy that has it")
+                continue
+            accepted = set().union(*(v.profile.resolved.routing.named for v in variants))
+            close = [c for c in difflib.get_close_matches(key, accepted, n=2) if c != key]
+            problems.append(f"--set {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                            + ": no replayed strategy, nor the task or the run, accepts it")
+        raise ReplayError("; ".join(problems))
     labels = [v.label for v in variants]
     if len(set(labels)) != len(labels):
         raise ReplayError("two what-ifs are the same run: give each strategy once")
@@ -958,6 +968,37 @@ class ReplayResult:
                 "real": self.real.to_dict(), "replay": self.replay.to_dict(),
                 "ratios": self.ratios(), "cluster": self.cluster,
                 "what_if": self.ranking() if len(self.replays) > 1 else []}
+
+
+def describe_cluster(cluster: Mapping[str, Any]) -> str:
+    """The cluster a replay ran on, in words: its links, the ranks' speeds, who left and
+    came back, and what evaluations and hand-overs added (a report's ``cluster``)."""
+    net = cluster.get("network")
+    if isinstance(net, Mapping):
+        links = Network.coerce(dict(net)).describe() + f" (from {cluster['links_from']})"
+    elif net:
+        links = f"{net} (from {cluster['links_from']})"
+    else:
+        links = f"no network: {cluster['links_from'].split(': ', 1)[-1]}"
+    speeds = cluster.get("rank_speeds") or []
+    if speeds and max(speeds) - min(speeds) > 1e-3:
+        pace = ("ranks at " + ", ".join(f"{s:.2f}" for s in speeds) + " of the fastest's "
+                f"speed ({cluster['compute_time_s']:.3g} s a step)")
+    else:
+        pace = f"every rank {cluster['compute_time_s']:.3g} s a step"
+    failures = cluster.get("rank_failures") or []
+    away = "no rank left" if not failures else "; ".join(
+        f"rank {rank} away from step {at}" + (f" to {back}" if back is not None else "")
+        for rank, at, back in failures)
+    evals = cluster.get("eval_s") or {}
+    parts = [links, pace, away]
+    if evals.get("round_end") or evals.get("mid_round"):
+        parts.append(f"an evaluation {evals.get('round_end', 0):.3g} s at a round's end, "
+                     f"{evals.get('mid_round', 0):.3g} s inside one")
+    hand_overs = cluster.get("hand_over_s") or []
+    if hand_overs:
+        parts.append("hand-overs of " + ", ".join(f"{h:.3g}" for h in hand_overs) + " s")
+    return "; ".join(parts)
 
 
 def write_outputs(result: ReplayResult, folder: Path) -> tuple[dict[str, Any], str]:

@@ -768,12 +768,9 @@ def _print_replay(report: dict, out) -> None:
                       cell(ratio, 4))
     out.print(table)
     cluster = report["cluster"]
-    out.print(f"replayed with: links from {cluster['links_from']} ({cluster['network']}), "
-              f"rank_speeds {cluster['rank_speeds']} on a {cluster['compute_time_s']:.4g} s "
-              f"step, rank_failures {cluster['rank_failures']}, per evaluation "
-              f"{cluster['eval_s']['round_end']:.3g} s at a round's end and "
-              f"{cluster['eval_s']['mid_round']:.3g} s inside one added, hand-overs "
-              f"{cluster['hand_over_s']} s added", markup=False, soft_wrap=True)
+    from ..app.replay import describe_cluster
+
+    out.print(f"replayed with: {describe_cluster(cluster)}", markup=False, soft_wrap=True)
     if report["what_if"]:
         ranking = Table(title=f"What if: time to the recorded final val loss "
                               f"{cell(report['target_val_loss'])}", title_justify="left")
