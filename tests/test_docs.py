@@ -89,3 +89,27 @@ def test_the_strategies_of_writing_a_strategy_train_and_send_what_they_say():
     with pytest.raises(ValueError, match="num_nodes must be at least 2, got 1"):
         Trainer(model, data, data).fit(strategy=scope["CheckedSignAverage"](), num_nodes=1,
                                        max_steps=1, **FIT)
+
+
+def test_the_map_names_every_strategy_and_the_examples_count():
+    """docs/index.md's list of strategies holds every registered one, and what it says
+    examples/compare_strategies.py runs is what the example's table holds."""
+    from examples.compare_strategies import STRATEGIES
+    from exogym.strategy import registry
+
+    text = (ROOT / "docs/index.md").read_text()
+    intro = text[:text.index("Two things share one training core")]
+    shown = {"ddp": "AllReduce (DDP)", "diloco": "DiLoCo", "sparta": "SPARTA",
+             "fedavg": "FedAvg", "demo": "DeMo", "sparta_diloco": "SPARTA-DiLoCo",
+             "streaming_diloco": "Streaming DiLoCo", "sparseloco": "SparseLoCo",
+             "desloc": "DES-LOC", "muloco": "MuLoCo", "async_diloco": "asynchronous DiLoCo"}
+    for name in registry.KNOWN:
+        if name != "none":
+            assert name in shown, f"{name}: say how docs/index.md names it"
+            assert shown[name] in " ".join(intro.split()), name
+    example = text[text.index("`examples/compare_strategies.py`"):]
+    example = " ".join(example[:example.index("\n- ")].split())
+    counted = re.search(r": (\w+) strategies \(([^)]*)\)", example)
+    words = ["two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+    assert counted and words.index(counted.group(1)) + 2 == len(STRATEGIES), example
+    assert counted.group(2).split(", ") == list(STRATEGIES), example

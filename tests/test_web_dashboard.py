@@ -611,9 +611,16 @@ def test_page_in_chromium_counts_while_running_then_shows_the_runs_own_duration(
         wait_for(lambda: int(re.search(r"· (\d+) s$", status.text).group(1)) > seconds, 5,
                  "the header to count on")
         web.on_event(step(0, 2))
+        line = chromium.find_element("id", "connection")
+        assert line.text == "live"
         web.finish({"steps": 2, "wall_s": 20.7})
         wait_for(lambda: "finished" in status.text, 10, "the finished run in the header")
         assert status.text == "digits: finished · 20.7 s"
+        # the command still serves the page, but the run is over: not "live", no heartbeat
+        wait_for(lambda: line.text == "the run has ended; this is its final state", 10,
+                 "the connection line to say the run has ended")
+        ages = [td.text for td in chromium.find_elements("css selector", "td.heartbeat")]
+        assert ages == ["-"], ages
         time.sleep(2.0)
         assert status.text == "digits: finished · 20.7 s"  # it does not count on
         clock.now += 140  # opened again two minutes later

@@ -117,14 +117,16 @@ class RankRow:
         (w0, s0), (w1, s1) = self.recent[0], self.recent[-1]
         return (s1 - s0) / (w1 - w0) if w1 - w0 >= RATE_MIN_SPAN_S else None
 
-    def as_json(self, now: float) -> dict[str, Any]:
-        """The row for the page; ``heartbeat_age_s`` is seconds since the last report."""
+    def as_json(self, now: float | None) -> dict[str, Any]:
+        """The row for the page; ``heartbeat_age_s`` is seconds since the last report (None
+        once its run has ended: ``now`` is None)."""
         return {"run": self.run, "rank": self.rank, "host": self.host, "state": self.state,
                 "step": self.step, "max_steps": self.max_steps, "loss": _finite(self.loss),
                 "val_loss": _finite(self.val_loss), "val_accuracy": _finite(self.val_accuracy),
                 "samples_per_s": self.samples_per_s,
                 "bytes_sent": self.bytes_sent, "version": self.version,
-                "heartbeat_age_s": None if self.last_seen is None else now - self.last_seen}
+                "heartbeat_age_s": None if self.last_seen is None or now is None
+                else now - self.last_seen}
 
 
 @dataclass
@@ -357,7 +359,8 @@ class WebState:
                 "rate_window_s": RATE_WINDOW_S, "rate_min_span_s": RATE_MIN_SPAN_S,
                 "seq": len(self.points), "closed": self.closed,
                 "runs": [run.as_json(now) for run in self.runs],
-                "ranks": [row.as_json(now) for run in self.runs
+                # A run that has ended has no heartbeats to age: its rows show none.
+                "ranks": [row.as_json(now if run.ended is None else None) for run in self.runs
                           for row in (run.ranks[r] for r in sorted(run.ranks))],
                 "points": self.points[since:],
             }

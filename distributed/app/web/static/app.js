@@ -384,12 +384,19 @@ function apply(next) {
 function connect() {
   const line = document.getElementById("connection");
   const events = new EventSource("events" + query);
-  events.onopen = () => { line.textContent = "live"; };
+  const ended = () => view !== null && view.runs.length > 0 &&
+    view.runs.every((r) => r.status === "done" || r.status === "failed");
+  const say = () => {
+    line.textContent = ended() ? "the run has ended; this is its final state" : "live";
+  };
+  events.onopen = say;
   events.onmessage = (message) => {
     apply(JSON.parse(message.data));
     if (view.closed) {  // the command is exiting: keep what is shown, stop asking
       events.close();
       line.textContent = "the command has exited; this is its final state";
+    } else {
+      say();
     }
   };
   events.onerror = () => { line.textContent = "reconnecting…"; };
