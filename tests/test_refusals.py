@@ -269,3 +269,50 @@ def test_a_cluster_with_failures_and_hand_overs_is_described_in_words():
                     "probe); ranks at 1.00, 0.50 of the fastest's speed (0.02 s a step); rank "
                     "1 away from step 5 to 9; rank 0 away from step 12; an evaluation 0.1 s at "
                     "a round's end, 0 s inside one; hand-overs of 0.25 s")
+
+
+FIT_INTERRUPTED = """
+import torch
+from torch.utils.data import TensorDataset
+from exogym import Trainer
+from exogym.strategy import DiLoCoStrategy
+torch.manual_seed(0)
+x = torch.randn(512, 8); y = torch.randint(0, 2, (512,))
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__(); self.l = torch.nn.Linear(8, 2)
+    def forward(self, batch):
+        import time; time.sleep(0.01)
+        return torch.nn.functional.cross_entropy(self.l(batch[0]), batch[1])
+ds = TensorDataset(x, y)
+Trainer(Net(), ds, ds).fit(strategy=DiLoCoStrategy(H=2), num_nodes=2, max_steps=100000,
+                           batch_size=8, val_size=0, logger=None, progress=False,
+                           checkpoint_interval=2, save_dir="ckpt", run_name="r")
+"""
+
+
+def test_ctrl_c_in_fit_ends_with_one_line_saying_how_to_continue(tmp_path):
+    import signal
+    import time
+
+    script = tmp_path / "train.py"
+    script.write_text(FIT_INTERRUPTED)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "ckpt/r/rank1").glob("step*.ckpt")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("exogym.run.trainer.FitInterrupted: fit() was interrupted"), err
+    assert "the newest checkpoint every rank has is at step" in last
+    assert "resume_from='auto'" in last
+    assert "During handling" not in err and "direct cause" not in err, err

@@ -542,6 +542,9 @@ class Trainer:
             with sigterm_as_interrupt():  # SIGTERM stops the run as Ctrl-C does
                 states = self._execute(spec, placement, on_event)
             failed = False
+        except KeyboardInterrupt as exc:
+            error = exc
+            raise FitInterrupted(interrupted_message(spec)) from None  # one line, not two
         except BaseException as exc:
             error = exc
             raise
@@ -795,6 +798,29 @@ def _stop(procs, grace_s: float = 3.0) -> None:
     for p in procs:
         if p.pid is not None:
             p.join(timeout=5)
+
+
+class FitInterrupted(KeyboardInterrupt):
+    """``fit`` was stopped by Ctrl-C or SIGTERM; the message says how to continue."""
+
+
+def interrupted_message(spec: RunSpec) -> str:
+    """One line for an interrupted fit: where its newest complete checkpoint is and how to
+    continue from it (or that there is none)."""
+    said = "fit() was interrupted; the ranks were stopped"
+    if not spec.checkpoint_interval:
+        return (said + " and no checkpoint was asked for (checkpoint_interval), so a new fit "
+                       "starts over")
+    from exogym.run.checkpoint import list_steps
+
+    root = Path(spec.save_dir) / (spec.run_name or "run")
+    held = [set(list_steps(root, rank)) for rank in range(spec.num_nodes)]
+    common = set.intersection(*held) if held else set()
+    if not common:
+        return said + f"; no checkpoint was complete yet in {root}"
+    return (said + f"; the newest checkpoint every rank has is at step {max(common)} in "
+                   f"{root}: call fit again with the same arguments and resume_from='auto' "
+                   "to continue from it")
 
 
 class LocalTrainer(Trainer):
