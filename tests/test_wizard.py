@@ -512,3 +512,22 @@ def test_a_loopback_master_with_a_worker_elsewhere_is_refused_and_the_master_ask
     assert "worker 10.255.255.1 is another machine" in " ".join(screen.split())
     assert "Checking 10.255.255.1" not in screen  # refused before any connection
     assert "Cancelled; nothing was written." in screen
+
+
+def test_a_profile_whose_extra_is_missing_is_refused_before_any_question(tmp_path):
+    """Simulated here, the whisper task needs the whisper extra: said at once, with the
+    command that installs it, not after every question."""
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "sitecustomize.py").write_text("import sys\nsys.modules['peft'] = None\n")
+    env = wizard_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(blocked), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, WIZARD, "--yes", "--profile", "whisper-tiny-diloco",
+                           "--hosts", str(tmp_path / "no_hosts.json")],
+                          cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    said = done.stdout + done.stderr
+    assert "profile whisper-tiny-diloco cannot run here: needs the whisper extra" in said, said
+    assert "pip install -e '.[whisper]'" in said
+    assert "How many nodes" not in said and "Training steps" not in said

@@ -487,15 +487,33 @@ class Wizard:
 
     # ------------------------------------------------------------------ profile and strategy
 
-    def choose_profile(self) -> Profile:
+    def choose_profile(self, across_hosts: bool = False) -> Profile:
+        """The profile to train: asked, or the one given, refused at once when it cannot
+        run. A profile whose task needs an extra this machine lacks cannot be simulated
+        here; across hosts it is marked (the hosts may have the extra)."""
         from ..app.wizard_steps import list_profiles, load_profile
 
         path, entries = list_profiles(self.config_path)
-        choices = [(f"{e.name}: {e.row['description'] or e.row['task']}", e.name, e.why_not)
-                   for e in entries]
+
+        def why_not(entry: Any) -> str | None:
+            if entry.why_not is None and entry.needs and not across_hosts:
+                return f"needs {entry.needs}"
+            return entry.why_not
+
+        def title(entry: Any) -> str:
+            said = f"{entry.name}: {entry.row['description'] or entry.row['task']}"
+            return f"{said} (the hosts need {entry.needs})" if entry.needs and across_hosts \
+                else said
+
+        choices = [(title(e), e.name, why_not(e)) for e in entries]
         usable = [v for _, v, why in choices if why is None]
         if not usable:
             fail(f"no profile in {path} can run here (see `python cli_typer.py profiles`)",
+                 2, False)
+        chosen = {v: why for _, v, why in choices}
+        if self.profile_name and chosen.get(self.profile_name):
+            # Said now, before any question: not after them all and "Start training now?".
+            fail(f"profile {self.profile_name} cannot run here: {chosen[self.profile_name]}",
                  2, False)
         default = self.profile_name or (DEFAULT_PROFILE if DEFAULT_PROFILE in usable
                                         else usable[0])
@@ -703,7 +721,7 @@ class Wizard:
 
         self.console.rule("exogym set-up")
         hosts = self.hosts()
-        base = self.choose_profile()
+        base = self.choose_profile(across_hosts=hosts is not None)
         if hosts is not None:
             nodes = hosts.world_size
         else:
