@@ -353,3 +353,29 @@ def test_when_the_master_dies_every_rank_stops_and_resume_continues(sshd, third,
     assert f"resumed from step {newest}" in done.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3000
+
+
+def test_min_nodes_takes_a_master_at_another_address_of_this_machine(sshd, third, tmp_path):
+    """Master 127.0.0.2, reached over SSH like the worker: the launcher runs on the same
+    machine, so it can host the run's store on the master's address."""
+    out = tmp_path / "net"
+    watch = Watch()
+    worker = {"ssh_port": sshd.port}
+    config = {"master": {"host": "127.0.0.2", **worker}, "workers": [{"host": THIRD, **worker}],
+              "ssh_user": sshd.user,
+              "ssh_key_path": str(sshd.key_path), "python_env": sys.executable,
+              "project_path": str(ROOT), "master_port": free_port()}
+    ssh = SSHOptions(known_hosts_path=sshd.known_hosts, ssh_config_path=sshd.ssh_config,
+                     allow_agent=False, look_for_keys=False, connect_timeout=3)
+    job = Launcher(config, RankProgram.from_profile("digits-diloco", overrides=[
+        "max_steps=60", "H=10", "val_size=64", "num_threads=1", "checkpoint_interval=None",
+        "num_nodes=2", f"output_dir={out}"]),
+        options=LaunchOptions(run_dir=tmp_path / "launch", grace_period=2, min_nodes=2),
+        ssh=ssh, console=Console(file=StringIO(), width=200), on_output=lambda line: None,
+        on_event=watch)
+    assert not job.session.master_local
+    with job:
+        result = job.run()
+    assert result.ok, result.describe()
+    assert [m["ranks"] for m in watch.membership()] == [[0, 1]]
+    assert (out / "model.safetensors").is_file()

@@ -78,6 +78,16 @@ def is_this_machine(host: str) -> bool:
     return not ip.is_loopback and _bindable(host)
 
 
+def can_listen_on(host: str) -> bool:
+    """Whether a socket on this machine can listen on ``host``'s address: true for this
+    machine and for every other address of its own, loopback ones (``127.0.0.2``) too."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return any(_bindable(a) for a in addresses)
+
+
 def _loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address.split("%")[0]).is_loopback

@@ -66,7 +66,7 @@ from exogym.base.plural import plural
 from ..hosts.hostsfile import HostsConfig, load_hosts
 from ..hosts.preflight import PreflightError, PreflightReport
 from ..hosts.remote import BOOTSTRAP_SOURCE, hand_command, rank_command
-from ..hosts.session import HostSession, is_this_machine
+from ..hosts.session import HostSession, can_listen_on, is_this_machine
 from ..hosts.ssh import SSHOptions, ssh_command_line
 from ..hosts.sync import WORK_ROOT, is_checkout
 from ..worker.environment import (
@@ -185,11 +185,13 @@ class Launcher:
             if options.min_nodes > self.config.world_size:
                 raise ValueError(f"min_nodes={options.min_nodes} is more than the "
                                  f"{plural(self.config.world_size, 'rank')} of the hosts file")
-            if not session.master_local:
+            if not session.master_local and not can_listen_on(self.config.master.host):
                 raise ValueError(
                     f"min_nodes needs the launcher on the master host "
                     f"({self.config.master.host}): the run's store lives in the launcher, so "
-                    "that no rank's loss takes it away; start the run from that machine")
+                    "that no rank's loss takes it away, and it listens on the master's "
+                    "address, which is not one of this machine's; start the run from that "
+                    "machine")
         #: Every change of membership of the last attempt (``min_nodes``), as summary.json
         #: records it: ``{"step", "ranks", "hosts", "reason"}``.
         self.membership: list[dict[str, Any]] = []

@@ -21,7 +21,9 @@ A rank started with rank variables uses ``output_dir`` as it is given.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import sys
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -225,6 +227,9 @@ _format_warning = warnings.formatwarning
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.formatwarning = _plain_profile_warnings
+    if hasattr(signal, "SIGUSR1"):
+        # `kill -USR1 PID` prints where each of the rank's threads is (a rank that hangs).
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     try:
         run_profile(args.profile, args.config, parse_overrides(args.overrides), args.resume,

@@ -193,8 +193,10 @@ class SignedStore(dist.Store):
         # One round trip: a compare-and-set that can never match answers with the value,
         # or with the probe itself when the key is unset.
         raw = bytes(self.inner.compare_set(key, _PROBE, _PROBE))
-        if raw == _PROBE and not self.inner.check([key]):
-            return None, None
+        if raw == _PROBE:  # unset, or set just after the probe: ask again
+            if not self.inner.check([key]):
+                return None, None
+            raw = bytes(self.inner.get(key))
         return raw, self._open(key, raw)
 
     def check(self, keys: list[str]) -> bool:  # noqa: D102
@@ -261,8 +263,8 @@ class SignedStore(dist.Store):
             known = self._counters.get(key)
         deadline = time.monotonic() + self.timeout_s
         while True:
-            raw = bytes(self.inner.compare_set(key, _PROBE, _PROBE))
-            if raw == _PROBE and not self.inner.check([key]):
+            raw, _ = self._read(key)
+            if raw is None:
                 self._remember(key, known or 0)
                 return known or 0
             current, expected = self._settle(key, raw, known, deadline)
