@@ -601,6 +601,31 @@ def test_a_store_across_hosts_listens_on_the_masters_address_alone():
     assert store.get("exogym/elastic/host/0") == b"127.0.0.2"
 
 
+def test_signed_counters_added_to_at_once_give_every_adder_a_number_of_its_own():
+    """A signed counter is a compare-and-set loop: two adders that meet the same value must
+    not both take the same next number (each write carries a nonce of its own)."""
+    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=10, key=KEY)
+    got: list[int] = []
+    lock = threading.Lock()
+
+    def adder() -> None:
+        store = open_store("127.0.0.1", master.port, timeout_s=10, key=KEY)
+        for i in range(150):
+            if i % 3 == 0:
+                store.add("exogym/elastic/log/n", 0)
+            number = store.add("exogym/elastic/log/n", 1)
+            with lock:
+                got.append(number)
+
+    threads = [threading.Thread(target=adder) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(got) == list(range(1, 601))
+    assert master.add("exogym/elastic/log/n", 0) == 600
+
+
 def test_a_key_shorter_than_sixteen_bytes_is_refused():
     with pytest.raises(ValueError, match="at least 16 bytes"):
         open_store("127.0.0.1", 0, is_master=True, key=b"short")

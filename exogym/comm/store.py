@@ -66,6 +66,15 @@ _PROBE = b"\x00exogym-probe"
 _COUNTER_MEMORY = 4096
 
 
+def _counter(value: bytes | None) -> int | None:
+    """A signed counter's number: ``b"7"`` (set as a number) or ``b"7:NONCE"`` (added to);
+    None for a value that is neither."""
+    if value is None:
+        return None
+    head = value.split(b":", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
 def new_run_key() -> bytes:
     """A fresh random key for one run's store."""
     return os.urandom(RUN_KEY_BYTES)
@@ -247,7 +256,9 @@ class SignedStore(dist.Store):
         expected = b"" if known is None else self._sign(key, str(known))
         deadline = time.monotonic() + self.timeout_s
         while True:
-            desired = self._sign(key, str(current + amount))
+            # A nonce of this write's own: two processes adding to the same value must not
+            # write the same bytes, or each would take the other's write for its own.
+            desired = self._sign(key, f"{current + amount}:{os.urandom(8).hex()}")
             now = bytes(self.inner.compare_set(key, expected, desired))
             if now == desired:
                 self._remember(key, current + amount)
@@ -281,9 +292,10 @@ class SignedStore(dist.Store):
         never saw it, waited for until ``deadline`` (then :class:`UnsignedValueError`).
         """
         value = self._open(key, raw)
-        if value is not None and int(value) >= (known or 0):
-            return int(value), raw
-        if value is not None:
+        number = _counter(value)
+        if number is not None and number >= (known or 0):
+            return number, raw
+        if number is not None:
             _IGNORED.note(key, raw)  # an older value written back
         if known is None:
             if time.monotonic() > deadline:
