@@ -124,3 +124,40 @@ def test_a_real_runs_screen_in_a_terminal_shows_a_row_per_rank_with_changing_ste
     assert all(max(seen) == 3000 for seen in steps.values())
     assert re.search(r"│\s+all │ 2 ranks\s+│ 2/2 done", screen)
     assert "run summary" in screen
+
+
+def test_the_live_table_fits_an_80_column_terminal_without_cutting_a_cell():
+    out = io.StringIO()
+    hosts = ["10.213.91.254", "10.213.91.1", "10.213.91.2", "gpu-box-under-the-desk"]
+    dashboard = Dashboard(4, hosts, console=Console(file=io.StringIO(), width=80), live=False)
+    for rank in range(4):
+        dashboard.on_event({"event": "start", "rank": rank, "max_steps": 10000})
+        dashboard.on_event(step(rank, 7391, val_loss=0.1234, val_accuracy=0.9765))
+    Console(file=out, width=80).print(dashboard.render())
+    lines = [line for line in out.getvalue().splitlines() if line.strip()]
+    assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+    shown = "\n".join(lines)
+    assert "…" not in shown, shown
+    for cell in ("7391/10000", "gpu-box-under-the-desk", "0.1234", "loss"):
+        assert cell in shown, shown
+    wide = Dashboard(4, hosts, console=Console(file=io.StringIO(), width=200), live=False)
+    for rank in range(4):
+        wide.on_event(step(rank, 7391))
+    drawn = io.StringIO()
+    Console(file=drawn, width=200).print(wide.render())
+    assert "last report" in drawn.getvalue() and "samples/s" in drawn.getvalue()
+
+
+def test_profiles_at_80_columns_is_a_block_per_profile_with_no_value_split(tmp_path):
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(ROOT / "cli_typer.py"), "profiles"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert "  batch_size=32 max_steps=300 lr=0.003 H=20" in lines
+    assert not any(line.rstrip().endswith("batch_si") for line in lines)
+    names = [line.split()[0] for line in lines if line and not line.startswith((" ", "Prof"))]
+    assert "digits-diloco" in names and len(lines) < 3.5 * len(names) + 5

@@ -135,6 +135,25 @@ def human_duration(seconds: float | None) -> str:
     return f"{total // 3600} h {total % 3600 // 60} min"
 
 
+#: The live table's columns a narrow terminal drops first, in order; the rest always stay.
+DROPPED_FIRST = ("last report", "samples/s", "share", "version", "val acc", "sent")
+
+
+def fitting_columns(names: list[str], rows: list[list[Any]], width: int) -> list[int]:
+    """The indices of ``names`` to show in ``width`` columns: every column while the table
+    fits, else without those of :data:`DROPPED_FIRST`, one by one, so that no cell is cut."""
+    def need(i: int) -> int:
+        cells = [len(str(row[i])) for row in rows]
+        return max([len(names[i]), *cells]) + 3  # a cell's padding and its border
+
+    kept = list(range(len(names)))
+    for name in DROPPED_FIRST:
+        if sum(need(i) for i in kept) + 1 <= width:
+            break
+        kept = [i for i in kept if names[i] != name]
+    return kept
+
+
 class Dashboard:
     """A run's live view and final summary, fed with metric events.
 
@@ -362,28 +381,28 @@ class Dashboard:
                           caption_justify="left", caption_style="magenta")
             accuracy = any(s.val_accuracy is not None for s in states)
             shares = any(s.share is not None for s in states)
-            for name in ("rank", "host", "status", "step", "loss", "val loss",
-                         *(("val acc",) if accuracy else ()), "samples/s",
-                         *(("version" if self.versions else "share",) if shares else ()),
-                         "sent", "last report"):
-                table.add_column(name, justify="left" if name in ("host", "status") else "right",
-                                 no_wrap=True)
+            names = ["rank", "host", "status", "step", "loss", "val loss",
+                     *(("val acc",) if accuracy else ()), "samples/s",
+                     *(("version" if self.versions else "share",) if shares else ()),
+                     "sent", "last report"]
+            rows: list[list[Any]] = []
             for s in states:
                 step = f"{s.step}/{s.max_steps}" if s.max_steps else str(s.step)
                 ago = "-" if s.last_seen is None else f"{now - s.last_seen:.1f} s ago"
-                table.add_row(str(s.rank), s.host, Text(s.status, STATUS_STYLES.get(s.status, "")),
-                              step, _fmt(s.train_loss, ".4f"), _fmt(s.val_loss, ".4f"),
-                              *((_fmt(s.val_accuracy, ".1%"),) if accuracy else ()),
-                              _fmt(s.samples_per_s, ".1f"), *((s.share or "-",) if shares else ()),
-                              human_bytes(s.comm_bytes), ago)
+                rows.append([str(s.rank), s.host,
+                             Text(s.status, STATUS_STYLES.get(s.status, "")),
+                             step, _fmt(s.train_loss, ".4f"), _fmt(s.val_loss, ".4f"),
+                             *((_fmt(s.val_accuracy, ".1%"),) if accuracy else ()),
+                             _fmt(s.samples_per_s, ".1f"), *((s.share or "-",) if shares else ()),
+                             human_bytes(s.comm_bytes), ago])
+            total: list[Any] = []
             if states:
                 reported = [s for s in states if s.train_loss is not None]
                 rates = [s.samples_per_s for s in states if s.samples_per_s is not None]
                 seen = [s.last_seen for s in states if s.last_seen is not None]
                 finished = sum(s.status == "done" for s in states)
                 steps = [s.step for s in states]
-                table.add_section()
-                table.add_row(
+                total = [
                     "all", plural(len(states), "rank"), f"{finished}/{len(states)} done",
                     f"{min(steps)}" if min(steps) == max(steps) else f"{min(steps)}-{max(steps)}",
                     _fmt(sum(s.train_loss for s in reported) / len(reported) if reported
@@ -391,7 +410,18 @@ class Dashboard:
                     "", *(("",) if accuracy else ()), _fmt(sum(rates) if rates else None, ".1f"),
                     *(("",) if shares else ()),
                     human_bytes(sum(s.comm_bytes for s in states)),
-                    "-" if not seen else f"{now - max(seen):.1f} s ago", style="bold")
+                    "-" if not seen else f"{now - max(seen):.1f} s ago"]
+            kept = fitting_columns(names, rows + ([total] if total else []),
+                                   self.console.width)
+            for i in kept:
+                name = names[i]
+                table.add_column(name, justify="left" if name in ("host", "status") else "right",
+                                 no_wrap=True)
+            for row in rows:
+                table.add_row(*(row[i] for i in kept))
+            if total:
+                table.add_section()
+                table.add_row(*(total[i] for i in kept), style="bold")
             return table
 
     # ------------------------------------------------------------------ the end

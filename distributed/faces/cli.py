@@ -25,7 +25,7 @@ import dataclasses
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import click
 import typer
@@ -407,6 +407,15 @@ def profiles(ctx: typer.Context, config: ConfigFile = None,
 
         path, entries = list_profiles(config, full_check=check)
         where = " and ".join(map(str, profile_files(path)))
+        console = make_console()
+        if console.width < NARROW_COLUMNS:
+            # A table's columns would split values mid-word: a block per profile instead.
+            console.print(f"Profiles in {where}", markup=False, highlight=False)
+            for entry in entries:
+                console.print(profile_block(entry), highlight=False)
+            if entries and all(entry.why_not for entry in entries):
+                fail(f"no profile in {path} can run; each above says why.", 2, debug)
+            return
         table = Table(title=f"Profiles in {where}", title_justify="left")
         for name in ("name", *SUMMARY_COLUMNS):
             table.add_column(name, overflow="fold", no_wrap=name == "name")
@@ -419,9 +428,34 @@ def profiles(ctx: typer.Context, config: ConfigFile = None,
                 row["description"] = f"[red]not usable here: {entry.why_not}[/]" + (
                     f" — {row['description']}" if row["description"] else "")
             table.add_row(entry.name, *row.values())
-        make_console().print(table)
+        console.print(table)
         if entries and all(entry.why_not for entry in entries):
             fail(f"no profile in {path} can run; each row above says why.", 2, debug)
+
+
+#: Below this many columns, ``profiles`` prints a block per profile instead of a table.
+NARROW_COLUMNS = 120
+
+
+def profile_block(entry: Any) -> Any:
+    """One profile in a few lines that wrap only between words: its name, task, strategy
+    and nodes; its key settings; why it cannot run, what it needs, its description."""
+    from rich.text import Text
+
+    row = entry.row
+    block = Text()
+    block.append(entry.name, style="bold")
+    block.append(f"  {row['task']} · {row['strategy']} · {row['nodes']} "
+                 f"node{'s' if row['nodes'] != '1' else ''}\n")
+    if row["key settings"]:
+        block.append(f"  {row['key settings']}\n")
+    if entry.why_not:
+        block.append(f"  not usable here: {entry.why_not}\n", style="red")
+    elif entry.needs:
+        block.append(f"  this machine lacks {entry.needs}\n", style="yellow")
+    if row["description"]:
+        block.append(f"  {row['description']}\n", style="dim")
+    return block
 
 
 @app.command("compare")
