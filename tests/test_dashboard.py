@@ -62,8 +62,8 @@ def test_off_a_terminal_it_prints_plain_lines_for_starts_every_tenth_step_and_en
 
 def test_the_table_has_a_row_per_rank_and_the_totals():
     clock = Clock()
-    dashboard = Dashboard(3, ["a", "b", "c"], console=Console(file=io.StringIO()), live=False,
-                          clock=clock)
+    dashboard = Dashboard(3, ["a", "b", "c"], console=Console(file=io.StringIO(), width=200),
+                          live=False, clock=clock)
     dashboard.on_event({"event": "start", "rank": 0, "max_steps": 50})
     dashboard.on_event(step(0, 7))
     clock.now += 2.5
