@@ -54,13 +54,13 @@ def hosts(sshd):
             "python_env": sys.executable, "project_path": str(ROOT), "master_port": free_port()}
 
 
-def launcher(sshd, program, tmp_path, on_event, **options):
+def launcher(sshd, program, tmp_path, on_event, console=None, **options):
     ssh = SSHOptions(known_hosts_path=sshd.known_hosts, ssh_config_path=sshd.ssh_config,
                      allow_agent=False, look_for_keys=False, connect_timeout=3)
     return Launcher(hosts(sshd), program,
                     options=LaunchOptions(run_dir=tmp_path / "launch", grace_period=2,
                                           probe_interval=1.0, **options),
-                    ssh=ssh, console=Console(file=StringIO(), width=200),
+                    ssh=ssh, console=console or Console(file=StringIO(), width=200),
                     on_output=lambda line: None, on_event=on_event)
 
 
@@ -223,8 +223,9 @@ def test_a_frozen_rank_is_dropped_within_the_deadline_and_rejoins_after_it_thaws
 def test_min_nodes_stops_cleanly_naming_the_host_and_resume_continues(sshd, third, tmp_path):
     out = tmp_path / "net"
     watch = Watch()
+    told = Console(file=StringIO(), width=400)
     with launcher(sshd, program(out, 3000, "checkpoint_interval=1000"), tmp_path, watch,
-                  min_nodes=3) as job:
+                  console=told, min_nodes=3) as job:
         runner = start_in_background(job, watch, 1500)
         third.stop()
         pid = worker_pid(2, str(out))
@@ -235,6 +236,12 @@ def test_min_nodes_stops_cleanly_naming_the_host_and_resume_continues(sshd, thir
     assert not result.ok
     text = result.describe()
     assert "min_nodes=3" in text and THIRD in text, text
+    # One true story: the loss says the run stops, no membership below min_nodes is told
+    # as training, and no rank is said to have a checkpoint it does not have.
+    story = told.file.getvalue()
+    assert story.count("fewer than min_nodes=3: the run stops at the next round") == 1, story
+    assert "the others carry on" not in story and "training on" not in story, story
+    assert "every rank wrote a checkpoint" not in text and "a lost rank keeps its own" in text
     survivors = {r.rank: r for r in result.ranks}
     assert survivors[0].exit_code == 1 and survivors[1].exit_code == 1, text
     assert "fewer than min_nodes" in "\n".join(survivors[0].last_lines)

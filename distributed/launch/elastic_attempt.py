@@ -124,6 +124,8 @@ class ElasticAttempt:
         """New membership decisions, as events (and the host states they imply)."""
         for decided in self.protocol.membership_log(self.store, self.logged):
             self.logged += 1
+            if decided.get("stop"):
+                continue  # not a membership anyone trains in: the stop itself is told once
             entry = {k: decided[k] for k in ("step", "ranks", "hosts", "reason")}
             self.membership.append(entry)
             self.context.on_event({"event": "membership", **entry})
@@ -153,6 +155,12 @@ class ElasticAttempt:
             first = self.plans[self.first_lost]
             self._stop(f"every rank was lost; the first, rank {self.first_lost} on "
                        f"{first.host.host}: {self.lost[self.first_lost]}")
+            return
+        remaining = len(self.plans) - len(self.lost)
+        if remaining < self.min_nodes:
+            self.say(f"[{plan.host.host}:{rank}] lost ({why}); {remaining} of "
+                     f"{plural(len(self.plans), 'rank')} remain, fewer than "
+                     f"min_nodes={self.min_nodes}: the run stops at the next round", "red")
             return
         self.say(f"[{plan.host.host}:{rank}] lost ({why}); the others carry on", "red")
 

@@ -166,8 +166,10 @@ class LaunchResult:
             where = f" (first lost: rank {lost.rank} on {lost.host}, {lost.reason})" if lost \
                 else ""
             if last.checkpointed:
-                return (f"stopped: {last.stop_reason}{where}; every rank wrote a checkpoint at "
-                        f"the last round it completed (logs in {self.run_dir})")
+                return (f"stopped: {last.stop_reason}{where}; the ranks still training wrote "
+                        "a checkpoint as they stopped, and a lost rank keeps its own newest: "
+                        "--resume continues from the newest step every rank has (logs in "
+                        f"{self.run_dir})")
             return f"stopped: {last.stop_reason}{where} (logs in {self.run_dir})"
         failed = self.first_failure
         if failed is None:
