@@ -433,6 +433,74 @@ def profiles(ctx: typer.Context, config: ConfigFile = None,
             fail(f"no profile in {path} can run; each row above says why.", 2, debug)
 
 
+@app.command("runs")
+def runs(ctx: typer.Context,
+         words: Annotated[list[str] | None, typer.Argument(
+             metavar="[clean] [FOLDER]",
+             help="FOLDER: the tree of run folders (default: runs). 'clean' first: remove "
+                  "its failed and refused runs after asking (a folder named clean: "
+                  "./clean).")] = None,
+         yes: Annotated[bool, typer.Option(
+             "--yes", "-y", help="With clean: remove without asking.")] = False,
+         debug: Debug = False) -> None:
+    """List the runs of a folder tree: status, steps, final loss, size; or clean it up."""
+    with reported_errors(ctx, debug) as debug:
+        from rich.table import Table
+
+        from ..app.dashboard import human_bytes
+        from ..app.run_list import REMOVABLE, clean_runs, list_runs
+
+        words = list(words or [])
+        cleaning = bool(words) and words[0] == "clean"
+        if cleaning:
+            words = words[1:]
+        if len(words) > 1:
+            fail(f"give one folder, not {len(words)}: {' '.join(words)}", 2, debug)
+        rows = list_runs(words[0] if words else "runs")
+        console = make_console()
+        if cleaning:
+            doomed = [r for r in rows if r.status in REMOVABLE]
+            if not doomed:
+                console.print(f"nothing to clean: no failed or refused run among "
+                              f"{plural(len(rows), 'run')}", markup=False, highlight=False)
+                return
+            for row in doomed:
+                console.print(f"  {row.folder}  {row.status}" + (f": {row.why}" if row.why
+                              else "") + f" ({human_bytes(row.size_bytes)})", markup=False,
+                              highlight=False, soft_wrap=True)
+            if not yes:
+                if sys.stdin is None or not sys.stdin.isatty():
+                    fail(f"{plural(len(doomed), 'run')} would be removed; without a terminal "
+                         "to ask, give --yes", 2, debug)
+                if not typer.confirm(f"Remove these {plural(len(doomed), 'run')}?",
+                                     default=False):
+                    console.print("nothing removed", markup=False)
+                    return
+            removed = clean_runs(rows)
+            console.print(f"removed {plural(len(removed), 'run')} "
+                          f"({human_bytes(sum(r.size_bytes for r in removed))}); the "
+                          "latest pointers name runs that are left", markup=False,
+                          highlight=False)
+            return
+        if not rows:
+            console.print(f"no runs in {words[0] if words else 'runs'}", markup=False)
+            return
+        table = Table(title=f"Runs in {words[0] if words else 'runs'}", title_justify="left")
+        for name in ("run", "profile", "strategy", "status", "steps", "final loss", "size",
+                     "started"):
+            table.add_column(name, justify="right" if name in ("steps", "final loss", "size")
+                             else "left", overflow="fold")
+        styles = {"finished": "green", "stopped": "yellow", "failed": "red",
+                  "running": "cyan", "refused": "dim"}
+        for row in rows:
+            table.add_row(str(row.folder), row.profile, row.strategy,
+                          f"[{styles[row.status]}]{row.status}[/]",
+                          "-" if row.steps is None else str(row.steps),
+                          "-" if row.final_loss is None else f"{row.final_loss:.4f}",
+                          human_bytes(row.size_bytes), row.started.replace("T", " ")[:19])
+        console.print(table)
+
+
 #: Below this many columns, ``profiles`` prints a block per profile instead of a table.
 NARROW_COLUMNS = 120
 

@@ -1,0 +1,115 @@
+"""``exogym runs`` lists a tree of run folders with how each went; ``runs clean`` removes the
+failed and refused ones after asking, and keeps every ``BASE.latest`` pointing at a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ranks import ROOT
+
+from distributed.app.run_list import clean_runs, list_runs
+from distributed.hosts.onhost import runfolders
+
+
+def cli(*args: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "cli_typer.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300, input=stdin,
+                          env={**os.environ, "COLUMNS": "250"})
+
+
+def claim(base: Path, started: str, strategy: str = "diloco") -> Path:
+    identity = {"profile": base.name, "fingerprint": "f", "started": started,
+                "settings": {"strategy": strategy}, "may_change": {}}
+    return Path(runfolders.claim_new(str(base), identity)["folder"])
+
+
+def trace(folder: Path, *lines: dict, name: str = "trace.jsonl") -> Path:
+    path = folder / name
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def a_tree(root: Path) -> dict[str, Path]:
+    """One run of each kind, under two bases."""
+    base = root / "digits-diloco"
+    made = {}
+    made["finished"] = claim(base, "2026-11-01T10:00:00")
+    (made["finished"] / "summary.json").write_text(json.dumps(
+        {"steps": 300, "final_val_global_loss": 0.1234, "final_train_loss": 0.2}))
+    trace(made["finished"], {"kind": "step", "step": 300}, {"kind": "end", "status": "ok",
+                                                           "steps": 300})
+    made["stopped"] = claim(base, "2026-11-02T10:00:00")
+    trace(made["stopped"], {"kind": "eval", "step": 100, "val_loss": 0.5},
+          {"kind": "end", "status": "failed", "error": "interrupted", "steps": 140})
+    made["failed"] = claim(base, "2026-11-03T10:00:00")
+    trace(made["failed"], {"kind": "end", "status": "failed", "error": "rank 1 failed: boom",
+                           "steps": 7})
+    made["refused"] = claim(base, "2026-11-04T10:00:00")
+    other = root / "digits-ddp"
+    made["running"] = claim(other, "2026-11-05T10:00:00", "ddp")
+    trace(made["running"], {"kind": "step", "rank": 0, "step": 42},
+          name=".trace.jsonl.abc.tmp")
+    made["killed"] = claim(other, "2026-11-06T10:00:00", "ddp")
+    old = trace(made["killed"], {"kind": "step", "rank": 0, "step": 9},
+                name=".trace.jsonl.def.tmp")
+    long_ago = time.time() - 3600
+    os.utime(old, (long_ago, long_ago))
+    return made
+
+
+def test_runs_are_listed_with_how_each_went(tmp_path):
+    made = a_tree(tmp_path / "runs")
+    rows = {row.folder: row for row in list_runs(tmp_path / "runs")}
+    assert {row.status for row in rows.values()} == {"finished", "stopped", "failed",
+                                                    "refused", "running"}
+    assert rows[made["finished"]].steps == 300 and rows[made["finished"]].final_loss == 0.1234
+    assert rows[made["stopped"]].status == "stopped" and rows[made["stopped"]].steps == 140
+    assert rows[made["stopped"]].final_loss == 0.5
+    assert rows[made["failed"]].why == "rank 1 failed: boom"
+    assert rows[made["refused"]].status == "refused"
+    assert rows[made["running"]].status == "running" and rows[made["running"]].steps == 42
+    assert rows[made["killed"]].status == "failed" and "killed" in rows[made["killed"]].why
+    assert rows[made["running"]].strategy == "ddp" and rows[made["finished"]].size_bytes > 0
+    done = cli("runs", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for word in ("finished", "stopped", "failed", "refused", "running", "0.1234",
+                 "2026-11-01 10:00:00", "digits-ddp"):
+        assert word in done.stdout, done.stdout
+
+
+def test_runs_clean_asks_then_removes_failed_and_refused_runs_and_fixes_latest(tmp_path):
+    runs = tmp_path / "runs"
+    made = a_tree(runs)
+    # digits-ddp.latest names the killed run, digits-diloco.latest the refused one
+    assert runfolders.latest(str(runs / "digits-diloco")) == str(made["refused"])
+    no = cli("runs", "clean", cwd=tmp_path)
+    assert no.returncode == 2 and "give --yes" in no.stderr  # no terminal to ask
+    assert made["failed"].is_dir()
+    done = cli("runs", "clean", "--yes", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "removed 3 runs" in done.stdout, done.stdout
+    for gone in ("failed", "refused", "killed"):
+        assert not made[gone].exists(), gone
+    for kept in ("finished", "stopped", "running"):
+        assert made[kept].is_dir(), kept
+    assert runfolders.latest(str(runs / "digits-diloco")) == str(made["stopped"])
+    assert runfolders.latest(str(runs / "digits-ddp")) == str(made["running"])
+    again = cli("runs", "clean", cwd=tmp_path)
+    assert again.returncode == 0 and "nothing to clean" in again.stdout
+
+
+def test_clean_keeps_a_latest_pointer_that_names_a_run_left(tmp_path):
+    made = a_tree(tmp_path / "runs")
+    runfolders.point_latest(str(tmp_path / "runs" / "digits-diloco"), str(made["finished"]))
+    clean_runs(list_runs(tmp_path / "runs"))
+    assert runfolders.latest(str(tmp_path / "runs" / "digits-diloco")) == str(made["finished"])
+
+
+def test_runs_of_a_folder_that_is_not_there_says_so(tmp_path):
+    done = cli("runs", "elsewhere", cwd=tmp_path)
+    assert done.returncode == 2 and "elsewhere is not a folder of runs" in done.stderr
