@@ -15,13 +15,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time they load on first use
+    from exogym.comparison import compare
     from exogym.run.train_node import TrainNode
     from exogym.run.trainer import LocalTrainer, RankFailedError, Trainer
     from exogym.sim.network import Network
 
 __version__ = "0.1.0"
 
-__all__ = ["Trainer", "LocalTrainer", "TrainNode", "RankFailedError", "Network", "__version__"]
+__all__ = ["Trainer", "LocalTrainer", "TrainNode", "RankFailedError", "Network", "compare",
+           "__version__"]
 
 #: Import paths that exo gym's users and our documentation use, kept working as the
 #: modules behind them moved (``module`` or ``module:name``); a test imports each one.
@@ -50,7 +52,7 @@ COMPATIBLE_IMPORTS = (
 
 _LAZY = {"Trainer": "exogym.run.trainer", "LocalTrainer": "exogym.run.trainer",
          "RankFailedError": "exogym.run.trainer", "TrainNode": "exogym.run.train_node",
-         "Network": "exogym.sim.network"}
+         "Network": "exogym.sim.network", "compare": "exogym.comparison"}
 
 
 def __getattr__(name: str) -> Any:

@@ -113,3 +113,49 @@ def test_the_map_names_every_strategy_and_the_examples_count():
     words = ["two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
     assert counted and words.index(counted.group(1)) + 2 == len(STRATEGIES), example
     assert counted.group(2).split(", ") == list(STRATEGIES), example
+
+
+def test_the_compare_page_runs_as_written_and_returns_its_rows(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    scope: dict = {"__name__": "compare_page"}
+    exec(compile(code_block("docs/compare.md", "## An example", "python"), "compare.md",
+                 "exec"), scope)
+    rows = scope["rows"]
+    assert [r["strategy"] for r in rows] == ["DDP", "DiLoCo H=10", "SPARTA"]
+    for row in rows:
+        assert row["steps"] == 60 and row["sim_time_s"] > 0 and row["final_val_loss"] > 0
+    by = {r["strategy"]: r for r in rows}
+    assert by["DiLoCo H=10"]["bytes_per_node"] < by["DDP"]["bytes_per_node"]
+    assert (tmp_path / "runs/compare.png").stat().st_size > 10_000
+    shown = capsys.readouterr()
+    assert "lowest validation loss" in shown.out and "simulated (s)" in shown.out
+    # the model given is left as it was: a second call from the same seed gives the same rows
+    model = scope["Classifier"]()
+    before = [p.clone() for p in model.parameters()]
+    scope["compare"](model, scope["data"], scope["data"], ["ddp"], num_nodes=2, max_steps=2,
+                     batch_size=8, val_size=16, show=False)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("strategies, kwargs, message", [
+    (["nope"], {}, "'nope'"),
+    (["ddp", "ddp"], {}, "given twice"),
+    ("ddp", {}, "must be a list"),
+    ([], {}, "at least one strategy"),
+    (["ddp"], {"strategy": "x"}, "compare sets each run's strategy"),
+    (["ddp"], {"max_steps": -3}, "max_steps"),
+])
+def test_compare_refuses_what_it_cannot_run_before_any_run(strategies, kwargs, message,
+                                                            monkeypatch):
+    from exogym import compare
+    from exogym.run.trainer import Trainer
+
+    runs = []
+    monkeypatch.setattr(Trainer, "fit", lambda self, **kw: runs.append(kw))
+    with pytest.raises((ValueError, TypeError), match=message):
+        compare(tiny_model(), toy_dataset(), toy_dataset(), strategies, show=False,
+                num_nodes=2, **{"max_steps": 2, **kwargs})
+    assert runs == []
