@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time they load on first use
-    from exogym.comparison import compare
+    from exogym.run.comparison import compare
     from exogym.run.train_node import TrainNode
     from exogym.run.trainer import LocalTrainer, RankFailedError, Trainer
     from exogym.sim.network import Network
@@ -52,7 +52,7 @@ COMPATIBLE_IMPORTS = (
 
 _LAZY = {"Trainer": "exogym.run.trainer", "LocalTrainer": "exogym.run.trainer",
          "RankFailedError": "exogym.run.trainer", "TrainNode": "exogym.run.train_node",
-         "Network": "exogym.sim.network", "compare": "exogym.comparison"}
+         "Network": "exogym.sim.network", "compare": "exogym.run.comparison"}
 
 
 def __getattr__(name: str) -> Any:
