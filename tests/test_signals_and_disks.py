@@ -120,4 +120,12 @@ def test_sigterm_stops_a_run_as_ctrl_c_does_and_its_resume_continues_the_trace(t
     assert later and max(later) == resumed_to and min(later) <= max(before) + 1, \
         (sorted(before)[-3:], sorted(later)[:3], checkpoint_steps)
     assert after[-1]["kind"] == "end" and not after[-1].get("failed")
-    assert load_recording(folder) is not None  # replay still reads the whole trace
+    recording = load_recording(folder)  # replay reads the whole trace, as one run
+    from distributed.app.replay import timeline
+
+    real = timeline(recording.lines, recording.round_steps, recording.num_nodes)
+    steps = sorted(real.times)
+    assert steps == list(range(1, resumed_to + 1)), steps[:5]
+    assert all(real.times[b] > real.times[a] for a, b in zip(steps, steps[1:]))
+    evaluated = [step for step, _, _ in real.evaluations]
+    assert len(evaluated) == len(set(evaluated)), evaluated

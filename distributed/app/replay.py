@@ -697,8 +697,62 @@ def load_recording(folder: str | Path, config: str | Path | None = None,
                           f"settings fingerprint differs: "
                           f"{', '.join(differ[:6]) or 'the same keys, other defaults'}); "
                           "this checkout's defaults differ from the ones the run had")
-    return Recording(folder, lines, header, recorded, profile, num_nodes,
+    return Recording(folder, one_timeline(lines), header, recorded, profile, num_nodes,
                      round_steps_of(profile))
+
+
+#: Trace lines that belong to a step: a resumed run's later lines replace them.
+_STEPPED = ("step", "steps", "eval", "hand_over", "membership", "fault")
+
+
+def one_timeline(lines: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The trace of a run resumed from a checkpoint (one part per ``run`` line), as one run.
+
+    Each later part continues from the step before its first: the earlier part's lines
+    after that step (work the interruption lost, done again) are left out, and the later
+    part's clocks are moved to go on from where the kept part ends, per rank (its
+    ``wall_s`` and ``sim_time_s``) and for the run (``t``). Only the last part's ``end``
+    and ``link`` lines stay. A trace of one part comes back as it is.
+    """
+    parts: list[list[dict[str, Any]]] = []
+    for line in lines:
+        if line.get("kind") == "run" or not parts:
+            parts.append([])
+        parts[-1].append(dict(line))
+    if len(parts) <= 1:
+        return [dict(line) for line in lines]
+    out = parts[0]
+    for part in parts[1:]:
+        firsts = [int(line["step"]) for line in part if line.get("kind") == "step"]
+        if not firsts:
+            continue  # resumed at its last step: it trained nothing
+        resumed_at = min(firsts) - 1
+        out = [line for line in out if line.get("kind") not in ("end", "link")
+               and not (line.get("kind") in _STEPPED and line.get("step") is not None
+                        and int(line["step"]) > resumed_at)]
+        wall: dict[int, float] = {}
+        sim: dict[int, float] = {}
+        t_end = 0.0
+        for line in out:
+            rank = line.get("rank")
+            if line.get("kind") in ("step", "steps") and isinstance(rank, int):
+                if isinstance(line.get("wall_s"), (int, float)):
+                    wall[rank] = max(wall.get(rank, 0.0), float(line["wall_s"]))
+                if isinstance(line.get("sim_time_s"), (int, float)):
+                    sim[rank] = max(sim.get(rank, 0.0), float(line["sim_time_s"]))
+            if isinstance(line.get("t"), (int, float)):
+                t_end = max(t_end, float(line["t"]))
+        t_offset = max([t_end, *wall.values()])
+        for line in part[1:]:  # its own run line: the first part's stands for the run
+            rank = line.get("rank")
+            if isinstance(line.get("wall_s"), (int, float)) and rank in wall:
+                line["wall_s"] = round(line["wall_s"] + wall[rank], 4)
+            if isinstance(line.get("sim_time_s"), (int, float)) and rank in sim:
+                line["sim_time_s"] = round(line["sim_time_s"] + sim[rank], 6)
+            if isinstance(line.get("t"), (int, float)):
+                line["t"] = round(line["t"] + t_offset, 3)
+            out.append(line)
+    return out
 
 
 def round_steps_of(profile: Profile) -> int:

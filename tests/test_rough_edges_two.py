@@ -1,9 +1,10 @@
-"""A refused run leaves no trace, and every refusal names the setting and its range.
+"""What a new user met in the second round of trials, each fixed as a class.
 
-A run refused at start (a value out of range, a device that is not there) must not
-claim a run folder nor move ``BASE.latest``; an earlier run's folder and pointer
-stay as they were. Optimizer and outer-optimizer settings are checked by name when
-the strategy is made, through ``--set`` or in Python alike.
+A run refused at start leaves no trace; every refusal names the setting and its range
+(optimizer and outer-optimizer settings are checked by name when the strategy is made,
+through ``--set`` or in Python alike); a dry run checks and warns as the run would;
+``fit`` checks the data and the model's output before any rank starts and ends an
+interruption in one line; replay speaks in words and reads a resumed run as one run.
 """
 
 from __future__ import annotations
@@ -316,3 +317,37 @@ def test_ctrl_c_in_fit_ends_with_one_line_saying_how_to_continue(tmp_path):
     assert "the newest checkpoint every rank has is at step" in last
     assert "resume_from='auto'" in last
     assert "During handling" not in err and "direct cause" not in err, err
+
+
+def test_a_resumed_trace_is_one_timeline():
+    from distributed.app.replay import one_timeline, timeline
+
+    def part(first: int, last: int, evals: tuple[int, ...], resumed: bool) -> list[dict]:
+        lines = [{"kind": "run", "resumed": resumed}]
+        for step in range(first, last + 1):
+            lines.append({"kind": "step", "rank": 0, "step": step,
+                          "wall_s": round(0.1 * (step - first + 1), 4)})
+            if step in evals:
+                lines.append({"kind": "eval", "rank": 0, "step": step,
+                              "val_loss": 1.0 / step})
+        lines.append({"kind": "membership", "t": 0.05, "step": first, "ranks": [0],
+                      "reason": "start"})
+        lines.append({"kind": "end", "status": "failed" if not resumed else "ok",
+                      "error": None if resumed else "interrupted", "steps": last})
+        return lines
+
+    # interrupted at step 399, resumed from the checkpoint at 300, finished at 500
+    lines = part(1, 399, (100, 200, 300, 350), False) + part(301, 500, (350, 400, 500), True)
+    merged = one_timeline(lines)
+    steps = [line["step"] for line in merged if line["kind"] == "step"]
+    assert steps == list(range(1, 501))
+    evals = [line["step"] for line in merged if line["kind"] == "eval"]
+    assert evals == [100, 200, 300, 350, 400, 500]  # 350 once: the resumed run's
+    ends = [line for line in merged if line["kind"] == "end"]
+    assert len(ends) == 1 and ends[0]["status"] == "ok"
+    walls = [line["wall_s"] for line in merged if line["kind"] == "step"]
+    assert all(b > a for a, b in zip(walls, walls[1:]))  # the clock never goes back
+    assert walls[-1] == pytest.approx(30.0 + 20.0)
+    times = timeline(merged, 1, 1).times
+    assert list(times) == list(range(1, 501)) and times[500] == pytest.approx(50.0)
+    assert one_timeline(part(1, 10, (), True)) == part(1, 10, (), True)
