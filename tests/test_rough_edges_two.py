@@ -351,3 +351,23 @@ def test_a_resumed_trace_is_one_timeline():
     times = timeline(merged, 1, 1).times
     assert list(times) == list(range(1, 501)) and times[500] == pytest.approx(50.0)
     assert one_timeline(part(1, 10, (), True)) == part(1, 10, (), True)
+
+
+def test_every_recommend_row_is_run_by_the_command_it_prints():
+    """A row predicted with a strategy's default settings prints a command that sets them,
+    also through a profile of that strategy whose own settings differ (digits-demo runs
+    top-16; the DeMo row predicts top-32)."""
+    from distributed.app.recommend import candidate_specs
+    from distributed.app.run_with import run_with
+    from distributed.profiles.profile import load_profile
+
+    planned = load_profile("digits-diloco")
+    for spec in candidate_specs(planned):
+        how = run_with(planned, spec.name, spec.settings)
+        assert how is not None, spec.label
+        ran = load_profile(how.profile, overrides=dict(how.overrides))
+        assert ran.strategy == spec.name or spec.name == "ddp", (spec.label, how)
+        for key, value in spec.settings.items():
+            assert ran.values.get(key, value) == value, (spec.label, how, key)
+        if spec.name == "demo":
+            assert ran.resolved.strategy_kwargs.get("compression_topk") == 32, how

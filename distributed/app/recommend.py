@@ -268,7 +268,8 @@ def candidate_specs(profile: Profile) -> list[CandidateSpec]:
     """DDP, DiLoCo at every :data:`DILOCO_H` below ``max_steps``, SPARTA, DeMo and FedAvg.
 
     Each with the profile's own settings where it has them (SPARTA's ``p_sparta``,
-    DeMo's compression, FedAvg's ``H``), else the strategy's defaults.
+    DeMo's compression, FedAvg's ``H``), else the strategy's defaults, written out: the
+    command a row prints sets what the row predicts.
     """
     values = profile.values
     own = projection.canonical(profile.strategy) if profile.strategy else None
@@ -280,8 +281,10 @@ def candidate_specs(profile: Profile) -> list[CandidateSpec]:
     p = values.get("p_sparta", values.get("p")) if own == "sparta" else None
     p = p if p is not None else projection.DEFAULTS["sparta"]["p_sparta"]
     specs.append(spec_for("sparta", {"p_sparta": p}))
-    demo = {k: values[k] for k in ("compression_topk", "compression_chunk")
-            if own == "demo" and values.get(k) is not None}
+    # Always explicit: the command a row prints then sets what the row predicts, also in
+    # a profile of DeMo's own whose compression differs from the default.
+    demo = {k: values[k] if own == "demo" and values.get(k) is not None
+            else projection.DEFAULTS["demo"][k] for k in ("compression_topk", "compression_chunk")}
     specs.append(spec_for("demo", demo))
     fed_h = values.get("H") if own == "fedavg" else None
     fed_h = int(fed_h if fed_h is not None else projection.DEFAULTS["fedavg"]["H"])
