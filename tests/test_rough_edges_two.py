@@ -371,3 +371,39 @@ def test_every_recommend_row_is_run_by_the_command_it_prints():
             assert ran.values.get(key, value) == value, (spec.label, how, key)
         if spec.name == "demo":
             assert ran.resolved.strategy_kwargs.get("compression_topk") == 32, how
+
+
+def test_every_numeric_strategy_argument_is_refused_by_name():
+    """Each built-in strategy's number and flag arguments: a value of the wrong kind or out
+    of range is refused naming the argument, when the strategy is made."""
+    import inspect
+    import warnings
+
+    from exogym.strategy import registry
+
+    wrong = {int: [-1, "x", 1.5], float: [-1.0, "x", float("nan"), float("inf")],
+             bool: ["x", 3]}
+    valid_zero_or_more = {"fragment_delay", "max_staleness", "merge_delay", "grace_s",
+                          "seed", "warmup_steps", "max_norm", "keep_checkpoints"}
+    unnamed = []
+    for name in registry.KNOWN:
+        if name == "none":
+            continue
+        cls = registry.class_of(name)
+        for arg, parameter in inspect.signature(cls.__init__).parameters.items():
+            default = parameter.default
+            kind = bool if isinstance(default, bool) else int if isinstance(default, int) \
+                else float if isinstance(default, float) else None
+            if kind is None or arg in valid_zero_or_more:
+                continue
+            for value in wrong[kind]:
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        cls(**{arg: value})
+                except (ValueError, TypeError) as exc:
+                    if arg not in str(exc):
+                        unnamed.append(f"{name}.{arg}={value!r}: {exc}")
+                else:
+                    unnamed.append(f"{name}.{arg}={value!r} accepted")
+    assert unnamed == [], "\n".join(unnamed)
