@@ -161,3 +161,16 @@ def test_profiles_at_80_columns_is_a_block_per_profile_with_no_value_split(tmp_p
     assert not any(line.rstrip().endswith("batch_si") for line in lines)
     names = [line.split()[0] for line in lines if line and not line.startswith((" ", "Prof"))]
     assert "digits-diloco" in names and len(lines) < 3.5 * len(names) + 5
+
+
+def test_a_step_reported_again_is_told_once():
+    """A rank that stops reports its last step again: one line for it, not two."""
+    out = io.StringIO()
+    clock = Clock()
+    dashboard = Dashboard(1, ["a"], console=Console(file=out, width=200), live=False,
+                          clock=clock)
+    dashboard.on_event({"event": "start", "rank": 0, "max_steps": 300})
+    dashboard.on_event(step(0, 141, val_loss=0.5))
+    dashboard.on_event(step(0, 141, val_loss=0.5))
+    lines = [line for line in out.getvalue().splitlines() if "step 141" in line]
+    assert len(lines) == 1, out.getvalue()

@@ -91,6 +91,9 @@ class RankState:
     last_seen: float | None = None
     started_at: float | None = None
     share: str | None = None
+    #: The line last logged for this rank: the same step is never told twice (a rank that
+    #: stops reports its last step again).
+    told: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     recent: deque[tuple[float, int]] = field(default_factory=deque)
 
@@ -298,7 +301,11 @@ class Dashboard:
             state.val_accuracy = float(event["val_accuracy"])
         every = self.log_every or 10
         if state.step % every == 0 or state.step == state.max_steps or val is not None:
-            return self._step_line(state, val)
+            line = self._step_line(state, val)
+            if line == state.told:
+                return None
+            state.told = line
+            return line
         return None
 
     def on_output(self, line: Any) -> None:
