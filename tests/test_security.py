@@ -683,7 +683,6 @@ def test_the_rank_reads_the_key_from_its_pipe_and_nowhere_else(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import os, sys, json\n"
-        "sys.path.insert(0, os.environ['ROOT'])\n"
         "from distributed.worker.environment import read_store_key\n"
         "fd = os.environ['" + STORE_KEY_FD_VARIABLE + "']\n"
         "seen = open('/proc/self/cmdline','rb').read() + open('/proc/self/environ','rb').read()\n"
@@ -694,7 +693,7 @@ def test_the_rank_reads_the_key_from_its_pipe_and_nowhere_else(tmp_path):
     # The supervisor stops its rank when its stdin closes (the launcher gone): keep it open.
     supervisor = subprocess.Popen([sys.executable, "-u", "-c", LOADER, str(probe)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                  env={**os.environ, "ROOT": str(ROOT)})
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         supervisor.stdin.write(json.dumps(message) + "\n")
         supervisor.stdin.flush()

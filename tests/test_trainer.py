@@ -266,7 +266,10 @@ def test_non_scalar_loss_gets_a_clear_error():
             return self.w(batch[0]).sum(dim=1)
 
     ds = toy_dataset()
-    with pytest.raises(RankFailedError, match="must return a scalar loss tensor"):
+    # refused before any rank starts, naming what forward returned
+    with pytest.raises(TypeError, match=r"must return the loss as a scalar tensor, but on a "
+                                        r"batch of 2 training samples it returned a tensor of "
+                                        r"shape \(2,\)"):
         Trainer(Vector(), ds, ds).fit(strategy=SimpleReduceStrategy(), num_nodes=1,
                                       max_steps=1, batch_size=8, val_size=0, **QUIET)
 
