@@ -151,7 +151,9 @@ class SignedStore(dist.Store):
         self.inner = inner
         self._key = bytes(key)
         self.timeout_s = timeout_s
-        self._counters: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # counter -> (the highest value this process saw, the stored bytes it saw it as)
+        self._counters: collections.OrderedDict[str, tuple[int, bytes]] = \
+            collections.OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -249,11 +251,12 @@ class SignedStore(dist.Store):
         if amount == 0:
             return self._count(key)
         with self._lock:
-            known = self._counters.get(key)
-        # One compare-and-set, from the value this process last saw (or from unset): when
+            seen = self._counters.get(key)
+        known = None if seen is None else seen[0]
+        # One compare-and-set, from the bytes this process last saw (or from unset): when
         # the guess is wrong the store answers with what it holds, and the next try uses that.
         current = known or 0
-        expected = b"" if known is None else self._sign(key, str(known))
+        expected = b"" if seen is None else seen[1]
         deadline = time.monotonic() + self.timeout_s
         while True:
             # A nonce of this write's own: two processes adding to the same value must not
@@ -261,7 +264,7 @@ class SignedStore(dist.Store):
             desired = self._sign(key, f"{current + amount}:{os.urandom(8).hex()}")
             now = bytes(self.inner.compare_set(key, expected, desired))
             if now == desired:
-                self._remember(key, current + amount)
+                self._remember(key, current + amount, desired)
                 return current + amount
             if expected and now == expected:  # unset: a counter never goes below what was seen
                 expected = b""
@@ -271,16 +274,18 @@ class SignedStore(dist.Store):
     def _count(self, key: str) -> int:
         """The counter ``key``: 0 when unset (or what this process saw, if higher)."""
         with self._lock:
-            known = self._counters.get(key)
+            seen = self._counters.get(key)
+        known = None if seen is None else seen[0]
         deadline = time.monotonic() + self.timeout_s
         while True:
             raw, _ = self._read(key)
             if raw is None:
-                self._remember(key, known or 0)
+                if seen is None:
+                    self._remember(key, 0, b"")
                 return known or 0
             current, expected = self._settle(key, raw, known, deadline)
             if expected == raw:
-                self._remember(key, current)
+                self._remember(key, current, raw)
                 return current
 
     def _settle(self, key: str, raw: bytes, known: int | None, deadline: float
@@ -306,9 +311,11 @@ class SignedStore(dist.Store):
         self.inner.compare_set(key, raw, restored)
         return known, restored
 
-    def _remember(self, key: str, value: int) -> None:
+    def _remember(self, key: str, value: int, raw: bytes) -> None:
         with self._lock:
-            self._counters[key] = max(value, self._counters.get(key, 0))
+            seen = self._counters.get(key)
+            if seen is None or value >= seen[0]:
+                self._counters[key] = (value, raw)
             self._counters.move_to_end(key)
             while len(self._counters) > _COUNTER_MEMORY:
                 self._counters.popitem(last=False)
