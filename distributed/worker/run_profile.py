@@ -29,10 +29,9 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from exogym.base.io import atomic_save_safetensors, atomic_write_json
-from exogym.base.plural import plural
 from exogym.comm.store import describe_ignored
 from exogym.run.run_rank import LostRankError
-from exogym.run.spec import DataWarning
+from exogym.run.spec import DataWarning, check_data
 from exogym.run.trainer import LocalTrainer, RankFailedError
 
 from ..profiles.profile import (
@@ -152,7 +151,7 @@ def _train(profile: Profile, env: RankEnvironment | None, identity: RunIdentity,
     model, train_dataset, val_dataset = resolved.task_fn(**resolved.task_kwargs)
     ranks = env.world_size if env is not None else int(resolved.run_kwargs.get("num_nodes") or 1)
     if env is not None and env.rank == 0:  # a simulation's fit says it itself
-        warn_small_shards(train_dataset, ranks, resolved.run_kwargs.get("batch_size"))
+        check_data(train_dataset, ranks, resolved.run_kwargs.get("batch_size"))
     strategy = resolved.strategy_cls(**resolved.strategy_kwargs)
     fit_kwargs = dict(
         resolved.run_kwargs, strategy=strategy, run_name=profile.name,
@@ -196,20 +195,6 @@ def _train(profile: Profile, env: RankEnvironment | None, identity: RunIdentity,
 def _replaced(placement: RunPlacement, progress: bool | ProgressSink) -> None:
     if progress is not False:
         print(placement.note, flush=True)
-
-
-def warn_small_shards(train_dataset: Any, ranks: int, batch_size: int | None) -> None:
-    """Warn (``ProfileWarning``) when ``batch_size`` is larger than one rank's share of
-    ``train_dataset``; a dataset without a length, or a factory, is not checked."""
-    if batch_size is None or callable(train_dataset) or not hasattr(train_dataset, "__len__"):
-        return
-    total = len(train_dataset)
-    share = total // max(1, ranks)
-    if batch_size > share:
-        warnings.warn(f"batch_size={batch_size} is larger than one rank's share of the data "
-                      f"({share} of {total} training samples over {plural(ranks, 'rank')}): a step "
-                      "cannot hold batch_size samples; lower batch_size or the number of ranks",
-                      ProfileWarning, stacklevel=2)
 
 
 def _plain_profile_warnings(message: Warning | str, category: type[Warning], filename: str,
