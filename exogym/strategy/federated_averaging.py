@@ -25,7 +25,7 @@ from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
 from .facts import COMM_DTYPE, FEDAVG_H
-from .optim import OptimSpec, _check_number
+from .optim import OptimSpec, check_number
 
 
 def island_plan(
@@ -68,7 +68,7 @@ class AveragingCommunicator(CommunicationModule):
         super().__init__()
         if island_size is not None and (not isinstance(island_size, int) or island_size < 1):
             raise ValueError(f"island_size must be an integer >= 1 or None, got {island_size!r}")
-        _check_number("client_sampling", client_sampling, 0.0, False, 1.0, True, "FedAvgStrategy")
+        check_number("client_sampling", client_sampling, 0.0, False, 1.0, True, "FedAvgStrategy")
         if not isinstance(H, int) or H < 1:
             raise ValueError(f"H must be an integer >= 1, got {H!r}")
         comm.resolve_dtype(comm_dtype)

@@ -134,8 +134,11 @@ def _range_text(low: float, low_in: bool, high: float | None, high_in: bool) -> 
     return (f"a number in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}")
 
 
-def _check_number(name: str, value: Any, low: float, low_in: bool, high: float | None,
+def check_number(name: str, value: Any, low: float, low_in: bool, high: float | None,
                   high_in: bool, cls_name: str) -> None:
+    """Refuse ``value`` unless it is a finite real number (not a flag) within ``low``..``high``
+    (each end in or out of the range as ``low_in``/``high_in`` say; ``high`` None: no upper
+    end), naming ``cls_name`` and ``name`` and the range."""
     import math
 
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -160,12 +163,12 @@ def check_optimizer_args(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any
     name = cls.__name__
     for key, value in kwargs.items():
         if key in _RANGES:
-            _check_number(key, value, *_RANGES[key], name)
+            check_number(key, value, *_RANGES[key], name)
         elif key in ("betas", "adamw_betas"):
             if not (isinstance(value, (tuple, list)) and len(value) == 2):
                 raise ValueError(f"{name}: {key} must be two numbers in [0, 1), got {value!r}")
             for i, beta in enumerate(value):
-                _check_number(f"{key}[{i}]", beta, 0.0, True, 1.0, False, name)
+                check_number(f"{key}[{i}]", beta, 0.0, True, 1.0, False, name)
     if cls.__module__.startswith("torch.optim"):
         try:
             cls([torch.zeros(1, requires_grad=True)], **kwargs)

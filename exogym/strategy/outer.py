@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .optim import OptimSpec, _check_number, ensure_optim_spec
+from .optim import OptimSpec, check_number, ensure_optim_spec
 
 __all__ = ["OuterOptimizer", "OuterState"]
 
@@ -53,8 +53,8 @@ class OuterOptimizer:
         """
         if outer_optim_spec is not None and outer_optim is not None:
             raise TypeError(f"{owner}: give outer_optim_spec= or outer_optim=, not both")
-        _check_number("outer_lr", outer_lr, 0.0, False, None, False, owner)
-        _check_number("outer_momentum", outer_momentum, 0.0, True, 1.0, False, owner)
+        check_number("outer_lr", outer_lr, 0.0, False, None, False, owner)
+        check_number("outer_momentum", outer_momentum, 0.0, True, 1.0, False, owner)
         if not isinstance(nesterov, bool):
             raise ValueError(f"{owner}: nesterov must be true or false, got {nesterov!r}")
         chosen = outer_optim_spec if outer_optim_spec is not None else outer_optim

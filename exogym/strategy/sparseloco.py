@@ -63,7 +63,7 @@ from .facts import (
     sparse_chunking,
     sparseloco_payload_bytes,
 )
-from .optim import OptimSpec, _check_number
+from .optim import OptimSpec, check_number
 from .outer import OuterOptimizer
 
 __all__ = ["SparseLoCoCommunicator", "SparseLoCoStrategy", "SparsePlan", "pack_bits", "unpack_bits"]
@@ -202,8 +202,8 @@ class SparseLoCoCommunicator(CommunicationModule):
                                        or not 1 <= quant_bits <= 8):
             raise ValueError(f"SparseLoCo: quant_bits must be an integer from 1 to 8 or None "
                              f"(float32), got {quant_bits!r}")
-        _check_number("error_decay", error_decay, 0.0, True, 1.0, True, "SparseLoCo")
-        _check_number("outer_lr", outer_lr, 0.0, False, None, False, "SparseLoCo")
+        check_number("error_decay", error_decay, 0.0, True, 1.0, True, "SparseLoCo")
+        check_number("outer_lr", outer_lr, 0.0, False, None, False, "SparseLoCo")
         self.H, self.topk, self.chunk = H, topk, chunk
         self.quant_bits = quant_bits
         self.error_decay = float(error_decay)
