@@ -132,6 +132,94 @@ def test_a_changed_setting_is_predicted_by_the_model_that_made_the_rows():
     assert h10.speedup < fewer.speedup < h50.speedup
 
 
+def digits_measurements(mbit: float, **extra) -> Measurements:
+    values = {"compute_sd_s": 0.0, "minibatch_s": 0.002, **extra}
+    return Measurements(hosts=2, num_params=9_610,
+                        shapes=((128, 64), (128,), (10, 128), (10,)),
+                        compute_s={"ddp": 0.002, "sparta": 0.0022, "demo": 0.005},
+                        throughput_bytes_per_s=mbit * 1e6 / 8, link="measured", **values)
+
+
+def reason_at(m: Measurements) -> tuple[str, Candidate]:
+    from distributed.app.recommend import reason_for
+
+    rows = predict_candidates(m, candidate_specs(load_profile("digits-diloco")))
+    chosen = pick(rows)
+    return reason_for(chosen, rows, m), next(r for r in rows if r.name == "ddp")
+
+
+def test_ddp_time_is_named_by_what_it_is_spent_on_not_always_the_link():
+    # A fast link and steps that vary: DDP's time beyond compute is waiting for the slowest.
+    text, ddp = reason_at(digits_measurements(18_300, compute_sd_s=0.004))
+    assert ddp.parts.main_cost() == "wait" and ddp.comm_fraction > 0.3
+    assert "waiting for the slowest host (steps vary by 4 ms), not on the link" in text
+    assert "waiting on the" not in text
+    # A fast link with a long latency: DDP's ring pays it in every round.
+    text, ddp = reason_at(digits_measurements(18_300, latency_s=0.005))
+    assert ddp.parts.main_cost() == "latency"
+    assert "on the link's 5 ms latency, not its bandwidth" in text
+    # A slow link: the bytes themselves.
+    text, ddp = reason_at(digits_measurements(0.5))
+    assert ddp.parts.main_cost() == "transfer"
+    assert "sending 37.5 KiB a step on the 0.5 Mbit/s link" in text
+
+
+def test_a_noisy_measurement_is_said_and_the_pick_is_made_again_at_its_ends():
+    from distributed.app.recommend import HostTiming, noise_report
+
+    specs = candidate_specs(load_profile("digits-diloco"))
+    # A profile that can switch only to DDP and SPARTA: a fast link favours DDP, a slow one
+    # SPARTA (DiLoCo with the largest H wins everywhere for so small a model).
+    only = {s.label: None if s.name in ("ddp", "sparta") else "its keys do not fit"
+            for s in specs}
+
+    def noise(m: Measurements) -> str | None:
+        chosen = pick(predict_candidates(m, specs, only))
+        return noise_report(m, specs, only, chosen)
+
+    assert noise(digits_measurements(100)) is None  # measured once, nothing to doubt
+    # The link swung between a tenth and ten times the figure used: the pick changes.
+    swing = digits_measurements(1000, throughput_range=(100e6 / 8, 10e9 / 8))
+    said = noise(swing)
+    assert said.startswith("the measurement was noisy (the link measured 100 Mbit/s to "
+                           "10 Gbit/s): within it ")
+    assert said.endswith("within it DDP would be picked instead of SPARTA p=0.005; measure "
+                         "again, on quieter hosts, before trusting the pick")
+    # Steps that vary a lot on one host, but no pick changes within the spread.
+    steady_pick = digits_measurements(
+        1, host_steps=(HostTiming("a", 0.002, 0.0002), HostTiming("b", 0.002, 0.0009)))
+    said = noise(steady_pick)
+    assert said == ("the measurement was noisy (steps on b varied by 45% from step to step "
+                    "(median 2 ms)), but the pick is SPARTA p=0.005 anywhere within it")
+
+
+def test_the_spread_from_step_to_step_is_not_set_by_one_slow_step():
+    from distributed.app.recommend import robust_sd
+
+    steps = [0.010, 0.011, 0.010, 0.009, 0.010, 0.011, 0.009, 0.010, 0.500, 0.010]
+    assert robust_sd(steps) < 0.002  # a stdev would be 0.15: 15x the step
+    assert robust_sd([0.01]) == 0.0
+
+
+def test_links_are_measured_until_two_transfers_agree():
+    from distributed.app.recommend import LINK_TRIES, _median_link, _steady_link
+    from distributed.hosts.linkspeed import LinkMeasurement
+
+    def measured(rates: list[float]):
+        made = []
+
+        def once(i: int) -> LinkMeasurement:
+            made.append(i)
+            return LinkMeasurement("a -> b", int(rates[i]), 1.0, 0.001 if i == 0 else None)
+        return _steady_link(once), made
+
+    found, made = measured([100e6, 101e6, 50e6, 50e6])
+    assert made == [0, 1] and _median_link(found).bytes == 100e6
+    found, made = measured([100e6, 50e6, 90e6, 20e6, 99e6])
+    assert len(made) == LINK_TRIES  # never steady: stops at the bound, median kept
+    assert _median_link(found).bytes == 50e6 and _median_link(found).latency_s == 0.001
+
+
 def test_measuring_tells_each_stage_as_it_starts_and_ends_at_the_total(tmp_path, monkeypatch):
     from distributed.app import recommend as planner
     from distributed.app.run import TrainRequest
@@ -226,6 +314,11 @@ def test_recommend_json_on_two_hosts_gives_a_pick_and_rows(sshd, tmp_path):
     assert [t["host"] for t in m["host_steps"]] == ["127.0.0.1", "127.0.0.2"]
     assert all(t["step_s"] > 0 for t in m["host_steps"])
     assert m["links"][0]["link"] == "127.0.0.1 -> 127.0.0.2" and m["mbit_per_s"] > 10
+    # Measured until steady: two transfers at least, a latency, a spread and runs kept.
+    low, high = m["throughput_range"]
+    assert low <= m["throughput_bytes_per_s"] <= high and m["latency_s"] > 0
+    assert m["timing_runs"] in (1, 2) and len(m["host_steps"][0]["steps_s"]) >= 10
+    assert answer["noise"] is None or answer["noise"].startswith("the measurement was noisy")
 
 
 def test_strategy_auto_trains_with_the_picked_strategy(sshd, tmp_path):

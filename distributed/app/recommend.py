@@ -14,8 +14,19 @@ wizard call :func:`recommend`. What it measures:
 - **what ``--set`` cannot reach, here**: :func:`distributed.planning.estimate.measure_model`
   times every kind on this machine (twice, keeping the faster); its ratio to the
   profile's own step scales the hosts' measured time.
-- **the links**: :func:`distributed.hosts.linkspeed.measure_between`, one TCP
-  transfer from the master to every worker (the slowest sets the pace of a ring).
+- **the links**: :func:`distributed.hosts.linkspeed.measure_between`, TCP
+  transfers from the master to every worker (the slowest sets the pace of a ring),
+  repeated until two in a row agree within :data:`LINK_AGREE` (at most
+  :data:`LINK_TRIES`), the median kept; each also times one-byte round trips,
+  and the shortest sets the latency.
+
+The measurement is taken until it is steady, and its spread is kept: a step
+timing whose steps vary by more than :data:`NOISY` is timed once more with twice
+the steps, and the spread from step to step is a robust one (the median absolute
+deviation, so that one step slowed by a peer's start-up does not set it). The
+pick is then made again at each end of what was measured (the slowest and fastest
+transfer, each timing run): :attr:`Recommendation.noise` says when the
+measurement was noisy, and whether the pick would change within it.
 
 Then ``distributed.planning.projection.predict`` -- the one cost model -- gives
 each candidate's step time, bytes per step and speedup. The speedup is the one
@@ -52,7 +63,7 @@ from exogym.base.terminal import output_console
 from exogym.report.summary import human_bytes
 
 from ..hosts.hostsfile import HostsConfig
-from ..hosts.linkspeed import LinkError, LinkMeasurement, measure_between
+from ..hosts.linkspeed import PROBE_PINGS, LinkError, LinkMeasurement, measure_between
 from ..planning import projection
 from ..planning.estimate import measure_model
 from ..profiles.profile import Profile, ProfileError
@@ -71,6 +82,12 @@ __all__ = ["COMPUTE_KIND", "Candidate", "CandidateSpec", "HostTiming", "Measurem
 TIE = 0.01
 #: DiLoCo's inner steps per round among the candidates (those below the run's max_steps).
 DILOCO_H = (10, 50, 100, 500)
+#: A spread (from step to step, or between transfers) above this share of the typical
+#: value makes a measurement noisy: it is taken again, and said.
+NOISY = 0.2
+#: Transfers per link at most; two in a row within :data:`LINK_AGREE` of each other end it.
+LINK_TRIES = 4
+LINK_AGREE = 0.1
 #: Overrides under which the timing run sends nothing and leaves the profile's results alone.
 PROBE_OUTPUT = "runs/recommend-probe"
 
@@ -86,12 +103,30 @@ class HostTiming:
     Args:
         host: the host's name in the hosts file.
         step_s: median seconds per step over the timed steps.
-        step_sd_s: their standard deviation from step to step.
+        step_sd_s: their spread from step to step: the median absolute deviation scaled
+            to a normal distribution's standard deviation (1.4826 MAD), so that a step
+            slowed by something else on the host does not set it.
+        steps_s: every timed step, in seconds.
     """
 
     host: str
     step_s: float
     step_sd_s: float
+    steps_s: tuple[float, ...] = ()
+
+    @property
+    def spread(self) -> float:
+        """``step_sd_s`` as a share of ``step_s``."""
+        return self.step_sd_s / self.step_s if self.step_s > 0 else 0.0
+
+
+def robust_sd(values: Sequence[float]) -> float:
+    """1.4826 times the median absolute deviation: a standard deviation one outlier
+    does not move (0 for fewer than two values)."""
+    if len(values) < 2:
+        return 0.0
+    middle = statistics.median(values)
+    return 1.4826 * statistics.median(abs(v - middle) for v in values)
 
 
 @dataclass(frozen=True)
@@ -111,6 +146,13 @@ class Measurements:
         host_steps: every host's measured step (empty when modelled here).
         links: every link measured (empty when modelled).
         local_s: the steps timed on this machine, per compute kind and ``own``/``reference``.
+        latency_s: the slowest link's one-way latency (0 when modelled or not measured).
+        throughput_range: the slowest and fastest pace-setting transfer, bytes per second
+            (equal ends when the link was modelled or measured once).
+        compute_range: the compute times' lowest and highest factor over the figures used,
+            from run to run (``(1, 1)``: timed once).
+        sd_range: the lowest and highest spread from step to step among the timing runs.
+        timing_runs: how many times the hosts' steps were timed.
     """
 
     hosts: int
@@ -124,6 +166,11 @@ class Measurements:
     host_steps: tuple[HostTiming, ...] = ()
     links: tuple[LinkMeasurement, ...] = ()
     local_s: dict[str, float] = field(default_factory=dict)
+    latency_s: float = 0.0
+    throughput_range: tuple[float, float] | None = None
+    compute_range: tuple[float, float] = (1.0, 1.0)
+    sd_range: tuple[float, float] | None = None
+    timing_runs: int = 1
 
     @property
     def mbit(self) -> float:
@@ -135,7 +182,8 @@ class Measurements:
         out = asdict(self)
         out["shapes"] = [list(s) for s in self.shapes]
         out["links"] = [{"link": m.host, "bytes": m.bytes, "seconds": m.seconds,
-                         "mbit_per_s": m.mbit_per_s} for m in self.links]
+                         "mbit_per_s": m.mbit_per_s, "latency_s": m.latency_s}
+                        for m in self.links]
         out["mbit_per_s"] = self.mbit
         return out
 
@@ -169,6 +217,8 @@ class Candidate:
         wire_bytes: bytes each host puts on its link per step.
         applies: whether the profile can switch to it with ``--set``.
         why_not: why it cannot, when it cannot.
+        parts: the step part by part (:class:`distributed.planning.projection.StepParts`):
+            what ``comm_s`` is spent on.
         run_with: the profile, and its ``--set`` values, that trains the planned run with
             this strategy (``digits-ddp``, ``digits-diloco --set H=100``;
             :func:`distributed.app.run_with.run_with`); None when no profile of the config
@@ -184,6 +234,7 @@ class Candidate:
     wire_bytes: float
     applies: bool = True
     why_not: str | None = None
+    parts: projection.StepParts | None = None
     run_with: RunWith | None = None
 
     @property
@@ -208,6 +259,8 @@ class Recommendation:
         measurements: what the predictions start from.
         new_profile: a profile of its own will be written for the pick (the wizard's
             case): every candidate the task can run applies.
+        noise: when the measurement was noisy, how much, and whether the pick would
+            change within it (None: steady).
     """
 
     profile: str
@@ -216,6 +269,7 @@ class Recommendation:
     candidates: tuple[Candidate, ...]
     measurements: Measurements
     new_profile: bool = False
+    noise: str | None = None
 
     @property
     def overrides(self) -> dict[str, Any]:
@@ -226,7 +280,8 @@ class Recommendation:
         """The ``--json`` object: ``strategy``, ``reason``, ``candidates``, ``measurements``."""
         return {"profile": self.profile,
                 "strategy": {"name": self.pick.name, **self.pick.settings},
-                "label": self.pick.label, "reason": self.reason, "rule": RULE,
+                "label": self.pick.label, "reason": self.reason, "noise": self.noise,
+                "rule": RULE,
                 "candidates": [c.to_dict() for c in self.candidates],
                 "measurements": self.measurements.to_dict()}
 
@@ -332,12 +387,69 @@ def predict_candidates(measurements: Measurements, specs: Sequence[CandidateSpec
         p = projection.predict(spec.name, measurements.num_params, measurements.hosts, compute,
                                measurements.throughput_bytes_per_s,
                                minibatch_s=measurements.minibatch_s,
+                               latency_s=measurements.latency_s,
                                compute_sd_s=measurements.compute_sd_s,
                                shapes=measurements.shapes or None, **settings)
         reason = why_not.get(spec.label)
         rows.append(Candidate(spec.label, spec.name, dict(spec.settings), p.step_s, p.comm_s,
-                              p.speedup, p.wire_bytes, reason is None, reason))
+                              p.speedup, p.wire_bytes, reason is None, reason, p.parts))
     return rows
+
+
+def _ends(measurements: Measurements) -> list[Measurements]:
+    """The measurements at each corner of what was measured: the slowest and fastest
+    transfer, the lowest and highest compute times and spreads of the timing runs."""
+    m = measurements
+    rates = sorted(set(m.throughput_range or (m.throughput_bytes_per_s,)))
+    factors = sorted(set(m.compute_range))
+    sds = sorted(set(m.sd_range or (m.compute_sd_s,)))
+    return [dataclasses.replace(
+                m, throughput_bytes_per_s=rate, compute_sd_s=sd, minibatch_s=m.minibatch_s * f,
+                compute_s={kind: s * f for kind, s in m.compute_s.items()})
+            for rate in rates for f in factors for sd in sds]
+
+
+def _span(low: float, high: float, unit: Callable[[float], str]) -> str:
+    return unit(low) if unit(low) == unit(high) else f"{unit(low)} to {unit(high)}"
+
+
+def noise_report(measurements: Measurements, specs: Sequence[CandidateSpec],
+                 why_not: Mapping[str, str | None], chosen: Candidate) -> str | None:
+    """None when the measurement was steady; else how noisy it was and whether the pick
+    would be another candidate anywhere within it.
+
+    The pick is made again at every end of the measured ranges (:func:`_ends`); a
+    measurement is noisy when a range is wider than :data:`NOISY` of its middle.
+    """
+    m = measurements
+    said = []
+    if m.throughput_range is not None:
+        low, high = m.throughput_range
+        if high - low > NOISY * m.throughput_bytes_per_s:
+            said.append("the link measured " + _span(low * 8 / 1e6, high * 8 / 1e6, _rate))
+    if m.host_steps:
+        worst = max(m.host_steps, key=lambda t: t.spread)
+        if worst.spread > NOISY:
+            said.append(f"steps on {worst.host} varied by {worst.spread:.0%} from step to step "
+                        f"(median {worst.step_s * 1000:.3g} ms)")
+    low, high = m.compute_range
+    if high - low > NOISY:
+        said.append(f"step times differed by {high / low - 1:.0%} between "
+                    f"{plural(m.timing_runs, 'timing run')}")
+    others = []
+    for corner in _ends(m):
+        rows = predict_candidates(corner, specs, why_not)
+        other = pick(rows)
+        if other.label != chosen.label and other.label not in others:
+            others.append(other.label)
+    if not said and not others:
+        return None
+    where = "; ".join(said) if said else "the spread of the measurements"
+    if others:
+        return (f"the measurement was noisy ({where}): within it "
+                f"{' or '.join(others)} would be picked instead of {chosen.label}; "
+                "measure again, on quieter hosts, before trusting the pick")
+    return f"the measurement was noisy ({where}), but the pick is {chosen.label} anywhere within it"
 
 
 def pick(candidates: Sequence[Candidate], tie: float = TIE) -> Candidate:
@@ -361,17 +473,42 @@ def _rate(mbit: float) -> str:
     return f"{mbit / 1000:.3g} Gbit/s" if mbit >= 1000 else f"{mbit:.3g} Mbit/s"
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2g} ms"
+
+
+def _spent_on(c: Candidate, m: Measurements) -> str:
+    """What a candidate's time beyond compute goes to, in words: its largest part."""
+    link = _rate(m.mbit)
+    sent = human_bytes(c.wire_bytes)
+    parts = c.parts
+    main = parts.main_cost() if parts is not None else "transfer"
+    if main == "wait" and parts is not None:
+        return (f"waiting for the slowest host (steps vary by {_ms(m.compute_sd_s)}), not on "
+                f"the link ({sent} a step take {_ms(parts.transfer_s)} at {link})")
+    if main == "latency" and parts is not None:
+        return (f"on the link's {_ms(m.latency_s)} latency, not its bandwidth ({sent} a step "
+                f"take {_ms(parts.transfer_s)} at {link})")
+    return f"sending {sent} a step on the {link} link"
+
+
 def reason_for(chosen: Candidate, candidates: Sequence[Candidate],
                measurements: Measurements, new_profile: bool = False) -> str:
-    """One line: the pick's communication share and speedup, and what DDP would cost
-    (``new_profile``: the candidates that do not apply are ones the task cannot run)."""
+    """One line: the pick's communication share and speedup, and what DDP would spend its
+    time on (``new_profile``: the candidates that do not apply are ones the task cannot run).
+
+    Time beyond compute is named by its largest part: waiting for the slowest host, the
+    link's latency, or the bytes on the link."""
     hosts = measurements.hosts
     text = (f"{chosen.label}: communication is {chosen.comm_fraction:.0%} of the step, "
             f"{chosen.speedup:.2f}x predicted on {hosts} hosts")
+    if chosen.parts is not None and chosen.parts.main_cost() == "wait" \
+            and chosen.comm_fraction >= 0.05:
+        text += " (most of it waiting for the slowest host)"
     ddp = next((c for c in candidates if c.name == "ddp"), None)
     if ddp is not None and ddp is not chosen:
-        text += (f"; DDP would spend {ddp.comm_fraction:.0%} of each step waiting on the "
-                 f"{_rate(measurements.mbit)} link ({ddp.speedup:.2f}x)")
+        text += (f"; DDP would spend {ddp.comm_fraction:.0%} of each step "
+                 f"{_spent_on(ddp, measurements)} ({ddp.speedup:.2f}x)")
     elif ddp is chosen:
         text += f" on the {_rate(measurements.mbit)} link: the link is fast enough for DDP"
     faster = [c for c in candidates if not c.applies and c.speedup > chosen.speedup * (1 + TIE)
@@ -427,11 +564,13 @@ def _reference(profile: Profile, hosts: int, batch: int) -> Profile | None:
 
 def _local_steps(profile: Profile, timed: Sequence[tuple[str, Profile]], as_own: set[str],
                  hosts: int, ranks_here: int, stage: Callable[[str], None], task: Any,
-                 steps: int = 20, rounds: int = 2) -> dict[str, float]:
-    """Seconds of one step on this machine: the profile's own, each compute kind, the reference."""
+                 steps: int = 20, rounds: int = 2) -> tuple[dict[str, float], float]:
+    """Seconds of one step on this machine: the profile's own, each compute kind, the
+    reference; and the slowest pass's time of the profile's own step over the fastest's."""
     # Every step is timed in each of ``rounds`` passes and the fastest pass kept: other
     # processes only ever slow a step down, and the ratios between kinds are what count.
     local: dict[str, float] = {}
+    own: list[float] = []
     for _ in range(rounds):
         for kind, planned in timed:
             stage(f"timing {KIND_WORDS.get(kind, f'{profile.name} as it is')} here")
@@ -440,9 +579,11 @@ def _local_steps(profile: Profile, timed: Sequence[tuple[str, Profile]], as_own:
                 seconds = measure_model(planned, ranks_here=ranks_here, num_nodes=hosts,
                                         task=task, steps=steps).compute_s_per_step
             local[kind] = min(seconds, local.get(kind, seconds))
+            if kind == "own":
+                own.append(seconds)
     for kind in as_own:
         local[kind] = local["own"]
-    return local
+    return local, max(own) / min(own) if own and min(own) > 0 else 1.0
 
 
 class _StepRecorder:
@@ -495,17 +636,46 @@ def _host_steps(request: TrainRequest, config: HostsConfig, console: Console,
                                  f"{total} while timing; its log is in the launcher's output")
         each = [walls[k] - walls[k - 1] for k in range(warmup + 1, total + 1)
                 if k in walls and k - 1 in walls]
-        # The median step: a burst of other work on the host (a peer's start-up, the
-        # launcher) during a few of the timed steps must not set the figure.
+        # The median step and a robust spread: a burst of other work on the host (a peer's
+        # start-up, the launcher) during a few of the timed steps must not set either.
         typical = statistics.median(each) if each else (walls[total] - walls[warmup]) / steps
-        timings.append(HostTiming(host.host, typical,
-                                  statistics.stdev(each) if len(each) > 1 else 0.0))
+        timings.append(HostTiming(host.host, typical, robust_sd(each), tuple(each)))
     return tuple(timings)
 
 
+def _joined(first: Sequence[HostTiming], second: Sequence[HostTiming]) -> tuple[HostTiming, ...]:
+    """Two timing runs of the same hosts as one: every step of both."""
+    joined = []
+    for a, b in zip(first, second):
+        each = [*a.steps_s, *b.steps_s] or [a.step_s, b.step_s]
+        joined.append(HostTiming(a.host, statistics.median(each), robust_sd(each), tuple(each)))
+    return tuple(joined)
+
+
+def _steady_link(measure_once: Callable[[int], LinkMeasurement]) -> list[LinkMeasurement]:
+    """Transfers over one link until two in a row agree within :data:`LINK_AGREE` (at
+    most :data:`LINK_TRIES`); ``measure_once(i)`` makes the ``i``-th."""
+    found = [measure_once(0)]
+    while len(found) < LINK_TRIES:
+        found.append(measure_once(len(found)))
+        last, before = found[-1].bytes_per_s, found[-2].bytes_per_s
+        if abs(last - before) <= LINK_AGREE * max(last, before):
+            break
+    return found
+
+
+def _median_link(found: Sequence[LinkMeasurement]) -> LinkMeasurement:
+    """The transfer of median rate, with the shortest latency of any."""
+    ordered = sorted(found, key=lambda m: m.bytes_per_s)
+    middle = ordered[(len(ordered) - 1) // 2]
+    latencies = [m.latency_s for m in found if m.latency_s is not None]
+    return dataclasses.replace(middle, latency_s=min(latencies) if latencies else None)
+
+
 def _links(request: TrainRequest, config: HostsConfig, console: Console,
-           seconds: float) -> tuple[LinkMeasurement, ...]:
-    """One transfer from the master to every worker, through the hosts' own shells."""
+           seconds: float) -> tuple[list[LinkMeasurement], ...]:
+    """Transfers from the master to every worker, through the hosts' own shells, until
+    steady (:func:`_steady_link`); each also times round trips for the latency."""
     from ..hosts.session import HostSession
     from ..launch.options import split_options
 
@@ -523,10 +693,13 @@ def _links(request: TrainRequest, config: HostsConfig, console: Console,
         master = config.master
         for worker in config.workers:
             address = session.targets[worker.rank].hostname
+
+            def once(_: int, worker: Any = worker, address: str = address) -> LinkMeasurement:
+                return measure_between(session.shell(0), master, session.shell(worker.rank),
+                                       worker, address, seconds=seconds, pings=PROBE_PINGS)
+
             try:
-                found.append(measure_between(session.shell(0), master,
-                                             session.shell(worker.rank), worker, address,
-                                             seconds=seconds))
+                found.append(_steady_link(once))
             except LinkError as exc:
                 raise RecommendError(f"measuring the link {master.host} -> {worker.host} "
                                      f"failed: {exc}") from exc
@@ -627,20 +800,34 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
     reference_run = _reference(profile, hosts, facts.batch_size)
     if reference_run is not None:
         timed.append(("reference", reference_run))
-    local = _local_steps(profile, timed, as_own, hosts, ranks_here, stage, task,
-                         rounds=LOCAL_ROUNDS)
+    local, local_range = _local_steps(profile, timed, as_own, hosts, ranks_here, stage, task,
+                                      rounds=LOCAL_ROUNDS)
     timings: tuple[HostTiming, ...] = ()
     links: tuple[LinkMeasurement, ...] = ()
+    tries: tuple[list[LinkMeasurement], ...] = ()
     scale, sd = 1.0, 0.0
+    compute_range, sd_range, runs = (1.0, local_range), None, 1
     remote: dict[str, float] = {}
     if on_hosts and time_hosts:
         assert config is not None
         stage(f"timing {plural(steps, 'step')} of {profile.name} on {plural(hosts, 'host')} "
               "at once, nothing sent")
         timings = _host_steps(request, config, console, warmup, steps)
+        runs_found = [timings]
+        if max(t.spread for t in timings) > NOISY:
+            # Noisy: time again with twice the steps and keep every step of both runs.
+            stage.more(1)
+            stage(f"timing again: steps varied by {max(t.spread for t in timings):.0%}")
+            runs_found.append(_host_steps(request, config, console, warmup, 2 * steps))
+            timings = _joined(*runs_found)
+        runs = len(runs_found)
         host_mean = statistics.fmean(t.step_s for t in timings)
         scale = host_mean / local["own"]
         sd = statistics.fmean(t.step_sd_s for t in timings)
+        means = [statistics.fmean(t.step_s for t in found) for found in runs_found]
+        sds = [statistics.fmean(t.step_sd_s for t in found) for found in runs_found]
+        compute_range = (min(means) / host_mean, max(means) / host_mean)
+        sd_range = (min(sds), max(sds))
         # Each kind's own step, and the reference, on the hosts too where --set reaches them
         # (the same conditions as the run; this machine's ratios stand in for the rest).
         for kind, extra in remote_kinds.items():
@@ -650,9 +837,9 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
     if on_hosts and link_mbit is None:
         assert config is not None
         stage("measuring the link from the master to every worker")
-        links = _links(request, config, console, link_seconds)
-    if progress is not None:
-        progress("done", total, total)
+        tries = _links(request, config, console, link_seconds)
+        links = tuple(_median_link(found) for found in tries)
+    stage.finish()
     throughput = projection.mbit_to_bytes_per_s(link_mbit) if link_mbit is not None \
         else min(m.bytes_per_s for m in links)
     if not throughput > 0:
@@ -665,11 +852,18 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
     # One host doing every host's minibatches each step (gradient accumulation) never
     # spends more per minibatch than a step of one: a larger figure is noise.
     minibatch_s = min(reference / hosts, compute["ddp"])
+    latencies = [m.latency_s for m in links if m.latency_s is not None]
+    throughput_range = None
+    if tries:  # the pace-setting link at its slowest and at its fastest transfer
+        throughput_range = (min(min(m.bytes_per_s for m in found) for found in tries),
+                            min(max(m.bytes_per_s for m in found) for found in tries))
     return Measurements(
         hosts=hosts, num_params=facts.num_params, shapes=facts.shapes, compute_s=compute,
         compute_sd_s=sd, minibatch_s=minibatch_s,
         throughput_bytes_per_s=throughput, link="modelled" if link_mbit is not None
-        else "measured", host_steps=timings, links=links, local_s=local)
+        else "measured", host_steps=timings, links=links, local_s=local,
+        latency_s=max(latencies) if latencies else 0.0, throughput_range=throughput_range,
+        compute_range=compute_range, sd_range=sd_range, timing_runs=runs)
 
 
 def _measure_recorded(request: TrainRequest, recording: Any, *, link_mbit: float | None,
@@ -698,7 +892,8 @@ def _measure_recorded(request: TrainRequest, recording: Any, *, link_mbit: float
     reference_run = _reference(profile, hosts, facts.batch_size)
     if reference_run is not None:
         timed.append(("reference", reference_run))
-    local = _local_steps(profile, timed, as_own, hosts, 1, stage, task, rounds=LOCAL_ROUNDS)
+    local, _ = _local_steps(profile, timed, as_own, hosts, 1, stage, task,
+                            rounds=LOCAL_ROUNDS)
     names = {h["rank"]: h["host"] for h in recording.header.get("hosts") or []}
     per_rank: dict[int, list[float]] = {}
     for line in recording.lines:
@@ -706,8 +901,8 @@ def _measure_recorded(request: TrainRequest, recording: Any, *, link_mbit: float
             per_rank.setdefault(line["rank"], []).append(float(line["compute_s"]))
     mean = recording.compute_per_step()
     timings = tuple(HostTiming(names.get(r, f"rank {r}"), mean[r],
-                               statistics.stdev(per_rank[r]) if len(per_rank.get(r, [])) > 1
-                               else 0.0) for r in range(hosts))
+                               robust_sd(per_rank.get(r, [])),
+                               tuple(per_rank.get(r, []))) for r in range(hosts))
     links: tuple[LinkMeasurement, ...] = ()
     if link_mbit is None:
         network, _ = recording.network()
@@ -718,8 +913,7 @@ def _measure_recorded(request: TrainRequest, recording: Any, *, link_mbit: float
         links = tuple(LinkMeasurement(f"{names.get(r, f'rank {r}')} (recorded)",
                                       round(float(rate) / 8), 1.0, network.get("latency_s"))
                       for r, rate in enumerate(rates))
-    if progress is not None:
-        progress("done", total, total)
+    stage.finish()
     scale = statistics.fmean(t.step_s for t in timings) / local["own"]
     throughput = projection.mbit_to_bytes_per_s(float(link_mbit)) if link_mbit is not None \
         else min(m.bytes_per_s for m in links)
@@ -732,7 +926,8 @@ def _measure_recorded(request: TrainRequest, recording: Any, *, link_mbit: float
         minibatch_s=min(reference / hosts, compute["ddp"]),
         throughput_bytes_per_s=throughput,
         link="modelled" if link_mbit is not None else "recorded", host_steps=timings,
-        links=links, local_s=local)
+        links=links, local_s=local,
+        latency_s=max((m.latency_s or 0.0 for m in links), default=0.0))
 
 
 def recommend(request: TrainRequest, console: Console | None = None, *,
@@ -776,9 +971,10 @@ def recommend(request: TrainRequest, console: Console | None = None, *,
     if not new_profile:
         rows = [dataclasses.replace(c, run_with=_run_with(profile, c, request)) for c in rows]
     chosen = pick(rows)
+    why_not = {c.label: c.why_not for c in rows}
     return Recommendation(profile.name, chosen, reason_for(chosen, rows, measured, new_profile),
-                          tuple(rows),
-                          measured, new_profile)
+                          tuple(rows), measured, new_profile,
+                          noise_report(measured, specs, why_not, chosen))
 
 
 def _run_with(profile: Profile, candidate: Candidate, request: TrainRequest) -> RunWith | None:
@@ -815,15 +1011,27 @@ def table_rows(rec: Recommendation) -> list[list[str]]:
     return rows
 
 
-def _stages(progress: Callable[[str, int, int], None] | None,
-            total: int) -> Callable[[str], None]:
+class _Stages:
+    """Reports each stage of a measurement to ``progress`` (when given), counting; the
+    total grows when a stage is added on the way (a noisy timing taken again)."""
+
+    def __init__(self, progress: Callable[[str, int, int], None] | None, total: int) -> None:
+        self.progress, self.total, self.done = progress, total, 0
+
+    def __call__(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress(text, self.done, self.total)
+        self.done += 1
+
+    def more(self, stages: int) -> None:
+        """``stages`` more than planned."""
+        self.total += stages
+
+    def finish(self) -> None:
+        if self.progress is not None:
+            self.progress("done", self.total, self.total)
+
+
+def _stages(progress: Callable[[str, int, int], None] | None, total: int) -> _Stages:
     """A function that reports each stage of ``total`` to ``progress`` (when given), counting."""
-    done = 0
-
-    def stage(text: str) -> None:
-        nonlocal done
-        if progress is not None:
-            progress(text, done, total)
-        done += 1
-
-    return stage
+    return _Stages(progress, total)

@@ -285,6 +285,8 @@ def distributed_train(
                                  "(the simulation itself sends nothing over one)")
             rec = choose(request, console, link_mbit=link_mbit)
             console.print(f"strategy auto: {rec.reason}", markup=False, soft_wrap=True)
+            if rec.noise:
+                console.print(f"strategy auto: {rec.noise}", markup=False, soft_wrap=True)
             request = dataclasses.replace(request, overrides={**request.overrides,
                                                               **rec.overrides})
         if dry_run:
@@ -726,6 +728,8 @@ def recommend(
             table.add_row(*(escape(cell) for cell in (*row[:-1], runs, row[-1])))
         out.print(table)
         out.print(f"pick: {rec.reason}", markup=False, soft_wrap=True)
+        if rec.noise:
+            out.print(f"noise: {rec.noise}", markup=False, soft_wrap=True)
         if rec.pick.run_with:
             chosen = run.TrainRequest(profile=rec.pick.run_with.profile, config=request.config,
                                       overrides=rec.pick.run_with.overrides, hosts=hosts)

@@ -595,6 +595,9 @@ class Wizard:
         self.console.print(table)
         self.console.print(f"Recommended: {rec.reason}", markup=False, highlight=False,
                            soft_wrap=True)
+        if rec.noise:
+            self.console.print(f"Note: {rec.noise}", markup=False, highlight=False,
+                               soft_wrap=True)
         return rec
 
     def choose_strategy(self, base: Profile, rec: Recommendation | None

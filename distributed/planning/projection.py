@@ -94,6 +94,7 @@ __all__ = [
     "STRATEGIES",
     "Prediction",
     "Projection",
+    "StepParts",
     "StepTraffic",
     "allgather_bytes",
     "allgather_rounds",
@@ -114,6 +115,7 @@ __all__ = [
     "single_host_step_time",
     "skew_per_step",
     "speedup",
+    "step_parts",
     "step_traffic",
     "value_bytes_of",
 ]
@@ -343,6 +345,57 @@ def skew_per_step(compute_sd_s: float, hosts: int, period: int = 1) -> float:
 # --------------------------------------------------------------------------- time and speedup
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """One step's predicted time, part by part: what a step beyond compute is spent on.
+
+    Args:
+        compute_s: local work.
+        wait_s: waiting for the slowest host (the spread of the hosts' compute times).
+        latency_s: the message rounds' latency (``rounds * latency``).
+        transfer_s: the bytes on the link (``bytes_sent / throughput``).
+        bytes_sent: bytes one host puts on its link per step.
+    """
+
+    compute_s: float
+    wait_s: float
+    latency_s: float
+    transfer_s: float
+    bytes_sent: float
+
+    @property
+    def step_s(self) -> float:
+        """The whole step."""
+        return self.compute_s + self.wait_s + self.latency_s + self.transfer_s
+
+    @property
+    def comm_s(self) -> float:
+        """Everything beyond compute: waiting, latency and transfer."""
+        return self.wait_s + self.latency_s + self.transfer_s
+
+    def main_cost(self) -> str:
+        """Which of ``wait``, ``latency`` and ``transfer`` takes the most time (``none``
+        when the step is all compute)."""
+        parts = {"wait": self.wait_s, "latency": self.latency_s, "transfer": self.transfer_s}
+        largest = max(parts, key=lambda k: parts[k])
+        return largest if parts[largest] > 0 else "none"
+
+
+def step_parts(strategy: Any, num_params: int, hosts: int, compute_s: float,
+               throughput_bytes_per_s: float, latency_s: float = 0.0,
+               compute_sd_s: float = 0.0, **settings: object) -> StepParts:
+    """:func:`predict_step_time`, part by part (arguments as there)."""
+    _check_nonnegative("compute_s", compute_s)
+    _check_positive("throughput_bytes_per_s", throughput_bytes_per_s)
+    _check_nonnegative("latency_s", latency_s)
+    traffic = step_traffic(strategy, num_params, hosts, **settings)  # type: ignore[arg-type]
+    skew = skew_per_step(compute_sd_s, hosts, traffic.period) if traffic.period else 0.0
+    link = Network(bandwidth=throughput_bytes_per_s * 8.0, latency_s=latency_s)
+    transfer = link.transfer_s(traffic.bytes_sent, 0)
+    talk = link.transfer_s(traffic.bytes_sent, traffic.rounds)
+    return StepParts(compute_s, skew, talk - transfer, transfer, traffic.bytes_sent)
+
+
 def predict_step_time(strategy: Any, num_params: int, hosts: int, compute_s: float,
                       throughput_bytes_per_s: float, latency_s: float = 0.0,
                       compute_sd_s: float = 0.0, **settings: object) -> float:
@@ -357,13 +410,8 @@ def predict_step_time(strategy: Any, num_params: int, hosts: int, compute_s: flo
         compute_sd_s: standard deviation of ``compute_s`` from step to step
             (0 leaves out the wait for the slowest host).
     """
-    _check_nonnegative("compute_s", compute_s)
-    _check_positive("throughput_bytes_per_s", throughput_bytes_per_s)
-    _check_nonnegative("latency_s", latency_s)
-    traffic = step_traffic(strategy, num_params, hosts, **settings)  # type: ignore[arg-type]
-    skew = skew_per_step(compute_sd_s, hosts, traffic.period) if traffic.period else 0.0
-    link = Network(bandwidth=throughput_bytes_per_s * 8.0, latency_s=latency_s)
-    return compute_s + skew + link.transfer_s(traffic.bytes_sent, traffic.rounds)
+    return step_parts(strategy, num_params, hosts, compute_s, throughput_bytes_per_s,
+                      latency_s, compute_sd_s, **settings).step_s
 
 
 def single_host_step_time(hosts: int, minibatch_s: float) -> float:
@@ -454,6 +502,7 @@ class Prediction:
         comm_s: seconds per step beyond it: waiting for the slowest host and talking.
         step_s: ``compute_s + comm_s``.
         speedup: throughput over one host doing the same total work (``hosts`` at best).
+        parts: ``comm_s`` part by part: waiting for the slowest host, latency, transfer.
     """
 
     strategy: str
@@ -464,6 +513,7 @@ class Prediction:
     comm_s: float
     step_s: float
     speedup: float
+    parts: StepParts | None = None
 
     @property
     def efficiency(self) -> float:
@@ -484,14 +534,14 @@ def predict(strategy: Any, num_params: int, hosts: int, compute_s: float,
     if not compute_s > 0:
         raise ValueError(f"compute_s must be > 0 seconds, got {compute_s!r}")
     traffic = step_traffic(strategy, num_params, hosts, **settings)  # type: ignore[arg-type]
-    step = predict_step_time(strategy, num_params, hosts, compute_s, throughput_bytes_per_s,
-                             latency_s, compute_sd_s, **settings)
+    parts = step_parts(strategy, num_params, hosts, compute_s, throughput_bytes_per_s,
+                       latency_s, compute_sd_s, **settings)
     gain = speedup(strategy, num_params, hosts, compute_s, throughput_bytes_per_s,
                    minibatch_s=minibatch_s, latency_s=latency_s, compute_sd_s=compute_sd_s,
                    **settings)
     return Prediction(strategy=traffic.strategy, hosts=hosts, payload_bytes=traffic.payload,
                       wire_bytes=traffic.bytes_sent, compute_s=compute_s,
-                      comm_s=step - compute_s, step_s=step, speedup=gain)
+                      comm_s=parts.comm_s, step_s=parts.step_s, speedup=gain, parts=parts)
 
 
 def predict_all(num_params: int, hosts: int, compute_s: float, throughput_bytes_per_s: float,
