@@ -54,7 +54,7 @@ def test_profile_run_keys_are_the_fit_arguments_a_profile_may_set():
         "gradient_accumulation", "max_memory_usage", "shuffle", "val_size", "val_interval",
         "autocast", "checkpoint_interval", "keep_checkpoints", "correlation_interval", "device",
         "seed", "log_interval", "num_threads", "timeout_s", "logger", "wandb_project",
-        "partition", "network", "compute_time_s", "rank_speeds", "speed_mode", "balance",
+        "partition", "shared_samples", "network", "compute_time_s", "rank_speeds", "speed_mode", "balance",
     }
 
 

@@ -194,6 +194,22 @@ def test_fit_refuses_ranks_without_a_sample_of_their_own():
                                                 max_steps=2, batch_size=1, **QUIET_FIT)
 
 
+def test_ranks_share_samples_only_when_asked_and_are_told_so():
+    from exogym import Trainer
+    from exogym.run.spec import DataWarning
+    from exogym.strategy import DiLoCoStrategy
+
+    trainer = Trainer(_Net(), _data(3), _data(3))
+    with pytest.warns(DataWarning, match=r"3 samples for 4 ranks: rank 3 train on copies of "
+                                         r"other ranks' samples \(shared_samples=True\)"):
+        trainer.fit(strategy=DiLoCoStrategy(H=2), num_nodes=4, max_steps=2, batch_size=1,
+                    shared_samples=True, **QUIET_FIT)
+    assert trainer.history and trainer.history[-1]["step"] == 2
+    with pytest.raises(ValueError, match="partition='dirichlet:0.5' splits 3 samples by label"):
+        trainer.fit(strategy=DiLoCoStrategy(H=2), num_nodes=4, max_steps=2, batch_size=1,
+                    shared_samples=True, partition="dirichlet:0.5", **QUIET_FIT)
+
+
 def test_fit_warns_of_a_batch_larger_than_a_ranks_share_as_the_cli_does():
     from exogym import Trainer
     from exogym.run.spec import DataWarning

@@ -151,7 +151,9 @@ def _train(profile: Profile, env: RankEnvironment | None, identity: RunIdentity,
     model, train_dataset, val_dataset = resolved.task_fn(**resolved.task_kwargs)
     ranks = env.world_size if env is not None else int(resolved.run_kwargs.get("num_nodes") or 1)
     if env is not None and env.rank == 0:  # a simulation's fit says it itself
-        check_data(train_dataset, ranks, resolved.run_kwargs.get("batch_size"))
+        run = resolved.run_kwargs
+        check_data(train_dataset, ranks, run.get("batch_size"),
+                   bool(run.get("shared_samples")), run.get("partition") or "iid")
     strategy = resolved.strategy_cls(**resolved.strategy_kwargs)
     fit_kwargs = dict(
         resolved.run_kwargs, strategy=strategy, run_name=profile.name,

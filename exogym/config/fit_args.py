@@ -375,6 +375,10 @@ class RunArgs:
         "draw: small ALPHA, few labels per rank), ``'shards:N'`` (label-sorted data cut into "
         "N shards per rank). Seeded by ``seed``: the same split in a simulation and on hosts.",
         _partition, profile=True, convert=lambda v: v.strip())
+    shared_samples: bool = _arg(
+        False, "let ranks share training samples when there are fewer samples than ranks "
+        "(the even split then wraps around, so a rank trains on copies of another's); "
+        "otherwise ``fit`` refuses such a run.", profile=True, convert=bool)
     val_size: int = _arg(64, "validation samples per evaluation (0: no evaluation).",
                          _at_least(0), profile=True)
     val_interval: int = _arg(100, "evaluate every this many steps (and after the last).",

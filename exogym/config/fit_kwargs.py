@@ -31,6 +31,7 @@ class FitKwargs(TypedDict, total=False):
     max_memory_usage: float
     shuffle: bool
     partition: str
+    shared_samples: bool
     val_size: int
     val_interval: int
     autocast: bool

@@ -113,13 +113,16 @@ class DataWarning(UserWarning):
     rank's share of the data. The run goes on; the warning says what it does instead."""
 
 
-def check_data(train_dataset: Any, num_nodes: int, batch_size: int | None) -> None:
-    """Refuse ranks that would have no sample of their own, and warn (:class:`DataWarning`)
-    when ``batch_size`` is larger than one rank's share. A dataset without a length, or a
-    factory (which builds each rank's data itself), is not checked.
+def check_data(train_dataset: Any, num_nodes: int, batch_size: int | None,
+               shared_samples: bool = False, partition: str = "iid") -> None:
+    """Refuse ranks that would have no sample of their own (unless ``shared_samples``,
+    which warns instead), and warn (:class:`DataWarning`) when ``batch_size`` is larger
+    than one rank's share. A dataset without a length, or a factory (which builds each
+    rank's data itself), is not checked.
 
     Raises:
-        ValueError: fewer training samples than ranks.
+        ValueError: fewer training samples than ranks, and ``shared_samples`` not given
+            (or given with a split by label, which has no samples to share out).
     """
     if is_factory(train_dataset) or not hasattr(train_dataset, "__len__") or \
             isinstance(train_dataset, IterableDataset):
@@ -127,13 +130,23 @@ def check_data(train_dataset: Any, num_nodes: int, batch_size: int | None) -> No
     total = len(train_dataset)
     if total < num_nodes:
         left = f"rank {total}" if total == num_nodes - 1 else f"ranks {total}..{num_nodes - 1}"
-        raise ValueError(
-            f"train_dataset has {total} sample{'s' if total != 1 else ''} for {num_nodes} "
-            f"ranks: {left} would have no sample of their own and "
-            f"train on copies of other ranks' samples; give at least {num_nodes} samples or "
-            f"use num_nodes={total} (a dataset factory f(rank, num_nodes, is_train) gives "
-            "each rank whatever data it builds)")
-    share = total // num_nodes
+        samples = f"{total} sample{'s' if total != 1 else ''}"
+        if not shared_samples:
+            raise ValueError(
+                f"train_dataset has {samples} for {num_nodes} ranks: {left} would have no "
+                f"sample of their own and train on copies of other ranks' samples; give at "
+                f"least {num_nodes} samples, use num_nodes={total}, or pass "
+                "shared_samples=True to train that way (a dataset factory f(rank, num_nodes, "
+                "is_train) gives each rank whatever data it builds)")
+        if partition.strip() != "iid":
+            raise ValueError(
+                f"shared_samples=True shares out an even split; partition={partition!r} "
+                f"splits {samples} by label among {num_nodes} ranks and leaves some with none: "
+                "use partition='iid' or more samples")
+        warnings.warn(f"train_dataset has {samples} for {num_nodes} ranks: {left} train on "
+                      "copies of other ranks' samples (shared_samples=True)", DataWarning,
+                      stacklevel=4)
+    share = -(-total // num_nodes)  # the even split pads the last ranks' shares
     if batch_size is not None and batch_size > share:
         warnings.warn(f"batch_size={batch_size} is larger than one rank's share of the data "
                       f"({share} of {total} training samples over {num_nodes} ranks): a step "

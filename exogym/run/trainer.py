@@ -462,7 +462,8 @@ class Trainer:
             fit_args = dataclasses.replace(fit_args, devices=self.devices)
         spec = make_run_spec(self.model, self.train_dataset, self.val_dataset, fit_args)
         if self.checks_data:
-            check_data(spec.train_dataset, spec.num_nodes, spec.batch_size)
+            check_data(spec.train_dataset, spec.num_nodes, spec.batch_size,
+                       spec.shared_samples, spec.partition)
         check_forward(spec.model, spec.train_dataset, spec.dataloader_kwargs)
         placement = self._placement(spec)
         spec = with_measured_minibatch(spec, placement)
