@@ -124,15 +124,15 @@ def agreements(monkeypatch, balancer: Balancer, rounds: list[list[float]]) -> li
 
 def test_steps_throughput_is_samples_over_seconds_and_batch_s_the_median_step_s():
     balancer = Balancer("steps", rank=0, num_nodes=1, batch_size=16, round_steps=4, max_steps=40)
-    balancer.record(16, 9.0)  # the first step after a start: a warm-up, not counted
+    balancer.record_step(16, 9.0)  # the first step after a start: a warm-up, not counted
     for seconds in (0.25, 0.25, 1.0, 0.25):  # a round lasts their sum, 1.75 s
-        balancer.record(16, seconds)
+        balancer.record_step(16, seconds)
     balancer.agree()
     assert balancer.throughputs == [pytest.approx(64 / 1.75)]  # not the median step's 64
     # with 'batch' every step meets, so the typical step is what the shares should match
     batch = Balancer("batch", rank=0, num_nodes=1, batch_size=16, round_steps=1, max_steps=40)
     for seconds in (9.0, 0.25, 0.25, 1.0, 0.25):
-        batch.record(16, seconds)
+        batch.record_step(16, seconds)
     batch.agree()
     assert batch.throughputs == [pytest.approx(64.0)]
 
@@ -329,8 +329,9 @@ def test_a_rank_with_a_host_to_itself_is_timed_by_the_wall_clock(ranks_per_machi
         device="cpu"))
     node = TrainNode(spec, 0, torch.device("cpu"), emit=lambda event: None,
                      placement=Placement(ranks_per_machine=ranks_per_machine))
+    node.start()
     timed: list[float] = []
-    node.balance.record = lambda samples, seconds: timed.append(seconds)
+    node.balance.record_step = lambda samples, seconds, given_speed=None: timed.append(seconds)
     node.train_step()
     assert (timed[0] >= 0.1) if counted else (timed[0] < 0.05), timed
 

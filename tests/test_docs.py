@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from doc_blocks import ROOT, code_block
 from toys import tiny_model, toy_dataset
 
@@ -89,6 +90,32 @@ def test_the_strategies_of_writing_a_strategy_train_and_send_what_they_say():
     with pytest.raises(ValueError, match="num_nodes must be at least 2, got 1"):
         Trainer(model, data, data).fit(strategy=scope["CheckedSignAverage"](), num_nodes=1,
                                        max_steps=1, **FIT)
+
+
+def test_the_lifecycle_examples_of_writing_a_strategy_train():
+    """The strategy set up from its context, and the one written for exo gym (packed
+    ranks asking torch.distributed who they are) train as the page says."""
+    from exogym.strategy import SimpleReduceStrategy
+
+    scope: dict = {"__name__": "writing_a_strategy"}
+    for heading in ("## Its lifecycle, and what it knows of its rank",
+                    "### Strategies written for exo gym"):
+        exec(compile(code_block(WRITING, heading, "python"), WRITING, "exec"), scope)
+    data = toy_dataset()
+    trainer = Trainer(tiny_model(), data, data)
+    trainer.fit(strategy=scope["MomentumAverage"](inner_optim="sgd", lr=0.01), num_nodes=2,
+                max_steps=4, **FIT)
+    values = sum(p.numel() for p in tiny_model().parameters())
+    assert max(row["comm_bytes"] for row in trainer.history) == 4 * 4 * values
+
+    def fit(strategy):
+        return Trainer(tiny_model(), data, data).fit(strategy=strategy, num_nodes=4,
+                                                     max_steps=4, processes=1, **FIT)
+
+    gym = fit(scope["GymStyleAverage"](inner_optim="sgd", lr=0.1))
+    ddp = fit(SimpleReduceStrategy(inner_optim="sgd", lr=0.1))
+    for a, b in zip(gym.parameters(), ddp.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 def test_the_map_names_every_strategy_and_the_examples_count():

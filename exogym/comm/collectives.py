@@ -46,9 +46,10 @@ sends everything through ``torch.distributed``; ``mirror`` sends nothing
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -146,21 +147,12 @@ _rs = _RankState()
 def use_backend(chosen: Collectives | None) -> Collectives:
     """Carry every collective of this process on ``chosen`` (None: a world of one).
 
-    Returns the backend it replaces (not closed). Where the backend is not a
-    ``torch.distributed`` process group (packed ranks, hosts that come and go),
-    ``torch.distributed.get_rank()``, ``get_world_size()`` and ``is_initialized()``
-    answer for the calling rank, so that user code which asks keeps working.
+    Returns the backend it replaces (not closed). Code that asks ``torch.distributed``
+    its rank gets this rank's answer inside :func:`torch_identity`.
     """
     global _backend
     previous = _backend
     _backend = chosen if chosen is not None else Collectives()
-    from exogym.comm.torch_group import TorchGroup
-
-    inner = _backend.inner if isinstance(_backend, Mirror) else _backend
-    if _backend.active and not isinstance(inner, TorchGroup) and not _is_shm(inner):
-        _answer_for_torch(_backend)
-    else:
-        dist.get_rank, dist.get_world_size, dist.is_initialized = _torch_identity
     return previous
 
 
@@ -170,20 +162,85 @@ def _is_shm(chosen: Collectives) -> bool:
     return isinstance(chosen, SharedMemoryBackend)
 
 
-def _answer_for_torch(chosen: Collectives) -> None:
-    get_rank, get_world_size = _torch_identity[0], _torch_identity[1]
+def _stands_in_for_torch() -> Collectives | None:
+    """The backend, when it answers for ranks torch knows nothing of (packed ranks, hosts
+    that come and go); None where torch's own answers hold (a process group, or none)."""
+    from exogym.comm.torch_group import TorchGroup
 
-    def rank(group: Any = None) -> int:
-        return chosen.rank() if group is None or group is dist.group.WORLD else get_rank(group)
+    inner = _backend.inner if isinstance(_backend, Mirror) else _backend
+    if _is_shm(inner):
+        inner = inner.fallback  # shared memory over a process group: that group's answers
+    if isinstance(inner, TorchGroup) or not _backend.active:
+        return None
+    return _backend
 
-    def world_size(group: Any = None) -> int:
-        if group is None or group is dist.group.WORLD:
-            return chosen.world_size()
-        return get_world_size(group)
 
-    dist.get_rank = rank
-    dist.get_world_size = world_size
-    dist.is_initialized = lambda: True
+_assumed = threading.local()  # torch_identity(rank, world_size): answers given outright
+
+
+def _rank_for_torch(group: Any = None) -> int:
+    assumed = getattr(_assumed, "identity", None)
+    if assumed is not None and (group is None or group is dist.group.WORLD):
+        return assumed[0]
+    chosen = _stands_in_for_torch()
+    if chosen is not None and (group is None or group is dist.group.WORLD):
+        return chosen.rank()
+    return _torch_identity[0]() if group is None else _torch_identity[0](group)
+
+
+def _world_size_for_torch(group: Any = None) -> int:
+    assumed = getattr(_assumed, "identity", None)
+    if assumed is not None and (group is None or group is dist.group.WORLD):
+        return assumed[1]
+    chosen = _stands_in_for_torch()
+    if chosen is not None and (group is None or group is dist.group.WORLD):
+        return chosen.world_size()
+    return _torch_identity[1]() if group is None else _torch_identity[1](group)
+
+
+def _initialized_for_torch() -> bool:
+    return getattr(_assumed, "identity", None) is not None \
+        or _stands_in_for_torch() is not None or _torch_identity[2]()
+
+
+_identity_holders = 0
+_identity_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def torch_identity(rank: int | None = None, world_size: int | None = None) -> Iterator[None]:
+    """Inside it, ``torch.distributed.get_rank()``, ``get_world_size()`` and
+    ``is_initialized()`` answer for the calling rank where this process's collectives
+    are not a ``torch.distributed`` process group (ranks packed in a process, hosts that
+    come and go): for code written against ``torch.distributed``.
+
+    The trainer enters it around a model's forward pass (a model may ask its rank) and
+    for the whole run of a strategy that is not built into exogym (one written for exo
+    gym asks in ``_init_node`` and ``step``); built-in strategies run without it: their
+    rank comes from their :class:`~exogym.strategy.context.RankContext`. Outside it
+    torch's own functions are in place. It nests, and threads may hold it at once.
+
+    Args:
+        rank, world_size: answer these for the calling thread instead (a strategy set up
+            outside any group, as for counting its memory); None: the backend's answers.
+    """
+    global _identity_holders
+    previous = getattr(_assumed, "identity", None)
+    if rank is not None and world_size is not None:
+        _assumed.identity = (rank, world_size)
+    with _identity_lock:
+        _identity_holders += 1
+        if _identity_holders == 1:
+            dist.get_rank, dist.get_world_size, dist.is_initialized = (
+                _rank_for_torch, _world_size_for_torch, _initialized_for_torch)
+    try:
+        yield
+    finally:
+        _assumed.identity = previous
+        with _identity_lock:
+            _identity_holders -= 1
+            if _identity_holders == 0:
+                dist.get_rank, dist.get_world_size, dist.is_initialized = _torch_identity
 
 
 def backend() -> Collectives:

@@ -80,7 +80,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -168,6 +169,37 @@ def round_shares(speeds: list[float], round_steps: int) -> list[int]:
     return best
 
 
+class Pacer(Protocol):
+    """Who trains each step, and on how many samples: the protocol the trainer follows
+    with ``fit(balance=...)``'s :class:`Balancer` and with a strategy that
+    :attr:`~exogym.strategy.strategy.Strategy.paces_steps` (AsyncDiLoCo).
+
+    Each step the trainer asks :meth:`begin_step`; a rank that trains it takes
+    :meth:`step_samples` samples, then is told :meth:`record_step`; a rank that does
+    not idles through the step (its collectives only). :meth:`step_fields` go into
+    the step's metric event either way.
+    """
+
+    def begin_step(self, step: int, present: Collection[int]) -> bool:
+        """Before ``step`` (1-based), with the ranks ``present`` at it: whether this rank
+        trains it."""
+        ...
+
+    def step_samples(self) -> int:
+        """Samples this rank trains in the step :meth:`begin_step` began."""
+        ...
+
+    def record_step(self, samples: int, seconds: float,
+                    given_speed: float | None = None) -> None:
+        """A trained step: ``samples`` in ``seconds`` of compute; ``given_speed``: the
+        rank's speed a simulation gives it (None where it is measured)."""
+        ...
+
+    def step_fields(self) -> dict[str, Any]:
+        """What the step's metric event carries besides the trainer's own fields."""
+        ...
+
+
 class Balancer:
     """This rank's copy of every rank's share of the work, agreed with the other ranks.
 
@@ -223,14 +255,19 @@ class Balancer:
             return True
         return (step - 1) % self.round_steps < self.shares[rank]
 
-    def begin_step(self, step: int) -> bool:
-        """Start ``step`` (1-based); returns whether this rank trains in it."""
+    def begin_step(self, step: int, present: Collection[int] | None = None) -> bool:
+        """Start ``step`` (1-based); returns whether this rank trains in it. Every rank
+        takes part under ``balance`` (``present`` is every rank)."""
         if self.mode == "steps":
             if (step - 1) % self.round_steps == 0:
                 self.counts = [0] * self.num_nodes
             for rank in range(self.num_nodes):
                 self.counts[rank] += self.trains(rank, step)
         return self.trains(self.rank, step)
+
+    def step_samples(self) -> int:
+        """Samples this rank trains in the step begun: its share under ``'batch'``."""
+        return self.batch_size
 
     @property
     def weight(self) -> float:
@@ -243,8 +280,11 @@ class Balancer:
 
     # -- measuring and agreeing --------------------------------------------------------
 
-    def record(self, samples: int, seconds: float) -> None:
-        """One trained step of this rank: ``samples`` in ``seconds`` of compute."""
+    def record_step(self, samples: int, seconds: float,
+                    given_speed: float | None = None) -> None:
+        """One trained step of this rank: ``samples`` in ``seconds`` of compute (a
+        simulation's ``given_speed`` is already in them: the balancer measures time on
+        the simulated clock or sleeps a slow rank's steps out)."""
         if not self._warm:
             self._warm = True
             return
@@ -304,7 +344,7 @@ class Balancer:
 
     # -- reporting and checkpoints -----------------------------------------------------
 
-    def event_fields(self) -> dict[str, Any]:
+    def step_fields(self) -> dict[str, Any]:
         """What a step event carries: this rank's share (``batch_size`` or ``inner_steps``
         per round) and, once measured, its ``measured_speed`` relative to the fastest."""
         fields: dict[str, Any] = {

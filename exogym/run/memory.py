@@ -11,6 +11,7 @@ device's memory (or of RAM) wins.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from exogym import comm
 from exogym.base.plural import plural
 from exogym.config.parsers import divisors
 from exogym.data.loading import build_dataset, loader_kwargs, to_device
@@ -206,6 +208,21 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def _rehearse_round(strategy: Any, meta: torch.nn.Module) -> None:
+    """Step a strategy set up on a meta model so that what it makes lazily exists: a step
+    creates the optimizer's state; a step that ends a round, the strategy's (reached by
+    moving its counter there: a round of H steps on meta is still H steps)."""
+    trainable = [p for p in meta.parameters() if p.requires_grad]
+    try:
+        for step in (0, max(0, strategy.round_steps - 1)) if strategy.round_steps > 1 else (0,):
+            strategy.set_step(max(strategy.local_step, step))
+            for p in trainable:
+                p.grad = torch.empty_like(p)
+            strategy.step()
+    except Exception:  # noqa: BLE001 - a strategy whose step needs real values: its set-up counts
+        pass
+
+
 def account_state(model: torch.nn.Module, strategy: Any, num_nodes: int) -> StateBytes:
     """The training state one rank of ``strategy`` on ``model`` holds, counted on shapes.
 
@@ -213,23 +230,17 @@ def account_state(model: torch.nn.Module, strategy: Any, num_nodes: int) -> Stat
     meta device (no memory, no data), so that what it creates lazily (an
     optimizer's moments, DiLoCo's deltas and outer momentum) is counted too.
     """
+    from exogym.strategy.context import RankContext
     from exogym.strategy.outer import OuterState
 
     meta = _meta_copy(model)
     strategy = copy.deepcopy(strategy)
-    strategy.max_steps = max(1, strategy.round_steps)
-    strategy._init_node(meta, 0, num_nodes)
-    trainable = [p for p in meta.parameters() if p.requires_grad]
-    try:
-        # A step creates the optimizer's state; a step that ends a round, the strategy's
-        # (reached by moving its counter there: a round of H steps on meta is still H steps).
-        for step in (0, max(0, strategy.round_steps - 1)) if strategy.round_steps > 1 else (0,):
-            strategy.local_step = max(strategy.local_step, step)
-            for p in trainable:
-                p.grad = torch.empty_like(p)
-            strategy.step()
-    except Exception:  # noqa: BLE001 - a strategy whose step needs real values: its set-up counts
-        pass
+    context = RankContext.alone(meta, 0, num_nodes, max_steps=max(1, strategy.round_steps))
+    # One written for exo gym may ask torch.distributed who it is: rank 0 of the run.
+    with contextlib.nullcontext() if type(strategy).__module__.startswith("exogym.") \
+            else comm.torch_identity(0, num_nodes):
+        strategy.setup(context)
+        _rehearse_round(strategy, meta)
     # Tensors are told apart by their storage: a view or ``p.data`` of a parameter is
     # the parameter's memory, not more of it.
     counted = {_storage(t) for t in list(meta.parameters()) + list(meta.buffers())}
@@ -267,7 +278,8 @@ def account_state(model: torch.nn.Module, strategy: Any, num_nodes: int) -> Stat
 
     walk(vars(strategy), False, set())
     params = sum(_nbytes(t) for t in list(meta.parameters()) + list(meta.buffers()))
-    return StateBytes(parameters=params, gradients=sum(_nbytes(p) for p in trainable),
+    return StateBytes(parameters=params, gradients=sum(_nbytes(p) for p in meta.parameters()
+                                                      if p.requires_grad),
                       optimizer=optimizer, strategy=own, shared=shared)
 
 

@@ -70,6 +70,7 @@ def measure_step_seconds(spec: RunSpec, steps: int = 10, warmup: int = 3) -> lis
     times = []
     try:
         node = TrainNode(spec, 0, device, lambda event: None, placement)
+        node.start()
         for i in range(warmup + steps):
             started = time.perf_counter()
             node.train_step()
@@ -77,6 +78,7 @@ def measure_step_seconds(spec: RunSpec, steps: int = 10, warmup: int = 3) -> lis
                 torch.cuda.synchronize(device)
             if i >= warmup:
                 times.append(time.perf_counter() - started)
+        node.close()
     finally:
         torch.set_num_threads(previous_threads)
         comm.use_mirror_collectives(False)

@@ -15,7 +15,7 @@ import copy
 import random
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +37,7 @@ from exogym.data.loading import (
 )
 from exogym.membership.attendance import Attendance
 from exogym.membership.simulated import MembershipStop, RunMembership
-from exogym.run.balance import Balancer
+from exogym.run.balance import Balancer, Pacer
 from exogym.run.checkpoint import (
     CheckpointError,
     checkpoint_path,
@@ -47,6 +47,7 @@ from exogym.run.checkpoint import (
 )
 from exogym.run.timing import StepTimer
 from exogym.sim.clock import SimClock
+from exogym.strategy.context import RankContext
 
 if TYPE_CHECKING:
     from exogym.run.spec import Placement, RunSpec
@@ -107,9 +108,6 @@ class TrainNode:
         # the run goes (exogym.membership.hosts). A rank that rejoins a running round takes no part
         # in the start's agreements: a peer hands it the state when it is admitted.
         self.membership = membership if membership is not None else spec.membership()
-        joining = self.membership is not None and self.membership.joining
-        if self.placement.broadcast_init and self.num_nodes > 1 and not joining:
-            self._broadcast_initial_state()
 
         train_data = build_dataset(spec.train_dataset, rank, self.num_nodes, True)
         self.train_stream = MinibatchStream(
@@ -117,7 +115,7 @@ class TrainNode:
             shard=not is_factory(spec.train_dataset), shuffle=spec.shuffle, seed=spec.seed,
             dataloader_kwargs=spec.dataloader_kwargs, partition=spec.partition,
         )
-        self.max_steps = self._agree_on_max_steps(agree=not joining)
+        self.max_steps = self._max_steps_here()  # agreed with the others in start()
 
         self.val_loader = self.val_shard_loader = None
         if spec.val_size > 0:
@@ -130,9 +128,6 @@ class TrainNode:
         self._avg_model: torch.nn.Module | None = None
 
         self.strategy = copy.deepcopy(spec.strategy)
-        self.strategy.max_steps = self.max_steps
-        self.strategy.seed = spec.seed
-        self.strategy._init_node(self.model, rank, self.num_nodes)
 
         self.step = 0
         self.samples = 0
@@ -144,32 +139,64 @@ class TrainNode:
             self.clock = SimClock(spec.network, speed, spec.compute_time_s,
                                   tuple(schedule) if schedule is not None else None)
             comm.use_clock(self.clock)
+        self._foreign_code = ExitStack()
+        self.started = False
         self.timer = StepTimer(self.clock, one_thread=self.placement.threads_per_rank(spec) == 1,
                                speed_mode=spec.speed_mode,
                                alone_on_machine=self.placement.ranks_per_machine == 1,
                                throttle=self.placement.throttle)
         self.attendance = Attendance(self.membership, rank, emit)
-        self.balance = Balancer.for_run(spec, rank, self.max_steps)  # fit(balance=...)
-        if self.balance is not None and self.membership is not None:
+        if spec.balance != "none" and self.membership is not None:
             raise ValueError(f"balance={spec.balance!r} cannot run with ranks that come and go: "
                              "every rank takes part in agreeing on the shares; for unequal "
                              "hosts that come and go use AsyncDiLoCoStrategy (it paces each "
                              "rank at its own speed), or leave one of the two out")
-        # A strategy that paces its ranks itself (AsyncDiLoCo) says at each step who trains.
-        self.pacer = self.strategy if getattr(self.strategy, "paces_steps", False) else None
-        if self.pacer is not None:
-            self.pacer.samples_per_step = spec.batch_size
-            self.train_stream.set_step_samples(spec.batch_size)
-        self._last_loss = float("nan")  # reported by an idle step (balance='steps')
+        self.balance: Balancer | None = None
+        self.pacer: Pacer | None = None
+        self._last_loss = float("nan")  # reported by an idle step
         self._comm_wall_seen = comm.collective_time()[0]
         self._clock_seen = (0.0, 0.0)  # the clock's compute and communication at the last event
         self._step_started = time.perf_counter()
-        if self.balance is not None:
-            self.train_stream.set_step_samples(self.balance.batch_size)
         self.autocast = (
             torch.autocast(device_type=device.type, dtype=torch.bfloat16)
             if spec.autocast else nullcontext()
         )
+
+    def start(self) -> None:
+        """Meet the other ranks and set the strategy up: the initial weights from rank 0
+        (where each machine built its own), the run's length agreed, then the strategy's
+        :meth:`~exogym.strategy.strategy.Strategy.setup` with this rank's context, and the
+        pacer of the steps. Once, before the first step (:meth:`train` calls it); the
+        constructor communicates nothing.
+
+        A rank that rejoins a running round takes no part in the start's agreements: a
+        peer hands it the state when it is admitted.
+        """
+        if self.started:
+            return
+        self.started = True
+        spec = self.spec
+        joining = self.membership is not None and self.membership.joining
+        if self.placement.broadcast_init and self.num_nodes > 1 and not joining:
+            self._broadcast_initial_state()
+        if not joining:
+            self.max_steps = self._agree_on_max_steps(self.max_steps)
+        # A strategy not built into exogym may ask torch.distributed its rank (one written
+        # for exo gym): torch then answers for this rank while the run lasts.
+        if not type(self.strategy).__module__.startswith("exogym."):
+            self._foreign_code.enter_context(comm.torch_identity())
+        self.strategy.setup(RankContext(
+            model=self.model, rank=self.rank, num_nodes=self.num_nodes,
+            max_steps=self.max_steps, seed=spec.seed, samples_per_step=spec.batch_size,
+            clock=self.clock))
+        self.balance = Balancer.for_run(spec, self.rank, self.max_steps)  # fit(balance=...)
+        # Who trains each step, on how many samples: the balancer of fit(balance=...), or
+        # a strategy that paces its ranks itself (AsyncDiLoCo); None: every rank, always.
+        self.pacer = self.balance if self.balance is not None else (
+            self.strategy if self.strategy.paces_steps else None)
+        if self.pacer is not None:
+            self.train_stream.set_step_samples(self.pacer.step_samples())
+        self._comm_wall_seen = comm.collective_time()[0]
 
     # -- agreement between ranks (side channel, uncounted) ----------------------------
 
@@ -182,23 +209,27 @@ class TrainNode:
         for t in [p.data for p in self.model.parameters()] + list(self.model.buffers()):
             comm.side_broadcast(t, src=0)
 
-    def _agree_on_max_steps(self, agree: bool = True) -> int:
+    def _max_steps_here(self) -> int:
+        """The run's steps as this rank counts them (a rejoining rank: until the hand-over
+        brings the run's number)."""
         if self.spec.max_steps is not None:
             return self.spec.max_steps
         per_epoch = self.train_stream.batches_per_epoch()
         if per_epoch is None:
             raise ValueError("max_steps is required when the training dataset is iterable "
                              "(it has no length to count epochs by)")
-        steps = max(1, self.spec.num_epochs * per_epoch // self.spec.accumulation_steps)
-        if not agree:
-            return steps  # a rejoining rank: the hand-over brings the run's number
+        return max(1, self.spec.num_epochs * per_epoch // self.spec.accumulation_steps)
+
+    def _agree_on_max_steps(self, steps: int) -> int:
+        if self.spec.max_steps is not None:
+            return steps
         # Ranks with different factory-built datasets must still stop together.
         return int(self._side_reduce([steps], comm.ReduceOp.MIN)[0])
 
     # -- one step -------------------------------------------------------------------
 
     def _loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        with self.autocast:
+        with self.autocast, comm.torch_identity():  # a model may ask torch its rank
             loss = model(batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -206,16 +237,60 @@ class TrainNode:
         return loss.reshape(())
 
     def train_step(self) -> dict[str, Any]:
-        """Run one optimizer step (with accumulation) and return its metric event."""
+        """Run one optimizer step (with accumulation) and return its metric event.
+
+        The one step path: under a pacer (:class:`exogym.run.balance.Pacer`: the balancer
+        of ``fit(balance=...)``, or a strategy that paces its ranks) the rank may idle
+        through the step, and trains the pacer's samples; otherwise it trains
+        ``batch_size`` samples in ``minibatch_size`` minibatches.
+        """
         self._step_started = time.perf_counter()
-        if self.balance is not None:
-            return self._balanced_step()
-        if self.pacer is not None:
-            return self._paced_step()
-        accumulation = self.spec.accumulation_steps
+        pacer = self.pacer
+        if pacer is not None:
+            trains = pacer.begin_step(self.step + 1, self._present())
+            if pacer is self.balance:
+                self.strategy.set_average_weight(self.balance.weight)
+            if not trains:
+                return self._idle_step(pacer.step_fields)
         timer = self.timer
-        mark = timer.mark() if self.clock is not None else None
+        timed = pacer is not None or self.clock is not None
+        mark = timer.mark() if timed else None
+        clock_before = timer.clock_reading() if pacer is not None else None
         self.strategy.zero_grad()
+        if pacer is None:
+            loss, work = self._accumulated_backward(), 1.0
+        else:
+            samples = pacer.step_samples()
+            self.train_stream.set_step_samples(samples)
+            loss = self._mean_loss_backward(samples)
+            work = samples / self.spec.batch_size
+        self._last_loss = loss
+        lr = self.strategy.current_lr
+        if mark is not None:
+            timer.forward_backward(mark, work, self.step + 1)
+            strategy_mark = timer.mark()
+        self.strategy.step()
+        self.strategy.zero_grad()  # nothing reads them any more: ranks in turn hold one set
+        if mark is not None:
+            timer.strategy_work(strategy_mark)
+        if pacer is not None:
+            assert mark is not None
+            # A host paces by its measured speed; ranks sharing this machine's cores run at
+            # the speeds the simulation gives them (their measured times differ by the noise).
+            speeds = self.spec.rank_speeds
+            given = None if timer.alone_on_machine else (
+                speeds[self.rank] if speeds is not None else 1.0)
+            pacer.record_step(samples, timer.balanced_seconds(mark, clock_before), given)
+        self.step += 1
+        event = self._step_event(loss, lr)
+        if pacer is not None:
+            event.update(pacer.step_fields())
+        return event
+
+    def _accumulated_backward(self) -> float:
+        """Forward and backward over ``batch_size`` samples in the stream's minibatches,
+        the gradient that of their mean loss; returns that mean loss."""
+        accumulation = self.spec.accumulation_steps
         losses = []
         for _ in range(accumulation):
             batch = to_device(next(self.train_stream), self.device)
@@ -224,47 +299,7 @@ class TrainNode:
             losses.append(loss.detach())
             self.samples += batch_size_of(batch)
         total = losses[0] if accumulation == 1 else torch.stack(losses).float().sum()
-        lr = self.strategy.current_lr
-        if mark is not None:
-            timer.forward_backward(mark, step=self.step + 1)
-            mark = timer.mark()
-        self.strategy.step()
-        self.strategy.zero_grad()  # nothing reads them any more: ranks in turn hold one set
-        if mark is not None:
-            timer.strategy_work(mark)
-        self.step += 1
-        return self._step_event(float(total) / accumulation, lr)
-
-    def _paced_step(self) -> dict[str, Any]:
-        """A step of a strategy that paces its ranks (AsyncDiLoCo): this rank trains it, on
-        ``batch_size`` samples (a step at an epoch's end goes on into the next, so every
-        trained step has the same samples), or idles through it."""
-        pacer = self.pacer
-        assert pacer is not None
-        if not pacer.begin_step(self.step + 1, self._present()):
-            return self._idle_step(pacer.step_fields)
-        samples = self.spec.batch_size
-        timer = self.timer
-        mark = timer.mark()
-        clock_before = timer.clock_reading()
-        lr = self.strategy.current_lr
-        self.strategy.zero_grad()
-        self._last_loss = self._mean_loss_backward(samples)
-        timer.forward_backward(mark, step=self.step + 1)
-        strategy_mark = timer.mark()
-        self.strategy.step()
-        self.strategy.zero_grad()
-        timer.strategy_work(strategy_mark)
-        # A host paces by its measured speed; ranks sharing this machine's cores run at the
-        # speeds the simulation gives them (their measured times differ by the noise).
-        speeds = self.spec.rank_speeds
-        given = None if timer.alone_on_machine else (
-            speeds[self.rank] if speeds is not None else 1.0)
-        pacer.record_step(samples, timer.balanced_seconds(mark, clock_before), given)
-        self.step += 1
-        event = self._step_event(self._last_loss, lr)
-        event.update(pacer.step_fields())
-        return event
+        return float(total) / accumulation
 
     def _present(self) -> range | frozenset[int]:
         """The ranks that train the next step."""
@@ -307,36 +342,6 @@ class TrainNode:
             event["sim_comm_s"] = clock.comm_s - self._clock_seen[1]
             self._clock_seen = (clock.compute_s, clock.comm_s)
             event["sim_time_s"] = clock.now
-        return event
-
-    # -- a step under balance (exogym.run.balance) ------------------------------------------
-
-    def _balanced_step(self) -> dict[str, Any]:
-        """One step with this rank's share of the work: its own batch size
-        (``balance='batch'``), or, past its inner steps of the round, an idle step
-        that only meets the strategy's collectives (``balance='steps'``)."""
-        balance = self.balance
-        trains = balance.begin_step(self.step + 1)
-        self.strategy.average_weight = balance.weight
-        lr = self.strategy.current_lr
-        if not trains:
-            return self._idle_step(balance.event_fields)
-        samples = balance.batch_size
-        self.train_stream.set_step_samples(samples)
-        timer = self.timer
-        mark = timer.mark()
-        clock_before = timer.clock_reading()
-        self.strategy.zero_grad()
-        self._last_loss = self._mean_loss_backward(samples)
-        timer.forward_backward(mark, samples / self.spec.batch_size, self.step + 1)
-        strategy_mark = timer.mark()
-        self.strategy.step()
-        self.strategy.zero_grad()
-        timer.strategy_work(strategy_mark)
-        balance.record(samples, timer.balanced_seconds(mark, clock_before))
-        self.step += 1
-        event = self._step_event(self._last_loss, lr)
-        event.update(balance.event_fields())
         return event
 
     def _mean_loss_backward(self, samples: int) -> float:
@@ -394,14 +399,14 @@ class TrainNode:
 
     @torch.no_grad()
     def _global_model(self) -> torch.nn.Module:
-        shared = getattr(self.strategy, "global_model_tensors", None)
+        shared = self.strategy.global_model_tensors()
         if shared is None:
             return self._average_model()
         if self._avg_model is None:
             self._avg_model = copy.deepcopy(self.model)
         self._avg_model.load_state_dict(self.model.state_dict())
         trainable = [p for p in self._avg_model.parameters() if p.requires_grad]
-        for target, value in zip(trainable, shared()):
+        for target, value in zip(trainable, shared):
             target.copy_(value)
         return self._avg_model
 
@@ -519,7 +524,7 @@ class TrainNode:
         self.strategy.load_state_dict(state["strategy"])
         self.step = state["step"]
         self.max_steps = state["max_steps"]
-        self.strategy.max_steps = self.max_steps
+        self.strategy.set_max_steps(self.max_steps)
         if reshard:  # the epoch goes on where the run is
             self.train_stream.restore(state["data"])
         self.timer.restore(state["sim_time_s"], not_before=True)
@@ -563,8 +568,20 @@ class TrainNode:
         self.emit(event)
         self.timer.lag(mark)
 
+    def close(self) -> None:
+        """Give back what the node holds in the process (torch's answers for a strategy
+        not built into exogym); the strategy is not called after."""
+        self._foreign_code.close()
+
     def train(self) -> dict[str, torch.Tensor]:
         """Train to ``max_steps`` and return this rank's final model state (on the CPU)."""
+        try:
+            return self._train()
+        finally:
+            self.close()
+
+    def _train(self) -> dict[str, torch.Tensor]:
+        self.start()
         spec = self.spec
         if spec.resume_from and not (self.membership is not None and self.membership.joining):
             resumed = self.resume(spec.resume_from)

@@ -26,6 +26,7 @@ __all__ = [
     "MuLoCoStrategy",
     "MuonAdamW",
     "AsyncDiLoCoStrategy",
+    "RankContext",
 ]
 
 _HOMES = {
@@ -45,6 +46,7 @@ _HOMES = {
     "MuLoCoStrategy": "muloco",
     "MuonAdamW": "muon",
     "AsyncDiLoCoStrategy": "async_diloco",
+    "RankContext": "context",
 }
 
 

@@ -81,6 +81,7 @@ import torch
 from exogym import comm
 from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
+from .context import RankContext
 from .facts import ASYNC_GRACE_S, ASYNC_MAX_STALENESS, ASYNC_QUORUM, COMM_DTYPE, DILOCO_H
 from .optim import OptimSpec
 from .outer import OuterOptimizer, OuterState
@@ -210,7 +211,7 @@ class AsyncDiLoCoStrategy(Strategy):
             "AsyncDiLoCoStrategy", outer_optim_spec, outer_optim, outer_lr, outer_momentum,
             nesterov,
         ).optim_spec()
-        self.samples_per_step = 1  # set by the trainer: samples a rank trains per step
+        self.samples_per_step = 1  # samples a rank trains per step: the context's, once set up
         super().__init__(optim_spec=optim_spec, **kwargs)
 
     # -- checks and traffic ---------------------------------------------------------
@@ -246,14 +247,16 @@ class AsyncDiLoCoStrategy(Strategy):
 
     # -- set-up ---------------------------------------------------------------------
 
-    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
-        super()._init_node(model, rank, num_nodes)
+    def setup(self, context: RankContext) -> None:
+        super().setup(context)
+        model, num_nodes = context.model, context.num_nodes
+        self.samples_per_step = context.samples_per_step
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         # The global model and its optimizer are the same on every rank: ranks that share
         # a process share them, and the first to finish a merge's all-reduce steps them.
-        self.outer = comm.held_once(("async-diloco-outer",),
-                                    lambda: OuterState(self.params, self.outer_optim_spec))
+        self.outer = context.held_once(("async-diloco-outer",),
+                                       lambda: OuterState(self.params, self.outer_optim_spec))
         self.master = self.outer.master
         self.outer_optim = self.outer.optim
         self.base = [p.detach().clone() for p in self.params]  # the model my round started from
@@ -312,10 +315,12 @@ class AsyncDiLoCoStrategy(Strategy):
                 worker.ready = worker.steps >= self.round_length(rank)
         return self.workers[self.rank].trains
 
-    def record_step(self, samples: int, seconds: float, speed: float | None = None) -> None:
-        """One trained step of this rank: ``samples`` in ``seconds`` of compute; ``speed``:
-        the speed a simulation gives it (it then paces by that, not by its measurement)."""
-        self._given_speed = speed
+    def record_step(self, samples: int, seconds: float,
+                    given_speed: float | None = None) -> None:
+        """One trained step of this rank: ``samples`` in ``seconds`` of compute;
+        ``given_speed``: the speed a simulation gives it (it then paces by that, not by its
+        measurement)."""
+        self._given_speed = given_speed
         if not self._warm:
             self._warm = True
             return
@@ -330,7 +335,7 @@ class AsyncDiLoCoStrategy(Strategy):
         vector = torch.zeros(2 * self.num_nodes, dtype=torch.float64)
         vector[self.rank] = mine
         vector[self.num_nodes + self.rank] = self._given_speed or 0.0
-        comm.side_all_reduce(vector)
+        self.collectives.side_all_reduce(vector)
         measured = vector[:self.num_nodes].tolist()
         given = vector[self.num_nodes:].tolist()
         if all(g > 0 for g in given):  # a simulation: every rank's speed is known
@@ -465,7 +470,7 @@ class AsyncDiLoCoStrategy(Strategy):
                 torch._foreach_mul_(tensors, share)
             else:
                 tensors = self._zeroed_scratch()
-            comm.all_reduce_tensors(tensors, dtype=self.comm_dtype)
+            self.collectives.all_reduce_tensors(tensors, dtype=self.comm_dtype)
             pending.reduced = tensors
         elif total > 0:
             # Training goes on while the all-reduce runs: the change travels in a buffer of
@@ -478,8 +483,8 @@ class AsyncDiLoCoStrategy(Strategy):
                     out.copy_(buf)
                 torch._foreach_mul_(tensors, share)
             pending.reduced = tensors
-            pending.handle = comm.all_reduce_tensors(tensors, dtype=self.comm_dtype,
-                                                     async_op=True)
+            pending.handle = self.collectives.all_reduce_tensors(tensors, dtype=self.comm_dtype,
+                                                                 async_op=True)
         if delay and self.rank in contributors:
             for base, p in zip(self.base, self.params):
                 base.copy_(p)  # the model its next round starts from, until the merge lands
@@ -520,7 +525,7 @@ class AsyncDiLoCoStrategy(Strategy):
         # dropped; it is left out until the next round's members are decided.
         lost = []
         if reduced is not None:
-            arrived = set(comm.present_ranks())
+            arrived = set(self.context.membership.present())
             lost = [r for r in sorted(set(self.workers) | set(contributors))
                     if r not in arrived]
         merged = [r for r in facts["merged"] if r not in lost]

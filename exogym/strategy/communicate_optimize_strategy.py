@@ -17,6 +17,7 @@ import torch
 
 from exogym.base.arg_errors import init_arg_names, unknown_args_error
 
+from .context import RankContext
 from .optim import OptimSpec
 from .strategy import Strategy
 
@@ -43,8 +44,22 @@ class CommunicationModule(ABC):
         """Raise before any rank starts for a setting this model or these ranks cannot run
         (see :meth:`Strategy.validate`); the owning strategy calls it."""
 
+    def setup(self, context: RankContext) -> None:
+        """Prepare per-rank state, once the rank's model exists (the owning strategy's
+        :meth:`Strategy.setup` calls it). Sets ``self.context`` and ``self.collectives``;
+        a module written for exo gym overrides ``_init_node(model, rank, num_nodes)``
+        instead, which this calls."""
+        self.context = context
+        self.collectives = context.collectives
+        self._init_node(context.model, context.rank, context.num_nodes)
+
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
-        """Prepare per-rank state (called once the rank's model exists)."""
+        """exo gym's per-rank set-up hook; see :meth:`setup`. Called directly, outside a
+        run, it sets a module with a set-up of its own up for a rank alone."""
+        context = self.__dict__.get("context")
+        if (context is None or not context.describes(model, rank, num_nodes)) \
+                and type(self).setup is not CommunicationModule.setup:
+            self.setup(RankContext.alone(model, rank, num_nodes))
 
     def state_dict(self) -> dict[str, Any]:
         """State to checkpoint (default: none)."""
@@ -87,10 +102,11 @@ class CommunicateOptimizeStrategy(Strategy):
         for module in self.communication_modules:
             module.validate(model, num_nodes)
 
-    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
-        super()._init_node(model, rank, num_nodes)
+    def setup(self, context: RankContext) -> None:
+        """The base's set-up, then every module's (:meth:`CommunicationModule.setup`)."""
+        super().setup(context)
         for module in self.communication_modules:
-            module._init_node(model, rank, num_nodes)
+            module.setup(context)
 
     def step(self) -> None:
         self.clip_grads()
@@ -111,7 +127,7 @@ class CommunicateOptimizeStrategy(Strategy):
             self._advance_schedule()
 
     def _communicate(self) -> None:
-        self.synced_at = None  # a module that averages the whole model sets it again
+        self.synced_at = None  # a module that averages the whole model marks it again
         for module in self.communication_modules:
             module.communicate(self.model, self.rank, self.num_nodes, self.local_step)
 

@@ -53,6 +53,7 @@ import torch
 from exogym import comm
 from exogym.comm.wire import ModelFacts, Traffic, value_bytes_of
 
+from .context import RankCollectives
 from .facts import COMM_DTYPE, DEMO_CHUNK, DEMO_TOPK, ChunkGeometry, chunk_size, demo_payload_bytes
 from .optim import OptimSpec, ensure_optim_spec
 from .strategy import Strategy
@@ -178,6 +179,8 @@ class DeMo(torch.optim.Optimizer):
         compression_chunk: largest chunk size per dimension (64).
         weight_decay: decoupled weight decay (0).
         comm_dtype: type the coefficient values travel in (``'float32'``).
+        collectives: the collectives its all-gather goes through (its strategy's;
+            default: this process's).
     """
 
     def __init__(
@@ -189,6 +192,7 @@ class DeMo(torch.optim.Optimizer):
         compression_chunk: int = DEMO_CHUNK,
         weight_decay: float = 0.0,
         comm_dtype: str = COMM_DTYPE,
+        collectives: RankCollectives | None = None,
     ):
         _check_demo_args(lr, compression_decay, compression_topk, compression_chunk, weight_decay)
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
@@ -196,6 +200,7 @@ class DeMo(torch.optim.Optimizer):
         self.compression_topk = int(compression_topk)
         self.compression_chunk = int(compression_chunk)
         self.comm_dtype = comm_dtype
+        self.collectives = collectives if collectives is not None else RankCollectives()
         self.wire_dtype = _float_wire_dtype(comm_dtype)
         self._plans: dict[int, ChunkPlan] = {}
 
@@ -256,9 +261,9 @@ class DeMo(torch.optim.Optimizer):
         if not entries:
             return loss
         buffer, layout = _pack(payload)
-        world = comm.group_size()
+        world = self.collectives.group_size()
         gathered = [torch.empty_like(buffer) for _ in range(world)]
-        comm.all_gather(gathered, buffer)
+        self.collectives.all_gather(gathered, buffer)
         per_rank = [_unpack(g, layout, payload) for g in gathered]
         for n, (p, group, plan) in enumerate(entries):
             vals, idxs = [], []
@@ -368,7 +373,7 @@ class DeMoStrategy(Strategy):
             self.trainable_parameters(), lr=self.lr,
             compression_decay=self.compression_decay, compression_topk=self.compression_topk,
             compression_chunk=self.compression_chunk, weight_decay=self.weight_decay,
-            comm_dtype=self.comm_dtype,
+            comm_dtype=self.comm_dtype, collectives=self.collectives,
         )
 
     def step(self) -> None:

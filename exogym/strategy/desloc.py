@@ -49,6 +49,7 @@ from exogym import comm
 from exogym.comm.wire import ModelFacts, Traffic, is_quantized, wire_bytes
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
+from .context import RankContext
 from .facts import COMM_DTYPE, DESLOC_H_M1, DESLOC_H_M2, DESLOC_H_PARAMS
 from .optim import OptimSpec
 
@@ -125,7 +126,9 @@ class DESLOCCommunicator(CommunicationModule):
                                                "second moment")
         self.comm_dtype = check_comm_dtype(comm_dtype)
 
-    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+    def setup(self, context: RankContext) -> None:
+        super().setup(context)
+        model = context.model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
 
@@ -134,13 +137,14 @@ class DESLOCCommunicator(CommunicationModule):
                     local_step: int) -> None:
         step = local_step + 1
         if step % self.H_params == 0:
-            comm.all_reduce_tensors(self.params + self.buffers, average=True,
-                                    dtype=self.comm_dtype)
+            self.collectives.all_reduce_tensors(self.params + self.buffers, average=True,
+                                                dtype=self.comm_dtype)
             if self.strategy is not None:
-                self.strategy.synced_at = step  # every rank now holds the same model
+                self.strategy.mark_synced(step)  # every rank now holds the same model
         for key, period in zip(MOMENTS, (self.H_m1, self.H_m2)):
             if step % period == 0:
-                comm.all_reduce_tensors(self.moment(key), average=True, dtype=self.comm_dtype)
+                self.collectives.all_reduce_tensors(self.moment(key), average=True,
+                                                    dtype=self.comm_dtype)
 
     def moment(self, key: str) -> list[torch.Tensor]:
         """The inner optimizer's ``key`` state of every trainable parameter, in order.

@@ -36,6 +36,7 @@ from exogym import comm
 from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
+from .context import RankContext
 from .facts import COMM_DTYPE, DILOCO_H, is_quantized
 from .optim import OptimSpec
 from .outer import OuterOptimizer, OuterState
@@ -66,15 +67,17 @@ class DiLoCoCommunicator(CommunicationModule):
         self.error_feedback = bool(error_feedback)
         self.residuals: list[torch.Tensor] | None = None
 
-    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+    def setup(self, context: RankContext) -> None:
+        super().setup(context)
+        model = context.model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         # Every rank holds the same outer parameters and applies the same outer step: ranks
-        # that share a process share them (comm.held_once), and the first of them to
+        # that share a process share them (context.held_once), and the first of them to
         # finish a round's all-reduce applies its outer step for all.
         modules = self.strategy.communication_modules if self.strategy is not None else [self]
-        self.outer = comm.held_once(("diloco-outer", modules.index(self)),
-                                    lambda: OuterState(self.params, self.outer_optim_spec))
+        self.outer = context.held_once(("diloco-outer", modules.index(self)),
+                                       lambda: OuterState(self.params, self.outer_optim_spec))
         self.master = self.outer.master
         self.outer_optim = self.outer.optim
         if self.error_feedback:
@@ -94,8 +97,8 @@ class DiLoCoCommunicator(CommunicationModule):
         weight = self.strategy.average_weight if self.strategy is not None else 1.0
         if weight != 1.0:  # balance: each rank's change weighted by the samples it trained
             torch._foreach_mul_(deltas + self.buffers, weight)
-        comm.all_reduce_tensors(deltas + self.buffers, average=True, dtype=self.comm_dtype,
-                                error_feedback=self.residuals)
+        self.collectives.all_reduce_tensors(deltas + self.buffers, average=True,
+                                            dtype=self.comm_dtype, error_feedback=self.residuals)
         if self.outer.applied != local_step:  # the all-reduce gave every rank the same deltas
             for master, delta in zip(self.master, deltas):
                 master.grad = delta
@@ -108,7 +111,7 @@ class DiLoCoCommunicator(CommunicationModule):
         if self.strategy is not None:
             # Every rank applied the same outer step to the same numbers (the all-reduce's
             # result is the same everywhere): the models are identical after this step.
-            self.strategy.synced_at = local_step + 1
+            self.strategy.mark_synced(local_step + 1)
 
     def state_dict(self) -> dict[str, Any]:
         state = {"master": [m.detach() for m in self.master],

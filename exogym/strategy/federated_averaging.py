@@ -24,6 +24,7 @@ from exogym.comm.averaging import averaged_tensors
 from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
+from .context import RankContext
 from .facts import COMM_DTYPE, FEDAVG_H
 from .optim import OptimSpec, check_number
 
@@ -78,8 +79,9 @@ class AveragingCommunicator(CommunicationModule):
         self.comm_dtype = comm_dtype
         self._groups: dict[tuple[int, ...], Any] = {}
 
-    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
-        self.tensors = averaged_tensors(model)
+    def setup(self, context: RankContext) -> None:
+        super().setup(context)
+        self.tensors = averaged_tensors(context.model)
         self.round = 0
 
     def _group(self, island: list[int], num_nodes: int):
@@ -88,12 +90,12 @@ class AveragingCommunicator(CommunicationModule):
     def _ensure_groups(self, islands: list[list[int]], num_nodes: int) -> None:
         # new_group is collective over the world: every rank creates every
         # missing group, in the same order, because every rank has the same plan.
-        if not comm.is_initialized():
+        if not self.collectives.active:
             return
         for island in islands:
             key = tuple(island)
             if len(island) < num_nodes and key not in self._groups:
-                self._groups[key] = comm.new_group(island)
+                self._groups[key] = self.collectives.new_group(island)
 
     @torch.no_grad()
     def communicate(self, model: torch.nn.Module, rank: int, num_nodes: int,
@@ -110,15 +112,16 @@ class AveragingCommunicator(CommunicationModule):
         island = next(i for i in islands if rank in i)
         if len(island) == 1:
             return
-        present = set(comm.present_ranks())  # every rank, unless some are away
+        present = set(self.context.membership.present())  # every rank, unless some are away
         members = sum(1 for r in island if r in taking_part and r in present)
         if members == 0:
             return  # the island's sampled ranks are all away: its present ranks keep their models
         if rank not in taking_part:
             for t in self.tensors:
                 t.zero_()
-        comm.all_reduce_tensors(self.tensors, group=self._group(island, num_nodes),
-                                average=True, world_size=members, dtype=self.comm_dtype)
+        self.collectives.all_reduce_tensors(self.tensors, group=self._group(island, num_nodes),
+                                            average=True, world_size=members,
+                                            dtype=self.comm_dtype)
 
     def state_dict(self) -> dict[str, Any]:
         return {"round": self.round}

@@ -10,7 +10,7 @@ accept the same arguments for it, checked and resolved here by one spec:
   (Nesterov only with a momentum above 0).
 
 :class:`OuterState` is the outer parameters and optimizer one round holds;
-ranks packed in one process share one (``comm.held_once``).
+ranks packed in one process share one (``RankContext.held_once``).
 """
 
 from __future__ import annotations

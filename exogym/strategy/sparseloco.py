@@ -51,10 +51,10 @@ from typing import Any
 
 import torch
 
-from exogym import comm
 from exogym.comm.wire import ModelFacts, Traffic
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
+from .context import RankContext
 from .facts import (
     SPARSELOCO_CHUNK,
     SPARSELOCO_H,
@@ -209,7 +209,9 @@ class SparseLoCoCommunicator(CommunicationModule):
         self.error_decay = float(error_decay)
         self.outer_lr = float(outer_lr)
 
-    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+    def setup(self, context: RankContext) -> None:
+        super().setup(context)
+        model = context.model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.master = [p.detach().clone() for p in self.params]
@@ -238,11 +240,12 @@ class SparseLoCoCommunicator(CommunicationModule):
             e.copy_(flat.view(-1)[:plan.numel].view_as(e))
             payloads.append(payload)
         mine = torch.cat(payloads)
-        ranks = comm.group_size()  # the ranks present: fewer than num_nodes while some are away
+        collectives = self.collectives
+        ranks = collectives.group_size()  # the ranks present: fewer than num_nodes while some are away
         gathered = [torch.empty_like(mine) for _ in range(ranks)]
-        comm.all_gather(gathered, mine)
+        collectives.all_gather(gathered, mine)
         if self.buffers:
-            comm.all_reduce_tensors(self.buffers, average=True)
+            collectives.all_reduce_tensors(self.buffers, average=True)
         offsets = [0]
         for plan in self.plans:
             offsets.append(offsets[-1] + plan.nbytes)

@@ -48,6 +48,7 @@ from exogym import comm
 from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
+from .context import RankContext
 from .facts import COMM_DTYPE, SPARTA_INTERVAL, SPARTA_P
 from .optim import OptimSpec
 
@@ -282,7 +283,9 @@ class SparseCommunicator(CommunicationModule):
         self.comm_dtype = comm_dtype
         self.interval = interval
 
-    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+    def setup(self, context: RankContext) -> None:
+        super().setup(context)
+        model = context.model
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def selection(self, round_index: int) -> list[torch.Tensor]:
@@ -304,7 +307,7 @@ class SparseCommunicator(CommunicationModule):
         if not picks:
             return
         values = [_flat(p).index_select(0, idx) for p, idx in picks]
-        comm.all_reduce_tensors(values, average=True, dtype=self.comm_dtype)
+        self.collectives.all_reduce_tensors(values, average=True, dtype=self.comm_dtype)
         for (param, idx), mean in zip(picks, values):
             if param.data.is_contiguous():
                 param.data.view(-1).index_copy_(0, idx, mean)

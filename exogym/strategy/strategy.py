@@ -14,9 +14,24 @@ Writing a strategy takes a few lines::
             self.optim.step()
             super().step()      # advances the schedule and local_step
 
-A setting that depends on the model or on the number of ranks (Streaming DiLoCo's
-fragments need as many layers) is checked in :meth:`Strategy.validate`, which ``fit``
-calls before any rank starts, not in ``_init_node``, which runs in every rank.
+The lifecycle, every call public and made by the trainer:
+
+1. the constructor checks the settings; :meth:`Strategy.validate` checks what
+   depends on the model or the ranks, once, before any rank starts;
+2. :meth:`Strategy.setup` attaches the strategy to one rank, once, with a
+   :class:`~exogym.strategy.context.RankContext` (model, rank, ranks, steps, seed,
+   samples a step, collectives, membership, clock);
+3. each step: :meth:`Strategy.zero_grad`, forward and backward, :meth:`Strategy.step`
+   (or :meth:`Strategy.idle_step`); a strategy that :attr:`~Strategy.paces_steps` is
+   asked :meth:`~Strategy.begin_step` first and told :meth:`~Strategy.record_step` after;
+4. :meth:`Strategy.state_dict` / :meth:`Strategy.load_state_dict` for checkpoints and
+   hand-overs.
+
+A strategy written for exo gym overrides ``_init_node(model, rank, num_nodes)``
+instead of :meth:`Strategy.setup`; :meth:`Strategy.setup` calls it, so it keeps
+working, and so does its ``torch.distributed.get_rank()``
+(:func:`exogym.comm.torch_identity` answers for a packed rank while such a
+strategy runs).
 """
 
 from __future__ import annotations
@@ -24,16 +39,16 @@ from __future__ import annotations
 import inspect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from exogym import comm
 from exogym.base.arg_errors import init_arg_names, unknown_args_error
 from exogym.comm.wire import ModelFacts, Traffic
 
+from .context import RankContext
 from .optim import OptimSpec, ensure_optim_spec
 
 SCHEDULERS = ("lambda_cosine", "cosine", "constant")
@@ -109,10 +124,17 @@ class Strategy(ABC):
     #: multiplies what it averages across ranks by :attr:`average_weight`.
     balance_modes: tuple[str, ...] = ()
 
-    #: This rank's factor in an average across ranks, set before each step under
-    #: ``balance``: the mean over ranks of ``average_weight * value`` is the average
-    #: weighted by the samples each rank trained. 1.0: a plain mean.
+    #: This rank's factor in an average across ranks, given before each step under
+    #: ``balance`` (:meth:`set_average_weight`): the mean over ranks of
+    #: ``average_weight * value`` is the average weighted by the samples each rank
+    #: trained. 1.0: a plain mean.
     average_weight: float = 1.0
+
+    #: True for a strategy that decides step by step which ranks train (AsyncDiLoCo
+    #: paces each rank at its own speed): the trainer then asks :meth:`begin_step`
+    #: before each step and tells :meth:`record_step` after it, the protocol
+    #: ``fit(balance=...)`` follows too (:class:`exogym.run.balance.Pacer`).
+    paces_steps: bool = False
 
     def __init__(
         self,
@@ -240,14 +262,103 @@ class Strategy(ABC):
 
     # -- set-up on a rank ----------------------------------------------------------
 
+    def setup(self, context: RankContext) -> None:
+        """Attach the strategy to one rank, once, before its first step.
+
+        Sets ``self.context``, ``self.model``, ``self.rank``, ``self.num_nodes``,
+        ``self.max_steps``, ``self.seed`` and ``self.collectives``, and builds the
+        optimizer and the learning-rate schedule. A strategy with state of its own
+        overrides it, calls ``super().setup(context)`` first, and reads what it needs
+        from ``context`` (:class:`~exogym.strategy.context.RankContext`): the ranks
+        present from ``context.membership``, state every rank of a process holds the
+        same from ``context.held_once``.
+
+        Args:
+            context: this rank's model, identity, run and collectives.
+        """
+        self.context = context
+        self.collectives = context.collectives
+        self.max_steps = context.max_steps
+        self.seed = context.seed
+        self._init_node(context.model, context.rank, context.num_nodes)
+
     def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
-        """Attach the strategy to this rank's model; builds optimizer and schedule."""
+        """exo gym's set-up hook: attach to this rank's model, build optimizer and schedule.
+
+        :meth:`setup` calls it, so a strategy written for exo gym that overrides it (and
+        calls ``super()._init_node(...)``) keeps working; new strategies override
+        :meth:`setup`. Called directly, outside a run, it sets the strategy up for a
+        rank alone.
+        """
+        context = self.__dict__.get("context")
+        if context is None or not context.describes(model, rank, num_nodes):
+            context = RankContext.alone(model, rank, num_nodes,
+                                        max_steps=max(1, int(self.max_steps or 1)),
+                                        seed=self.seed)
+            if type(self).setup is not Strategy.setup:
+                self.setup(context)  # a strategy with a set-up of its own, outside a run
+                return
+            self.context = context
+            self.collectives = context.collectives
         self.model = model
         self.rank = rank
         self.num_nodes = num_nodes
         self.local_step = 0
         self.optim = self._build_optimizer()
         self._setup_scheduler()
+
+    def set_max_steps(self, max_steps: int) -> None:
+        """The run's length changed (a rank that rejoins learns it from the hand-over):
+        the schedule spans ``max_steps`` from now on."""
+        self.max_steps = max_steps
+        context = self.__dict__.get("context")
+        if context is not None:
+            self.context = context.with_max_steps(max_steps)
+
+    def set_average_weight(self, weight: float) -> None:
+        """This rank's factor in the next step's averages (``fit(balance=...)``, see
+        :attr:`average_weight`)."""
+        self.average_weight = weight
+
+    def set_step(self, step: int) -> None:
+        """Move the step counter to ``step`` (counting the state a round's end creates,
+        :func:`exogym.run.memory.account_state`, without training the round)."""
+        self.local_step = step
+
+    def mark_synced(self, step: int) -> None:
+        """Every rank holds the same model at ``local_step == step`` (a round that
+        averaged the whole model): an evaluation then needs no average (:attr:`synced_at`)."""
+        self.synced_at = step
+
+    # -- optional hooks, with their defaults ---------------------------------------------
+
+    def begin_step(self, step: int, present: Collection[int]) -> bool:
+        """Asked before step ``step`` (1-based) of a strategy that :attr:`paces_steps`,
+        with the ranks ``present`` at it: whether this rank trains the step (False: the
+        trainer calls :meth:`idle_step` instead). Default: it trains every step."""
+        return True
+
+    def step_samples(self) -> int:
+        """Samples this rank trains in the step :meth:`begin_step` began (a strategy that
+        :attr:`paces_steps`). Default: the run's samples a step."""
+        return self.context.samples_per_step
+
+    def record_step(self, samples: int, seconds: float,
+                    given_speed: float | None = None) -> None:
+        """Told after a trained step of a strategy that :attr:`paces_steps`: its
+        ``samples`` took ``seconds`` of compute; ``given_speed``: the rank's speed a
+        simulation gives it (``rank_speeds``), None where it is measured. Default: nothing."""
+
+    def step_fields(self) -> dict[str, Any]:
+        """Fields this strategy adds to a step's metric event (a strategy that
+        :attr:`paces_steps`: its rounds, merges). Default: none."""
+        return {}
+
+    def global_model_tensors(self) -> list[torch.Tensor] | None:
+        """The global model, when the strategy holds one every rank shares (AsyncDiLoCo):
+        its trainable tensors in parameter order, which an evaluation of the global model
+        scores. None (default): the global model is the average of the ranks' models."""
+        return None
 
     def _inner_spec(self) -> OptimSpec:
         spec = ensure_optim_spec(self.optim_spec, OptimSpec(torch.optim.AdamW))
@@ -415,7 +526,7 @@ class SimpleReduceStrategy(Strategy):
             grads = [p.grad for p in params]
             if self.average_weight != 1.0:  # balance='batch': weighted by samples
                 torch._foreach_mul_(grads, self.average_weight)
-            comm.all_reduce_tensors(grads, average=True)
+            self.collectives.all_reduce_tensors(grads, average=True)
         self.clip_grads()
         self.optim.step()
         super().step()

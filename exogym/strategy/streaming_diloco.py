@@ -70,6 +70,7 @@ from exogym.base.plural import plural
 from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
+from .context import RankContext
 from .diloco import check_error_feedback
 from .facts import COMM_DTYPE, DILOCO_H, QUANT_CHUNK, STREAMING_FRAGMENTS, fragment_offset
 from .optim import OptimSpec
@@ -161,7 +162,9 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
         layers."""
         check_fragments(self.num_fragments, model_layers(model))
 
-    def _init_node(self, model: torch.nn.Module, rank: int, num_nodes: int) -> None:
+    def setup(self, context: RankContext) -> None:
+        super().setup(context)
+        model = context.model
         layers = model_layers(model)
         check_fragments(self.num_fragments, layers)  # validate() said so before the start
         self.fragments = []
@@ -192,9 +195,9 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
     def _start(self, fragment: _Fragment, local_step: int) -> None:
         deltas = [m - p.detach() for m, p in zip(fragment.master, fragment.params)]
         buffers = [b.detach().clone() for b in fragment.buffers]
-        handle = comm.all_reduce_tensors(deltas + buffers, average=True, dtype=self.comm_dtype,
-                                         chunk=self.chunk, error_feedback=fragment.residuals,
-                                         async_op=True)
+        handle = self.collectives.all_reduce_tensors(
+            deltas + buffers, average=True, dtype=self.comm_dtype, chunk=self.chunk,
+            error_feedback=fragment.residuals, async_op=True)
         pending = _Pending(fragment.index, local_step + self.fragment_delay, deltas, buffers,
                            handle)
         if self.fragment_delay == 0:
