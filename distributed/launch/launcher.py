@@ -42,7 +42,9 @@ index), ``MASTER_ADDR``, ``MASTER_PORT``, ``EXOGYM_RESTART``,
 ``EXOGYM_RUN_DIR`` and ``PYTHONUNBUFFERED``; ``GLOO_SOCKET_IFNAME`` and
 ``NCCL_SOCKET_IFNAME`` when its host sets ``interface`` (otherwise the rank
 picks the interface that routes to the master); ``EXOGYM_DEVICE`` when its
-host sets ``device``; plus the caller's ``env`` and secrets.
+host sets ``device``; plus the caller's ``env`` and secrets. The variables are
+built by ``RankEnvironment.variables`` (``distributed.worker.environment``), the
+module that also reads them on the rank.
 """
 
 from __future__ import annotations
@@ -69,13 +71,7 @@ from ..hosts.remote import BOOTSTRAP_SOURCE, hand_command, rank_command
 from ..hosts.session import HostSession, can_listen_on, is_this_machine
 from ..hosts.ssh import SSHOptions, ssh_command_line
 from ..hosts.sync import WORK_ROOT, is_checkout
-from ..worker.environment import (
-    DEVICE_VARIABLE,
-    LOST_AFTER_VARIABLE,
-    MIN_NODES_VARIABLE,
-    RUN_DIR_VARIABLE,
-    THROTTLE_VARIABLE,
-)
+from ..worker.environment import RankEnvironment
 from .elastic_attempt import ElasticAttempt
 from .faults import FaultPlan
 from .injector import AttemptView, FaultInjector
@@ -295,24 +291,14 @@ class Launcher:
         master_addr = self.session.master_addr
         for host in self.config.hosts:
             for local_rank, rank in enumerate(host.ranks):
-                env = {
-                    "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
-                    "LOCAL_WORLD_SIZE": str(host.slots), "NODE_RANK": str(host.rank),
-                    "MASTER_ADDR": master_addr, "MASTER_PORT": str(self.config.master_port),
-                    "EXOGYM_RESTART": str(restart), RUN_DIR_VARIABLE: self.rank_run_dir,
-                    "PYTHONUNBUFFERED": "1",
-                }
-                env.update(self.env)
-                if host.interface:
-                    env["GLOO_SOCKET_IFNAME"] = host.interface
-                    env["NCCL_SOCKET_IFNAME"] = host.interface
-                if host.device:
-                    env[DEVICE_VARIABLE] = host.device
-                if self.injector is not None:
-                    env[THROTTLE_VARIABLE] = self.injector.throttle_path(rank)
-                if self.options.min_nodes is not None:
-                    env[MIN_NODES_VARIABLE] = str(self.options.min_nodes)
-                    env[LOST_AFTER_VARIABLE] = f"{self.options.lost_after:g}"
+                env = RankEnvironment(
+                    rank, world, master_addr, self.config.master_port, local_rank, host.slots,
+                    node_rank=host.rank, restart=restart, run_dir=self.rank_run_dir,
+                    interface=host.interface, device=host.device,
+                    throttle_file=(None if self.injector is None
+                                   else self.injector.throttle_path(rank)),
+                    min_nodes=self.options.min_nodes, lost_after=self.options.lost_after,
+                ).variables(extra=self.env)
                 argv = self.program.argv(host, restart)
                 local = self.session.is_local(host.rank)
                 by_hand = hand_command(host.project_path, host.python_env, env, argv)

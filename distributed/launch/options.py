@@ -19,14 +19,10 @@ from exogym.base.arg_errors import unknown_args_error
 
 from ..hosts.linkspeed import PROBE_SECONDS
 from ..hosts.ssh import SSHOptions
-from ..worker.environment import RUN_DIR_VARIABLE
+from ..worker.environment import LAUNCHER_VARIABLES
 
 #: Variables always treated as secrets: sent over stdin, never shown or logged.
 SECRET_ENV_NAMES = frozenset({"WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
-#: Variables the launcher sets for every rank; a caller may not set them.
-LAUNCHER_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                      "MASTER_ADDR", "MASTER_PORT", "EXOGYM_RESTART", RUN_DIR_VARIABLE,
-                      "PYTHONUNBUFFERED")
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -170,9 +166,9 @@ def _check_env(env: Mapping[str, object], what: str) -> dict[str, str]:
         if not isinstance(name, str) or not _ENV_NAME.match(name):
             raise ValueError(f"{what}: {name!r} is not a valid variable name (letters, digits "
                              "and _, not starting with a digit)")
-        if name in LAUNCHER_ENV_NAMES:
+        if name in LAUNCHER_VARIABLES:
             raise ValueError(f"{what}: {name} is set by the launcher for each rank; remove it "
-                             f"(the launcher sets {', '.join(LAUNCHER_ENV_NAMES)})")
+                             f"(the launcher sets {', '.join(LAUNCHER_VARIABLES)})")
         if value is None:
             raise ValueError(f"{what}: {name} has no value")
         out[name] = str(value)

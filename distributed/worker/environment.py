@@ -1,4 +1,4 @@
-"""The wire facts a rank shares with whoever started it: its rank variables and output names.
+"""The rank environment: every variable a rank is started with, written and read here alone.
 
 A rank is started with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` (and optionally ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``) in its
@@ -6,6 +6,15 @@ environment, by our SSH launcher, ``torchrun``, or any scheduler that sets
 them; under ``srun`` they are read from SLURM's own variables
 (:mod:`distributed.worker.slurm_variables`), explicit ones winning. Rank 0 leaves the run's final model in
 ``FINAL_MODEL`` for the driver.
+
+This module owns the names. The launcher builds a rank's variables with
+:meth:`RankEnvironment.variables` and the rank reads them back with
+:func:`rank_environment`, so the two ends cannot drift apart: every name below
+is spelled once, and ``tests/test_rank_environment.py`` fails when a second
+copy appears elsewhere. The one name defined outside is the store key's pipe
+(:data:`STORE_KEY_FD_VARIABLE`): the supervisor that opens that pipe runs on
+the host from its own source, with the standard library only, so it keeps the
+name and this module imports it.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import select
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +30,21 @@ from ..hosts.netif import interface_for
 from ..hosts.onhost.bootstrap import STORE_KEY_FD_VARIABLE
 from .slurm_variables import slurm_rank_variables
 
-RANK_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-#: The final model a run leaves in its output folder (safetensors; run config in its metadata).
-FINAL_MODEL = "model.safetensors"
+#: This rank's number, 0..WORLD_SIZE-1.
+RANK_VARIABLE = "RANK"
+#: The number of ranks in the run.
+WORLD_SIZE_VARIABLE = "WORLD_SIZE"
+#: This rank's position among the ranks of its machine.
+LOCAL_RANK_VARIABLE = "LOCAL_RANK"
+#: The number of ranks on this rank's machine (its host's slots).
+LOCAL_WORLD_SIZE_VARIABLE = "LOCAL_WORLD_SIZE"
+#: The index of this rank's host in the hosts file (0 is the master).
+NODE_RANK_VARIABLE = "NODE_RANK"
+#: Where the rendezvous store listens: the master's address and port.
+MASTER_ADDR_VARIABLE = "MASTER_ADDR"
+MASTER_PORT_VARIABLE = "MASTER_PORT"
+#: How many times the launcher has started the whole job again (0 on the first start).
+RESTART_VARIABLE = "EXOGYM_RESTART"
 #: Where a launched rank's run folder is named (set by the launcher).
 RUN_DIR_VARIABLE = "EXOGYM_RUN_DIR"
 #: A host's ``device`` from the hosts file, as the launcher passes it to the rank.
@@ -36,13 +57,35 @@ LOST_AFTER_VARIABLE = "EXOGYM_LOST_AFTER"
 #: Set by the launcher when faults are injected: the file (relative to the rank's project
 #: folder) through which the rank is slowed down (:mod:`distributed.worker.throttle`).
 THROTTLE_VARIABLE = "EXOGYM_THROTTLE_FILE"
+#: The network interface gloo and NCCL use, when the host names one.
+GLOO_INTERFACE_VARIABLE = "GLOO_SOCKET_IFNAME"
+NCCL_INTERFACE_VARIABLE = "NCCL_SOCKET_IFNAME"
+#: Set to ``1`` so a rank's lines reach the launcher as they are printed.
+UNBUFFERED_VARIABLE = "PYTHONUNBUFFERED"
+#: ``True`` when torchrun's agent, not rank 0, hosts the rendezvous store.
+AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
+
+#: The variables that make a process a rank; all of them, or none, must be set.
+RANK_VARIABLES = (RANK_VARIABLE, WORLD_SIZE_VARIABLE, MASTER_ADDR_VARIABLE, MASTER_PORT_VARIABLE)
+#: The variables the launcher sets for every rank; a caller may not set them.
+LAUNCHER_VARIABLES = (RANK_VARIABLE, WORLD_SIZE_VARIABLE, LOCAL_RANK_VARIABLE,
+                      LOCAL_WORLD_SIZE_VARIABLE, NODE_RANK_VARIABLE, MASTER_ADDR_VARIABLE,
+                      MASTER_PORT_VARIABLE, RESTART_VARIABLE, RUN_DIR_VARIABLE,
+                      UNBUFFERED_VARIABLE)
+#: Every variable of the rank environment, each spelled once in this module.
+ALL_VARIABLES = (*LAUNCHER_VARIABLES, DEVICE_VARIABLE, MIN_NODES_VARIABLE, LOST_AFTER_VARIABLE,
+                 THROTTLE_VARIABLE, GLOO_INTERFACE_VARIABLE, NCCL_INTERFACE_VARIABLE,
+                 AGENT_STORE_VARIABLE, STORE_KEY_FD_VARIABLE)
+
+#: The final model a run leaves in its output folder (safetensors; run config in its metadata).
+FINAL_MODEL = "model.safetensors"
 #: Seconds a rank waits for the run's store key on the pipe its supervisor named.
 STORE_KEY_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
 class RankEnvironment:
-    """The rank variables of this process.
+    """The rank variables of one rank: what the launcher writes and what the rank reads.
 
     Args:
         rank, world_size: this rank and the number of ranks.
@@ -54,6 +97,14 @@ class RankEnvironment:
         lost_after: with ``min_nodes``, the launcher's deadline for a silent rank.
         store_key: the run's store key, read from the pipe ``EXOGYM_STORE_KEY_FD``
             names (a rank the launcher started); None under torchrun or SLURM alone.
+        node_rank: the index of this rank's host in the hosts file (None: not
+            started by our launcher).
+        restart: how many times the launcher has started the job again.
+        run_dir: the run's log folder as the rank names it (None: not launched).
+        device: the host's ``device`` from the hosts file (None: the rank picks).
+        interface: the network interface gloo and NCCL use (None: the rank picks
+            the one that routes to the master, :func:`choose_interface`).
+        throttle_file: with injected faults, the file through which the rank is slowed.
     """
 
     rank: int
@@ -66,6 +117,49 @@ class RankEnvironment:
     min_nodes: int | None = None
     lost_after: float = 10.0
     store_key: bytes | None = field(default=None, repr=False, compare=False)
+    node_rank: int | None = None
+    restart: int = 0
+    run_dir: str | None = None
+    device: str | None = None
+    interface: str | None = None
+    throttle_file: str | None = None
+
+    def variables(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The variables that start this rank, in the order its command line sets them.
+
+        What :func:`rank_environment` reads back as this same environment. The store
+        key is not among them (it travels through a pipe the supervisor opens), nor is
+        ``agent_store`` (torchrun's agent sets it).
+
+        Args:
+            extra: the caller's own variables, added after the rank variables and
+                before the host's settings (interface, device), which win over them.
+        """
+        env = {
+            RANK_VARIABLE: str(self.rank), WORLD_SIZE_VARIABLE: str(self.world_size),
+            LOCAL_RANK_VARIABLE: str(self.local_rank),
+            LOCAL_WORLD_SIZE_VARIABLE: str(self.local_world_size),
+        }
+        if self.node_rank is not None:
+            env[NODE_RANK_VARIABLE] = str(self.node_rank)
+        env[MASTER_ADDR_VARIABLE] = self.master_addr
+        env[MASTER_PORT_VARIABLE] = str(self.master_port)
+        env[RESTART_VARIABLE] = str(self.restart)
+        if self.run_dir is not None:
+            env[RUN_DIR_VARIABLE] = self.run_dir
+        env[UNBUFFERED_VARIABLE] = "1"
+        env.update(extra or {})
+        if self.interface:
+            env[GLOO_INTERFACE_VARIABLE] = self.interface
+            env[NCCL_INTERFACE_VARIABLE] = self.interface
+        if self.device:
+            env[DEVICE_VARIABLE] = self.device
+        if self.throttle_file is not None:
+            env[THROTTLE_VARIABLE] = self.throttle_file
+        if self.min_nodes is not None:
+            env[MIN_NODES_VARIABLE] = str(self.min_nodes)
+            env[LOST_AFTER_VARIABLE] = f"{self.lost_after:g}"
+        return env
 
 
 @functools.cache
@@ -108,8 +202,12 @@ def read_store_key(fd_text: str) -> bytes:
     return key
 
 
-def rank_environment(env: dict[str, str] | None = None) -> RankEnvironment | None:
-    """Read the rank variables (or SLURM's); None when none is set, a clear error when some are missing."""
+def rank_environment(env: Mapping[str, str] | None = None) -> RankEnvironment | None:
+    """Read the rank variables (or SLURM's); None when none is set, a clear error when some are missing.
+
+    Args:
+        env: the variables to read; default this process's environment.
+    """
     env = dict(os.environ if env is None else env)
     env.update(slurm_rank_variables(env))
     present = [k for k in RANK_VARIABLES if env.get(k)]
@@ -120,31 +218,39 @@ def rank_environment(env: dict[str, str] | None = None) -> RankEnvironment | Non
         raise ValueError(f"rank variables incomplete: {', '.join(present)} set but "
                          f"{', '.join(missing)} missing; set all of {', '.join(RANK_VARIABLES)}")
     try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        port = int(env["MASTER_PORT"])
-        local_rank = int(env.get("LOCAL_RANK", "0"))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
+        rank, world = int(env[RANK_VARIABLE]), int(env[WORLD_SIZE_VARIABLE])
+        port = int(env[MASTER_PORT_VARIABLE])
+        local_rank = int(env.get(LOCAL_RANK_VARIABLE, "0"))
+        local_world = int(env.get(LOCAL_WORLD_SIZE_VARIABLE, "1"))
     except ValueError as exc:
         raise ValueError(f"rank variables must be integers: {exc}") from None
     if not 0 <= rank < world:
-        raise ValueError(f"RANK={rank} must be in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
+        raise ValueError(f"{RANK_VARIABLE}={rank} must be in 0..{WORLD_SIZE_VARIABLE}-1 "
+                         f"({WORLD_SIZE_VARIABLE}={world})")
     if not 0 < port < 65536:
-        raise ValueError(f"MASTER_PORT={port} is not a port number")
+        raise ValueError(f"{MASTER_PORT_VARIABLE}={port} is not a port number")
     min_nodes = _optional(env, MIN_NODES_VARIABLE, int, "an integer")
     if min_nodes is not None:
         if not 1 <= min_nodes <= world:
-            raise ValueError(f"{MIN_NODES_VARIABLE}={min_nodes} must be in 1..WORLD_SIZE "
-                             f"(WORLD_SIZE={world})")
+            raise ValueError(f"{MIN_NODES_VARIABLE}={min_nodes} must be in 1..{WORLD_SIZE_VARIABLE} "
+                             f"({WORLD_SIZE_VARIABLE}={world})")
     lost_after = _optional(env, LOST_AFTER_VARIABLE, float, "a number of seconds")
+    restart = _optional(env, RESTART_VARIABLE, int, "an integer")
     key_fd = env.get(STORE_KEY_FD_VARIABLE)
-    return RankEnvironment(rank, world, env["MASTER_ADDR"], port, local_rank, local_world,
-                           agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+    return RankEnvironment(rank, world, env[MASTER_ADDR_VARIABLE], port, local_rank, local_world,
+                           agent_store=env.get(AGENT_STORE_VARIABLE) == "True",
                            min_nodes=min_nodes,
                            lost_after=10.0 if lost_after is None else lost_after,
-                           store_key=read_store_key(key_fd) if key_fd else None)
+                           store_key=read_store_key(key_fd) if key_fd else None,
+                           node_rank=_optional(env, NODE_RANK_VARIABLE, int, "an integer"),
+                           restart=0 if restart is None else restart,
+                           run_dir=env.get(RUN_DIR_VARIABLE) or None,
+                           device=env.get(DEVICE_VARIABLE) or None,
+                           interface=env.get(GLOO_INTERFACE_VARIABLE) or None,
+                           throttle_file=env.get(THROTTLE_VARIABLE) or None)
 
 
-def _optional(env: dict[str, str], name: str, parse: Callable[[str], Any], what: str) -> Any:
+def _optional(env: Mapping[str, str], name: str, parse: Callable[[str], Any], what: str) -> Any:
     """``env[name]`` parsed, None when it is not set; a clear error when it does not parse."""
     value = env.get(name)
     if not value:
@@ -157,9 +263,9 @@ def _optional(env: dict[str, str], name: str, parse: Callable[[str], Any], what:
 
 def choose_interface(master_addr: str) -> str | None:
     """Set ``GLOO_SOCKET_IFNAME`` to the interface routing to the master, unless already set."""
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        return os.environ["GLOO_SOCKET_IFNAME"]
+    if os.environ.get(GLOO_INTERFACE_VARIABLE):
+        return os.environ[GLOO_INTERFACE_VARIABLE]
     iface = interface_for(master_addr)
     if iface:
-        os.environ["GLOO_SOCKET_IFNAME"] = iface
+        os.environ[GLOO_INTERFACE_VARIABLE] = iface
     return iface

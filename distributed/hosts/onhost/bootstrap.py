@@ -39,7 +39,9 @@ from typing import Any
 
 #: Lines the launcher reads back from the supervisor start with this.
 MARK = "@@exogym-launch "
-#: Names the descriptor of the pipe a rank reads the run's store key from.
+#: Names the descriptor of the pipe a rank reads the run's store key from. The one name of
+#: the rank environment spelled outside ``distributed.worker.environment`` (which imports it):
+#: this file runs on hosts from its own source and cannot import that module.
 STORE_KEY_FD_VARIABLE = "EXOGYM_STORE_KEY_FD"
 
 
