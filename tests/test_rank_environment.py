@@ -36,11 +36,6 @@ SPELLED_ELSEWHERE = {
     # Runs on hosts from its own source, standard library only: it cannot import the owner,
     # so it defines the store key pipe's name and the owner imports it from there.
     "distributed/hosts/onhost/bootstrap.py": {"EXOGYM_STORE_KEY_FD"},
-    # Turns SLURM's variables into the rank variables; the owner imports it, so it cannot
-    # import the owner back without a cycle (tests/test_layers.py).
-    "distributed/worker/slurm_variables.py": {"RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                              "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                              "MASTER_PORT"},
 }
 
 

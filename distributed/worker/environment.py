@@ -28,7 +28,13 @@ from typing import Any
 
 from ..hosts.netif import interface_for
 from ..hosts.onhost.bootstrap import STORE_KEY_FD_VARIABLE
-from .slurm_variables import slurm_rank_variables
+from .slurm_variables import (
+    NODELIST_VARIABLES,
+    SLURM_TASK_VARIABLES,
+    first_node,
+    port_for_job,
+    tasks_on_node,
+)
 
 #: This rank's number, 0..WORLD_SIZE-1.
 RANK_VARIABLE = "RANK"
@@ -269,3 +275,34 @@ def choose_interface(master_addr: str) -> str | None:
     if iface:
         os.environ[GLOO_INTERFACE_VARIABLE] = iface
     return iface
+
+
+def slurm_rank_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """The rank variables a SLURM task implies, for those not already set; {} outside SLURM.
+
+    Explicit ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` win (torchrun under SLURM sets them).
+
+    Raises:
+        ValueError: for a malformed node list, job id or tasks-per-node value,
+            or a SLURM task with neither a node list nor ``MASTER_ADDR``.
+    """
+    if not all(env.get(k) for k in SLURM_TASK_VARIABLES):
+        return {}
+    implied: dict[str, str] = {RANK_VARIABLE: env["SLURM_PROCID"],
+                               WORLD_SIZE_VARIABLE: env["SLURM_NTASKS"]}
+    if env.get("SLURM_LOCALID"):
+        implied[LOCAL_RANK_VARIABLE] = env["SLURM_LOCALID"]
+    if env.get("SLURM_TASKS_PER_NODE") and env.get("SLURM_NODEID", "").isdigit():
+        implied[LOCAL_WORLD_SIZE_VARIABLE] = str(tasks_on_node(env["SLURM_TASKS_PER_NODE"],
+                                                              int(env["SLURM_NODEID"])))
+    if not env.get(MASTER_ADDR_VARIABLE):
+        nodelist = next((env[k] for k in NODELIST_VARIABLES if env.get(k)), None)
+        if nodelist is None:
+            raise ValueError("SLURM_PROCID and SLURM_NTASKS are set but no node list is "
+                             f"({', '.join(NODELIST_VARIABLES)}); run under srun, or set "
+                             "MASTER_ADDR to the first node's address")
+        implied[MASTER_ADDR_VARIABLE] = first_node(nodelist)
+    if not env.get(MASTER_PORT_VARIABLE) and env.get("SLURM_JOB_ID"):
+        implied[MASTER_PORT_VARIABLE] = str(port_for_job(env["SLURM_JOB_ID"]))
+    return {key: value for key, value in implied.items() if not env.get(key)}

@@ -1,4 +1,5 @@
-"""A rank's variables as SLURM sets them under ``srun``, and SLURM's compressed node lists.
+"""SLURM's variables under ``srun`` and its compressed node lists (the rank variables they
+imply are :func:`distributed.worker.environment.slurm_rank_variables`'s).
 
 ``srun python -m distributed.worker --profile NAME`` starts one process per
 task with ``SLURM_PROCID`` (the rank), ``SLURM_NTASKS`` (the world size),
@@ -14,7 +15,6 @@ but its environment.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 
 from exogym.base.plural import plural
 
@@ -145,33 +145,3 @@ def port_for_job(job_id: str) -> int:
         raise ValueError(f"SLURM_JOB_ID={job_id!r} is not a number; set MASTER_PORT "
                          "to choose the port") from None
     return PORT_BASE + number % PORT_SPAN
-
-
-def slurm_rank_variables(env: Mapping[str, str]) -> dict[str, str]:
-    """The rank variables a SLURM task implies, for those not already set; {} outside SLURM.
-
-    Explicit ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
-    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` win (torchrun under SLURM sets them).
-
-    Raises:
-        ValueError: for a malformed node list, job id or tasks-per-node value,
-            or a SLURM task with neither a node list nor ``MASTER_ADDR``.
-    """
-    if not all(env.get(k) for k in SLURM_TASK_VARIABLES):
-        return {}
-    implied: dict[str, str] = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"]}
-    if env.get("SLURM_LOCALID"):
-        implied["LOCAL_RANK"] = env["SLURM_LOCALID"]
-    if env.get("SLURM_TASKS_PER_NODE") and env.get("SLURM_NODEID", "").isdigit():
-        implied["LOCAL_WORLD_SIZE"] = str(tasks_on_node(env["SLURM_TASKS_PER_NODE"],
-                                                        int(env["SLURM_NODEID"])))
-    if not env.get("MASTER_ADDR"):
-        nodelist = next((env[k] for k in NODELIST_VARIABLES if env.get(k)), None)
-        if nodelist is None:
-            raise ValueError("SLURM_PROCID and SLURM_NTASKS are set but no node list is "
-                             f"({', '.join(NODELIST_VARIABLES)}); run under srun, or set "
-                             "MASTER_ADDR to the first node's address")
-        implied["MASTER_ADDR"] = first_node(nodelist)
-    if not env.get("MASTER_PORT") and env.get("SLURM_JOB_ID"):
-        implied["MASTER_PORT"] = str(port_for_job(env["SLURM_JOB_ID"]))
-    return {key: value for key, value in implied.items() if not env.get(key)}
