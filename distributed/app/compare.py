@@ -14,7 +14,9 @@ what the later ones reuse, so start-up is never charged to a strategy's time),
 and the validation curve (against steps and against bytes) that
 :func:`plot_comparison` draws into the comparison's output folder. Bytes are
 drawn on a symmetric-log axis, linear near 0, so a point where nothing was
-sent yet sits at 0, not at a made-up 1 byte.
+sent yet sits at 0, not at a made-up 1 byte. What a face shows of it is built here
+too: the settings each strategy runs with (:func:`settings_table`), a line per
+finished run (:func:`result_line`) and the results (:func:`results_table`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exogym.base.arg_errors import init_arg_names
+from exogym.base.plural import plural
 from exogym.report.comparison_plot import (  # the CLI's and exogym.compare's own
     check_plotting as check_plotting,
 )
@@ -50,13 +53,24 @@ from ..profiles.profile import (
 )
 from ..tasks.extras import require_extra
 
-__all__ = ["COMPARE_SETTINGS", "PLOT_NAME", "StartClock", "StrategyResult", "check_extras",
-           "check_plotting", "comparison_figure", "comparison_folder", "parse_overrides",
-           "plan_comparison", "plot_comparison", "profile_for_strategy", "run_comparison",
-           "strategy_profiles", "strategy_settings"]
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+__all__ = ["COMPARE_SETTINGS", "PLOT_NAME", "TIMES_NOTE", "StartClock", "StrategyResult",
+           "check_extras", "check_plotting", "comparison_figure", "comparison_folder",
+           "comparison_heading", "comparison_progress", "parse_overrides", "plan_comparison",
+           "plot_comparison", "profile_for_strategy", "result_line", "results_table",
+           "run_comparison", "settings_table", "strategy_profiles", "strategy_settings",
+           "write_plot"]
 
 #: The plot's file name in the comparison's output folder.
 PLOT_NAME = "compare.png"
+
+#: What the results' times mean, said under their table.
+TIMES_NOTE = ("train time: each strategy's ranks training, first step to last; start-up (the "
+              "task built, the rank processes started and joined) is apart, as the first run "
+              "also starts what the later ones reuse.")
 
 #: Settings a compared strategy takes when the profile gives none: Streaming DiLoCo
 #: in two fragments (the smallest models, digits' two-layer MLP, have two layers),
@@ -375,3 +389,106 @@ def check_extras(plans: Sequence[Profile]) -> None:
         require_extra(task)
 
 
+
+
+# ------------------------------------------------------------------ what a face shows
+
+
+def comparison_heading(name: str, strategies: Sequence[str], plans: Sequence[Profile]) -> str:
+    """One line before the runs: the strategies, the profile, its nodes and steps."""
+    nodes = plans[0].values.get("num_nodes", 1)
+    steps = plans[0].values.get("max_steps")
+    return (f"Comparing {', '.join(strategies)} on {name} "
+            f"({plural(nodes, 'simulated node')}, "
+            f"{plural(steps, 'step') if steps is not None else '? steps'} each).")
+
+
+def settings_table(name: str, strategies: Sequence[str], plans: Sequence[Profile],
+                   config: str | Path | None = None) -> Table:
+    """What each strategy runs with, shown before the runs: the profile its settings come
+    from (:func:`strategy_profiles`), the settings it is given and the defaults of the
+    strategy's own settings it leaves unset (:func:`strategy_settings`)."""
+    from rich.table import Table
+
+    sources = strategy_profiles(name, strategies, config)
+    table = Table(title="Settings each strategy runs with", title_justify="left")
+    for column in ("strategy", "settings from", "settings", "strategy defaults"):
+        table.add_column(column, overflow="fold")
+    for plan in plans:
+        given, defaults = strategy_settings(plan)
+        source = sources[plan.strategy]
+        table.add_row(plan.strategy,
+                      f"profile {source}" if source else f"{name} (no "
+                      f"{plan.strategy} profile)",
+                      " ".join(f"{k}={v}" for k, v in given.items()) or "-",
+                      " ".join(f"{k}={v}" for k, v in defaults.items()) or "-")
+    return table
+
+
+def comparison_progress(console: Console, page: Any, name: str
+                        ) -> Callable[[Profile], Any]:
+    """What shows each compared run: a terminal dashboard on ``console`` and, when
+    ``page`` (a ``WebDashboard``) is given, the run on the page too."""
+    from .dashboard import Dashboard
+    from .fanout import FanOut
+
+    def dashboard(plan: Profile) -> Any:
+        nodes = int(plan.values.get("num_nodes") or 1)
+        if page is not None:
+            page.begin_run(plan.strategy, plan.values, nodes)
+        return FanOut(Dashboard(nodes, console=console, title=f"{plan.strategy} on {name}",
+                                show_summary=False), page)
+
+    return dashboard
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def result_line(result: StrategyResult) -> str:
+    """One finished run in a line: its validation loss, bytes per node and times."""
+    from exogym.report.summary import human_bytes
+
+    val = result.final_val_loss
+    return (f"{result.strategy}: val loss {'-' if val is None else f'{val:.4f}'},"
+            f" {human_bytes(result.bytes_per_node)} per node, "
+            f"{result.train_s:.1f} s training (start-up "
+            f"{_seconds(result.startup_s)})")
+
+
+def results_table(name: str, results: Sequence[StrategyResult],
+                  network: str | None = None) -> Table:
+    """The comparison: each strategy's final validation loss (and accuracy, when the task
+    reports one), bytes per node and their share of DDP's, train time and start-up, and
+    with a ``network`` the simulated time (:data:`TIMES_NOTE` says what the times are)."""
+    from rich.table import Table
+
+    from exogym.report.summary import human_bytes
+
+    ddp = next((r.bytes_per_node for r in results if r.strategy in ("ddp", "allreduce")),
+               None)
+    table = Table(title=f"{name}: {plural(len(results), 'strategy')}", title_justify="left")
+    accuracy = any(r.summary.get("final_val_accuracy") is not None for r in results)
+    for column in ("strategy", "final val loss", *(("val acc (rank 0)",) if accuracy else ()),
+                   "bytes per node", "vs ddp", "train time", "start-up",
+                   *(("simulated time",) if network else ())):
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for r in results:
+        val = r.final_val_loss
+        acc = r.summary.get("final_val_accuracy")
+        relative = f"{r.bytes_per_node / ddp:.2%}" if ddp else "-"
+        table.add_row(r.strategy, "-" if val is None else f"{val:.4f}",
+                      *(("-" if acc is None else f"{acc:.1%}",) if accuracy else ()),
+                      human_bytes(r.bytes_per_node), relative, f"{r.train_s:.1f} s",
+                      _seconds(r.startup_s),
+                      *((f"{r.summary.get('sim_time_s', 0.0):.2f} s",) if network else ()))
+    return table
+
+
+def write_plot(name: str, plans: Sequence[Profile], results: Sequence[StrategyResult],
+               out: str | Path | None = None, network: str | None = None) -> Path:
+    """Draw the comparison's plot (:func:`plot_comparison`) into ``out``, by default
+    :data:`PLOT_NAME` in the comparison's folder; returns where it went."""
+    return plot_comparison(results, out or comparison_folder(plans) / PLOT_NAME,
+                           title=f"{name}: validation loss", network=network)

@@ -778,7 +778,7 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
                          "to measure: give --hosts FILE to measure real hosts, or "
                          "--link-mbit N to pick for a modelled link of N Mbit/s")
     specs = list(specs or candidate_specs(profile))
-    hosts = config.world_size if on_hosts else int(profile.values.get("num_nodes") or 1)
+    hosts = config.world_size if on_hosts else profile.num_nodes
     if hosts < 2:
         raise RecommendError(f"{plural(hosts, 'rank')} planned: strategies differ only with 2 "
                              "or more")

@@ -309,17 +309,67 @@ def refuse_hosts_only_options(request: TrainRequest, given: Sequence[str],
                      f"out{balance}")
 
 
+@dataclass(frozen=True)
+class ResolvedRequest:
+    """A request resolved once, as everything downstream of the faces reads it.
+
+    Args:
+        request: the request as the face asked for it.
+        profile: its profile, inheritance and ``--set`` values applied, validated.
+        hosts: its hosts, loaded and validated; None for a local simulation.
+        faults: the faults it injects, checked against the hosts and the profile; None
+            when it injects none.
+        num_nodes: the ranks that train: the hosts file's ranks on hosts, else the
+            profile's ``num_nodes``.
+        strategy: the strategy's known name (``'allreduce'`` becomes ``'ddp'``).
+    """
+
+    request: TrainRequest
+    profile: Profile
+    hosts: HostsConfig | None
+    faults: FaultPlan | None
+    num_nodes: int
+    strategy: str
+
+
+def resolve(request: TrainRequest) -> ResolvedRequest:
+    """``request`` resolved, once: the first call checks the profile (with its ``--set``
+    values), then the hosts file, then the faults, and every later call on the same
+    request returns the same object.
+
+    Raises:
+        ProfileError, HostsFileError, FaultSpecError: bad input, naming every problem.
+    """
+    done = request.__dict__.get("_resolved")
+    if done is not None:
+        return done
+    from exogym.strategy import registry
+
+    profile = load_profile(request.profile, request.config, dict(request.overrides) or None)
+    hosts = None
+    if request.multi_host:
+        hosts = request.hosts if isinstance(request.hosts, HostsConfig) \
+            else load_hosts(request.hosts)
+    faults = _plan_faults(request, profile, hosts) if request.injects and hosts else None
+    resolved = ResolvedRequest(
+        request=request, profile=profile, hosts=hosts, faults=faults,
+        num_nodes=hosts.world_size if hosts is not None and request.multi_host
+        else profile.num_nodes,
+        strategy=registry.canonical(profile.strategy))
+    object.__setattr__(request, "_resolved", resolved)  # a cache, not a field of the request
+    return resolved
+
+
 def resolve_profile(request: TrainRequest) -> Profile:
-    """The request's profile, inheritance and overrides applied, validated."""
-    return load_profile(request.profile, request.config, dict(request.overrides) or None)
+    """The request's profile, inheritance and overrides applied, validated (:func:`resolve`)."""
+    return resolve(request).profile
 
 
 def hosts_config(request: TrainRequest) -> HostsConfig:
     """The request's hosts, loaded and validated (``HostsFileError`` lists every problem)."""
-    if isinstance(request.hosts, HostsConfig):
-        return request.hosts
-    assert request.hosts is not None
-    return load_hosts(request.hosts)
+    hosts = resolve(request).hosts
+    assert hosts is not None, "a request without hosts has no hosts config"
+    return hosts
 
 
 def config_for_hosts(config: str | None) -> str | None:
@@ -337,21 +387,21 @@ def config_for_hosts(config: str | None) -> str | None:
         return str(path)
 
 
-def fault_plan(request: TrainRequest, config: HostsConfig | None = None) -> FaultPlan | None:
+def fault_plan(request: TrainRequest) -> FaultPlan | None:
     """The faults the request injects, parsed and checked against its hosts and profile
     (:func:`distributed.launch.faults.plan_faults`); None when it injects none.
 
     Raises:
         FaultSpecError: a spec that cannot run, or faults without a run across hosts.
     """
-    if not request.injects:
-        return None
-    if not request.multi_host:
+    if request.injects and not request.multi_host:
         raise FaultSpecError("--inject and --inject-random make faults on real hosts: give "
                              "--hosts (without --local); a simulation loses ranks with "
                              "rank_failures= instead")
-    profile = resolve_profile(request)
-    config = config or hosts_config(request)
+    return resolve(request).faults
+
+
+def _plan_faults(request: TrainRequest, profile: Profile, config: HostsConfig) -> FaultPlan:
     max_steps = profile.values.get("max_steps")
     return plan_faults(request.inject, config,
                        max_steps=max_steps if isinstance(max_steps, int) else None,
@@ -380,7 +430,7 @@ def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Consol
     return Launcher(config, program, options=options, ssh=ssh, console=console,
                     on_event=dashboard.on_event if dashboard is not None else None,
                     on_output=dashboard.on_output if dashboard is not None else None,
-                    faults=fault_plan(request, config))
+                    faults=fault_plan(request))
 
 
 def rank_program(request: TrainRequest, placement: RunPlacement | None = None) -> RankProgram:
@@ -544,11 +594,11 @@ def dry_run(request: TrainRequest, console: Console) -> Profile:
             console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
         return profile
     console.print(f"Dry run: profile {profile.name} as a local simulation of "
-                  f"{plural(profile.values.get('num_nodes', 1), 'node')}; nothing is started.",
+                  f"{plural(profile.num_nodes, 'node')}; nothing is started.",
                   markup=False, highlight=False, soft_wrap=True)
     console.print(f"  command: {worker_command(request)}", markup=False, highlight=False,
                   soft_wrap=True)
-    notes = run_warnings(profile, int(profile.values.get("num_nodes") or 1), os.cpu_count())
+    notes = run_warnings(profile, profile.num_nodes, os.cpu_count())
     lacking = missing_extra(profile.task)
     for note in notes + ([lacking] if lacking else []):
         console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
@@ -587,7 +637,7 @@ def train(request: TrainRequest, console: Console | None = None, *,
         return _train_hosts(request, profile, console, live, web)
     fault_plan(request)  # faults without hosts are refused, naming why
     require_extra(profile.task)  # a task whose extra is missing here stops before any rank
-    placement = place_run(profile, ranks=int(profile.values.get("num_nodes") or 1),
+    placement = place_run(profile, ranks=resolve(request).num_nodes,
                           resume=request.resume, overwrite=request.overwrite,
                           fresh_if_none=request.fresh_if_none)
     profile = placement.profile(profile)
@@ -648,7 +698,7 @@ def finished_run(profile: Profile, placement: RunPlacement) -> TrainOutcome | No
     resume: every rank has a checkpoint at ``max_steps`` or later. None when there is
     work left (or ``max_steps`` is not set)."""
     max_steps = profile.values.get("max_steps")
-    nodes = int(profile.values.get("num_nodes") or 1)
+    nodes = profile.num_nodes
     if not isinstance(max_steps, int):
         return None
     step = min(placement.steps.get(rank, 0) for rank in range(nodes))
@@ -676,7 +726,7 @@ def _train_local(profile: Profile, placement: RunPlacement, console: Console,
 
     from ..worker.run_profile import run_profile
 
-    nodes = int(profile.values.get("num_nodes") or 1)
+    nodes = profile.num_nodes
     warn_before_start(profile, nodes, os.cpu_count())
     dashboard = Dashboard(nodes, title=f"{profile.name}: local simulation of {plural(nodes, 'node')}",
                           console=console, live=live)

@@ -265,21 +265,21 @@ def distributed_train(
         if strategy is not None and strategy.strip().lower() != "auto":
             raise ValueError(f"--strategy {strategy!r}: only auto is understood here; to run "
                              f"another strategy use --set strategy={strategy}")
-        resolved = run.resolve_profile(request)  # a bad profile or --set fails here, first
+        # The request resolved once: a bad profile or --set fails here first, then a bad
+        # hosts file, then a bad --inject, --inject-random or --every.
+        resolved = run.resolve(request)
         given = [flag for flag, value in (
             ("--min-nodes", min_nodes), ("--lost-after", lost_after),
             ("--stall-after", stall_after), ("--max-restarts", max_restarts or None),
             ("--run-dir", run_dir), ("--sync", sync or None), ("--inject", inject),
             ("--inject-random", inject_random), ("--every", every), ("--balance", balance))
             if value is not None]
-        run.refuse_hosts_only_options(request, given, resolved)
-        run.fault_plan(request)  # so does a bad --inject, --inject-random or --every
+        run.refuse_hosts_only_options(request, given, resolved.profile)
+        run.fault_plan(request)  # faults without hosts are refused, naming why
         if strategy is not None:
             from ..app.recommend import recommend as choose
 
-            if request.hosts is not None and not local:
-                run.hosts_config(request)  # a bad hosts file fails before any measurement
-            elif link_mbit is None:
+            if not request.multi_host and link_mbit is None:
                 raise ValueError("--strategy auto without --hosts has no network to measure: "
                                  "give --link-mbit N to pick for a modelled link of N Mbit/s "
                                  "(the simulation itself sends nothing over one)")
@@ -559,22 +559,20 @@ def compare(
     a table shows them before the runs.
     """
     with reported_errors(ctx, debug):
-        from rich.table import Table
-
         from ..app.compare import (
-            PLOT_NAME,
+            TIMES_NOTE,
             check_extras,
             check_plotting,
-            comparison_folder,
+            comparison_heading,
+            comparison_progress,
             parse_overrides,
             plan_comparison,
-            plot_comparison,
+            result_line,
+            results_table,
             run_comparison,
-            strategy_profiles,
-            strategy_settings,
+            settings_table,
+            write_plot,
         )
-        from ..app.dashboard import Dashboard, human_bytes
-        from ..app.fanout import FanOut
         from ..app.run import logger_override
         from ..app.web import keep_serving, open_web
 
@@ -583,78 +581,22 @@ def compare(
         overrides = logger_override(parse_overrides(set_), logger)
         if network is not None:
             overrides = {**overrides, "network": network}
-        plans = plan_comparison(profile, names, str(config) if config else None, overrides)
+        config_file = str(config) if config else None
+        plans = plan_comparison(profile, names, config_file, overrides)
         check_extras(plans)
         check_plotting()
         page = open_web(web, console, host=web_host, port=web_port,
                         title=f"{profile}: compare {', '.join(names)}")
-        nodes = plans[0].values.get("num_nodes", 1)
-        steps = plans[0].values.get("max_steps")
-        console.print(f"Comparing {', '.join(names)} on {profile} "
-                      f"({plural(nodes, 'simulated node')}, "
-                      f"{plural(steps, 'step') if steps is not None else '? steps'} each).",
-                      markup=False)
-        sources = strategy_profiles(profile, names, str(config) if config else None)
-        settings = Table(title="Settings each strategy runs with", title_justify="left")
-        for column in ("strategy", "settings from", "settings", "strategy defaults"):
-            settings.add_column(column, overflow="fold")
-        for plan in plans:
-            given, defaults = strategy_settings(plan)
-            source = sources[plan.strategy]
-            settings.add_row(plan.strategy,
-                             f"profile {source}" if source else f"{profile} (no "
-                             f"{plan.strategy} profile)",
-                             " ".join(f"{k}={v}" for k, v in given.items()) or "-",
-                             " ".join(f"{k}={v}" for k, v in defaults.items()) or "-")
-        console.print(settings)
-
-        def dashboard(plan):
-            nodes = int(plan.values.get("num_nodes") or 1)
-            if page is not None:
-                page.begin_run(plan.strategy, plan.values, nodes)
-            return FanOut(Dashboard(nodes, console=console, title=f"{plan.strategy} on {profile}",
-                                    show_summary=False), page)
-
-        def done(result) -> None:
-            val = result.final_val_loss
-            console.print(f"{result.strategy}: val loss {'-' if val is None else f'{val:.4f}'},"
-                          f" {human_bytes(result.bytes_per_node)} per node, "
-                          f"{result.train_s:.1f} s training (start-up "
-                          f"{_seconds(result.startup_s)})", markup=False)
-
-        results = run_comparison(plans, progress=dashboard, on_result=done)
-
-        ddp = next((r.bytes_per_node for r in results if r.strategy in ("ddp", "allreduce")),
-                   None)
-        table = Table(title=f"{profile}: {plural(len(results), 'strategy')}",
-                      title_justify="left")
-        accuracy = any(r.summary.get("final_val_accuracy") is not None for r in results)
-        for column in ("strategy", "final val loss", *(("val acc (rank 0)",) if accuracy else ()),
-                       "bytes per node", "vs ddp", "train time", "start-up",
-                       *(("simulated time",) if network else ())):
-            table.add_column(column, justify="left" if column == "strategy" else "right")
-        for r in results:
-            val = r.final_val_loss
-            acc = r.summary.get("final_val_accuracy")
-            relative = f"{r.bytes_per_node / ddp:.2%}" if ddp else "-"
-            table.add_row(r.strategy, "-" if val is None else f"{val:.4f}",
-                          *(("-" if acc is None else f"{acc:.1%}",) if accuracy else ()),
-                          human_bytes(r.bytes_per_node), relative, f"{r.train_s:.1f} s",
-                          _seconds(r.startup_s),
-                          *((f"{r.summary.get('sim_time_s', 0.0):.2f} s",) if network else ()))
-        console.print(table)
-        console.print("train time: each strategy's ranks training, first step to last; "
-                      "start-up (the task built, the rank processes started and joined) is "
-                      "apart, as the first run also starts what the later ones reuse.",
-                      markup=False)
-        written = plot_comparison(results, out or comparison_folder(plans) / PLOT_NAME,
-                                  title=f"{profile}: validation loss", network=network)
+        console.print(comparison_heading(profile, names, plans), markup=False)
+        console.print(settings_table(profile, names, plans, config_file))
+        results = run_comparison(
+            plans, progress=comparison_progress(console, page, profile),
+            on_result=lambda result: console.print(result_line(result), markup=False))
+        console.print(results_table(profile, results, network))
+        console.print(TIMES_NOTE, markup=False)
+        written = write_plot(profile, plans, results, out, network)
         console.print(f"plot written to {written}", markup=False)
         keep_serving(page, console)
-
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f} s"
 
 
 @app.command("recommend")
@@ -700,9 +642,7 @@ def recommend(
         if hosts is not None and trace is not None:
             raise ValueError("--hosts measures the hosts and --trace reads a recorded run's: "
                              "give one of them")
-        if hosts is not None:
-            run.hosts_config(request)  # a bad hosts file fails before any measurement
-        run.resolve_profile(request)
+        run.resolve(request)  # a bad profile, --set or hosts file fails before any measurement
         recording = None
         if trace is not None:
             from ..app.replay import load_recording
@@ -787,6 +727,7 @@ def replay_run(
             load_recording,
             plan_variants,
             replay,
+            replay_tables,
             stdout_to_stderr,
             write_outputs,
         )
@@ -815,7 +756,12 @@ def replay_run(
         if json_out:
             print(json.dumps(report))
         else:
-            _print_replay(report, make_console())
+            tables = replay_tables(report)
+            text = make_console()
+            text.print(tables.comparison)
+            text.print(tables.cluster, markup=False, soft_wrap=True)
+            if tables.what_if is not None:
+                text.print(tables.what_if)
             console.print(f"written: {folder / 'replay.json'}, {folder / 'replay.html'}",
                           markup=False, soft_wrap=True)
         if web:
@@ -838,58 +784,6 @@ def replay_run(
                                   soft_wrap=True)
             finally:
                 server.stop()
-
-
-def _print_replay(report: dict, out) -> None:
-    """The replay's comparison as two tables: real against replay, and the what-ifs."""
-    from rich.table import Table
-
-    def cell(value, digits: int = 4) -> str:
-        if value is None:
-            return "-"
-        return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
-
-    real, rep, ratios = report["real"], report["replay"], report["ratios"]
-    table = Table(title=f"{report['profile']}: real ({real['clock']} clock) and replay",
-                  title_justify="left")
-    for column in ("", "real", "replay", "replay / real"):
-        table.add_column(column, justify="left" if not column else "right")
-    table.add_row("total time (s)", cell(real["wall_s"]), cell(rep["wall_s"]),
-                  cell(ratios["wall_s"], 3))
-    table.add_row(f"round of {plural(real['round_steps'], 'step')}, median (s)",
-                  cell(real["round_s_median"]), cell(rep["round_s_median"]),
-                  cell(ratios["round_s_median"], 3))
-    table.add_row("round, 10th - 90th percentile (s)",
-                  f"{cell(real['round_s_p10'])} - {cell(real['round_s_p90'])}",
-                  f"{cell(rep['round_s_p10'])} - {cell(rep['round_s_p90'])}", "")
-    replayed = {m["step"]: m for m in rep["membership"]}
-    for change in real["membership"]:
-        if change["step"] > 1:
-            table.add_row(f"lost to step {change['step']}: {change['reason']} (s)",
-                          cell(change.get("lost_s")),
-                          cell(replayed.get(change["step"], {}).get("lost_s")), "")
-    losses = dict((s, v) for s, v in rep["evaluations"])
-    for (step, value), (_, ratio) in zip(real["evaluations"], ratios["val_loss"]):
-        table.add_row(f"val loss at step {step}", cell(value), cell(losses.get(step)),
-                      cell(ratio, 4))
-    out.print(table)
-    cluster = report["cluster"]
-    from ..app.replay import describe_cluster
-
-    out.print(f"replayed with: {describe_cluster(cluster)}", markup=False, soft_wrap=True)
-    if report["what_if"]:
-        ranking = Table(title=f"What if: time to the recorded final val loss "
-                              f"{cell(report['target_val_loss'])}", title_justify="left")
-        for column in ("#", "replay", "time to it (s)", "total (s)", "median round (s)",
-                       "final val loss"):
-            ranking.add_column(column, justify="left" if column == "replay" else "right")
-        for row in report["what_if"]:
-            ranking.add_row(str(row["place"]), row["label"],
-                            cell(row["time_to_target_s"]) if row["reaches_target"]
-                            else "never (within the run's samples)",
-                            cell(row["wall_s"]), cell(row["round_s_median"]),
-                            cell(row["final_val_loss"]))
-        out.print(ranking)
 
 
 @app.command("slurm")

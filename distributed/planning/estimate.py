@@ -73,7 +73,7 @@ def measure_model(profile: Profile, ranks_here: int = 1, steps: int = 10,
     args = RunArgs(**{
         **run,
         "strategy": resolved.strategy_cls(**resolved.strategy_kwargs),
-        "num_nodes": num_nodes or run.get("num_nodes") or 1,
+        "num_nodes": num_nodes or profile.num_nodes,
         "max_steps": warmup + steps,
         "device": "cpu",
         "num_threads": threads,

@@ -39,7 +39,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from exogym.config.fit_args import balance_problem, profile_keys, value_problems
+from exogym.config.fit_args import balance_problem, fit_default, profile_keys, value_problems
 from exogym.strategy import registry
 
 from ..hosts.sync import BUILTIN_CONFIG, local_profiles_path
@@ -309,6 +309,13 @@ class Profile:
         return str(self.values.get("strategy", "diloco"))
 
     @property
+    def num_nodes(self) -> int:
+        """The ranks a simulation of this profile runs: its ``num_nodes``, else ``fit``'s
+        default (a run across hosts runs the hosts file's ranks instead)."""
+        value = self.values.get("num_nodes")
+        return int(value) if value is not None else int(fit_default("num_nodes"))
+
+    @property
     def resolved(self) -> ResolvedProfile:
         """The profile resolved: task function, strategy class, routed keys, output folder.
 
@@ -392,7 +399,7 @@ class Profile:
         profile that is not valid too (its problems are :meth:`problems`)."""
         settings = " ".join(f"{k}={self.values[k]}" for k in SUMMARY_KEYS if k in self.values)
         return {"task": str(self.values.get("task", "-")), "strategy": self.strategy,
-                "nodes": str(self.values.get("num_nodes", 1)), "key settings": settings,
+                "nodes": str(self.num_nodes), "key settings": settings,
                 "description": str(self.values.get("description") or "")}
 
 

@@ -126,8 +126,7 @@ def run_settings(profile: Profile, ranks: int | None = None) -> dict[str, Any]:
             except (TypeError, ValueError):
                 pass
     settings["strategy"] = profile.strategy
-    settings["num_nodes"] = ranks if ranks is not None else int(
-        profile.values.get("num_nodes") or 1)
+    settings["num_nodes"] = ranks if ranks is not None else profile.num_nodes
     return _plain(settings)
 
 

@@ -117,14 +117,14 @@ def run_profile(name: str | Profile, config: str | None = None,
         profile = load_profile(name, config, overrides)
     env = None if local else rank_environment()
     if check_only:
-        identity = RunIdentity.of(profile, int(profile.values.get("num_nodes") or 1), started)
+        identity = RunIdentity.of(profile, profile.num_nodes, started)
         return _train(profile, None, identity, resume, None, False, overwrite, check_only=True)
     if env is not None:
         identity = rank_identity(profile, env.rank, env.world_size, resume=resume,
                                  overwrite=overwrite, started=started)
     else:
         if placement is None:
-            placement = place_run(profile, ranks=int(profile.values.get("num_nodes") or 1),
+            placement = place_run(profile, ranks=profile.num_nodes,
                                   resume=resume, overwrite=overwrite,
                                   fresh_if_none=fresh_if_none, started=started)
             if placement.resume:

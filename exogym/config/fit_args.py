@@ -597,6 +597,19 @@ def fit_arg_names() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(FitArgs))
 
 
+def fit_default(name: str) -> Any:
+    """The default of ``fit``'s argument ``name`` (``fit_default("num_nodes") == 1``): the
+    one place each default is written is its field.
+
+    Raises:
+        KeyError: ``name`` is no argument of ``fit``.
+    """
+    for f in dataclasses.fields(FitArgs):
+        if f.name == name:
+            return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    raise KeyError(f"fit() has no argument {name!r}")
+
+
 def profile_keys() -> set[str]:
     """The arguments of ``fit`` a profile may set (``num_nodes``, ``batch_size``, ...)."""
     return {f.name for f in dataclasses.fields(FitArgs) if f.metadata["profile"]}
