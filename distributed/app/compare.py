@@ -355,7 +355,7 @@ def run_comparison(plans: Sequence[Profile],
     results = []
     for plan in plans:
         sink = progress(plan) if progress is not None else False
-        ranks = int(plan.values.get("num_nodes") or 1)
+        ranks = plan.num_nodes
         if isinstance(sink, bool):
             sink = RunReporter(ranks, log_interval=int(plan.values.get("log_interval") or 10)) \
                 if sink else None
@@ -396,7 +396,7 @@ def check_extras(plans: Sequence[Profile]) -> None:
 
 def comparison_heading(name: str, strategies: Sequence[str], plans: Sequence[Profile]) -> str:
     """One line before the runs: the strategies, the profile, its nodes and steps."""
-    nodes = plans[0].values.get("num_nodes", 1)
+    nodes = plans[0].num_nodes
     steps = plans[0].values.get("max_steps")
     return (f"Comparing {', '.join(strategies)} on {name} "
             f"({plural(nodes, 'simulated node')}, "
@@ -433,7 +433,7 @@ def comparison_progress(console: Console, page: Any, name: str
     from .fanout import FanOut
 
     def dashboard(plan: Profile) -> Any:
-        nodes = int(plan.values.get("num_nodes") or 1)
+        nodes = plan.num_nodes
         if page is not None:
             page.begin_run(plan.strategy, plan.values, nodes)
         return FanOut(Dashboard(nodes, console=console, title=f"{plan.strategy} on {name}",

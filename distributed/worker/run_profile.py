@@ -149,7 +149,7 @@ def _train(profile: Profile, env: RankEnvironment | None, identity: RunIdentity,
     resolved = profile.resolved
     output_dir = resolved.output_dir
     model, train_dataset, val_dataset = resolved.task_fn(**resolved.task_kwargs)
-    ranks = env.world_size if env is not None else int(resolved.run_kwargs.get("num_nodes") or 1)
+    ranks = env.world_size if env is not None else profile.num_nodes
     if env is not None and env.rank == 0:  # a simulation's fit says it itself
         run = resolved.run_kwargs
         check_data(train_dataset, ranks, run.get("batch_size"),
