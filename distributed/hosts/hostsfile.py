@@ -592,3 +592,21 @@ class _Validator:
                          f"{_show(value)}")
             return None
         return value
+
+
+def min_nodes_problem(value: Any, world: int | None = None) -> str | None:
+    """What is wrong with a ``min_nodes`` value, None when nothing: the one check of it,
+    made by the profile, the launcher's options, the launcher and each rank.
+
+    Args:
+        value: the value given (None: every rank is needed, which is fine).
+        world: the ranks of the run, when known: ``min_nodes`` may not exceed them.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return (f"min_nodes must be a whole number >= 1 (the fewest hosts a run across hosts "
+                f"goes on with; None: every rank is needed), got {value!r}")
+    if world is not None and value > world:
+        return f"min_nodes={value} is more than the run's {world} rank{'s' if world != 1 else ''}"
+    return None

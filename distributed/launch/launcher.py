@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 from exogym.base.io import atomic_write_text
 from exogym.base.plural import plural
 
-from ..hosts.hostsfile import HostsConfig, load_hosts
+from ..hosts.hostsfile import HostsConfig, load_hosts, min_nodes_problem
 from ..hosts.preflight import PreflightError, PreflightReport
 from ..hosts.remote import BOOTSTRAP_SOURCE, hand_command, rank_command
 from ..hosts.session import HostSession, can_listen_on, is_this_machine
@@ -178,9 +178,9 @@ class Launcher:
         self.session = session
         self.config = session.config
         if options.min_nodes is not None:
-            if options.min_nodes > self.config.world_size:
-                raise ValueError(f"min_nodes={options.min_nodes} is more than the "
-                                 f"{plural(self.config.world_size, 'rank')} of the hosts file")
+            problem = min_nodes_problem(options.min_nodes, self.config.world_size)
+            if problem is not None:
+                raise ValueError(f"{problem} of the hosts file")
             if not session.master_local and not can_listen_on(self.config.master.host):
                 raise ValueError(
                     f"min_nodes needs the launcher on the master host "

@@ -17,6 +17,7 @@ from typing import Any
 
 from exogym.base.arg_errors import unknown_args_error
 
+from ..hosts.hostsfile import min_nodes_problem
 from ..hosts.linkspeed import PROBE_SECONDS
 from ..hosts.ssh import SSHOptions
 from ..worker.environment import LAUNCHER_VARIABLES
@@ -107,11 +108,9 @@ class LaunchOptions:
     link_probe_s: float = field(default_factory=default_link_probe_s)
 
     def __post_init__(self) -> None:
-        if self.min_nodes is not None and (not isinstance(self.min_nodes, int) or
-                                           isinstance(self.min_nodes, bool) or
-                                           self.min_nodes < 1):
-            raise ValueError(f"min_nodes must be a whole number >= 1 (or None: every rank is "
-                             f"needed), got {self.min_nodes!r}")
+        problem = min_nodes_problem(self.min_nodes)
+        if problem is not None:
+            raise ValueError(problem)
         if self.min_nodes is not None and self.max_restarts:
             raise ValueError("min_nodes and max_restarts do not go together: with min_nodes a "
                              "lost rank rejoins the running job, nothing is restarted; use one")

@@ -42,6 +42,7 @@ from typing import Any
 from exogym.config.fit_args import balance_problem, fit_default, profile_keys, value_problems
 from exogym.strategy import registry
 
+from ..hosts.hostsfile import min_nodes_problem
 from ..hosts.sync import BUILTIN_CONFIG, local_profiles_path
 from ..tasks import BUILTIN_TASK_NAMES
 
@@ -555,9 +556,9 @@ def launch_key_problems(values: dict[str, Any]) -> list[str]:
     ``stall_after``)."""
     found = []
     nodes = values.get("min_nodes")
-    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
-        found.append(f"min_nodes must be a whole number >= 1 (the fewest hosts a run across "
-                     f"hosts goes on with), got {nodes!r}")
+    problem = min_nodes_problem(nodes)
+    if problem is not None:
+        found.append(problem)
     if nodes is not None and str(values.get("balance") or "none").lower() != "none":
         found.append(f"min_nodes={nodes} and balance={values['balance']} do not go together: "
                      "shares are agreed among every rank, so hosts cannot come and go; drop "

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..hosts.hostsfile import min_nodes_problem
 from ..hosts.netif import interface_for
 from ..hosts.onhost.bootstrap import STORE_KEY_FD_VARIABLE
 from .slurm_variables import (
@@ -236,10 +237,10 @@ def rank_environment(env: Mapping[str, str] | None = None) -> RankEnvironment | 
     if not 0 < port < 65536:
         raise ValueError(f"{MASTER_PORT_VARIABLE}={port} is not a port number")
     min_nodes = _optional(env, MIN_NODES_VARIABLE, int, "an integer")
-    if min_nodes is not None:
-        if not 1 <= min_nodes <= world:
-            raise ValueError(f"{MIN_NODES_VARIABLE}={min_nodes} must be in 1..{WORLD_SIZE_VARIABLE} "
-                             f"({WORLD_SIZE_VARIABLE}={world})")
+    problem = min_nodes_problem(min_nodes, world)
+    if problem is not None:
+        raise ValueError(f"{MIN_NODES_VARIABLE}={min_nodes} must be in 1..{WORLD_SIZE_VARIABLE} "
+                         f"({WORLD_SIZE_VARIABLE}={world}): {problem}")
     lost_after = _optional(env, LOST_AFTER_VARIABLE, float, "a number of seconds")
     restart = _optional(env, RESTART_VARIABLE, int, "an integer")
     key_fd = env.get(STORE_KEY_FD_VARIABLE)
