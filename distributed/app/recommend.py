@@ -76,7 +76,7 @@ from .run_with import RunWith, run_with
 __all__ = ["COMPUTE_KIND", "Candidate", "CandidateSpec", "HostTiming", "Measurements",
            "Recommendation", "RecommendError", "StageReport", "TIE", "candidate_specs",
            "figures", "measure", "pick", "predict_candidates", "predict_with", "recommend",
-           "spec_for", "table_rows", "what_it_sends"]
+           "spec_for", "table_rows", "what_it_sends", "with_recommended_strategy"]
 
 #: Candidates whose predicted speedup is within this fraction of the best one count as tied.
 TIE = 0.01
@@ -643,6 +643,21 @@ def _host_steps(request: TrainRequest, config: HostsConfig, console: Console,
     return tuple(timings)
 
 
+def _steady_host_steps(request: TrainRequest, config: HostsConfig, console: Console,
+                       warmup: int, steps: int, stage: _Stages
+                       ) -> tuple[tuple[HostTiming, ...], list[tuple[HostTiming, ...]]]:
+    """The hosts' steps, timed again with twice the steps when they varied by more than
+    :data:`NOISY`: every step of both runs kept; and each timing run's own figures."""
+    timings = _host_steps(request, config, console, warmup, steps)
+    runs_found = [timings]
+    if max(t.spread for t in timings) > NOISY:
+        stage.more(1)
+        stage(f"timing again: steps varied by {max(t.spread for t in timings):.0%}")
+        runs_found.append(_host_steps(request, config, console, warmup, 2 * steps))
+        timings = _joined(*runs_found)
+    return timings, runs_found
+
+
 def _joined(first: Sequence[HostTiming], second: Sequence[HostTiming]) -> tuple[HostTiming, ...]:
     """Two timing runs of the same hosts as one: every step of both."""
     joined = []
@@ -812,14 +827,7 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
         assert config is not None
         stage(f"timing {plural(steps, 'step')} of {profile.name} on {plural(hosts, 'host')} "
               "at once, nothing sent")
-        timings = _host_steps(request, config, console, warmup, steps)
-        runs_found = [timings]
-        if max(t.spread for t in timings) > NOISY:
-            # Noisy: time again with twice the steps and keep every step of both runs.
-            stage.more(1)
-            stage(f"timing again: steps varied by {max(t.spread for t in timings):.0%}")
-            runs_found.append(_host_steps(request, config, console, warmup, 2 * steps))
-            timings = _joined(*runs_found)
+        timings, runs_found = _steady_host_steps(request, config, console, warmup, steps, stage)
         runs = len(runs_found)
         host_mean = statistics.fmean(t.step_s for t in timings)
         scale = host_mean / local["own"]
@@ -975,6 +983,15 @@ def recommend(request: TrainRequest, console: Console | None = None, *,
     return Recommendation(profile.name, chosen, reason_for(chosen, rows, measured, new_profile),
                           tuple(rows), measured, new_profile,
                           noise_report(measured, specs, why_not, chosen))
+
+
+def with_recommended_strategy(request: TrainRequest, console: Console | None = None, *,
+                              link_mbit: float | None = None
+                              ) -> tuple[TrainRequest, Recommendation]:
+    """``request`` with the strategy :func:`recommend` picks for it (``--strategy auto``):
+    its ``--set`` values joined by the pick's, and the recommendation that says why."""
+    rec = recommend(request, console, link_mbit=link_mbit)
+    return dataclasses.replace(request, overrides={**request.overrides, **rec.overrides}), rec
 
 
 def _run_with(profile: Profile, candidate: Candidate, request: TrainRequest) -> RunWith | None:

@@ -360,6 +360,35 @@ def resolve(request: TrainRequest) -> ResolvedRequest:
     return resolved
 
 
+def check_request(request: TrainRequest, given: Sequence[str], *, strategy: str | None = None,
+                  link_mbit: float | None = None) -> ResolvedRequest:
+    """Every check of a ``distributed-train`` request, before anything starts: the request
+    resolved (a bad profile or ``--set`` fails first, then a bad hosts file, then bad
+    faults), options only a run across hosts reads refused in a simulation, and
+    ``--strategy`` (only ``auto``, which needs a network: hosts or ``--link-mbit``).
+
+    Args:
+        request: the request.
+        given: the hosts-only options given, as typed (``--min-nodes``, ...).
+        strategy: the ``--strategy`` value, if given.
+        link_mbit: the ``--link-mbit`` value, if given.
+
+    Raises:
+        ProfileError, HostsFileError, FaultSpecError, ValueError: naming what to change.
+    """
+    if strategy is not None and strategy.strip().lower() != "auto":
+        raise ValueError(f"--strategy {strategy!r}: only auto is understood here; to run "
+                         f"another strategy use --set strategy={strategy}")
+    resolved = resolve(request)
+    refuse_hosts_only_options(request, given, resolved.profile)
+    fault_plan(request)  # faults without hosts are refused, naming why
+    if strategy is not None and not request.multi_host and link_mbit is None:
+        raise ValueError("--strategy auto without --hosts has no network to measure: "
+                         "give --link-mbit N to pick for a modelled link of N Mbit/s "
+                         "(the simulation itself sends nothing over one)")
+    return resolved
+
+
 def resolve_profile(request: TrainRequest) -> Profile:
     """The request's profile, inheritance and overrides applied, validated (:func:`resolve`)."""
     return resolve(request).profile

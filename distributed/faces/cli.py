@@ -262,33 +262,20 @@ def distributed_train(
             known_hosts=known_hosts, ssh_config=ssh_config, ssh_timeout=ssh_timeout,
             run_dir=str(run_dir) if run_dir else None, inject=tuple(inject or ()),
             inject_random=inject_random, inject_every=every)
-        if strategy is not None and strategy.strip().lower() != "auto":
-            raise ValueError(f"--strategy {strategy!r}: only auto is understood here; to run "
-                             f"another strategy use --set strategy={strategy}")
-        # The request resolved once: a bad profile or --set fails here first, then a bad
-        # hosts file, then a bad --inject, --inject-random or --every.
-        resolved = run.resolve(request)
         given = [flag for flag, value in (
             ("--min-nodes", min_nodes), ("--lost-after", lost_after),
             ("--stall-after", stall_after), ("--max-restarts", max_restarts or None),
             ("--run-dir", run_dir), ("--sync", sync or None), ("--inject", inject),
             ("--inject-random", inject_random), ("--every", every), ("--balance", balance))
             if value is not None]
-        run.refuse_hosts_only_options(request, given, resolved.profile)
-        run.fault_plan(request)  # faults without hosts are refused, naming why
+        run.check_request(request, given, strategy=strategy, link_mbit=link_mbit)
         if strategy is not None:
-            from ..app.recommend import recommend as choose
+            from ..app.recommend import with_recommended_strategy
 
-            if not request.multi_host and link_mbit is None:
-                raise ValueError("--strategy auto without --hosts has no network to measure: "
-                                 "give --link-mbit N to pick for a modelled link of N Mbit/s "
-                                 "(the simulation itself sends nothing over one)")
-            rec = choose(request, console, link_mbit=link_mbit)
-            console.print(f"strategy auto: {rec.reason}", markup=False, soft_wrap=True)
-            if rec.noise:
-                console.print(f"strategy auto: {rec.noise}", markup=False, soft_wrap=True)
-            request = dataclasses.replace(request, overrides={**request.overrides,
-                                                              **rec.overrides})
+            request, rec = with_recommended_strategy(request, console, link_mbit=link_mbit)
+            for line in (rec.reason, rec.noise):
+                if line:
+                    console.print(f"strategy auto: {line}", markup=False, soft_wrap=True)
         if dry_run:
             run.dry_run(request, console)
             return
