@@ -353,3 +353,23 @@ def test_with_the_master_on_another_host_the_trace_is_sent_to_its_run_folder(ssh
     assert {(s["rank"], s["step"]) for s in kinds(lines, "step")} == \
         {(r, s) for r in range(2) for s in range(1, 5)}
     assert not (tmp_path / "launch" / TRACE_FILE).exists()  # sent, not kept twice
+
+
+@pytest.mark.parametrize("line, said", [
+    ("[1, 2]", "line 2 is a JSON list, not an object"),
+    ('{"rank": 0}', 'line 2 has no "kind"'),
+    ('{"kind": "steps", "first": 1, "last": 2}', "line 2 (a 'steps' line) has no 'rank'"),
+    ('{"kind": "steps", "rank": "0", "first": 1, "last": 2}',
+     "line 2 has rank='0': a whole number >= 0 was expected"),
+    ('{"kind": "eval", "rank": 0, "step": -3}', "line 2 has step=-3"),
+    ('{"kind": "membership", "t": "soon"}', "line 2 has t='soon': a finite number"),
+])
+def test_a_trace_with_lines_not_of_its_format_is_refused_naming_the_line(tmp_path, line, said):
+    # A run folder may come from anyone: every line is checked before a field is read.
+    from exogym.report.trace import FORMAT_VERSION, read_trace
+
+    path = tmp_path / "trace.jsonl"
+    path.write_text(json.dumps({"kind": "run", "version": FORMAT_VERSION}) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=str(path).replace(".", r"\.") + ": " + said.replace(
+            "(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        read_trace(path)

@@ -400,12 +400,49 @@ class TraceWriter:
                 pass
 
 
+#: Fields every line of a kind must carry, each a whole number >= 0.
+_REQUIRED_COUNTS = {"steps": ("rank", "first", "last"), "eval": ("rank", "step"),
+                    "link": ("rank",)}
+#: Fields that, where a line carries them, are whole numbers >= 0.
+_COUNTS = ("rank", "first", "last", "count", "step", "steps", "bytes", "comm_bytes", "samples",
+           "idle")
+#: Fields that, where a line carries them, are finite numbers.
+_NUMBERS = ("t", "wall_s", "sim_time_s", "compute_s", "comm_s", "wall_comm_s",
+            "achieved_bytes_per_s")
+
+
+def trace_line_problem(line: Any) -> str | None:
+    """What is wrong with one parsed line of a trace, None when nothing: a trace is read
+    from a run folder, which anyone may have written, so its lines are checked before
+    anything reads a field of them."""
+    if not isinstance(line, dict):
+        return f"is a JSON {type(line).__name__}, not an object"
+    kind = line.get("kind")
+    if not isinstance(kind, str):
+        return "has no \"kind\""
+    for key in _REQUIRED_COUNTS.get(kind, ()):
+        if key not in line:
+            return f"(a {kind!r} line) has no {key!r}"
+    for key in _COUNTS:
+        value = line.get(key)
+        if key in line and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            return f"has {key}={value!r}: a whole number >= 0 was expected"
+    for key in _NUMBERS:
+        value = line.get(key)
+        if key in line and value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value)):
+            return f"has {key}={value!r}: a finite number was expected"
+    return None
+
+
 def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The lines of a trace, parsed.
+    """The lines of a trace, parsed and checked (:func:`trace_line_problem`).
 
     Raises:
         ValueError: a ``run`` line of a format version this code does not know
-            (:data:`READABLE_VERSIONS`), or a line that is not JSON.
+            (:data:`READABLE_VERSIONS`), a line that is not JSON, or one whose fields are
+            not what the format says, naming the file and the line.
     """
     lines = []
     with open(path, encoding="utf-8") as f:
@@ -415,6 +452,9 @@ def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                     line = json.loads(text)
                 except ValueError as exc:
                     raise ValueError(f"{path}: line {number} is not JSON ({exc})") from None
+                problem = trace_line_problem(line)
+                if problem is not None:
+                    raise ValueError(f"{path}: line {number} {problem}")
                 if line.get("kind") == "run" and line.get("version") not in READABLE_VERSIONS:
                     raise ValueError(f"{path}: trace format version {line.get('version')!r}; "
                                      f"this code reads versions "
