@@ -190,7 +190,7 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
     (dict(H_params="10"), r"H_params must be an integer >= 1 .*got '10'"),
     (dict(comm_dtype="int4"), r"comm_dtype='int4' would round small second moments to zero"),
     (dict(comm_dtype="float16"), r"comm_dtype='float16'.*use 'float32' or 'bfloat16'"),
-    (dict(comm_dtype="float64"), r"comm_dtype must be 'float32' or 'bfloat16', got 'float64'"),
+    (dict(comm_dtype="float64"), r"comm_dtype must be one of 'float32', 'bfloat16', got 'float64'"),
     (dict(inner_optim="sgd"), r"inner optimizer SGD keeps no exp_avg or exp_avg_sq.*'adamw'"),
     (dict(inner_optim="muon"), r"inner optimizer MuonAdamW keeps no exp_avg"),
     (dict(optim_spec=OptimSpec("adamax")), r"Adamax keeps no exp_avg_sq"),

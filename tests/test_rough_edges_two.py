@@ -34,7 +34,7 @@ QUICK = ["--set", "max_steps=4", "--set", "H=2", "--set", "val_size=16", "--set"
     ("outer_lr=-1", "outer_lr must be a number > 0, got -1"),
     ("outer_lr=abc", "outer_lr must be a number > 0, got 'abc'"),
     ("outer_momentum=1.5", "outer_momentum must be a number in [0, 1), got 1.5"),
-    ("nesterov=3", "nesterov must be true or false"),
+    ("nesterov=3", "nesterov must be True or False"),
     ("H=0", "H must be an integer >= 1"),
     ("lr=fast", "lr must be a positive number"),
     ("device=cuda" if not __import__("torch").cuda.is_available() else "device=mps",

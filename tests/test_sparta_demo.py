@@ -236,7 +236,7 @@ def test_sparta_arguments_are_checked():
         SPARTAStrategy(p=0.1)
     with pytest.raises(ValueError, match="index_selector must be one of"):
         SPARTAStrategy(index_selector="everything")
-    with pytest.raises(ValueError, match=r"within \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"p_sparta must be a number in \[0, 1\], got 1.5"):
         SPARTAStrategy(p_sparta=1.5)
     with pytest.raises(ValueError, match="disagrees"):
         SPARTAStrategy(p_sparta=0.1, index_selector=RandomIndexSelector(0.2))

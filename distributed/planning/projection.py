@@ -123,8 +123,9 @@ __all__ = [
 #: Strategies the model knows by name, in the order the faces show them, each with what it sends.
 STRATEGIES: dict[str, str] = {name: known.summary for name, known in registry.KNOWN.items()}
 
-#: The settings each strategy's traffic depends on, with the strategy classes' defaults
-#: (:mod:`exogym.strategy.registry`); :func:`relevant_settings` reads them from a profile.
+#: The settings each strategy's traffic depends on, with their declared defaults
+#: (:mod:`exogym.strategy.settings`, through the registry); :func:`relevant_settings` reads
+#: them from a profile.
 DEFAULTS: dict[str, dict[str, object]] = {name: dict(known.traffic_defaults)
                                           for name, known in registry.KNOWN.items()}
 
@@ -189,18 +190,15 @@ def canonical(strategy: str) -> str:
 
 def _strategy(name: str, settings: Mapping[str, object]) -> Any:
     """The strategy known as ``name``, built with the ``settings`` its traffic depends on."""
+    declared = registry.KNOWN[name].settings
     cls = registry.class_of(name)
     for key in cls.traffic_needs:
-        value = settings.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            meaning = " (inner steps per round)" if key == "H" else ""
-            raise ValueError(f"{name} needs {key}, an integer >= 1{meaning}, got {value!r}")
-    wanted = registry.KNOWN[name].traffic_defaults
-    if "p_sparta" in wanted and settings.get("p_sparta") is not None:
-        p = settings["p_sparta"]
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
-            raise ValueError(f"p_sparta must be a fraction within [0, 1], got {p!r}")
-    kwargs = {k: v for k, v in settings.items() if k in wanted and v is not None}
+        if settings.get(key) is None:
+            setting = declared[key]
+            raise ValueError(f"{name} needs {key} ({setting.help}): {setting.valid}")
+    kwargs = {k: v for k, v in settings.items()
+              if k in registry.KNOWN[name].traffic_defaults and v is not None}
+    declared.check(name, **kwargs)
     try:
         return cls(**kwargs)
     except TypeError as exc:

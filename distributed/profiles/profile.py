@@ -54,11 +54,16 @@ LAUNCH_KEYS = {"min_nodes", "lost_after", "stall_after"}
 PROFILE_KEYS = {"base_profile", "task", "strategy", "description", "output_dir", *LAUNCH_KEYS}
 RUN_KEYS = profile_keys()  # the arguments of fit a profile may set
 
-#: Strategy names a profile may give, with the class each names (exogym's registry, plus
-#: ``allreduce``, exo gym's name for DDP).
-STRATEGIES = {name: known.home.partition(":")[2] for name, known in registry.KNOWN.items()
-              if known.home}
-STRATEGIES["allreduce"] = STRATEGIES["ddp"]
+
+def builtin_strategy(name: str) -> str | None:
+    """The registry's name for a profile's ``strategy`` value (``'allreduce'`` -> ``'ddp'``,
+    as :func:`exogym.strategy.registry.canonical` reads it), or None when it names no
+    built-in strategy class."""
+    try:
+        key = registry.canonical(name)
+    except (TypeError, ValueError):
+        return None
+    return key if registry.KNOWN[key].home else None
 
 
 class ProfileError(ValueError):
@@ -144,8 +149,8 @@ def _nonfinite(value: Any) -> str:
 
 def strategy_class(name: str) -> type:
     """The strategy class a profile's ``strategy`` value names."""
-    key = name.lower().replace("-", "_")
-    if key in STRATEGIES:
+    key = builtin_strategy(name)
+    if key is not None:
         return registry.class_of(key)
     if ":" in name:
         module_name, _, attr = name.partition(":")
@@ -164,14 +169,15 @@ def imported_names(values: dict[str, Any]) -> list[str]:
     found = []
     if "task" in values and profile.task not in BUILTIN_TASK_NAMES and ":" in profile.task:
         found.append(profile.task)
-    if profile.strategy.lower().replace("-", "_") not in STRATEGIES and ":" in profile.strategy:
+    if builtin_strategy(profile.strategy) is None and ":" in profile.strategy:
         found.append(profile.strategy)
     return found
 
 
 def unknown_strategy(name: str) -> str:
     """Why ``name`` is not a strategy a profile can give."""
-    return (f"unknown strategy {name!r}: use one of {', '.join(sorted(STRATEGIES))} "
+    names = sorted(key for key, known in registry.KNOWN.items() if known.home)
+    return (f"unknown strategy {name!r}: use one of {', '.join(names)} "
             "or 'package.module:StrategyClass'")
 
 
@@ -343,7 +349,7 @@ class Profile:
         if str(task) not in BUILTIN_TASK_NAMES and ":" not in str(task):
             found.append(f"unknown task {task!r}: use one of {', '.join(BUILTIN_TASK_NAMES)} "
                          "or 'package.module:function'")
-        if self.strategy.lower().replace("-", "_") not in STRATEGIES and ":" not in self.strategy:
+        if builtin_strategy(self.strategy) is None and ":" not in self.strategy:
             found.append(unknown_strategy(self.strategy))
         found += value_problems({k: v for k, v in self.values.items() if k in RUN_KEYS}).values()
         found += launch_key_problems(self.values)

@@ -17,6 +17,7 @@ __all__ = [
     "BUCKET_BYTES",
     "COLLECTIVES",
     "COMM_DTYPE",
+    "FLOAT_DTYPES",
     "QUANTIZED_BITS",
     "QUANT_CHUNK",
     "SCALE_BYTES",
@@ -42,6 +43,12 @@ VALUE_BYTES: dict[str, int] = {
     "float32": 4, "fp32": 4, "float": 4,
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
     "float64": 8, "double": 8,
+}
+
+#: The float types a ``comm_dtype`` may name, each with its other spellings: the types the
+#: comm module sends values in as they are.
+FLOAT_DTYPES: dict[str, tuple[str, ...]] = {
+    "float32": ("fp32",), "bfloat16": ("bf16",), "float16": ("fp16", "half"),
 }
 
 #: Bits per value of each quantized ``comm_dtype`` (``exogym.comm.quantize``).

@@ -1,7 +1,8 @@
 """Training strategies: how ranks turn gradients into updates and what they send.
 
-The classes load on first use, so :mod:`exogym.strategy.facts` (the defaults
-and byte arithmetic the planner reads) imports without torch.
+The classes load on first use, so :mod:`exogym.strategy.settings` (every
+strategy's settings, declared once) and :mod:`exogym.strategy.facts` (the byte
+arithmetic the planner reads) import without torch.
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ model moved on since the contributor started its round; one more than
 newest model) and counted. The merged change is the sum of the weighted
 contributions divided by the sum of their undiscounted sizes (samples, or 1
 each): with no staleness, their mean weighted by samples; a stale contribution
-counts for less even when it is merged alone. The outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9 by
-default) steps the global model with it on every rank alike, and the version
-goes up by one. The contributors take the new global model and start a new
+counts for less even when it is merged alone. The outer optimizer (by default
+DiLoCo's SGD with Nesterov momentum) steps the global model with it on every
+rank alike, and the version goes up by one. The contributors take the new global model and start a new
 round; the others train on and take the newest model when their own round
 ends. A worker whose round is done waits for a merge (it idles) only until the
 quorum and grace rule calls one.
@@ -82,9 +82,9 @@ from exogym import comm
 from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
 from .context import RankContext
-from .facts import ASYNC_GRACE_S, ASYNC_MAX_STALENESS, ASYNC_QUORUM, COMM_DTYPE, DILOCO_H
 from .optim import OptimSpec
 from .outer import OuterOptimizer, OuterState
+from .settings import ASYNC_DILOCO
 from .strategy import Strategy
 
 __all__ = ["AsyncDiLoCoStrategy", "PROBE_STEPS", "SPEED_TOLERANCE", "WEIGHTINGS"]
@@ -96,7 +96,7 @@ SPEED_TOLERANCE = 0.1
 #: Weight of a new measurement in a rank's throughput estimate.
 SMOOTHING = 0.5
 #: How contributions are weighted in a merge.
-WEIGHTINGS = ("tokens", "equal")
+WEIGHTINGS = ASYNC_DILOCO.weighting.choices
 
 
 @dataclass
@@ -127,35 +127,36 @@ class AsyncDiLoCoStrategy(Strategy):
 
     Args:
         optim_spec: the inner optimizer (default AdamW); ``inner_optim=`` is the same.
-        H: inner steps of a worker's round (default 100).
+        H: inner steps of a worker's round.
         quorum: contributions that trigger a merge: a count (``1 <= quorum <= workers``)
-            or a fraction of the workers present, ``0 < quorum <= 1`` (rounded up;
-            default 0.5).
+            or a fraction of the workers present, ``0 < quorum <= 1`` (rounded up).
         grace_s: once the quorum is in, how many more seconds the merge waits for a
-            worker whose round would end within them (default 0).
+            worker whose round would end within them.
         weighting: ``'tokens'`` (each contribution weighted by the samples it trained)
             or ``'equal'``.
         max_staleness: versions a contribution may be behind and still be merged
             (with weight divided by ``1 + staleness``); older ones are dropped and
-            counted (default 4).
+            counted.
         outer_optim_spec: the outer optimizer as an ``OptimSpec`` or name; default
             SGD with ``outer_lr``, ``outer_momentum`` and ``nesterov``.
         outer_optim: alias of ``outer_optim_spec``.
-        outer_lr: outer learning rate (0.7).
-        outer_momentum: outer momentum (0.9).
-        nesterov: Nesterov momentum for the outer SGD (True).
+        outer_lr: outer learning rate.
+        outer_momentum: outer momentum.
+        nesterov: Nesterov momentum for the outer SGD.
         comm_dtype: type the changes travel in (``'float32'``, ``'bfloat16'``,
             ``'float16'``, or quantized ``'int8'``, ``'float8_e4m3fn'``, ``'int4'``,
             ``'int2'``).
         merge_delay: steps every rank trains on while a merge's all-reduce travels
-            (``0 <= merge_delay < H``; default 0: the merge completes within its step).
+            (``0 <= merge_delay < H``; 0: the merge completes within its step).
         adaptive_H: a worker's round is ``H`` times its speed (rounded, at least 1) rather
             than ``H`` (dynamic local updates, as in Async Local-SGD): a slow worker
             offers fresh, shorter rounds at the fast ones' pace instead of late long ones.
         **kwargs: inner optimizer, schedule and clipping arguments of ``Strategy``.
 
     The rules are in this module's docstring. It paces its ranks itself, so
-    ``fit(balance=...)`` stays ``'none'``.
+    ``fit(balance=...)`` stays ``'none'``. Defaults and accepted values:
+    :data:`exogym.strategy.settings.ASYNC_DILOCO` (the settings table in
+    ``docs/strategies.md``).
     """
 
     #: The trainer asks this strategy which ranks train each step (see :meth:`begin_step`).
@@ -164,38 +165,29 @@ class AsyncDiLoCoStrategy(Strategy):
     def __init__(
         self,
         optim_spec: OptimSpec | str | None = None,
-        H: int = DILOCO_H,
-        quorum: int | float = ASYNC_QUORUM,
-        grace_s: float = ASYNC_GRACE_S,
-        weighting: str = "tokens",
-        max_staleness: int = ASYNC_MAX_STALENESS,
+        H: int = ASYNC_DILOCO.H.default,
+        quorum: int | float = ASYNC_DILOCO.quorum.default,
+        grace_s: float = ASYNC_DILOCO.grace_s.default,
+        weighting: str = ASYNC_DILOCO.weighting.default,
+        max_staleness: int = ASYNC_DILOCO.max_staleness.default,
         outer_optim_spec: OptimSpec | str | None = None,
         outer_optim: OptimSpec | str | None = None,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        comm_dtype: str = COMM_DTYPE,
-        merge_delay: int = 0,
-        adaptive_H: bool = False,
+        outer_lr: float = ASYNC_DILOCO.outer_lr.default,
+        outer_momentum: float = ASYNC_DILOCO.outer_momentum.default,
+        nesterov: bool = ASYNC_DILOCO.nesterov.default,
+        comm_dtype: str = ASYNC_DILOCO.comm_dtype.default,
+        merge_delay: int = ASYNC_DILOCO.merge_delay.default,
+        adaptive_H: bool = ASYNC_DILOCO.adaptive_H.default,
         **kwargs: Any,
     ):
-        if not isinstance(H, int) or isinstance(H, bool) or H < 1:
-            raise ValueError(f"H must be an integer >= 1, got {H!r}")
-        if isinstance(merge_delay, bool) or not isinstance(merge_delay, int) \
-                or not 0 <= merge_delay < H:
+        ASYNC_DILOCO.check(self, H=H, quorum=quorum, grace_s=grace_s, weighting=weighting,
+                           max_staleness=max_staleness, outer_lr=outer_lr,
+                           outer_momentum=outer_momentum, nesterov=nesterov,
+                           comm_dtype=comm_dtype, merge_delay=merge_delay,
+                           adaptive_H=adaptive_H)
+        if merge_delay >= H:
             raise ValueError(f"merge_delay must be an integer with 0 <= merge_delay < H={H} "
                              f"(steps trained while a merge travels), got {merge_delay!r}")
-        _check_quorum(quorum)
-        if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) \
-                or not grace_s >= 0 or math.isinf(grace_s):
-            raise ValueError(f"grace_s must be a number of seconds >= 0, got {grace_s!r}")
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting must be one of {', '.join(map(repr, WEIGHTINGS))}, "
-                             f"got {weighting!r}")
-        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) \
-                or max_staleness < 0:
-            raise ValueError(f"max_staleness must be an integer >= 0 (versions), "
-                             f"got {max_staleness!r}")
         comm.resolve_dtype(comm_dtype)
         self.H = H
         self.quorum = quorum
@@ -204,8 +196,6 @@ class AsyncDiLoCoStrategy(Strategy):
         self.max_staleness = max_staleness
         self.comm_dtype = comm_dtype
         self.merge_delay = merge_delay
-        if not isinstance(adaptive_H, bool):
-            raise ValueError(f"adaptive_H must be True or False, got {adaptive_H!r}")
         self.adaptive_H = adaptive_H
         self.outer_optim_spec = OuterOptimizer.from_args(
             "AsyncDiLoCoStrategy", outer_optim_spec, outer_optim, outer_lr, outer_momentum,
@@ -698,15 +688,3 @@ class AsyncDiLoCoStrategy(Strategy):
                        "merge_delay": self.merge_delay, "adaptive_H": self.adaptive_H})
         return config
 
-
-def _check_quorum(quorum: Any) -> None:
-    if isinstance(quorum, bool) or not isinstance(quorum, (int, float)):
-        raise ValueError(f"quorum must be a count of workers (an integer >= 1) or a fraction "
-                         f"of them in (0, 1], got {quorum!r}")
-    if isinstance(quorum, int):
-        if quorum < 1:
-            raise ValueError(f"quorum must be a count of workers >= 1 or a fraction in (0, 1], "
-                             f"got {quorum!r}")
-    elif not 0 < quorum <= 1:
-        raise ValueError(f"quorum={quorum!r}: a fraction of the workers must be in (0, 1]; "
-                         "give a count of workers as an integer")

@@ -54,8 +54,9 @@ from exogym import comm
 from exogym.comm.wire import ModelFacts, Traffic, value_bytes_of
 
 from .context import RankCollectives
-from .facts import COMM_DTYPE, DEMO_CHUNK, DEMO_TOPK, ChunkGeometry, chunk_size, demo_payload_bytes
+from .facts import ChunkGeometry, chunk_size, demo_payload_bytes, is_quantized
 from .optim import OptimSpec, ensure_optim_spec
+from .settings import DEMO
 from .strategy import Strategy
 
 __all__ = ["DeMo", "DeMoStrategy", "ChunkPlan", "average_coefficients", "chunk_size", "dct_matrix"]
@@ -154,14 +155,15 @@ def average_coefficients(indices: list[torch.Tensor], values: list[torch.Tensor]
     return dense.scatter_reduce_(1, idx, vals, reduce="mean", include_self=False)
 
 
-def _float_wire_dtype(comm_dtype: str) -> torch.dtype | None:
-    """DeMo's wire type: a float type only, since its coefficients are gathered as they are."""
-    wire = comm.resolve_dtype(comm_dtype)
-    if isinstance(wire, str):
+def _float_wire_dtype(comm_dtype: str, owner: object) -> torch.dtype | None:
+    """DeMo's wire type: a float type only, since its coefficients are gathered as they are;
+    ``owner`` is named in the error."""
+    if is_quantized(comm_dtype):
         raise ValueError(f"DeMo sends its top-k coefficients in a float type; comm_dtype="
                          f"{comm_dtype!r} is a quantized type: use 'float32', 'bfloat16' or "
                          "'float16'")
-    return wire
+    DEMO.comm_dtype.check(comm_dtype, owner)
+    return comm.resolve_dtype(comm_dtype)
 
 
 class DeMo(torch.optim.Optimizer):
@@ -174,34 +176,38 @@ class DeMo(torch.optim.Optimizer):
         params: parameters (or parameter groups) to optimize.
         lr: learning rate: the size of each sign step, and the scale of ``grad``
             in the momentum.
-        compression_decay: momentum decay (0.999).
-        compression_topk: coefficients sent per chunk (32).
-        compression_chunk: largest chunk size per dimension (64).
-        weight_decay: decoupled weight decay (0).
-        comm_dtype: type the coefficient values travel in (``'float32'``).
+        compression_decay: momentum decay.
+        compression_topk: coefficients sent per chunk.
+        compression_chunk: largest chunk size per dimension.
+        weight_decay: decoupled weight decay.
+        comm_dtype: type the coefficient values travel in (a float type).
         collectives: the collectives its all-gather goes through (its strategy's;
             default: this process's).
+
+    Defaults and accepted values: :data:`exogym.strategy.settings.DEMO`.
     """
 
     def __init__(
         self,
         params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        compression_decay: float = 0.999,
-        compression_topk: int = DEMO_TOPK,
-        compression_chunk: int = DEMO_CHUNK,
-        weight_decay: float = 0.0,
-        comm_dtype: str = COMM_DTYPE,
+        lr: float = DEMO.lr.default,
+        compression_decay: float = DEMO.compression_decay.default,
+        compression_topk: int = DEMO.compression_topk.default,
+        compression_chunk: int = DEMO.compression_chunk.default,
+        weight_decay: float = DEMO.weight_decay.default,
+        comm_dtype: str = DEMO.comm_dtype.default,
         collectives: RankCollectives | None = None,
     ):
-        _check_demo_args(lr, compression_decay, compression_topk, compression_chunk, weight_decay)
+        DEMO.check(self, lr=lr, compression_decay=compression_decay,
+                   compression_topk=compression_topk, compression_chunk=compression_chunk,
+                   weight_decay=weight_decay)
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
         self.compression_decay = float(compression_decay)
         self.compression_topk = int(compression_topk)
         self.compression_chunk = int(compression_chunk)
         self.comm_dtype = comm_dtype
         self.collectives = collectives if collectives is not None else RankCollectives()
-        self.wire_dtype = _float_wire_dtype(comm_dtype)
+        self.wire_dtype = _float_wire_dtype(comm_dtype, self)
         self._plans: dict[int, ChunkPlan] = {}
 
     def plan(self, p: torch.Tensor) -> ChunkPlan:
@@ -283,19 +289,6 @@ class DeMo(torch.optim.Optimizer):
         return loss
 
 
-def _check_demo_args(lr: float, decay: float, topk: int, chunk: int, weight_decay: float) -> None:
-    if not (isinstance(lr, (int, float)) and lr > 0):
-        raise ValueError(f"lr must be a positive number, got {lr!r}")
-    if not (isinstance(decay, (int, float)) and 0.0 <= decay <= 1.0):
-        raise ValueError(f"compression_decay must be within [0, 1], got {decay!r}")
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"compression_topk must be an integer >= 1, got {topk!r}")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"compression_chunk must be an integer >= 1, got {chunk!r}")
-    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0):
-        raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
-
-
 class DeMoStrategy(Strategy):
     """DeMo as a strategy: clip, then one :class:`DeMo` step (which is where ranks talk).
 
@@ -303,13 +296,14 @@ class DeMoStrategy(Strategy):
     any inner optimizer.
 
     Args:
-        lr: learning rate, the size of each sign step (default 1e-3).
-        compression_decay: momentum decay (0.999).
-        compression_topk: DCT coefficients sent per chunk (32).
-        compression_chunk: largest chunk size per dimension (64).
-        weight_decay: decoupled weight decay (default 0).
+        lr: learning rate, the size of each sign step (None: ``optim_spec``'s, else the
+            default).
+        compression_decay: momentum decay.
+        compression_topk: DCT coefficients sent per chunk.
+        compression_chunk: largest chunk size per dimension.
+        weight_decay: decoupled weight decay (None: ``optim_spec``'s, else the default).
         max_norm: clip the local gradient norm before the step.
-        comm_dtype: type the coefficient values travel in (``'float32'``).
+        comm_dtype: type the coefficient values travel in (a float type).
         optim_spec: accepted for code written against exo gym: its ``lr`` and
             ``weight_decay`` are used when not given directly; its optimizer
             class is replaced by DeMo (with a warning), and any other argument
@@ -317,17 +311,20 @@ class DeMoStrategy(Strategy):
         inner_optim: the same as ``optim_spec``.
         **kwargs: the schedule arguments of ``Strategy`` (``lr_scheduler``,
             ``warmup_steps``, ``cosine_anneal``, ...).
+
+    Defaults and accepted values: :data:`exogym.strategy.settings.DEMO` (the settings
+    table in ``docs/strategies.md``).
     """
 
     def __init__(
         self,
         lr: float | None = None,
-        compression_decay: float = 0.999,
-        compression_topk: int = DEMO_TOPK,
-        compression_chunk: int = DEMO_CHUNK,
+        compression_decay: float = DEMO.compression_decay.default,
+        compression_topk: int = DEMO.compression_topk.default,
+        compression_chunk: int = DEMO.compression_chunk.default,
         weight_decay: float | None = None,
         max_norm: float | None = None,
-        comm_dtype: str = COMM_DTYPE,
+        comm_dtype: str = DEMO.comm_dtype.default,
         optim_spec: OptimSpec | str | type | None = None,
         inner_optim: OptimSpec | str | type | None = None,
         **kwargs: Any,
@@ -345,10 +342,12 @@ class DeMoStrategy(Strategy):
                           "weight_decay are taken from optim_spec", stacklevel=2)
             lr = spec.kwargs.get("lr") if lr is None else lr
             weight_decay = spec.kwargs.get("weight_decay") if weight_decay is None else weight_decay
-        lr = 1e-3 if lr is None else lr
-        weight_decay = 0.0 if weight_decay is None else weight_decay
-        _check_demo_args(lr, compression_decay, compression_topk, compression_chunk, weight_decay)
-        _float_wire_dtype(comm_dtype)
+        lr = DEMO.lr.default if lr is None else lr
+        weight_decay = DEMO.weight_decay.default if weight_decay is None else weight_decay
+        DEMO.check(self, lr=lr, compression_decay=compression_decay,
+                   compression_topk=compression_topk, compression_chunk=compression_chunk,
+                   weight_decay=weight_decay)
+        _float_wire_dtype(comm_dtype, self)
         self.compression_decay = compression_decay
         self.compression_topk = compression_topk
         self.compression_chunk = compression_chunk

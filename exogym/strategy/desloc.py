@@ -17,9 +17,10 @@ the paper's point is that the moments change more slowly than the parameters
 (their half-life is ``ln 0.5 / ln beta``: 7 steps for ``beta1 = 0.9``, 693 for
 ``beta2 = 0.999``), so they can be averaged less often at little cost.
 
-Defaults: ``H_params = 100``, ``H_m1 = 300``, ``H_m2 = 600``, the relation the
-paper recommends (``K_u = 3 K_x``, ``K_v = 6 K_x``), which sends half of Local
-Adam's bytes at the same parameter period. Keep the relation when you change
+The default periods keep the relation the paper recommends (``K_u = 3 K_x``,
+``K_v = 6 K_x``: ``H_m1 = 3 H_params``, ``H_m2 = 6 H_params``), which sends half of
+Local Adam's bytes at the same parameter period; their values are
+:data:`exogym.strategy.settings.DESLOC`'s. Keep the relation when you change
 ``H_params``.
 
 Bytes. With ``P`` trainable values, ``B`` float buffer values and ``v`` bytes
@@ -45,40 +46,27 @@ from typing import Any
 
 import torch
 
-from exogym import comm
-from exogym.comm.wire import ModelFacts, Traffic, is_quantized, wire_bytes
+from exogym.comm.wire import FLOAT_DTYPES, ModelFacts, Traffic, is_quantized, wire_bytes
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
 from .context import RankContext
-from .facts import COMM_DTYPE, DESLOC_H_M1, DESLOC_H_M2, DESLOC_H_PARAMS
 from .optim import OptimSpec
+from .settings import DESLOC
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  #: the optimizer state DES-LOC averages, as torch names it
 
-_UNSAFE_FLOATS = ("float16", "fp16", "half")
+_UNSAFE_FLOATS = ("float16", *FLOAT_DTYPES["float16"])
 
 
-def check_period(name: str, value: Any, what: str) -> int:
-    """``value`` as a period of steps, or a ``ValueError`` naming ``name`` and the range."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1 ({what}), got {value!r}")
-    return value
-
-
-def check_comm_dtype(comm_dtype: Any) -> str:
-    """The type DES-LOC's averages travel in: ``'float32'`` or ``'bfloat16'``."""
+def check_settings(owner: object, H_params: int, H_m1: int, H_m2: int, comm_dtype: Any) -> None:
+    """Refuse DES-LOC settings its declarations refuse, naming ``owner``; a quantized or
+    float16 ``comm_dtype`` is refused with the reason."""
     if is_quantized(comm_dtype) or str(comm_dtype).lower() in _UNSAFE_FLOATS:
         raise ValueError(
             f"DESLOCStrategy averages parameters and Adam's moments as values, not as changes: "
             f"comm_dtype={comm_dtype!r} would round small second moments to zero and blow "
             "Adam's step up; use 'float32' or 'bfloat16' (float32's range, half the bytes)")
-    try:
-        known = isinstance(comm_dtype, str) and comm.resolve_dtype(comm_dtype) is not None
-    except ValueError:
-        known = False
-    if not known:
-        raise ValueError(f"comm_dtype must be 'float32' or 'bfloat16', got {comm_dtype!r}")
-    return comm_dtype
+    DESLOC.check(owner, H_params=H_params, H_m1=H_m1, H_m2=H_m2, comm_dtype=comm_dtype)
 
 
 def check_adam_moments(spec: OptimSpec) -> None:
@@ -115,16 +103,12 @@ class DESLOCCommunicator(CommunicationModule):
         comm_dtype: type the averages travel in (``'float32'``, ``'bfloat16'``).
     """
 
-    def __init__(self, H_params: int = DESLOC_H_PARAMS, H_m1: int = DESLOC_H_M1,
-                 H_m2: int = DESLOC_H_M2, comm_dtype: str = COMM_DTYPE):
+    def __init__(self, H_params: int = DESLOC.H_params.default, H_m1: int = DESLOC.H_m1.default,
+                 H_m2: int = DESLOC.H_m2.default, comm_dtype: str = DESLOC.comm_dtype.default):
         super().__init__()
-        self.H_params = check_period("H_params", H_params,
-                                     "inner steps between averages of the parameters")
-        self.H_m1 = check_period("H_m1", H_m1, "inner steps between averages of Adam's "
-                                               "first moment")
-        self.H_m2 = check_period("H_m2", H_m2, "inner steps between averages of Adam's "
-                                               "second moment")
-        self.comm_dtype = check_comm_dtype(comm_dtype)
+        check_settings(self, H_params, H_m1, H_m2, comm_dtype)
+        self.H_params, self.H_m1, self.H_m2 = H_params, H_m1, H_m2
+        self.comm_dtype = comm_dtype
 
     def setup(self, context: RankContext) -> None:
         super().setup(context)
@@ -186,16 +170,18 @@ class DESLOCStrategy(CommunicateOptimizeStrategy):
     Args:
         optim_spec: the inner optimizer, Adam-family (default AdamW; ``inner_optim=`` is the
             same). One without ``exp_avg`` and ``exp_avg_sq`` state (SGD, Muon) is refused.
-        H_params: inner steps between averages of the parameters and float buffers (100).
-        H_m1: inner steps between averages of Adam's first moment ``exp_avg`` (300).
-        H_m2: inner steps between averages of Adam's second moment ``exp_avg_sq`` (600).
+        H_params: inner steps between averages of the parameters and float buffers.
+        H_m1: inner steps between averages of Adam's first moment ``exp_avg``.
+        H_m2: inner steps between averages of Adam's second moment ``exp_avg_sq``.
         comm_dtype: type the averages travel in: ``'float32'`` or ``'bfloat16'`` (half the
             bytes, float32's range). Quantized types and float16 are refused: the values
             are averaged as they are, and small second moments would round to zero.
         **kwargs: inner optimizer, schedule and clipping arguments of ``Strategy``.
 
     The defaults keep the relation of Iacob et al. 2025 (``H_m1 = 3 H_params``,
-    ``H_m2 = 6 H_params``). Per step a rank sends ``v * ((P + B)/H_params + P/H_m1 +
+    ``H_m2 = 6 H_params``); they and the accepted values are
+    :data:`exogym.strategy.settings.DESLOC`'s (the settings table in
+    ``docs/strategies.md``). Per step a rank sends ``v * ((P + B)/H_params + P/H_m1 +
     P/H_m2)`` bytes on average (``v`` bytes per value, ``P`` trainable values, ``B`` float
     buffer values).
     """
@@ -203,12 +189,13 @@ class DESLOCStrategy(CommunicateOptimizeStrategy):
     def __init__(
         self,
         optim_spec: OptimSpec | str | None = None,
-        H_params: int = DESLOC_H_PARAMS,
-        H_m1: int = DESLOC_H_M1,
-        H_m2: int = DESLOC_H_M2,
-        comm_dtype: str = COMM_DTYPE,
+        H_params: int = DESLOC.H_params.default,
+        H_m1: int = DESLOC.H_m1.default,
+        H_m2: int = DESLOC.H_m2.default,
+        comm_dtype: str = DESLOC.comm_dtype.default,
         **kwargs: Any,
     ):
+        check_settings(self, H_params, H_m1, H_m2, comm_dtype)
         self.desloc = DESLOCCommunicator(H_params, H_m1, H_m2, comm_dtype)
         self.H_params, self.H_m1, self.H_m2 = H_params, H_m1, H_m2
         self.comm_dtype = comm_dtype

@@ -7,8 +7,8 @@ inner optimizer steps on its own data. After every ``H``-th inner step:
 1. outer gradient = mean over ranks of (global params - local params),
    computed with ONE all-reduce of the trainable parameters' deltas
    (float buffers such as BatchNorm statistics are averaged in the same call);
-2. every rank applies the same outer optimizer step (default: SGD, lr 0.7,
-   Nesterov momentum 0.9) to its copy of the global parameters;
+2. every rank applies the same outer optimizer step (default: SGD with
+   Nesterov momentum) to its copy of the global parameters;
 3. the local model takes the new global parameters. The inner optimizer's
    state carries over to the next round.
 
@@ -24,6 +24,9 @@ values, ``exogym.comm.quantize.payload_bytes(P)`` bytes per round (e.g. about
 :func:`exogym.comm.all_reduce_tensors`). ``error_feedback=True`` keeps what
 quantization lost in a residual per tensor and adds it to the next round's
 delta; the residuals are part of the checkpoint.
+
+Every setting's default and accepted values: :data:`exogym.strategy.settings.DILOCO`
+(the table in ``docs/strategies.md``).
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
 from .context import RankContext
-from .facts import COMM_DTYPE, DILOCO_H, is_quantized
+from .facts import is_quantized
 from .optim import OptimSpec
 from .outer import OuterOptimizer, OuterState
+from .settings import DILOCO
 
 
 class DiLoCoCommunicator(CommunicationModule):
@@ -54,13 +58,13 @@ class DiLoCoCommunicator(CommunicationModule):
             the next round (needs a quantized ``comm_dtype``).
     """
 
-    def __init__(self, H: int, outer_optim_spec: OptimSpec, comm_dtype: str = COMM_DTYPE,
-                 error_feedback: bool = False):
+    def __init__(self, H: int, outer_optim_spec: OptimSpec,
+                 comm_dtype: str = DILOCO.comm_dtype.default,
+                 error_feedback: bool = DILOCO.error_feedback.default):
         super().__init__()
-        if not isinstance(H, int) or H < 1:
-            raise ValueError(f"H must be an integer >= 1, got {H!r}")
+        DILOCO.check(self, H=H, comm_dtype=comm_dtype)
         comm.resolve_dtype(comm_dtype)
-        check_error_feedback(error_feedback, comm_dtype)
+        check_error_feedback(error_feedback, comm_dtype, self)
         self.H = H
         self.outer_optim_spec = outer_optim_spec
         self.comm_dtype = comm_dtype
@@ -134,10 +138,10 @@ class DiLoCoCommunicator(CommunicationModule):
         self.outer_optim.load_state_dict(state["outer_optim"])
 
 
-def check_error_feedback(error_feedback: bool, comm_dtype: str) -> None:
-    """Refuse ``error_feedback`` without a quantized ``comm_dtype`` (nothing would be lost)."""
-    if not isinstance(error_feedback, bool):
-        raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+def check_error_feedback(error_feedback: bool, comm_dtype: str, owner: object) -> None:
+    """Refuse an ``error_feedback`` that is not a flag, or that is on without a quantized
+    ``comm_dtype`` (nothing would be lost); ``owner`` is named in the error."""
+    DILOCO.error_feedback.check(error_feedback, owner)
     if error_feedback and not is_quantized(comm_dtype):
         raise ValueError(f"error_feedback=True needs a quantized comm_dtype ('int8', "
                          f"'float8_e4m3fn', 'int4', 'int2'), got comm_dtype={comm_dtype!r}")
@@ -151,16 +155,19 @@ class DiLoCoStrategy(CommunicateOptimizeStrategy):
         outer_optim_spec: the outer optimizer as an ``OptimSpec`` or name; default
             SGD with ``outer_lr``, ``outer_momentum`` and ``nesterov``.
         outer_optim: alias of ``outer_optim_spec``.
-        H: inner steps per round (default 100).
-        outer_lr: outer learning rate (0.7).
-        outer_momentum: outer momentum (0.9).
-        nesterov: Nesterov momentum for the outer SGD (True).
-        comm_dtype: type the outer deltas travel in (``'float32'``; also ``'bfloat16'``,
-            ``'float16'``, and the quantized ``'int8'``, ``'float8_e4m3fn'``, ``'int4'``,
+        H: inner steps per round.
+        outer_lr: outer learning rate.
+        outer_momentum: outer momentum.
+        nesterov: Nesterov momentum for the outer SGD.
+        comm_dtype: type the outer deltas travel in (``'float32'``, ``'bfloat16'``,
+            ``'float16'``, or the quantized ``'int8'``, ``'float8_e4m3fn'``, ``'int4'``,
             ``'int2'`` with a float32 scale per 64 values).
         error_feedback: carry each round's quantization residual into the next
             round (quantized ``comm_dtype`` only; checkpointed).
         **kwargs: inner optimizer, schedule and clipping arguments of ``Strategy``.
+
+    Defaults and accepted values: :data:`exogym.strategy.settings.DILOCO` (the settings
+    table in ``docs/strategies.md``).
 
     Under ``fit(balance='steps')`` (:mod:`exogym.run.balance`) a slow rank trains fewer
     inner steps per round and the round's average weights each rank's change by the
@@ -173,15 +180,17 @@ class DiLoCoStrategy(CommunicateOptimizeStrategy):
         self,
         optim_spec: OptimSpec | str | None = None,
         outer_optim_spec: OptimSpec | str | None = None,
-        H: int = DILOCO_H,
+        H: int = DILOCO.H.default,
         outer_optim: OptimSpec | str | None = None,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        comm_dtype: str = COMM_DTYPE,
-        error_feedback: bool = False,
+        outer_lr: float = DILOCO.outer_lr.default,
+        outer_momentum: float = DILOCO.outer_momentum.default,
+        nesterov: bool = DILOCO.nesterov.default,
+        comm_dtype: str = DILOCO.comm_dtype.default,
+        error_feedback: bool = DILOCO.error_feedback.default,
         **kwargs: Any,
     ):
+        DILOCO.check(self, H=H, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                     nesterov=nesterov, comm_dtype=comm_dtype, error_feedback=error_feedback)
         self.H = H
         self.comm_dtype = comm_dtype
         self.error_feedback = error_feedback

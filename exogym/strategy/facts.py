@@ -1,13 +1,12 @@
-"""The strategies' defaults and payload arithmetic, as plain numbers: no torch here.
+"""The strategies' payload arithmetic, as plain numbers: no torch here.
 
-The strategy classes take their defaults from this module (``DILOCO_H``,
-``SPARTA_P``, ...) and the payload formulas their ``traffic`` statements use
-(DeMo's chunk geometry, SparseLoCo's top-k payload, Streaming DiLoCo's
-fragments, DES-LOC's three periods); :mod:`exogym.strategy.registry` lists, per
-strategy name, which of these settings its traffic depends on. The wire's own
-facts (bucket size, bytes per value, quantized payloads) are
-:mod:`exogym.comm.wire`'s, re-exported here. A default changed here changes the
-run and its prediction together.
+The payload formulas the strategies' ``traffic`` statements use (DeMo's chunk
+geometry, SparseLoCo's top-k payload, Streaming DiLoCo's fragments, DES-LOC's
+three periods). The wire's own facts (bucket size, bytes per value, quantized
+payloads) are :mod:`exogym.comm.wire`'s, re-exported here. The strategies'
+defaults (``DILOCO_H``, ``SPARTA_P``, ...) are re-exported too, for the code that
+reads them by these names: each is read from its declaration in
+:mod:`exogym.strategy.settings`, the one place a default is written.
 """
 
 from __future__ import annotations
@@ -26,6 +25,19 @@ from exogym.comm.wire import (  # the wire's facts, re-exported for the strategi
     is_quantized,
     quantized_payload_bytes,
     value_bytes_of,
+)
+
+from .settings import (
+    ASYNC_DILOCO,
+    DEMO,
+    DESLOC,
+    DILOCO,
+    FEDAVG,
+    MULOCO,
+    SPARSELOCO,
+    SPARTA,
+    SPARTA_DILOCO,
+    STREAMING_DILOCO,
 )
 
 __all__ = [
@@ -66,27 +78,25 @@ __all__ = [
     "value_bytes_of",
 ]
 
-DILOCO_H = 100  #: DiLoCo's (and SPARTA-DiLoCo's) inner steps per outer round.
-ASYNC_QUORUM = 0.5  #: AsyncDiLoCo: the fraction of the workers present whose rounds call a merge.
-ASYNC_GRACE_S = 0.0  #: AsyncDiLoCo: seconds a merge waits past its quorum for a round about to end.
-ASYNC_MAX_STALENESS = 4  #: AsyncDiLoCo: versions a contribution may be behind and still count.
-FEDAVG_H = 1  #: FedAvg's local steps per averaging round.
-SPARTA_P = 0.005  #: SPARTA's fraction of each tensor averaged per round.
-SPARTA_INTERVAL = 1  #: SPARTA-DiLoCo's steps between sparse rounds.
-DEMO_TOPK = 32  #: DeMo's DCT coefficients sent per chunk.
-DEMO_CHUNK = 64  #: DeMo's largest chunk side.
-SPARSELOCO_H = 30  #: SparseLoCo's inner steps per outer round.
-SPARSELOCO_CHUNK = 4096  #: SparseLoCo's values per chunk (a 64x64 block's worth).
-SPARSELOCO_TOPK = 64  #: SparseLoCo's values sent per chunk (1.56 % of 4,096).
-SPARSELOCO_QUANT_BITS = 2  #: bits per value SparseLoCo sends (None: float32).
-STREAMING_FRAGMENTS = 4  #: Streaming DiLoCo's fragments (its H is DiLoCo's).
-# DES-LOC's periods keep the relation Iacob et al. 2025 (arXiv 2505.22549) recommend,
-# K_u = 3·K_x and K_v = 6·K_x: each state is averaged about as often as it changes (the
-# second moment, beta2 = 0.999, moves slowest). Total: half of Local Adam's bytes at K_x.
-DESLOC_H_PARAMS = 100  #: DES-LOC's steps between averages of the parameters.
-DESLOC_H_M1 = 3 * DESLOC_H_PARAMS  #: DES-LOC's steps between averages of Adam's first moment.
-DESLOC_H_M2 = 6 * DESLOC_H_PARAMS  #: DES-LOC's steps between averages of Adam's second moment.
-MULOCO_COMM_DTYPE = "int4"  #: the type MuLoCo's outer deltas travel in.
+DILOCO_H = DILOCO.H.default  #: DiLoCo's (and SPARTA-DiLoCo's) inner steps per outer round.
+ASYNC_QUORUM = ASYNC_DILOCO.quorum.default  #: AsyncDiLoCo's share of the workers that calls a merge.
+ASYNC_GRACE_S = ASYNC_DILOCO.grace_s.default  #: AsyncDiLoCo's wait past its quorum, in seconds.
+ASYNC_MAX_STALENESS = ASYNC_DILOCO.max_staleness.default  #: AsyncDiLoCo's versions a contribution may lag.
+FEDAVG_H = FEDAVG.H.default  #: FedAvg's local steps per averaging round.
+SPARTA_P = SPARTA.p_sparta.default  #: SPARTA's fraction of each tensor averaged per round.
+SPARTA_INTERVAL = SPARTA_DILOCO.sparta_interval.default  #: SPARTA-DiLoCo's steps between sparse rounds.
+DEMO_TOPK = DEMO.compression_topk.default  #: DeMo's DCT coefficients sent per chunk.
+DEMO_CHUNK = DEMO.compression_chunk.default  #: DeMo's largest chunk side.
+SPARSELOCO_H = SPARSELOCO.H.default  #: SparseLoCo's inner steps per outer round.
+SPARSELOCO_CHUNK = SPARSELOCO.chunk.default  #: SparseLoCo's values per chunk.
+SPARSELOCO_TOPK = SPARSELOCO.topk.default  #: SparseLoCo's values sent per chunk.
+SPARSELOCO_QUANT_BITS = SPARSELOCO.quant_bits.default  #: bits per value SparseLoCo sends.
+STREAMING_FRAGMENTS = STREAMING_DILOCO.num_fragments.default  #: Streaming DiLoCo's fragments.
+DESLOC_H_PARAMS = DESLOC.H_params.default  #: DES-LOC's steps between averages of the parameters.
+DESLOC_H_M1 = DESLOC.H_m1.default  #: DES-LOC's steps between averages of Adam's first moment.
+DESLOC_H_M2 = DESLOC.H_m2.default  #: DES-LOC's steps between averages of Adam's second moment.
+MULOCO_COMM_DTYPE = MULOCO.comm_dtype.default  #: the type MuLoCo's outer deltas travel in.
+
 
 def fragment_offset(fragment: int, H: int, num_fragments: int) -> int:
     """The step within each ``H`` at which Streaming DiLoCo's ``fragment`` syncs.

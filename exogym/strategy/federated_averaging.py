@@ -25,8 +25,8 @@ from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
 from .context import RankContext
-from .facts import COMM_DTYPE, FEDAVG_H
-from .optim import OptimSpec, check_number
+from .optim import OptimSpec
+from .settings import FEDAVG
 
 
 def island_plan(
@@ -64,14 +64,12 @@ class AveragingCommunicator(CommunicationModule):
         comm_dtype: type the values travel in.
     """
 
-    def __init__(self, island_size: int | None = None, client_sampling: float = 1.0, H: int = FEDAVG_H,
-                 comm_dtype: str = COMM_DTYPE):
+    def __init__(self, island_size: int | None = FEDAVG.island_size.default,
+                 client_sampling: float = FEDAVG.client_sampling.default,
+                 H: int = FEDAVG.H.default, comm_dtype: str = FEDAVG.comm_dtype.default):
         super().__init__()
-        if island_size is not None and (not isinstance(island_size, int) or island_size < 1):
-            raise ValueError(f"island_size must be an integer >= 1 or None, got {island_size!r}")
-        check_number("client_sampling", client_sampling, 0.0, False, 1.0, True, "FedAvgStrategy")
-        if not isinstance(H, int) or H < 1:
-            raise ValueError(f"H must be an integer >= 1, got {H!r}")
+        FEDAVG.check(self, island_size=island_size, client_sampling=client_sampling, H=H,
+                     comm_dtype=comm_dtype)
         comm.resolve_dtype(comm_dtype)
         self.island_size = island_size
         self.client_sampling = float(client_sampling)
@@ -135,22 +133,27 @@ class FedAvgStrategy(CommunicateOptimizeStrategy):
 
     Args:
         optim_spec: the local optimizer (default AdamW); ``inner_optim=`` is the same.
-        H: local steps per round (default 1).
-        island_size: ranks per island, redrawn each round (default: all ranks).
-        client_sampling: fraction of each island taking part in a round (default 1.0).
-        comm_dtype: type the values travel in (``'float32'``).
+        H: local steps per round.
+        island_size: ranks per island, redrawn each round (None: one island of all ranks).
+        client_sampling: fraction of each island taking part in a round.
+        comm_dtype: type the values travel in.
         **kwargs: optimizer, schedule and clipping arguments of ``Strategy``.
+
+    Defaults and accepted values: :data:`exogym.strategy.settings.FEDAVG` (the settings
+    table in ``docs/strategies.md``).
     """
 
     def __init__(
         self,
         optim_spec: OptimSpec | str | None = None,
-        H: int = FEDAVG_H,
-        island_size: int | None = None,
-        client_sampling: float = 1.0,
-        comm_dtype: str = COMM_DTYPE,
+        H: int = FEDAVG.H.default,
+        island_size: int | None = FEDAVG.island_size.default,
+        client_sampling: float = FEDAVG.client_sampling.default,
+        comm_dtype: str = FEDAVG.comm_dtype.default,
         **kwargs: Any,
     ):
+        FEDAVG.check(self, H=H, island_size=island_size, client_sampling=client_sampling,
+                     comm_dtype=comm_dtype)
         self.H = H
         self.island_size = island_size
         self.client_sampling = client_sampling

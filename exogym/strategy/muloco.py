@@ -15,7 +15,7 @@ The paper finds that Muon's updates compress better than AdamW's: with error
 feedback its delta goes down to 2 bits with next to no loss, where AdamW's
 DiLoCo degrades. The default here is ``'int4'``, a step short of that: give
 ``comm_dtype='int2'`` for the paper's most compressed setting. Everything else
-(``H``, the outer Nesterov SGD at 0.7/0.9) is DiLoCo's.
+(``H``, the outer Nesterov SGD) is DiLoCo's.
 
 Bytes per rank per round, ``P`` trainable and ``B`` float buffer values, one
 bucket: ``ceil((P + B) * bits / 8) + 4 * ceil((P + B) / 64)``
@@ -28,8 +28,9 @@ from __future__ import annotations
 from typing import Any
 
 from .diloco import DiLoCoStrategy
-from .facts import DILOCO_H, MULOCO_COMM_DTYPE, is_quantized
+from .facts import is_quantized
 from .optim import OptimSpec
+from .settings import MULOCO
 
 
 class MuLoCoStrategy(DiLoCoStrategy):
@@ -38,25 +39,29 @@ class MuLoCoStrategy(DiLoCoStrategy):
     Args:
         optim_spec: the inner optimizer (default ``'muon'``: Muon on hidden matrices,
             AdamW on the rest); ``inner_optim=`` is the same.
-        H: inner steps per round (DiLoCo's 100).
-        comm_dtype: type the outer deltas travel in (``'int4'``; ``'int2'`` is the paper's
-            most compressed setting; DiLoCo's float and quantized types all work).
+        H: inner steps per round (DiLoCo's).
+        comm_dtype: type the outer deltas travel in (``'int2'`` is the paper's most
+            compressed setting; DiLoCo's float and quantized types all work).
         error_feedback: carry each round's quantization residual into the next round;
-            default (None): on whenever ``comm_dtype`` is quantized.
+            None: on whenever ``comm_dtype`` is quantized.
         **kwargs: DiLoCo's outer optimizer arguments (``outer_lr``, ``outer_momentum``,
             ``nesterov``, ``outer_optim_spec``) and the schedule and clipping of ``Strategy``.
+
+    Defaults and accepted values: :data:`exogym.strategy.settings.MULOCO` (the settings
+    table in ``docs/strategies.md``).
     """
 
     def __init__(
         self,
         optim_spec: OptimSpec | str | None = None,
         *,
-        H: int = DILOCO_H,
-        comm_dtype: str = MULOCO_COMM_DTYPE,
-        error_feedback: bool | None = None,
+        H: int = MULOCO.H.default,
+        comm_dtype: str = MULOCO.comm_dtype.default,
+        error_feedback: bool | None = MULOCO.error_feedback.default,
         inner_optim: OptimSpec | str | None = None,
         **kwargs: Any,
     ):
+        MULOCO.check(self, H=H, comm_dtype=comm_dtype, error_feedback=error_feedback)
         if optim_spec is None and inner_optim is None:
             optim_spec = "muon"
         if error_feedback is None:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .optim import OptimSpec, check_number, ensure_optim_spec
+from .optim import OptimSpec, ensure_optim_spec
+from .settings import DILOCO
 
 __all__ = ["OuterOptimizer", "OuterState"]
 
@@ -31,20 +32,24 @@ class OuterOptimizer:
     Args:
         spec: an ``OptimSpec`` or optimizer name; None (or ``'sgd'``) for SGD
             with the three values below.
-        lr: the outer learning rate (0.7 in DiLoCo).
-        momentum: SGD's momentum (0.9).
-        nesterov: Nesterov momentum for SGD (True; ignored at momentum 0).
+        lr: the outer learning rate (``outer_lr``).
+        momentum: SGD's momentum (``outer_momentum``).
+        nesterov: Nesterov momentum for SGD (ignored at momentum 0).
+
+    The defaults are DiLoCo's settings (:mod:`exogym.strategy.settings`).
     """
 
     spec: OptimSpec | str | None = None
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
+    lr: float = DILOCO.outer_lr.default
+    momentum: float = DILOCO.outer_momentum.default
+    nesterov: bool = DILOCO.nesterov.default
 
     @classmethod
     def from_args(cls, owner: str, outer_optim_spec: OptimSpec | str | None = None,
-                  outer_optim: OptimSpec | str | None = None, outer_lr: float = 0.7,
-                  outer_momentum: float = 0.9, nesterov: bool = True) -> OuterOptimizer:
+                  outer_optim: OptimSpec | str | None = None,
+                  outer_lr: float = DILOCO.outer_lr.default,
+                  outer_momentum: float = DILOCO.outer_momentum.default,
+                  nesterov: bool = DILOCO.nesterov.default) -> OuterOptimizer:
         """The spec from a strategy's keyword arguments; ``owner`` names the strategy in errors.
 
         Raises:
@@ -53,10 +58,7 @@ class OuterOptimizer:
         """
         if outer_optim_spec is not None and outer_optim is not None:
             raise TypeError(f"{owner}: give outer_optim_spec= or outer_optim=, not both")
-        check_number("outer_lr", outer_lr, 0.0, False, None, False, owner)
-        check_number("outer_momentum", outer_momentum, 0.0, True, 1.0, False, owner)
-        if not isinstance(nesterov, bool):
-            raise ValueError(f"{owner}: nesterov must be true or false, got {nesterov!r}")
+        DILOCO.check(owner, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov)
         chosen = outer_optim_spec if outer_optim_spec is not None else outer_optim
         return cls(chosen, outer_lr, outer_momentum, nesterov)
 

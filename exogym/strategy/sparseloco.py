@@ -55,16 +55,10 @@ from exogym.comm.wire import ModelFacts, Traffic
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
 from .context import RankContext
-from .facts import (
-    SPARSELOCO_CHUNK,
-    SPARSELOCO_H,
-    SPARSELOCO_QUANT_BITS,
-    SPARSELOCO_TOPK,
-    sparse_chunking,
-    sparseloco_payload_bytes,
-)
-from .optim import OptimSpec, check_number
+from .facts import sparse_chunking, sparseloco_payload_bytes
+from .optim import OptimSpec
 from .outer import OuterOptimizer
+from .settings import SPARSELOCO
 
 __all__ = ["SparseLoCoCommunicator", "SparseLoCoStrategy", "SparsePlan", "pack_bits", "unpack_bits"]
 
@@ -187,23 +181,13 @@ class SparseLoCoCommunicator(CommunicationModule):
         outer_lr: ``θ ← θ − outer_lr · mean``.
     """
 
-    def __init__(self, H: int = SPARSELOCO_H, topk: int = SPARSELOCO_TOPK,
-                 chunk: int = SPARSELOCO_CHUNK, quant_bits: int | None = SPARSELOCO_QUANT_BITS,
-                 error_decay: float = 0.95, outer_lr: float = 1.0):
+    def __init__(self, H: int = SPARSELOCO.H.default, topk: int = SPARSELOCO.topk.default,
+                 chunk: int = SPARSELOCO.chunk.default,
+                 quant_bits: int | None = SPARSELOCO.quant_bits.default,
+                 error_decay: float = SPARSELOCO.error_decay.default,
+                 outer_lr: float = SPARSELOCO.outer_lr.default):
         super().__init__()
-        for name, value in (("H", H), ("topk", topk), ("chunk", chunk)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SparseLoCo: {name} must be an integer >= 1, got {value!r}")
-        if topk > chunk:
-            raise ValueError(f"SparseLoCo: topk ({topk}) cannot exceed chunk ({chunk}); "
-                             "topk is the number of values sent out of each chunk")
-        if quant_bits is not None and (isinstance(quant_bits, bool)
-                                       or not isinstance(quant_bits, int)
-                                       or not 1 <= quant_bits <= 8):
-            raise ValueError(f"SparseLoCo: quant_bits must be an integer from 1 to 8 or None "
-                             f"(float32), got {quant_bits!r}")
-        check_number("error_decay", error_decay, 0.0, True, 1.0, True, "SparseLoCo")
-        check_number("outer_lr", outer_lr, 0.0, False, None, False, "SparseLoCo")
+        check_settings(self, H, topk, chunk, quant_bits, error_decay, outer_lr)
         self.H, self.topk, self.chunk = H, topk, chunk
         self.quant_bits = quant_bits
         self.error_decay = float(error_decay)
@@ -275,31 +259,46 @@ class SparseLoCoCommunicator(CommunicationModule):
         self.outer_optim.load_state_dict(state["outer_optim"])
 
 
+def check_settings(owner: object, H: int, topk: int, chunk: int, quant_bits: int | None,
+                   error_decay: float, outer_lr: float) -> None:
+    """Refuse settings SparseLoCo cannot run, naming ``owner`` and the value: each against
+    its declaration, then ``topk`` against ``chunk``."""
+    SPARSELOCO.check(owner, H=H, topk=topk, chunk=chunk, quant_bits=quant_bits,
+                     error_decay=error_decay, outer_lr=outer_lr)
+    if topk > chunk:
+        raise ValueError(f"{type(owner).__name__}: topk ({topk}) cannot exceed chunk ({chunk}); "
+                         "topk is the number of values sent out of each chunk")
+
+
 class SparseLoCoStrategy(CommunicateOptimizeStrategy):
     """SparseLoCo: ``H`` local steps, then a top-k, quantized, error-fed outer round.
 
     Args:
-        H: inner steps per round (default 30).
-        topk: values sent per chunk (default 64).
-        chunk: values per chunk (default 4,096: 1.56 % density with ``topk=64``).
-        quant_bits: bits per sent value, 1-8 (default 2), or None to send float32.
-        error_decay: ``β`` of the error-feedback buffer (default 0.95).
-        outer_lr: the outer step size (default 1.0).
+        H: inner steps per round.
+        topk: values sent per chunk.
+        chunk: values per chunk (``topk / chunk`` is the density sent).
+        quant_bits: bits per sent value, 1-8, or None to send float32.
+        error_decay: ``β`` of the error-feedback buffer.
+        outer_lr: the outer step size.
         optim_spec: the inner optimizer (default AdamW); ``inner_optim=`` is the same.
         **kwargs: inner optimizer, schedule and clipping arguments of ``Strategy``.
+
+    Defaults and accepted values: :data:`exogym.strategy.settings.SPARSELOCO` (the
+    settings table in ``docs/strategies.md``).
     """
 
     def __init__(
         self,
-        H: int = SPARSELOCO_H,
-        topk: int = SPARSELOCO_TOPK,
-        chunk: int = SPARSELOCO_CHUNK,
-        quant_bits: int | None = SPARSELOCO_QUANT_BITS,
-        error_decay: float = 0.95,
-        outer_lr: float = 1.0,
+        H: int = SPARSELOCO.H.default,
+        topk: int = SPARSELOCO.topk.default,
+        chunk: int = SPARSELOCO.chunk.default,
+        quant_bits: int | None = SPARSELOCO.quant_bits.default,
+        error_decay: float = SPARSELOCO.error_decay.default,
+        outer_lr: float = SPARSELOCO.outer_lr.default,
         optim_spec: OptimSpec | str | None = None,
         **kwargs: Any,
     ):
+        check_settings(self, H, topk, chunk, quant_bits, error_decay, outer_lr)
         self.sparseloco = SparseLoCoCommunicator(H, topk, chunk, quant_bits, error_decay, outer_lr)
         self.H, self.topk, self.chunk = H, topk, chunk
         self.quant_bits, self.error_decay, self.outer_lr = quant_bits, error_decay, outer_lr

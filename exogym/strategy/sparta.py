@@ -49,8 +49,8 @@ from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
 from .context import RankContext
-from .facts import COMM_DTYPE, SPARTA_INTERVAL, SPARTA_P
 from .optim import OptimSpec
+from .settings import SPARTA, SPARTA_DILOCO
 
 _MASK64 = (1 << 64) - 1
 
@@ -119,9 +119,8 @@ class IndexSelector(ABC):
                 "returning flat indices that every rank derives from the shared seed, so no "
                 "mask is ever sent")
 
-    def __init__(self, p: float = SPARTA_P):
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= float(p) <= 1.0:
-            raise ValueError(f"p (the SPARTA fraction) must be a number within [0, 1], got {p!r}")
+    def __init__(self, p: float = SPARTA.p_sparta.default):
+        SPARTA.p_sparta.check(p, self, name="p")
         self.p = float(p)
         # Exact arithmetic for the per-round counts: 0.005 means 1/200, not a binary float.
         self._fraction = Fraction(self.p).limit_denominator(1_000_000)
@@ -170,7 +169,7 @@ class ShuffledSequentialIndexSelector(IndexSelector):
 
     name = "shuffled"
 
-    def __init__(self, p: float = SPARTA_P):
+    def __init__(self, p: float = SPARTA.p_sparta.default):
         super().__init__(p)
         self._perms: dict[tuple[int, int, int], torch.Tensor] = {}
 
@@ -209,7 +208,7 @@ class PartitionedIndexSelector(IndexSelector):
 
     name = "partitioned"
 
-    def __init__(self, p: float = SPARTA_P):
+    def __init__(self, p: float = SPARTA.p_sparta.default):
         super().__init__(p)
         self.parts = math.ceil(1 / self._fraction) if self._fraction > 0 else 0
         self._cycle: dict[tuple[int, int, int], tuple[int, torch.Tensor]] = {}
@@ -242,19 +241,20 @@ SELECTORS: dict[str, type[IndexSelector]] = {
 }
 
 
-def make_selector(index_selector: str | IndexSelector, p: float | None) -> IndexSelector:
-    """An index selector from a name (with fraction ``p``) or an instance."""
+def make_selector(index_selector: str | IndexSelector, p: float | None,
+                  owner: object) -> IndexSelector:
+    """An index selector from a name (with fraction ``p``, None: the default) or an instance;
+    ``owner`` (the strategy given them) is named in errors."""
+    if p is not None:
+        SPARTA.p_sparta.check(p, owner)
     if isinstance(index_selector, IndexSelector):
         if p is not None and float(p) != index_selector.p:
             raise ValueError(
                 f"p_sparta={p} disagrees with the index selector's p={index_selector.p}; "
                 "give the fraction in one place")
         return index_selector
-    if isinstance(index_selector, str) and index_selector.lower() in SELECTORS:
-        return SELECTORS[index_selector.lower()](SPARTA_P if p is None else p)
-    raise ValueError(
-        f"index_selector must be one of {', '.join(repr(n) for n in SELECTORS)} or an "
-        f"IndexSelector instance, got {index_selector!r}")
+    SPARTA.index_selector.check(index_selector, owner)
+    return SELECTORS[index_selector.lower()](SPARTA.p_sparta.default if p is None else p)
 
 
 class SparseCommunicator(CommunicationModule):
@@ -271,13 +271,16 @@ class SparseCommunicator(CommunicationModule):
             hold per round.
     """
 
-    def __init__(self, index_selector: IndexSelector, comm_dtype: str = COMM_DTYPE,
-                 interval: int = SPARTA_INTERVAL):
+    def __init__(self, index_selector: IndexSelector,
+                 comm_dtype: str = SPARTA.comm_dtype.default,
+                 interval: int = SPARTA_DILOCO.sparta_interval.default):
         super().__init__()
         if not isinstance(index_selector, IndexSelector):
-            raise TypeError(f"index_selector must be an IndexSelector, got {index_selector!r}")
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(f"interval must be an integer >= 1, got {interval!r}")
+            raise TypeError(f"SparseCommunicator takes an IndexSelector instance as "
+                            f"index_selector (make_selector turns a name into one), "
+                            f"got {index_selector!r}")
+        SPARTA_DILOCO.sparta_interval.check(interval, self, name="interval")
+        SPARTA.comm_dtype.check(comm_dtype, self)
         comm.resolve_dtype(comm_dtype)
         self.index_selector = index_selector
         self.comm_dtype = comm_dtype
@@ -326,22 +329,28 @@ class SPARTAStrategy(CommunicateOptimizeStrategy):
 
     Args:
         optim_spec: the inner optimizer (default AdamW); ``inner_optim=`` is the same.
-        p_sparta: fraction of each tensor's entries averaged per step (default 0.005).
-        index_selector: ``'random'`` (default), ``'shuffled'``, ``'partitioned'``, or an
+        p_sparta: fraction of each tensor's entries averaged per step (None: the selector's
+            ``p`` when it is an instance, else the default).
+        index_selector: ``'random'``, ``'shuffled'``, ``'partitioned'``, or an
             :class:`IndexSelector` instance (then its ``p`` is used).
-        comm_dtype: type the values travel in (``'float32'``, ``'bfloat16'``, ``'float16'``).
+        comm_dtype: type the values travel in (``'float32'``, ``'bfloat16'``, ``'float16'``,
+            or quantized).
         **kwargs: optimizer, schedule and clipping arguments of ``Strategy``.
+
+    Defaults and accepted values: :data:`exogym.strategy.settings.SPARTA` (the settings
+    table in ``docs/strategies.md``).
     """
 
     def __init__(
         self,
         optim_spec: OptimSpec | str | None = None,
         p_sparta: float | None = None,
-        index_selector: str | IndexSelector = "random",
-        comm_dtype: str = COMM_DTYPE,
+        index_selector: str | IndexSelector = SPARTA.index_selector.default,
+        comm_dtype: str = SPARTA.comm_dtype.default,
         **kwargs: Any,
     ):
-        selector = make_selector(index_selector, p_sparta)
+        SPARTA.check(self, comm_dtype=comm_dtype)
+        selector = make_selector(index_selector, p_sparta, self)
         self.p_sparta = selector.p
         self.index_selector = selector
         self.comm_dtype = comm_dtype

@@ -29,9 +29,9 @@ from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy
 from .diloco import DiLoCoCommunicator
-from .facts import COMM_DTYPE, DILOCO_H, SPARTA_INTERVAL
 from .optim import OptimSpec
 from .outer import OuterOptimizer
+from .settings import SPARTA_DILOCO
 from .sparta import IndexSelector, SparseCommunicator, make_selector
 
 
@@ -43,31 +43,35 @@ class SPARTADiLoCoStrategy(CommunicateOptimizeStrategy):
         outer_optim_spec: the outer optimizer as an ``OptimSpec`` or name; default
             SGD with ``outer_lr``, ``outer_momentum`` and ``nesterov``.
         outer_optim: alias of ``outer_optim_spec``.
-        H: inner steps per DiLoCo round (default 100).
-        outer_lr: outer learning rate (0.7).
-        outer_momentum: outer momentum (0.9).
-        nesterov: Nesterov momentum for the outer SGD (True).
-        p_sparta: fraction of each tensor averaged per SPARTA round (default 0.005).
-        sparta_interval: local steps between SPARTA rounds (default 1).
+        H: inner steps per DiLoCo round.
+        outer_lr: outer learning rate.
+        outer_momentum: outer momentum.
+        nesterov: Nesterov momentum for the outer SGD.
+        p_sparta: fraction of each tensor averaged per SPARTA round (None: the selector's
+            ``p`` when it is an instance, else the default).
+        sparta_interval: local steps between SPARTA rounds.
         index_selector: ``'random'``, ``'shuffled'``, ``'partitioned'`` or an ``IndexSelector``.
-        comm_dtype: type both kinds of round send their values in (``'float32'``).
+        comm_dtype: type both kinds of round send their values in.
         inner_optim_spec: alias of ``optim_spec`` (the name exo gym used here).
         **kwargs: inner optimizer, schedule and clipping arguments of ``Strategy``.
+
+    Defaults and accepted values: :data:`exogym.strategy.settings.SPARTA_DILOCO` (the
+    settings table in ``docs/strategies.md``).
     """
 
     def __init__(
         self,
         optim_spec: OptimSpec | str | None = None,
         outer_optim_spec: OptimSpec | str | None = None,
-        H: int = DILOCO_H,
+        H: int = SPARTA_DILOCO.H.default,
         outer_optim: OptimSpec | str | None = None,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
+        outer_lr: float = SPARTA_DILOCO.outer_lr.default,
+        outer_momentum: float = SPARTA_DILOCO.outer_momentum.default,
+        nesterov: bool = SPARTA_DILOCO.nesterov.default,
         p_sparta: float | None = None,
-        sparta_interval: int = SPARTA_INTERVAL,
-        index_selector: str | IndexSelector = "random",
-        comm_dtype: str = COMM_DTYPE,
+        sparta_interval: int = SPARTA_DILOCO.sparta_interval.default,
+        index_selector: str | IndexSelector = SPARTA_DILOCO.index_selector.default,
+        comm_dtype: str = SPARTA_DILOCO.comm_dtype.default,
         inner_optim_spec: OptimSpec | str | None = None,
         **kwargs: Any,
     ):
@@ -76,11 +80,10 @@ class SPARTADiLoCoStrategy(CommunicateOptimizeStrategy):
                 raise TypeError("SPARTADiLoCoStrategy: give optim_spec= or inner_optim_spec=, "
                                 "not both")
             optim_spec = inner_optim_spec
-        if isinstance(sparta_interval, bool) or not isinstance(sparta_interval, int) \
-                or sparta_interval < 1:
-            raise ValueError(f"SPARTADiLoCoStrategy: sparta_interval must be an integer >= 1, "
-                             f"got {sparta_interval!r}")
-        selector = make_selector(index_selector, p_sparta)
+        SPARTA_DILOCO.check(self, H=H, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                            nesterov=nesterov, sparta_interval=sparta_interval,
+                            comm_dtype=comm_dtype)
+        selector = make_selector(index_selector, p_sparta, self)
         self.H = H
         self.p_sparta = selector.p
         self.sparta_interval = sparta_interval

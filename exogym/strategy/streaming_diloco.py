@@ -29,7 +29,7 @@ starts one all-reduce of them (average over ranks) through
 :func:`exogym.comm.all_reduce_tensors` with ``async_op=True``. With
 ``fragment_delay=τ`` the rank takes ``τ`` more inner steps while it runs; after
 step ``s + τ`` it waits for the result, applies the fragment's own outer
-optimizer (default SGD, lr 0.7, Nesterov momentum 0.9, as DiLoCo) to the
+optimizer (by default DiLoCo's: SGD with Nesterov momentum) to the
 fragment's global copy, and sets every local tensor of the fragment to
 ``global + α·(local - global)`` with ``α = fragment_alpha`` and ``local`` the
 value at that moment (so ``α = 0`` takes the global value, dropping the ``τ``
@@ -72,9 +72,10 @@ from exogym.comm.wire import ModelFacts, Traffic, wire_bytes, wire_collective
 from .communicate_optimize_strategy import CommunicateOptimizeStrategy, CommunicationModule
 from .context import RankContext
 from .diloco import check_error_feedback
-from .facts import COMM_DTYPE, DILOCO_H, QUANT_CHUNK, STREAMING_FRAGMENTS, fragment_offset
+from .facts import QUANT_CHUNK, fragment_offset
 from .optim import OptimSpec
 from .outer import OuterOptimizer
+from .settings import STREAMING_DILOCO
 
 
 def model_layers(model: torch.nn.Module) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
@@ -139,13 +140,16 @@ class StreamingDiLoCoCommunicator(CommunicationModule):
     """
 
     def __init__(self, H: int, num_fragments: int, outer_optim_spec: OptimSpec,
-                 fragment_delay: int = 0, fragment_alpha: float = 0.0,
-                 comm_dtype: str = COMM_DTYPE, error_feedback: bool = False,
+                 fragment_delay: int = STREAMING_DILOCO.fragment_delay.default,
+                 fragment_alpha: float = STREAMING_DILOCO.fragment_alpha.default,
+                 comm_dtype: str = STREAMING_DILOCO.comm_dtype.default,
+                 error_feedback: bool = STREAMING_DILOCO.error_feedback.default,
                  chunk: int = QUANT_CHUNK):
         super().__init__()
-        check_settings(H, num_fragments, fragment_delay, fragment_alpha)
+        check_settings(self, H, num_fragments, fragment_delay, fragment_alpha)
+        STREAMING_DILOCO.comm_dtype.check(comm_dtype, self)
         comm.resolve_dtype(comm_dtype)
-        check_error_feedback(error_feedback, comm_dtype)
+        check_error_feedback(error_feedback, comm_dtype, self)
         self.H = H
         self.num_fragments = num_fragments
         self.fragment_delay = fragment_delay
@@ -280,24 +284,19 @@ def check_fragments(num_fragments: int, layers: list[Any]) -> None:
                          f"or float buffers): use num_fragments <= {len(layers)}")
 
 
-def check_settings(H: int, num_fragments: int, fragment_delay: int,
+def check_settings(owner: object, H: int, num_fragments: int, fragment_delay: int,
                    fragment_alpha: float) -> None:
-    """Refuse settings Streaming DiLoCo cannot run, naming the value and the fix."""
-    if isinstance(H, bool) or not isinstance(H, int) or H < 1:
-        raise ValueError(f"H must be an integer >= 1, got {H!r}")
-    if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or num_fragments < 1:
-        raise ValueError(f"num_fragments must be an integer >= 1, got {num_fragments!r}")
+    """Refuse settings Streaming DiLoCo cannot run, naming ``owner``, the value and the fix:
+    each against its declaration, then ``num_fragments`` and ``fragment_delay`` against ``H``."""
+    STREAMING_DILOCO.check(owner, H=H, num_fragments=num_fragments,
+                           fragment_delay=fragment_delay, fragment_alpha=fragment_alpha)
     if num_fragments > H:
         raise ValueError(f"num_fragments={num_fragments} is more than H={H}: two fragments would "
                          f"sync at the same step; use num_fragments <= H")
-    if (isinstance(fragment_delay, bool) or not isinstance(fragment_delay, int)
-            or not 0 <= fragment_delay < H):
+    if fragment_delay >= H:
         raise ValueError(f"fragment_delay must be an integer with 0 <= fragment_delay < H={H} "
                          f"(a fragment's round must end before its next one), "
                          f"got {fragment_delay!r}")
-    if isinstance(fragment_alpha, bool) or not isinstance(fragment_alpha, (int, float)) \
-            or not 0.0 <= fragment_alpha <= 1.0:
-        raise ValueError(f"fragment_alpha must be a number in [0, 1], got {fragment_alpha!r}")
 
 
 class StreamingDiLoCoStrategy(CommunicateOptimizeStrategy):
@@ -307,36 +306,43 @@ class StreamingDiLoCoStrategy(CommunicateOptimizeStrategy):
         optim_spec: the inner optimizer (default AdamW); ``inner_optim=`` is the same.
         outer_optim_spec: the outer optimizer as an ``OptimSpec`` or name (one per
             fragment); default SGD with ``outer_lr``, ``outer_momentum`` and ``nesterov``.
-        H: inner steps between two rounds of the same fragment (default 100).
-        num_fragments: fragments the model's layers are split into, strided (default 4).
+        H: inner steps between two rounds of the same fragment.
+        num_fragments: fragments the model's layers are split into, strided.
         fragment_delay: inner steps taken while a fragment's all-reduce runs (0: none).
         fragment_alpha: after a round, local = global + α·(local - global) (0: take global).
         outer_optim: alias of ``outer_optim_spec``.
-        outer_lr: outer learning rate (0.7).
-        outer_momentum: outer momentum (0.9).
-        nesterov: Nesterov momentum for the outer SGD (True).
+        outer_lr: outer learning rate.
+        outer_momentum: outer momentum.
+        nesterov: Nesterov momentum for the outer SGD.
         comm_dtype: type a fragment travels in (``'float32'``; ``'bfloat16'``, ``'float16'``,
             or quantized ``'int8'``, ``'float8_e4m3fn'``, ``'int4'``, ``'int2'``).
         error_feedback: carry each fragment's quantization residual into its next round.
         **kwargs: inner optimizer, schedule and clipping arguments of ``Strategy``.
+
+    Defaults and accepted values: :data:`exogym.strategy.settings.STREAMING_DILOCO` (the
+    settings table in ``docs/strategies.md``).
     """
 
     def __init__(
         self,
         optim_spec: OptimSpec | str | None = None,
         outer_optim_spec: OptimSpec | str | None = None,
-        H: int = DILOCO_H,
-        num_fragments: int = STREAMING_FRAGMENTS,
-        fragment_delay: int = 0,
-        fragment_alpha: float = 0.0,
+        H: int = STREAMING_DILOCO.H.default,
+        num_fragments: int = STREAMING_DILOCO.num_fragments.default,
+        fragment_delay: int = STREAMING_DILOCO.fragment_delay.default,
+        fragment_alpha: float = STREAMING_DILOCO.fragment_alpha.default,
         outer_optim: OptimSpec | str | None = None,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        comm_dtype: str = COMM_DTYPE,
-        error_feedback: bool = False,
+        outer_lr: float = STREAMING_DILOCO.outer_lr.default,
+        outer_momentum: float = STREAMING_DILOCO.outer_momentum.default,
+        nesterov: bool = STREAMING_DILOCO.nesterov.default,
+        comm_dtype: str = STREAMING_DILOCO.comm_dtype.default,
+        error_feedback: bool = STREAMING_DILOCO.error_feedback.default,
         **kwargs: Any,
     ):
+        check_settings(self, H, num_fragments, fragment_delay, fragment_alpha)
+        STREAMING_DILOCO.check(self, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                               nesterov=nesterov, comm_dtype=comm_dtype,
+                               error_feedback=error_feedback)
         self.H = H
         self.num_fragments = num_fragments
         self.fragment_delay = fragment_delay
