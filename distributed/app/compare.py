@@ -47,6 +47,7 @@ from ..profiles.profile import (
     Profile,
     ProfileError,
     ProfileSet,
+    builtin_strategy,
     parse_overrides,
     parse_value,
     strategy_class,
@@ -466,7 +467,7 @@ def results_table(name: str, results: Sequence[StrategyResult],
 
     from exogym.report.summary import human_bytes
 
-    ddp = next((r.bytes_per_node for r in results if r.strategy in ("ddp", "allreduce")),
+    ddp = next((r.bytes_per_node for r in results if builtin_strategy(r.strategy) == "ddp"),
                None)
     table = Table(title=f"{name}: {plural(len(results), 'strategy')}", title_justify="left")
     accuracy = any(r.summary.get("final_val_accuracy") is not None for r in results)
