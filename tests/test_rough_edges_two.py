@@ -36,7 +36,7 @@ QUICK = ["--set", "max_steps=4", "--set", "H=2", "--set", "val_size=16", "--set"
     ("outer_momentum=1.5", "outer_momentum must be a number in [0, 1), got 1.5"),
     ("nesterov=3", "nesterov must be True or False"),
     ("H=0", "H must be an integer >= 1"),
-    ("lr=fast", "lr must be a positive number"),
+    ("lr=fast", "lr must be a number > 0"),
     ("device=cuda" if not __import__("torch").cuda.is_available() else "device=mps",
      "was asked for"),
 ])
@@ -56,7 +56,7 @@ def test_a_run_refused_at_start_takes_no_folder_and_leaves_latest_alone(tmp_path
 
 
 DRY_REFUSED = [("outer_lr=-1", "outer_lr must be a number > 0"), ("H=0", "H must be an integer"),
-               ("lr=fast", "lr must be a positive number"),
+               ("lr=fast", "lr must be a number > 0"),
                ("outer_lr=abc", "outer_lr must be a number > 0, got 'abc'")]
 if not __import__("torch").cuda.is_available():
     DRY_REFUSED.append(("device=cuda", "no CUDA GPU is available"))

@@ -315,6 +315,22 @@ def _float_comm(*names: str) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- per strategy
 
+#: What every strategy takes (``Strategy``'s own arguments), beside its own settings.
+LR = Setting("lr", float, None, "learning rate of the inner optimizer", low=0, low_open=True,
+             none_means="the optimizer's own")
+EVERY = Settings(
+    "every strategy",
+    LR,
+    Setting("warmup_steps", int, 0, "linear warmup of the learning rate (the first step runs "
+            "at lr / warmup_steps)", low=0, unit="steps"),
+    Setting("cosine_anneal", bool, False, "anneal with a half cosine after warmup "
+            "(lr_scheduler='lambda_cosine')"),
+    Setting("min_lr_factor", float, 0.1, "where the cosine ends, as a share of lr", low=0,
+            high=1),
+    Setting("max_norm", float, None, "clip the gradient norm to this before the optimizer "
+            "step", low=0, low_open=True, none_means="no clipping"),
+)
+
 DDP = Settings("ddp")
 
 DILOCO = Settings("diloco", H, OUTER_LR, OUTER_MOMENTUM, NESTEROV, COMM, ERROR_FEEDBACK)
@@ -333,8 +349,8 @@ FEDAVG = Settings(
 
 DEMO = Settings(
     "demo",
-    Setting("lr", float, 1e-3, "size of each sign step (and the gradient's scale in the "
-            "momentum)", low=0, low_open=True),
+    LR.variant(default=1e-3, none_means="", help="size of each sign step (and the "
+               "gradient's scale in the momentum)"),
     Setting("compression_decay", float, 0.999, "decay of each rank's momentum", low=0, high=1),
     Setting("compression_topk", int, 32, "DCT coefficients sent per chunk", low=1,
             traffic=True),
@@ -427,7 +443,7 @@ ALL: tuple[Settings, ...] = (DDP, DILOCO, FEDAVG, SPARTA, SPARTA_DILOCO, DEMO, S
 # --------------------------------------------------------------------------- the table
 
 
-def markdown_table(groups: Iterable[Settings] = ALL) -> str:
+def markdown_table(groups: Iterable[Settings] = (EVERY, *ALL)) -> str:
     """The settings of ``groups`` as a markdown table: strategy, setting, type, default,
     the values accepted, and what it does (strategies without settings of their own are
     left out)."""

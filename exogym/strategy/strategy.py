@@ -50,6 +50,7 @@ from exogym.comm.wire import ModelFacts, Traffic
 
 from .context import RankContext
 from .optim import OptimSpec, ensure_optim_spec
+from .settings import EVERY
 
 SCHEDULERS = ("lambda_cosine", "cosine", "constant")
 _SCHEDULE_KEYS = ("warmup_steps", "cosine_anneal", "min_lr_factor", "max_steps")
@@ -58,9 +59,9 @@ _SCHEDULE_KEYS = ("warmup_steps", "cosine_anneal", "min_lr_factor", "max_steps")
 def lr_factor(
     step: int,
     total_steps: int,
-    warmup_steps: int = 0,
-    cosine: bool = False,
-    min_lr_factor: float = 0.1,
+    warmup_steps: int = EVERY.warmup_steps.default,
+    cosine: bool = EVERY.cosine_anneal.default,
+    min_lr_factor: float = EVERY.min_lr_factor.default,
 ) -> float:
     """Multiplier of the base learning rate for the optimizer step numbered ``step`` (0-based).
 
@@ -106,7 +107,7 @@ class Strategy(ABC):
             a scheduler class).
         warmup_steps: linear warmup length in steps (the first step runs at lr/warmup).
         cosine_anneal: anneal with a cosine after warmup (``'lambda_cosine'``).
-        min_lr_factor: the cosine ends at ``lr * min_lr_factor`` (default 0.1).
+        min_lr_factor: the cosine ends at ``lr * min_lr_factor``.
         max_steps: steps the schedule spans (default: the run's ``max_steps``).
         max_norm: clip the gradient norm to this value before the optimizer step.
     """
@@ -161,8 +162,7 @@ class Strategy(ABC):
         if spec is not None or not hasattr(self, "optim_spec"):
             # A subclass may have set self.optim_spec before calling us.
             self.optim_spec = ensure_optim_spec(spec)
-        if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):
-            raise ValueError(f"lr must be a positive number, got {lr!r}")
+        EVERY.check(self, lr=lr, max_norm=max_norm)
         self.lr = lr
         self.max_norm = max_norm
         self.lr_scheduler = lr_scheduler
@@ -196,14 +196,8 @@ class Strategy(ABC):
             if extra:
                 raise unknown_args_error("lr_scheduler_kwargs", extra, _SCHEDULE_KEYS)
             settings = {**self.lr_scheduler_kwargs, **settings}
-        warmup = settings.get("warmup_steps", 0)
-        if not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup!r}")
-        floor = settings.get("min_lr_factor", 0.1)
-        if not 0.0 <= float(floor) <= 1.0:
-            raise ValueError(f"min_lr_factor must be within [0, 1], got {floor!r}")
-        if self.max_norm is not None and not self.max_norm > 0:
-            raise ValueError(f"max_norm must be positive, got {self.max_norm!r}")
+        EVERY.check(self, **{k: v for k, v in settings.items()
+                             if k in ("warmup_steps", "min_lr_factor")})
         return settings
 
     # -- checks before any rank starts --------------------------------------------
@@ -388,9 +382,9 @@ class Strategy(ABC):
             return lr_factor(
                 step,
                 total,
-                warmup_steps=settings.get("warmup_steps", 0),
+                warmup_steps=settings.get("warmup_steps", EVERY.warmup_steps.default),
                 cosine=cosine,
-                min_lr_factor=settings.get("min_lr_factor", 0.1),
+                min_lr_factor=settings.get("min_lr_factor", EVERY.min_lr_factor.default),
             )
 
         self.scheduler = LambdaLR(self.optim, factor)
