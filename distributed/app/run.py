@@ -345,7 +345,12 @@ def resolve(request: TrainRequest) -> ResolvedRequest:
         return done
     from exogym.strategy import registry
 
-    profile = load_profile(request.profile, request.config, dict(request.overrides) or None)
+    overrides = dict(request.overrides)
+    if request.multi_host:
+        # The ranks read the --set values from their command line: the profile is resolved
+        # from the values as they travel there, so the launcher and the ranks agree on it.
+        overrides = parse_overrides(override_items(overrides))
+    profile = load_profile(request.profile, request.config, overrides or None)
     hosts = None
     if request.multi_host:
         hosts = request.hosts if isinstance(request.hosts, HostsConfig) \
@@ -956,12 +961,9 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
         launcher.session.preflight()  # shows the table; PreflightError when a host is not ready
         launcher.check_faults()  # a cut a host does not permit is refused before anything starts
         links = probe_links(launcher, console)  # for the trace: each host's rate and latency
-        # The ranks see the profile with the --set values as their command line carries them.
-        as_ranks_see_it = profile.with_overrides(
-            parse_overrides(override_items(request.overrides)))
         here = launcher.master_local
         where = "" if here else f" on {config.master.host}"
-        placement = place_run(as_ranks_see_it, ranks=config.world_size, resume=request.resume,
+        placement = place_run(profile, ranks=config.world_size, resume=request.resume,
                               overwrite=request.overwrite, fresh_if_none=request.fresh_if_none,
                               call=master_folders(launcher, config), where=where)
         profile = placement.profile(profile)
