@@ -178,24 +178,25 @@ def _stands_in_for_torch() -> Collectives | None:
 _assumed = threading.local()  # torch_identity(rank, world_size): answers given outright
 
 
+def _answer_for_torch(which: int, group: Any) -> int:
+    """``torch.distributed``'s rank (``which`` 0) or world size (1) for the calling rank."""
+    if group is None or group is dist.group.WORLD:
+        assumed = getattr(_assumed, "identity", None)
+        if assumed is not None:
+            return assumed[which]
+        chosen = _stands_in_for_torch()
+        if chosen is not None:
+            return chosen.rank() if which == 0 else chosen.world_size()
+    ask = _torch_identity[which]
+    return ask() if group is None else ask(group)
+
+
 def _rank_for_torch(group: Any = None) -> int:
-    assumed = getattr(_assumed, "identity", None)
-    if assumed is not None and (group is None or group is dist.group.WORLD):
-        return assumed[0]
-    chosen = _stands_in_for_torch()
-    if chosen is not None and (group is None or group is dist.group.WORLD):
-        return chosen.rank()
-    return _torch_identity[0]() if group is None else _torch_identity[0](group)
+    return _answer_for_torch(0, group)
 
 
 def _world_size_for_torch(group: Any = None) -> int:
-    assumed = getattr(_assumed, "identity", None)
-    if assumed is not None and (group is None or group is dist.group.WORLD):
-        return assumed[1]
-    chosen = _stands_in_for_torch()
-    if chosen is not None and (group is None or group is dist.group.WORLD):
-        return chosen.world_size()
-    return _torch_identity[1]() if group is None else _torch_identity[1](group)
+    return _answer_for_torch(1, group)
 
 
 def _initialized_for_torch() -> bool:
