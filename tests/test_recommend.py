@@ -194,7 +194,7 @@ def test_a_noisy_measurement_is_said_and_the_pick_is_made_again_at_its_ends():
 
 
 def test_the_spread_from_step_to_step_is_not_set_by_one_slow_step():
-    from distributed.app.recommend import robust_sd
+    from distributed.app.measurements import robust_sd
 
     steps = [0.010, 0.011, 0.010, 0.009, 0.010, 0.011, 0.009, 0.010, 0.500, 0.010]
     assert robust_sd(steps) < 0.002  # a stdev would be 0.15: 15x the step
@@ -202,7 +202,7 @@ def test_the_spread_from_step_to_step_is_not_set_by_one_slow_step():
 
 
 def test_links_are_measured_until_two_transfers_agree():
-    from distributed.app.recommend import LINK_TRIES, _median_link, _steady_link
+    from distributed.app.measurements import LINK_TRIES, _median_link, _steady_link
     from distributed.hosts.linkspeed import LinkMeasurement
 
     def measured(rates: list[float]):
@@ -221,7 +221,7 @@ def test_links_are_measured_until_two_transfers_agree():
 
 
 def test_measuring_tells_each_stage_as_it_starts_and_ends_at_the_total(tmp_path, monkeypatch):
-    from distributed.app import recommend as planner
+    from distributed.app import measurements as planner
     from distributed.app.run import TrainRequest
     from distributed.planning.estimate import ModelFacts
 
