@@ -75,6 +75,8 @@ class Setting:
         none_means: when set, None is accepted, and means this.
         also: other values the class itself accepts besides these (an instance).
         traffic: the strategy's traffic depends on it (the planner asks for it).
+        why: said after a refusal, when the accepted values need a reason (DeMo's
+            float-only wire).
     """
 
     name: str
@@ -92,6 +94,7 @@ class Setting:
     none_means: str = ""
     also: str = ""
     traffic: bool = False
+    why: str = ""
 
     def variant(self, **changes: Any) -> Setting:
         """The same setting with ``changes`` (another strategy's default or help)."""
@@ -179,7 +182,7 @@ class Setting:
         """
         if not self.accepts(value):
             raise ValueError(f"{_owner_name(owner)}: {name or self.name} must be {self.valid}, "
-                             f"got {value!r}")
+                             f"got {value!r}" + (f" ({self.why})" if self.why else ""))
 
 
 @dataclass(frozen=True)
@@ -358,7 +361,9 @@ DEMO = Settings(
             traffic=True),
     Setting("weight_decay", float, 0.0, "decoupled weight decay", low=0),
     COMM.variant(help="type the coefficients travel in (float types: they are gathered as "
-                      "they are)", **_float_comm("float32", "bfloat16", "float16")),
+                      "they are)", why="DeMo sends its top-k coefficients in a float type: "
+                      "they are gathered as they are, never quantized",
+                 **_float_comm("float32", "bfloat16", "float16")),
 )
 
 SPARTA_DILOCO = Settings(
