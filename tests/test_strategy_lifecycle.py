@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from torch.utils.data import default_collate
 
 from exogym import Trainer
 from exogym.strategy import RankContext, SimpleReduceStrategy, Strategy
@@ -42,23 +43,20 @@ class GymStyleAverage(Strategy):
         super().step()
 
 
-class BuiltInProbe(SimpleReduceStrategy):
-    """DDP that fails if torch's get_rank is not torch's own while it steps."""
-
-    def step(self):
-        if dist.get_rank is not TORCH_GET_RANK:
-            raise RuntimeError("a built-in strategy ran with torch.distributed replaced")
-        super().step()
-
-
-BuiltInProbe.__module__ = "exogym.strategy.probe"  # counted as built into exogym
+def collate_where_torch_is_its_own(samples):
+    """A batch, refused unless torch.distributed's get_rank is torch's own: the data of a
+    step is read outside the model's forward, where a built-in strategy's run replaces
+    nothing."""
+    if dist.get_rank is not TORCH_GET_RANK:
+        raise RuntimeError("torch.distributed was replaced outside a forward pass")
+    return default_collate(samples)
 
 
-def fit(strategy, processes):
+def fit(strategy, processes, **kwargs):
     ds = toy_dataset()
     trainer = Trainer(tiny_model(), ds, ds)
     model = trainer.fit(strategy=strategy, num_nodes=4, max_steps=4, batch_size=8, val_size=0,
-                        processes=processes, **QUIET)
+                        processes=processes, **QUIET, **kwargs)
     return model
 
 
@@ -71,8 +69,14 @@ def test_a_strategy_written_for_exo_gym_trains_unchanged(processes):
 
 
 def test_built_in_strategies_run_without_torch_replaced():
-    fit(BuiltInProbe(optim_spec="sgd", lr=0.1), processes=1)  # packed: identity from context
+    # Packed ranks of a built-in strategy: each rank's identity comes from its context, and
+    # torch answers for a rank only inside the model's forward pass.
+    fit(SimpleReduceStrategy(optim_spec="sgd", lr=0.1), processes=1,
+        dataloader_kwargs={"collate_fn": collate_where_torch_is_its_own})
     assert dist.get_rank is TORCH_GET_RANK
+    with pytest.raises(Exception, match="replaced outside a forward pass"):
+        fit(GymStyleAverage(optim_spec="sgd", lr=0.1), processes=1,
+            dataloader_kwargs={"collate_fn": collate_where_torch_is_its_own})
 
 
 def test_a_strategy_is_set_up_from_its_context():

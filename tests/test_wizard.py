@@ -216,7 +216,7 @@ STEP_S = {"diloco": 0.010, "ddp": 0.011, "fedavg": 0.011, "sparta": 0.013, "demo
 def fixed_steps(monkeypatch) -> list[tuple[str, int]]:
     """Every step the planner times here takes a fixed time (by strategy and batch), so two
     runs of it give the same figures; returns the (strategy, batch) of each timing."""
-    from distributed.app import recommend
+    from distributed.app import measurements
     from distributed.planning.estimate import ModelFacts
 
     timed: list[tuple[str, int]] = []
@@ -228,7 +228,7 @@ def fixed_steps(monkeypatch) -> list[tuple[str, int]]:
                           compute_s_per_step=STEP_S[profile.strategy] * batch / 32,
                           shapes=((128, 64), (128,), (10, 128), (10,)))
 
-    monkeypatch.setattr(recommend, "measure_model", measure_model)
+    monkeypatch.setattr(measurements, "measure_model", measure_model)
     return timed
 
 
