@@ -180,3 +180,61 @@ def test_two_groups_meeting_at_once_across_processes_never_read_each_others_part
         p.join(10)
     assert remove_segments(run_id) == 0  # every process removed its own segments
     assert wrong == [[], []]
+
+
+def _leave_after_barrier(index: int, port: int, run_id: str, out) -> None:
+    import time
+
+    from exogym import comm
+    from exogym.comm.mailbox import Mailbox
+    from exogym.comm.packed import PackedWorld
+
+    if index == 1:  # the slow peer: it maps process 0's part only after a while
+        read = Mailbox.read
+
+        def late_read(self, *args, **kwargs):
+            time.sleep(1.0)
+            return read(self, *args, **kwargs)
+
+        Mailbox.read = late_read
+    world = PackedWorld(2, 2, index, lambda: comm.open_store("127.0.0.1", port, timeout_s=30),
+                        30, run_id=run_id)
+    comm.use_backend(world)
+    world.sit(index)
+    try:
+        t = torch.full((10,), float(index + 1))
+        world.all_reduce(t)
+        world.side_barrier()
+        outcome = ("ok", t[0].item())
+    except Exception as exc:  # reported to the test, which names it
+        outcome = ("failed", f"{type(exc).__name__}: {exc}")
+    finally:
+        world.stand()
+    started = time.monotonic()
+    world.close()
+    out.put((index, outcome, time.monotonic() - started))
+
+
+def test_a_process_that_leaves_first_waits_until_its_last_part_is_read():
+    """The process that finishes the last barrier first must not remove its shared
+    memory while a slower peer has yet to read its part of that barrier."""
+    import multiprocessing as mp
+
+    from exogym import comm
+    from exogym.comm.mailbox import new_run_id, remove_segments
+
+    store = comm.open_store("127.0.0.1", 0, is_master=True)
+    run_id = new_run_id()
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_leave_after_barrier, args=(i, store.port, run_id, out))
+             for i in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((index, (outcome, closing)) for index, outcome, closing in
+                   (out.get(timeout=60) for _ in procs))
+    for p in procs:
+        p.join(10)
+    assert results[0][0] == ("ok", 3.0) and results[1][0] == ("ok", 3.0), results
+    assert results[0][1] > 0.5  # process 0 waited for its reader before leaving
+    assert remove_segments(run_id) == 0

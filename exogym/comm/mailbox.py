@@ -23,6 +23,7 @@ import os
 import re
 import stat
 import tempfile
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -127,6 +128,11 @@ class Mailbox:
         self._mapped: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     # -- this process's segments -------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Whether a part of this process may still be unread by a peer."""
+        return bool(self._busy)
 
     def reclaim(self, store: Any) -> None:
         """Take back the segments every reader has finished with."""
@@ -237,6 +243,22 @@ class Mailbox:
             raise AnnouncementError(f"store key {key!r} announces segment {name} of {size} "
                                     f"bytes, but {path} is not a file of this user of that "
                                     "size: refused")
+
+    def drain(self, store: Any, timeout_s: float, poll_s: float = 0.005) -> list[str]:
+        """Wait until every reader of this process's parts has counted itself done, up to
+        ``timeout_s``; the count keys still short at the end (empty: all were read).
+
+        A process that leaves right after a collective must not remove a segment a
+        slower peer has yet to map: the peer would find the announced file gone.
+        """
+        for segment in self._busy:
+            segment.holding = False  # this process reads nothing more
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.reclaim(store)
+            if not self._busy or time.monotonic() >= deadline:
+                return [segment.busy[0] for segment in self._busy]
+            time.sleep(poll_s)
 
     def close(self) -> None:
         """Remove this process's segments and forget the others'."""

@@ -49,6 +49,7 @@ the present members of its group, and sizes and averages count only them.
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import threading
 import time
@@ -70,6 +71,8 @@ from exogym.comm.protocol import (
     to_cpu,
 )
 from exogym.comm.store import ControlStore
+
+log = logging.getLogger(__name__)
 
 #: The most of each rank's tensor one cross-process exchange carries.
 WINDOW_BYTES = 4 << 20
@@ -659,7 +662,21 @@ class PackedWorld(Collectives):
         self.barrier(self.side)
 
     def close(self) -> None:
-        if self._mailbox is not None:
+        """Leave the world: once the other processes have read this one's last parts (up
+        to the world's timeout), remove its shared memory."""
+        if self._mailbox is None:
+            return
+        try:
+            if self._open_store is not None and self._mailbox.busy:
+                with self._store() as store:
+                    unread = self._mailbox.drain(store, self.timeout_s)
+                if unread:
+                    log.warning("process %d leaves with parts not yet read by every peer "
+                                "after %.0f s: %s", self.index, self.timeout_s,
+                                ", ".join(unread[:4]))
+        except (OSError, RuntimeError) as exc:  # the store is gone: nobody reads any more
+            log.debug("process %d: no store to wait for readers on: %s", self.index, exc)
+        finally:
             self._mailbox.close()
 
 
