@@ -88,6 +88,12 @@ class RankTrainer(Trainer):
                                "a run across hosts")
         return None
 
+    def _stacking(self, spec: RunSpec, placement: Placement, stack: bool | str,
+                  processes: int | None) -> tuple[None, Placement]:
+        """A host's rank computes alone: ranks are stacked only in a simulation."""
+        refuse_simulation_only({"stack": stack}, "a run across hosts")
+        return None, placement
+
     def _check_memory(self, spec: RunSpec, placement: Placement) -> StateBytes:
         """Refuse a rank whose training state, with this host's other ranks, does not fit."""
         ranks = self.environment.local_world_size

@@ -182,6 +182,7 @@ class PackedWorld(Collectives):
         self._local = threading.local()
         self.world = PackedGroup(range(world_size), "w")
         self.side = PackedGroup(range(world_size), "s")
+        self._here_group = PackedGroup(range(world_size), "h")  # meet_here's
         self._mailbox = Mailbox(run_id, index, timeout_s) if run_id is not None else None
         self._held: dict[Any, Any] = {}  # state every rank of the process shares (held_once)
 
@@ -315,6 +316,20 @@ class PackedWorld(Collectives):
             finally:
                 meeting.done.set()
         return meeting
+
+    def meet_here(self, payload: Any,
+                  complete: Callable[[dict[int, Any]], dict[int, Any]]) -> Any:
+        """Hand ``payload`` to a meeting of this process's ranks present at the calling
+        rank's step; the last to arrive runs ``complete(parts by rank)`` (holding the
+        baton) and each rank gets its own entry of what it returns. Nothing crosses
+        processes: stacked ranks (:mod:`exogym.run.stack`) compute this way."""
+        def done(meeting: _Meeting, key: tuple[str, int, int]) -> None:
+            results = complete({r: meeting.parts[r] for r in meeting.here})
+            meeting.parts = results
+
+        meeting = self._arrive(self._here_group, payload, done)
+        self._wait(meeting)
+        return meeting.parts[self._seat().rank]
 
     def _wait(self, meeting: _Meeting) -> None:
         if not meeting.done.is_set():

@@ -280,6 +280,11 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _stack(name: str, value: Any) -> None:
+    if value not in (True, False, "auto") or isinstance(value, int) and not isinstance(value, bool):
+        raise ValueError(f"stack must be True, False or 'auto', got {_brief(value)}")
+
+
 def _speed_mode(name: str, value: Any) -> None:
     if value not in SPEED_MODES:
         raise ValueError(f"speed_mode must be 'wall' (a slow rank really takes longer) or "
@@ -531,6 +536,12 @@ class FitArgs(RunArgs):
         "while the ranks fit this machine's cores, else one per core, each running its ranks "
         "in turn (:mod:`exogym.comm.packed`); fewer than ``num_nodes`` packs the ranks that way.",
         _at_least(1, allow_none=True))
+    stack: bool | str = _arg(
+        False, "compute the ranks each process runs as one batched model "
+        "(``torch.func.vmap``; :mod:`exogym.run.stack`): True stacks them (the ranks are "
+        "packed, and a strategy or model that cannot be stacked is refused, saying why), "
+        "``'auto'`` stacks where that is supported and known to be faster, else packs or "
+        "runs a process per rank as without it; False never stacks.", _stack)
     trace: str | bool | None = _arg(
         None, "write the run's trace (``trace.jsonl``: each rank's compute and communication "
         "seconds, bytes and samples per step, evaluations, membership changes; "
@@ -577,7 +588,7 @@ class FitArgs(RunArgs):
 
 
 #: Arguments that only a simulation on one machine has a use for.
-SIMULATION_ONLY = ("processes", "rank_failures", "compute_schedule")
+SIMULATION_ONLY = ("processes", "stack", "rank_failures", "compute_schedule")
 
 
 def refuse_simulation_only(values: Mapping[str, Any], where: str) -> None:
@@ -587,7 +598,7 @@ def refuse_simulation_only(values: Mapping[str, Any], where: str) -> None:
         ValueError: naming the argument, and ``where`` it cannot apply.
     """
     for name in SIMULATION_ONLY:
-        if values.get(name) is not None:
+        if values.get(name) not in (None, fit_default(name)):
             raise ValueError(f"{name} is for a simulation on one machine (exogym.Trainer); "
                              f"{where} has real ranks, one per process: leave {name} out")
 

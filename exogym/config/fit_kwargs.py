@@ -58,5 +58,6 @@ class FitKwargs(TypedDict, total=False):
     log_dir: str
     wandb_project: str | None
     processes: int | None
+    stack: bool | str
     trace: str | bool | None
     progress: bool | ProgressSink

@@ -83,6 +83,8 @@ class Placement:
             the first step (hosts whose seeded initialisation may differ).
         throttle: slows this machine's rank down from outside (an injected ``slow``
             fault, :class:`exogym.run.timing.Throttle`); None: never.
+        stacked: the ranks of each packed process are computed as one batched model
+            (``fit(stack=...)``, :mod:`exogym.run.stack`).
     """
 
     ranks_per_machine: int
@@ -90,6 +92,7 @@ class Placement:
     backend: str | None = None
     broadcast_init: bool = False
     throttle: Any = field(default=None, compare=False)
+    stacked: bool = False
 
     def threads_per_rank(self, spec: RunSpec) -> int:
         """``spec.num_threads``, or this machine's cores shared by the ranks it runs."""
@@ -154,6 +157,18 @@ def check_data(train_dataset: Any, num_nodes: int, batch_size: int | None,
                       "the number of ranks", DataWarning, stacklevel=4)  # fit()'s caller
 
 
+def sample_batch(train_dataset: Any, dataloader_kwargs: dict[str, Any] | None) -> Any:
+    """A batch of the first two training samples (one if there is one), collated as the
+    ranks' loaders collate; None for a factory or a dataset without indexing."""
+    if is_factory(train_dataset) or isinstance(train_dataset, IterableDataset) or \
+            not hasattr(train_dataset, "__len__") or len(train_dataset) == 0:
+        return None
+    from exogym.data.loading import eval_loader
+
+    samples = [0, 1][:len(train_dataset)]  # two: a loss per sample is no scalar then
+    return next(iter(eval_loader(train_dataset, samples, len(samples), dataloader_kwargs)))
+
+
 def check_forward(model: torch.nn.Module, train_dataset: Any,
                   dataloader_kwargs: dict[str, Any] | None) -> None:
     """Call ``model`` on a batch of two training samples (one if there is one), as the ranks
@@ -168,13 +183,10 @@ def check_forward(model: torch.nn.Module, train_dataset: Any,
     Raises:
         TypeError: naming what ``forward`` returned.
     """
-    if is_factory(train_dataset) or isinstance(train_dataset, IterableDataset) or \
-            not hasattr(train_dataset, "__len__") or len(train_dataset) == 0:
+    batch = sample_batch(train_dataset, dataloader_kwargs)
+    if batch is None:
         return
-    from exogym.data.loading import eval_loader
-
-    samples = [0, 1][:len(train_dataset)]  # two: a loss per sample is no scalar then
-    batch = next(iter(eval_loader(train_dataset, samples, len(samples), dataloader_kwargs)))
+    samples = [0, 1][:len(train_dataset)]
     training = model.training
     model.eval()
     try:

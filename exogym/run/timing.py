@@ -57,6 +57,10 @@ class StepTimer:
         self.speed_mode = speed_mode
         self.alone_on_machine = alone_on_machine
         self.throttle = throttle
+        # Seconds of wall and CPU time credited to the rank beyond what it measures
+        # itself (stacked ranks: its share of a computation another rank's thread ran).
+        self._credit_wall = 0.0
+        self._credit_cpu = 0.0
 
     @property
     def now(self) -> float | None:
@@ -72,7 +76,19 @@ class StepTimer:
     def mark(self) -> Mark:
         """Now, for :meth:`compute_since`."""
         wall_in, cpu_in = comm.collective_time()
-        return time.perf_counter(), time.thread_time(), wall_in, cpu_in
+        return (time.perf_counter() + self._credit_wall, time.thread_time() + self._credit_cpu,
+                wall_in, cpu_in)
+
+    def wall(self) -> float:
+        r"""The rank's wall clock (``time.perf_counter`` with :meth:`credit`\ s added)."""
+        return time.perf_counter() + self._credit_wall
+
+    def credit(self, wall_s: float, cpu_s: float) -> None:
+        """Count ``wall_s`` and ``cpu_s`` more (or fewer, negative) seconds as this rank's
+        own from now on: stacked ranks compute together in one thread, and each is
+        charged its share of it instead of what its own thread spent or waited."""
+        self._credit_wall += wall_s
+        self._credit_cpu += cpu_s
 
     def compute_since(self, mark: Mark) -> float:
         """Compute seconds since ``mark``, without time inside collectives or asleep."""

@@ -45,6 +45,7 @@ from exogym.run.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from exogym.run.stack import RankStack
 from exogym.run.timing import StepTimer
 from exogym.sim.clock import SimClock
 from exogym.strategy.context import RankContext
@@ -104,6 +105,13 @@ class TrainNode:
 
         self.model = copy.deepcopy(spec.model).to(device)
         self.model.train()
+        # Stacked ranks: this rank's parameters become its views of its process's stack.
+        self.stack: RankStack | None = None
+        if self.placement.stacked:
+            world = comm.backend()
+            self.stack = world.held_once(RankStack, lambda: RankStack(world.meet_here,
+                                                                       world.here))
+            self.stack.join(rank, self.model)
         # Which ranks train each step: fixed by rank_failures (a simulation), or agreed as
         # the run goes (exogym.membership.hosts). A rank that rejoins a running round takes no part
         # in the start's agreements: a peer hands it the state when it is admitted.
@@ -156,7 +164,7 @@ class TrainNode:
         self._last_loss = float("nan")  # reported by an idle step
         self._comm_wall_seen = comm.collective_time()[0]
         self._clock_seen = (0.0, 0.0)  # the clock's compute and communication at the last event
-        self._step_started = time.perf_counter()
+        self._step_started = self.timer.wall()
         self.autocast = (
             torch.autocast(device_type=device.type, dtype=torch.bfloat16)
             if spec.autocast else nullcontext()
@@ -244,7 +252,7 @@ class TrainNode:
         through the step, and trains the pacer's samples; otherwise it trains
         ``batch_size`` samples in ``minibatch_size`` minibatches.
         """
-        self._step_started = time.perf_counter()
+        self._step_started = self.timer.wall()
         pacer = self.pacer
         if pacer is not None:
             trains = pacer.begin_step(self.step + 1, self._present())
@@ -294,12 +302,25 @@ class TrainNode:
         losses = []
         for _ in range(accumulation):
             batch = to_device(next(self.train_stream), self.device)
-            loss = self._loss(self.model, batch)
-            (loss / accumulation if accumulation > 1 else loss).backward()
+            if self.stack is not None:
+                loss = self._stacked_backward(batch, 1.0 / accumulation)
+            else:
+                loss = self._loss(self.model, batch)
+                (loss / accumulation if accumulation > 1 else loss).backward()
             losses.append(loss.detach())
             self.samples += batch_size_of(batch)
         total = losses[0] if accumulation == 1 else torch.stack(losses).float().sum()
         return float(total) / accumulation
+
+    def _stacked_backward(self, batch: Any, scale: float) -> torch.Tensor:
+        """The loss on ``batch``, its gradient times ``scale`` added, computed with the
+        process's other present ranks at once; the rank is charged its share of the time."""
+        assert self.stack is not None
+        wall, cpu = time.perf_counter(), time.thread_time()
+        loss, share_wall, share_cpu = self.stack.backward(self.rank, batch, scale, self.autocast)
+        self.timer.credit(share_wall - (time.perf_counter() - wall),
+                          share_cpu - (time.thread_time() - cpu))
+        return loss
 
     def _present(self) -> range | frozenset[int]:
         """The ranks that train the next step."""
@@ -334,7 +355,7 @@ class TrainNode:
         clock = self.clock
         if clock is None:
             # measured: the step's wall time less its time in collectives
-            event["compute_s"] = max(0.0, time.perf_counter() - self._step_started
+            event["compute_s"] = max(0.0, self.timer.wall() - self._step_started
                                      - event["comm_s"])
         else:
             # what the clock charged this step: its compute, and its collectives' time

@@ -51,7 +51,14 @@ from exogym.report.trace import TraceWriter, trace_path
 from exogym.run.devices import available_cores, loopback_interface
 from exogym.run.memory import StateBytes, check_memory, with_measured_minibatch
 from exogym.run.run_rank import Rendezvous, run_rank
-from exogym.run.spec import Placement, RunSpec, check_data, check_forward, make_run_spec
+from exogym.run.spec import (
+    Placement,
+    RunSpec,
+    check_data,
+    check_forward,
+    make_run_spec,
+    sample_batch,
+)
 from exogym.strategy.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -402,6 +409,65 @@ def simulation_processes(spec: RunSpec, placement: Placement, processes: int | N
     return None
 
 
+#: ``stack='auto'`` stacks a model of at least this many trainable parameters: below it
+#: a rank's forward pass is too small for batching ranks to pay (bench/stacked.py).
+STACK_AUTO_PARAMETERS = 1_000_000
+
+
+def stack_problem(spec: RunSpec) -> str | None:
+    """Why the ranks of ``spec`` cannot be stacked (None: they can)."""
+    from exogym.run.stack import probe_model, strategy_problem
+
+    if spec.num_nodes == 1:
+        return "a run of one rank has nothing to stack"
+    if spec.device_type != "cpu":
+        return f"the ranks run on {spec.device_type}, and packed ranks need CPU ranks"
+    if comm.collectives_mode() != "auto":
+        return f"{comm.MODE_ENV}={comm.collectives_mode()} asks for other collectives"
+    if spec.balance != "none":
+        return (f"balance={spec.balance!r} gives each rank its own share of samples, so "
+                "their batches differ")
+    problem = strategy_problem(spec.strategy)
+    if problem is not None:
+        return problem
+    batch = sample_batch(spec.train_dataset, spec.dataloader_kwargs)
+    if batch is None:
+        from exogym.run.stack import model_problem
+
+        return model_problem(spec.model)
+    return probe_model(spec.model, batch)
+
+
+def simulation_stacking(spec: RunSpec, placement: Placement, stack: bool | str,
+                        processes: int | None, packed: int | None
+                        ) -> tuple[int | None, Placement]:
+    """The processes (None: one per rank) and placement of ``fit(stack=...)``: stacked
+    ranks are packed, one process per core unless ``processes`` says otherwise.
+
+    ``stack='auto'`` stacks where the ranks are packed anyway, the model has at least
+    :data:`STACK_AUTO_PARAMETERS` trainable parameters and nothing stands in the way;
+    otherwise it leaves the run as it was (``packed`` processes).
+
+    Raises:
+        StackError: ``stack=True`` for ranks that cannot be stacked, naming why.
+    """
+    from exogym.run.stack import StackError
+
+    if stack == "auto":
+        trainable = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
+        if packed is None or trainable < STACK_AUTO_PARAMETERS or stack_problem(spec):
+            return packed, placement
+    else:
+        problem = stack_problem(spec)
+        if problem is not None:
+            raise StackError(f"stack=True: {problem}; leave stack out to run the ranks "
+                             "without stacking")
+    if packed is None:
+        slots = max(1, available_cores() // placement.threads_per_rank(spec))
+        packed = processes if processes is not None else min(spec.num_nodes, slots)
+    return packed, dataclasses.replace(placement, stacked=True)
+
+
 class Trainer:
     """Trains a model with a distributed strategy on K simulated nodes.
 
@@ -468,6 +534,9 @@ class Trainer:
         placement = self._placement(spec)
         spec = with_measured_minibatch(spec, placement)
         self._processes = self._packing(spec, placement, fit_args.processes)
+        if fit_args.stack is not False:
+            self._processes, placement = self._stacking(spec, placement, fit_args.stack,
+                                                        fit_args.processes)
         self.state_bytes = self._check_memory(spec, placement)
         return fit_args, spec, placement
 
@@ -497,6 +566,11 @@ class Trainer:
     def _packing(self, spec: RunSpec, placement: Placement, processes: int | None) -> int | None:
         """Processes to pack the ranks into (None: one per rank); see :func:`simulation_processes`."""
         return simulation_processes(spec, placement, processes)
+
+    def _stacking(self, spec: RunSpec, placement: Placement, stack: bool | str,
+                  processes: int | None) -> tuple[int | None, Placement]:
+        """The processes and placement of ``fit(stack=...)``; see :func:`simulation_stacking`."""
+        return simulation_stacking(spec, placement, stack, processes, self._processes)
 
     def _check_memory(self, spec: RunSpec, placement: Placement) -> StateBytes:
         """Refuse a run whose ranks' training state does not fit this machine's memory."""
@@ -556,6 +630,8 @@ class Trainer:
                                      labels)
             if self._processes:
                 self.summary["processes"] = self._processes
+            if placement.stacked:
+                self.summary["stacked"] = True
             membership = spec.membership()
             if membership is not None:
                 self.summary["membership"] = membership.changes(self.summary["steps"])

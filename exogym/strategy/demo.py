@@ -316,6 +316,8 @@ class DeMoStrategy(Strategy):
     table in ``docs/strategies.md``).
     """
 
+    stackable = True
+
     def __init__(
         self,
         lr: float | None = None,

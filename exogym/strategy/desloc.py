@@ -186,6 +186,8 @@ class DESLOCStrategy(CommunicateOptimizeStrategy):
     buffer values).
     """
 
+    stackable = True
+
     def __init__(
         self,
         optim_spec: OptimSpec | str | None = None,

@@ -174,6 +174,8 @@ class DiLoCoStrategy(CommunicateOptimizeStrategy):
     samples it trained; the bytes are those of any round.
     """
 
+    stackable = True
+
     balance_modes = ("batch", "steps")
 
     def __init__(

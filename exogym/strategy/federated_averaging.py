@@ -143,6 +143,8 @@ class FedAvgStrategy(CommunicateOptimizeStrategy):
     table in ``docs/strategies.md``).
     """
 
+    stackable = True
+
     def __init__(
         self,
         optim_spec: OptimSpec | str | None = None,

@@ -287,6 +287,8 @@ class SparseLoCoStrategy(CommunicateOptimizeStrategy):
     settings table in ``docs/strategies.md``).
     """
 
+    stackable = True
+
     def __init__(
         self,
         H: int = SPARSELOCO.H.default,

@@ -341,6 +341,8 @@ class SPARTAStrategy(CommunicateOptimizeStrategy):
     table in ``docs/strategies.md``).
     """
 
+    stackable = True
+
     def __init__(
         self,
         optim_spec: OptimSpec | str | None = None,

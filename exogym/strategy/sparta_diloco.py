@@ -59,6 +59,8 @@ class SPARTADiLoCoStrategy(CommunicateOptimizeStrategy):
     settings table in ``docs/strategies.md``).
     """
 
+    stackable = True
+
     def __init__(
         self,
         optim_spec: OptimSpec | str | None = None,

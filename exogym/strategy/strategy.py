@@ -137,6 +137,14 @@ class Strategy(ABC):
     #: ``fit(balance=...)`` follows too (:class:`exogym.run.balance.Pacer`).
     paces_steps: bool = False
 
+    #: True for a strategy whose ranks may be computed as one batched model
+    #: (``fit(stack=True)``, :mod:`exogym.run.stack`): its step changes the model's
+    #: parameters only in place (``p.copy_``, ``p.add_``, an optimizer's step), never
+    #: gives a parameter new storage (``p.data = ...``), and every rank trains every
+    #: step. Built-in strategies declare it; one written elsewhere runs packed until
+    #: it does.
+    stackable: bool = False
+
     def __init__(
         self,
         optim_spec: OptimSpec | str | type | None = None,
@@ -499,6 +507,8 @@ class SimpleReduceStrategy(Strategy):
         optim_spec: the optimizer (default AdamW); see :class:`Strategy` for the rest.
         max_norm: gradient clipping, applied to the averaged gradient.
     """
+
+    stackable = True
 
     keeps_ranks_identical = True
     balance_modes = ("batch",)

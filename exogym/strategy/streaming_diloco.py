@@ -323,6 +323,8 @@ class StreamingDiLoCoStrategy(CommunicateOptimizeStrategy):
     settings table in ``docs/strategies.md``).
     """
 
+    stackable = True
+
     def __init__(
         self,
         optim_spec: OptimSpec | str | None = None,

@@ -1,0 +1,280 @@
+"""Stacked ranks (fit(stack=...)): the ranks of a packed process computed as one batched model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from exogym import Trainer
+from exogym.run.stack import StackError, probe_model
+from exogym.strategy import (
+    AsyncDiLoCoStrategy,
+    DESLOCStrategy,
+    DiLoCoStrategy,
+    FedAvgStrategy,
+    MuLoCoStrategy,
+    SimpleReduceStrategy,
+    SparseLoCoStrategy,
+    SPARTAStrategy,
+    StreamingDiLoCoStrategy,
+)
+from exogym.strategy.strategy import Strategy
+from tests.toys import BNNet, TinyNet, assert_models_close, tiny_model, toy_dataset
+
+QUIET = dict(logger=None, progress=False)
+
+STRATEGIES = {
+    "ddp": lambda: SimpleReduceStrategy(optim_spec="adamw", lr=0.01),
+    "diloco": lambda: DiLoCoStrategy(H=2, inner_optim="adamw", lr=0.01),
+    "fedavg-islands": lambda: FedAvgStrategy(H=2, island_size=2, inner_optim="sgd", lr=0.1),
+    "sparta": lambda: SPARTAStrategy(p_sparta=0.1, inner_optim="sgd", lr=0.1),
+    "streaming-diloco": lambda: StreamingDiLoCoStrategy(H=2, num_fragments=2, inner_optim="sgd",
+                                                        lr=0.1),
+    "sparseloco": lambda: SparseLoCoStrategy(H=2),
+    "desloc": lambda: DESLOCStrategy(inner_optim="adamw", lr=0.01),
+    "muloco": lambda: MuLoCoStrategy(H=2),
+}
+
+
+def run(strategy, stack, processes, num_nodes=4, max_steps=6, model=None, **kwargs):
+    ds = toy_dataset()
+    trainer = Trainer(model or tiny_model(), ds, ds)
+    final = trainer.fit(strategy=strategy, num_nodes=num_nodes, max_steps=max_steps,
+                        batch_size=8, val_size=32, val_interval=3, processes=processes,
+                        stack=stack, **QUIET, **kwargs)
+    return trainer, final
+
+
+def assert_same_run(a: list[dict], b: list[dict]) -> None:
+    """Two runs' histories: the same rows, bytes and losses (within 1e-5)."""
+    rows = lambda history: [(r["rank"], r["step"], r["train_loss"], r["comm_bytes"])  # noqa: E731
+                            for r in history]
+    assert len(a) == len(b)
+    for x, y in zip(rows(a), rows(b)):
+        assert x[:2] == y[:2] and x[3] == y[3]  # the same rows, the same bytes counted
+        assert math.isclose(x[2], y[2], rel_tol=1e-5, abs_tol=1e-6), (x, y)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_stacked_ranks_train_as_one_process_per_rank(name):
+    separate, separate_model = run(STRATEGIES[name](), False, processes=4)
+    stacked, stacked_model = run(STRATEGIES[name](), True, processes=2)
+    assert stacked.summary["stacked"] is True and stacked.summary["processes"] == 2
+    assert "stacked" not in separate.summary
+    assert_same_run(separate.history, stacked.history)
+    assert_models_close(separate_model, stacked_model, atol=1e-5)
+
+
+def test_stacked_ranks_follow_rank_failures_and_rank_speeds():
+    kwargs = dict(rank_failures=[(1, 2, 5)], rank_speeds=[1.0, 0.5, 1.0, 0.8],
+                  network="100mbit", compute_time_s=0.01, max_steps=8)
+    packed, packed_model = run(DiLoCoStrategy(H=2, inner_optim="sgd", lr=0.1), False,
+                               processes=2, **kwargs)
+    stacked, stacked_model = run(DiLoCoStrategy(H=2, inner_optim="sgd", lr=0.1), True,
+                                 processes=2, **kwargs)
+    assert_same_run(packed.history, stacked.history)
+    assert [r["step"] for r in stacked.history if r["rank"] == 1] == [1, 5, 6, 7, 8]
+    for a, b in zip(packed.history, stacked.history):  # the clock runs as it does packed
+        assert a["sim_time_s"] == pytest.approx(b["sim_time_s"])
+    assert_models_close(packed_model, stacked_model, atol=1e-5)
+
+
+def test_accumulated_minibatches_stack_too():
+    separate, separate_model = run(STRATEGIES["diloco"](), False, processes=4,
+                                   minibatch_size=4)
+    stacked, stacked_model = run(STRATEGIES["diloco"](), True, processes=2, minibatch_size=4)
+    assert_same_run(separate.history, stacked.history)
+    assert_models_close(separate_model, stacked_model, atol=1e-5)
+
+
+def test_a_stacked_step_charges_each_rank_its_share_of_the_compute():
+    trainer, _ = run(STRATEGIES["ddp"](), True, processes=1, max_steps=4)
+    by_rank = {}
+    for r in trainer.history:
+        by_rank.setdefault(r["rank"], []).append(r["compute_s"])
+    # Each rank is charged a quarter of the stacked work, not the whole (the computing
+    # rank) or nothing (those that waited for it).
+    means = [sum(v) / len(v) for v in by_rank.values()]
+    assert max(means) < 3 * min(means), means
+
+
+# -- what cannot be stacked is refused, before any rank starts ------------------------
+
+
+class ItemNet(TinyNet):
+    """Reads a value out of a tensor inside forward."""
+
+    def forward(self, batch):
+        x, y = batch
+        scale = float(x.abs().max().item())
+        return F.cross_entropy(self.fc2(torch.tanh(self.fc1(x / scale))), y)
+
+
+class Branchy(nn.Module):
+    """Takes a branch by the value of its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = Gate()
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.out(self.gate(x)), y)
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+class Counter(TinyNet):
+    """Counts its forward passes in a buffer, in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, batch):
+        self.calls.add_(1)
+        return super().forward(batch)
+
+
+class OwnStrategy(Strategy):
+    """A strategy written outside exogym, which has not declared itself stackable."""
+
+    def step(self) -> None:
+        self.optim.step()
+        super().step()
+
+
+@pytest.mark.parametrize("model, where, why", [
+    (BNNet(), "module bn (BatchNorm1d)", "running statistics"),
+    (ItemNet(), "module (the model) (ItemNet)", "item()"),
+    (Branchy(), "module gate (Gate)", "data-dependent control flow"),
+    (Counter(), "module (the model) (Counter)", "buffer calls"),
+], ids=["batchnorm", "item", "control-flow", "buffer-update"])
+def test_a_model_that_cannot_be_vmapped_is_refused_naming_the_module(model, where, why):
+    ds = toy_dataset()
+    with pytest.raises(StackError) as refused:
+        Trainer(model, ds, ds).check(strategy=STRATEGIES["diloco"](), num_nodes=4,
+                                     max_steps=2, processes=2, stack=True, **QUIET)
+    message = str(refused.value)
+    assert message.startswith("stack=True: ") and where in message and why in message, message
+    # 'auto' runs such a model packed, as without stacking
+    trainer = Trainer(model, ds, ds)
+    if not isinstance(model, BNNet):  # (BatchNorm trains packed too; quicker left out here)
+        trainer.fit(strategy=STRATEGIES["ddp"](), num_nodes=4, max_steps=1, batch_size=8,
+                    val_size=0, processes=2, stack="auto", **QUIET)
+        assert "stacked" not in trainer.summary
+
+
+@pytest.mark.parametrize("strategy, why", [
+    (AsyncDiLoCoStrategy(H=2), "paces each rank at its own speed"),
+    (OwnStrategy(optim_spec="sgd", lr=0.1), "OwnStrategy does not declare itself stackable"),
+], ids=["async-diloco", "user-strategy"])
+def test_a_strategy_that_cannot_be_stacked_is_refused_and_auto_packs_it(strategy, why):
+    with pytest.raises(StackError, match=why):
+        run(strategy, True, processes=2)
+    trainer, _ = run(strategy, "auto", processes=2, max_steps=2,
+                     model=_large_tiny_model())
+    assert "stacked" not in trainer.summary and trainer.summary["processes"] == 2
+
+
+def test_stack_auto_stacks_a_large_enough_model_only():
+    trainer, _ = run(STRATEGIES["ddp"](), "auto", processes=2, max_steps=2,
+                     model=_large_tiny_model())
+    assert trainer.summary["stacked"] is True
+    small, _ = run(STRATEGIES["ddp"](), "auto", processes=2, max_steps=2)
+    assert "stacked" not in small.summary  # too small for stacking to pay
+
+
+def test_stack_is_checked_and_needs_a_simulation():
+    ds = toy_dataset()
+    with pytest.raises(ValueError, match="stack must be True, False or 'auto', got 'yes'"):
+        Trainer(tiny_model(), ds, ds).check(strategy=STRATEGIES["ddp"](), num_nodes=2,
+                                            stack="yes", **QUIET)
+    with pytest.raises(StackError, match="one rank has nothing to stack"):
+        Trainer(tiny_model(), ds, ds).check(strategy=STRATEGIES["ddp"](), num_nodes=1,
+                                            stack=True, **QUIET)
+
+
+def test_a_batch_of_other_shapes_per_rank_still_computes_each_ranks_own_loss():
+    """An epoch's short last batch: ranks whose batches differ in shape are computed
+    one by one on their slices of the stack, with the same result."""
+    ds = toy_dataset(n=42)  # 11, 11, 10, 10 samples a rank: batches of 8, then of 3 or 2
+    trainers = {}
+    for stack, processes in ((False, 4), (True, 1)):
+        trainer = Trainer(tiny_model(), ds, ds)
+        final = trainer.fit(strategy=STRATEGIES["diloco"](), num_nodes=4, max_steps=4,
+                            batch_size=8, val_size=0, processes=processes, stack=stack,
+                            shuffle=False, **QUIET)
+        trainers[stack] = (trainer, final)
+    assert_same_run(trainers[False][0].history, trainers[True][0].history)
+    assert_models_close(trainers[False][1], trainers[True][1], atol=1e-5)
+
+
+def test_each_ranks_gradient_is_its_own_loss_gradient_whatever_its_batch_shape():
+    import copy
+
+    from exogym.run.stack import RankStack
+
+    ds = toy_dataset()
+    models = [tiny_model(seed) for seed in range(3)]
+    batches = [(ds.tensors[0][:8], ds.tensors[1][:8]), (ds.tensors[0][8:16], ds.tensors[1][8:16]),
+               (ds.tensors[0][16:21], ds.tensors[1][16:21])]
+    for sizes in ((0, 1), (0, 1, 2)):  # equal shapes: vmapped; one short batch: one by one
+        own = [copy.deepcopy(models[i]) for i in sizes]
+        expected = []
+        for model, i in zip(own, sizes):
+            loss = model(batches[i])
+            (0.5 * loss).backward()
+            expected.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        stack = RankStack(lambda part, complete: None, list(sizes))
+        stacked = [copy.deepcopy(models[i]) for i in sizes]
+        for rank, model in zip(sizes, stacked):
+            stack.join(rank, model)
+        out = stack._compute({r: (batches[r], 0.5) for r in sizes}, None)
+        for rank, model, (loss, grads) in zip(sizes, stacked, expected):
+            torch.testing.assert_close(out[rank][0], loss, atol=1e-6, rtol=0)
+            for p, g in zip(model.parameters(), grads):
+                assert p.grad.is_contiguous()
+                torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=0)
+
+
+def test_the_probe_leaves_the_model_as_it_was():
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ds = toy_dataset()
+    assert probe_model(model, (ds.tensors[0][:2], ds.tensors[1][:2])) is None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _large_tiny_model() -> nn.Module:
+    """A model past stack='auto''s size bar, quick to train."""
+    return TinyNet(d_in=8, hidden=125_000, classes=3)
+
+
+def test_a_stacked_23m_model_ends_with_the_packed_model():
+    from distributed.tasks.tokens import gpt_task
+    from tests.test_real_size import assert_real_size, assert_states_equal
+
+    model, train, val = gpt_task(block_size=32, tokens=30000)
+    assert_real_size(model)
+    ends = {}
+    for stack in (False, True):
+        trainer = Trainer(model, train, val)
+        final = trainer.fit(strategy=DiLoCoStrategy(H=2, inner_optim="sgd", lr=0.05),
+                            num_nodes=4, max_steps=4, batch_size=2, val_size=8,
+                            val_interval=4, num_threads=1, processes=2, stack=stack, **QUIET)
+        assert trainer.summary.get("stacked") is (True if stack else None)
+        ends[stack] = (final.state_dict(), trainer.history)
+    assert_same_run(ends[False][1], ends[True][1])
+    assert_states_equal(ends[False][0], ends[True][0], atol=1e-5)
