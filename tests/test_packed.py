@@ -238,3 +238,48 @@ def test_a_process_that_leaves_first_waits_until_its_last_part_is_read():
     assert results[0][0] == ("ok", 3.0) and results[1][0] == ("ok", 3.0), results
     assert results[0][1] > 0.5  # process 0 waited for its reader before leaving
     assert remove_segments(run_id) == 0
+
+
+def test_every_rank_has_one_process_and_a_process_shares_its_device():
+    from types import SimpleNamespace
+
+    from exogym.comm.packed import process_of, process_ranks
+    from exogym.run.spec import Placement
+
+    for world, processes in ((4, 1), (4, 3), (7, 2), (128, 5), (1024, 2)):
+        for index in range(processes):
+            for rank in process_ranks(world, processes, index):
+                assert process_of(world, processes, rank) == index
+    spec = SimpleNamespace(num_nodes=6, device_type="cuda")
+    packed = Placement(ranks_per_machine=6, devices=[0, 1], processes=3)
+    # processes 0, 1, 2 hold ranks 0-1, 2-3, 4-5; they take GPUs 0, 1, 0
+    assert [packed.device_of(spec, r).index for r in range(6)] == [0, 0, 1, 1, 0, 0]
+    alone = Placement(ranks_per_machine=6, devices=[0, 1])
+    assert [alone.device_of(spec, r).index for r in range(6)] == [0, 1, 0, 1, 0, 1]
+
+
+def _accelerators():
+    found = []
+    if torch.cuda.is_available():
+        found.append("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        found.append("mps")
+    return found or [pytest.param("none", marks=pytest.mark.skip(
+        reason="needs a CUDA or MPS device: packed and stacked ranks on an accelerator"))]
+
+
+@pytest.mark.parametrize("device", _accelerators())
+def test_packed_and_stacked_ranks_on_an_accelerator_train_as_one_process_per_rank(device):
+    make = lambda: DiLoCoStrategy(H=2, inner_optim="adamw", lr=0.01)  # noqa: E731
+    separate, separate_model = run(make(), processes=4, device=device)
+    packed, packed_model = run(make(), processes=1, device=device)
+    stacked, stacked_model = run(make(), processes=1, device=device, stack=True)
+    away, _ = run(make(), processes=1, device=device, rank_failures=[(1, 2, 5)])
+    assert packed.summary["processes"] == 1 and stacked.summary["stacked"] is True
+    for trainer in (packed, stacked):
+        for a, b in zip(rows(separate), rows(trainer)):
+            assert a[:2] == b[:2] and a[3] == b[3]
+            assert math.isclose(a[2], b[2], rel_tol=1e-5, abs_tol=1e-6)
+    assert_models_close(separate_model, packed_model, atol=1e-5)
+    assert_models_close(separate_model, stacked_model, atol=1e-5)
+    assert [r["step"] for r in away.history if r["rank"] == 1] == [1, 5, 6]

@@ -86,6 +86,18 @@ def process_ranks(world_size: int, processes: int, index: int) -> range:
     return range(index * world_size // processes, (index + 1) * world_size // processes)
 
 
+def process_of(world_size: int, processes: int, rank: int) -> int:
+    """The process of ``processes`` that runs rank ``rank`` (:func:`process_ranks`)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of {world_size}")
+    index = rank * processes // world_size
+    while rank >= process_ranks(world_size, processes, index).stop:
+        index += 1
+    while rank < process_ranks(world_size, processes, index).start:
+        index -= 1
+    return index
+
+
 class PackedGroup:
     """A group of ranks in a packed world: what :func:`exogym.comm.new_group` returns there.
 
@@ -108,7 +120,7 @@ class _Seat:
         self.members: frozenset[int] | None = None  # None: every rank is present
         self.counts: dict[str, int] = {}  # collectives per group in the current step
         self.present: dict[str, tuple[int, ...]] = {}  # a group's present members, cached
-        self.rng: tuple[Any, Any, Any] | None = None  # saved while another rank runs
+        self.rng: tuple[Any, Any, Any, Any] | None = None  # saved while another rank runs
 
 
 class _Meeting:
@@ -155,16 +167,20 @@ class PackedWorld(Collectives):
         run_id: names the run's shared-memory segments
             (:func:`exogym.comm.mailbox.new_run_id`); needed with several processes.
         namespace: prefix of the store keys this run uses.
+        device: the device the process's ranks train on (default the CPU): on CUDA or
+            MPS each rank's random state there is kept apart too, as on the CPU.
     """
 
     name = "packed ranks"
 
     def __init__(self, world_size: int, processes: int, index: int,
                  open_store: Callable[[], ControlStore] | None, timeout_s: float = 1800.0,
-                 run_id: str | None = None, namespace: str = "exogym/packed"):
+                 run_id: str | None = None, namespace: str = "exogym/packed",
+                 device: torch.device | None = None):
         if not 0 <= index < processes <= world_size:
             raise ValueError(f"process {index} of {processes} for {world_size} ranks")
         self._world_size = world_size
+        self.device = device or torch.device("cpu")
         self.processes = processes
         self.index = index
         self.timeout_s = float(timeout_s)
@@ -218,11 +234,13 @@ class PackedWorld(Collectives):
         if previous is not seat:
             # The globals hold the previous runner's random state: keep it, put ours back.
             if previous is not None:
-                previous.rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+                previous.rng = (torch.get_rng_state(), random.getstate(), np.random.get_state(),
+                                _accelerator_rng(self.device))
             if seat.rng is not None:
                 torch.set_rng_state(seat.rng[0])
                 random.setstate(seat.rng[1])
                 np.random.set_state(seat.rng[2])
+                _set_accelerator_rng(self.device, seat.rng[3])
             self._holder = seat
 
     @contextmanager
@@ -580,7 +598,7 @@ class PackedWorld(Collectives):
             if len(self._processes(meeting.present)) == 1:
                 # Every rank here: reduce tensor by tensor, straight from the ranks' own.
                 for j in range(len(like)):
-                    values = torch.empty(like[j].numel(), dtype=dtype)
+                    values = torch.empty(like[j].numel(), dtype=dtype, device=like[j].device)
                     parts = [flats[r][j] if dtype == own else flats[r][j].to(dtype)
                              for r in meeting.present]
                     reduce_rows(parts, values, op)
@@ -693,6 +711,24 @@ class PackedWorld(Collectives):
             log.debug("process %d: no store to wait for readers on: %s", self.index, exc)
         finally:
             self._mailbox.close()
+
+
+def _accelerator_rng(device: torch.device) -> torch.Tensor | None:
+    """The random state of ``device`` when it is an accelerator (None on the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    if device.type == "mps":
+        return torch.mps.get_rng_state()
+    return None
+
+
+def _set_accelerator_rng(device: torch.device, state: torch.Tensor | None) -> None:
+    if state is None:
+        return
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    elif device.type == "mps":
+        torch.mps.set_rng_state(state)
 
 
 def _write(target: torch.Tensor, at: int, values: torch.Tensor) -> None:

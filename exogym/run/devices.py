@@ -64,11 +64,14 @@ def resolve_devices(device: str | torch.device | None,
     return "cuda", devices
 
 
-def rank_device(device_type: str, devices: Sequence[int] | None, rank: int) -> torch.device:
-    """The device rank ``rank`` uses."""
+def rank_device(device_type: str, devices: Sequence[int] | None, rank: int,
+                process: int | None = None) -> torch.device:
+    """The device rank ``rank`` uses: on CUDA ``devices[rank % len]``, or, for a rank packed
+    into process ``process`` (:mod:`exogym.comm.packed`), that process's
+    ``devices[process % len]``: the ranks of a process share its device and context."""
     if device_type == "cuda":
         assert devices
-        return torch.device("cuda", devices[rank % len(devices)])
+        return torch.device("cuda", devices[(rank if process is None else process) % len(devices)])
     return torch.device(device_type)
 
 

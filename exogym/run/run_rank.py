@@ -33,7 +33,7 @@ from exogym.comm.shared_memory import SharedMemoryBackend, SharedMemoryCollectiv
 from exogym.comm.store import describe_ignored
 from exogym.comm.torch_group import TorchGroup
 from exogym.membership.hosts import ElasticMembership, MembershipStop, PeerLost
-from exogym.run.devices import backend_for, rank_device
+from exogym.run.devices import backend_for
 from exogym.run.spec import Placement, RunSpec
 from exogym.run.train_node import TrainNode
 
@@ -344,7 +344,7 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
     threads = placement.threads_per_rank(spec)
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    device = rank_device(spec.device_type, placement.devices, rank)
+    device = placement.device_of(spec, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     mirror = comm.collectives_mode() == "mirror"  # refuses a bad value

@@ -85,6 +85,8 @@ class Placement:
             fault, :class:`exogym.run.timing.Throttle`); None: never.
         stacked: the ranks of each packed process are computed as one batched model
             (``fit(stack=...)``, :mod:`exogym.run.stack`).
+        processes: the processes a packed simulation runs its ranks in (None: one per
+            rank); a process's ranks share its device.
     """
 
     ranks_per_machine: int
@@ -93,6 +95,16 @@ class Placement:
     broadcast_init: bool = False
     throttle: Any = field(default=None, compare=False)
     stacked: bool = False
+    processes: int | None = None
+
+    def device_of(self, spec: RunSpec, rank: int) -> torch.device:
+        """The device rank ``rank`` trains on here."""
+        from exogym.comm.packed import process_of
+        from exogym.run.devices import rank_device
+
+        process = None if self.processes is None else process_of(spec.num_nodes,
+                                                                  self.processes, rank)
+        return rank_device(spec.device_type, self.devices, rank, process)
 
     def threads_per_rank(self, spec: RunSpec) -> int:
         """``spec.num_threads``, or this machine's cores shared by the ranks it runs."""

@@ -317,7 +317,8 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
         port = int(events.recv())
         world = PackedWorld(spec.num_nodes, processes, index,
                             lambda: comm.open_store("127.0.0.1", port, timeout_s=spec.timeout_s),
-                            spec.timeout_s, run_id=run_id)
+                            spec.timeout_s, run_id=run_id,
+                            device=placement.device_of(spec, first_rank))
         comm.use_backend(world)
         _one_malloc_arena()
         # The process's ranks' final states, summed as they end, in rank order: a state
@@ -383,30 +384,33 @@ def simulation_processes(spec: RunSpec, placement: Placement, processes: int | N
     """How many processes a simulation packs its ranks into; None: one process per rank.
 
     Ranks are packed (:mod:`exogym.comm.packed`) when asked (``processes`` below the
-    ranks), when ranks leave and rejoin (``rank_failures``), or when there are
-    more CPU ranks than cores, where one process per core runs the ranks in turn.
+    ranks), when ranks leave and rejoin (``rank_failures``: CPU ranks one process per
+    core, accelerator ranks one process per device), or when there are more CPU ranks
+    than cores, where one process per core runs the ranks in turn. The ranks of a
+    packed process share its device (``devices[process % len(devices)]`` on CUDA).
 
     Raises:
-        ValueError: packing was asked for ranks that cannot be packed (not on the
-            CPU, or ``EXOGYM_COLLECTIVES`` set to another mode), naming why.
+        ValueError: packing was asked for ranks that cannot be packed
+            (``EXOGYM_COLLECTIVES`` set to another mode), naming why.
     """
     k = spec.num_nodes
-    packable = spec.device_type == "cpu" and comm.collectives_mode() == "auto"
+    packable = comm.collectives_mode() == "auto"
     asked = (processes is not None and processes < k) or bool(spec.rank_failures)
     if asked and not packable:
-        why = (f"the ranks run on {spec.device_type}" if spec.device_type != "cpu" else
-               f"{comm.MODE_ENV}={comm.collectives_mode()} asks for other collectives")
         what = "rank_failures" if spec.rank_failures else f"processes={processes}"
-        raise ValueError(f"{what} runs several ranks in a process, which needs CPU ranks and "
-                         f"the default collectives, but {why}")
+        raise ValueError(f"{what} runs several ranks in a process, which needs the default "
+                         f"collectives, but {comm.MODE_ENV}={comm.collectives_mode()} asks "
+                         "for other collectives")
     if not packable or k == 1:
         return None
     if processes is not None:
         return processes if processes < k or spec.rank_failures else None
     slots = max(1, available_cores() // placement.threads_per_rank(spec))
-    if spec.rank_failures or k > slots:
-        return min(k, slots)
-    return None
+    if spec.rank_failures:
+        return min(k, slots) if spec.device_type == "cpu" else max(1, len(placement.devices or [0]))
+    if k > slots and spec.device_type == "cpu":
+        return slots
+    return None  # accelerator ranks are packed when asked (processes=)
 
 
 #: ``stack='auto'`` stacks a model of at least this many trainable parameters: below it
@@ -420,8 +424,6 @@ def stack_problem(spec: RunSpec) -> str | None:
 
     if spec.num_nodes == 1:
         return "a run of one rank has nothing to stack"
-    if spec.device_type != "cpu":
-        return f"the ranks run on {spec.device_type}, and packed ranks need CPU ranks"
     if comm.collectives_mode() != "auto":
         return f"{comm.MODE_ENV}={comm.collectives_mode()} asks for other collectives"
     if spec.balance != "none":
@@ -442,7 +444,8 @@ def simulation_stacking(spec: RunSpec, placement: Placement, stack: bool | str,
                         processes: int | None, packed: int | None
                         ) -> tuple[int | None, Placement]:
     """The processes (None: one per rank) and placement of ``fit(stack=...)``: stacked
-    ranks are packed, one process per core unless ``processes`` says otherwise.
+    ranks are packed, one process per core (CPU ranks) or per device (accelerator
+    ranks) unless ``processes`` says otherwise.
 
     ``stack='auto'`` stacks where the ranks are packed anyway, the model has at least
     :data:`STACK_AUTO_PARAMETERS` trainable parameters and nothing stands in the way;
@@ -463,8 +466,13 @@ def simulation_stacking(spec: RunSpec, placement: Placement, stack: bool | str,
             raise StackError(f"stack=True: {problem}; leave stack out to run the ranks "
                              "without stacking")
     if packed is None:
-        slots = max(1, available_cores() // placement.threads_per_rank(spec))
-        packed = processes if processes is not None else min(spec.num_nodes, slots)
+        if processes is not None:
+            packed = processes
+        elif spec.device_type == "cpu":  # one process per core
+            packed = min(spec.num_nodes, max(1, available_cores() //
+                                             placement.threads_per_rank(spec)))
+        else:  # one process per device
+            packed = min(spec.num_nodes, len(placement.devices or [0]))
     return packed, dataclasses.replace(placement, stacked=True)
 
 
@@ -712,6 +720,7 @@ class Trainer:
         run_id = new_run_id()
         with tempfile.TemporaryDirectory(prefix="exogym-") as result_dir:
             if packed:
+                placement = dataclasses.replace(placement, processes=packed)
                 procs = [ctx.Process(target=_packed_process_entry, name=f"exogym-ranks{index}",
                                      args=(payload, placement, index, packed, pipes[index][1],
                                            result_dir, os.getpid(), run_id))
