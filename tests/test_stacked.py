@@ -278,3 +278,34 @@ def test_a_stacked_23m_model_ends_with_the_packed_model():
         ends[stack] = (final.state_dict(), trainer.history)
     assert_same_run(ends[False][1], ends[True][1])
     assert_states_equal(ends[False][0], ends[True][0], atol=1e-5)
+
+
+def test_a_stacked_checkpoint_holds_its_own_rank_and_resumes(tmp_path):
+    """A stacked rank's parameters are views of its process's stack: its checkpoint holds
+    its own model, no larger than an unstacked rank's, and a resumed stacked run ends
+    with the model of an uninterrupted one."""
+    from exogym.run.checkpoint import checkpoint_path, load_checkpoint
+
+    def fit(run, steps, stack, **kwargs):
+        return run_in(tmp_path, run, steps, stack, **kwargs)
+
+    _, whole = fit("whole", 8, True)
+    fit("plain", 4, False, checkpoint_interval=4)
+    fit("part", 4, True, checkpoint_interval=4)
+    plain = checkpoint_path(tmp_path / "plain", 1, 4).stat().st_size
+    stacked = checkpoint_path(tmp_path / "part", 1, 4).stat().st_size
+    assert stacked <= 1.05 * plain, (stacked, plain)
+    state = load_checkpoint(checkpoint_path(tmp_path / "part", 1, 4))
+    for value in state["model"].values():
+        assert value.untyped_storage().nbytes() == value.numel() * value.element_size()
+    _, resumed = fit("part", 8, True, checkpoint_interval=4, resume_from="auto")
+    assert_models_close(whole, resumed, atol=1e-6)
+
+
+def run_in(tmp_path, run, steps, stack, **kwargs):
+    ds = toy_dataset()
+    trainer = Trainer(tiny_model(), ds, ds)
+    final = trainer.fit(strategy=STRATEGIES["diloco"](), num_nodes=4, max_steps=steps,
+                        batch_size=8, val_size=0, processes=2, stack=stack,
+                        save_dir=str(tmp_path), run_name=run, **QUIET, **kwargs)
+    return trainer, final

@@ -78,6 +78,13 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def _own_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` whose tensors hold only their own elements: a stacked
+    rank's buffer is a view of its process's stack, which ``deepcopy`` would copy whole."""
+    memo: dict[int, Any] = {id(t): t.detach().clone() for t in model.buffers()}
+    return copy.deepcopy(model, memo)
+
+
 class TrainNode:
     """One rank of a run: its model copy, data shard, strategy and loop.
 
@@ -412,7 +419,7 @@ class TrainNode:
 
     def _average_model(self) -> torch.nn.Module:
         if self._avg_model is None:
-            self._avg_model = copy.deepcopy(self.model)
+            self._avg_model = _own_copy(self.model)
         means = average_across_ranks(averaged_tensors(self.model))
         for target, mean in zip(averaged_tensors(self._avg_model), means):
             target.copy_(mean)
@@ -424,7 +431,7 @@ class TrainNode:
         if shared is None:
             return self._average_model()
         if self._avg_model is None:
-            self._avg_model = copy.deepcopy(self.model)
+            self._avg_model = _own_copy(self.model)
         self._avg_model.load_state_dict(self.model.state_dict())
         trainable = [p for p in self._avg_model.parameters() if p.requires_grad]
         for target, value in zip(trainable, shared):
@@ -462,6 +469,14 @@ class TrainNode:
 
     # -- checkpoints ----------------------------------------------------------------
 
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """The model's state, each tensor its own: a stacked rank's are views of its
+        process's stack, which ``torch.save`` would write whole."""
+        state = self.model.state_dict()
+        if self.stack is None:
+            return state
+        return {name: value.clone() for name, value in state.items()}
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue this rank exactly where it is."""
         return {
@@ -469,7 +484,7 @@ class TrainNode:
             "samples": self.samples,
             "comm_bytes": comm.comm_bytes(),
             "comm_calls": comm.comm_calls(),
-            "model": self.model.state_dict(),
+            "model": self._model_state(),
             "strategy": self.strategy.state_dict(),
             "data": self.train_stream.state(),
             "rng": _rng_state(self.device),
@@ -535,7 +550,7 @@ class TrainNode:
 
     def handed_state(self) -> dict[str, Any]:
         """What a rank that rejoins takes from a member that stayed."""
-        return {"model": self.model.state_dict(), "strategy": self.strategy.state_dict(),
+        return {"model": self._model_state(), "strategy": self.strategy.state_dict(),
                 "step": self.step, "max_steps": self.max_steps,
                 "data": self.train_stream.state(), "sim_time_s": self.timer.now}
 
