@@ -413,11 +413,6 @@ def simulation_processes(spec: RunSpec, placement: Placement, processes: int | N
     return None  # accelerator ranks are packed when asked (processes=)
 
 
-#: ``stack='auto'`` stacks a model of at least this many trainable parameters: below it
-#: a rank's forward pass is too small for batching ranks to pay (bench/stacked.py).
-STACK_AUTO_PARAMETERS = 1_000_000
-
-
 def stack_problem(spec: RunSpec) -> str | None:
     """Why the ranks of ``spec`` cannot be stacked (None: they can)."""
     from exogym.run.stack import probe_model, strategy_problem
@@ -447,9 +442,11 @@ def simulation_stacking(spec: RunSpec, placement: Placement, stack: bool | str,
     ranks are packed, one process per core (CPU ranks) or per device (accelerator
     ranks) unless ``processes`` says otherwise.
 
-    ``stack='auto'`` stacks where the ranks are packed anyway, the model has at least
-    :data:`STACK_AUTO_PARAMETERS` trainable parameters and nothing stands in the way;
-    otherwise it leaves the run as it was (``packed`` processes).
+    ``stack='auto'`` stacks accelerator ranks that are packed anyway (``processes=``,
+    ``rank_failures``) where nothing stands in the way, and leaves every other run as
+    it was (``packed`` processes): on the CPU a batched model computes no faster than
+    its ranks one after the other (``python -m bench.sim_scale --stack``,
+    ``python -m bench.gpu``).
 
     Raises:
         StackError: ``stack=True`` for ranks that cannot be stacked, naming why.
@@ -457,8 +454,7 @@ def simulation_stacking(spec: RunSpec, placement: Placement, stack: bool | str,
     from exogym.run.stack import StackError
 
     if stack == "auto":
-        trainable = sum(p.numel() for p in spec.model.parameters() if p.requires_grad)
-        if packed is None or trainable < STACK_AUTO_PARAMETERS or stack_problem(spec):
+        if packed is None or spec.device_type == "cpu" or stack_problem(spec):
             return packed, placement
     else:
         problem = stack_problem(spec)
