@@ -26,6 +26,7 @@ Python process, it prints:
 
     python -m bench.sim_scale
     python -m bench.sim_scale --ks 4 16 64 --steps 50
+    python -m bench.sim_scale --ks 1024 --stack   # the ranks of a process as one batched model
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def step_seconds(steps: int = 500, start_at: float = 0.0) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def fit_once(nodes: int, steps: int) -> dict:
+def fit_once(nodes: int, steps: int, stack: bool = False) -> dict:
     """Body of a child process: one fit, its time and the processes its ranks ran in.
 
     Like any training script, the child has built a torch optimizer before it
@@ -94,9 +95,10 @@ def fit_once(nodes: int, steps: int) -> dict:
     trainer = Trainer(mlp(), data, data)
     start = time.perf_counter()
     trainer.fit(strategy=DiLoCoStrategy(H=20), num_nodes=nodes, max_steps=steps, batch_size=32,
-                val_size=64, val_interval=steps, logger=None, progress=False)
+                val_size=64, val_interval=steps, logger=None, progress=False, stack=stack)
     return {"fit_s": time.perf_counter() - start,
-            "processes": trainer.summary.get("processes", nodes)}
+            "processes": trainer.summary.get("processes", nodes),
+            "final_val_loss": trainer.summary.get("final_val_loss")}
 
 
 def _timed_child(args: list[str]) -> tuple[float, int, str]:
@@ -136,6 +138,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=3,
                         help="fits per K; the table shows the median one (default 3)")
+    parser.add_argument("--stack", action="store_true",
+                        help="compute each process's ranks as one batched model (fit(stack=True))")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--step-child", help=argparse.SUPPRESS)
     parser.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -144,27 +148,29 @@ def main() -> None:
         _busy_step(args.step_child, args.start_at)
         return
     if args.child:
-        print(json.dumps(fit_once(args.child, args.steps)))
+        print(json.dumps(fit_once(args.child, args.steps, args.stack)))
         return
     if min(args.ks) < 1 or args.steps < 1 or args.repeat < 1:
         parser.error("--ks, --steps and --repeat must be >= 1")
 
     cores = os.cpu_count() or 1
+    stack = ["--stack"] if args.stack else []
     rows = []
     for k in args.ks:
         # floor, fit, floor, fit, ..., floor: each fit against the floors on either side.
         floors = [floor_step(cores)]
         runs = []
         for _ in range(args.repeat):
-            wall, peak, stdout = _timed_child(["--child", str(k), "--steps", str(args.steps)])
+            wall, peak, stdout = _timed_child(["--child", str(k), "--steps", str(args.steps),
+                                               *stack])
             result = json.loads(stdout.strip().splitlines()[-1])
             floors.append(floor_step(cores))
             t_step = (floors[-2] + floors[-1]) / 2
             floor = k * args.steps * t_step / cores
             runs.append({"wall": wall, "peak": peak, "fit": result["fit_s"], "t_step": t_step,
                          "floor": floor, "ratio": result["fit_s"] / floor,
-                         "processes": result["processes"]})
-        _, _, one = _timed_child(["--child", str(k), "--steps", "1"])
+                         "processes": result["processes"], "loss": result["final_val_loss"]})
+        _, _, one = _timed_child(["--child", str(k), "--steps", "1", *stack])
         fixed = json.loads(one.strip().splitlines()[-1])["fit_s"]
         ratios = sorted(r["ratio"] for r in runs)
         mid = sorted(runs, key=lambda r: r["ratio"])[len(runs) // 2]
@@ -179,8 +185,9 @@ def main() -> None:
               f"wall {mid['wall']:.1f} s, fit {mid['fit']:.1f} s, floor {mid['floor']:.1f} s, "
               f"{mid['ratio']:.2f}x (fits: {', '.join(f'{r:.2f}x' for r in ratios)}), "
               f"fixed {fixed:.1f} s, per step {per_step:.2f}x the floor's, "
-              f"peak {peak / 2**30:.2f} GiB", flush=True)
-    print_table(f"simulation at scale: DiLoCo H=20, MLP 235k parameters, batch 32, "
+              f"peak {peak / 2**30:.2f} GiB, final val loss {mid['loss']:.4f}", flush=True)
+    print_table(f"simulation at scale{' (stacked ranks)' if args.stack else ''}: DiLoCo H=20, "
+                f"MLP 235k parameters, batch 32, "
                 f"{args.steps} steps per rank, {cores} cores, median of {args.repeat} fits per K",
                 ("K", "processes", "rank-step ms", "wall s", "fit s", "compute floor s",
                  "fit / floor", "range", "fixed s", "per step / floor's", "peak memory"), rows)
