@@ -304,3 +304,28 @@ def run_in(tmp_path, run, steps, stack, **kwargs):
                         batch_size=8, val_size=0, processes=2, stack=stack,
                         save_dir=str(tmp_path), run_name=run, **QUIET, **kwargs)
     return trainer, final
+
+
+def test_stacked_ranks_are_accounted_each_with_its_gradients(monkeypatch):
+    import exogym.run.memory
+    from exogym.run.memory import account_state
+
+    model = _wide_model()
+    state = account_state(model, STRATEGIES["diloco"](), 8)
+    # Packed ranks step in turn, holding one set of gradients a process; stacked ranks
+    # compute together, each holding its own.
+    assert state.on_machine(8, 2, stacked=True) == state.on_machine(8, 2) + 6 * state.gradients
+    limit = (state.on_machine(8, 2) + state.on_machine(8, 2, stacked=True)) // 2
+    monkeypatch.setattr(exogym.run.memory, "available_memory", lambda: limit)
+    ds = toy_dataset()
+    Trainer(model, ds, ds).check(strategy=STRATEGIES["diloco"](), num_nodes=8, processes=2,
+                                 **QUIET)  # fits packed
+    with pytest.raises(ValueError, match=r"8 ranks in 2 processes \(stacked: each holds its "
+                                         r"gradients\)"):
+        Trainer(model, ds, ds).check(strategy=STRATEGIES["diloco"](), num_nodes=8,
+                                     processes=2, stack=True, **QUIET)
+
+
+def _wide_model() -> nn.Module:
+    """Gradients large beside the runtime each process is accounted."""
+    return TinyNet(hidden=500_000)

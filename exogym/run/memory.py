@@ -171,10 +171,15 @@ class StateBytes:
         """The whole state of one rank with a process of its own."""
         return self.parameters + self.gradients + self.optimizer + self.strategy + self.shared
 
-    def on_machine(self, ranks: int, processes: int) -> int:
-        """Bytes ``ranks`` ranks in ``processes`` processes hold, runtimes included."""
+    def on_machine(self, ranks: int, processes: int, stacked: bool = False) -> int:
+        """Bytes ``ranks`` ranks in ``processes`` processes hold, runtimes included; packed
+        ranks step in turn and hold one set of gradients per process, stacked ranks
+        (:mod:`exogym.run.stack`) compute together and hold one each."""
         own = self.parameters + self.optimizer + self.strategy
-        return ranks * own + processes * (self.gradients + self.shared + RUNTIME_BYTES)
+        if stacked:
+            own += self.gradients
+        gradients = 0 if stacked else self.gradients
+        return ranks * own + processes * (gradients + self.shared + RUNTIME_BYTES)
 
     def describe(self) -> str:
         """The parts, for a message."""
@@ -296,7 +301,7 @@ def available_memory() -> int:
 
 
 def check_memory(spec: RunSpec, ranks: int, processes: int,
-                 available: int | None = None) -> StateBytes:
+                 available: int | None = None, stacked: bool = False) -> StateBytes:
     """Refuse a run whose training state does not fit this machine's memory, before any
     rank starts; returns the state accounted.
 
@@ -307,6 +312,7 @@ def check_memory(spec: RunSpec, ranks: int, processes: int,
         ranks: ranks this machine runs.
         processes: the processes they run in (fewer than ``ranks`` when packed).
         available: bytes of memory there are (default :func:`available_memory`).
+        stacked: the ranks of a process are stacked (each then holds its gradients).
 
     Raises:
         ValueError: naming the bytes per rank, the memory available and what to change.
@@ -314,11 +320,13 @@ def check_memory(spec: RunSpec, ranks: int, processes: int,
     state = account_state(spec.model, spec.strategy, spec.num_nodes)
     if spec.device_type != "cpu":
         return state
-    need = state.on_machine(ranks, processes)
+    need = state.on_machine(ranks, processes, stacked)
     have = available_memory() if available is None else available
     if need > have:
         packing = (f"{plural(ranks, 'rank')} in {plural(processes, 'process')}"
                    if processes != ranks else plural(ranks, "rank"))
+        if stacked:
+            packing += " (stacked: each holds its gradients)"
         raise ValueError(
             f"the run needs about {gib(need)} of memory on this machine before any "
             f"activation, and {gib(have)} is available: {packing}, each holding "

@@ -578,7 +578,8 @@ class Trainer:
 
     def _check_memory(self, spec: RunSpec, placement: Placement) -> StateBytes:
         """Refuse a run whose ranks' training state does not fit this machine's memory."""
-        return check_memory(spec, spec.num_nodes, self._processes or spec.num_nodes)
+        return check_memory(spec, spec.num_nodes, self._processes or spec.num_nodes,
+                            stacked=placement.stacked)
 
     def _placement(self, spec: RunSpec) -> Placement:
         """Where the ranks run: here, every rank shares this machine."""
