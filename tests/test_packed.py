@@ -124,6 +124,27 @@ def test_an_average_taken_in_parts_equals_one_taken_at_once():
     assert torch.equal(split["on"], states[0]["on"])
 
 
+def _two_processes(target, timeout: float) -> tuple[list, str]:
+    """Run ``target(index, store_port, run_id, out)`` in two forked processes over one
+    store and one run's shared memory; what each put in ``out``, and the run's id."""
+    import multiprocessing as mp
+
+    from exogym import comm
+    from exogym.comm.mailbox import new_run_id
+
+    store = comm.open_store("127.0.0.1", 0, is_master=True)
+    run_id = new_run_id()
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(i, store.port, run_id, out)) for i in range(2)]
+    for p in procs:
+        p.start()
+    reported = [out.get(timeout=timeout) for _ in procs]
+    for p in procs:
+        p.join(10)
+    return reported, run_id
+
+
 def _crossing_groups(index: int, port: int, run_id: str, out) -> None:
     from exogym import comm
     from exogym.comm.packed import PackedWorld
@@ -162,22 +183,9 @@ def test_two_groups_meeting_at_once_across_processes_never_read_each_others_part
     """Each process runs one rank of each group: while one waits for the other process's
     part, its process's other rank posts its own. Neither may take the other's place in
     shared memory (a segment is reused only once its own process is done with it too)."""
-    import multiprocessing as mp
+    from exogym.comm.mailbox import remove_segments
 
-    from exogym import comm
-    from exogym.comm.mailbox import new_run_id, remove_segments
-
-    store = comm.open_store("127.0.0.1", 0, is_master=True)
-    run_id = new_run_id()
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_crossing_groups, args=(i, store.port, run_id, out))
-             for i in range(2)]
-    for p in procs:
-        p.start()
-    wrong = [out.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(10)
+    wrong, run_id = _two_processes(_crossing_groups, timeout=120)
     assert remove_segments(run_id) == 0  # every process removed its own segments
     assert wrong == [[], []]
 
@@ -218,23 +226,10 @@ def _leave_after_barrier(index: int, port: int, run_id: str, out) -> None:
 def test_a_process_that_leaves_first_waits_until_its_last_part_is_read():
     """The process that finishes the last barrier first must not remove its shared
     memory while a slower peer has yet to read its part of that barrier."""
-    import multiprocessing as mp
+    from exogym.comm.mailbox import remove_segments
 
-    from exogym import comm
-    from exogym.comm.mailbox import new_run_id, remove_segments
-
-    store = comm.open_store("127.0.0.1", 0, is_master=True)
-    run_id = new_run_id()
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_leave_after_barrier, args=(i, store.port, run_id, out))
-             for i in range(2)]
-    for p in procs:
-        p.start()
-    results = dict((index, (outcome, closing)) for index, outcome, closing in
-                   (out.get(timeout=60) for _ in procs))
-    for p in procs:
-        p.join(10)
+    reported, run_id = _two_processes(_leave_after_barrier, timeout=60)
+    results = {index: (outcome, closing) for index, outcome, closing in reported}
     assert results[0][0] == ("ok", 3.0) and results[1][0] == ("ok", 3.0), results
     assert results[0][1] > 0.5  # process 0 waited for its reader before leaving
     assert remove_segments(run_id) == 0
