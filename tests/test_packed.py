@@ -251,6 +251,12 @@ def test_every_rank_has_one_process_and_a_process_shares_its_device():
     assert [packed.device_of(spec, r).index for r in range(6)] == [0, 0, 1, 1, 0, 0]
     alone = Placement(ranks_per_machine=6, devices=[0, 1])
     assert [alone.device_of(spec, r).index for r in range(6)] == [0, 1, 0, 1, 0, 1]
+    # Packed without a count: one process per device, never more processes than ranks.
+    from exogym.run.trainer import packed_processes
+
+    assert packed_processes(spec, Placement(ranks_per_machine=6, devices=[0, 1])) == 2
+    few = SimpleNamespace(num_nodes=2, device_type="cuda")
+    assert packed_processes(few, Placement(ranks_per_machine=2, devices=[0, 1, 2, 3])) == 2
 
 
 def _accelerators():

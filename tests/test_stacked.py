@@ -204,6 +204,9 @@ def test_stack_is_checked_and_needs_a_simulation():
     with pytest.raises(ValueError, match="stack must be True, False or 'auto', got 'yes'"):
         Trainer(tiny_model(), ds, ds).check(strategy=STRATEGIES["ddp"](), num_nodes=2,
                                             stack="yes", **QUIET)
+    with pytest.raises(ValueError, match="stack must be True, False or 'auto', got 1"):
+        Trainer(tiny_model(), ds, ds).check(strategy=STRATEGIES["ddp"](), num_nodes=2,
+                                            stack=1, **QUIET)
     with pytest.raises(StackError, match="one rank has nothing to stack"):
         Trainer(tiny_model(), ds, ds).check(strategy=STRATEGIES["ddp"](), num_nodes=1,
                                             stack=True, **QUIET)

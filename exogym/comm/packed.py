@@ -90,12 +90,9 @@ def process_of(world_size: int, processes: int, rank: int) -> int:
     """The process of ``processes`` that runs rank ``rank`` (:func:`process_ranks`)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} of {world_size}")
-    index = rank * processes // world_size
-    while rank >= process_ranks(world_size, processes, index).stop:
-        index += 1
-    while rank < process_ranks(world_size, processes, index).start:
-        index -= 1
-    return index
+    # The last process whose block starts at or before the rank: i * world // processes
+    # <= rank exactly when i < (rank + 1) * processes / world.
+    return ((rank + 1) * processes - 1) // world_size
 
 
 class PackedGroup:

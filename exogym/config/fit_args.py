@@ -281,7 +281,7 @@ def _short(value: Any) -> str:
 
 
 def _stack(name: str, value: Any) -> None:
-    if value not in (True, False, "auto") or isinstance(value, int) and not isinstance(value, bool):
+    if not (isinstance(value, bool) or value == "auto"):
         raise ValueError(f"stack must be True, False or 'auto', got {_brief(value)}")
 
 

@@ -158,6 +158,7 @@ class RankStack:
         self._params: dict[str, torch.Tensor] = {}  # name -> (ranks, *shape)
         self._buffers: dict[str, torch.Tensor] = {}
         self._leaves: dict[str, torch.Tensor] | None = None  # the stack, as autograd leaves
+        self._trainable: dict[str, bool] = {}  # by parameter name: requires_grad
         self._forward: Callable[..., torch.Tensor] | None = None
 
     def join(self, rank: int, model: torch.nn.Module) -> None:
@@ -172,6 +173,7 @@ class RankStack:
                 stacked = self._params[name] = p.new_empty((count, *p.shape))
             stacked[slot].copy_(p.detach())
             p.data = stacked[slot]
+            self._trainable[name] = p.requires_grad
         for name, b in model.named_buffers():
             stacked = self._buffers.get(name)
             if stacked is None:
@@ -204,15 +206,13 @@ class RankStack:
         full = len(ranks) == len(self._slot)
         if full:
             if self._leaves is None:
-                self._leaves = {name: t.detach().requires_grad_(
-                    next(iter(self._ranks.values())).params[name].requires_grad)
-                    for name, t in self._params.items()}
+                self._leaves = {name: t.detach().requires_grad_(self._trainable[name])
+                                for name, t in self._params.items()}
             params, buffers = self._leaves, self._buffers
         else:
             index = torch.tensor([self._slot[r] for r in ranks],
                                  device=next(iter(self._params.values())).device)
-            first = next(iter(self._ranks.values())).params
-            params = {name: t.index_select(0, index).requires_grad_(first[name].requires_grad)
+            params = {name: t.index_select(0, index).requires_grad_(self._trainable[name])
                       for name, t in self._params.items()}
             buffers = {name: t.index_select(0, index) for name, t in self._buffers.items()}
         batches = [parts[r][0] for r in ranks]

@@ -405,12 +405,22 @@ def simulation_processes(spec: RunSpec, placement: Placement, processes: int | N
         return None
     if processes is not None:
         return processes if processes < k or spec.rank_failures else None
-    slots = max(1, available_cores() // placement.threads_per_rank(spec))
     if spec.rank_failures:
-        return min(k, slots) if spec.device_type == "cpu" else max(1, len(placement.devices or [0]))
-    if k > slots and spec.device_type == "cpu":
-        return slots
+        return packed_processes(spec, placement)
+    if spec.device_type == "cpu" and k > packed_processes(spec, placement):
+        return packed_processes(spec, placement)
     return None  # accelerator ranks are packed when asked (processes=)
+
+
+def packed_processes(spec: RunSpec, placement: Placement) -> int:
+    """The processes ranks are packed into when nothing says how many: one per core
+    (CPU ranks, each with its threads) or one per device (accelerator ranks), at most
+    one per rank."""
+    if spec.device_type == "cpu":
+        slots = max(1, available_cores() // placement.threads_per_rank(spec))
+    else:
+        slots = len(placement.devices or [0])
+    return min(spec.num_nodes, slots)
 
 
 def stack_problem(spec: RunSpec) -> str | None:
@@ -462,13 +472,7 @@ def simulation_stacking(spec: RunSpec, placement: Placement, stack: bool | str,
             raise StackError(f"stack=True: {problem}; leave stack out to run the ranks "
                              "without stacking")
     if packed is None:
-        if processes is not None:
-            packed = processes
-        elif spec.device_type == "cpu":  # one process per core
-            packed = min(spec.num_nodes, max(1, available_cores() //
-                                             placement.threads_per_rank(spec)))
-        else:  # one process per device
-            packed = min(spec.num_nodes, len(placement.devices or [0]))
+        packed = processes if processes is not None else packed_processes(spec, placement)
     return packed, dataclasses.replace(placement, stacked=True)
 
 
