@@ -501,3 +501,189 @@ def test_a_lost_rank_that_acknowledges_after_the_run_ended_is_not_shown_rejoinin
     assert events == []
     ElasticAttempt._watch_returns(attempt(ending=False), time.monotonic())
     assert [(e["rank"], e["state"]) for e in events] == [(1, "rejoining")]
+
+
+# -- a rank that comes back during a round (a strategy that joins_mid_round) ---------------
+
+
+def test_a_rank_joins_a_round_under_way_and_the_members_take_it_in_at_the_round_s_end(store):
+    for r, host in enumerate(["a", "b", "c"]):
+        store.set(key("host", r), host)
+    ws, ms = membership(store)
+    for m in ms:
+        m.admits_mid_round = True
+    for m in ms:
+        m.present(1)
+    declare_lost(store, 2, "killed")
+    assert ms[0].present(6) == {0, 1} and ms[1].present(6) == {0, 1}
+    joiner = ms[2]
+    generation = joiner.acknowledge()
+    start, decided = joiner.current_round()
+    assert start == 6 and joiner.live_source(decided) == 0
+    # It asks rank 0, which reads the request at its next look.
+    link = joiner.ask_state(0, generation)
+    requests, seen = ms[0].state_requests(0)
+    assert [r["rank"] for r in requests] == [2] and requests[0]["link"] == link and seen == 1
+    assert ms[0].state_requests(seen) == ([], 1)  # read once
+    assert joiner.join_late(8, generation)
+    assert joiner.is_present(2, 8) and not joiner.is_present(2, 7)
+    assert not joiner.in_members_group(8) and joiner.in_members_group(10)
+    # Before the round's last step the members train among themselves ...
+    assert ms[0].present(9) == {0, 1} and ms[0].epoch(9) == 6
+    # ... there the first one closes the record and every member reads the same joiners.
+    for m in ms:
+        assert m.round_end(9) == 10
+        m.close_round(10)
+    assert all(m.present(10) == {0, 1, 2} and m.epoch(10) == 10 for m in ms)
+    assert ws[0].generations[2] == generation
+    # A joiner too late for the record waits for the next round.
+    assert not ms[1].join_late(9, generation)
+    # The next round keeps it as a member: no second hand-over, no change to log.
+    assert ms[0].present(11) == {0, 1, 2} and ms[0].joiners(11) == []
+    assert ms[0].epoch(11) == 10
+    assert ms[2].is_present(2, 11) and ms[2].in_members_group(11)
+    log = membership_log(store)
+    assert [(e["step"], e["ranks"]) for e in log] == [(1, [0, 1, 2]), (6, [0, 1]), (8, [0, 1, 2])]
+    assert log[-1]["reason"] == "c (rank 2) rejoined during a round"
+
+
+def test_a_request_from_a_rank_lost_again_is_not_served(store):
+    _, ms = membership(store)
+    declare_lost(store, 2, "killed")
+    generation = ms[2].acknowledge()
+    ms[2].ask_state(0, generation)
+    declare_lost(store, 2, "killed again")
+    assert ms[0].state_requests(0) == ([], 1)
+
+
+def test_a_pair_link_streams_a_16_mib_state_while_the_members_all_reduce(store, monkeypatch):
+    """The source's thread hands the state over on a link of its own while the members'
+    group runs its collectives: neither waits for the other."""
+    import exogym.comm.elastic_groups
+
+    monkeypatch.setattr(exogym.comm.elastic_groups, "CHUNK_BYTES", 1 << 20)
+    ws = worlds(store)
+    n = 4 << 20
+    gens = {0: 0, 2: 0}
+
+    def body(world, rank):
+        if rank == 2:  # the joiner: not in the members' group
+            link = world.pair_link("t", 0, 2, gens)
+            state = torch.zeros(n)
+            link.broadcast(state, 0, [0, 2])
+            link.close()
+            return state
+        world.enter_step(1, [0, 1])
+        sent = {}
+        if rank == 0:
+            link = world.pair_link("t", 0, 2, gens)
+            sender = threading.Thread(target=lambda: (
+                link.broadcast(torch.arange(n, dtype=torch.float32), 0, [0, 2]),
+                sent.setdefault("done", time.monotonic())))
+            sender.start()
+        sums = []
+        for _ in range(5):
+            t = torch.full((1024,), float(rank + 1))
+            world.all_reduce_many([t], comm.ReduceOp.SUM)
+            sums.append(float(t[0]))
+        if rank == 0:
+            sender.join(30)
+            link.close()
+        return sums, sent
+
+    threads, out = run_ranks(ws, body)
+    for t in threads:
+        t.join(60)
+    assert torch.equal(out[2], torch.arange(n, dtype=torch.float32))
+    assert out[0][0] == out[1][0] == [3.0] * 5
+    assert "done" in out[0][1]
+
+
+def test_a_pair_link_fails_on_the_joiner_once_its_source_is_declared_lost(store):
+    port = store.port
+    ws = [ElasticGroups(3, r, lambda t: comm.open_store("127.0.0.1", port, timeout_s=t), 20.0,
+                        form_timeout_s=3.0) for r in range(3)]
+    declare_lost(store, 0, "killed")
+    link = ws[2].pair_link("gone", 0, 2, {0: 0, 2: 0})
+    with pytest.raises(comm.PeerLost, match="rank 0 was lost"):
+        link.broadcast(torch.zeros(8), 0, [0, 2])
+    with pytest.raises(comm.PeerLost, match="failed earlier"):
+        link.broadcast(torch.zeros(8), 0, [0, 2])
+
+
+def test_a_diloco_copy_rounds_old_is_brought_up_to_date_exactly_by_the_rounds_kept():
+    """A joiner's copy of the state may be rounds old when it has arrived: the member keeps
+    each round's averaged deltas meanwhile, and the joiner's outer steps on them give the
+    member's outer parameters and momentum bit for bit."""
+    import copy
+
+    from exogym.strategy import DiLoCoStrategy
+    from exogym.strategy.context import RankContext
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    joiner_model = copy.deepcopy(model)
+    member = DiLoCoStrategy(H=3, lr=0.01)
+    member.setup(RankContext.alone(model, samples_per_step=4))
+    joiner = DiLoCoStrategy(H=3, lr=0.01)
+    joiner.setup(RankContext.alone(joiner_model, samples_per_step=4))
+    assert member.joins_mid_round
+
+    def train(steps):
+        for _ in range(steps):
+            member.zero_grad()
+            x = torch.randn(4, 8)
+            model(x).pow(2).mean().backward()
+            member.step()
+
+    train(4)  # into the second round
+    copied = {"model": {k: v.clone() for k, v in member.synced_model(model.state_dict()).items()},
+              "strategy": copy.deepcopy(member.state_dict())}
+    assert torch.equal(copied["model"]["0.weight"], member.diloco.master[0])
+    member.keep_round_updates(True)
+    train(5)  # two rounds end: at steps 6 and 9
+    updates = member.round_updates(member.local_step)
+    assert [u["step"] for u in updates] == [6, 9]
+    member.keep_round_updates(False)
+    assert member.round_updates(member.local_step) == []
+
+    joiner_model.load_state_dict(copied["model"])
+    joiner.load_state_dict(copied["strategy"])
+    for update in updates:
+        joiner.apply_round_update(update)
+    for a, b in zip(member.diloco.master, joiner.diloco.master):
+        assert torch.equal(a, b)
+    for a, b in zip(model.parameters(), joiner_model.parameters()):
+        assert torch.equal(a, b)  # the round just ended: every rank holds the outer model
+    momentum = [member.diloco.outer_optim.state[m]["momentum_buffer"] for m in member.diloco.master]
+    theirs = [joiner.diloco.outer_optim.state[m]["momentum_buffer"] for m in joiner.diloco.master]
+    assert all(torch.equal(a, b) for a, b in zip(momentum, theirs))
+    joiner.skip_steps(member.local_step - joiner.local_step)
+    assert joiner.local_step == member.local_step == 9
+    assert joiner.current_lr == member.current_lr
+
+
+def test_a_rank_joining_a_round_before_the_members_began_it_reads_their_decision(store):
+    """A joiner whose transfer ends at the last step of a round joins the next one: the
+    members decide that round, never the joiner (it knows none of the rounds before)."""
+    ws, ms = membership(store)
+    for m in ms:
+        m.admits_mid_round = True
+        m.present(1)
+    declare_lost(store, 2, "killed")
+    for m in ms[:2]:
+        m.close_round(5)
+    generation = ms[2].acknowledge()
+    got = {}
+    joiner = threading.Thread(target=lambda: got.setdefault("ok", ms[2].join_late(6, generation)))
+    joiner.start()
+    time.sleep(0.3)
+    assert joiner.is_alive()  # it waits for the members to begin the round
+    assert ms[0].present(6) == {0, 1}  # decided by a member: rank 2 was lost
+    joiner.join(10)
+    assert got["ok"]
+    assert ms[2].present(6) == {0, 1, 2} and ms[2].epoch(6) == 6
+    assert not ms[2].in_members_group(6) and ms[2].in_members_group(10)
+    for m in ms:
+        m.close_round(10)
+    assert all(m.present(10) == {0, 1, 2} and m.epoch(10) == 10 for m in ms)

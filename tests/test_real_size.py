@@ -181,6 +181,77 @@ def test_three_hosts_with_min_nodes_lose_a_host_and_take_it_back_at_23m(sshd, th
         assert {r["rank"] for r in merges["ranks"]} == {0, 1, 2}
 
 
+@pytest.mark.parametrize("h", [60, 2], ids=["long-rounds", "rounds-shorter-than-the-transfer"])
+def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_train_at_23m(
+        sshd, third, tmp_path, h):
+    """DiLoCo's state can be handed over while training goes on: a host that comes back in
+    the middle of a round takes it from a member on a link of their own while the members
+    train, joins at the next step, not the next round, and the run ends with one model.
+
+    With H=60 a round lasts some 30 s here, time for the host to start its rank again
+    within it. With H=2 rounds end while the state travels: the joiner brings its copy
+    up to date with the rounds' updates, and still ends with the others' model."""
+    out = tmp_path / "net"
+    events = Events()
+    steps = 3 * h if h > 2 else 60
+    program = RankProgram.from_profile("gpt-diloco", overrides=SMALL_STEPS + [
+        "num_nodes=3", f"H={h}", f"max_steps={steps}", f"val_interval={max(h, 30)}",
+        f"output_dir={out}"])
+    with launcher(sshd, ["127.0.0.2", THIRD], program, tmp_path, events, min_nodes=2,
+                  probe_interval=1.0) as job:
+        runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
+        runner.start()
+        # Lost late in the first round, so that the next round (which goes on without it)
+        # comes soon; the host answers again during that one.
+        events.wait(lambda e: e.get("event") == "step" and e["rank"] == 2
+                    and e["step"] >= max(3, 3 * h // 4), 300)
+        third.stop()
+        pid = worker_pid(2, str(out))
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        _, lost = events.wait(lambda e: e.get("event") == "membership"
+                              and e["ranks"] == [0, 1], 300)
+        events.wait(lambda e: e.get("event") == "step" and e["rank"] == 0
+                    and e["step"] >= lost["step"] + 2, 60)
+        third.start()
+        _, rejoined = events.wait(lambda e: e.get("event") == "membership"
+                                  and e["ranks"] == [0, 1, 2] and e["step"] > 1, 150)
+        runner.join(timeout=600)
+    result = job.result
+    assert result.ok, result.describe()
+    print(f"lost at step {lost['step']}, rejoined at step {rejoined['step']} of {steps} (H={h})")
+    if h > 2:
+        assert (rejoined["step"] - 1) % h != 0, rejoined  # inside a round, not at its start
+    assert "during a round" in rejoined["reason"] and THIRD in rejoined["reason"]
+    assert [m["ranks"] for _, m in events.of("membership")] == [[0, 1, 2], [0, 1], [0, 1, 2]]
+    # The joiner took the state during the round, from rank 0, which trained meanwhile.
+    taken = [(t, e) for t, e in events.of("hand_over", 2)]
+    given = [(t, e) for t, e in events.of("hand_over", 0)]
+    assert taken and given and taken[-1][1]["during_round"] and given[-1][1]["during_round"]
+    assert taken[-1][1]["step"] == rejoined["step"] and taken[-1][1]["source"] == 0
+    assert taken[-1][1]["bytes"] > 4 * 23_000_000 * 4  # model, Adam moments, outer state
+    sent_at, sent = given[-1]
+    window = (sent_at - sent["seconds"], sent_at)
+    during = {r: [e["step"] for t, e in events.of("step", r) if window[0] <= t <= window[1]]
+              for r in (0, 1)}
+    ready_at = [t for t, e in events.of("host", 2) if e["state"] == "rejoining"][-1]
+    first_at = next(t for t, e in events.of("step", 2) if e["step"] == rejoined["step"])
+    print(f"hand-over {sent['bytes'] / 2**20:.0f} MiB in {sent['seconds']:.2f} s "
+          f"({sent['rounds_caught_up']} rounds caught up), while "
+          f"ranks 0 and 1 trained steps {during[0]} and {during[1]}; back to work "
+          f"{first_at - ready_at:.1f} s after the restarted rank said it was ready")
+    assert during[0] and during[1], (window, during)  # neither member stopped for it
+    # It trained from the step it joined at, and every rank ended with the same model.
+    steps2 = [e["step"] for _, e in events.of("step", 2) if e["step"] >= rejoined["step"]]
+    assert steps2 and steps2[0] == rejoined["step"]
+    done = {e["rank"]: e for _, e in events.of("done")}
+    assert sorted(done) == [0, 1, 2] and all(d["step"] == steps for d in done.values())
+    assert len({d["model_digest"] for d in done.values()}) == 1, done
+    final = load_file(out / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in final.values())
+    assert max(t.numel() * t.element_size() for t in final.values()) >= 16 * 2**20
+
+
 def test_a_23m_model_through_torchrun_and_over_ssh_equals_the_simulation(sshd, tmp_path):
     settings = SMALL_STEPS + ["num_nodes=2", "H=4", "max_steps=8", "val_interval=8"]
     run_profile("gpt-diloco", overrides=parse_overrides(

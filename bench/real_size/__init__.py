@@ -23,9 +23,11 @@ time, and the sync efficiency of the round's all-reduce: the ring all-reduce's
 bound for its bytes at the link rate (``2 (n-1)/n * bytes / rate``) over the
 time rank 0 spent in it. Runs: without ``min_nodes``; with ``--min-nodes 2``;
 and with ``--min-nodes 2`` where rank 2's host is killed (its sshd stopped, its
-rank ``kill -9``) and answers again after ``--away`` seconds: the time from its
-answer to the returning rank's first completed round ("back to work"),
-against one round plus the state's transfer time at the link rate plus 10 s.
+rank ``kill -9``) and answers again after ``--away`` seconds: the time to the
+returning rank's first trained step ("back to work"; DiLoCo takes it into the
+round under way), from the host's answer and from the rank saying it is
+ready to come back (its process started), against the state's transfer time
+at the link rate plus 5 s.
 
     sudo python -m bench.real_size sim --gym ../gym
     sudo python -m bench.real_size sim --models 23m --nodes 8 --gym ../gym

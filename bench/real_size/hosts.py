@@ -77,16 +77,23 @@ def host_run(bed: Testbed, model: str, rate: str, min_nodes: int | None, kill: b
     if kill:
         t_join, joined = events.wait(lambda e: e.get("event") == "membership"
                                      and e["ranks"] == [0, 1, 2], 1, after=back)
+        # Back to work: the returning rank's first trained step (it joins the round under
+        # way), from the host answering and from the rank saying it was ready to come back.
         t_first, _ = events.wait(lambda e: e.get("event") == "step" and e["rank"] == 2
-                                 and e["step"] > joined["step"] and e["step"] % h == 0,
-                                 1, after=t_join)
+                                 and e["step"] >= joined["step"], 1, after=t_join)
+        t_ready = max((t for t, e in events.of("host", 2) if e["state"] == "rejoining"
+                       and t >= back), default=None)
         handed = [e for _, e in events.of("hand_over", 2)]
         transfer = handed[-1]["bytes"] * 8 / rate_bits(rate) if handed else 0.0
         row.update(back_s=t_first - back, joined_s=t_join - back,
+                   ready_to_work_s=None if t_ready is None else t_first - t_ready,
+                   joined_step=joined["step"],
+                   during_round=bool(handed and handed[-1].get("during_round")),
+                   rounds_caught_up=handed[-1].get("rounds_caught_up") if handed else None,
                    handed_bytes=handed[-1]["bytes"] if handed else None,
                    handed_s=handed[-1]["seconds"] if handed else None,
                    transfer_at_rate_s=transfer,
-                   target_s=(row["round_s"] or 0) + transfer + 10,
+                   target_s=transfer + 5,
                    membership=[len(e["ranks"]) for _, e in events.of("membership")])
     return row
 
@@ -128,14 +135,17 @@ def hosts_table(rows: list[dict], model: str, rate: str) -> None:
     print_table(
         f"3 hosts at {rate}: DiLoCo H={HOSTS['H']} on the {model} model",
         ("run", "round", "vs without min_nodes", "all-reduce", "MiB per round", "ring bound",
-         "sync efficiency", "back to work", "target", "peak RSS / accounted (rank 0, 1, 2)",
+         "sync efficiency", "back to work: host / rank ready", "target",
+         "peak RSS / accounted (rank 0, 1, 2)",
          "finished"),
         [(r["run"], f"{r['round_s']:.2f} s" if r["round_s"] else "-",
           f"{r['round_s'] / base:.2f}x" if base and r["round_s"] else "-",
           f"{r['allreduce_s']:.2f} s" if r["allreduce_s"] else "-",
           f"{r['bytes_per_round'] / 2**20:.0f}", f"{r['ring_bound_s']:.2f} s",
           f"{r['efficiency']:.2f}" if r["efficiency"] else "-",
-          f"{r['back_s']:.1f} s" if "back_s" in r else "-",
+          (f"{r['back_s']:.1f} s / " + (f"{r['ready_to_work_s']:.1f} s"
+                                          if r.get("ready_to_work_s") is not None else "-"))
+          if "back_s" in r else "-",
           f"{r['target_s']:.1f} s" if "target_s" in r else "-",
           ", ".join(f"{r['peak_over_accounted'][k]:.2f}x"
                     for k in sorted(r.get("peak_over_accounted", {}))) or "-",

@@ -570,16 +570,31 @@ class ElasticGroups(Collectives):
             pg, ok = self._build(f"{main.name}/h{main.transfers}", ranks)
             if ok:
                 main.transfer_groups[ranks] = pg
-        flat = to_cpu(tensor).contiguous().view(-1)
-        raw = flat.view(torch.uint8) if flat.numel() else flat
         what = (f"handing over the state to {', '.join(self._host(r) for r in receivers)}"
                 if self._rank == src else f"taking the state from {self._host(src)}")
+        if ok:
+            ok = self._stream(pg, tensor, ranks, src,
+                              lambda work: self._completes(work, ranks, what))
+            if not ok:
+                main.transfer_groups.pop(ranks, None)
+        if not ok and self._rank != src:
+            raise PeerLost(f"the hand-over from {self._host(src)} failed: a rank of it was "
+                           "lost or did not come")
+        # A failed send: the joiners that are left try again at a later round.
+
+    def _stream(self, pg: Any, tensor: torch.Tensor, ranks: tuple[int, ...], src: int,
+                completes: Callable[[Any], bool]) -> bool:
+        """Broadcast ``tensor`` from ``src`` over ``pg`` (of ``ranks``) in chunks of
+        :data:`CHUNK_BYTES`; False once ``completes`` says a chunk failed (its calls are
+        then given up where they stand)."""
+        flat = to_cpu(tensor).contiguous().view(-1)
+        raw = flat.view(torch.uint8) if flat.numel() else flat
         # Up to IN_FLIGHT chunks are posted at once, so the link never waits for a chunk's
         # completion to be seen before the next one starts. A receiver takes each chunk
         # into a buffer of its own and copies it in once it is whole.
         pending: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
-        starts = iter(range(0, raw.numel(), CHUNK_BYTES) if ok else ())
-        while ok:
+        starts = iter(range(0, raw.numel(), CHUNK_BYTES))
+        while True:
             for lo in starts:
                 piece = (raw[lo:lo + CHUNK_BYTES] if self._rank == src
                          else torch.empty_like(raw[lo:lo + CHUNK_BYTES]))
@@ -592,20 +607,22 @@ class ElasticGroups(Collectives):
             if not pending:
                 break
             lo, piece, work = pending.popleft()
-            if not self._completes(work, ranks, what):
+            if not completes(work):
                 self._given_up.extend((pg, w) for _, _, w in [(lo, piece, work), *pending])
-                main.transfer_groups.pop(ranks, None)
-                ok = False
-                break
+                return False
             if self._rank != src:
                 raw[lo:lo + CHUNK_BYTES].copy_(piece)
-        if not ok:
-            if self._rank != src:
-                raise PeerLost(f"the hand-over from {self._host(src)} failed: a rank of it was "
-                               "lost or did not come")
-            return  # the joiners that are left try again at a later round
         if self._rank != src:
             copy_back(tensor, flat.view_as(tensor).to(tensor.device))
+        return True
+
+    def pair_link(self, name: str, source: int, joiner: int,
+                  generations: dict[int, int]) -> PairLink:
+        """A link of ``source`` and ``joiner`` of their own, apart from the members' groups:
+        the state a rank takes when it joins a round under way streams on it (from a
+        thread of the source's while its training goes on). ``generations``: both ranks'
+        loss generations now; the link fails once either is declared lost again."""
+        return PairLink(self, name, (source, joiner), generations)
 
     def side_all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
         self.all_gather(tensor_list, tensor)
@@ -621,11 +638,93 @@ class ElasticGroups(Collectives):
         self._given_up = []
 
 
+class PairLink:
+    """Two ranks' own gloo group, for a state handed over while the others train.
+
+    A rank that comes back in the middle of a round takes the state from a member
+    (:mod:`exogym.membership.attendance`): the member's thread streams it here while its
+    training goes on, and the joiner receives it before it joins the members' group at
+    the round's end. Both sides build it under the same ``name``; :meth:`broadcast` has
+    the signature of :func:`exogym.comm.side_broadcast`, so a hand-over runs on it
+    unchanged.
+
+    Args:
+        groups: the rank's elastic collectives (store, timeouts).
+        name: the link's name, alike on both sides and used once.
+        ranks: the source and the joiner.
+        generations: both ranks' loss generations when the link was asked for.
+    """
+
+    def __init__(self, groups: ElasticGroups, name: str, ranks: tuple[int, int],
+                 generations: dict[int, int]):
+        self.groups = groups
+        self.name = name
+        self.ranks = tuple(sorted(ranks))
+        self.generations = {r: int(generations[r]) for r in self.ranks}
+        self.pg: Any = None
+        self.failed = False
+
+    def _lost(self) -> list[int]:
+        store = self.groups.store
+        return [r for r in self.ranks if loss_generation(store, r) != self.generations[r]]
+
+    def _completes(self, work: Any) -> bool:
+        groups = self.groups
+        deadline = time.monotonic() + groups.timeout_s
+        while True:
+            try:
+                work.wait(timedelta(seconds=LOSS_CHECK_S))
+                return True
+            except Exception as exc:  # noqa: BLE001 - the peer's connection failed
+                if _SLICE_ENDED not in str(exc):
+                    return False
+            if self._lost():
+                return False
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(f"rank {groups.rank()}: the hand-over on {self.name} "
+                                       f"did not finish within {groups.timeout_s:.0f} s")
+
+    def broadcast(self, tensor: torch.Tensor, src: int,
+                  ranks: Sequence[int] | None = None) -> None:
+        """Send ``tensor`` from ``src`` to the other rank of the link (``ranks`` must be
+        the link's); raises :class:`PeerLost` on either side once the transfer fails."""
+        if ranks is not None and tuple(sorted(ranks)) != self.ranks:
+            raise ValueError(f"link {self.name} joins ranks {list(self.ranks)}, "
+                             f"not {sorted(ranks)}")
+        if self.failed:
+            raise PeerLost(f"the hand-over on {self.name} failed earlier")
+        groups = self.groups
+        if self.pg is None:
+            lost = self._lost()
+            if lost:
+                self.failed = True
+                raise PeerLost(f"rank {lost[0]} was lost before the hand-over on {self.name}")
+            self.pg, ok = groups._build(key("pair", self.name), self.ranks)
+            if not ok:
+                self.failed = True
+                raise PeerLost(f"the link {self.name} of ranks {list(self.ranks)} did not form "
+                               f"within {groups.form_timeout_s:.0f} s")
+        if not groups._stream(self.pg, tensor, self.ranks, src, self._completes):
+            self.failed = True
+            raise PeerLost(f"the hand-over on {self.name} failed: rank "
+                           f"{', '.join(map(str, self._lost() or self.ranks))} was lost or "
+                           "stopped answering")
+
+    def close(self) -> None:
+        """Give the group up (kept until the process ends if a call may still hang)."""
+        if self.pg is not None:
+            groups = self.groups
+            if self.failed:
+                groups._given_up.append((self.pg, None))
+            self.pg = None
+
+
 def _keep_forever(obj: Any) -> None:
     """Never destroy ``obj``: a gloo group with a call still blocked in its threads would
     wait for that call in its destructor (until gloo's timeout) when the process ends."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
-__all__ = ["CHUNK_BYTES", "ElasticGroups", "ElasticSubgroup", "NAMESPACE", "TOMBSTONE",
+__all__ = ["CHUNK_BYTES", "ElasticGroups", "ElasticSubgroup", "NAMESPACE", "PairLink",
+           "TOMBSTONE",
            "combine", "key", "loss_generation"]

@@ -7,16 +7,29 @@ source hands them the state (:mod:`exogym.membership.handover`) while the
 others go on. The rank keeps its own state: it gives it through
 :meth:`Member.handed_state` and takes a received one through
 :meth:`Member.adopt_state`.
+
+Across hosts, under a strategy that :attr:`~exogym.strategy.strategy.Strategy.joins_mid_round`,
+a returning rank need not wait for a round to begin. It asks the lowest live
+member for the state; that member copies :meth:`Member.join_state` at its next
+step boundary and a thread of its own streams the copy on a link of the two
+(:class:`exogym.comm.elastic_groups.PairLink`) while it trains on. The joiner
+then skips to the step after the member's latest, enters itself in the round's
+record of joins (:mod:`exogym.membership.hosts`) and trains; it meets the
+members in the round's closing collective. If the round closes first, it waits
+for the next round as before.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
+
 from exogym import comm
-from exogym.comm.protocol import PeerLost, RankDropped
+from exogym.comm.protocol import PeerLost, PeerTimeoutError, RankDropped
 from exogym.membership.handover import hand_over
 from exogym.membership.simulated import RunMembership
 
@@ -29,8 +42,26 @@ class Member(Protocol):
     def handed_state(self) -> dict[str, Any]:
         """The state a rank that rejoins takes from a member that stayed (live tensors)."""
 
-    def adopt_state(self, state: dict[str, Any], reshard: bool) -> None:
-        """Continue from a handed-over state (``reshard``: the data position travels too)."""
+    def join_state(self) -> dict[str, Any]:
+        """The state a rank that joins a round under way takes: the model as the round
+        began, the rest as now; a copy, which may travel while this rank trains on."""
+
+    def adopt_state(self, state: dict[str, Any], reshard: bool,
+                    at_step: int | None = None) -> None:
+        """Continue from a handed-over state (``reshard``: the data position travels too;
+        ``at_step``: train from that step on, skipping those between)."""
+
+    def steps_done(self) -> int:
+        """Steps this rank has trained (its step counter)."""
+
+    def keep_round_updates(self, keep: bool) -> None:
+        """Keep (or stop keeping) the update every rank applies at a round's end."""
+
+    def round_updates(self, through_step: int) -> list[dict[str, Any]]:
+        """The updates kept of the rounds that ended at ``through_step`` or before."""
+
+    def catch_up(self, updates: list[dict[str, Any]]) -> None:
+        """Apply updates of rounds that ended after this rank's state was copied."""
 
     def reshard(self, index: int, count: int) -> None:
         """Read shard ``index`` of ``count`` from now on."""
@@ -50,6 +81,26 @@ class Attendance:
         self.membership = membership
         self.rank = rank
         self.emit = emit
+        #: A returning rank may join a round under way (:meth:`allow_mid_round`).
+        self.mid_round = False
+        self._requests_seen = 0
+        self._requests: list[dict[str, Any]] = []
+        self._next_poll = 0.0
+        self._sender: threading.Thread | None = None
+
+    def allow_mid_round(self) -> None:
+        """The strategy's state can be handed over while training goes on: across hosts, a
+        returning rank joins the round under way instead of waiting for the next one."""
+        membership = self.membership
+        if membership is not None and membership.can_admit_mid_round:
+            membership.admits_mid_round = True
+            self.mid_round = True
+
+    def in_group(self, step: int) -> bool:
+        """False while this rank, joined under way, trains before its round's last step:
+        it takes part in no collective of the members' until then (an evaluation of the
+        average model is theirs)."""
+        return not self.mid_round or self.membership.in_members_group(step)
 
     def take_part(self, step: int, max_steps: int, member: Member) -> int | None:
         """Before ``step``: the step this rank trains next (``step``, or a later one after an
@@ -63,11 +114,24 @@ class Attendance:
         if membership is None:
             comm.enter_step(step)
             return step
+        if self.mid_round:
+            membership.max_steps = max_steps
         if not membership.is_present(self.rank, step):
-            back = membership.next_join(self.rank, step)
+            if self.mid_round:
+                back = membership.next_join(self.rank, step,
+                                            lambda generation: self._join_late(generation, member))
+            else:
+                back = membership.next_join(self.rank, step)
             if back is None or back > max_steps:
                 return None
             step = back
+        if self.mid_round:
+            if step == membership.round_end(step):
+                membership.close_round(step)
+            if not membership.in_members_group(step):  # joined under way: trains alone
+                member.reshard(*membership.shard(self.rank, step))
+                return step
+            self._serve(member)
         comm.enter_step(step, membership.present(step), membership.epoch(step))
         if membership.joiners(step):
             try:
@@ -107,3 +171,142 @@ class Attendance:
                    "joiners": list(joining), "bytes": nbytes, "seconds": seconds})
         if self.rank != source:  # the event tells it (the run's progress shows it unless quiet)
             member.adopt_state(state, membership.reshards)
+
+    # -- a round under way ----------------------------------------------------------------
+
+    def _serve(self, member: Member) -> None:
+        """A member: at most every :data:`SERVE_POLL_S` seconds, look for ranks that asked it
+        for the state, and start handing a copy to the first over in a thread."""
+        now = time.monotonic()
+        if now < self._next_poll:
+            return
+        self._next_poll = now + SERVE_POLL_S
+        membership = self.membership
+        found, self._requests_seen = membership.state_requests(self._requests_seen)
+        self._requests.extend(found)
+        if not self._requests or (self._sender is not None and self._sender.is_alive()):
+            return
+        request = self._requests.pop(0)
+        state = member.join_state()  # copied at this step boundary, before training goes on
+        member.keep_round_updates(True)  # what rounds that end during the transfer change
+        self._sender = threading.Thread(target=self._send, args=(request, state, member),
+                                        name=f"hand-over to rank {request['rank']}",
+                                        daemon=True)
+        self._sender.start()
+
+    def _send(self, request: dict[str, Any], state: dict[str, Any], member: Member) -> None:
+        """The member's thread: the copied state on a link of the two, then, until the
+        joiner has entered a round, the step the member has reached and the updates of the
+        rounds that ended since the copy (a round the joiner finds closed, a member being
+        ahead, is waited out: the next one's update follows)."""
+        membership = self.membership
+        joiner = int(request["rank"])
+        world = membership.world
+        ranks = [self.rank, joiner]
+        link = world.pair_link(request["link"], self.rank, joiner,
+                               {self.rank: world.generations[self.rank],
+                                joiner: int(request["gen"])})
+        started = time.perf_counter()
+        sent = caught_up = 0
+        try:
+            _, nbytes = hand_over(state, self.rank, ranks, self.rank, send=link.broadcast)
+            sent = state["step"]
+            for _ in range(MAX_TRIES):
+                at = member.steps_done()
+                updates = [u for u in member.round_updates(at) if u["step"] > sent]
+                link.broadcast(torch.tensor([at, len(updates)], dtype=torch.int64),
+                               self.rank, ranks)
+                for update in updates:
+                    nbytes += hand_over(update, self.rank, ranks, self.rank,
+                                        send=link.broadcast)[1]
+                caught_up += len(updates)
+                sent = at
+                verdict = torch.zeros(1, dtype=torch.int64)
+                link.broadcast(verdict, joiner, ranks)
+                if int(verdict) != 0 or at >= (membership.max_steps or at + 1):
+                    break
+                self._wait_for_step(member, membership.round_end(at + 1))
+        except (PeerLost, PeerTimeoutError, RuntimeError) as exc:
+            print(f"rank {self.rank}: handing the state to rank {joiner} during the round "
+                  f"failed ({exc}); it asks again", flush=True)
+            return
+        finally:
+            member.keep_round_updates(False)
+            link.close()
+        if int(verdict) != 0:
+            self.emit({"event": "hand_over", "rank": self.rank, "step": int(verdict),
+                       "source": self.rank, "joiners": [joiner], "bytes": nbytes,
+                       "seconds": time.perf_counter() - started, "during_round": True,
+                       "rounds_caught_up": caught_up})
+
+    def _wait_for_step(self, member: Member, step: int) -> None:
+        """Until this member has trained ``step`` (bounded by the world's timeout)."""
+        deadline = time.monotonic() + self.membership.world.timeout_s
+        while member.steps_done() < step:
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(f"rank {self.rank} did not reach step {step} within "
+                                       f"{self.membership.world.timeout_s:.0f} s")
+            time.sleep(0.02)
+
+    def _join_late(self, generation: int, member: Member) -> int | None:
+        """A returning rank: take the state from a live member while training goes on, bring
+        it up to date with the rounds that ended meanwhile, and enter the round under way
+        at the step after the member's latest; None when it cannot now (no live member,
+        or the transfer failed)."""
+        membership = self.membership
+        found = membership.current_round()
+        if found is None:
+            return None
+        _, decided = found
+        source = membership.live_source(decided)
+        if source is None:
+            return None
+        world = membership.world
+        name = membership.ask_state(source, generation)
+        ranks = [source, self.rank]
+        link = world.pair_link(name, source, self.rank,
+                               {source: int(decided["gens"][str(source)]), self.rank: generation})
+        started = time.perf_counter()
+        step = None
+        updates: list[dict[str, Any]] = []
+        try:
+            state, nbytes = hand_over(None, source, ranks, self.rank,
+                                      into=member.handed_state(), send=link.broadcast)
+            for _ in range(MAX_TRIES):
+                head = torch.zeros(2, dtype=torch.int64)
+                link.broadcast(head, source, ranks)
+                at, count = (int(v) for v in head)
+                for _ in range(count):
+                    update, size = hand_over(None, source, ranks, self.rank,
+                                             send=link.broadcast)
+                    updates.append(update)
+                    nbytes += size
+                joined = at + 1 <= state["max_steps"] and membership.join_late(at + 1, generation)
+                link.broadcast(torch.tensor([at + 1 if joined else 0], dtype=torch.int64),
+                               self.rank, ranks)
+                if joined:
+                    step = at + 1
+                    break
+                if at + 1 > state["max_steps"]:
+                    return None  # the run has ended meanwhile
+        except (PeerLost, PeerTimeoutError) as exc:
+            print(f"rank {self.rank}: taking the state during the round failed ({exc}); "
+                  "trying again", flush=True)
+            return None
+        finally:
+            link.close()
+        if step is None:
+            return None
+        member.adopt_state(state, membership.reshards, at_step=step)
+        member.catch_up(updates)
+        self.emit({"event": "hand_over", "rank": self.rank, "step": step, "source": source,
+                   "joiners": [self.rank], "bytes": nbytes,
+                   "seconds": time.perf_counter() - started, "during_round": True,
+                   "rounds_caught_up": len(updates)})
+        return step
+
+
+#: How often a member looks for ranks that asked it for the state during a round.
+SERVE_POLL_S = 0.5
+#: Rounds a joiner may find closed (a member ahead) before it asks for the state afresh.
+MAX_TRIES = 5

@@ -186,7 +186,7 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 
 def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int,
-              into: Any = None) -> tuple[Any, int]:
+              into: Any = None, send: Callable[..., None] | None = None) -> tuple[Any, int]:
     """Send ``state`` from ``source`` to the other ``ranks``; every one of them calls this.
 
     Args:
@@ -198,24 +198,28 @@ def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int,
             strategy's live tensors): a large tensor is received straight into the
             matching one, so the state is not held twice. If the transfer fails, those
             tensors hold part of the new state (the caller takes the state again later).
+        send: the broadcast it travels on, called as ``send(tensor, source, ranks)``
+            (default: :func:`exogym.comm.side_broadcast`, the members' side channel; a
+            rank that joins a round under way takes it on a link of its own).
 
     Returns:
         The state (``state`` itself on the source, rebuilt elsewhere) and the bytes sent.
     """
+    send = comm.side_broadcast if send is None else send
     if rank == source:
         tensors, skeleton = flatten_tensors(state)
         description = torch.frombuffer(bytearray(describe(skeleton)), dtype=torch.uint8)
         size = torch.tensor([description.numel()], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
-    comm.side_broadcast(size, source, ranks)
+    send(size, source, ranks)
     if rank != source:
         if not 0 < int(size.item()) <= MAX_DESCRIPTION_BYTES:
             raise ValueError(f"rank {rank}: rank {source} announced a hand-over description "
                              f"of {int(size.item())} bytes (at most {MAX_DESCRIPTION_BYTES}): "
                              "not a hand-over of this run")
         description = torch.empty(int(size.item()), dtype=torch.uint8)
-    comm.side_broadcast(description, source, ranks)
+    send(description, source, ranks)
     if rank != source:
         skeleton = read_description(description.numpy().tobytes())
     shapes = skeleton["tensors"]
@@ -229,7 +233,7 @@ def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int,
                    else targets.get(group[0]))
             if one is None:
                 one = torch.empty(shape, dtype=dtype)
-            comm.side_broadcast(one, source, ranks)
+            send(one, source, ranks)
             if rank != source:
                 received.append(one)
             continue
@@ -243,7 +247,7 @@ def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int,
         if rank == source:
             for i, at in zip(group, starts):
                 flat[at:at + sizes[i]].copy_(tensors[i].reshape(-1).view(torch.uint8))
-        comm.side_broadcast(flat, source, ranks)
+        send(flat, source, ranks)
         if rank == source:
             continue  # the buffer goes now: the source holds no more than its own state
         for i, at in zip(group, starts):

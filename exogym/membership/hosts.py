@@ -24,6 +24,16 @@ only; their tensors travel on gloo groups formed for each membership
   members form a new group, and the lowest-numbered member that stayed hands
   it the model, the strategy's state and the step counter, point to point
   (:class:`exogym.membership.attendance.Attendance`).
+- **Joining mid-round.** Under a strategy whose state can be handed over while
+  training goes on (``Strategy.joins_mid_round``: DiLoCo, whose ranks meet only at a
+  round's end), a returning rank does not wait for the next round: it asks the
+  lowest live member for the state, which a thread of that member streams to it
+  on a link of their own while every member trains on; it then joins at the next
+  step boundary, and the members take it into the round's closing collective.
+  Each round keeps one record of such joins in the store; the first member to
+  reach the round's last step closes it by compare-and-set, so every member
+  reads the same joiners there, and a joiner that finds it closed waits for the
+  next round.
 - **Too few hosts.** A decision that leaves fewer than ``min_nodes`` members
   says so; every rank then writes a checkpoint and stops, naming the lost hosts.
 - **The master.** The store lives in the launcher. If the launcher's host
@@ -39,7 +49,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from exogym.comm.elastic_groups import NAMESPACE, ElasticGroups, key, loss_generation
@@ -49,6 +59,10 @@ from exogym.membership.simulated import MembershipStop
 
 __all__ = ["ElasticMembership", "MembershipStop", "NAMESPACE", "PeerLost", "RankDropped",
            "declare_lost", "key", "loss_generation", "membership_log", "ready_generation"]
+
+
+#: How often a returning rank tries to join a round under way while it waits.
+LATE_TRY_S = 0.5
 
 
 def declare_lost(store: ControlStore, rank: int, why: str) -> int:
@@ -104,6 +118,8 @@ class ElasticMembership:
 
     #: Members take the data shard of their place among the members (exogym.data.loading).
     reshards = True
+    #: A returning rank may join a round under way (see the module).
+    can_admit_mid_round = True
 
     def __init__(self, world: ElasticGroups, rank: int, num_nodes: int, round_steps: int,
                  min_nodes: int):
@@ -116,6 +132,14 @@ class ElasticMembership:
         self.decisions: dict[int, dict[str, Any]] = {}
         #: True for a process that starts after this rank was lost: it joins a running round.
         self.joining = loss_generation(self.store, rank) > 0
+        #: Whether a returning rank may join a round under way (set by the training loop).
+        self.admits_mid_round = False
+        #: The run's length, where a round is cut short by it (set by the training loop).
+        self.max_steps: int | None = None
+        #: Each round's closed record of the ranks that joined it under way, by its start.
+        self.late: dict[int, dict[str, Any]] = {}
+        #: (round start, step) at which this rank joined a round under way, until it ends.
+        self.joined_late: tuple[int, int] | None = None
 
     # -- decisions --------------------------------------------------------------------
 
@@ -143,11 +167,17 @@ class ElasticMembership:
                     "stop": None}
         previous = self.decisions[max(earlier)]
         gens = {int(r): g for r, g in previous["gens"].items()}
-        stay = [r for r in previous["ranks"] if lost[r] == gens[r]]
+        ranks = set(previous["ranks"])
+        for r, joined_at in self._late_joins(max(earlier)).items():
+            ranks.add(r)  # joined that round under way, with the generation it joined at
+            gens[r] = joined_at["gen"]
+        stay = [r for r in sorted(ranks) if lost[r] == gens[r]]
         ready = {r: ready_generation(self.store, r) for r in range(self.num_nodes)}
-        joined = [r for r in range(self.num_nodes)
-                  if r not in stay and lost[r] > 0 and ready[r] == lost[r]]
-        left = sorted(set(previous["ranks"]) - set(stay) - set(joined))
+        # Where ranks join rounds under way, a returning rank asks for the state itself.
+        joined = [] if self.admits_mid_round else [
+            r for r in range(self.num_nodes)
+            if r not in stay and lost[r] > 0 and ready[r] == lost[r]]
+        left = sorted(ranks - set(stay) - set(joined))
         members = sorted(stay + joined)
         parts = []
         if left:
@@ -163,7 +193,13 @@ class ElasticMembership:
             stop = (f"{'; '.join(parts) or 'ranks lost'}: {len(members)} of {self.num_nodes} "
                     f"ranks remain, fewer than min_nodes={self.min_nodes}")
         # A new membership begins (its ranks form a group of their own) where ranks change.
-        epoch = start if joined or left else previous.get("epoch", start)
+        late = self.late.get(max(earlier))
+        if joined or left:
+            epoch = start
+        elif late is not None and late["ranks"]:  # the group formed at that round's end
+            epoch = late["closed_at"]
+        else:
+            epoch = previous.get("epoch", start)
         return {"step": start, "epoch": epoch, "ranks": members,
                 "gens": {r: lost[r] for r in members}, "joined": joined, "left": left,
                 "reason": "; ".join(parts) or "no change",
@@ -202,14 +238,29 @@ class ElasticMembership:
         """True when ``rank`` trains step ``step``; for this rank, False once it was declared lost."""
         if rank == self.rank and self.world.lost_since_admitted(rank):
             return False
-        return rank in self.decision(step)["ranks"]
+        if rank in self.decision(step)["ranks"]:
+            return True
+        return self._joined_by(rank, step)
 
     def present(self, step: int) -> frozenset[int]:
-        """The ranks that train step ``step``."""
-        return frozenset(self.decision(step)["ranks"])
+        """The ranks that train step ``step`` (with those that joined its round under way,
+        from the round's last step on; a joiner counts itself from its first step)."""
+        ranks = set(self.decision(step)["ranks"])
+        start = self._round_start(step)
+        record = self.late.get(start)
+        if record is not None and step >= record["closed_at"]:
+            ranks.update(int(r) for r in record["ranks"])
+        if self._joined_by(self.rank, step):
+            ranks.add(self.rank)
+        return frozenset(ranks)
 
     def epoch(self, step: int) -> int:
-        """The step at which the membership of ``step`` began."""
+        """The step at which the membership of ``step`` began (a round that ranks joined
+        under way: its last step, where the members and the joiners form one group)."""
+        start = self._round_start(step)
+        record = self.late.get(start)
+        if record is not None and record["ranks"] and step >= record["closed_at"]:
+            return int(record["closed_at"])
         return int(self.decision(step)["epoch"])
 
     def joiners(self, step: int) -> list[int]:
@@ -225,22 +276,29 @@ class ElasticMembership:
 
     def shard(self, rank: int, step: int) -> tuple[int, int]:
         """``rank``'s place among the members of ``step`` and their number: its data shard."""
-        members = self.decision(step)["ranks"]
+        members = set(self.decision(step)["ranks"])
+        if rank == self.rank and self.joined_late is not None:
+            members.add(rank)  # a joiner reads the shard it will hold next round
+        members = sorted(members)
         return members.index(rank), len(members)
 
-    def next_join(self, rank: int, step: int) -> int | None:
+    def next_join(self, rank: int, step: int,
+                  join_late: Callable[[int], int | None] | None = None) -> int | None:
         """Wait until this rank is admitted again; the step it rejoins at.
 
         Acknowledges its loss generation (ready to rejoin), then follows the
-        round decisions until one admits it. Raises :class:`MembershipStop` if
-        the run stops meanwhile, ``PeerTimeoutError`` after the world's timeout.
+        round decisions until one admits it. With ``join_late`` (given the loss
+        generation: the step at which it joined a round under way, or None), it
+        tries that too, every :data:`LATE_TRY_S` seconds. Raises
+        :class:`MembershipStop` if the run stops meanwhile, ``PeerTimeoutError``
+        after the world's timeout.
         """
         if rank != self.rank:
             raise ValueError("only a rank's own return can be waited for")
         store = self.store
         deadline = time.monotonic() + self.world.timeout_s
-        generation = loss_generation(store, rank)
-        store.set(key("ready", rank), str(generation))
+        generation = self.acknowledge()
+        next_try = time.monotonic()
         latest = key("latest")
         start = self._round_start(step)
         if store.check([latest]):
@@ -250,8 +308,12 @@ class ElasticMembership:
                 return None  # the run ended while this rank was away
             now = loss_generation(store, rank)
             if now != generation:  # lost again while waiting: acknowledge that one
-                generation = now
-                store.set(key("ready", rank), str(generation))
+                generation = self.acknowledge()
+            if join_late is not None and time.monotonic() >= next_try:
+                joined = join_late(generation)
+                if joined is not None:
+                    return joined
+                next_try = time.monotonic() + LATE_TRY_S
             k = key("members", start)
             if store.check([k]):
                 decided = json.loads(store.get(k))
@@ -269,6 +331,151 @@ class ElasticMembership:
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(f"rank {rank} waited {self.world.timeout_s:.0f} s to rejoin")
             time.sleep(0.05)
+
+    # -- joining a round under way ------------------------------------------------------
+
+    def round_end(self, step: int) -> int:
+        """The last step of the round that contains ``step`` (the run's last, if sooner)."""
+        end = self._round_start(step) + self.round_steps - 1
+        return min(end, self.max_steps) if self.max_steps else end
+
+    def _joined_by(self, rank: int, step: int) -> bool:
+        """True when ``rank`` joined the round of ``step`` under way, at ``step`` or before
+        (as this rank knows: its own join, or the round's closed record)."""
+        start = self._round_start(step)
+        if rank == self.rank and self.joined_late is not None:
+            return self.joined_late[0] == start and self.joined_late[1] <= step
+        record = self.late.get(start)
+        return record is not None and step >= record["closed_at"] and str(rank) in record["ranks"]
+
+    def in_members_group(self, step: int) -> bool:
+        """False while this rank, joined under way, trains steps before its round's last:
+        the members' group takes it only there (nothing of theirs may wait for it)."""
+        if self.joined_late is None:
+            return True
+        start, _ = self.joined_late
+        if self._round_start(step) != start:
+            self.joined_late = None  # that round is over: a member like any other
+            return True
+        return step >= self.round_end(step)
+
+    def _late_joins(self, start: int) -> dict[int, dict[str, int]]:
+        """The ranks that joined the round of ``start`` under way (its closed record)."""
+        record = self.late.get(start)
+        if record is None:
+            return {}
+        return {int(r): v for r, v in record["ranks"].items()}
+
+    def close_round(self, step: int) -> None:
+        """At the last step of its round: close the round's record of joins under way (the
+        first member there closes it, by compare-and-set) and read who joined, whom the
+        closing collective's group then takes in."""
+        start = self._round_start(step)
+        if start in self.late or not self.admits_mid_round:
+            return
+        k = key("late", start)
+        raw = self.store.get_if_set(k)
+        while True:
+            record = json.loads(raw) if raw else {"closed": False, "ranks": {}}
+            if record["closed"]:
+                break
+            closed = json.dumps({**record, "closed": True}).encode()
+            got = self.store.compare_set(k, raw or "", closed)
+            if got == closed:
+                record["closed"] = True
+                break
+            raw = got
+        record["closed_at"] = step
+        self.late[start] = record
+        for r, joined_at in record["ranks"].items():
+            self.world.generations[int(r)] = int(joined_at["gen"])
+
+    def current_round(self) -> tuple[int, dict[str, Any]] | None:
+        """The round being trained now and its decision, as the store holds them (None
+        before the first decision)."""
+        raw = self.store.get_if_set(key("latest"))
+        if raw is None:
+            return None
+        start = int(raw)
+        decided = self.store.get_if_set(key("members", start))
+        if decided is None:
+            return None
+        return start, json.loads(decided)
+
+    def live_source(self, decided: dict[str, Any]) -> int | None:
+        """The lowest member of a round's decision not lost since it (None: none is left)."""
+        gens = {int(r): int(g) for r, g in decided["gens"].items()}
+        for r in sorted(decided["ranks"]):
+            if r != self.rank and loss_generation(self.store, r) == gens[r]:
+                return r
+        return None
+
+    def ask_state(self, source: int, generation: int) -> str:
+        """Ask ``source`` for the state (this rank, at its loss ``generation``); the name of
+        the link it will come on."""
+        number = self.store.add(key("asked", source), 1)
+        name = f"r{self.rank}g{generation}n{number}-{source}"
+        self.store.set(key("asked", source, number),
+                       json.dumps({"rank": self.rank, "gen": generation, "link": name}))
+        return name
+
+    def state_requests(self, seen: int) -> tuple[list[dict[str, Any]], int]:
+        """Requests for the state made of this rank after the first ``seen`` (every one
+        still valid: its rank not lost again since), and how many it has read now."""
+        count = self.store.add(key("asked", self.rank), 0)
+        out = []
+        while seen < count:
+            raw = self.store.get_if_set(key("asked", self.rank, seen + 1))
+            if raw is None:  # numbered but not written yet: read it next time
+                break
+            seen += 1
+            request = json.loads(raw)
+            if loss_generation(self.store, int(request["rank"])) == int(request["gen"]):
+                out.append(request)
+        return out, seen
+
+    def join_late(self, step: int, generation: int) -> bool:
+        """Enter this rank in the joins of the round that contains ``step``, training from
+        ``step`` (at its loss ``generation``); False when the round's record is closed."""
+        start = self._round_start(step)
+        k = key("late", start)
+        raw = self.store.get_if_set(k)
+        while True:
+            record = json.loads(raw) if raw else {"closed": False, "ranks": {}}
+            if record["closed"]:
+                return False
+            record["ranks"][str(self.rank)] = {"at": step, "gen": generation}
+            desired = json.dumps(record).encode()
+            got = self.store.compare_set(k, raw or "", desired)
+            if got == desired:
+                break
+            raw = got
+        # The round's members decide it (the first of them at its start): a joiner only
+        # reads that, waiting for it if it joins the round before they have begun it.
+        decided_key = key("members", start)
+        if not self.store.wait([decided_key], self.world.timeout_s):
+            raise PeerTimeoutError(f"rank {self.rank} joined the round of step {start}, but "
+                                   f"no member began it within {self.world.timeout_s:.0f} s")
+        found = json.loads(self.store.get(decided_key))
+        found["gens"] = {int(r): int(g) for r, g in found["gens"].items()}
+        self.world.generations.update(found["gens"])
+        self.decisions = {start: found}
+        self.world.generations[self.rank] = generation
+        self.joined_late = (start, step)
+        self.joining = False
+        hosts = self._hosts()
+        members = sorted({*found["ranks"], self.rank})
+        log_change(self.store, json.dumps({
+            "step": step, "epoch": start, "ranks": members, "joined": [self.rank], "left": [],
+            "gens": {}, "reason": _phrase([self.rank], hosts, "rejoined during a round"),
+            "hosts": [hosts.get(r, f"rank {r}") for r in members], "stop": None}).encode())
+        return True
+
+    def acknowledge(self) -> int:
+        """Say this rank is ready to come back (at its loss generation, returned)."""
+        generation = loss_generation(self.store, self.rank)
+        self.store.set(key("ready", self.rank), str(generation))
+        return generation
 
     def drop(self, reason: str) -> None:
         """Declare this rank lost itself (its hand-over failed): it rejoins at a later round."""

@@ -66,6 +66,12 @@ class RunMembership(Protocol):
     reshards: bool
     #: This process starts while its run is under way: it joins a running round.
     joining: bool
+    #: A rank that comes back may join a round under way, at a step boundary, taking the
+    #: state from a member while the others train (:mod:`exogym.membership.attendance`);
+    #: False: it waits for the next round.
+    admits_mid_round: bool
+    #: Whether :attr:`admits_mid_round` may be set (runs across hosts).
+    can_admit_mid_round: bool
 
     def is_present(self, rank: int, step: int) -> bool:
         """True when ``rank`` trains step ``step``."""
@@ -149,6 +155,7 @@ class Membership:
 
     #: Present ranks read the data shard of their place among them (exogym.data.loading).
     reshards = True
+    admits_mid_round = can_admit_mid_round = False  # a rank comes back where rank_failures says
     #: Every rank of a simulation starts with the run.
     joining = False
 

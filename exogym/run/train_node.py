@@ -204,6 +204,8 @@ class TrainNode:
             model=self.model, rank=self.rank, num_nodes=self.num_nodes,
             max_steps=self.max_steps, seed=spec.seed, samples_per_step=spec.batch_size,
             clock=self.clock))
+        if self.strategy.joins_mid_round and self.strategy.round_steps > 1:
+            self.attendance.allow_mid_round()
         self.balance = Balancer.for_run(spec, self.rank, self.max_steps)  # fit(balance=...)
         # Who trains each step, on how many samples: the balancer of fit(balance=...), or
         # a strategy that paces its ranks itself (AsyncDiLoCo); None: every rank, always.
@@ -554,8 +556,22 @@ class TrainNode:
                 "step": self.step, "max_steps": self.max_steps,
                 "data": self.train_stream.state(), "sim_time_s": self.timer.now}
 
-    def adopt_state(self, state: dict[str, Any], reshard: bool) -> None:
-        """Continue from the state a member handed over (``reshard``: at its data position)."""
+    def join_state(self) -> dict[str, Any]:
+        """What a rank that joins a round under way takes: the model as every rank held it
+        when the round began (:meth:`~exogym.strategy.strategy.Strategy.synced_model`), the
+        strategy's state, step and data position as now; all copied, so that it can stream
+        while this rank trains on."""
+        state = {"model": self.strategy.synced_model(self._model_state()),
+                 "strategy": self.strategy.state_dict(), "step": self.step,
+                 "max_steps": self.max_steps, "data": self.train_stream.state(),
+                 "sim_time_s": self.timer.now}
+        return _copied(state)
+
+    def adopt_state(self, state: dict[str, Any], reshard: bool,
+                    at_step: int | None = None) -> None:
+        """Continue from the state a member handed over (``reshard``: at its data position;
+        ``at_step``: the next step this rank trains, later than the state's, the schedule
+        moved on over the steps between)."""
         self.model.load_state_dict(state["model"])
         self.strategy.load_state_dict(state["strategy"])
         self.step = state["step"]
@@ -564,6 +580,26 @@ class TrainNode:
         if reshard:  # the epoch goes on where the run is
             self.train_stream.restore(state["data"])
         self.timer.restore(state["sim_time_s"], not_before=True)
+        if at_step is not None and at_step - 1 > self.step:
+            self.strategy.skip_steps(at_step - 1 - self.step)
+            self.step = at_step - 1
+
+    def steps_done(self) -> int:
+        """Steps this rank has trained (its step counter)."""
+        return self.step
+
+    def keep_round_updates(self, keep: bool) -> None:
+        """Keep (or stop keeping) each round's shared update, for a rank joining mid-round."""
+        self.strategy.keep_round_updates(keep)
+
+    def round_updates(self, through_step: int) -> list[dict[str, Any]]:
+        """The rounds' shared updates kept, of rounds that ended by ``through_step``."""
+        return self.strategy.round_updates(through_step)
+
+    def catch_up(self, updates: list[dict[str, Any]]) -> None:
+        """Apply the updates of rounds that ended after this rank's state was copied."""
+        for update in updates:
+            self.strategy.apply_round_update(update)
 
     def reshard(self, index: int, count: int) -> None:
         """Read shard ``index`` of ``count`` from now on (the run's present ranks changed)."""
@@ -591,11 +627,14 @@ class TrainNode:
             self.timer.throttle_step(throttle_mark, event)
         if self.balance is not None:  # new shares from the next step, in the checkpoint too
             self.balance.end_step(self.step)
-        if self.val_loader is not None and (
+        # A rank that joined a round under way meets the members only at its end.
+        in_group = self.attendance.in_group(self.step)
+        if self.val_loader is not None and in_group and (
             self.step % spec.val_interval == 0 or self.step == self.max_steps
         ):
             event.update(self.evaluate())
-        if spec.correlation_interval and self.step % spec.correlation_interval == 0:
+        if spec.correlation_interval and in_group and \
+                self.step % spec.correlation_interval == 0:
             event["correlation"] = self.correlation()
         if spec.checkpoint_interval and self.step % spec.checkpoint_interval == 0:
             save_checkpoint(self.state_dict(), self.checkpoint_root, self.rank, self.step,
@@ -652,3 +691,14 @@ class TrainNode:
                             self.membership.epoch(self.max_steps))
         # On the CPU the model's own tensors: nothing trains them any more.
         return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor in it cloned (dicts, lists and tuples walked)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value

@@ -103,12 +103,12 @@ class DiLoCoCommunicator(CommunicationModule):
             torch._foreach_mul_(deltas + self.buffers, weight)
         self.collectives.all_reduce_tensors(deltas + self.buffers, average=True,
                                             dtype=self.comm_dtype, error_feedback=self.residuals)
+        kept = self.kept
+        if kept is not None:  # for a rank joining mid-round whose copy predates this round
+            kept.append({"step": local_step + 1, "deltas": [d.clone() for d in deltas],
+                         "buffers": [b.clone() for b in self.buffers]})
         if self.outer.applied != local_step:  # the all-reduce gave every rank the same deltas
-            for master, delta in zip(self.master, deltas):
-                master.grad = delta
-            self.outer_optim.step()
-            for master in self.master:
-                master.grad = None
+            self._outer_step(deltas)
             self.outer.applied = local_step
         for p, master in zip(self.params, self.master):
             p.copy_(master)
@@ -116,6 +116,34 @@ class DiLoCoCommunicator(CommunicationModule):
             # Every rank applied the same outer step to the same numbers (the all-reduce's
             # result is the same everywhere): the models are identical after this step.
             self.strategy.mark_synced(local_step + 1)
+
+    def _outer_step(self, deltas: list[torch.Tensor]) -> None:
+        for master, delta in zip(self.master, deltas):
+            master.grad = delta
+        self.outer_optim.step()
+        for master in self.master:
+            master.grad = None
+
+    #: The rounds' shared updates kept since :meth:`keep_round_updates` (None: none kept).
+    kept: list[dict[str, Any]] | None = None
+
+    def keep_round_updates(self, keep: bool) -> None:
+        """Keep (or stop keeping and forget) each round's averaged deltas and buffers."""
+        self.kept = [] if keep else None
+
+    def round_updates(self, through_step: int) -> list[dict[str, Any]]:
+        """The updates kept of rounds that ended at ``through_step`` or before."""
+        return [u for u in list(self.kept or []) if u["step"] <= through_step]
+
+    @torch.no_grad()
+    def apply_round_update(self, update: dict[str, Any]) -> None:
+        """Apply a round's update as every rank did at its end: the outer step on the
+        averaged deltas, the averaged buffers, the model at the new outer parameters."""
+        self._outer_step([d.to(m.device) for d, m in zip(update["deltas"], self.master)])
+        for buffer, averaged in zip(self.buffers, update["buffers"]):
+            buffer.copy_(averaged)
+        for p, master in zip(self.params, self.master):
+            p.copy_(master)
 
     def state_dict(self) -> dict[str, Any]:
         state = {"master": [m.detach() for m in self.master],
@@ -203,6 +231,28 @@ class DiLoCoStrategy(CommunicateOptimizeStrategy):
         super().__init__(communication_modules=[self.diloco], optim_spec=optim_spec, **kwargs)
 
     traffic_needs = ("H",)
+
+    @property
+    def joins_mid_round(self) -> bool:
+        """The ranks meet only at a round's end, and the outer state stays put within it: a
+        rank coming back mid-round starts from the outer parameters and joins at once."""
+        return True
+
+    def synced_model(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` with each trainable parameter's value as the round began (the outer
+        parameters; a tied parameter under each of its names)."""
+        outer = {p.data_ptr(): m for p, m in zip(self.diloco.params, self.diloco.master)}
+        return {name: outer.get(value.data_ptr(), value) if value.is_floating_point() else value
+                for name, value in state.items()}
+
+    def keep_round_updates(self, keep: bool) -> None:
+        self.diloco.keep_round_updates(keep)
+
+    def round_updates(self, through_step: int) -> list[dict[str, Any]]:
+        return self.diloco.round_updates(through_step)
+
+    def apply_round_update(self, update: dict[str, Any]) -> None:
+        self.diloco.apply_round_update(update)
 
     def traffic(self, model: ModelFacts, num_nodes: int) -> list[Traffic]:
         """The change of the parameters and float buffers, averaged once every ``H`` steps."""

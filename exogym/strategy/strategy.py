@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from typing import Any
@@ -144,6 +145,12 @@ class Strategy(ABC):
     #: step. Built-in strategies declare it; one written elsewhere runs packed until
     #: it does.
     stackable: bool = False
+
+    #: True for a strategy whose ranks meet only at a round's end and whose state a rank
+    #: coming back can take while the others train (DiLoCo): across hosts such a rank
+    #: joins the round under way at the next step boundary, from :meth:`synced_model`,
+    #: instead of waiting for the next round (:mod:`exogym.membership.attendance`).
+    joins_mid_round: bool = False
 
     def __init__(
         self,
@@ -326,6 +333,38 @@ class Strategy(ABC):
         """Move the step counter to ``step`` (counting the state a round's end creates,
         :func:`exogym.run.memory.account_state`, without training the round)."""
         self.local_step = step
+
+    def skip_steps(self, steps: int) -> None:
+        """Advance the schedule and ``local_step`` over ``steps`` steps this rank did not
+        train (it joined a round under way later than the step its state was taken at)."""
+        with warnings.catch_warnings():  # the schedule moves on without an optimizer step
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+            for _ in range(steps):
+                Strategy.step(self)
+
+    def synced_model(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model as every rank held it when the round began, given this rank's model
+        state now (its ``state_dict``): what a rank joining the round under way starts
+        from. Asked only of a strategy that :attr:`joins_mid_round`, which must say it."""
+        raise NotImplementedError(f"{type(self).__name__} does not join ranks mid-round: it "
+                                  "must set joins_mid_round and say its synced_model")
+
+    def keep_round_updates(self, keep: bool) -> None:
+        """Keep (True), from now on, the update every rank applies at each round's end, or
+        stop keeping them and forget those kept (False): a rank that joins mid-round takes
+        a copy of the state that may be rounds old by the time it has arrived, and brings
+        it up to date with them (:meth:`round_updates`, :meth:`apply_round_update`). Asked
+        of a strategy that :attr:`joins_mid_round`, which must do it."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no round updates")
+
+    def round_updates(self, through_step: int) -> list[dict[str, Any]]:
+        """The updates kept (:meth:`keep_round_updates`) of the rounds that ended at
+        ``through_step`` or before, oldest first: plain values and tensors only."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no round updates")
+
+    def apply_round_update(self, update: dict[str, Any]) -> None:
+        """Apply one update of :meth:`round_updates` as every rank did at that round's end."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no round updates")
 
     def mark_synced(self, step: int) -> None:
         """Every rank holds the same model at ``local_step == step`` (a round that
