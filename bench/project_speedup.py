@@ -4,14 +4,16 @@ The model is ``distributed/planning/projection.py`` (ring all-reduce and all-gat
 cost models; see its docstring). Its inputs are measured: the compute time of
 one step on one host, the time one host needs per minibatch when it does all
 the work alone, and the link's goodput and round trip. Give them either as the
-JSON that ``python -m bench.multihost`` writes, which also holds the 2-host
+JSON that ``python -m bench.multihost`` writes, which also holds the N-host
 measurements the projection is validated against, or as flags:
 
     python -m bench.project_speedup --results runs/multihost/latest/results.json
     python -m bench.project_speedup --num-params 3257856 --compute-s 0.31 \\
         --throughput 11.0e6 --strategies ddp,diloco:100,sparta:0.005 --hosts 2,4,8,64
 
-Strategies are written ``ddp``, ``diloco:H``, ``sparta[:p]``, ``demo[:topk]``.
+Strategies are written ``ddp``, ``diloco[:H]``, ``streaming_diloco[:H[:F]]``,
+``sparseloco[:H]`` (it needs the results JSON: its payload is sized per tensor),
+``sparta[:p]``, ``demo[:topk]``.
 """
 
 from __future__ import annotations
@@ -181,7 +183,7 @@ def human_rate(bytes_per_s: float) -> str:
 
 
 def print_tables(inputs: Inputs, hosts: Sequence[int],
-                 validation: list[dict[str, Any]] | None = None) -> None:
+                 validation: list[dict[str, Any]] | None = None, measured_hosts: int = 2) -> None:
     """Print the projection per link and, when given, the validation against measurements."""
     from rich.console import Console
 
@@ -199,7 +201,7 @@ def print_tables(inputs: Inputs, hosts: Sequence[int],
                     [(label, *(f"{p.speedup:.2f}x ({p.comm_fraction:.0%} comm)" for p in cells))
                      for label, *cells in rows], left=("strategy",), console=console)
     if validation:
-        print_table("2-host check: projection against the measurement",
+        print_table(f"{measured_hosts}-host check: projection against the measurement",
                     ("strategy", "link", "step predicted", "step measured", "error",
                      "speedup predicted", "speedup measured", "error"),
                     [(row["label"], row["rate"], f"{row['predicted_step_s']:.3f} s",
@@ -270,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--results {str(path)!r} does not exist: run "
                                  "python -m bench.multihost first, or give the inputs as flags")
             results = json.loads(path.read_text())
-            print_tables(inputs_from_results(results), hosts, validation_rows(results))
+            print_tables(inputs_from_results(results), hosts, validation_rows(results),
+                         results["hosts"])
             return 0
         missing = [flag for flag, value in (("--num-params", args.num_params),
                                             ("--compute-s", args.compute_s),

@@ -7,6 +7,11 @@ A job's figures come from a window of steps (:class:`bench.harness.timing.Window
 - **wire bytes**: what the hosts' veths sent each other during the window
   (the bed's interface counters, less what went to the launcher), per host and
   step; **counted bytes**: the same from the comm module's counters;
+- **evaluations in the window** (:attr:`Bench.eval_every`): left out of the
+  time per step (:func:`bench.harness.timing.training_clock`) and of the wire
+  bytes (each evaluation's traffic, the least over the window's evaluations of
+  what the steps around it sent beyond the steps before, times their number:
+  :func:`evaluation_bytes`);
 - **other load**: cores kept busy during the window by processes that are not
   the bench's. Before each job :class:`Bench` waits until that falls under
   ``--quiet-cores``, and measures a job again when it was over ``--retry-cores``.
@@ -22,13 +27,18 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness.machine import CpuSample
-from bench.harness.timing import Window, steps_by_rank
+from bench.harness.machine import CLOCK_TICKS, CpuSample
+from bench.harness.slow_host import worker_groups
+from bench.harness.timing import Window, steps_by_rank, training_clock
 from tests.netbed import Counters, Testbed
+
+#: Steps around an evaluation at step ``k`` (``k + d``) at which :func:`evaluation_bytes`
+#: reads the hosts' counters.
+EVAL_SNAPS = (-5, -2, 1)
 
 
 class BenchError(RuntimeError):
@@ -81,12 +91,46 @@ class JobResult:
     load_before: float
     affinity: dict[int, list[int]]
     wall_s: float
+    #: Rank 0's validation losses: ``[step, seconds of training, the global model's loss,
+    #: rank 0's own model's loss]``.
+    val_curve: list[list[float]] = field(default_factory=list)
+    #: For each host running a rank at the window's start, that rank's ``cpu`` cgroup.
+    groups: dict[int, str] = field(default_factory=dict)
+    #: Bytes the hosts sent each other for the evaluations inside the window (left out of
+    #: ``wire_bytes_per_step``).
+    eval_bytes: float = 0.0
+    #: Cores the bed's hosts' processes (ranks, sshds) kept busy during the window.
+    host_cores: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         out["window"] = [self.window.s0, self.window.s1, self.window.max_steps]
         out["affinity"] = {str(k): v for k, v in self.affinity.items()}
+        out["groups"] = {str(k): v for k, v in self.groups.items()}
         return out
+
+
+def evaluation_bytes(snaps: dict[int, Counters], evaluated: set[int]) -> float:
+    """The hosts' traffic for the evaluations at the steps ``evaluated``, from counters taken
+    at rank 0's step events (``snaps``): per evaluation at step ``k``, what steps ``k-1..k+1``
+    sent beyond steps ``k-4..k-2`` (three steps on each side: a rank ahead of rank 0, or a
+    launcher late to read an event, moves the traffic a step or so); the least of those,
+    times how many there were. An evaluation next to a step that communicates for training
+    (DiLoCo's round's last) counts that traffic too; the least passes it over as long as one
+    evaluation falls between rounds."""
+    extra = [snaps[k - 2].between_hosts(snaps[k + 1]) - snaps[k - 5].between_hosts(snaps[k - 2])
+             for k in sorted(evaluated) if all(k + d in snaps for d in EVAL_SNAPS)]
+    return max(0.0, min(extra)) * len(evaluated) if extra else 0.0
+
+
+def host_cores(first: CpuSample, later: CpuSample) -> float:
+    """Cores the processes sampled, this one (the launcher) left out, kept busy between the
+    two samples: the bed's hosts' own."""
+    me = os.getpid()
+    ticks = sum(later.ours.get(p, t) - t for p, t in first.ours.items() if p != me)
+    ticks += sum(t for p, t in later.ours.items() if p not in first.ours and p != me)
+    seconds = later.at - first.at
+    return ticks / CLOCK_TICKS / seconds if seconds > 0 else 0.0
 
 
 class Bench:
@@ -104,6 +148,9 @@ class Bench:
         self.out = out
         self.jobs = 0
         self.budget = {"left": float(args.wait_max)}
+        #: Steps between the evaluations of jobs that evaluate inside their window (their
+        #: time and traffic are then left out of the window's figures); None: they do not.
+        self.eval_every: int | None = None
         #: The step events of the job run last.
         self.events: list[dict[str, Any]] = []
 
@@ -146,15 +193,26 @@ class Bench:
         events: list[dict[str, Any]] = []
         marks: dict[int, tuple[Counters, CpuSample]] = {}
         affinity: dict[int, list[int]] = {}
+        groups: dict[int, str] = {}
         lines: deque[str] = deque(maxlen=60)
+
+        every = self.eval_every
+        evaluated = set() if every is None else \
+            {k for k in range(window.s0 + 1, window.s1 + 1) if k % every == 0}
+        around = {k + d for k in evaluated for d in EVAL_SNAPS}
+        snaps: dict[int, Counters] = {}
 
         def on_event(event: dict[str, Any]) -> None:
             events.append(event)
+            if event.get("event") == "step" and event.get("rank") == 0 \
+                    and event.get("step") in around:
+                snaps[event["step"]] = self.bed.counters()
             if event.get("event") == "step" and event.get("rank") == 0 \
                     and event.get("step") in (window.s0, window.s1):
                 marks[event["step"]] = (self.bed.counters(), CpuSample.take(bench_pids(self.bed)))
                 if event["step"] == window.s0:
                     affinity.update(self.bed.worker_affinity())
+                    groups.update(worker_groups(self.bed))
 
         run_dir = self.bed.workdir / "launch" / f"{self.jobs:02d}"
         console = Console(file=io.StringIO(), width=160)
@@ -178,8 +236,13 @@ class Bench:
             raise BenchError(f"{name}: rank 0 reported no step {window.s0} or {window.s1}; "
                              f"logs in {self.out / 'logs'}")
         self.events = [e for e in events if e.get("event") == "step"]
-        return self._summarize(name, hosts, window, marks, affinity, load_before,
-                               time.monotonic() - started)
+        result = self._summarize(name, hosts, window, marks, affinity, load_before,
+                                 time.monotonic() - started)
+        result.groups = groups
+        result.eval_bytes = evaluation_bytes(snaps, evaluated)
+        if result.eval_bytes:
+            result.wire_bytes_per_step -= result.eval_bytes / hosts / window.steps
+        return result
 
     def _keep_logs(self, run_dir: Path, slug: str) -> None:
         target = self.out / "logs" / slug
@@ -202,14 +265,20 @@ class Bench:
             missing = [s for s in (window.s0, window.s1) if s not in mine]
             if missing:
                 raise BenchError(f"{name}: rank {rank} reported no step {missing[0]}")
-            rank_step_s.append(window.per_step(mine, "wall_s"))
-            each = [mine[k]["wall_s"] - mine[k - 1]["wall_s"]
+            clock = training_clock(mine) if self.eval_every is not None else \
+                {k: e["wall_s"] for k, e in mine.items()}
+            rank_step_s.append((clock[window.s1] - clock[window.s0]) / window.steps)
+            each = [clock[k] - clock[k - 1]
                     for k in range(window.s0 + 1, window.s1 + 1) if k in mine and k - 1 in mine]
             rank_sd_s.append(statistics.stdev(each) if len(each) > 1 else 0.0)
             counted.append(window.per_step(mine, "comm_bytes"))
             losses += [mine[s]["train_loss"] for s in range(window.s1 - 9, window.s1 + 1)
                        if s in mine]
         final = steps[0].get(window.max_steps, {})
+        clock0 = training_clock(steps[0])
+        curve = [[step, clock0[step], event.get("val_global_loss", event["val_loss"]),
+                  event["val_loss"]]
+                 for step, event in sorted(steps[0].items()) if "val_loss" in event]
         (c0, cpu0), (c1, cpu1) = marks[window.s0], marks[window.s1]
         return JobResult(
             name=name, hosts=hosts, window=window,
@@ -220,5 +289,5 @@ class Bench:
             launcher_bytes_per_step=c0.launcher_bytes(c1) / window.steps,
             train_loss=statistics.mean(losses),
             val_loss=final.get("val_global_loss", final.get("val_loss")),
-            other_cores=cpu0.other_cores(cpu1),
-            load_before=load_before, affinity=affinity, wall_s=wall_s)
+            other_cores=cpu0.other_cores(cpu1), host_cores=host_cores(cpu0, cpu1),
+            load_before=load_before, affinity=affinity, wall_s=wall_s, val_curve=curve)

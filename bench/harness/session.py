@@ -59,7 +59,8 @@ def add_sweep_arguments(parser: argparse.ArgumentParser, *, rates: str, strategi
     ``--strategies``, ``--repeat``, and the job's and the window's options."""
     parser.add_argument("--rates", default=rates, help=f"link rates, tc syntax (default {rates})")
     parser.add_argument("--strategies", default=strategies,
-                        help=f"ddp, diloco:H, sparta[:p], demo[:topk] (default {strategies})")
+                        help=f"ddp, diloco[:H], streaming_diloco[:H[:F]], sparseloco[:H], sparta[:p], "
+                             f"demo[:topk] (default {strategies})")
     parser.add_argument("--repeat", type=int, default=repeat,
                         help=f"rounds over every job; figures are medians (default {repeat})")
     add_job_arguments(parser, subnet=subnet)

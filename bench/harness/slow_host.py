@@ -3,24 +3,38 @@
 The host's ``sshd`` is moved into the group before any rank starts, so every
 process it starts (the rank, gloo's threads, the SSH session) is born in it and
 shares ``fraction`` of one core. :class:`RankWatch` says which group each rank
-of a job really ran in.
+of a job really ran in. :func:`held_hosts` holds every host of a bed to an equal
+share (:func:`equal_share`), so that hosts that outnumber the cores still never
+take each other's time.
 """
 
 from __future__ import annotations
 
 import errno
+import math
+import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.netbed import PREFIX, worker_pid
+from tests.netbed import PREFIX, Testbed, worker_pid
 from tests.netbed.stale import bed_stands
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
+#: Cores left to the launcher (and the machine) when the hosts' share is chosen for them.
+HEADROOM_CORES = 0.25
+#: The smallest share a host may be held to: below it a step is stalled by the quota's
+#: period more than it is slowed evenly.
+MIN_SHARE = 0.25
+#: Shares chosen for the hosts are rounded down to a multiple of this.
+SHARE_STEP = 0.05
+#: ``cpu.shares`` of a held host's group: eight processes' worth, so that the host gets its
+#: quota while other processes on the machine wait (the quota still caps it).
+HELD_WEIGHT = 8 * 1024
 
 
 class SlowGroup:
@@ -29,17 +43,23 @@ class SlowGroup:
     Args:
         name: the group's folder under ``/sys/fs/cgroup/cpu`` (unique per bench).
         fraction: the quota, a fraction of ``cpu.cfs_period_us`` (100 ms).
+        weight: the group's ``cpu.shares`` (default: the kernel's, 1024, as one process's):
+            a larger one gives the group its quota before processes of the root group take
+            the time, so that others' work on the machine does not cut it short.
     """
 
-    def __init__(self, name: str, fraction: float) -> None:
+    def __init__(self, name: str, fraction: float, weight: int | None = None) -> None:
         self.path = CPU_CGROUP / name
         self.fraction = fraction
+        self.weight = weight
 
     def create(self) -> None:
-        """Make the group and set its period and quota."""
+        """Make the group and set its period, quota and weight."""
         self.path.mkdir()
         (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         (self.path / "cpu.cfs_quota_us").write_text(str(round(PERIOD_US * self.fraction)))
+        if self.weight is not None:
+            (self.path / "cpu.shares").write_text(str(self.weight))
 
     def add(self, pid: int) -> None:
         """Move ``pid`` into the group; what it starts from now on is born in it.
@@ -76,11 +96,13 @@ def cgroup_problems() -> list[str]:
 
 
 @contextmanager
-def slowed(bed: Any, host: Any, fraction: float, part: str = "") -> Iterator[SlowGroup]:
+def slowed(bed: Any, host: Any, fraction: float, part: str = "",
+           weight: int | None = None) -> Iterator[SlowGroup]:
     """``host`` of ``bed`` held to ``fraction`` of a core for the block: its sshd moved into a
     new group (every rank it starts is born there); the group removed at the end, also on
-    errors. ``part`` tells apart the groups of one bed when it holds several hosts."""
-    group = SlowGroup(f"{PREFIX}-{bed.tag}{'-' + part if part else ''}-slow", fraction)
+    errors. ``part`` tells apart the groups of one bed when it holds several hosts;
+    ``weight``: the group's ``cpu.shares`` (:class:`SlowGroup`)."""
+    group = SlowGroup(f"{PREFIX}-{bed.tag}{'-' + part if part else ''}-slow", fraction, weight)
     group.create()
     try:
         for pid in bed.pids(host):
@@ -90,6 +112,60 @@ def slowed(bed: Any, host: Any, fraction: float, part: str = "") -> Iterator[Slo
         if group.path.exists():
             group.remove()
             print(f"removed {group.path}", flush=True)
+
+
+def equal_share(hosts: int, cores: int | None = None) -> float:
+    """The largest equal share of a core ``hosts`` hosts can each have on ``cores`` cores
+    (default: this machine's), leaving :data:`HEADROOM_CORES` to the launcher: at most one
+    core, rounded down to a multiple of :data:`SHARE_STEP`."""
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    share = min(1.0, (cores - HEADROOM_CORES) / hosts)
+    return round(math.floor(share / SHARE_STEP + 1e-9) * SHARE_STEP, 2)
+
+
+def check_share(share: float, hosts: int, cores: int | None = None) -> None:
+    """ValueError, saying what to do, when ``hosts`` hosts held to ``share`` of a core each
+    would be stalled by the quota (under :data:`MIN_SHARE`) or would need more than the
+    ``cores`` there are (they would then take each other's time)."""
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    if not 0 < share <= 1:
+        raise ValueError(f"a host's share must be a fraction of a core in (0, 1], got {share:g}")
+    if share < MIN_SHARE - 1e-9:
+        fits = int((cores - HEADROOM_CORES) // MIN_SHARE)
+        raise ValueError(f"{hosts} hosts would each get {share:g} of a core, under the "
+                         f"{MIN_SHARE:g} core a host needs here (a quota that small stalls "
+                         f"steps at random): use {fits} hosts or fewer on this machine's "
+                         f"{cores} cores")
+    if share * hosts > cores + 1e-9:
+        raise ValueError(f"{hosts} hosts at {share:g} of a core each need {share * hosts:g} "
+                         f"cores, more than this machine's {cores}: they would take each "
+                         f"other's time; give --share {equal_share(hosts, cores):g} or less")
+
+
+@contextmanager
+def held_hosts(bed: Testbed, share: float) -> Iterator[list[SlowGroup]]:
+    """Every host of ``bed`` held to ``share`` of a core by a group of its own (its sshd
+    moved in, so every rank it starts is born there), for the block; the groups removed
+    at the end, also on errors. Each group has the weight :data:`HELD_WEIGHT`: it gets
+    its share first when other processes want the cores too, and never more."""
+    with ExitStack() as stack:
+        yield [stack.enter_context(slowed(bed, host, share, f"h{host.index}", HELD_WEIGHT))
+               for host in bed.hosts]
+
+
+def worker_groups(bed: Testbed) -> dict[int, str]:
+    """For each host of ``bed`` running a ``distributed.worker`` process, its ``cpu`` group."""
+    found: dict[int, str] = {}
+    for host in bed.hosts:
+        for pid in bed.pids(host):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            group = cpu_cgroup_of(pid) if b"distributed.worker" in argv else None
+            if group is not None:
+                found[host.index] = group
+    return found
 
 
 def release(group: Path) -> None:

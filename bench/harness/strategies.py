@@ -1,5 +1,6 @@
-"""Strategies as the benches write them (``ddp``, ``diloco:100``, ``sparta:0.005``, ``demo:32``):
-how a bench runs each (profile overrides) and how the projection models it."""
+"""Strategies as the benches write them (``ddp``, ``diloco:100``, ``sparta:0.005``, ``demo:32``,
+``streaming_diloco:100:4``, ``sparseloco:30``): how a bench runs each (profile overrides) and
+how the projection models it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distributed.planning.projection import demo_payload_bytes
-from exogym.strategy.facts import DEMO_CHUNK, DEMO_TOPK, SPARTA_P
+from exogym.strategy.facts import (
+    DEMO_CHUNK,
+    DEMO_TOPK,
+    DILOCO_H,
+    SPARSELOCO_H,
+    SPARTA_P,
+    STREAMING_FRAGMENTS,
+)
 
 DEMO_DEFAULTS = {"compression_topk": DEMO_TOPK, "compression_chunk": DEMO_CHUNK}
 
@@ -54,6 +62,13 @@ class StrategyCase:
         """
         if self.name == "diloco":
             return {"H": self.settings["H"]}
+        if self.name == "streaming_diloco":
+            return {"H": self.settings["H"], "num_fragments": self.settings["num_fragments"]}
+        if self.name == "sparseloco":
+            if shapes is None:
+                raise ValueError("SparseLoCo's projection needs the model's tensor shapes "
+                                 "(results JSON): its payload is sized per tensor")
+            return {"H": self.settings["H"], "shapes": [list(s) for s in shapes]}
         if self.name == "sparta":
             return {"p_sparta": self.settings["p_sparta"]}
         if self.name == "demo":
@@ -68,17 +83,46 @@ class StrategyCase:
         return {}
 
 
+#: How to write each strategy, for the error that refuses a spec.
+SPEC_HELP = ("ddp, diloco[:H] (e.g. diloco:100), streaming_diloco[:H[:FRAGMENTS]] "
+             "(e.g. streaming_diloco:100:4), sparseloco[:H] (e.g. sparseloco:30), "
+             "sparta or sparta:P (e.g. sparta:0.005), demo or demo:TOPK")
+
+
+def _whole(text: str, default: int) -> int:
+    """``text`` as a whole number >= 1 (``default`` when empty); ValueError otherwise."""
+    value = int(text) if text else default
+    if value < 1:
+        raise ValueError
+    return value
+
+
 def parse_strategy(spec: str, p_sparta: float = SPARTA_P) -> StrategyCase:
-    """``ddp``, ``diloco:H``, ``sparta[:p]`` or ``demo[:topk]`` as a :class:`StrategyCase`."""
+    """``ddp``, ``diloco[:H]``, ``streaming_diloco[:H[:FRAGMENTS]]``, ``sparseloco[:H]``,
+    ``sparta[:p]`` or ``demo[:topk]`` as a :class:`StrategyCase`; a part left out takes the
+    strategy's default (DiLoCo and Streaming DiLoCo H=100, 4 fragments; SparseLoCo H=30).
+
+    Streaming DiLoCo's and SparseLoCo's local work beyond AdamW (a fragment's outer step,
+    SparseLoCo's top-k and quantization) happens once per round, so their compute baseline
+    is AdamW's and that work counts in the comm share.
+    """
     name, _, arg = spec.strip().lower().partition(":")
     try:
         if name == "ddp" and not arg:
             return StrategyCase("DDP", "ddp")
-        if name == "diloco" and arg:
-            H = int(arg)
-            if H < 1:
-                raise ValueError
+        if name == "diloco":
+            H = _whole(arg, DILOCO_H)
             return StrategyCase(f"DiLoCo H={H}", "diloco", {"H": H}, period=H)
+        if name in ("streaming_diloco", "streaming-diloco"):
+            h_text, _, f_text = arg.partition(":")
+            H, fragments = _whole(h_text, DILOCO_H), _whole(f_text, STREAMING_FRAGMENTS)
+            if fragments > H:
+                raise ValueError
+            return StrategyCase(f"Streaming DiLoCo H={H} F={fragments}", "streaming_diloco",
+                                {"H": H, "num_fragments": fragments}, period=H)
+        if name == "sparseloco":
+            H = _whole(arg, SPARSELOCO_H)
+            return StrategyCase(f"SparseLoCo H={H}", "sparseloco", {"H": H}, period=H)
         if name == "sparta":
             p = float(arg) if arg else p_sparta
             if not 0 < p <= 1:
@@ -92,8 +136,7 @@ def parse_strategy(spec: str, p_sparta: float = SPARTA_P) -> StrategyCase:
             return StrategyCase(f"DeMo top-{topk}", "demo", settings, compute="demo")
     except ValueError:
         pass
-    raise ValueError(f"strategy {spec!r} is not understood: write ddp, diloco:H (e.g. diloco:100), "
-                     "sparta or sparta:P (e.g. sparta:0.005), demo or demo:TOPK")
+    raise ValueError(f"strategy {spec!r} is not understood: write {SPEC_HELP}")
 
 
 def parse_strategies(text: str, p_sparta: float = SPARTA_P) -> list[StrategyCase]:

@@ -99,6 +99,24 @@ def loss_at(curve: list[tuple[float, float]], at: float) -> float | None:
     return curve[-1][1]
 
 
+def training_clock(steps: Mapping[int, Mapping[str, Any]]) -> dict[int, float]:
+    """One rank's clock of training: each step's ``wall_s`` less the time its evaluations took.
+
+    An evaluation runs inside the step it follows, after the step's training
+    (``compute_s`` + ``comm_s``); what the step lasted beyond that, at a step that
+    reports a validation loss, is taken as the evaluation's time. A step whose
+    predecessor is missing keeps what was taken so far.
+    """
+    clock: dict[int, float] = {}
+    spent = 0.0
+    for step in sorted(steps):
+        event = steps[step]
+        before = steps.get(step - 1)
+        if before is not None and "val_loss" in event:
+            trained = event.get("compute_s", 0.0) + event.get("comm_s", 0.0)
+            spent += max(0.0, event["wall_s"] - before["wall_s"] - trained)
+        clock[step] = event["wall_s"] - spent
+    return clock
 
 
 @dataclass(frozen=True)

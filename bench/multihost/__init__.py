@@ -2,26 +2,37 @@
 
 Run as root from the project root::
 
-    python -m bench.multihost                  # 2 hosts, 1gbit/100mbit/20mbit, 5 strategies
-    python -m bench.multihost --rates 100mbit --strategies ddp,diloco:100
-    python -m bench.multihost --quick          # a small model, one rate, two strategies
+    python -m bench.multihost                  # 2 hosts; 1gbit, 100mbit; DDP, DiLoCo,
+                                               # Streaming DiLoCo, SparseLoCo
+    python -m bench.multihost --hosts 4 --share 0.45 --rates 100mbit --strategies diloco:100
+    python -m bench.multihost --hosts 3 --quick --share 0.5   # a small model, short windows
+    python -m bench.multihost --hosts 6 --plan  # the share and every job's settings, no run
 
 What it does:
 
 1. Builds ``--hosts`` hosts as network namespaces on one bridge, every host's
    outgoing link shaped by ``tc tbf`` (:mod:`netbed`), each with its own
-   ``sshd``. With pinning (the default), host ``i`` and everything started in
-   it runs on core ``i`` alone, and every rank trains with one thread
-   (``num_threads=1``), so hosts do not take each other's compute.
-2. Measures every link rate: the payload goodput a host gets while sending to
-   one peer and receiving from another at once (the ring pattern), the round
-   trip, and the protocol overhead (wire bytes over payload bytes).
+   ``sshd``. Every host is held to ``--share`` of a core by a cgroup v1 ``cpu``
+   group of its own (:func:`bench.harness.slow_host.held_hosts`: its sshd is
+   moved in, so the SSH sessions, rank supervisors and ranks it starts are born
+   there; the bench checks each job's ranks ran in their host's group), and
+   every rank trains with one thread (``num_threads=1``), so hosts that
+   outnumber the cores still never take each other's compute. The default
+   share is the largest equal one that leaves a quarter core to the launcher,
+   ``min(1, (cores - 0.25) / N)`` rounded down to 0.05; shares under 0.25 core
+   (a quota that stalls steps) and shares that add up to more than the cores
+   are refused. ``--pin`` also pins host ``i`` to core ``i``.
+2. Measures every link rate, each host's probe in its group: the payload
+   goodput a host gets while sending to one peer and receiving from another at
+   once (the ring pattern), the round trip, and the protocol overhead (wire
+   bytes over payload bytes).
 3. Runs the baselines through the same launcher, on every host at once with
    each host training alone, so that they see the same contention for the
    machine's memory bandwidth and caches as the multi-host runs: the compute
    time per step without communication (AdamW; SPARTA and DeMo with
    ``EXOGYM_COLLECTIVES=mirror``, which does all of their own work per step
-   and sends nothing) and the reference, one host doing all ``N`` hosts' work.
+   and sends nothing) and the reference, one host doing all ``N`` hosts' work,
+   at the same share.
 4. For every rate and strategy, runs the profile (``chargpt-bench`` in
    ``config.ini``) through the real launcher, every rank over SSH, rank 0 in
    host 0's namespace.
@@ -56,6 +67,16 @@ Definitions:
   (``minibatch_size = batch_size``, gradient accumulation), with AdamW.
 - **loss**: the validation loss of the ranks' averaged model after the last
   step, and the training loss averaged over the window's last 10 steps.
+- **time to target**: seconds of training (each rank's clock less the time its
+  evaluations took, :func:`bench.harness.timing.training_clock`) until the
+  validation loss of the ranks' averaged model, evaluated every
+  ``--val-every`` steps, first reaches ``--target-loss`` (linear between
+  evaluations; default: the reference's validation loss at the end of its
+  window, its own model's); **speedup to target** is the reference's time to it
+  over the run's. The evaluations inside a window are left out of its time per
+  step and of its wire bytes (their traffic measured, :mod:`bench.harness.jobs`).
+  **predicted**: the steps the run took to the target times the projection's
+  time per step (for the reference: its steps times ``N`` minibatches).
 - **other load**: cores kept busy during the window by processes that are
   not this benchmark's (from ``/proc/stat`` and the ranks' CPU time). Before
   each job it waits until that falls under ``--quiet-cores``.
@@ -63,6 +84,7 @@ Definitions:
 Latency is not emulated: this kernel has no ``netem``, so links have the
 bandwidth they are given and the sub-millisecond delay of a veth.
 
-Its parts: :mod:`bench.multihost.rounds` measures, :mod:`bench.multihost.report`
-writes the outputs, ``__main__`` reads the command line.
+Its parts: :mod:`bench.multihost.rounds` measures (:mod:`bench.multihost.links` the
+links), :mod:`bench.multihost.report` writes the outputs, ``__main__`` reads the command
+line.
 """
