@@ -123,6 +123,9 @@ def test_a_real_runs_screen_in_a_terminal_shows_a_row_per_rank_with_changing_ste
     assert all(len(seen) >= 3 for seen in steps.values()), (steps, screen[-3000:])
     assert all(max(seen) == 3000 for seen in steps.values())
     assert re.search(r"│\s+all │ 2 ranks\s+│ 2/2 done", screen)
+    # the host at a glance: its link, sync, waiting, CPU and memory, from the ranks' monitors
+    assert re.search(r"│ local\s+│\s+[\d.]+ [MG]bit/s │\s+(idle|\d+%) │\s+\d+% │\s+\d+% │"
+                     r"\s+[\d.]+ GiB │\s+[\d.]+ GiB of [\d.]+ GiB", screen), screen[-3000:]
     assert "run summary" in screen
 
 
@@ -174,3 +177,95 @@ def test_a_step_reported_again_is_told_once():
     dashboard.on_event(step(0, 141, val_loss=0.5))
     lines = [line for line in out.getvalue().splitlines() if "step 141" in line]
     assert len(lines) == 1, out.getvalue()
+
+
+GIB = 2**30
+
+
+def link(rank: int, done: float | None, rate_bps: float | None, **extra) -> dict:
+    return {"event": "link", "rank": rank, "in_flight": done is not None, "done": done,
+            "rate_bps": rate_bps, **extra}
+
+
+def system(rank: int, pid: int, rss_gib: float, available_gib: float, **extra) -> dict:
+    return {"event": "system", "rank": rank, "pid": pid, "cpu_percent": 57.0, "cores": 8,
+            "rss_bytes": int(rss_gib * GIB), "mem_available_bytes": int(available_gib * GIB),
+            "mem_total_bytes": 16 * GIB, "low_memory": available_gib < 1.6, **extra}
+
+
+def timed(rank: int, n: int, wall_s: float, comm_s: float, compute_s: float) -> dict:
+    return step(rank, n, wall_s=wall_s, comm_s=comm_s, compute_s=compute_s)
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """Each row of a drawn table (the header's too) by its first cell."""
+    rows = {}
+    for line in text.splitlines():
+        bar = line[:1]
+        if bar in ("│", "┃"):
+            cells = [c.strip() for c in line.split(bar)[1:-1]]
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_the_hosts_table_shows_each_hosts_link_waiting_cpu_memory_and_gpu():
+    out = io.StringIO()
+    dashboard = Dashboard(3, ["mac-a", "mac-b", "mac-b"], console=Console(file=out, width=200),
+                          live=False)
+    assert dashboard.hosts_table() is None  # nothing reported yet: no table
+    for n, wall in enumerate((1.0, 2.0, 3.0), start=1):
+        dashboard.on_event(timed(0, n, wall, 0.25, 0.75))  # a second a step, a quarter waiting
+        dashboard.on_event(timed(1, n, 2 * wall, 1.5, 0.5))  # three quarters
+        dashboard.on_event(timed(2, n, 2 * wall, 0.5, 1.5))  # a quarter
+    dashboard.on_event(link(0, 0.4, 38.2e6))
+    dashboard.on_event(link(1, 0.5, 10e6))
+    dashboard.on_event(link(2, 0.3, 12e6))
+    dashboard.on_event(system(0, 11, 1.5, 3.4, gpu="mps", gpu_bytes=2 * GIB,
+                              gpu_total_bytes=12 * GIB))
+    dashboard.on_event(system(1, 21, 1.0, 2.0))
+    dashboard.on_event(system(2, 22, 1.25, 0.8))  # the host's newest figures: low on memory
+    dashboard.on_event(system(2, 22, 1.25, 0.8))
+    drawn = io.StringIO()
+    Console(file=drawn, width=200).print(dashboard.frame())
+    rows = table_rows(drawn.getvalue())
+    assert rows["host"] == ["host", "link", "sync", "waiting", "CPU", "ranks' memory",
+                            "available", "GPU", "GPU memory"]
+    assert rows["mac-a"] == ["mac-a", "38.2 Mbit/s", "40%", "25%", "57%", "1.5 GiB",
+                             "3.4 GiB of 16 GiB", "-", "2.0 GiB of 12 GiB"]
+    # two ranks: their rates summed, the least advanced sync, their waits averaged
+    assert rows["mac-b"] == ["mac-b", "22.0 Mbit/s", "30%", "50%", "57%", "2.2 GiB",
+                             "0.8 GiB of 16 GiB LOW", "-", "-"]
+    assert "mac-b has 0.8 GiB of 16 GiB memory left" in drawn.getvalue()  # the caption
+    assert rows["0"][1:3] == ["mac-a", "training"]  # the ranks' table is still there
+    told = [line for line in out.getvalue().splitlines() if "memory left" in line]
+    assert told == ["this machine has 0.8 GiB of 16 GiB memory left"]  # once
+    dashboard.on_event(link(0, None, 40.1e6))  # its collective ended
+    drawn = io.StringIO()
+    Console(file=drawn, width=200).print(dashboard.hosts_table())
+    assert table_rows(drawn.getvalue())["mac-a"][1:3] == ["40.1 Mbit/s", "idle"]
+
+
+def test_a_hosts_low_memory_relayed_by_the_launcher_is_told_by_the_launcher_not_here():
+    out = io.StringIO()
+    dashboard = Dashboard(1, ["10.0.0.2"], console=Console(file=out, width=200), live=False)
+    dashboard.on_event(system(0, 7, 1.0, 0.5, host="10.0.0.2"))
+    assert "memory left" not in out.getvalue()
+    drawn = io.StringIO()
+    Console(file=drawn, width=200).print(dashboard.hosts_table())
+    assert "10.0.0.2 has 0.5 GiB of 16 GiB memory left" in drawn.getvalue()
+
+
+def test_the_hosts_table_fits_an_80_column_terminal():
+    dashboard = Dashboard(2, ["gpu-box-under-the-desk", "10.213.91.254"],
+                          console=Console(file=io.StringIO(), width=80), live=False)
+    for rank in (0, 1):
+        dashboard.on_event(link(rank, 0.123, 987.6e6))
+        dashboard.on_event(system(rank, rank, 123.4, 12.3, gpu=f"cuda:{rank}",
+                                  gpu_percent=99.0, gpu_bytes=70 * GIB,
+                                  gpu_total_bytes=80 * GIB))
+    out = io.StringIO()
+    Console(file=out, width=80).print(dashboard.hosts_table())
+    lines = [line for line in out.getvalue().splitlines() if line.strip()]
+    assert all(len(line) <= 80 for line in lines) and "…" not in out.getvalue(), lines
+    for cell in ("gpu-box-under-the-desk", "987.6 Mbit/s", "12%", "12 GiB of 16 GiB"):
+        assert cell in out.getvalue()  # the link, its sync and the memory left stay

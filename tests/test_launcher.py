@@ -145,6 +145,17 @@ RANK_SCRIPTS = {
         from pathlib import Path
         (Path(os.environ["EXOGYM_RUN_DIR"]) / f"started{os.environ['RANK']}").write_text("")
     """,
+    # rank 1's host runs low on memory: its monitor says so three times
+    "low_memory.py": """
+        import json, os
+        rank = int(os.environ["RANK"])
+        for available in (3.0, 0.8, 0.7, 0.6):
+            print(PREFIX + json.dumps({
+                "event": "system", "rank": rank, "pid": os.getpid(), "cpu_percent": 50.0,
+                "rss_bytes": 2**30, "mem_available_bytes": int(available * 2**30) if rank else
+                8 * 2**30, "mem_total_bytes": 16 * 2**30,
+                "low_memory": bool(rank) and available < 1.6}), flush=True)
+    """,
 }
 
 
@@ -434,6 +445,16 @@ def test_a_run_that_makes_no_progress_is_stopped_naming_what_each_rank_waits_for
     assert "after step 5" in message
     assert "rank 0 on 127.0.0.1 waits for an all-reduce of 16.0 MiB" in message
     assert "no wait reported by rank 1 on 127.0.0.2" in message
+
+
+def test_a_host_low_on_memory_is_told_once_naming_it_and_what_it_has_left(run):
+    launcher = run.launcher(run.hosts([run.worker("127.0.0.2")]),
+                            RankProgram.from_script("low_memory.py"))
+    with launcher:
+        assert launcher.run().ok
+    told = [line for line in run.out.getvalue().splitlines() if "memory left" in line]
+    assert told == ["[launcher] 127.0.0.2 has 0.8 GiB of 16 GiB memory left"]
+    assert sum(e["event"] == "system" for e in run.events) == 8  # every event still delivered
 
 
 def test_progress_bound_is_ten_measured_rounds_and_at_least_five_minutes():

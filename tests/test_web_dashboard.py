@@ -219,6 +219,37 @@ def test_state_keeps_each_compared_run_apart():
     assert [p["run"] for p in view["points"]] == [0, 1]
 
 
+GIB = 2**30
+
+
+def system(rank: int, available_gib: float, **extra) -> dict:
+    return {"event": "system", "rank": rank, "pid": 100 + rank, "cpu_percent": 12.5,
+            "cores": 4, "rss_bytes": 3 * GIB // 2, "mem_available_bytes": int(available_gib * GIB),
+            "mem_total_bytes": 16 * GIB, "low_memory": available_gib < 1.6, **extra}
+
+
+def test_state_keeps_each_hosts_link_and_health_as_the_terminal_table_does():
+    clock = Clock()
+    state = WebState("t", clock=clock)
+    state.begin_run("digits", {}, 2, ["a", "b"])
+    state.on_event(start(0))
+    state.on_event(step(0, 1, comm_s=0.125, compute_s=0.375))
+    clock.now += 20  # a long collective: the rank's reports keep its heartbeat fresh
+    state.on_event({"event": "link", "rank": 0, "in_flight": True, "done": 0.5,
+                    "rate_bps": 2e7})
+    state.on_event(system(1, 0.8, gpu="cuda:0", gpu_percent=float("nan"), gpu_bytes=GIB))
+    view = state.view()
+    json.dumps(view, allow_nan=False)  # what the driver could not read is null, not NaN
+    hosts = {h["host"]: h for h in view["hosts"]}
+    assert hosts["a"]["link_bps"] == 2e7 and hosts["a"]["sync_done"] == 0.5
+    assert hosts["a"]["waiting"] == 0.25 and hosts["a"]["cpu_percent"] is None
+    assert hosts["b"]["cpu_percent"] == 12.5 and hosts["b"]["rss_bytes"] == 1.5 * GIB
+    assert hosts["b"]["low_memory"] is True and hosts["b"]["available_bytes"] == int(0.8 * GIB)
+    assert hosts["b"]["gpu_percent"] is None and hosts["b"]["gpu_bytes"] == GIB
+    assert {r["rank"]: r["heartbeat_age_s"] for r in view["ranks"]} == {0: 0.0, 1: 0.0}
+    assert [r["state"] for r in view["ranks"]] == ["training", "waiting"]
+
+
 def test_fan_out_feeds_the_terminal_dashboard_and_the_page():
     out = io.StringIO()
     terminal = Dashboard(2, console=Console(file=out, width=120), live=False)
@@ -524,6 +555,9 @@ def launch_chromium(page_load_strategy: str = "normal"):
 ROWS_JS = """return Array.from(document.querySelectorAll('tr.rank-row')).map(r => ({
   rank: Number(r.dataset.rank), step: Number(r.dataset.step), state: r.dataset.state,
   cells: Array.from(r.cells).map(c => c.textContent)}));"""
+HOSTS_JS = """return Array.from(document.querySelectorAll('tr.host-row')).map(r =>
+  Object.fromEntries(Array.from(r.cells).filter(c => c.offsetParent !== null)
+    .map(c => [c.className.split(' ')[0], c.textContent])));"""
 POINTS_JS = """const gd = document.getElementById(arguments[0]);
 return gd && gd.data ? gd.data.filter(t => t.meta !== 'smoothed')
   .reduce((n, t) => n + t.x.length, 0) : 0;"""
@@ -555,6 +589,14 @@ def test_page_in_chromium_follows_each_rank_and_keeps_the_final_state(tmp_path, 
         for chart in ("chart-loss-step", "chart-loss-bytes", "chart-throughput"):
             wait_for(lambda c=chart: chromium.execute_script(POINTS_JS, c) > 0, 10,
                      f"data points in {chart}")
+        # the host at a glance, from the ranks' monitors
+        host = wait_for(lambda: [h for h in chromium.execute_script(HOSTS_JS)
+                                 if h.get("cpu", "-") != "-"], 20, "the host's figures", lines)
+        assert [h["host"] for h in host] == ["local"]
+        assert re.fullmatch(r"[\d.]+ [MG]bit/s", host[0]["link"]), host
+        assert re.fullmatch(r"\d+%", host[0]["cpu"]) and host[0]["rss"].endswith(" GiB"), host
+        assert re.fullmatch(r"[\d.]+ GiB of [\d.]+ GiB", host[0]["available"]), host
+        assert "gpu" not in host[0]  # no GPU: no GPU columns
 
         wait_for(lambda: any("keeps serving" in x for x in lines), 400,
                  "the end of the run", lines)
@@ -656,6 +698,28 @@ def test_page_in_chromium_shows_validation_accuracy_as_the_terminal_table_does(c
                     "final_val_accuracy": 0.875, "bytes_per_node": 2000, "wall_s": 1.0})
         summary = chromium.find_element("id", "summary")
         wait_for(lambda: "val acc 87.5% (rank 0)" in summary.text, 10, "accuracy in the summary")
+        assert severe(chromium) == []
+
+
+def test_page_in_chromium_shows_each_hosts_figures_and_warns_of_low_memory(chromium):
+    with WebDashboard() as web:
+        web.begin_run("digits", {}, 2, ["mac-a", "10.0.0.2"])
+        web.on_event({"event": "link", "rank": 0, "in_flight": True, "done": 0.375,
+                      "rate_bps": 38.2e6})
+        web.on_event(system(0, 3.4))
+        chromium.get(f"http://127.0.0.1:{web.port}/")
+        wait_for(lambda: len(chromium.execute_script(HOSTS_JS)) == 1, 20, "the host's row")
+        assert chromium.execute_script(HOSTS_JS) == [
+            {"host": "mac-a", "link": "38.2 Mbit/s", "sync": "38%", "waiting": "-", "cpu": "13%",
+             "rss": "1.5 GiB", "available": "3.4 GiB of 16 GiB"}]
+        web.on_event(system(1, 0.8, gpu="cuda:0", gpu_percent=91.0, gpu_bytes=6 * GIB,
+                            gpu_total_bytes=80 * GIB))
+        wait_for(lambda: len(chromium.execute_script(HOSTS_JS)) == 2, 10, "the second host")
+        low = chromium.execute_script(HOSTS_JS)[1]
+        assert low["available"] == "0.8 GiB of 16 GiB LOW"
+        assert (low["gpu"], low["gpu-memory"]) == ("91%", "6.0 GiB of 80 GiB")
+        warning = chromium.find_element("id", "host-warnings").text
+        assert warning == "10.0.0.2 has 0.8 GiB of 16 GiB memory left"
         assert severe(chromium) == []
 
 

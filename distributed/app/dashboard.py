@@ -6,10 +6,15 @@ step, training loss, validation loss and accuracy (when the task scores one),
 samples per second, bytes sent, seconds since the rank last reported — plus
 the run's totals, and the time left in the title: the steps to go over each
 rank's recent step rate (its last :data:`RATE_WINDOW_S` seconds), so it
-follows a run that speeds up or slows down. On a terminal the table redraws in
-place (``rich.live``); elsewhere (CI, pipes, log files) it prints plain log
-lines instead: a rank's start and end, and every ``log_every`` steps. At the
-end, a summary table: each rank's final figures and the run's.
+follows a run that speeds up or slows down. Once the ranks report their link
+and host (``link`` and ``system`` events), a second table shows each host at a
+glance (:mod:`exogym.report.health`): link rate, share of the collective in
+flight done, share of the steps spent waiting on the network, CPU, the ranks'
+memory and what the host has left, GPU; a host low on memory is marked there,
+and told once in a line. On a terminal the tables redraw in place
+(``rich.live``); elsewhere (CI, pipes, log files) it prints plain log lines
+instead: a rank's start and end, and every ``log_every`` steps. At the end, a
+summary table: each rank's final figures and the run's.
 
 It is an ``exogym.report.summary.ProgressSink``, so a local simulation feeds it with
 ``Trainer.fit(progress=dashboard)``; for a multi-host run the launcher's
@@ -32,6 +37,7 @@ from rich.text import Text
 
 from exogym.base.plural import plural
 from exogym.base.terminal import output_console
+from exogym.report.health import HealthBoard, HostHealth, LowMemoryNotice, gib, memory_line
 from exogym.report.summary import (
     VAL_ACCURACY_COLUMN,
     balance_table,
@@ -140,17 +146,20 @@ def human_duration(seconds: float | None) -> str:
 
 #: The live table's columns a narrow terminal drops first, in order; the rest always stay.
 DROPPED_FIRST = ("last report", "samples/s", "share", "version", "val acc", "sent")
+#: The hosts table's columns a narrow terminal drops first, in order.
+HOST_COLUMNS_DROPPED_FIRST = ("GPU memory", "ranks' memory", "GPU", "waiting", "sync")
 
 
-def fitting_columns(names: list[str], rows: list[list[Any]], width: int) -> list[int]:
+def fitting_columns(names: list[str], rows: list[list[Any]], width: int,
+                    dropped_first: Sequence[str] = DROPPED_FIRST) -> list[int]:
     """The indices of ``names`` to show in ``width`` columns: every column while the table
-    fits, else without those of :data:`DROPPED_FIRST`, one by one, so that no cell is cut."""
+    fits, else without those of ``dropped_first``, one by one, so that no cell is cut."""
     def need(i: int) -> int:
         cells = [len(str(row[i])) for row in rows]
         return max([len(names[i]), *cells]) + 3  # a cell's padding and its border
 
     kept = list(range(len(names)))
-    for name in DROPPED_FIRST:
+    for name in dropped_first:
         if sum(need(i) for i in kept) + 1 <= width:
             break
         kept = [i for i in kept if names[i] != name]
@@ -197,6 +206,9 @@ class Dashboard:
         self.membership: list[dict[str, Any]] = []
         #: The faults injected into the run (``--inject``), from their events.
         self.faults = FaultLog()
+        #: Each host's link and health (``link``, ``system`` and ``step`` events).
+        self.health = HealthBoard()
+        self.low_memory = LowMemoryNotice()
         self.ranks: dict[int, RankState] = {}
         self._host_of = dict(enumerate(hosts)) if isinstance(hosts, Sequence) else dict(hosts or {})
         for rank in range(num_ranks or 0):
@@ -221,10 +233,25 @@ class Dashboard:
         return state
 
     def on_event(self, event: dict[str, Any]) -> None:
-        """Take one metric event (``start``, ``step``, ``done``, ``hand_over``; from the
-        launcher of a run whose hosts come and go, ``host`` and ``membership``; others are
-        ignored)."""
+        """Take one metric event (``start``, ``step``, ``done``, ``hand_over``, ``link``,
+        ``system``; from the launcher of a run whose hosts come and go, ``host`` and
+        ``membership``; others are ignored)."""
         kind = event.get("event", "step")
+        if kind in ("link", "system", "step") and isinstance(event.get("rank"), int):
+            with self._lock:
+                state = self._state(int(event["rank"]), event.get("host"))
+                if kind != "step":
+                    state.last_seen = self.clock()  # a rank in a long collective still reports
+                self.health.on_event(event, state.host)
+            # A host's event relayed by the launcher carries its host, and the launcher
+            # tells the line itself; a simulation's is told here.
+            line = None if "host" in event else self.low_memory.check(event)
+            if line is not None:
+                self.console.print(line, style="bold red", markup=False, highlight=False,
+                                   soft_wrap=True)
+            if kind != "step":
+                self._ensure_live()
+                return
         if kind == "host" and "rank" in event:
             self.set_status(int(event["rank"]), str(event["state"]))
             return
@@ -356,7 +383,7 @@ class Dashboard:
             return
         with self._live_lock:
             if self._live is None and not self._closed:
-                live = Live(console=self.console, get_renderable=self.render,
+                live = Live(console=self.console, get_renderable=self.frame,
                             refresh_per_second=self.refresh_per_second, transient=False,
                             redirect_stdout=False, redirect_stderr=False)
                 live.start()
@@ -365,6 +392,35 @@ class Dashboard:
     def start(self) -> None:
         """Show the table now, before the first event (it also starts on the first event)."""
         self._ensure_live()
+
+    def frame(self) -> Table | Group:
+        """What the live display draws: the ranks' table, and the hosts' once they report."""
+        hosts = self.hosts_table()
+        return self.render() if hosts is None else Group(self.render(), hosts)
+
+    def hosts_table(self) -> Table | None:
+        """A row per host: link rate, sync done, waiting share, CPU, memory, GPU (None
+        until a rank has reported its link or host)."""
+        with self._lock:
+            if not self.health.reporting:
+                return None
+            hosts = self.health.hosts()
+        gpu = any(h.gpu_bytes is not None or h.gpu_percent is not None for h in hosts)
+        names = ["host", "link", "sync", "waiting", "CPU", "ranks' memory", "available",
+                 *(("GPU", "GPU memory") if gpu else ())]
+        rows = [host_row(h, gpu) for h in hosts]
+        low = [memory_line(h.host, h.available_bytes, h.total_bytes) for h in hosts
+               if h.low_memory and h.available_bytes is not None and h.total_bytes is not None]
+        table = Table(title="hosts", title_justify="left", expand=False,
+                      caption="; ".join(low) or None, caption_justify="left",
+                      caption_style="bold red")
+        kept = fitting_columns(names, rows, self.console.width, HOST_COLUMNS_DROPPED_FIRST)
+        for i in kept:
+            table.add_column(names[i], justify="left" if names[i] == "host" else "right",
+                             no_wrap=True)
+        for h, row in zip(hosts, rows):
+            table.add_row(*(row[i] for i in kept), style="bold red" if h.low_memory else None)
+        return table
 
     def render(self) -> Table:
         """The table as it stands: a row per rank and a totals row."""
@@ -514,6 +570,37 @@ class Dashboard:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def mbit(bits_per_s: float | None) -> str:
+    """A link rate as the hosts table shows it: ``'38.2 Mbit/s'``; None -> ``'-'``."""
+    if bits_per_s is None:
+        return "-"
+    if bits_per_s >= 1e9:
+        return f"{bits_per_s / 1e9:.2f} Gbit/s"
+    return f"{bits_per_s / 1e6:.1f} Mbit/s"
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
+
+
+def host_row(h: HostHealth, gpu: bool) -> list[str]:
+    """The hosts table's cells for one host (with the GPU's when ``gpu``)."""
+    available = "-" if h.available_bytes is None else (
+        gib(h.available_bytes) if h.total_bytes is None
+        else f"{gib(h.available_bytes)} of {gib(h.total_bytes)}")
+    if h.low_memory:
+        available += " LOW"
+    row = [h.host, mbit(h.link_bps), "idle" if h.sync_done is None else _percent(h.sync_done),
+           _percent(h.waiting), "-" if h.cpu_percent is None else f"{h.cpu_percent:.0f}%",
+           "-" if h.rss_bytes is None else gib(h.rss_bytes), available]
+    if gpu:
+        used = "-" if h.gpu_bytes is None else (
+            gib(h.gpu_bytes) if h.gpu_total_bytes is None
+            else f"{gib(h.gpu_bytes)} of {gib(h.gpu_total_bytes)}")
+        row += ["-" if h.gpu_percent is None else f"{h.gpu_percent:.0f}%", used]
+    return row
 
 
 def fault_table(faults: Sequence[Mapping[str, Any]]) -> Table:

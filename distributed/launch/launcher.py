@@ -29,7 +29,8 @@ What ``run`` does:
    Each rank runs in a process group of its own (``distributed.launch.rank_process``).
 4. Streams every line to ``on_output`` with a ``[host:rank]`` prefix, saves it
    to ``run_dir/rank{r}.log``, and turns metric lines
-   (``exogym.report.metrics.encode_event``) into dicts for ``on_event``.
+   (``exogym.report.metrics.encode_event``) into dicts for ``on_event``; says once
+   when a host's ranks report it low on memory (``exogym.report.health``).
 5. When a rank exits non-zero or its SSH connection drops, stops every other
    rank's whole process group (TERM, KILL after ``grace_period``); SIGINT and
    SIGTERM to this process do the same. With ``max_restarts=N`` the whole job
@@ -64,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 
 from exogym.base.io import atomic_write_text
 from exogym.base.plural import plural
+from exogym.report.health import LowMemoryNotice
 
 from ..hosts.hostsfile import HostsConfig, load_hosts, min_nodes_problem
 from ..hosts.preflight import PreflightError, PreflightReport
@@ -428,11 +430,15 @@ class Launcher:
         self._exits = queue.SimpleQueue()
         grace = self.options.grace_period
         progress = ProgressWatch(self.options.stall_after)
+        memory = LowMemoryNotice()
 
         injector = self.injector
 
         def on_event(event: dict[str, Any]) -> None:
             progress.on_event(event)
+            low = memory.check(event)
+            if low is not None:
+                self._say(low, style="bold red")
             if injector is not None:
                 injector.on_event(event)
             self._deliver(self._on_event, event)

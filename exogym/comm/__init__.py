@@ -6,6 +6,7 @@ parts (:mod:`exogym.comm.wire`, :mod:`exogym.comm.store`) import without torch.
 
 - :mod:`~exogym.comm.collectives`: collectives with byte counters, bucketing,
   quantization, the side channel;
+- :mod:`~exogym.comm.progress`: each rank's collectives in flight, read from another thread;
 - :mod:`~exogym.comm.protocol` and its implementations (``torch_group``,
   ``shared_memory``, ``packed`` with ``mailbox``, ``elastic_groups``, ``mirror``);
 - :mod:`~exogym.comm.quantize`, :mod:`~exogym.comm.averaging`;
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
         init_process_group,
         is_connection_error,
         is_initialized,
+        link_progress,
         nccl_available,
         new_group,
         next_beat,
@@ -96,6 +98,7 @@ __all__ = [
     "init_process_group",
     "is_connection_error",
     "is_initialized",
+    "link_progress",
     "nccl_available",
     "new_group",
     "next_beat",

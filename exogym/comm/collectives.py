@@ -27,6 +27,9 @@ What happens here so that strategies need not care:
 - **Asynchrony.** ``all_reduce_tensors(..., async_op=True)`` returns a handle at
   once; its ``wait()`` leaves the result in the tensors. Bytes are counted when
   a collective starts.
+- **Progress.** Each rank's collective in flight (its payload, the bytes of it done
+  so far, since when) is readable from another thread (:func:`link_progress`,
+  :mod:`exogym.comm.progress`): it advances as each bucket completes.
 
 When no process group is joined (a strategy used outside a trainer) the
 collectives act as a world of one: nothing moves and nothing is counted.
@@ -49,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -57,6 +61,7 @@ import torch.distributed as dist
 
 from exogym.comm import quantize as quant
 from exogym.comm.mirror import Mirror
+from exogym.comm.progress import LinkProgress
 from exogym.comm.protocol import (
     MODE_ENV as MODE_ENV,
 )
@@ -108,6 +113,7 @@ from exogym.comm.wire import (  # the planner reads the same numbers
     BUCKET_BYTES,
     QUANT_CHUNK,
     is_quantized,
+    quantized_payload_bytes,
 )
 
 # The public names are listed once, in exogym.comm's __all__; the names imported above
@@ -124,9 +130,10 @@ class _RankState(threading.local):
     their own; a process with one rank has one.
 
     ``clock`` is the simulated clock (``fit(network=...)``), ``clock_batch`` the
-    collectives of one ``all_reduce_tensors`` call charged together, and
+    collectives of one ``all_reduce_tensors`` call charged together,
     ``wall_s``/``cpu_s`` the time spent inside counted collectives (wall, and
-    this thread's CPU), which a step's compute time leaves out.
+    this thread's CPU), which a step's compute time leaves out, and ``progress``
+    the collectives in flight, for another thread to read (:func:`link_progress`).
     """
 
     bytes_sent = 0
@@ -136,6 +143,7 @@ class _RankState(threading.local):
     depth = 0
     wall_s = 0.0
     cpu_s = 0.0
+    progress: LinkProgress | None = None
 
 
 _rs = _RankState()
@@ -388,12 +396,39 @@ def reset_counters() -> None:
     """Zero the byte and call counters (a rank does this before training)."""
     _rs.bytes_sent = 0
     _rs.calls = 0
+    link_progress().restart_count(0)
 
 
 def restore_counters(bytes_sent: int, calls: int) -> None:
     """Set the byte and call counters (a rank resuming from a checkpoint)."""
     _rs.bytes_sent = int(bytes_sent)
     _rs.calls = int(calls)
+    link_progress().restart_count(bytes_sent)
+
+
+def link_progress() -> LinkProgress:
+    """This rank's collectives in flight: payload, bytes done, since when
+    (:mod:`exogym.comm.progress`).
+
+    Call it on the rank's own thread (each rank of a packed process has its own) and
+    hand the object to the thread that reads it; reading it never blocks the rank.
+    """
+    rs = _rs
+    if rs.progress is None:
+        rs.progress = LinkProgress()
+    return rs.progress
+
+
+def _followed(nbytes: int, call: Callable[[], Any]) -> Any:
+    """``call()``, a blocking collective of ``nbytes``, as one piece of this rank's progress."""
+    progress = link_progress()
+    token = progress.begin(nbytes)
+    try:
+        result = call()
+        progress.advance(token, nbytes)
+        return result
+    finally:
+        progress.end(token)
 
 
 def _count(nbytes: int, kind: str, group: Any) -> None:
@@ -495,18 +530,24 @@ def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None, async_op
     """All-reduce ``tensor`` in place (default op: SUM); counts its payload bytes."""
     if not _backend.active:
         return DoneWork() if async_op else None
+    nbytes = tensor.numel() * tensor.element_size()
     with _Timed(f"an all-reduce of {_mib(tensor)}"):
-        _count(tensor.numel() * tensor.element_size(), "all_reduce", group)
-        return _backend.all_reduce(tensor, op, group, async_op)
+        _count(nbytes, "all_reduce", group)
+        if async_op:
+            return _backend.all_reduce(tensor, op, group, async_op)
+        return _followed(nbytes, lambda: _backend.all_reduce(tensor, op, group, async_op))
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False):
     """Broadcast ``tensor`` from global rank ``src`` in place; counts its payload bytes."""
     if not _backend.active:
         return DoneWork() if async_op else None
+    nbytes = tensor.numel() * tensor.element_size()
     with _Timed(f"a broadcast of {_mib(tensor)} from rank {src}"):
-        _count(tensor.numel() * tensor.element_size(), "broadcast", group)
-        return _backend.broadcast(tensor, src, group, async_op)
+        _count(nbytes, "broadcast", group)
+        if async_op:
+            return _backend.broadcast(tensor, src, group, async_op)
+        return _followed(nbytes, lambda: _backend.broadcast(tensor, src, group, async_op))
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
@@ -515,9 +556,13 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
     if not _backend.active:
         tensor_list[0].copy_(tensor)
         return DoneWork() if async_op else None
+    nbytes = tensor.numel() * tensor.element_size()
     with _Timed(f"an all-gather of {_mib(tensor)}"):
-        _count(tensor.numel() * tensor.element_size(), "all_gather", group)
-        return _backend.all_gather(tensor_list, tensor, group, async_op)
+        _count(nbytes, "all_gather", group)
+        if async_op:
+            return _backend.all_gather(tensor_list, tensor, group, async_op)
+        return _followed(nbytes, lambda: _backend.all_gather(tensor_list, tensor, group,
+                                                             async_op))
 
 
 _DTYPES = {
@@ -584,23 +629,39 @@ def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[in
 
 
 class _Round:
-    """The handle of :func:`all_reduce_tensors`: one handle per bucket, waited for in order."""
+    """The handle of :func:`all_reduce_tensors`: one handle per bucket, waited for in order.
 
-    def __init__(self):
-        self._works: list[Any] = []
+    Args:
+        progress: the rank's progress the round is followed in, with its ``token``
+            (None: not followed); the round ends there when waited for.
+    """
+
+    def __init__(self, progress: LinkProgress | None = None, token: int = 0):
+        self._works: list[tuple[Any, int]] = []  # a bucket's handle, and its payload
         self._done = False
         self.sim_done: float | None = None  # when it ends on the simulated clock
+        self.progress = progress
+        self.token = token
 
-    def add(self, work: Any) -> None:
-        if work is not None:
-            self._works.append(work)
+    def add(self, work: Any, payload: int = 0) -> None:
+        """A bucket's handle; ``payload``: its bytes, done once it is waited for (0: the
+        bucket has completed already, or is not followed)."""
+        if work is not None or payload:
+            self._works.append((work, payload))
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until every bucket has arrived; the tensors then hold the result."""
         if not self._done:
-            with _Timed("an all-reduce started earlier"):
-                for work in self._works:
-                    work.wait()
+            try:
+                with _Timed("an all-reduce started earlier"):
+                    for work, payload in self._works:
+                        if work is not None:
+                            work.wait()
+                        if payload and self.progress is not None:
+                            self.progress.advance(self.token, payload)
+            finally:
+                if self.progress is not None:
+                    self.progress.end(self.token)
             self._done = True
             if self.sim_done is not None and _rs.clock is not None:
                 _rs.clock.finish_at(self.sim_done)
@@ -728,45 +789,70 @@ def all_reduce_tensors(
     keep = [i for i, t in enumerate(tensors) if t.numel() > 0]
     residuals = [error_feedback[i] for i in keep] if error_feedback is not None else None
     tensors = [tensors[i] for i in keep]
-    round_ = _Round()
     if not tensors or not _backend.active:
-        return round_ if async_op else None
+        return _Round() if async_op else None
     if average and world_size is None:
         world_size = group_size(group)
     divide_by = world_size if average else None
     total = sum(t.numel() * t.element_size() for t in tensors) / 2**20
-    with _Timed(f"an all-reduce of {len(tensors)} tensors ({total:.1f} MiB)"):
-        _reduce_buckets(round_, tensors, residuals, op, group, wire_dtype, quantized,
-                        divide_by, bucket_bytes, chunk, rounding, async_op)
+    buckets = _buckets(tensors, bucket_bytes)
+    payloads = [_payload(tensors, bucket, wire_dtype, chunk) for bucket in buckets]
+    progress = link_progress()
+    token = progress.begin(sum(payloads))
+    round_ = _Round(progress, token)
+    try:
+        with _Timed(f"an all-reduce of {len(tensors)} tensors ({total:.1f} MiB)"):
+            _reduce_buckets(round_, tensors, residuals, op, group, wire_dtype, quantized,
+                            divide_by, buckets, payloads, chunk, rounding, async_op)
+    except BaseException:
+        progress.end(token)
+        raise
     if async_op:
+        # a handle dropped unwaited (its rank left the run) ends its collective too
+        weakref.finalize(round_, progress.end, token)
         return round_
     round_.wait()
     return None
 
 
+def _payload(tensors: list[torch.Tensor], bucket: list[int], wire_dtype: Any, chunk: int) -> int:
+    """The bytes one bucket puts on the wire: what :func:`_count` counts for it."""
+    elements = sum(tensors[i].numel() for i in bucket)
+    if isinstance(wire_dtype, str):
+        return quantized_payload_bytes(elements, wire_dtype, chunk)
+    return elements * (wire_dtype or tensors[bucket[0]].dtype).itemsize
+
+
 def _reduce_buckets(round_: _Round, tensors: list[torch.Tensor],
                     residuals: list[torch.Tensor] | None, op: Any, group: Any,
                     wire_dtype: Any, quantized: bool, divide_by: float | None,
-                    bucket_bytes: int, chunk: int, rounding: str, async_op: bool) -> None:
-    """Start :func:`all_reduce_tensors`' buckets into ``round_``; on a simulated clock, the
-    call starts when the last rank arrives and lasts its buckets' time together."""
+                    buckets: list[list[int]], payloads: list[int], chunk: int, rounding: str,
+                    async_op: bool) -> None:
+    """Start :func:`all_reduce_tensors`' buckets (each with its payload) into ``round_``; a
+    blocking bucket is done on return. On a simulated clock, the call starts when the last
+    rank arrives and lasts its buckets' time together."""
     rs = _rs
     charged = rs.clock is not None and rs.clock_batch is None
     if charged:
         start = _latest_arrival(group)
         rs.clock_batch = []
     try:
-        for bucket in _buckets(tensors, bucket_bytes):
+        for bucket, payload in zip(buckets, payloads):
             members = [tensors[i] for i in bucket]
             if quantized:
-                round_.add(_quantized_bucket(
+                work = _quantized_bucket(
                     members, [residuals[i] for i in bucket] if residuals is not None else None,
-                    wire_dtype, chunk, rounding, group, divide_by, async_op))
-                continue
-            elements = sum(t.numel() for t in members)
-            _count(elements * (wire_dtype or members[0].dtype).itemsize, "all_reduce", group)
-            round_.add(_backend.all_reduce_many(members, op, group, divide_by,
-                                                 wire_dtype, async_op=async_op))
+                    wire_dtype, chunk, rounding, group, divide_by, async_op)
+            else:
+                _count(payload, "all_reduce", group)
+                work = _backend.all_reduce_many(members, op, group, divide_by, wire_dtype,
+                                                async_op=async_op)
+            if async_op:
+                round_.add(work, payload)
+            else:
+                round_.add(work)
+                if round_.progress is not None:
+                    round_.progress.advance(round_.token, payload)
     finally:
         if charged:
             items, rs.clock_batch = rs.clock_batch, None

@@ -7,6 +7,9 @@ seeding, the training loop, the final state — is this function, so a strategy
 that runs in simulation runs unchanged across hosts. The process group itself
 is the comm module's (:func:`exogym.comm.init_process_group`).
 
+A rank's monitor thread (:mod:`exogym.run.monitor`) reports its link and its host's
+health about once a second, through the same ``emit`` as its steps.
+
 On real hosts a rank also watches its peers: every rank bumps a heartbeat
 counter in the rendezvous store, so when training fails (a peer's connection
 dropped) the survivors can say which rank was lost, and a peer that goes
@@ -34,6 +37,7 @@ from exogym.comm.store import describe_ignored
 from exogym.comm.torch_group import TorchGroup
 from exogym.membership.hosts import ElasticMembership, MembershipStop, PeerLost
 from exogym.run.devices import backend_for
+from exogym.run.monitor import start_monitor
 from exogym.run.spec import Placement, RunSpec
 from exogym.run.train_node import TrainNode
 
@@ -317,6 +321,18 @@ def _join(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezvous
     return group, None
 
 
+def _one_at_a_time(emit: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    """``emit`` for several threads (the rank's, its monitor's, its peer watch's): one
+    event at a time, so that no two are interleaved in a pipe or on stdout."""
+    lock = threading.Lock()
+
+    def emit_one(event: dict[str, Any]) -> None:
+        with lock:
+            emit(event)
+
+    return emit_one
+
+
 def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezvous | None,
              emit: Callable[[dict[str, Any]], None], average_final: bool = False,
              shared_memory: SharedMemoryCollectives | None = None
@@ -341,6 +357,7 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
     Raises:
         LostRankError: another rank failed or disappeared (multi-host runs).
     """
+    emit = _one_at_a_time(emit)
     threads = placement.threads_per_rank(spec)
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
@@ -360,11 +377,15 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
         watch = PeerWatch(rendezvous, rank, spec.num_nodes, on_lost=_exit_lost,
                           silent_after_s=60.0 if elastic else 20.0, judge_peers=not elastic,
                           on_wait=emit)
+    monitor = None
     try:
         comm.reset_counters()
+        monitor = start_monitor(rank, emit, device)
         node = TrainNode(spec, rank, device, emit, placement, membership)
         try:
             state = node.train()
+            if monitor is not None:
+                monitor.stop()  # its last figures come before the rank's end
             digest = None
             if node.departed:
                 state = None
@@ -408,6 +429,8 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
               "peak_rss_bytes": peak_rss_bytes(), "model_digest": digest})
         return state
     finally:
+        if monitor is not None:
+            monitor.stop(last=False)
         if watch is not None:
             watch.stop()
         comm.use_clock(None)

@@ -9,6 +9,10 @@ rank's first step (loading, warm-up) is left out: there a rank that has trained
 64 samples in a millisecond reports 45,000 samples/s, which once dwarfed a steady
 2,000 on the chart; so are the rates of a handful of milliseconds that follow it.
 
+Each host's link and health (``link``, ``system`` and ``step`` events) are kept by an
+``exogym.report.health.HealthBoard`` per run, the terminal dashboard's figures, and
+shown as a row per host.
+
 Every change bumps a version and wakes the server's event streams;
 :meth:`WebState.view` gives a JSON-ready picture of everything, or of what
 changed since a point, for ``/state`` and ``/events``.
@@ -24,6 +28,8 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from exogym.report.health import HealthBoard
 
 from ...launch.faults import FaultLog, describe_fault_event
 
@@ -145,6 +151,7 @@ class RunInfo:
             (``min_nodes``): ``{"step", "ranks", "hosts", "reason"}``.
         faults: the faults injected into the run (``--inject``), one entry each
             (:class:`distributed.launch.faults.FaultLog`), with a line in words.
+        health: each host's link and health (:class:`exogym.report.health.HealthBoard`).
     """
 
     name: str
@@ -158,6 +165,7 @@ class RunInfo:
     membership: list[dict[str, Any]] = field(default_factory=list)
     faults: FaultLog = field(default_factory=FaultLog)
     fault_lines: list[str] = field(default_factory=list)
+    health: HealthBoard = field(default_factory=HealthBoard)
 
     def elapsed_s(self, now: float) -> float | None:
         """Seconds the run has lasted: up to ``now`` while it runs; once over, its own
@@ -224,7 +232,8 @@ class WebState:
         return self.runs[-1]
 
     def on_event(self, event: Mapping[str, Any]) -> None:
-        """Take one metric event (``start``, ``step``, ``done``; others are ignored).
+        """Take one metric event (``start``, ``step``, ``done``, ``link``, ``system``; others
+        are ignored).
 
         Every ``step`` event updates its rank's row; it adds a chart point unless the run
         is longer than ``POINTS_PER_RANK`` steps and the step falls between two kept ones."""
@@ -245,6 +254,13 @@ class WebState:
                     {k: _plain(event[k]) for k in ("step", "ranks", "hosts", "reason")})
                 self._bump()
             return
+        if kind in ("link", "system") and isinstance(event.get("rank"), int):
+            with self.changed:
+                row = self._row(event)
+                row.last_seen = self.clock()  # a rank in a long collective still reports
+                self._current().health.on_event(event, row.host)
+                self._bump()
+            return
         if "rank" not in event or kind not in ("start", "step", "done"):
             return
         with self.changed:
@@ -255,12 +271,7 @@ class WebState:
                 run.started = now
             if run.status == WAITING:
                 run.status = "running"
-            rank = int(event["rank"])
-            row = run.ranks.get(rank)
-            if row is None:
-                row = run.ranks[rank] = RankRow(index, rank, run.hosts.get(rank, "local"))
-            if event.get("host"):
-                row.host = str(event["host"])
+            row = self._row(event)
             row.last_seen = now
             if kind == "start":
                 row.state = "started"
@@ -272,7 +283,20 @@ class WebState:
                 row.bytes_sent = int(event.get("comm_bytes", row.bytes_sent))
             else:
                 self._step(run, index, row, event, now)
+                run.health.on_event(event, row.host)
             self._bump()
+
+    def _row(self, event: Mapping[str, Any]) -> RankRow:
+        """The row of the event's rank in the current run (made when new), its host set
+        from the event when it names one."""
+        run = self._current()
+        rank = int(event["rank"])
+        row = run.ranks.get(rank)
+        if row is None:
+            row = run.ranks[rank] = RankRow(len(self.runs) - 1, rank, run.hosts.get(rank, "local"))
+        if event.get("host"):
+            row.host = str(event["host"])
+        return row
 
     def _step(self, run: RunInfo, index: int, row: RankRow, event: Mapping[str, Any],
               now: float) -> None:
@@ -362,6 +386,9 @@ class WebState:
                 # A run that has ended has no heartbeats to age: its rows show none.
                 "ranks": [row.as_json(now if run.ended is None else None) for run in self.runs
                           for row in (run.ranks[r] for r in sorted(run.ranks))],
+                "hosts": [{"run": index, **{k: _finite(v) for k, v in host.as_json().items()}}
+                          for index, run in enumerate(self.runs)
+                          for host in run.health.hosts()],
                 "points": self.points[since:],
             }
 

@@ -186,6 +186,59 @@ function drawTable() {
   tickHeartbeats();
 }
 
+function mbit(bps) {  // 38200000 -> "38.2 Mbit/s"
+  if (bps === null || bps === undefined) return "-";
+  return bps >= 1e9 ? (bps / 1e9).toFixed(2) + " Gbit/s" : (bps / 1e6).toFixed(1) + " Mbit/s";
+}
+
+function gib(n) {  // as the terminal: "0.8 GiB", "16 GiB"
+  const value = n / 2 ** 30;
+  return (value < 10 ? value.toFixed(1) : value.toFixed(0)) + " GiB";
+}
+
+function share(value) {  // 0.456 -> "46%"
+  return value === null || value === undefined ? "-" : Math.round(100 * value) + "%";
+}
+
+function ofTotal(used, total) {
+  if (used === null || used === undefined) return "-";
+  return total === null || total === undefined ? gib(used) : gib(used) + " of " + gib(total);
+}
+
+// Each host's link and health (exogym.report.health): the terminal's hosts table.
+function drawHosts() {
+  const list = view.hosts || [];
+  document.getElementById("hosts-section").hidden = list.length === 0;
+  const table = document.getElementById("hosts");
+  table.classList.toggle("single", view.runs.length <= 1);
+  table.classList.toggle("no-gpu", !list.some((h) => h.gpu_bytes !== null ||
+                                                     h.gpu_percent !== null));
+  const rows = list.map((h) => {
+    const tr = document.createElement("tr");
+    tr.className = "host-row" + (h.low_memory ? " low-memory" : "");
+    tr.dataset.host = h.host;
+    cell(tr, view.runs[h.run] ? view.runs[h.run].name : "", "run-col");
+    cell(tr, h.host, "host");
+    cell(tr, mbit(h.link_bps), "link");
+    cell(tr, h.sync_done === null ? "idle" : share(h.sync_done), "sync");
+    cell(tr, share(h.waiting), "waiting");
+    cell(tr, h.cpu_percent === null ? "-" : Math.round(h.cpu_percent) + "%", "cpu");
+    cell(tr, h.rss_bytes === null ? "-" : gib(h.rss_bytes), "rss");
+    cell(tr, ofTotal(h.available_bytes, h.total_bytes) + (h.low_memory ? " LOW" : ""),
+         "available");
+    cell(tr, h.gpu_percent === null ? "-" : Math.round(h.gpu_percent) + "%", "gpu gpu-col");
+    cell(tr, ofTotal(h.gpu_bytes, h.gpu_total_bytes), "gpu-memory gpu-col");
+    return tr;
+  });
+  table.tBodies[0].replaceChildren(...rows);
+  // as the launcher says it: "192.168.1.101 has 0.8 GiB of 16 GiB memory left"
+  document.getElementById("host-warnings").textContent = list
+    .filter((h) => h.low_memory && h.available_bytes !== null && h.total_bytes !== null)
+    .map((h) => h.host + " has " + gib(h.available_bytes) + " of " + gib(h.total_bytes) +
+                " memory left")
+    .join(" · ");
+}
+
 function tickHeartbeats() {
   const since = (Date.now() - receivedAt) / 1000;
   for (const td of document.querySelectorAll("td.heartbeat[data-age]")) {
@@ -378,6 +431,7 @@ function apply(next) {
   addPoints(next.points);
   drawStatus();
   drawTable();
+  drawHosts();
   drawConfig();
 }
 
