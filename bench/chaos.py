@@ -59,14 +59,14 @@ CALIBRATION_STEPS = 3000
 
 
 def train(bed: Testbed, folder: Path, name: str, max_steps: int, extra: list[str],
-          timeout: float, min_nodes: int = 2) -> dict[str, Any]:
-    """One run of the command line in the master's namespace; its exit code, wall time,
-    summary, trace lines and output."""
+          timeout: float, min_nodes: int = 2, profile: str = "digits-diloco") -> dict[str, Any]:
+    """One run of the command line in the master's namespace (``profile`` of config.ini);
+    its exit code, wall time, summary, trace lines and output."""
     config = bed.hosts_config(free_port())
     hosts = folder / f"{name}-hosts.json"
     hosts.write_text(json.dumps(config))
     out = folder / name
-    command = [sys.executable, "cli_typer.py", "distributed-train", "digits-diloco",
+    command = [sys.executable, "cli_typer.py", "distributed-train", profile,
                "--hosts", str(hosts), "--min-nodes", str(min_nodes), "--lost-after", "5",
                "--known-hosts", str(bed.known_hosts), "--ssh-config", str(bed.ssh_config),
                "--run-dir", str(folder / f"{name}-logs"), *extra]

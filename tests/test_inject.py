@@ -420,6 +420,15 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
     assert during[len(during) // 2] > 1.5 * before[len(before) // 2], (before[::50],
                                                                          during[::50])
     assert "injected faults" in done.stdout
+    # goodput, measured by the launcher on the wall clock: rank 1 down while frozen, rank 2
+    # from its kill until its process started again (and while cut off); rank 0 never
+    goodput = summary["goodput"]
+    assert goodput["time"] == "wall" and 0 < goodput["goodput"] < 1, goodput
+    down = {r["rank"]: r["down_s"] for r in goodput["ranks"]}
+    assert down[0] == 0 and down[1] >= 4.5 and down[2] > (4.5 if can_cut else 0), down
+    assert goodput["useful_samples"] + goodput["dropped_samples"] == goodput["trained_samples"]
+    assert any(c["left"] for c in goodput["changes"]), goodput["changes"]
+    assert "goodput" in done.stdout and "goodput per host" in done.stdout
     assert shutil.which("nft") is None or "exogym_cut" not in subprocess.run(
         ["nft", "list", "tables"], capture_output=True, text=True).stdout
 

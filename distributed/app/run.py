@@ -41,7 +41,9 @@ from rich.console import Console
 from exogym.base.plural import plural
 from exogym.base.terminal import output_console
 from exogym.config.fit_args import BALANCE_MODES
+from exogym.report.goodput import GoodputMeter, goodput_summary
 from exogym.report.loggers import LOGGER_NAMES
+from exogym.report.summary import print_goodput
 from exogym.report.trace import TRACE_FILE, TraceWriter
 
 from ..hosts.hostsfile import HostsConfig, load_hosts
@@ -148,6 +150,9 @@ class TrainRequest:
             :mod:`distributed.launch.faults`).
         inject_random: the seed of random faults (``--inject-random``), or None.
         inject_every: how often random faults come (``--every``: ``30s``; default 30 s).
+        inject_mtbf: each host's mean time between random failures (``--mtbf``: ``2m``),
+            instead of ``inject_every``.
+        inject_down: how long each such failure keeps its host down (``--down``: ``30s``).
     """
 
     profile: str
@@ -169,12 +174,16 @@ class TrainRequest:
     inject: tuple[str, ...] = ()
     inject_random: int | None = None
     inject_every: str | float | None = None
+    inject_mtbf: str | float | None = None
+    inject_down: str | float | None = None
 
     @property
     def injects(self) -> bool:
-        """Whether faults are to be injected (``--inject``, ``--inject-random``, ``--every``)."""
+        """Whether faults are to be injected (``--inject``, ``--inject-random``, ``--every``,
+        ``--mtbf``, ``--down``)."""
         return bool(self.inject) or self.inject_random is not None or \
-            self.inject_every is not None
+            self.inject_every is not None or self.inject_mtbf is not None or \
+            self.inject_down is not None
 
     @property
     def multi_host(self) -> bool:
@@ -441,7 +450,8 @@ def _plan_faults(request: TrainRequest, profile: Profile, config: HostsConfig) -
                        max_steps=max_steps if isinstance(max_steps, int) else None,
                        min_nodes=profile.values.get("min_nodes"),
                        max_restarts=request.max_restarts, random_seed=request.inject_random,
-                       every=request.inject_every)
+                       every=request.inject_every, mtbf=request.inject_mtbf,
+                       down=request.inject_down)
 
 
 def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Console,
@@ -546,6 +556,10 @@ def train_command(request: TrainRequest) -> str:
         args += ["--inject-random", str(request.inject_random)]
     if request.inject_every is not None:
         args += ["--every", str(request.inject_every)]
+    if request.inject_mtbf is not None:
+        args += ["--mtbf", str(request.inject_mtbf)]
+    if request.inject_down is not None:
+        args += ["--down", str(request.inject_down)]
     return shlex.join(args)
 
 
@@ -925,22 +939,34 @@ def end_hosts_trace(tracer: TraceWriter, launcher: Launcher, placement: RunPlace
     return None
 
 
-def record_faults(launcher: Launcher, config: HostsConfig, placement: RunPlacement,
-                  records: list[dict[str, Any]]) -> str | None:
-    """Add the injected faults to the ``summary.json`` in the run's folder on the master
-    (``"faults"``: each fault's spec, when it fired and ended, and how it went); a note
-    for the person when that could not be done."""
+def record_in_summary(launcher: Launcher, config: HostsConfig, placement: RunPlacement,
+                      fields: dict[str, Any]) -> str | None:
+    """Add what the launcher measured to the ``summary.json`` in the run's folder on the
+    master (``"goodput"``, and ``"faults"`` when faults were injected: each fault's spec,
+    when it fired and ended, and how it went); a note for the person when that could not
+    be done."""
     try:
         done = master_folders(launcher, config)(
             {"action": "merge", "folder": str(placement.folder), "name": "summary.json",
-             "fields": {"faults": records}})
+             "fields": fields})
     except Exception as exc:  # noqa: BLE001 - the printed summary still has them
         done = {"error": repr(exc)}
     if "error" in done:
-        return (f"the injected faults could not be added to {placement.folder}/summary.json "
+        what = " and ".join(f"the {'injected faults' if k == 'faults' else k}"
+                            for k in fields)
+        return (f"{what} could not be added to {placement.folder}/summary.json "
                 f"on {config.master.host} ({done['error']}); the printed summary and the "
                 "trace have them")
     return None
+
+
+def hosts_goodput(meter: GoodputMeter, launcher: Launcher) -> dict[str, Any]:
+    """``summary['goodput']`` of a run across hosts, from the events the launcher received
+    (:mod:`exogym.report.goodput`): in full when hosts came and went or faults were
+    injected, the plain fraction otherwise."""
+    changes = launcher.membership
+    measured = meter.measure(changes)
+    return goodput_summary(measured, detail=len(changes) > 1 or meter.faulted)
 
 
 def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
@@ -949,10 +975,11 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
     warn_before_start(profile, config.world_size)
     rank_hosts = [h.host for h in config.rank_hosts]
     tracer = TraceWriter()  # every rank's events arrive here: the trace is written here
+    meter = GoodputMeter(config.world_size)  # and goodput is measured from them here
     dashboard = FanOut(Dashboard(config.world_size, rank_hosts,
                                  title=f"{profile.name}: {plural(config.world_size, 'rank')} on "
                                        f"{plural(len(config.hosts), 'host')}",
-                                 console=console, live=live), web, tracer)
+                                 console=console, live=live), web, tracer, meter)
     if web is not None:
         web.begin_run(profile.name, profile.values, config.world_size, rank_hosts)
     with make_launcher(request, config, console=console, dashboard=dashboard) as launcher:
@@ -981,10 +1008,14 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
         result = None
         error: BaseException | None = None
         fault_note = None
+        recorded: dict[str, Any] = {}
         try:
             result = launcher.run()
-            if launcher.injector is not None and result.ok:
-                fault_note = record_faults(launcher, config, placement, launcher.fault_records)
+            if result.ok:
+                recorded["goodput"] = hosts_goodput(meter, launcher)
+                if launcher.injector is not None:
+                    recorded["faults"] = launcher.fault_records
+                fault_note = record_in_summary(launcher, config, placement, recorded)
         except BaseException as exc:
             error = exc
             raise
@@ -1008,9 +1039,11 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
         summary["membership"] = launcher.membership
     if launcher.injector is not None:
         summary["faults"] = launcher.fault_records
+    summary["goodput"] = recorded.get("goodput")
     if fault_note:
         console.print(f"note: {fault_note}", markup=False, highlight=False, soft_wrap=True)
     dashboard.finish(summary)
+    print_goodput(console, summary["goodput"])
     return TrainOutcome("hosts", profile, summary, out,
                         f"all {plural(config.world_size, 'rank')} finished; final model in "
                         f"{where_out / FINAL_MODEL} on {config.master.host}, logs in "

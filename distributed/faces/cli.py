@@ -240,6 +240,15 @@ def distributed_train(
         "--every", metavar="30s",
         help="With --inject-random: the mean time between faults (default 30s: every "
              "20-40 s).")] = None,
+    mtbf: Annotated[str | None, typer.Option(
+        "--mtbf", metavar="2m",
+        help="With --inject-random, instead of --every: each host fails on average once "
+             "per MTBF (exponential intervals), down --down each time (a freeze, or a cut "
+             "where the hosts permit it).")] = None,
+    down: Annotated[str | None, typer.Option(
+        "--down", metavar="30s",
+        help="With --mtbf: how long each failure keeps its host down (default a quarter "
+             "of the mtbf).")] = None,
     web: Web = False,
     web_port: WebPort = 0,
     web_host: WebHost = "127.0.0.1",
@@ -261,12 +270,14 @@ def distributed_train(
             max_restarts=max_restarts, sync=sync, accept_new_host_keys=accept_new_host_keys,
             known_hosts=known_hosts, ssh_config=ssh_config, ssh_timeout=ssh_timeout,
             run_dir=str(run_dir) if run_dir else None, inject=tuple(inject or ()),
-            inject_random=inject_random, inject_every=every)
+            inject_random=inject_random, inject_every=every, inject_mtbf=mtbf,
+            inject_down=down)
         given = [flag for flag, value in (
             ("--min-nodes", min_nodes), ("--lost-after", lost_after),
             ("--stall-after", stall_after), ("--max-restarts", max_restarts or None),
             ("--run-dir", run_dir), ("--sync", sync or None), ("--inject", inject),
-            ("--inject-random", inject_random), ("--every", every), ("--balance", balance))
+            ("--inject-random", inject_random), ("--every", every), ("--mtbf", mtbf),
+            ("--down", down), ("--balance", balance))
             if value is not None]
         run.check_request(request, given, strategy=strategy, link_mbit=link_mbit)
         if strategy is not None:

@@ -19,7 +19,9 @@ specs such as::
   without it; ``kill`` takes none);
 - ``xF``: ``slow`` only, and needed: the rank computes at F of its speed, 0 < F < 1.
 
-With ``--inject-random SEED --every 30s`` faults are drawn instead (:class:`RandomFaults`).
+With ``--inject-random SEED --every 30s`` faults are drawn instead (:class:`RandomFaults`);
+with ``--inject-random SEED --mtbf 2m --down 30s`` each host fails on average once every
+two minutes and is down 30 s each time (a freeze, or a cut where the hosts permit it).
 
 Everything here is checked before anything starts (:func:`plan_faults` raises
 :class:`FaultSpecError`, a ``ValueError``, naming the spec and what is accepted), except
@@ -42,7 +44,7 @@ from ..hosts.hostsfile import HostsConfig
 
 __all__ = ["KILL_AWAY_S", "KINDS", "FaultLog", "FaultPlan", "FaultSpec", "FaultSpecError",
            "RandomFaults", "describe_fault_event", "parse_every", "parse_fault", "parse_faults",
-           "plan_faults"]
+           "parse_mtbf", "plan_faults"]
 
 #: The kinds of fault, in the order the help lists them.
 KINDS = ("kill", "freeze", "slow", "cut")
@@ -215,6 +217,17 @@ def parse_faults(values: Iterable[str] | None) -> list[FaultSpec]:
     return specs
 
 
+def _seconds(option: str, text: str | float) -> float:
+    """A duration as ``30s``, ``2m`` or a plain number of seconds."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return float(text)
+    found = re.fullmatch(rf"\s*({_NUMBER})\s*(s|m)?\s*", str(text))
+    if found is None:
+        raise FaultSpecError(f"{option} {text!r}: give seconds such as 30s, or minutes such as "
+                             "2m")
+    return float(found.group(1)) * (60 if found.group(2) == "m" else 1)
+
+
 def parse_every(text: str | float | None) -> float:
     """``--every``: ``30s``, ``2m`` or a plain number of seconds; at least 6 s.
 
@@ -223,18 +236,34 @@ def parse_every(text: str | float | None) -> float:
     """
     if text is None:
         return 30.0
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        seconds = float(text)
-    else:
-        found = re.fullmatch(rf"\s*({_NUMBER})\s*(s|m)?\s*", str(text))
-        if found is None:
-            raise FaultSpecError(f"--every {text!r}: give seconds such as 30s, or minutes such "
-                                 "as 2m")
-        seconds = float(found.group(1)) * (60 if found.group(2) == "m" else 1)
+    seconds = _seconds("--every", text)
     if seconds < 6:
         raise FaultSpecError(f"--every {text!r}: at least 6 s (faults are drawn every 2/3 to "
                              "4/3 of it, and a freeze or cut lasts a sixth to a half of it)")
     return seconds
+
+
+def parse_mtbf(mtbf: str | float, down: str | float | None) -> tuple[float, float]:
+    """``--mtbf`` and ``--down`` in seconds: each host's mean time between failures, and how
+    long each failure keeps it down (default a quarter of the mtbf). The mtbf is at least
+    6 s and longer than the down time; the down time is at least 1 s.
+
+    Raises:
+        FaultSpecError: naming the value and what is accepted.
+    """
+    mtbf_s = _seconds("--mtbf", mtbf)
+    down_s = mtbf_s / 4 if down is None else _seconds("--down", down)
+    if mtbf_s < 6:
+        raise FaultSpecError(f"--mtbf {mtbf!r}: at least 6 s (each host fails on average "
+                             "once per mtbf)")
+    if down_s < 1:
+        raise FaultSpecError(f"--down {down!r}: at least 1 s (how long a failure keeps its "
+                             "host down)")
+    if down_s >= mtbf_s:
+        raise FaultSpecError(f"--down {down_s:g}s is not shorter than --mtbf {mtbf_s:g}s: a "
+                             "host fails once per mtbf on average and is down part of it; "
+                             "give a shorter --down or a longer --mtbf")
+    return mtbf_s, down_s
 
 
 def _resolve(spec: FaultSpec, config: HostsConfig) -> FaultSpec:
@@ -316,12 +345,22 @@ class RandomFaults:
     (5-15 s for 30 s); a slow lasts [1/3, 1] of ``every`` at a speed factor drawn
     uniformly from [0.25, 0.75].
 
+    With ``mtbf_s`` (``--mtbf``) each of the ``targets`` fails on average once per
+    ``mtbf_s``: the intervals between failures are exponential with mean ``mtbf_s``
+    over the number of targets (each failure's host drawn uniformly, so each host's
+    failures come at a rate of one per ``mtbf_s``), and each failure takes its host
+    down for ``down_s``: a freeze, or (drawn half the time where the host permits it)
+    a cut. No kill (its down time is its restart's) and no slow-down.
+
     Args:
         seed: the seed.
         every_s: the mean interval, seconds.
         targets: the hosts a kill, freeze or slow may hit.
         cut_targets: the hosts a cut may hit (empty: no cut is drawn).
         config: the hosts file, for each host's ranks.
+        mtbf_s: each host's mean time between failures, seconds (None: faults every
+            ``every_s``).
+        down_s: with ``mtbf_s``, how long each failure keeps its host down.
     """
 
     seed: int
@@ -329,15 +368,23 @@ class RandomFaults:
     targets: tuple[str, ...]
     cut_targets: tuple[str, ...]
     config: HostsConfig = field(repr=False)
+    mtbf_s: float | None = None
+    down_s: float | None = None
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        """The kinds drawn: cut only where some host permits it."""
+        """The kinds drawn: cut only where some host permits it; with ``mtbf_s`` only those
+        that take a host down for a set time."""
+        if self.mtbf_s is not None:
+            return ("freeze", "cut") if self.cut_targets else ("freeze",)
         return ("kill", "freeze", "slow", "cut") if self.cut_targets else ("kill", "freeze",
                                                                           "slow")
 
     def draws(self) -> Iterable[tuple[float, FaultSpec]]:
         """The endless sequence of ``(interval after the previous fault, fault)``."""
+        if self.mtbf_s is not None:
+            yield from self._failures()
+            return
         rng = random.Random(self.seed)
         hosts = {h.host: h for h in self.config.hosts}
         kinds = self.kinds
@@ -358,6 +405,21 @@ class RandomFaults:
             yield interval, FaultSpec(kind=kind, target=target, duration_s=duration,
                                       factor=factor, text=text, ranks=tuple(hosts[target].ranks),
                                       host=target, random=True)
+
+    def _failures(self) -> Iterable[tuple[float, FaultSpec]]:
+        """``--mtbf``'s draws: exponential intervals, a host down ``down_s`` each time."""
+        assert self.mtbf_s is not None and self.down_s is not None
+        rng = random.Random(self.seed)
+        hosts = {h.host: h for h in self.config.hosts}
+        mean = self.mtbf_s / len(self.targets)
+        while True:
+            interval = rng.expovariate(1.0 / mean)
+            target = rng.choice(self.targets)
+            kind = "cut" if target in self.cut_targets and rng.random() < 0.5 else "freeze"
+            text = f"{kind}:{target}@+{interval:.1f}s+{self.down_s:g}s"
+            yield interval, FaultSpec(kind=kind, target=target, duration_s=self.down_s,
+                                      text=text, ranks=tuple(hosts[target].ranks), host=target,
+                                      random=True)
 
 
 @dataclass(frozen=True)
@@ -404,7 +466,12 @@ class FaultPlan:
     def describe(self) -> list[str]:
         """One line per given fault, and one for the random draws."""
         lines = [f"inject {f.describe()}" for f in self.faults]
-        if self.random is not None:
+        if self.random is not None and self.random.mtbf_s is not None:
+            r = self.random
+            lines.append(f"inject random failures (seed {r.seed}): each of {', '.join(r.targets)} "
+                         f"down {r.down_s:g} s ({' or '.join(r.kinds)}) on average once every "
+                         f"{r.mtbf_s:g} s")
+        elif self.random is not None:
             r = self.random
             lines.append(f"inject random faults (seed {r.seed}): every {r.every_s * 2 / 3:g}-"
                          f"{r.every_s * 4 / 3:g} s one of {', '.join(r.kinds)} on "
@@ -415,15 +482,18 @@ class FaultPlan:
 
 def plan_faults(inject: Iterable[str] | None, config: HostsConfig, *, max_steps: int | None,
                 min_nodes: int | None, max_restarts: int = 0,
-                random_seed: int | None = None, every: str | float | None = None) -> FaultPlan:
-    """Parse and check ``--inject`` specs and ``--inject-random``/``--every`` against the
-    hosts file and the run's settings; the plan, before anything starts.
+                random_seed: int | None = None, every: str | float | None = None,
+                mtbf: str | float | None = None, down: str | float | None = None) -> FaultPlan:
+    """Parse and check ``--inject`` specs and ``--inject-random``/``--every`` (or
+    ``--mtbf``/``--down``) against the hosts file and the run's settings; the plan,
+    before anything starts.
 
     Refused, naming the spec: a malformed spec, an unknown kind, a host not in the
     hosts file or a rank out of range, a step at or past ``max_steps``, a kill in a
     run that can neither readmit nor restart a rank (no ``min_nodes``, no
     ``max_restarts``), a cut of the master host, faults that certainly keep more than
-    ``world - min_nodes`` ranks away at once, ``--every`` without ``--inject-random``,
+    ``world - min_nodes`` ranks away at once, ``--every`` or ``--mtbf`` without
+    ``--inject-random``, ``--every`` with ``--mtbf``, ``--down`` without ``--mtbf``,
     ``--inject-random`` without a ``min_nodes`` below the number of ranks.
 
     Raises:
@@ -432,6 +502,15 @@ def plan_faults(inject: Iterable[str] | None, config: HostsConfig, *, max_steps:
     if every is not None and random_seed is None:
         raise FaultSpecError(f"--every {every!r} without --inject-random: --every sets how often "
                              "random faults are drawn; add --inject-random SEED, or drop --every")
+    if mtbf is not None and random_seed is None:
+        raise FaultSpecError(f"--mtbf {mtbf!r} without --inject-random: --mtbf sets how often "
+                             "each host fails; add --inject-random SEED, or drop --mtbf")
+    if mtbf is not None and every is not None:
+        raise FaultSpecError(f"--every {every!r} and --mtbf {mtbf!r} both set how often faults "
+                             "come: give one (--mtbf: each host's mean time between failures)")
+    if down is not None and mtbf is None:
+        raise FaultSpecError(f"--down {down!r} without --mtbf: --down is how long each of "
+                             "--mtbf's failures lasts; add --mtbf, or drop --down")
     world = config.world_size
     master = config.master.host
     specs = [_resolve(s, config) for s in parse_faults(inject)]
@@ -459,7 +538,8 @@ def plan_faults(inject: Iterable[str] | None, config: HostsConfig, *, max_steps:
                 f"--inject-random {random_seed}: random faults take hosts away one at a time; "
                 f"the run needs --min-nodes below its {plural(world, 'rank')} to go on "
                 f"without one (now: {'unset' if min_nodes is None else min_nodes})")
-        every_s = parse_every(every)
+        mtbf_s, down_s = parse_mtbf(mtbf, down) if mtbf is not None else (None, None)
+        every_s = parse_every(every) if mtbf_s is None else mtbf_s
         spare = world - min_nodes
         targets = tuple(h.host for h in config.hosts if h.slots <= spare)
         if not targets:
@@ -467,7 +547,8 @@ def plan_faults(inject: Iterable[str] | None, config: HostsConfig, *, max_steps:
                                  f"than the {spare} the run may lose (min_nodes={min_nodes})")
         cut_targets = tuple(t for t in targets if t != master)
         chaos = RandomFaults(seed=int(random_seed), every_s=every_s, targets=targets,
-                             cut_targets=cut_targets, config=config)
+                             cut_targets=cut_targets, config=config, mtbf_s=mtbf_s,
+                             down_s=down_s)
     return FaultPlan(faults=tuple(specs), random=chaos, min_nodes=min_nodes, world_size=world,
                      master=master)
 

@@ -82,6 +82,11 @@ class RankTrainer(Trainer):
             self.summary["membership"] = self.membership
         return final
 
+    def _goodput(self, spec: RunSpec) -> None:
+        """Not measured by a rank: it sees its own events only. The launcher, which
+        receives every rank's, measures the run's goodput and adds it to summary.json."""
+        return None
+
     def _packing(self, spec: RunSpec, placement: Placement, processes: int | None) -> None:
         """A host runs its own rank: nothing is packed, and nothing simulated is honoured."""
         refuse_simulation_only({"processes": processes, "rank_failures": spec.rank_failures},

@@ -10,7 +10,8 @@ travel over the training process group, so byte counts and timings stay clean.
 Event kinds (the ``"event"`` key):
 
 - ``"step"``: one per (rank, step) with ``rank``, ``step``, ``train_loss``,
-  ``lr``, ``comm_bytes`` (cumulative), ``samples`` (cumulative), ``wall_s``,
+  ``lr``, ``comm_bytes`` (cumulative), ``samples`` (cumulative),
+  ``step_samples`` (the samples this step trained: 0 for an idle one), ``wall_s``,
   ``comm_s`` (the step's seconds inside counted collectives, waiting
   included) and ``compute_s`` (the step's own work: its wall time less
   ``comm_s``); eval steps add ``val_loss`` and ``val_global_loss``; with a
@@ -20,6 +21,17 @@ Event kinds (the ``"event"`` key):
   non-iid ``partition`` it adds ``labels`` (its samples per label), and rank 0
   ``labels_by_rank`` (every rank's).
 - ``"done"``: a rank finished (``rank``, ``step``).
+- ``"link"``: about once a second while the rank has a counted collective in flight
+  (or bytes completed since its last one): ``in_flight``, ``done`` (the share of it
+  done), ``bytes_done``, ``bytes_total``, ``elapsed_s``, ``rate_bps`` (payload bits
+  per second achieved now) and ``sent_bytes`` (:class:`exogym.run.monitor.LinkMeter`).
+- ``"system"``: about once a second, one rank per process: its host's
+  ``cpu_percent`` and ``cores``, the process's ``pid`` and ``rss_bytes``,
+  ``mem_available_bytes``, ``mem_total_bytes``, ``low_memory``, and on a GPU ``gpu``,
+  ``gpu_bytes``, ``gpu_total_bytes``, ``gpu_percent``
+  (:mod:`exogym.run.system_sampler`).
+
+Consumers take the kinds they know and ignore the rest.
 """
 
 from __future__ import annotations

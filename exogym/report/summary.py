@@ -18,6 +18,7 @@ from rich.table import Table
 
 from exogym.base.plural import plural
 from exogym.base.terminal import output_console
+from exogym.report.health import LowMemoryNotice
 
 #: The summary's column for ``final_val_accuracy``: rank 0's own model, scored on the
 #: validation set (the loss column beside it is the averaged model's).
@@ -182,6 +183,66 @@ def balance_table(balance: dict[str, Any]) -> Table:
     return table
 
 
+_TIME_WORDS = {"simulated": "simulated time", "steps": "the steps' own time",
+               "wall": "wall time"}
+
+
+def goodput_line(goodput: dict[str, Any]) -> str:
+    """``summary['goodput']`` in one line: the fraction, and what it is a fraction of."""
+    value = goodput.get("goodput")
+    said = "-" if value is None else f"{value:.1%}"
+    line = (f"goodput {said}: {goodput.get('useful_samples', 0)} samples reached the final "
+            f"model of {goodput.get('possible_samples', 0.0):.0f} the hosts could have trained "
+            f"while up ({_TIME_WORDS.get(goodput.get('time'), goodput.get('time'))})")
+    if "dropped_samples" in goodput:
+        line += (f"; {goodput['dropped_samples']} trained samples dropped, hosts down "
+                 f"{goodput.get('down_s', 0.0):.1f} s in all")
+    return line
+
+
+def goodput_table(goodput: dict[str, Any]) -> Table:
+    """Each host's part of the goodput (``summary['goodput']`` of a run whose ranks came
+    and went): time up, down, computing, waiting in collectives and idle, its speed alone,
+    and its samples trained, in the final model and dropped."""
+    table = Table(title="goodput per host")
+    for column in ("rank", "up", "down", "computing", "waiting", "idle", "samples/s alone",
+                   "trained", "in the model", "dropped"):
+        table.add_column(column, justify="right")
+    for rank in goodput.get("ranks") or []:
+        rate = rank.get("samples_per_s")
+        table.add_row(str(rank["rank"]), f"{rank['up_s']:.1f} s", f"{rank['down_s']:.1f} s",
+                      f"{rank['compute_s']:.1f} s", f"{rank['wait_s']:.1f} s",
+                      f"{rank['idle_s']:.1f} s", "-" if rate is None else f"{rate:.1f}",
+                      str(rank["trained"]), str(rank["useful"]), str(rank["dropped"]))
+    return table
+
+
+def goodput_change_lines(goodput: dict[str, Any]) -> list[str]:
+    """One line per membership change: the time lost to it."""
+    lines = []
+    for change in goodput.get("changes") or []:
+        parts = [f"{change['dropped_samples']} samples dropped ({change['dropped_s']:.1f} s)"]
+        if change.get("rejoin_wait_s"):
+            parts.append(f"{change['rejoin_wait_s']:.1f} s waiting to rejoin")
+        if change.get("hand_over_s"):
+            parts.append(f"{change['hand_over_s']:.1f} s handing over")
+        lines.append(f"step {change['step']} ({change['reason']}): lost "
+                     f"{change['lost_s']:.1f} s of host time: {', '.join(parts)}")
+    return lines
+
+
+def print_goodput(console: Console, goodput: dict[str, Any] | None) -> None:
+    """Print ``summary['goodput']``: its line, and for a run whose ranks came and went, the
+    table per host and the time lost to each membership change."""
+    if not goodput:
+        return
+    console.print(goodput_line(goodput), markup=False, highlight=False)
+    if goodput.get("ranks"):
+        console.print(goodput_table(goodput))
+        for line in goodput_change_lines(goodput):
+            console.print(line, markup=False, highlight=False)
+
+
 def label_table(histogram: dict[str, list[int]]) -> Table:
     """Each rank's training samples per label (a non-iid ``partition``)."""
     width = max(len(counts) for counts in histogram.values())
@@ -245,6 +306,7 @@ class RunReporter:
         self.task = None
         self.printed_step = 0
         self.interactive = self.console.is_terminal and sys.stderr.isatty()
+        self.low_memory = LowMemoryNotice()
 
     def _start_bar(self) -> None:
         self.progress = Progress(
@@ -269,6 +331,11 @@ class RunReporter:
             line = hand_over_line(event)
             if line:
                 self.console.print(line, markup=False, highlight=False)
+            return
+        if kind == "system":
+            line = self.low_memory.check(event)
+            if line:
+                self.console.print(line, style="bold red", markup=False, highlight=False)
             return
         if kind != "step":
             return
@@ -342,3 +409,4 @@ class RunReporter:
                     f"{r['rank']}: {r['contributed']}" for r in merges["ranks"]))
         if summary.get("label_histogram"):
             self.console.print(label_table(summary["label_histogram"]))
+        print_goodput(self.console, summary.get("goodput"))

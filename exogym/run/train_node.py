@@ -172,6 +172,7 @@ class TrainNode:
         self._comm_wall_seen = comm.collective_time()[0]
         self._clock_seen = (0.0, 0.0)  # the clock's compute and communication at the last event
         self._step_started = self.timer.wall()
+        self._samples_before = 0
         self.autocast = (
             torch.autocast(device_type=device.type, dtype=torch.bfloat16)
             if spec.autocast else nullcontext()
@@ -262,6 +263,7 @@ class TrainNode:
         ``batch_size`` samples in ``minibatch_size`` minibatches.
         """
         self._step_started = self.timer.wall()
+        self._samples_before = self.samples
         pacer = self.pacer
         if pacer is not None:
             trains = pacer.begin_step(self.step + 1, self._present())
@@ -357,6 +359,7 @@ class TrainNode:
             "lr": lr,
             "comm_bytes": comm.comm_bytes(),
             "samples": self.samples,
+            "step_samples": self.samples - self._samples_before,  # this step's own
             # seconds this step spent inside counted collectives (waiting for peers included)
             "comm_s": comm_wall - self._comm_wall_seen,
         }

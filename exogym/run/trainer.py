@@ -45,6 +45,7 @@ from exogym.comm.mailbox import new_run_id, remove_segments
 from exogym.comm.packed import PackedWorld, process_ranks
 from exogym.comm.shared_memory import SharedMemoryCollectives
 from exogym.config.fit_args import FitArgs, fit_args_doc, fit_signature
+from exogym.report.goodput import goodput_summary, measure_goodput
 from exogym.report.loggers import Logger, make_logger
 from exogym.report.summary import ProgressSink, RunReporter, summarize
 from exogym.report.trace import TraceWriter, trace_path
@@ -644,6 +645,9 @@ class Trainer:
             membership = spec.membership()
             if membership is not None:
                 self.summary["membership"] = membership.changes(self.summary["steps"])
+            goodput = self._goodput(spec)
+            if goodput is not None:
+                self.summary["goodput"] = goodput
             peaks = [s.get("peak_rss_bytes", 0) for s in self.rank_stats.values()]
             if peaks:
                 self.summary["peak_rss_bytes_per_rank"] = max(peaks)
@@ -657,6 +661,15 @@ class Trainer:
         if states:  # none for a host's rank that was away at the end (exogym.membership.hosts)
             final.load_state_dict(average_state_dicts(states))
         return final
+
+    def _goodput(self, spec: RunSpec) -> dict[str, Any] | None:
+        """``summary['goodput']`` (:mod:`exogym.report.goodput`): in full for a run whose
+        ranks came and went, the plain fraction otherwise (None: not measured here)."""
+        changes = self.summary.get("membership") or []
+        measured = measure_goodput(self.history, getattr(spec.strategy, "round_steps", 1),
+                                   spec.num_nodes, failures=spec.rank_failures or (),
+                                   changes=changes)
+        return goodput_summary(measured, detail=len(changes) > 1 or bool(spec.rank_failures))
 
     def _start_trace(self, spec: RunSpec, trace: str | bool | None) -> TraceWriter:
         """The run's trace writer, started when ``fit(trace=...)`` asks for one

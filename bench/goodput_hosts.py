@@ -1,0 +1,129 @@
+"""Goodput under churn on real hosts: three namespace hosts, each failing once per ``--mtbf``.
+
+Run as root from the project root::
+
+    python -m bench.goodput_hosts                          # DDP, DiLoCo, AsyncDiLoCo
+    python -m bench.goodput_hosts --minutes 4 --profiles digits-diloco
+
+Three hosts, each a network namespace with an sshd of its own (:mod:`tests.netbed`),
+the launcher in the first (the master: ``min_nodes=2`` keeps the run's store in
+the launcher). Each profile of ``config.ini`` (``digits-ddp``, ``digits-diloco``,
+``digits-async``) is started as a person would::
+
+    python cli_typer.py distributed-train PROFILE --hosts ... --min-nodes 2 \\
+        --inject-random SEED --mtbf 2m --down 30s
+
+so every host is, on average once every two minutes, frozen or cut off for 30 s
+(:class:`distributed.launch.faults.RandomFaults`). A short fault-free run of
+each profile first measures its steps per second, so that the run under
+failures lasts about ``--minutes``. Prints the goodput the launcher measured
+(``summary.json``'s ``goodput``: :mod:`exogym.report.goodput`), with its parts:
+the failures that fired, the time down, samples dropped, the time the hosts
+waited in collectives and idled. Wall time: the ranks share this machine's
+cores. Asserts nothing.
+
+Needs root, iproute2, sshd and (for cuts) nftables or iptables: ``tests/setup_system.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.chaos import steps_per_second, train
+from bench.harness.tables import print_table
+from exogym.base.io import atomic_write_text
+from tests.netbed import Testbed, check_requirements
+
+#: The profiles compared, and the names the table gives them.
+PROFILES = {"digits-ddp": "DDP", "digits-diloco": "DiLoCo", "digits-async": "AsyncDiLoCo"}
+#: Steps of each calibration run.
+CALIBRATION_STEPS = 2000
+
+
+def figures(run: dict[str, Any]) -> dict[str, Any]:
+    """A run's goodput and its parts, from its ``summary.json``."""
+    summary = run["summary"]
+    goodput = summary.get("goodput") or {}
+    faults = [f for f in summary.get("faults") or [] if f.get("fired_at_s") is not None]
+    ranks = goodput.get("ranks") or []
+    return {"exit_code": run["exit_code"], "wall_s": run["wall_s"],
+            "goodput": goodput.get("goodput"), "time": goodput.get("time"),
+            "failures": len(faults), "down_s": goodput.get("down_s"),
+            "up_s": goodput.get("up_s"), "dropped": goodput.get("dropped_samples"),
+            "useful": goodput.get("useful_samples"),
+            "wait_s": sum(r["wait_s"] for r in ranks), "idle_s": sum(r["idle_s"] for r in ranks),
+            "changes": len(goodput.get("changes") or []),
+            "val_loss": summary.get("final_val_global_loss")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.goodput_hosts",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=6.0,
+                        help="how long each run under failures lasts, about (default 6)")
+    parser.add_argument("--mtbf", default="2m", help="each host's mean time between failures")
+    parser.add_argument("--down", default="30s", help="how long each failure lasts")
+    parser.add_argument("--seed", type=int, default=1, help="the failures' seed (default 1)")
+    parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=list(PROFILES))
+    parser.add_argument("--subnet", default="10.213.98",
+                        help="the bed's /24, three octets (default 10.213.98)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where the runs and goodput.json are kept (default: a new "
+                             "folder in the temporary directory)")
+    args = parser.parse_args()
+    missing = check_requirements(pin=False)
+    if missing:
+        sys.exit("cannot build the test bed:\n  " + "\n  ".join(missing))
+    folder = (args.out or Path(tempfile.mkdtemp(prefix="exogym-goodput-"))).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    seconds = args.minutes * 60
+    timeout = 4 * seconds + 600
+    results: dict[str, dict[str, Any]] = {}
+    with Testbed(3, subnet=args.subnet, pin=False) as bed:
+        for profile in args.profiles:
+            name = PROFILES[profile]
+            calibration = train(bed, folder, f"{profile}-calibration", CALIBRATION_STEPS, [],
+                                timeout, profile=profile)
+            if calibration["exit_code"] != 0:
+                sys.exit(f"the calibration run of {profile} failed (exit "
+                         f"{calibration['exit_code']}):\n{calibration['output'][-3000:]}")
+            rate = steps_per_second(calibration)
+            steps = max(CALIBRATION_STEPS, int(rate * seconds))
+            print(f"{name}: {rate:.0f} steps/s fault-free (goodput "
+                  f"{figures(calibration)['goodput']}); {steps} steps under failures",
+                  flush=True)
+            run = train(bed, folder, profile, steps,
+                        ["--inject-random", str(args.seed), "--mtbf", args.mtbf,
+                         "--down", args.down], timeout, profile=profile)
+            results[name] = {"steps": steps, "steps_per_s": rate,
+                             "fault_free": figures(calibration), **figures(run)}
+            if run["exit_code"] != 0:
+                sys.stderr.write(run["output"][-4000:])
+
+    def cell(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    rows = []
+    for name, r in results.items():
+        share = r["down_s"] / (r["up_s"] + r["down_s"]) if r["up_s"] else None
+        rows.append([name, str(r["exit_code"]), str(r["steps"]), f"{r['wall_s']:.0f} s",
+                     str(r["failures"]), cell(share, ".1%"),
+                     cell(r["fault_free"]["goodput"], ".3f"), cell(r["goodput"], ".3f"),
+                     cell(r["dropped"], ""), f"{r['wait_s']:.0f} s", f"{r['idle_s']:.0f} s",
+                     cell(r["val_loss"], ".4f")])
+    print_table(f"Goodput on 3 namespace hosts, each failing once per {args.mtbf} and down "
+                f"{args.down} (seed {args.seed}, min_nodes=2, wall time)",
+                ["strategy", "exit", "steps", "wall", "failures", "time down",
+                 "goodput fault-free", "goodput", "samples dropped", "in collectives", "idle",
+                 "val loss"], rows, left=("strategy",), width=200)
+    atomic_write_text(folder / "goodput.json", json.dumps(results, indent=2) + "\n")
+    print(f"kept in {folder} (goodput.json, each run's folder and trace)")
+
+
+if __name__ == "__main__":
+    main()
