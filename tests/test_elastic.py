@@ -6,8 +6,10 @@ The whole thing over SSH is in ``test_elastic_hosts.py``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import signal
 import threading
 import time
 from io import StringIO
@@ -297,10 +299,24 @@ def _events(log_path):
     return [e for e in map(decode_line, log_path.read_text().splitlines()) if e is not None]
 
 
-def _start_workers(store, tmp_path, profile: str, *settings: str, quiet: bool = False):
+@contextlib.contextmanager
+def _workers(store, tmp_path, profile: str, *settings: str, quiet: bool = False):
     """Three local worker processes of ``profile`` meeting through ``store`` with
-    ``min_nodes=2`` (the test is their launcher); their processes and output folder.
-    Each rank's output goes to ``tmp_path/rank{r}.log``."""
+    ``min_nodes=2`` (the test is their launcher): their processes and output folder,
+    every one still running killed when the test ends (passed or not). Each rank's
+    output goes to ``tmp_path/rank{r}.log``."""
+    procs, out = _start_workers(store, tmp_path, profile, *settings, quiet=quiet)
+    try:
+        yield procs, out
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # a frozen one takes its kill too
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+def _start_workers(store, tmp_path, profile: str, *settings: str, quiet: bool = False):
     import subprocess
     import sys
 
@@ -336,15 +352,13 @@ def test_per_step_survivors_go_on_from_the_step_they_all_completed(store, tmp_pa
     """A per-step strategy: a rank killed mid-run; the others' steps complete among
     themselves and they stay identical (local worker processes, the test as launcher).
     In DeMo's gather the lost rank's part reads as absent (NaN), and is skipped."""
-    import signal
-
-    procs, out = _start_workers(store, tmp_path, profile, "max_steps=700", "val_interval=700",
-                                quiet=True)
-    _wait_for_step(tmp_path, procs, 2, 200)
-    procs[2].send_signal(signal.SIGKILL)
-    procs[2].wait()
-    declare_lost(store, 2, "killed")
-    assert [p.wait(timeout=180) for p in procs[:2]] == [0, 0]
+    with _workers(store, tmp_path, profile, "max_steps=700", "val_interval=700",
+                  quiet=True) as (procs, out):
+        _wait_for_step(tmp_path, procs, 2, 200)
+        procs[2].send_signal(signal.SIGKILL)
+        procs[2].wait()
+        declare_lost(store, 2, "killed")
+        assert [p.wait(timeout=180) for p in procs[:2]] == [0, 0]
     ends = [[e for e in _events(tmp_path / f"rank{r}.log") if e.get("event") == "step"][-1]
             for r in range(2)]
     assert ends[0]["step"] == ends[1]["step"] == 700
@@ -447,20 +461,18 @@ def test_a_rank_away_when_the_run_ends_says_so_and_leaves_the_outputs_to_the_oth
         store, tmp_path):
     """A rank frozen past its loss wakes after the survivors finished: it ends cleanly,
     says the run ended while it was away, and writes neither model nor summary."""
-    import signal
-
-    procs, out = _start_workers(store, tmp_path, "digits-diloco", "max_steps=1500",
-                                "val_interval=500")
-    try:
-        _wait_for_step(tmp_path, procs, 2, 200)
-        procs[2].send_signal(signal.SIGSTOP)
-        declare_lost(store, 2, "no heartbeat")
-        assert [p.wait(timeout=180) for p in procs[:2]] == [0, 0]
-        summary = (out / "summary.json").read_bytes()
-        model = (out / "model.safetensors").read_bytes()
-    finally:
-        procs[2].send_signal(signal.SIGCONT)
-    assert procs[2].wait(timeout=60) == 0
+    with _workers(store, tmp_path, "digits-diloco", "max_steps=1500",
+                  "val_interval=500") as (procs, out):
+        try:
+            _wait_for_step(tmp_path, procs, 2, 200)
+            procs[2].send_signal(signal.SIGSTOP)
+            declare_lost(store, 2, "no heartbeat")
+            assert [p.wait(timeout=180) for p in procs[:2]] == [0, 0]
+            summary = (out / "summary.json").read_bytes()
+            model = (out / "model.safetensors").read_bytes()
+        finally:
+            procs[2].send_signal(signal.SIGCONT)
+        assert procs[2].wait(timeout=60) == 0
     log = (tmp_path / "rank2.log").read_text()
     assert "rank 2: the run ended while this rank was away" in log, log[-2000:]
     assert "ranks 0, 1 finished it, and rank 0 wrote the final model" in log

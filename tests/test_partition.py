@@ -175,3 +175,16 @@ def test_iid_shards_are_the_distributed_samplers(n, ranks):
                                              shuffle=shuffle, seed=42)
                 sampler.set_epoch(epoch)
                 assert shard_indices(n, ranks, rank, shuffle, 42, epoch) == list(sampler)
+
+
+def test_a_shard_entered_at_its_end_after_ranks_changed_gives_no_empty_minibatch():
+    """Resharded over more ranks at the end of an epoch, the new shard's position lies at
+    or past its end: the stream goes on in the next epoch, never with a minibatch of no
+    samples (a step of NaN loss)."""
+    data = TensorDataset(torch.arange(100.0).unsqueeze(1), torch.zeros(100))
+    stream = MinibatchStream(data, 10, rank=0, num_nodes=2, shard=True, shuffle=False, seed=0)
+    for _ in range(5):  # the whole epoch of 5 minibatches, its end not yet seen
+        assert len(next(stream)[0]) == 10
+    stream.reshard(0, 4)  # 25 samples each now: 3 minibatches, the position past them
+    sizes = [len(next(stream)[0]) for _ in range(4)]
+    assert sizes == [10, 10, 5, 10] and stream.epoch == 2  # epoch 1 whole, then the next

@@ -303,6 +303,8 @@ def _tensor_batches(dataset: TensorDataset, indices: list[int],
     The same list of stacked tensors a DataLoader with the default collate gives,
     without fetching and stacking one sample at a time.
     """
+    if not indices:  # split() would give one empty minibatch: a step of no samples
+        return
     order = torch.as_tensor(indices, dtype=torch.long)
     for chunk in order.split(minibatch_size):
         # index_select on dim 0 is t[chunk], without advanced indexing's general machinery.
