@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -96,12 +97,15 @@ class LinkMeasurement:
     overhead: float
 
 
-def measure_ring(bed: Testbed, seconds: float = 3.0, timeout: float = 120) -> LinkMeasurement:
+def measure_ring(bed: Testbed, seconds: float = 3.0, timeout: float = 120,
+                 wrap: Callable[[int, list[str]], list[str]] | None = None) -> LinkMeasurement:
     """Ring transfer at the bed's current rate: host ``i`` sends to ``i+1`` while receiving.
 
     Every host sends ``seconds`` worth of the nominal rate; the goodput is the
-    slowest host's payload rate. Hosts 1 and 0 then measure the round trip of a
-    1-byte message.
+    slowest host's payload rate. The last host then measures the round trip of a
+    1-byte message to its ring peer, host 0, which echoes it. ``wrap(index,
+    command)``, when given, returns the command that starts host ``index``'s probe
+    (to run it under the host's CPU share, say).
     """
     if bed.rate is None:
         raise TestbedError("shape the links (Testbed.shape) before measuring them")
@@ -118,10 +122,12 @@ def measure_ring(bed: Testbed, seconds: float = 3.0, timeout: float = 120) -> Li
                     peer.address, "--bytes", str(nbytes), "--start-at", f"{start_at:.3f}"]
             if host.index == 0:
                 args.append("--echo")
-            if host.index == 1:
+            if host.index == len(bed.hosts) - 1:  # its peer is host 0, the echo
                 args += ["--ping", "200"]
-            procs.append(subprocess.Popen(bed.in_host(host, *args), stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
+            command = bed.in_host(host, *args)
+            procs.append(subprocess.Popen(command if wrap is None else wrap(host.index, command),
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True))
         results = []
         for host, proc in zip(bed.hosts, procs):
             out, err = proc.communicate(timeout=timeout)
