@@ -67,7 +67,7 @@ def fastest_us(call, number: int, repeat: int = 50) -> float:
 def part_costs_us() -> tuple[float, float, float, float]:
     """Microseconds of a collective's progress (begin, a piece, end), of reading a link's
     figures, of sampling the host, and of a whole report written out as JSON lines."""
-    from exogym.comm.progress import LinkProgress
+    from exogym.comm.in_flight import LinkProgress
     from exogym.report.metrics import encode_event
     from exogym.run.monitor import LinkMeter, RankMonitor
     from exogym.run.system_sampler import SystemSampler

@@ -6,7 +6,7 @@ parts (:mod:`exogym.comm.wire`, :mod:`exogym.comm.store`) import without torch.
 
 - :mod:`~exogym.comm.collectives`: collectives with byte counters, bucketing,
   quantization, the side channel;
-- :mod:`~exogym.comm.progress`: each rank's collectives in flight, read from another thread;
+- :mod:`~exogym.comm.in_flight`: each rank's collectives in flight, read from another thread;
 - :mod:`~exogym.comm.protocol` and its implementations (``torch_group``,
   ``shared_memory``, ``packed`` with ``mailbox``, ``elastic_groups``, ``mirror``);
 - :mod:`~exogym.comm.quantize`, :mod:`~exogym.comm.averaging`;

@@ -29,7 +29,7 @@ What happens here so that strategies need not care:
   a collective starts.
 - **Progress.** Each rank's collective in flight (its payload, the bytes of it done
   so far, since when) is readable from another thread (:func:`link_progress`,
-  :mod:`exogym.comm.progress`): it advances as each bucket completes.
+  :mod:`exogym.comm.in_flight`): it advances as each bucket completes.
 
 When no process group is joined (a strategy used outside a trainer) the
 collectives act as a world of one: nothing moves and nothing is counted.
@@ -60,8 +60,8 @@ import torch
 import torch.distributed as dist
 
 from exogym.comm import quantize as quant
+from exogym.comm.in_flight import LinkProgress
 from exogym.comm.mirror import Mirror
-from exogym.comm.progress import LinkProgress
 from exogym.comm.protocol import (
     MODE_ENV as MODE_ENV,
 )
@@ -408,7 +408,7 @@ def restore_counters(bytes_sent: int, calls: int) -> None:
 
 def link_progress() -> LinkProgress:
     """This rank's collectives in flight: payload, bytes done, since when
-    (:mod:`exogym.comm.progress`).
+    (:mod:`exogym.comm.in_flight`).
 
     Call it on the rank's own thread (each rank of a packed process has its own) and
     hand the object to the thread that reads it; reading it never blocks the rank.

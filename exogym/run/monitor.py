@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from exogym import comm
-from exogym.comm.progress import LinkProgress, LinkSnapshot
+from exogym.comm.in_flight import LinkProgress, LinkSnapshot
 from exogym.run.system_sampler import SystemSampler
 
 __all__ = ["INTERVAL_ENV", "INTERVAL_S", "LinkMeter", "RankMonitor", "monitor_interval",
@@ -65,7 +65,7 @@ def monitor_interval(environ: Mapping[str, str] | None = None) -> float:
 
 
 class LinkMeter:
-    """Turns a rank's successive :class:`~exogym.comm.progress.LinkSnapshot` s into its
+    """Turns a rank's successive :class:`~exogym.comm.in_flight.LinkSnapshot` s into its
     ``link`` event's figures.
 
     - ``in_flight``: a counted collective is in flight;
