@@ -699,3 +699,31 @@ def test_a_rank_joining_a_round_before_the_members_began_it_reads_their_decision
     for m in ms:
         m.close_round(10)
     assert all(m.present(10) == {0, 1, 2} and m.epoch(10) == 10 for m in ms)
+
+
+def test_a_joiner_stops_waiting_at_once_when_its_source_gives_the_transfer_up(store):
+    """A send that fails on the source's side (a broken connection, no rank lost) marks the
+    link failed in the store: the joiner stops waiting then, not at gloo's timeout."""
+    ws = worlds(store, timeout_s=60.0)
+    gens = {0: 0, 2: 0}
+    links = {0: ws[0].pair_link("given-up", 0, 2, gens), 2: ws[2].pair_link("given-up", 0, 2, gens)}
+
+    def body(world, rank):
+        if rank == 1:
+            return None
+        first = torch.arange(4.0) if rank == 0 else torch.zeros(4)
+        links[rank].broadcast(first, 0, [0, 2])  # the link forms and carries one tensor
+        if rank == 0:
+            time.sleep(0.5)
+            store.set(links[0]._failed_key, "1")  # what a failed send leaves
+            return first
+        started = time.monotonic()
+        with pytest.raises(comm.PeerLost, match="given-up failed"):
+            links[2].broadcast(torch.zeros(1 << 20), 0, [0, 2])
+        return time.monotonic() - started
+
+    threads, out = run_ranks(ws, body)
+    for t in threads:
+        t.join(60)
+    assert not isinstance(out[2], BaseException), out[2]
+    assert out[2] < 5  # the world's timeout is 60 s

@@ -663,6 +663,7 @@ class PairLink:
         self.generations = {r: int(generations[r]) for r in self.ranks}
         self.pg: Any = None
         self.failed = False
+        self._failed_key = key("pair", name, "failed")
 
     def _lost(self) -> list[int]:
         store = self.groups.store
@@ -678,8 +679,8 @@ class PairLink:
             except Exception as exc:  # noqa: BLE001 - the peer's connection failed
                 if _SLICE_ENDED not in str(exc):
                     return False
-            if self._lost():
-                return False
+            if self._lost() or groups.store.check([self._failed_key]):
+                return False  # a rank lost, or the other side gave the transfer up
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(f"rank {groups.rank()}: the hand-over on {self.name} "
                                        f"did not finish within {groups.timeout_s:.0f} s")
@@ -706,6 +707,7 @@ class PairLink:
                                f"within {groups.form_timeout_s:.0f} s")
         if not groups._stream(self.pg, tensor, self.ranks, src, self._completes):
             self.failed = True
+            groups.store.set(self._failed_key, "1")  # the other side stops waiting at once
             raise PeerLost(f"the hand-over on {self.name} failed: rank "
                            f"{', '.join(map(str, self._lost() or self.ranks))} was lost or "
                            "stopped answering")
