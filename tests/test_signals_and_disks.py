@@ -50,12 +50,46 @@ def test_a_full_disk_names_the_file_and_leaves_no_temporary_file(tmp_path, monke
 def test_a_disk_without_room_for_the_temporary_file_says_so(tmp_path, monkeypatch):
     target = tmp_path / "trace.jsonl"
 
-    def no_inode(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    real_open = os.open
 
-    monkeypatch.setattr(exo_io.tempfile, "mkstemp", no_inode)
+    def no_inode(name, flags, *args, **kwargs):
+        if flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(name, flags, *args, **kwargs)
+
+    monkeypatch.setattr(exo_io.os, "open", no_inode)
     with pytest.raises(DiskFullError, match=f"^no space left on device: {target}$"):
         exo_io.atomic_write_text(target, "{}")
+
+
+def test_a_signal_as_the_temporary_file_is_made_leaves_no_file(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM whose handler runs the moment the temporary file exists, before
+    the write has its descriptor: the file is removed all the same."""
+    real_open = os.open
+    made = []
+
+    def open_then_interrupted(name, flags, *args, **kwargs):
+        fd = real_open(name, flags, *args, **kwargs)
+        made.append(name)
+        os.close(fd)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(exo_io.os, "open", open_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write_bytes(tmp_path / "step00000025.ckpt", b"x" * 100)
+    assert len(made) == 1 and Path(made[0]).parent == tmp_path
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_temporary_name_already_taken_is_left_alone(tmp_path, monkeypatch):
+    target = tmp_path / "model.bin"
+    names = iter([tmp_path / ".model.bin.taken.tmp", tmp_path / ".model.bin.free.tmp"])
+    monkeypatch.setattr(exo_io, "_temp_beside", lambda path: next(names))
+    (tmp_path / ".model.bin.taken.tmp").write_bytes(b"another writer's")
+    atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert (tmp_path / ".model.bin.taken.tmp").read_bytes() == b"another writer's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model.bin.taken.tmp", "model.bin"]
 
 
 def test_other_write_errors_pass_unchanged(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -69,30 +70,40 @@ def _disk_full(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in DISK_FULL
 
 
+def _temp_beside(path: Path) -> Path:
+    """A name for a temporary file beside ``path`` that nothing else uses."""
+    return path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+
+
 def _atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
             mode: int | None = None, durable: bool = True) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    tmp: Path | None = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        if _disk_full(exc):
-            raise DiskFullError(path, exc.errno) from exc
-        raise
-    try:
+        while True:
+            # The name is known before the file exists: a signal that stops the process
+            # right after the file is made (Ctrl-C, SIGTERM) still finds it to remove.
+            tmp = _temp_beside(path)
+            try:
+                fd = os.open(tmp, _CREATE, 0o600)
+                break
+            except FileExistsError:
+                tmp = None  # not ours: another name
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             if durable:
                 os.fsync(f.fileno())
-        # mkstemp made the file 0o600, whatever the umask.
+        # made 0o600, whatever the umask
         os.chmod(tmp, usual_file_mode() if mode is None else mode)
         os.replace(tmp, path)
     except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         # torch.save reports a failed write as a RuntimeError whose cause is the OSError
         cause = exc if _disk_full(exc) else exc.__cause__ or exc.__context__
         if _disk_full(cause) and not isinstance(exc, DiskFullError):
