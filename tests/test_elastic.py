@@ -675,6 +675,81 @@ def test_a_diloco_copy_rounds_old_is_brought_up_to_date_exactly_by_the_rounds_ke
     assert joiner.current_lr == member.current_lr
 
 
+def test_an_async_diloco_joiner_replays_the_merges_it_missed_and_meets_the_members_alike():
+    """AsyncDiLoCo merges at any step: a joiner's copy is brought up to date by each step
+    kept (its merge, if any, and the workers' rounds as it left them), trains alone without
+    merging, and at the round's last step every rank takes it in as the same worker."""
+    import copy
+    from dataclasses import asdict
+
+    from exogym.strategy import AsyncDiLoCoStrategy
+    from exogym.strategy.context import RankContext
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    joiner_model = copy.deepcopy(model)
+    member = AsyncDiLoCoStrategy(H=3, lr=0.01, quorum=1)
+    member.setup(RankContext.alone(model, num_nodes=2, samples_per_step=4, max_steps=100))
+    joiner = AsyncDiLoCoStrategy(H=3, lr=0.01, quorum=1)
+    joiner.setup(RankContext.alone(joiner_model, rank=1, num_nodes=2, samples_per_step=4,
+                                   max_steps=100))
+    assert member.joins_mid_round and member.catches_up_at_entry
+    assert not AsyncDiLoCoStrategy(H=3, merge_delay=1).joins_mid_round
+
+    def train(strategy, net, steps):
+        for _ in range(steps):
+            step = strategy.local_step + 1
+            assert strategy.begin_step(step, [0] if strategy is member else [0, 1])
+            strategy.zero_grad()
+            net(torch.randn(4, 8)).pow(2).mean().backward()
+            strategy.step()
+
+    train(member, model, 4)  # a merge at step 3
+    copied = {"model": {k: v.clone() for k, v in member.synced_model(model.state_dict()).items()},
+              "strategy": copy.deepcopy(member.state_dict())}
+    assert torch.equal(copied["model"]["0.weight"], member.master[0])
+    member.keep_round_updates(True)
+    train(member, model, 5)  # merges at steps 6 and 9
+    updates = member.round_updates(member.local_step)
+    assert [u["step"] for u in updates] == [5, 6, 7, 8, 9]
+    assert [u["deltas"] is not None for u in updates] == [False, True, False, False, True]
+
+    joiner_model.load_state_dict(copied["model"])
+    joiner.load_state_dict(copied["strategy"])
+    for update in updates:
+        joiner.apply_round_update(update)
+    joiner.start_late()
+    assert joiner.version == member.version == 3
+    for a, b in zip(member.master, joiner.master):
+        assert torch.equal(a, b)
+    for m_a, m_b in zip(member.master, joiner.master):
+        assert torch.equal(member.outer_optim.state[m_a]["momentum_buffer"],
+                           joiner.outer_optim.state[m_b]["momentum_buffer"])
+    for p, m in zip(joiner_model.parameters(), joiner.master):
+        assert torch.equal(p, m)  # its round starts from the newest global model
+    note = joiner.late_join_note(copied["strategy"], updates)
+    assert note == {"version": 3}
+
+    # Alone it trains every step and merges nothing, however long its round.
+    joiner.skip_steps(member.local_step - joiner.local_step)
+    joiner.training_alone = True
+    train(joiner, joiner_model, 4)
+    assert joiner.version == 3 and joiner.workers[1].steps == 4 and joiner.kept is None
+    train(member, model, 2)
+    joiner.training_alone = False
+    later = [u for u in member.round_updates(member.local_step) if u["step"] > 9]
+    for update in later:
+        joiner.apply_round_update(update)
+    for strategy in (member, joiner):
+        strategy.admit_late({1: {"at": 10, "note": note}}, 14)
+    assert {r: asdict(w) for r, w in member.workers.items()} == \
+        {r: asdict(w) for r, w in joiner.workers.items()}
+    assert asdict(member.workers[1]) == {"steps": 4, "base_version": 3, "credit": 0.0,
+                                        "ready": True, "trains": False}
+    member.keep_round_updates(False)
+    assert member.round_updates(member.local_step) == []
+
+
 def test_a_rank_joining_a_round_before_the_members_began_it_reads_their_decision(store):
     """A joiner whose transfer ends at the last step of a round joins the next one: the
     members decide that round, never the joiner (it knows none of the rounds before)."""

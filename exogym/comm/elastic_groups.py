@@ -663,6 +663,7 @@ class PairLink:
         self.generations = {r: int(generations[r]) for r in self.ranks}
         self.pg: Any = None
         self.failed = False
+        self.why = ""  # what broke the transfer, when no rank was lost
         self._failed_key = key("pair", name, "failed")
 
     def _lost(self) -> list[int]:
@@ -678,9 +679,14 @@ class PairLink:
                 return True
             except Exception as exc:  # noqa: BLE001 - the peer's connection failed
                 if _SLICE_ENDED not in str(exc):
+                    self.why = str(exc).strip().splitlines()[0] if str(exc).strip() else \
+                        type(exc).__name__
                     return False
-            if self._lost() or groups.store.check([self._failed_key]):
-                return False  # a rank lost, or the other side gave the transfer up
+            if self._lost():
+                return False
+            if groups.store.check([self._failed_key]):
+                self.why = "the other side gave the transfer up"
+                return False
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(f"rank {groups.rank()}: the hand-over on {self.name} "
                                        f"did not finish within {groups.timeout_s:.0f} s")
@@ -708,9 +714,11 @@ class PairLink:
         if not groups._stream(self.pg, tensor, self.ranks, src, self._completes):
             self.failed = True
             groups.store.set(self._failed_key, "1")  # the other side stops waiting at once
-            raise PeerLost(f"the hand-over on {self.name} failed: rank "
-                           f"{', '.join(map(str, self._lost() or self.ranks))} was lost or "
-                           "stopped answering")
+            lost = self._lost()
+            raise PeerLost(f"the hand-over on {self.name} failed: " + (
+                f"rank {', '.join(map(str, lost))} was lost" if lost else
+                f"{self.why or 'a rank stopped answering'} (ranks "
+                f"{', '.join(map(str, self.ranks))} still live)"))
 
     def close(self) -> None:
         """Give the group up (kept until the process ends if a call may still hang)."""

@@ -60,8 +60,16 @@ class Member(Protocol):
     def round_updates(self, through_step: int) -> list[dict[str, Any]]:
         """The updates kept of the rounds that ended at ``through_step`` or before."""
 
-    def catch_up(self, updates: list[dict[str, Any]]) -> None:
-        """Apply updates of rounds that ended after this rank's state was copied."""
+    def catch_up(self, updates: list[dict[str, Any]], start: bool = True) -> None:
+        """Apply updates of rounds that ended after this rank's state was copied
+        (``start``: then start training from it, joined under way)."""
+
+    def late_join_note(self, state: dict[str, Any],
+                       updates: list[dict[str, Any]]) -> dict[str, Any]:
+        """What the members learn of this rank, joining under way, when it meets them."""
+
+    def admit_late(self, joins: dict[int, dict[str, Any]], step: int) -> None:
+        """At the last step of a round that ``joins`` joined under way: take them in."""
 
     def reshard(self, index: int, count: int) -> None:
         """Read shard ``index`` of ``count`` from now on."""
@@ -83,18 +91,26 @@ class Attendance:
         self.emit = emit
         #: A returning rank may join a round under way (:meth:`allow_mid_round`).
         self.mid_round = False
+        #: ... and takes the steps it missed when it meets the members.
+        self.catches_up_at_entry = False
+        # A joiner's link to its source, kept open until it meets the members: (link,
+        # source, the step it meets them at).
+        self._entry: tuple[Any, int, int] | None = None
         self._requests_seen = 0
         self._requests: list[dict[str, Any]] = []
         self._next_poll = 0.0
         self._sender: threading.Thread | None = None
 
-    def allow_mid_round(self) -> None:
+    def allow_mid_round(self, catches_up_at_entry: bool = False) -> None:
         """The strategy's state can be handed over while training goes on: across hosts, a
-        returning rank joins the round under way instead of waiting for the next one."""
+        returning rank joins the round under way instead of waiting for the next one
+        (``catches_up_at_entry``: it trains alone until the round's last step, and takes
+        the members' updates of the steps between there)."""
         membership = self.membership
         if membership is not None and membership.can_admit_mid_round:
             membership.admits_mid_round = True
             self.mid_round = True
+            self.catches_up_at_entry = catches_up_at_entry
 
     def in_group(self, step: int) -> bool:
         """False while this rank, joined under way, trains before its round's last step:
@@ -128,6 +144,7 @@ class Attendance:
         if self.mid_round:
             if step == membership.round_end(step):
                 membership.close_round(step)
+                self._admit(step, member)
             if not membership.in_members_group(step):  # joined under way: trains alone
                 member.reshard(*membership.shard(self.rank, step))
                 return step
@@ -226,6 +243,18 @@ class Attendance:
                 if int(verdict) != 0 or at >= (membership.max_steps or at + 1):
                     break
                 self._wait_for_step(member, membership.round_end(at + 1))
+            joined = int(verdict)
+            if joined:
+                self.emit({"event": "hand_over", "rank": self.rank, "step": joined,
+                           "source": self.rank, "joiners": [joiner], "bytes": nbytes,
+                           "seconds": time.perf_counter() - started, "during_round": True,
+                           "rounds_caught_up": caught_up})
+                if self.catches_up_at_entry:
+                    # The joiner trains alone until the round's last step: there it takes
+                    # the steps the members trained since it joined.
+                    before_entry = membership.round_end(joined) - 1
+                    self._wait_for_step(member, before_entry)
+                    self._send_updates(link, ranks, member.round_updates(before_entry), sent)
         except (PeerLost, PeerTimeoutError, RuntimeError) as exc:
             print(f"rank {self.rank}: handing the state to rank {joiner} during the round "
                   f"failed ({exc}); it asks again", flush=True)
@@ -233,20 +262,65 @@ class Attendance:
         finally:
             member.keep_round_updates(False)
             link.close()
-        if int(verdict) != 0:
-            self.emit({"event": "hand_over", "rank": self.rank, "step": int(verdict),
-                       "source": self.rank, "joiners": [joiner], "bytes": nbytes,
-                       "seconds": time.perf_counter() - started, "during_round": True,
-                       "rounds_caught_up": caught_up})
+
+    def _send_updates(self, link: Any, ranks: list[int], updates: list[dict[str, Any]],
+                      after: int) -> int:
+        """On ``link``: how many of ``updates`` are of steps after ``after``, then those;
+        their bytes."""
+        updates = [u for u in updates if u["step"] > after]
+        link.broadcast(torch.tensor([len(updates)], dtype=torch.int64), self.rank, ranks)
+        return sum(hand_over(u, self.rank, ranks, self.rank, send=link.broadcast)[1]
+                   for u in updates)
+
+    def _receive_updates(self, link: Any, source: int,
+                         ranks: list[int]) -> tuple[list[dict[str, Any]], int]:
+        """The updates :meth:`_send_updates` sends, and their bytes."""
+        head = torch.zeros(1, dtype=torch.int64)
+        link.broadcast(head, source, ranks)
+        updates, nbytes = [], 0
+        for _ in range(int(head)):
+            update, size = hand_over(None, source, ranks, self.rank, send=link.broadcast)
+            updates.append(update)
+            nbytes += size
+        return updates, nbytes
+
+    def _admit(self, step: int, member: Member) -> None:
+        """At the last step of a round: the ranks that joined it under way meet the members.
+        A joiner that trained alone first takes the steps it missed, from its source."""
+        membership = self.membership
+        joins = membership.late_joins(step)
+        entry, self._entry = self._entry, None
+        if entry is not None:
+            link, source, meets_at = entry
+            try:
+                if meets_at != step or self.rank not in joins:
+                    raise PeerLost(f"rank {self.rank} was to meet the members at step "
+                                   f"{meets_at}, not {step}")
+                updates, _ = self._receive_updates(link, source, [source, self.rank])
+            except (PeerLost, PeerTimeoutError) as exc:
+                membership.drop(f"rank {self.rank} could not take the members' steps from "
+                                f"rank {source} before meeting them ({exc})")
+                raise RankDropped(str(exc)) from exc
+            finally:
+                link.close()
+            member.catch_up(updates, start=False)
+        if joins:
+            member.admit_late(joins, step)
 
     def _wait_for_step(self, member: Member, step: int) -> None:
-        """Until this member has trained ``step`` (bounded by the world's timeout)."""
-        deadline = time.monotonic() + self.membership.world.timeout_s
-        while member.steps_done() < step:
-            if time.monotonic() > deadline:
-                raise PeerTimeoutError(f"rank {self.rank} did not reach step {step} within "
-                                       f"{self.membership.world.timeout_s:.0f} s")
+        """Until this member has trained ``step``: as long as it takes while the member
+        trains on, bounded by the world's timeout without a step trained."""
+        timeout = self.membership.world.timeout_s
+        seen = member.steps_done()
+        deadline = time.monotonic() + timeout
+        while seen < step:
             time.sleep(0.02)
+            now = member.steps_done()
+            if now != seen:
+                seen, deadline = now, time.monotonic() + timeout
+            elif time.monotonic() > deadline:
+                raise PeerTimeoutError(f"rank {self.rank} trained no step after step {seen} "
+                                       f"within {timeout:.0f} s (waiting to reach step {step})")
 
     def _join_late(self, generation: int, member: Member) -> int | None:
         """A returning rank: take the state from a live member while training goes on, bring
@@ -281,7 +355,9 @@ class Attendance:
                                              send=link.broadcast)
                     updates.append(update)
                     nbytes += size
-                joined = at + 1 <= state["max_steps"] and membership.join_late(at + 1, generation)
+                note = member.late_join_note(state, updates)
+                joined = at + 1 <= state["max_steps"] and membership.join_late(
+                    at + 1, generation, note)
                 link.broadcast(torch.tensor([at + 1 if joined else 0], dtype=torch.int64),
                                self.rank, ranks)
                 if joined:
@@ -294,9 +370,12 @@ class Attendance:
                   "trying again", flush=True)
             return None
         finally:
-            link.close()
+            if step is None or not self.catches_up_at_entry:
+                link.close()
         if step is None:
             return None
+        if self.catches_up_at_entry:
+            self._entry = (link, source, membership.round_end(step))
         member.adopt_state(state, membership.reshards, at_step=step)
         member.catch_up(updates)
         self.emit({"event": "hand_over", "rank": self.rank, "step": step, "source": source,

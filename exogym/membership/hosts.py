@@ -359,12 +359,18 @@ class ElasticMembership:
             return True
         return step >= self.round_end(step)
 
-    def _late_joins(self, start: int) -> dict[int, dict[str, int]]:
+    def _late_joins(self, start: int) -> dict[int, dict[str, Any]]:
         """The ranks that joined the round of ``start`` under way (its closed record)."""
         record = self.late.get(start)
         if record is None:
             return {}
         return {int(r): v for r, v in record["ranks"].items()}
+
+    def late_joins(self, step: int) -> dict[int, dict[str, Any]]:
+        """The ranks that joined the round of ``step`` under way, once it is closed
+        (:meth:`close_round`): each one's first step (``at``) and strategy's ``note``."""
+        return {r: {"at": int(v["at"]), "note": v.get("note") or {}}
+                for r, v in self._late_joins(self._round_start(step)).items()}
 
     def close_round(self, step: int) -> None:
         """At the last step of its round: close the round's record of joins under way (the
@@ -434,9 +440,11 @@ class ElasticMembership:
                 out.append(request)
         return out, seen
 
-    def join_late(self, step: int, generation: int) -> bool:
+    def join_late(self, step: int, generation: int,
+                  note: dict[str, Any] | None = None) -> bool:
         """Enter this rank in the joins of the round that contains ``step``, training from
-        ``step`` (at its loss ``generation``); False when the round's record is closed."""
+        ``step`` (at its loss ``generation``, with the strategy's ``note`` for the members,
+        :meth:`late_joins`); False when the round's record is closed."""
         start = self._round_start(step)
         k = key("late", start)
         raw = self.store.get_if_set(k)
@@ -444,7 +452,8 @@ class ElasticMembership:
             record = json.loads(raw) if raw else {"closed": False, "ranks": {}}
             if record["closed"]:
                 return False
-            record["ranks"][str(self.rank)] = {"at": step, "gen": generation}
+            record["ranks"][str(self.rank)] = {"at": step, "gen": generation,
+                                               "note": note or {}}
             desired = json.dumps(record).encode()
             got = self.store.compare_set(k, raw or "", desired)
             if got == desired:

@@ -206,7 +206,7 @@ class TrainNode:
             max_steps=self.max_steps, seed=spec.seed, samples_per_step=spec.batch_size,
             clock=self.clock))
         if self.strategy.joins_mid_round and self.strategy.round_steps > 1:
-            self.attendance.allow_mid_round()
+            self.attendance.allow_mid_round(self.strategy.catches_up_at_entry)
         self.balance = Balancer.for_run(spec, self.rank, self.max_steps)  # fit(balance=...)
         # Who trains each step, on how many samples: the balancer of fit(balance=...), or
         # a strategy that paces its ranks itself (AsyncDiLoCo); None: every rank, always.
@@ -265,6 +265,8 @@ class TrainNode:
         self._step_started = self.timer.wall()
         self._samples_before = self.samples
         pacer = self.pacer
+        # Joined a round under way: until its last step the rank meets no member.
+        self.strategy.training_alone = not self.attendance.in_group(self.step + 1)
         if pacer is not None:
             trains = pacer.begin_step(self.step + 1, self._present())
             if pacer is self.balance:
@@ -599,10 +601,23 @@ class TrainNode:
         """The rounds' shared updates kept, of rounds that ended by ``through_step``."""
         return self.strategy.round_updates(through_step)
 
-    def catch_up(self, updates: list[dict[str, Any]]) -> None:
-        """Apply the updates of rounds that ended after this rank's state was copied."""
+    def catch_up(self, updates: list[dict[str, Any]], start: bool = True) -> None:
+        """Apply the updates of rounds that ended after this rank's state was copied
+        (``start``: then start training from it, joined under way)."""
         for update in updates:
             self.strategy.apply_round_update(update)
+        if start:
+            self.strategy.start_late()
+
+    def late_join_note(self, state: dict[str, Any],
+                       updates: list[dict[str, Any]]) -> dict[str, Any]:
+        """What the members learn of this rank, joining under way from ``state`` and
+        ``updates``, when it meets them."""
+        return self.strategy.late_join_note(state["strategy"], updates)
+
+    def admit_late(self, joins: dict[int, dict[str, Any]], step: int) -> None:
+        """At the last step of a round that ``joins`` joined under way: take them in."""
+        self.strategy.admit_late(joins, step)
 
     def reshard(self, index: int, count: int) -> None:
         """Read shard ``index`` of ``count`` from now on (the run's present ranks changed)."""

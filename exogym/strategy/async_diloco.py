@@ -53,7 +53,11 @@ samples); one that comes back takes the state from a worker present and starts
 a round from the newest global model. Across hosts the members are decided once
 a round, so a worker lost mid-round is found at the next merge, which it does
 not complete: the merge's mean is over the contributions that arrived, and the
-lost worker is left out until the next round's members are decided.
+lost worker is left out until the next round's members are decided. A worker that
+comes back on its host during a round (``merge_delay=0``) starts a round of its own
+from the global model at once, trains it alone, and at the round's last step takes
+the merges it missed and joins the others as a worker with the steps it trained
+(:mod:`exogym.membership.attendance`).
 
 **Bytes.** One all-reduce of the parameters and float buffers per merge, as a
 DiLoCo round: ``4 * P`` bytes per rank per merge in float32.
@@ -269,6 +273,9 @@ class AsyncDiLoCoStrategy(Strategy):
         self._lost: set[int] = set()
         self.merged_contributions = 0
         self.dropped_contributions = 0
+        # Each step's merge and bookkeeping, kept while a rank joins the round under way.
+        self.kept: list[dict[str, Any]] | None = None
+        self._applied_delta: list[torch.Tensor] | None = None
 
     # -- the pace -------------------------------------------------------------------
 
@@ -277,6 +284,13 @@ class AsyncDiLoCoStrategy(Strategy):
         worker's round and return whether this rank trains (False: it idles)."""
         self._tick = step
         self._merge_record = None
+        if self.training_alone:
+            # Joined the round under way: its own round goes on, the members' merges are
+            # taken when it meets them, at the round's last step (admit_late).
+            worker = self.workers.setdefault(self.rank, _Worker(base_version=self.version))
+            worker.steps += 1
+            worker.trains = True
+            return True
         if (step - 1) % self.H == 0:
             self._lost = set()  # a round of the membership begins: it was decided anew
         present = sorted(r for r in present if r not in self._lost)
@@ -381,6 +395,15 @@ class AsyncDiLoCoStrategy(Strategy):
         self._advance_schedule()
 
     def _end_of_step(self) -> None:
+        if self.training_alone:
+            return
+        self._applied_delta = None
+        self._merge_if_due()
+        if self.kept is not None:  # for a rank joining the round under way
+            self.kept.append({"step": self._tick, "deltas": self._applied_delta,
+                              "book": self._book()})
+
+    def _merge_if_due(self) -> None:
         step = self._tick
         if step == PROBE_STEPS and step < self.max_steps and self.throughputs is None:
             self._agree_speeds()
@@ -527,12 +550,10 @@ class AsyncDiLoCoStrategy(Strategy):
                 torch._foreach_mul_(reduced, facts["total"] / kept)
             params = len(self.params)
             if self.outer.applied != pending.started:  # the same merged change on every rank
-                for master, delta in zip(self.master, reduced[:params]):
-                    master.grad = delta
-                self.outer_optim.step()
-                for master in self.master:
-                    master.grad = None
+                self._outer_step(reduced[:params])
                 self.outer.applied = pending.started
+                if self.kept is not None:
+                    self._applied_delta = [d.clone() for d in reduced[:params]]
             self.version += 1
             if final or self.rank in contributors:
                 # My buffers take the merged ones (the weighted mean of the contributors').
@@ -589,6 +610,15 @@ class AsyncDiLoCoStrategy(Strategy):
             self.synced_at = self.local_step + 1
 
     @torch.no_grad()
+    def _outer_step(self, deltas: list[torch.Tensor]) -> None:
+        """Step the global model with a merged change, as every rank does."""
+        for master, delta in zip(self.master, deltas):
+            master.grad = delta
+        self.outer_optim.step()
+        for master in self.master:
+            master.grad = None
+
+    @torch.no_grad()
     def _start_round(self) -> None:
         """Take the newest global model and start a round from it."""
         for p, master, base in zip(self.params, self.master, self.base):
@@ -597,6 +627,92 @@ class AsyncDiLoCoStrategy(Strategy):
         worker = self.workers.get(self.rank)
         if worker is not None:
             worker.base_version = self.version
+
+    # -- a rank that joins a round under way (hosts) ---------------------------------
+
+    #: The members merge at any step: a rank joined under way trains alone until the
+    #: round's last step and takes the merges it missed there (:meth:`admit_late`).
+    catches_up_at_entry = True
+
+    @property
+    def joins_mid_round(self) -> bool:
+        """A rank coming back mid-round starts a round of its own from the global model;
+        not with ``merge_delay``, whose merge may still travel when it meets the members."""
+        return self.merge_delay == 0
+
+    def synced_model(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` with each trainable parameter's value in the global model (a tied
+        parameter under each of its names): where a joining rank's round starts."""
+        global_ = {p.data_ptr(): m for p, m in zip(self.params, self.master)}
+        return {name: global_.get(value.data_ptr(), value) if value.is_floating_point()
+                else value for name, value in state.items()}
+
+    def keep_round_updates(self, keep: bool) -> None:
+        """Keep (or stop keeping and forget) each step's merged change and bookkeeping."""
+        self.kept = [] if keep else None
+
+    def round_updates(self, through_step: int) -> list[dict[str, Any]]:
+        """The steps kept up to ``through_step``: each its merged change (None: no merge)
+        and every worker's round as the step left them."""
+        return [u for u in list(self.kept or []) if u["step"] <= through_step]
+
+    @torch.no_grad()
+    def apply_round_update(self, update: dict[str, Any]) -> None:
+        """A step of the members': the global model stepped with its merge, if it had one,
+        and their bookkeeping as it left it."""
+        if update["deltas"] is not None:
+            self._outer_step([d.to(m.device) for d, m in zip(update["deltas"], self.master)])
+        self._set_book(update["book"])
+
+    def start_late(self) -> None:
+        """Start a round of its own from the newest global model."""
+        self._pending = None
+        self._grace_until = None
+        self.workers[self.rank] = _Worker(base_version=self.version)
+        self._start_round()
+        self._window = []
+        self._warm = False
+
+    def late_join_note(self, state: dict[str, Any],
+                       updates: list[dict[str, Any]]) -> dict[str, Any]:
+        """The global version the joiner's round starts from."""
+        version = updates[-1]["book"]["version"] if updates else state["version"]
+        return {"version": int(version)}
+
+    def admit_late(self, joins: dict[int, dict[str, Any]], step: int) -> None:
+        """Every rank takes each joiner in as a worker whose round began at its first step,
+        from the version it noted."""
+        for rank, join in sorted(joins.items()):
+            steps = step - int(join["at"])
+            worker = _Worker(steps=steps, base_version=int(join["note"]["version"]))
+            worker.ready = steps >= self.round_length(rank)
+            self.workers[rank] = worker
+            self._lost.discard(rank)
+
+    def _book(self) -> dict[str, Any]:
+        """The bookkeeping every rank holds alike, as plain values (a copy)."""
+        return {"version": self.version,
+                "workers": {r: asdict(w) for r, w in self.workers.items()},
+                "speeds": list(self.speeds),
+                "throughputs": None if self.throughputs is None else list(self.throughputs),
+                "given_speeds": None if self.given_speeds is None else list(self.given_speeds),
+                "grace_until": self._grace_until, "lost": sorted(self._lost),
+                "merged_contributions": self.merged_contributions,
+                "dropped_contributions": self.dropped_contributions,
+                "left": [dict(x) for x in self._left], "applied": self.outer.applied}
+
+    def _set_book(self, book: dict[str, Any]) -> None:
+        self.version = book["version"]
+        self.workers = {int(r): _Worker(**w) for r, w in book["workers"].items()}
+        self.speeds = list(book["speeds"])
+        self.throughputs = book["throughputs"]
+        self.given_speeds = book["given_speeds"]
+        self._grace_until = book["grace_until"]
+        self._lost = set(book["lost"])
+        self.merged_contributions = book["merged_contributions"]
+        self.dropped_contributions = book["dropped_contributions"]
+        self._left = [dict(x) for x in book["left"]]
+        self.outer.applied = book["applied"]
 
     # -- what it reports ------------------------------------------------------------
 

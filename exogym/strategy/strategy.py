@@ -152,6 +152,17 @@ class Strategy(ABC):
     #: instead of waiting for the next round (:mod:`exogym.membership.attendance`).
     joins_mid_round: bool = False
 
+    #: True for a strategy that :attr:`joins_mid_round` and whose ranks also meet within a
+    #: round (AsyncDiLoCo merges at any step): a rank that joined under way then trains
+    #: alone (:attr:`training_alone`) until the round's last step, and there takes the
+    #: updates of the steps it missed (:meth:`round_updates`) before it meets the members.
+    catches_up_at_entry: bool = False
+
+    #: True while this rank, joined a round under way, trains before meeting the members
+    #: (set by the trainer before each step): a strategy that :attr:`catches_up_at_entry`
+    #: must then call no collective.
+    training_alone: bool = False
+
     def __init__(
         self,
         optim_spec: OptimSpec | str | type | None = None,
@@ -365,6 +376,22 @@ class Strategy(ABC):
     def apply_round_update(self, update: dict[str, Any]) -> None:
         """Apply one update of :meth:`round_updates` as every rank did at that round's end."""
         raise NotImplementedError(f"{type(self).__name__} keeps no round updates")
+
+    def start_late(self) -> None:
+        """Called on a rank that joined a round under way, once its state is up to date
+        (:meth:`apply_round_update`), before its first step. Default: nothing."""
+
+    def late_join_note(self, state: dict[str, Any],
+                       updates: list[dict[str, Any]]) -> dict[str, Any]:
+        """What the members learn of this rank when it meets them, having joined a round
+        under way from the strategy ``state`` a member handed over and the ``updates`` since
+        (plain values; :meth:`admit_late`). Default: nothing."""
+        return {}
+
+    def admit_late(self, joins: dict[int, dict[str, Any]], step: int) -> None:
+        """Before step ``step``, the last of a round, on every rank of the round: ``joins``
+        gives each rank that joined it under way its first step (``at``) and its
+        :meth:`late_join_note` (``note``). Default: nothing."""
 
     def mark_synced(self, step: int) -> None:
         """Every rank holds the same model at ``local_step == step`` (a round that
