@@ -346,22 +346,32 @@ class Attendance:
         try:
             state, nbytes = hand_over(None, source, ranks, self.rank,
                                       into=member.handed_state(), send=link.broadcast)
-            for _ in range(MAX_TRIES):
+            for attempt in range(MAX_TRIES):
                 head = torch.zeros(2, dtype=torch.int64)
                 link.broadcast(head, source, ranks)
                 at, count = (int(v) for v in head)
+                enters = None
+                if attempt and not self.catches_up_at_entry and at + 1 <= state["max_steps"]:
+                    # A round closed while its update travelled (rounds shorter than an
+                    # update's transfer): rather than chase the next one, the joiner enters
+                    # the round under way before the updates arrive, at its last step, and
+                    # the members' closing collective waits for it at most that long.
+                    enters = membership.round_end(at + 1)
+                    if not membership.join_late(enters, generation,
+                                                member.late_join_note(state, [])):
+                        enters = None
                 for _ in range(count):
                     update, size = hand_over(None, source, ranks, self.rank,
                                              send=link.broadcast)
                     updates.append(update)
                     nbytes += size
-                note = member.late_join_note(state, updates)
-                joined = at + 1 <= state["max_steps"] and membership.join_late(
-                    at + 1, generation, note)
-                link.broadcast(torch.tensor([at + 1 if joined else 0], dtype=torch.int64),
+                if enters is None and at + 1 <= state["max_steps"] and membership.join_late(
+                        at + 1, generation, member.late_join_note(state, updates)):
+                    enters = at + 1
+                link.broadcast(torch.tensor([enters or 0], dtype=torch.int64),
                                self.rank, ranks)
-                if joined:
-                    step = at + 1
+                if enters is not None:
+                    step = enters
                     break
                 if at + 1 > state["max_steps"]:
                     return None  # the run has ended meanwhile
