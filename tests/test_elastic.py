@@ -732,11 +732,11 @@ def test_an_async_diloco_joiner_replays_the_merges_it_missed_and_meets_the_membe
 
     # Alone it trains every step and merges nothing, however long its round.
     joiner.skip_steps(member.local_step - joiner.local_step)
-    joiner.training_alone = True
+    joiner.train_alone(True)
     train(joiner, joiner_model, 4)
     assert joiner.version == 3 and joiner.workers[1].steps == 4 and joiner.kept is None
     train(member, model, 2)
-    joiner.training_alone = False
+    joiner.train_alone(False)
     later = [u for u in member.round_updates(member.local_step) if u["step"] > 9]
     for update in later:
         joiner.apply_round_update(update)

@@ -266,7 +266,7 @@ class TrainNode:
         self._samples_before = self.samples
         pacer = self.pacer
         # Joined a round under way: until its last step the rank meets no member.
-        self.strategy.training_alone = not self.attendance.in_group(self.step + 1)
+        self.strategy.train_alone(not self.attendance.in_group(self.step + 1))
         if pacer is not None:
             trains = pacer.begin_step(self.step + 1, self._present())
             if pacer is self.balance:

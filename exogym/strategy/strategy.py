@@ -159,8 +159,8 @@ class Strategy(ABC):
     catches_up_at_entry: bool = False
 
     #: True while this rank, joined a round under way, trains before meeting the members
-    #: (set by the trainer before each step): a strategy that :attr:`catches_up_at_entry`
-    #: must then call no collective.
+    #: (:meth:`train_alone`): a strategy that :attr:`catches_up_at_entry` must then call
+    #: no collective.
     training_alone: bool = False
 
     def __init__(
@@ -376,6 +376,11 @@ class Strategy(ABC):
     def apply_round_update(self, update: dict[str, Any]) -> None:
         """Apply one update of :meth:`round_updates` as every rank did at that round's end."""
         raise NotImplementedError(f"{type(self).__name__} keeps no round updates")
+
+    def train_alone(self, alone: bool) -> None:
+        """Told before each step whether this rank, joined a round under way, trains it
+        before meeting the members (:attr:`training_alone`)."""
+        self.training_alone = alone
 
     def start_late(self) -> None:
         """Called on a rank that joined a round under way, once its state is up to date
