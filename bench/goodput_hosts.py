@@ -3,12 +3,14 @@
 Run as root from the project root::
 
     python -m bench.goodput_hosts                          # DDP, DiLoCo, AsyncDiLoCo
-    python -m bench.goodput_hosts --minutes 4 --profiles digits-diloco
+    python -m bench.goodput_hosts --minutes 4 --strategies DiLoCo
+    python -m bench.goodput_hosts --task chargpt           # steps of some 0.1 s
 
 Three hosts, each a network namespace with an sshd of its own (:mod:`tests.netbed`),
 the launcher in the first (the master: ``min_nodes=2`` keeps the run's store in
 the launcher). Each profile of ``config.ini`` (``digits-ddp``, ``digits-diloco``,
-``digits-async``) is started as a person would::
+``digits-async``; with ``--task chargpt``, ``chargpt-bench`` with each strategy, H=20
+for both DiLoCos) is started as a person would::
 
     python cli_typer.py distributed-train PROFILE --hosts ... --min-nodes 2 \\
         --inject-random SEED --mtbf 2m --down 30s
@@ -39,10 +41,20 @@ from bench.harness.tables import print_table
 from exogym.base.io import atomic_write_text
 from tests.netbed import Testbed, check_requirements
 
-#: The profiles compared, and the names the table gives them.
-PROFILES = {"digits-ddp": "DDP", "digits-diloco": "DiLoCo", "digits-async": "AsyncDiLoCo"}
-#: Steps of each calibration run.
-CALIBRATION_STEPS = 2000
+#: For each task, the strategies compared: the name the table gives each, its profile of
+#: config.ini and the settings given to it.
+_OUTER = ["--set", "H=20", "--set", "outer_lr=0.7", "--set", "outer_momentum=0.9"]
+TASKS: dict[str, dict[str, tuple[str, list[str]]]] = {
+    "digits": {"DDP": ("digits-ddp", []), "DiLoCo": ("digits-diloco", []),
+               "AsyncDiLoCo": ("digits-async", [])},
+    # steps of some 0.1 s here: what a step costs besides its compute counts for little
+    "chargpt": {"DDP": ("chargpt-bench", ["--set", "strategy=ddp"]),
+                "DiLoCo": ("chargpt-bench", ["--set", "strategy=diloco", *_OUTER]),
+                "AsyncDiLoCo": ("chargpt-bench", ["--set", "strategy=async_diloco", *_OUTER,
+                                                  "--set", "quorum=0.5"])},
+}
+#: Steps of each calibration run, by task.
+CALIBRATION_STEPS = {"digits": 2000, "chargpt": 200}
 
 
 def figures(run: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +81,11 @@ def main() -> None:
     parser.add_argument("--mtbf", default="2m", help="each host's mean time between failures")
     parser.add_argument("--down", default="30s", help="how long each failure lasts")
     parser.add_argument("--seed", type=int, default=1, help="the failures' seed (default 1)")
-    parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=list(PROFILES))
+    parser.add_argument("--task", default="digits", choices=list(TASKS),
+                        help="digits (steps of about a millisecond) or chargpt (the 3.3M "
+                             "chargpt-bench GPT); default digits")
+    parser.add_argument("--strategies", nargs="+", default=["DDP", "DiLoCo", "AsyncDiLoCo"],
+                        choices=["DDP", "DiLoCo", "AsyncDiLoCo"])
     parser.add_argument("--subnet", default="10.213.98",
                         help="the bed's /24, three octets (default 10.213.98)")
     parser.add_argument("--out", type=Path, default=None,
@@ -85,20 +101,22 @@ def main() -> None:
     timeout = 4 * seconds + 600
     results: dict[str, dict[str, Any]] = {}
     with Testbed(3, subnet=args.subnet, pin=False) as bed:
-        for profile in args.profiles:
-            name = PROFILES[profile]
-            calibration = train(bed, folder, f"{profile}-calibration", CALIBRATION_STEPS, [],
-                                timeout, profile=profile)
+        for name in args.strategies:
+            profile, settings = TASKS[args.task][name]
+            label = f"{args.task}-{name.lower()}"
+            calibration = train(bed, folder, f"{label}-calibration",
+                                CALIBRATION_STEPS[args.task], settings, timeout,
+                                profile=profile)
             if calibration["exit_code"] != 0:
                 sys.exit(f"the calibration run of {profile} failed (exit "
                          f"{calibration['exit_code']}):\n{calibration['output'][-3000:]}")
             rate = steps_per_second(calibration)
-            steps = max(CALIBRATION_STEPS, int(rate * seconds))
+            steps = max(CALIBRATION_STEPS[args.task], int(rate * seconds))
             print(f"{name}: {rate:.0f} steps/s fault-free (goodput "
                   f"{figures(calibration)['goodput']}); {steps} steps under failures",
                   flush=True)
-            run = train(bed, folder, profile, steps,
-                        ["--inject-random", str(args.seed), "--mtbf", args.mtbf,
+            run = train(bed, folder, label, steps,
+                        [*settings, "--inject-random", str(args.seed), "--mtbf", args.mtbf,
                          "--down", args.down], timeout, profile=profile)
             results[name] = {"steps": steps, "steps_per_s": rate,
                              "fault_free": figures(calibration), **figures(run)}
@@ -116,8 +134,8 @@ def main() -> None:
                      cell(r["fault_free"]["goodput"], ".3f"), cell(r["goodput"], ".3f"),
                      cell(r["dropped"], ""), f"{r['wait_s']:.0f} s", f"{r['idle_s']:.0f} s",
                      cell(r["val_loss"], ".4f")])
-    print_table(f"Goodput on 3 namespace hosts, each failing once per {args.mtbf} and down "
-                f"{args.down} (seed {args.seed}, min_nodes=2, wall time)",
+    print_table(f"Goodput on 3 namespace hosts ({args.task}), each failing once per "
+                f"{args.mtbf} and down {args.down} (seed {args.seed}, min_nodes=2, wall time)",
                 ["strategy", "exit", "steps", "wall", "failures", "time down",
                  "goodput fault-free", "goodput", "samples dropped", "in collectives", "idle",
                  "val loss"], rows, left=("strategy",), width=200)

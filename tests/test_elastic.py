@@ -693,8 +693,7 @@ def test_an_async_diloco_joiner_replays_the_merges_it_missed_and_meets_the_membe
     joiner = AsyncDiLoCoStrategy(H=3, lr=0.01, quorum=1)
     joiner.setup(RankContext.alone(joiner_model, rank=1, num_nodes=2, samples_per_step=4,
                                    max_steps=100))
-    assert member.joins_mid_round and member.catches_up_at_entry
-    assert not AsyncDiLoCoStrategy(H=3, merge_delay=1).joins_mid_round
+    assert member.catches_up_at_entry
 
     def train(strategy, net, steps):
         for _ in range(steps):

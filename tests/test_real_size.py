@@ -181,9 +181,8 @@ def test_three_hosts_with_min_nodes_lose_a_host_and_take_it_back_at_23m(sshd, th
         assert {r["rank"] for r in merges["ranks"]} == {0, 1, 2}
 
 
-@pytest.mark.parametrize("h,strategy", [(60, []), (2, []),
-                                        (60, ["strategy=async_diloco", "quorum=2"])],
-                         ids=["long-rounds", "rounds-shorter-than-the-transfer", "async-diloco"])
+@pytest.mark.parametrize("h,strategy", [(60, []), (2, [])],
+                         ids=["long-rounds", "rounds-shorter-than-the-transfer"])
 def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_train_at_23m(
         sshd, third, tmp_path, h, strategy):
     """DiLoCo's state can be handed over while training goes on: a host that comes back in
@@ -192,11 +191,7 @@ def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_trai
 
     With H=60 a round lasts some 30 s here, time for the host to start its rank again
     within it. With H=2 rounds end while the state travels: the joiner brings its copy
-    up to date with the rounds' updates, and still ends with the others' model.
-
-    AsyncDiLoCo's members merge at any step: the joiner starts a round of its own from
-    the global model, trains it alone, and at the round's last step takes the steps it
-    missed and enters the members' merges with the steps it trained."""
+    up to date with the rounds' updates, and still ends with the others' model."""
     out = tmp_path / "net"
     events = Events()
     steps = 3 * h if h > 2 else 60
@@ -256,18 +251,6 @@ def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_trai
     final = load_file(out / "model.safetensors")
     assert all(torch.isfinite(t).all() for t in final.values())
     assert max(t.numel() * t.element_size() for t in final.values()) >= 16 * 2**20
-    if strategy:
-        # The steps the joiner trained alone count in its round: at the merges after it met
-        # the members it takes part (zeros until its round is done), and its round, begun
-        # at the step it joined, is merged with every step it trained.
-        merges = json.loads((out / "summary.json").read_text())["merges"]["rounds"]
-        meets_at = (rejoined["step"] - 1) // h * h + h
-        later = [m for m in merges if m["step"] >= meets_at]
-        assert later and later[-1]["final"] and later[-1]["contributors"] == [0, 1, 2], later
-        with_joiner = [m for m in later if 2 in m["contributors"]]
-        print(f"merges from step {meets_at}: "
-              f"{[(m['step'], m['contributors'], m['steps']) for m in later]}")
-        assert with_joiner[0]["step"] > meets_at or with_joiner[0]["final"], with_joiner
 
 
 def test_a_23m_model_through_torchrun_and_over_ssh_equals_the_simulation(sshd, tmp_path):

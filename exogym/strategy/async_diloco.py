@@ -53,11 +53,7 @@ samples); one that comes back takes the state from a worker present and starts
 a round from the newest global model. Across hosts the members are decided once
 a round, so a worker lost mid-round is found at the next merge, which it does
 not complete: the merge's mean is over the contributions that arrived, and the
-lost worker is left out until the next round's members are decided. A worker that
-comes back on its host during a round (``merge_delay=0``) starts a round of its own
-from the global model at once, trains it alone, and at the round's last step takes
-the merges it missed and joins the others as a worker with the steps it trained
-(:mod:`exogym.membership.attendance`).
+lost worker is left out until the next round's members are decided.
 
 **Bytes.** One all-reduce of the parameters and float buffers per merge, as a
 DiLoCo round: ``4 * P`` bytes per rank per merge in float32.
@@ -634,11 +630,11 @@ class AsyncDiLoCoStrategy(Strategy):
     #: round's last step and takes the merges it missed there (:meth:`admit_late`).
     catches_up_at_entry = True
 
-    @property
-    def joins_mid_round(self) -> bool:
-        """A rank coming back mid-round starts a round of its own from the global model;
-        not with ``merge_delay``, whose merge may still travel when it meets the members."""
-        return self.merge_delay == 0
+    #: Not yet: a joiner takes the merges it missed from its source at the round's last
+    #: step, so a source lost before then costs the joiner its place, and with it the run
+    #: where the members were down to ``min_nodes``. Until a joiner can take them from any
+    #: live member, a returning worker joins at a round's start, as before.
+    joins_mid_round = False
 
     def synced_model(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state`` with each trainable parameter's value in the global model (a tied
