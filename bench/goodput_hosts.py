@@ -4,7 +4,7 @@ Run as root from the project root::
 
     python -m bench.goodput_hosts                          # DDP, DiLoCo, AsyncDiLoCo
     python -m bench.goodput_hosts --minutes 4 --strategies DiLoCo
-    python -m bench.goodput_hosts --task chargpt           # steps of some 0.1 s
+    python -m bench.goodput_hosts --task chargpt           # steps of some 0.5 s
 
 Three hosts, each a network namespace with an sshd of its own (:mod:`tests.netbed`),
 the launcher in the first (the master: ``min_nodes=2`` keeps the run's store in
@@ -47,7 +47,7 @@ _OUTER = ["--set", "H=20", "--set", "outer_lr=0.7", "--set", "outer_momentum=0.9
 TASKS: dict[str, dict[str, tuple[str, list[str]]]] = {
     "digits": {"DDP": ("digits-ddp", []), "DiLoCo": ("digits-diloco", []),
                "AsyncDiLoCo": ("digits-async", [])},
-    # steps of some 0.1 s here: what a step costs besides its compute counts for little
+    # steps of some 0.5 s here: what a step costs besides its compute counts for little
     "chargpt": {"DDP": ("chargpt-bench", ["--set", "strategy=ddp"]),
                 "DiLoCo": ("chargpt-bench", ["--set", "strategy=diloco", *_OUTER]),
                 "AsyncDiLoCo": ("chargpt-bench", ["--set", "strategy=async_diloco", *_OUTER,
