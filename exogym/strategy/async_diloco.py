@@ -546,7 +546,7 @@ class AsyncDiLoCoStrategy(Strategy):
                 torch._foreach_mul_(reduced, facts["total"] / kept)
             params = len(self.params)
             if self.outer.applied != pending.started:  # the same merged change on every rank
-                self._outer_step(reduced[:params])
+                self.outer.step(reduced[:params])
                 self.outer.applied = pending.started
                 if self.kept is not None:
                     self._applied_delta = [d.clone() for d in reduced[:params]]
@@ -606,15 +606,6 @@ class AsyncDiLoCoStrategy(Strategy):
             self.synced_at = self.local_step + 1
 
     @torch.no_grad()
-    def _outer_step(self, deltas: list[torch.Tensor]) -> None:
-        """Step the global model with a merged change, as every rank does."""
-        for master, delta in zip(self.master, deltas):
-            master.grad = delta
-        self.outer_optim.step()
-        for master in self.master:
-            master.grad = None
-
-    @torch.no_grad()
     def _start_round(self) -> None:
         """Take the newest global model and start a round from it."""
         for p, master, base in zip(self.params, self.master, self.base):
@@ -657,7 +648,7 @@ class AsyncDiLoCoStrategy(Strategy):
         """A step of the members': the global model stepped with its merge, if it had one,
         and their bookkeeping as it left it."""
         if update["deltas"] is not None:
-            self._outer_step([d.to(m.device) for d, m in zip(update["deltas"], self.master)])
+            self.outer.step([d.to(m.device) for d, m in zip(update["deltas"], self.master)])
         self._set_book(update["book"])
 
     def start_late(self) -> None:

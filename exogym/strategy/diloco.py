@@ -108,7 +108,7 @@ class DiLoCoCommunicator(CommunicationModule):
             kept.append({"step": local_step + 1, "deltas": [d.clone() for d in deltas],
                          "buffers": [b.clone() for b in self.buffers]})
         if self.outer.applied != local_step:  # the all-reduce gave every rank the same deltas
-            self._outer_step(deltas)
+            self.outer.step(deltas)
             self.outer.applied = local_step
         for p, master in zip(self.params, self.master):
             p.copy_(master)
@@ -116,13 +116,6 @@ class DiLoCoCommunicator(CommunicationModule):
             # Every rank applied the same outer step to the same numbers (the all-reduce's
             # result is the same everywhere): the models are identical after this step.
             self.strategy.mark_synced(local_step + 1)
-
-    def _outer_step(self, deltas: list[torch.Tensor]) -> None:
-        for master, delta in zip(self.master, deltas):
-            master.grad = delta
-        self.outer_optim.step()
-        for master in self.master:
-            master.grad = None
 
     #: The rounds' shared updates kept since :meth:`keep_round_updates` (None: none kept).
     kept: list[dict[str, Any]] | None = None
@@ -139,7 +132,7 @@ class DiLoCoCommunicator(CommunicationModule):
     def apply_round_update(self, update: dict[str, Any]) -> None:
         """Apply a round's update as every rank did at its end: the outer step on the
         averaged deltas, the averaged buffers, the model at the new outer parameters."""
-        self._outer_step([d.to(m.device) for d, m in zip(update["deltas"], self.master)])
+        self.outer.step([d.to(m.device) for d, m in zip(update["deltas"], self.master)])
         for buffer, averaged in zip(self.buffers, update["buffers"]):
             buffer.copy_(averaged)
         for p, master in zip(self.params, self.master):

@@ -84,3 +84,13 @@ class OuterState:
         self.master = [p.detach().clone() for p in params]
         self.optim = spec.build(self.master)
         self.applied: int | None = None  # local_step of the last round applied
+
+    @torch.no_grad()
+    def step(self, deltas: list[torch.Tensor]) -> None:
+        """Step the outer parameters with the averaged (or merged) change ``deltas``, as
+        every rank does."""
+        for master, delta in zip(self.master, deltas):
+            master.grad = delta
+        self.optim.step()
+        for master in self.master:
+            master.grad = None
