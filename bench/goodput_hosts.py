@@ -33,10 +33,12 @@ import argparse
 import json
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from bench.chaos import steps_per_second, train
+from bench.harness.slow_host import GroupKeeper, cgroup_problems, check_share, equal_share, held_hosts
 from bench.harness.tables import print_table
 from exogym.base.io import atomic_write_text
 from tests.netbed import Testbed, check_requirements
@@ -53,6 +55,8 @@ TASKS: dict[str, dict[str, tuple[str, list[str]]]] = {
                 "AsyncDiLoCo": ("chargpt-bench", ["--set", "strategy=async_diloco", *_OUTER,
                                                   "--set", "quorum=0.5"])},
 }
+#: Hosts of the bed; the launcher and rank 0 share the first.
+HOSTS = 3
 #: Steps of each calibration run, by task.
 CALIBRATION_STEPS = {"digits": 2000, "chargpt": 200}
 
@@ -86,13 +90,22 @@ def main() -> None:
                              "chargpt-bench GPT); default digits")
     parser.add_argument("--strategies", nargs="+", default=["DDP", "DiLoCo", "AsyncDiLoCo"],
                         choices=["DDP", "DiLoCo", "AsyncDiLoCo"])
+    parser.add_argument("--share", type=float, default=None,
+                        help="fraction of a core every host is held to (default: the largest "
+                             "equal share of this machine's cores that leaves a quarter core "
+                             "to the launcher; 0.55 on two cores)")
     parser.add_argument("--subnet", default="10.213.98",
                         help="the bed's /24, three octets (default 10.213.98)")
     parser.add_argument("--out", type=Path, default=None,
                         help="where the runs and goodput.json are kept (default: a new "
                              "folder in the temporary directory)")
     args = parser.parse_args()
-    missing = check_requirements(pin=False)
+    share = equal_share(HOSTS) if args.share is None else args.share
+    try:
+        check_share(share, HOSTS)
+    except ValueError as exc:
+        parser.error(str(exc))
+    missing = check_requirements(pin=False) + cgroup_problems()
     if missing:
         sys.exit("cannot build the test bed:\n  " + "\n  ".join(missing))
     folder = (args.out or Path(tempfile.mkdtemp(prefix="exogym-goodput-"))).resolve()
@@ -100,13 +113,26 @@ def main() -> None:
     seconds = args.minutes * 60
     timeout = 4 * seconds + 600
     results: dict[str, dict[str, Any]] = {}
-    with Testbed(3, subnet=args.subnet, pin=False) as bed:
+    with Testbed(HOSTS, subnet=args.subnet, pin=False) as bed, held_hosts(bed, share) as groups:
+        print(f"{HOSTS} hosts, each held to {share:g} of a core (cgroup cpu quota)", flush=True)
+
+        def held_run(name: str, steps: int, extra: list[str], profile: str) -> dict[str, Any]:
+            # rank 0 is the launcher's child, born outside host 0's group: keepers move it
+            with ExitStack() as stack:
+                keepers = [stack.enter_context(GroupKeeper(bed, host, group))
+                           for host, group in zip(bed.hosts, groups)]
+                run = train(bed, folder, name, steps, extra, timeout, profile=profile)
+            escaped = sum(k.moved for k in keepers[1:])
+            if escaped:
+                print(f"  {name}: {escaped} rank process(es) of hosts 1-{HOSTS - 1} started "
+                      "outside their host's group (moved in)", flush=True)
+            return run
+
         for name in args.strategies:
             profile, settings = TASKS[args.task][name]
             label = f"{args.task}-{name.lower()}"
-            calibration = train(bed, folder, f"{label}-calibration",
-                                CALIBRATION_STEPS[args.task], settings, timeout,
-                                profile=profile)
+            calibration = held_run(f"{label}-calibration", CALIBRATION_STEPS[args.task],
+                                   settings, profile)
             if calibration["exit_code"] != 0:
                 sys.exit(f"the calibration run of {profile} failed (exit "
                          f"{calibration['exit_code']}):\n{calibration['output'][-3000:]}")
@@ -115,9 +141,9 @@ def main() -> None:
             print(f"{name}: {rate:.0f} steps/s fault-free (goodput "
                   f"{figures(calibration)['goodput']}); {steps} steps under failures",
                   flush=True)
-            run = train(bed, folder, label, steps,
-                        [*settings, "--inject-random", str(args.seed), "--mtbf", args.mtbf,
-                         "--down", args.down], timeout, profile=profile)
+            run = held_run(label, steps,
+                           [*settings, "--inject-random", str(args.seed), "--mtbf", args.mtbf,
+                            "--down", args.down], profile)
             results[name] = {"steps": steps, "steps_per_s": rate,
                              "fault_free": figures(calibration), **figures(run)}
             if run["exit_code"] != 0:
@@ -134,8 +160,9 @@ def main() -> None:
                      cell(r["fault_free"]["goodput"], ".3f"), cell(r["goodput"], ".3f"),
                      cell(r["dropped"], ""), f"{r['wait_s']:.0f} s", f"{r['idle_s']:.0f} s",
                      cell(r["val_loss"], ".4f")])
-    print_table(f"Goodput on 3 namespace hosts ({args.task}), each failing once per "
-                f"{args.mtbf} and down {args.down} (seed {args.seed}, min_nodes=2, wall time)",
+    print_table(f"Goodput on {HOSTS} namespace hosts ({args.task}), each held to {share:g} of "
+                f"a core and failing once per {args.mtbf}, down {args.down} (seed {args.seed}, "
+                "min_nodes=2, wall time)",
                 ["strategy", "exit", "steps", "wall", "failures", "time down",
                  "goodput fault-free", "goodput", "samples dropped", "in collectives", "idle",
                  "val loss"], rows, left=("strategy",), width=200)

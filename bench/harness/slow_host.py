@@ -153,6 +153,49 @@ def held_hosts(bed: Testbed, share: float) -> Iterator[list[SlowGroup]]:
                for host in bed.hosts]
 
 
+class GroupKeeper:
+    """While a run lasts, moves every rank process born outside its host's group into it.
+
+    A host's sshd is in its group, so the ranks it starts are born there; but a launcher
+    that runs rank 0 itself (its host is the launcher's machine) starts it outside. The
+    keeper looks at ``host``'s processes every ``interval`` seconds and moves each
+    ``distributed.worker`` process (a rank, or its supervisor) into ``group``; a rank
+    restarted after a failure is moved too. ``moved`` counts the processes it moved.
+
+    Args:
+        bed: the test bed.
+        host: the host whose rank processes are kept in ``group``.
+        group: the host's group.
+        interval: seconds between looks.
+    """
+
+    def __init__(self, bed: Testbed, host: Any, group: SlowGroup, interval: float = 0.25) -> None:
+        self.bed, self.host, self.group, self.interval = bed, host, group, interval
+        self.moved = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._keep, daemon=True)
+
+    def __enter__(self) -> GroupKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _keep(self) -> None:
+        wanted = "/" + self.group.path.name
+        while not self._stop.wait(self.interval):
+            for pid in self.bed.pids(self.host):
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if b"distributed.worker" in argv and cpu_cgroup_of(pid) not in (wanted, None):
+                    self.group.add(pid)
+                    self.moved += 1
+
+
 def worker_groups(bed: Testbed) -> dict[int, str]:
     """For each host of ``bed`` running a ``distributed.worker`` process, its ``cpu`` group."""
     found: dict[int, str] = {}
