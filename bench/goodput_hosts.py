@@ -13,18 +13,23 @@ the launcher). Each profile of ``config.ini`` (``digits-ddp``, ``digits-diloco``
 for both DiLoCos) is started as a person would::
 
     python cli_typer.py distributed-train PROFILE --hosts ... --min-nodes 2 \\
-        --inject-random SEED --mtbf 2m --down 30s
+        --inject-random SEED --mtbf 2m --down 30s --failures kill
 
-so every host is, on average once every two minutes, frozen or cut off for 30 s
-(:class:`distributed.launch.faults.RandomFaults`). A short fault-free run of
+so every host fails on average once every two minutes: its rank is killed and
+started again 30 s later, and rejoins with the run's state
+(:class:`distributed.launch.faults.RandomFaults`; ``--failures freeze,cut``: frozen
+or cut off for 30 s instead). Every host is held to an equal share of a core
+(``--share``, a cgroup of its own as in :mod:`bench.multihost`; rank 0, which the
+launcher starts itself, is moved into the first host's), so that a host trains
+alone at the same rate whether the others are up or down. A short fault-free run of
 each profile first measures its steps per second, so that the run under
 failures lasts about ``--minutes``. Prints the goodput the launcher measured
 (``summary.json``'s ``goodput``: :mod:`exogym.report.goodput`), with its parts:
 the failures that fired, the time down, samples dropped, the time the hosts
-waited in collectives and idled. Wall time: the ranks share this machine's
-cores. Asserts nothing.
+waited in collectives and idled. Wall time. Asserts nothing.
 
-Needs root, iproute2, sshd and (for cuts) nftables or iptables: ``tests/setup_system.sh``.
+Needs root, iproute2, sshd, the cgroup v1 ``cpu`` controller and (for cuts) nftables or
+iptables: ``tests/setup_system.sh``.
 """
 
 from __future__ import annotations
@@ -84,6 +89,9 @@ def main() -> None:
                         help="how long each run under failures lasts, about (default 6)")
     parser.add_argument("--mtbf", default="2m", help="each host's mean time between failures")
     parser.add_argument("--down", default="30s", help="how long each failure lasts")
+    parser.add_argument("--failures", default="kill",
+                        help="what each failure is: a comma list of kill, freeze, cut "
+                             "(default kill: the rank killed, started again after --down)")
     parser.add_argument("--seed", type=int, default=1, help="the failures' seed (default 1)")
     parser.add_argument("--task", default="digits", choices=list(TASKS),
                         help="digits (steps of about a millisecond) or chargpt (the 3.3M "
@@ -143,7 +151,7 @@ def main() -> None:
                   flush=True)
             run = held_run(label, steps,
                            [*settings, "--inject-random", str(args.seed), "--mtbf", args.mtbf,
-                            "--down", args.down], profile)
+                            "--down", args.down, "--failures", args.failures], profile)
             results[name] = {"steps": steps, "steps_per_s": rate,
                              "fault_free": figures(calibration), **figures(run)}
             if run["exit_code"] != 0:
@@ -161,12 +169,16 @@ def main() -> None:
                      cell(r["dropped"], ""), f"{r['wait_s']:.0f} s", f"{r['idle_s']:.0f} s",
                      cell(r["val_loss"], ".4f")])
     print_table(f"Goodput on {HOSTS} namespace hosts ({args.task}), each held to {share:g} of "
-                f"a core and failing once per {args.mtbf}, down {args.down} (seed {args.seed}, "
-                "min_nodes=2, wall time)",
+                f"a core and failing ({args.failures}) once per {args.mtbf}, down {args.down} "
+                f"(seed {args.seed}, min_nodes=2, wall time)",
                 ["strategy", "exit", "steps", "wall", "failures", "time down",
                  "goodput fault-free", "goodput", "samples dropped", "in collectives", "idle",
                  "val loss"], rows, left=("strategy",), width=200)
-    atomic_write_text(folder / "goodput.json", json.dumps(results, indent=2) + "\n")
+    settings = {"task": args.task, "hosts": HOSTS, "share": share, "mtbf": args.mtbf,
+                "down": args.down, "failures": args.failures, "seed": args.seed,
+                "minutes": args.minutes}
+    atomic_write_text(folder / "goodput.json",
+                      json.dumps({"settings": settings, "runs": results}, indent=2) + "\n")
     print(f"kept in {folder} (goodput.json, each run's folder and trace)")
 
 

@@ -4,6 +4,7 @@ reports it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -291,6 +292,40 @@ def test_mtbf_draws_each_host_down_for_its_time_at_the_rate_asked():
 def test_bad_mtbf_options_are_refused(kwargs, message):
     with pytest.raises(FaultSpecError, match=message):
         plan_faults([], load_hosts(HOSTS), max_steps=1000, min_nodes=2, **kwargs)
+
+
+def test_failures_can_be_kills_that_keep_their_host_down():
+    config = load_hosts(HOSTS)
+    plan = plan_faults([], config, max_steps=1000, min_nodes=2, random_seed=5, mtbf="2m",
+                       down="30s", failures="kill")
+    assert plan.random.kinds == ("kill",)
+    drawn = [s for _, s in itertools.islice(plan.random.draws(), 300)]
+    assert {s.kind for s in drawn} == {"kill"} and {s.duration_s for s in drawn} == {30}
+    assert {s.host for s in drawn} == {"127.0.0.1", "127.0.0.2", "127.0.0.3"}
+    assert "down 30 s (kill) on average once every 120 s" in plan.describe()[0]
+    mixed = plan_faults([], config, max_steps=1000, min_nodes=2, random_seed=5, mtbf="2m",
+                        failures="freeze, KILL,cut")
+    assert mixed.random.kinds == ("kill", "freeze", "cut")
+    kinds = [s for _, s in itertools.islice(mixed.random.draws(), 3000)]
+    for kind in ("kill", "freeze", "cut"):
+        # the master may not be cut: a third of the failures on each other host are cuts
+        assert sum(s.kind == kind for s in kinds) == pytest.approx(
+            {"kill": 1167, "freeze": 1167, "cut": 667}[kind], rel=0.12)
+    assert all(s.kind != "cut" for s in kinds if s.host == "127.0.0.1")
+    # by default the same draws as before --failures: a freeze or a cut
+    assert plan_faults([], config, max_steps=1000, min_nodes=2, random_seed=5, mtbf="2m",
+                       failures="freeze,cut").random.kinds == ("freeze", "cut")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(failures="kill"), "--failures 'kill' without --mtbf"),
+    (dict(mtbf="2m", failures="explode"), "give a comma list of kill, freeze, cut"),
+    (dict(mtbf="2m", failures=""), "give a comma list of kill, freeze, cut"),
+])
+def test_bad_failures_are_refused(kwargs, message):
+    with pytest.raises(FaultSpecError, match=message):
+        plan_faults([], load_hosts(HOSTS), max_steps=1000, min_nodes=2, random_seed=1,
+                    **kwargs)
 
 
 def test_down_defaults_to_a_quarter_of_the_mtbf():

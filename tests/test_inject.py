@@ -26,6 +26,7 @@ from distributed.hosts.onhost import inject as onhost
 from distributed.launch.faults import (
     KILL_AWAY_S,
     FaultSpecError,
+    describe_fault_event,
     parse_every,
     parse_fault,
     parse_faults,
@@ -64,6 +65,16 @@ def test_each_kind_parses_with_its_time_duration_and_factor():
     cut = parse_fault("cut:2@step=500+15s")
     assert (cut.kind, cut.at_step, cut.duration_s) == ("cut", 500, 15)
     assert parse_fault("freeze:2@1.5s+.5s").at_s == 1.5
+    reboot = parse_fault("kill:2@90s+30s")  # a host that reboots: down 30 s, then restarted
+    assert (reboot.kind, reboot.at_s, reboot.duration_s) == ("kill", 90, 30)
+
+
+def test_a_kill_that_keeps_its_host_down_is_told_as_one():
+    who = {"what": "kill", "host": "127.0.0.3", "ranks": [2], "step": 40, "at_s": 12.0}
+    assert describe_fault_event({**who, "phase": "start", "duration_s": 30}) == \
+        "injected kill on 127.0.0.3 (rank 2), its host down 30 s at step 40, 12.0 s into training"
+    assert describe_fault_event({**who, "phase": "end"}) == \
+        "injected kill on 127.0.0.3 (rank 2): its host is up again at step 40, 12.0 s into training"
 
 
 def test_repeated_options_and_comma_lists_both_give_every_spec():
@@ -87,7 +98,6 @@ def test_repeated_options_and_comma_lists_both_give_every_spec():
     ("slow:1@10sx1.5", ["x1.5: the speed factor must be between 0 and 1"]),
     ("slow:1@10sx0", ["x0: the speed factor must be between 0 and 1"]),
     ("kill:1@10sx0.5", ["only slow takes a speed factor"]),
-    ("kill:1@10s+5s", ["kill takes no duration"]),
     ("freeze:1@10s+5s+6s", ["two durations"]),
 ])
 def test_a_malformed_spec_is_refused_naming_it_and_what_is_accepted(text, words):
@@ -137,6 +147,10 @@ def test_targets_resolve_to_a_hosts_ranks_or_a_rank(config):
     (["kill:1@10s", "cut:2@40s+5s"], {}, ["away at once at 40 s",
                                           f"a kill counts {KILL_AWAY_S:g} s away"]),
     (["kill:1@step=50", "freeze:2@step=50+5s"], {}, ["away at step 50 at once"]),
+    # a kill whose host stays down 30 s is away its restart's 60 s and those 30 s
+    (["kill:1@10s+30s", "cut:2@85s+5s"], {}, ["away at once at 85 s", "more its +Ds"]),
+    (["kill:1@step=3+30s"], {"min_nodes": None, "max_restarts": 1},
+     ["a kill with a duration keeps its host down 30 s", "needs --min-nodes N"]),
     (["freeze:1@10s+5s"], {"min_nodes": 3}, ["leaving fewer than min_nodes=3 of 3"]),
     ([], {"every": "30s"}, ["--every '30s' without --inject-random"]),
     ([], {"random_seed": 4, "min_nodes": None}, ["--inject-random 4", "needs --min-nodes",
@@ -158,6 +172,9 @@ def test_faults_apart_in_time_or_leaving_enough_ranks_are_accepted(config):
     # Without min_nodes every rank is needed, yet a freeze or a cut only holds the run up.
     assert plan(["freeze:1@10s+5s", "freeze:2@10s+5s"], config, min_nodes=None)
     assert plan(["kill:1@step=3"], config, min_nodes=None, max_restarts=1)
+    assert plan(["kill:1@10s+30s", "cut:2@101s+5s"], config)  # after its 60 + 30 s
+    assert "kill 127.0.0.2 (rank 1) 10 s after training started, its host down 30 s" in \
+        plan(["kill:1@10s+30s"], config).describe()[0]
 
 
 def test_random_faults_are_a_fixed_sequence_for_a_seed_in_their_documented_ranges(config):
@@ -374,7 +391,7 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
         hosts = tmp_path / "hosts.json"
         hosts.write_text(json.dumps(config))
         second, third = (h.address for h in bed.hosts)  # ranks 1 and 2
-        inject = ["slow:1@step=300x0.25+4s", f"kill:{third}@step=1500",
+        inject = ["slow:1@step=300x0.25+4s", f"kill:{third}@step=1500+4s",
                   "freeze:1@step=5000+5s"]
         if can_cut:
             inject.append(f"cut:{third}@step=9000+5s")
@@ -420,12 +437,14 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
     assert during[len(during) // 2] > 1.5 * before[len(before) // 2], (before[::50],
                                                                          during[::50])
     assert "injected faults" in done.stdout
+    assert f"[{third}:2] its host is down for" in done.stdout  # the kill's +4s held it
     # goodput, measured by the launcher on the wall clock: rank 1 down while frozen, rank 2
-    # from its kill until its process started again (and while cut off); rank 0 never
+    # from its kill until its process started again, 4 s later at least (and while cut
+    # off); rank 0 never
     goodput = summary["goodput"]
     assert goodput["time"] == "wall" and 0 < goodput["goodput"] < 1, goodput
     down = {r["rank"]: r["down_s"] for r in goodput["ranks"]}
-    assert down[0] == 0 and down[1] >= 4.5 and down[2] > (4.5 if can_cut else 0), down
+    assert down[0] == 0 and down[1] >= 4.5 and down[2] >= (8.5 if can_cut else 4), down
     assert goodput["useful_samples"] + goodput["dropped_samples"] == goodput["trained_samples"]
     assert any(c["left"] for c in goodput["changes"]), goodput["changes"]
     assert "goodput" in done.stdout and "goodput per host" in done.stdout

@@ -153,6 +153,7 @@ class TrainRequest:
         inject_mtbf: each host's mean time between random failures (``--mtbf``: ``2m``),
             instead of ``inject_every``.
         inject_down: how long each such failure keeps its host down (``--down``: ``30s``).
+        inject_failures: the kinds of those failures (``--failures``: ``kill,freeze``).
     """
 
     profile: str
@@ -176,6 +177,7 @@ class TrainRequest:
     inject_every: str | float | None = None
     inject_mtbf: str | float | None = None
     inject_down: str | float | None = None
+    inject_failures: str | None = None
 
     @property
     def injects(self) -> bool:
@@ -183,7 +185,7 @@ class TrainRequest:
         ``--mtbf``, ``--down``)."""
         return bool(self.inject) or self.inject_random is not None or \
             self.inject_every is not None or self.inject_mtbf is not None or \
-            self.inject_down is not None
+            self.inject_down is not None or self.inject_failures is not None
 
     @property
     def multi_host(self) -> bool:
@@ -451,7 +453,7 @@ def _plan_faults(request: TrainRequest, profile: Profile, config: HostsConfig) -
                        min_nodes=profile.values.get("min_nodes"),
                        max_restarts=request.max_restarts, random_seed=request.inject_random,
                        every=request.inject_every, mtbf=request.inject_mtbf,
-                       down=request.inject_down)
+                       down=request.inject_down, failures=request.inject_failures)
 
 
 def make_launcher(request: TrainRequest, config: HostsConfig, *, console: Console,
@@ -560,6 +562,8 @@ def train_command(request: TrainRequest) -> str:
         args += ["--mtbf", str(request.inject_mtbf)]
     if request.inject_down is not None:
         args += ["--down", str(request.inject_down)]
+    if request.inject_failures is not None:
+        args += ["--failures", request.inject_failures]
     return shlex.join(args)
 
 

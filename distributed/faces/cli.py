@@ -249,6 +249,11 @@ def distributed_train(
         "--down", metavar="30s",
         help="With --mtbf: how long each failure keeps its host down (default a quarter "
              "of the mtbf).")] = None,
+    failures: Annotated[str | None, typer.Option(
+        "--failures", metavar="KINDS",
+        help="With --mtbf: what each failure is, drawn from a comma list of kill (its rank "
+             "killed, started again when --down is over), freeze and cut (default "
+             "freeze,cut).")] = None,
     web: Web = False,
     web_port: WebPort = 0,
     web_host: WebHost = "127.0.0.1",
@@ -271,13 +276,13 @@ def distributed_train(
             known_hosts=known_hosts, ssh_config=ssh_config, ssh_timeout=ssh_timeout,
             run_dir=str(run_dir) if run_dir else None, inject=tuple(inject or ()),
             inject_random=inject_random, inject_every=every, inject_mtbf=mtbf,
-            inject_down=down)
+            inject_down=down, inject_failures=failures)
         given = [flag for flag, value in (
             ("--min-nodes", min_nodes), ("--lost-after", lost_after),
             ("--stall-after", stall_after), ("--max-restarts", max_restarts or None),
             ("--run-dir", run_dir), ("--sync", sync or None), ("--inject", inject),
             ("--inject-random", inject_random), ("--every", every), ("--mtbf", mtbf),
-            ("--down", down), ("--balance", balance))
+            ("--down", down), ("--failures", failures), ("--balance", balance))
             if value is not None]
         run.check_request(request, given, strategy=strategy, link_mbit=link_mbit)
         if strategy is not None:

@@ -98,6 +98,7 @@ class ElasticAttempt:
         self._ending = threading.Event()
         self._session_lock = threading.Lock()
         self._probing: set[int] = set()
+        self._held: dict[int, float] = {}  # rank -> monotonic time before which it stays down
         self._results: dict[int, RankResult] = {}
         # Here, not at the top: the launcher's module stays free of torch until a run needs it.
         from exogym import comm
@@ -226,6 +227,7 @@ class ElasticAttempt:
                      f"{failed[-1].log_path})", "red")
             self._probing.discard(rank)
             return
+        self._wait_out_hold(rank)
         tries = 0
         while not self._ending.wait(self.probe_interval):
             with self._session_lock:
@@ -243,6 +245,22 @@ class ElasticAttempt:
             self._start(rank, outcome)
             break
         self._probing.discard(rank)
+
+    def hold(self, rank: int, until: float) -> None:
+        """Keep ``rank`` down until ``until`` (``time.monotonic()``): once lost, it is not
+        started again before then, as a host that reboots (an injected ``kill:...+Ds``)."""
+        self._held[rank] = until
+
+    def _wait_out_hold(self, rank: int) -> None:
+        """Until ``rank``'s hold ends, or the run does."""
+        until = self._held.pop(rank, None)
+        if until is None:
+            return
+        left = until - time.monotonic()
+        if left > 0:
+            plan = self.plans[rank]
+            self.say(f"[{plan.host.host}:{rank}] its host is down for {left:.0f} s more", None)
+            self._ending.wait(left)
 
     def _bring_back(self, rank: int, ended: RankRun) -> None:
         if rank in self._probing or self._ending.is_set():

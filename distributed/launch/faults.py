@@ -4,6 +4,7 @@
 specs such as::
 
     kill:127.0.0.3@step=300      SIGKILL rank(s) of host 127.0.0.3 when it reaches step 300
+    kill:2@90s+30s               SIGKILL rank 2 at 90 s; its host is down 30 s, then it restarts
     freeze:2@60s+20s             SIGSTOP rank 2 60 s after training starts, SIGCONT 20 s later
     slow:1@step=100x0.5          from step 100 rank 1 computes at half its speed, to the end
     slow:1@30s+20sx0.25          at a quarter of its speed, for 20 s
@@ -16,12 +17,14 @@ specs such as::
 - ``WHEN``: ``step=N`` (when the target's rank reaches step N) or ``Ts`` (T seconds
   after training starts: after the first step any rank reports);
 - ``+Ds``: how long (``freeze`` and ``cut`` need it; ``slow`` lasts to the end
-  without it; ``kill`` takes none);
+  without it; a ``kill`` with it keeps its host down that long before the launcher
+  starts the rank again, as a machine that reboots, and needs ``--min-nodes``);
 - ``xF``: ``slow`` only, and needed: the rank computes at F of its speed, 0 < F < 1.
 
 With ``--inject-random SEED --every 30s`` faults are drawn instead (:class:`RandomFaults`);
 with ``--inject-random SEED --mtbf 2m --down 30s`` each host fails on average once every
-two minutes and is down 30 s each time (a freeze, or a cut where the hosts permit it).
+two minutes and is down 30 s each time (a freeze, or a cut where the hosts permit it;
+``--failures kill`` makes every failure a kill whose host restarts the rank 30 s later).
 
 Everything here is checked before anything starts (:func:`plan_faults` raises
 :class:`FaultSpecError`, a ``ValueError``, naming the spec and what is accepted), except
@@ -42,9 +45,9 @@ from exogym.base.plural import plural
 
 from ..hosts.hostsfile import HostsConfig
 
-__all__ = ["KILL_AWAY_S", "KINDS", "FaultLog", "FaultPlan", "FaultSpec", "FaultSpecError",
-           "RandomFaults", "describe_fault_event", "parse_every", "parse_fault", "parse_faults",
-           "parse_mtbf", "plan_faults"]
+__all__ = ["FAILURE_KINDS", "KILL_AWAY_S", "KINDS", "FaultLog", "FaultPlan", "FaultSpec",
+           "FaultSpecError", "RandomFaults", "describe_fault_event", "parse_every",
+           "parse_failures", "parse_fault", "parse_faults", "parse_mtbf", "plan_faults"]
 
 #: The kinds of fault, in the order the help lists them.
 KINDS = ("kill", "freeze", "slow", "cut")
@@ -52,6 +55,10 @@ KINDS = ("kill", "freeze", "slow", "cut")
 #: before the run (its host probed, the rank started again and readmitted); while the
 #: run goes, the injector counts what the launcher sees instead.
 KILL_AWAY_S = 60.0
+#: The kinds ``--failures`` may name: those that take a host down for ``--down``.
+FAILURE_KINDS = ("kill", "freeze", "cut")
+#: ``--failures`` when not given.
+DEFAULT_FAILURES = ("freeze", "cut")
 
 _NUMBER = r"\d+(?:\.\d+)?|\.\d+"
 _WHEN = re.compile(rf"^(?:step=(?P<step>-?\d+)|(?P<seconds>{_NUMBER})s)")
@@ -59,8 +66,8 @@ _SUFFIX = re.compile(rf"^(?:\+(?P<duration>{_NUMBER})s|x(?P<factor>{_NUMBER}))")
 
 ACCEPTED = ("KIND:TARGET@WHEN[+Ds][xF], KIND one of kill, freeze, slow, cut; TARGET a host "
             "of the hosts file or a rank number; WHEN step=N or Ts (seconds after training "
-            "starts); e.g. kill:127.0.0.3@step=300, freeze:2@60s+20s, slow:1@step=100x0.5, "
-            "cut:2@step=500+15s")
+            "starts); e.g. kill:127.0.0.3@step=300, kill:2@90s+30s, freeze:2@60s+20s, "
+            "slow:1@step=100x0.5, cut:2@step=500+15s")
 
 
 class FaultSpecError(ValueError):
@@ -116,7 +123,9 @@ class FaultSpec:
         extra = ""
         if self.factor is not None:
             extra += f" to {self.factor:g} of its speed"
-        if self.duration_s is not None:
+        if self.duration_s is not None and self.kind == "kill":
+            extra += f", its host down {self.duration_s:g} s"
+        elif self.duration_s is not None:
             extra += f" for {self.duration_s:g} s"
         elif self.kind == "slow":
             extra += " to the end of the run"
@@ -194,9 +203,6 @@ def parse_fault(text: str) -> FaultSpec:
         raise _bad(text, f"x{factor:g}: only slow takes a speed factor")
     if kind in ("freeze", "cut") and duration is None:
         raise _bad(text, f"{kind} needs a duration +Ds (e.g. +20s): how long it lasts")
-    if kind == "kill" and duration is not None:
-        raise _bad(text, "kill takes no duration: the rank is restarted and readmitted as "
-                         "when its host dies")
     return FaultSpec(kind=kind, target=target, at_step=at_step, at_s=at_s, duration_s=duration,
                      factor=factor, text=raw)
 
@@ -266,6 +272,25 @@ def parse_mtbf(mtbf: str | float, down: str | float | None) -> tuple[float, floa
     return mtbf_s, down_s
 
 
+def parse_failures(text: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``--failures``: the kinds ``--mtbf``'s failures are drawn from, a comma list of
+    ``kill``, ``freeze`` and ``cut`` (default :data:`DEFAULT_FAILURES`), in that order.
+
+    Raises:
+        FaultSpecError: naming the value and what is accepted.
+    """
+    if text is None:
+        return DEFAULT_FAILURES
+    items = text.split(",") if isinstance(text, str) else list(text)
+    kinds = [k.strip().lower() for k in items]
+    wrong = [k for k in kinds if k not in FAILURE_KINDS]
+    if wrong or not kinds:
+        raise FaultSpecError(f"--failures {text!r}: give a comma list of "
+                             f"{', '.join(FAILURE_KINDS)} (each takes a host down for --down: a "
+                             "kill restarts its rank when the time is up)")
+    return tuple(k for k in FAILURE_KINDS if k in kinds)
+
+
 def _resolve(spec: FaultSpec, config: HostsConfig) -> FaultSpec:
     hosts = {h.host: h for h in config.hosts}
     if spec.target in hosts:
@@ -287,7 +312,8 @@ def _away_windows(spec: FaultSpec) -> tuple[float, float] | None:
     a step, or one that takes nothing away)."""
     if spec.at_s is None or not spec.takes_down:
         return None
-    length = KILL_AWAY_S if spec.kind == "kill" else float(spec.duration_s or 0.0)
+    length = KILL_AWAY_S + float(spec.duration_s or 0.0) if spec.kind == "kill" \
+        else float(spec.duration_s or 0.0)
     return spec.at_s, spec.at_s + length
 
 
@@ -318,7 +344,7 @@ def _check_overlaps(specs: Sequence[FaultSpec], world: int, min_nodes: int) -> N
             raise FaultSpecError(
                 f"--inject: {', '.join(repr(t) for t in together)} keep "
                 f"{plural(len(away), 'rank')} away at once at {start:g} s (a kill counts "
-                f"{KILL_AWAY_S:g} s away), leaving fewer than min_nodes={min_nodes} of "
+                f"{KILL_AWAY_S:g} s away, more its +Ds), leaving fewer than min_nodes={min_nodes} of "
                 f"{world}; move them apart or raise --min-nodes' margin")
     by_step: dict[int, list[FaultSpec]] = {}
     for spec in down:
@@ -349,8 +375,9 @@ class RandomFaults:
     ``mtbf_s``: the intervals between failures are exponential with mean ``mtbf_s``
     over the number of targets (each failure's host drawn uniformly, so each host's
     failures come at a rate of one per ``mtbf_s``), and each failure takes its host
-    down for ``down_s``: a freeze, or (drawn half the time where the host permits it)
-    a cut. No kill (its down time is its restart's) and no slow-down.
+    down for ``down_s``: its kind drawn uniformly from ``failures`` (a cut only where
+    the host permits it; by default a freeze or a cut); a kill keeps its host down
+    ``down_s`` before the launcher starts the rank again. No slow-down.
 
     Args:
         seed: the seed.
@@ -361,6 +388,7 @@ class RandomFaults:
         mtbf_s: each host's mean time between failures, seconds (None: faults every
             ``every_s``).
         down_s: with ``mtbf_s``, how long each failure keeps its host down.
+        failures: with ``mtbf_s``, the kinds drawn (:data:`FAILURE_KINDS`).
     """
 
     seed: int
@@ -370,13 +398,14 @@ class RandomFaults:
     config: HostsConfig = field(repr=False)
     mtbf_s: float | None = None
     down_s: float | None = None
+    failures: tuple[str, ...] = DEFAULT_FAILURES
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        """The kinds drawn: cut only where some host permits it; with ``mtbf_s`` only those
-        that take a host down for a set time."""
+        """The kinds drawn: cut only where some host permits it; with ``mtbf_s`` those of
+        ``failures``, which take a host down for a set time."""
         if self.mtbf_s is not None:
-            return ("freeze", "cut") if self.cut_targets else ("freeze",)
+            return tuple(k for k in self.failures if k != "cut" or self.cut_targets)
         return ("kill", "freeze", "slow", "cut") if self.cut_targets else ("kill", "freeze",
                                                                           "slow")
 
@@ -411,11 +440,16 @@ class RandomFaults:
         assert self.mtbf_s is not None and self.down_s is not None
         rng = random.Random(self.seed)
         hosts = {h.host: h for h in self.config.hosts}
-        mean = self.mtbf_s / len(self.targets)
+        # only cuts: only the hosts a cut may hit fail (none else can be taken down)
+        targets = self.cut_targets if self.kinds == ("cut",) else self.targets
+        mean = self.mtbf_s / len(targets)
         while True:
             interval = rng.expovariate(1.0 / mean)
-            target = rng.choice(self.targets)
-            kind = "cut" if target in self.cut_targets and rng.random() < 0.5 else "freeze"
+            target = rng.choice(targets)
+            # cut first: a freeze or a cut, drawn as before --failures existed
+            kinds = sorted(k for k in self.kinds if k != "cut" or target in self.cut_targets)
+            kind = kinds[0] if len(kinds) == 1 else \
+                kinds[min(int(rng.random() * len(kinds)), len(kinds) - 1)]
             text = f"{kind}:{target}@+{interval:.1f}s+{self.down_s:g}s"
             yield interval, FaultSpec(kind=kind, target=target, duration_s=self.down_s,
                                       text=text, ranks=tuple(hosts[target].ranks), host=target,
@@ -483,7 +517,8 @@ class FaultPlan:
 def plan_faults(inject: Iterable[str] | None, config: HostsConfig, *, max_steps: int | None,
                 min_nodes: int | None, max_restarts: int = 0,
                 random_seed: int | None = None, every: str | float | None = None,
-                mtbf: str | float | None = None, down: str | float | None = None) -> FaultPlan:
+                mtbf: str | float | None = None, down: str | float | None = None,
+                failures: str | Sequence[str] | None = None) -> FaultPlan:
     """Parse and check ``--inject`` specs and ``--inject-random``/``--every`` (or
     ``--mtbf``/``--down``) against the hosts file and the run's settings; the plan,
     before anything starts.
@@ -494,7 +529,9 @@ def plan_faults(inject: Iterable[str] | None, config: HostsConfig, *, max_steps:
     ``max_restarts``), a cut of the master host, faults that certainly keep more than
     ``world - min_nodes`` ranks away at once, ``--every`` or ``--mtbf`` without
     ``--inject-random``, ``--every`` with ``--mtbf``, ``--down`` without ``--mtbf``,
-    ``--inject-random`` without a ``min_nodes`` below the number of ranks.
+    ``--inject-random`` without a ``min_nodes`` below the number of ranks, ``--failures``
+    without ``--mtbf`` or naming only cuts where no host may be cut, a kill with a
+    duration (``+Ds``) without ``min_nodes``.
 
     Raises:
         FaultSpecError: the first problem found.
@@ -511,6 +548,10 @@ def plan_faults(inject: Iterable[str] | None, config: HostsConfig, *, max_steps:
     if down is not None and mtbf is None:
         raise FaultSpecError(f"--down {down!r} without --mtbf: --down is how long each of "
                              "--mtbf's failures lasts; add --mtbf, or drop --down")
+    if failures is not None and mtbf is None:
+        raise FaultSpecError(f"--failures {failures!r} without --mtbf: --failures is what "
+                             "kind each of --mtbf's failures is; add --mtbf, or drop --failures")
+    kinds = parse_failures(failures)
     world = config.world_size
     master = config.master.host
     specs = [_resolve(s, config) for s in parse_faults(inject)]
@@ -524,6 +565,11 @@ def plan_faults(inject: Iterable[str] | None, config: HostsConfig, *, max_steps:
                 f"--inject {spec.text!r}: {master} is the master host: the launcher runs there "
                 "(and with min_nodes the run's rendezvous store), so cutting it cuts every "
                 "host off at once; cut another host")
+        if spec.kind == "kill" and spec.duration_s is not None and min_nodes is None:
+            raise FaultSpecError(
+                f"--inject {spec.text!r}: a kill with a duration keeps its host down "
+                f"{spec.duration_s:g} s while the others go on, which needs --min-nodes N "
+                "(without it, drop the +Ds: --max-restarts restarts the whole run at once)")
         if spec.kind == "kill" and min_nodes is None and not max_restarts:
             raise FaultSpecError(
                 f"--inject {spec.text!r}: without --min-nodes every rank is needed and "
@@ -546,9 +592,13 @@ def plan_faults(inject: Iterable[str] | None, config: HostsConfig, *, max_steps:
             raise FaultSpecError(f"--inject-random {random_seed}: every host runs more ranks "
                                  f"than the {spare} the run may lose (min_nodes={min_nodes})")
         cut_targets = tuple(t for t in targets if t != master)
+        if mtbf_s is not None and kinds == ("cut",) and not cut_targets:
+            raise FaultSpecError(f"--failures {failures!r}: only cuts, and no host may be cut "
+                                 f"(the master {master} may not; the others run more ranks "
+                                 f"than the {spare} the run may lose); add kill or freeze")
         chaos = RandomFaults(seed=int(random_seed), every_s=every_s, targets=targets,
                              cut_targets=cut_targets, config=config, mtbf_s=mtbf_s,
-                             down_s=down_s)
+                             down_s=down_s, failures=kinds)
     return FaultPlan(faults=tuple(specs), random=chaos, min_nodes=min_nodes, world_size=world,
                      master=master)
 
@@ -567,7 +617,8 @@ def describe_fault_event(event: dict[str, Any]) -> str:
     if phase == "start":
         extra = f" to {event['factor']:g} of its speed" if event.get("factor") else ""
         if event.get("duration_s") is not None:
-            extra += f" for {event['duration_s']:g} s"
+            extra += (f", its host down {event['duration_s']:g} s" if what == "kill" else
+                      f" for {event['duration_s']:g} s")
         late = f" (held {event['delayed_s']:.1f} s)" if event.get("delayed_s") else ""
         return f"injected {what} on {who}{extra} at {when}{late}"
     if phase == "end":
@@ -575,6 +626,8 @@ def describe_fault_event(event: dict[str, Any]) -> str:
         if what == "cut":
             how = " (restored)" if event.get("restored") else \
                 f" (restore not confirmed: {event.get('error')})"
+        if what == "kill":
+            return f"injected kill on {who}: its host is up again at {when}"
         return f"injected {what} on {who} ended at {when}{how}"
     if phase == "failed":
         return f"injected {what} on {who} failed: {event.get('error')}"

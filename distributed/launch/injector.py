@@ -7,9 +7,10 @@ when it is due, and ends it after its duration, on the target's host through the
 launcher's host session (:mod:`distributed.hosts.onhost.inject` runs there):
 
 - ``kill``: SIGKILL of each target rank's process. With ``min_nodes`` the launcher
-  declares the rank lost, probes its host and starts it again, and it is readmitted
-  at the next round (:mod:`distributed.launch.elastic_attempt`); with
-  ``max_restarts`` the job restarts from its checkpoints;
+  declares the rank lost, probes its host and starts it again (with a duration, once
+  that has passed: the host was down), and it is readmitted
+  (:mod:`distributed.launch.elastic_attempt`); with ``max_restarts`` the job restarts
+  from its checkpoints;
 - ``freeze``: SIGSTOP of each target rank's process group, SIGCONT after the
   duration, sent by a process on the host itself (and again by the launcher);
 - ``slow``: the rank's throttle file (:mod:`distributed.worker.throttle`) says
@@ -63,10 +64,13 @@ class AttemptView:
     Args:
         run_of: the current ``RankRun`` of a rank (None before it started).
         away: the ranks not taking part now (lost, restarting, exited).
+        hold: keeps a rank down until a ``time.monotonic()`` (a kill with a duration);
+            None where the attempt cannot bring a rank back.
     """
 
     run_of: Callable[[int], Any]
     away: Callable[[], set[int]]
+    hold: Callable[[int, float], None] | None = None
 
 
 @dataclass
@@ -355,9 +359,9 @@ class FaultInjector:
         if spec.duration_s is not None or spec.kind == "kill":
             self.active[index] = active
         if spec.kind == "kill":
-            # Counted away a few seconds, until the launcher has seen the process end;
-            # from then until it is readmitted, view.away() counts it.
-            active.ends = now + 5.0
+            # Counted away a few seconds, until the launcher has seen the process end (or
+            # while its host is down); from then until it is readmitted, view.away() counts it.
+            active.ends = now + max(5.0, spec.duration_s or 0.0)
         self._start_worker(self._start, active)
 
     def _start_worker(self, target: Callable[[_Active], None], active: _Active) -> None:
@@ -421,6 +425,10 @@ class FaultInjector:
                     if pid is None:
                         errors.append(f"rank {rank}'s process is not known")
                         continue
+                    if spec.kind == "kill" and spec.duration_s is not None:
+                        # before the kill: the launcher must not start it again at once
+                        assert self.view is not None and self.view.hold is not None
+                        self.view.hold(rank, time.monotonic() + spec.duration_s)
                     message = ({"action": "signal", "pid": pid, "signal": "KILL",
                                 "group": False} if spec.kind == "kill" else
                                {"action": "freeze", "pgid": pid, "seconds": spec.duration_s})
@@ -446,7 +454,7 @@ class FaultInjector:
     def _end(self, active: _Active) -> None:
         spec, index = active.spec, active.index
         record = self.records[index]
-        if spec.kind == "kill":
+        if spec.kind == "kill" and spec.duration_s is None:
             return
         fields: dict[str, Any] = {}
         if spec.kind == "freeze":
@@ -503,7 +511,7 @@ class FaultInjector:
                     self.say(f"waiting {left:.0f} s for the cut of {active.spec.host} to end "
                              "(its host takes the rules away then)", None)
                 time.sleep(left)
-            if active.spec.kind != "kill":
+            if active.spec.kind != "kill" or active.spec.duration_s is not None:
                 self._end(active)
         for worker in self._workers:
             worker.join(timeout=COMMAND_TIMEOUT_S + 60)

@@ -461,7 +461,8 @@ class Launcher:
                 injector.begin_attempt(AttemptView(
                     run_of=elastic.runs.get,
                     away=lambda: set(elastic.lost) | {r for r, run in list(elastic.runs.items())
-                                                      if not run.running}))
+                                                      if not run.running},
+                    hold=elastic.hold))
             try:
                 return elastic.run()
             finally:
