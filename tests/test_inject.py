@@ -227,6 +227,10 @@ def test_the_command_line_refuses_bad_faults_before_connecting_to_anything(tmp_p
         (["--every", "30s"], "without --inject-random"),
         (["--inject-random", "3"], "needs --min-nodes"),
         (["--inject", "cut:203.0.113.6@5s+5s", "--min-nodes", "2"], "is the master host"),
+        (["--inject-random", "3", "--min-nodes", "2", "--failures", "kill"],
+         "--failures 'kill' without --mtbf"),
+        (["--inject-random", "3", "--min-nodes", "2", "--mtbf", "2m", "--failures", "boom"],
+         "give a comma list of kill, freeze, cut"),
     ]
     for args, words in cases:
         started = time.monotonic()
@@ -239,6 +243,20 @@ def test_the_command_line_refuses_bad_faults_before_connecting_to_anything(tmp_p
     local = runner.invoke(app, ["distributed-train", "digits-diloco", "--inject",
                                 "kill:1@step=3"])
     assert local.exit_code == 2 and "give --hosts" in local.output, local.output
+    local = runner.invoke(app, ["distributed-train", "digits-diloco", "--failures", "kill"])
+    assert local.exit_code == 2 and "--failures" in local.output, local.output
+
+
+def test_the_command_of_a_run_with_failures_keeps_them(tmp_path):
+    from distributed.app.run import TrainRequest, train_command
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps(HOSTS))
+    request = TrainRequest("digits-diloco", hosts=str(hosts), inject_random=4,
+                           inject_mtbf="2m", inject_down="30s", inject_failures="kill,freeze")
+    words = train_command(request).split()
+    assert words[words.index("--failures") + 1] == "kill,freeze"
+    assert words[words.index("--mtbf") + 1] == "2m" and request.injects
 
 
 @pytest.fixture(scope="module")
