@@ -611,6 +611,34 @@ def test_a_pair_link_streams_a_16_mib_state_while_the_members_all_reduce(store, 
     assert "done" in out[0][1]
 
 
+def test_a_group_with_a_member_declared_lost_forms_among_the_others_without_waiting(store):
+    """A membership that takes a rank lost since (killed while the round went on) forms its
+    group among the others at once, not after the form timeout of a member that never
+    comes; the collective then runs among them."""
+    port = store.port
+    ws = [ElasticGroups(3, r, lambda t: comm.open_store("127.0.0.1", port, timeout_s=t), 60.0,
+                        form_timeout_s=30.0) for r in range(3)]
+    declare_lost(store, 2, "killed by SIGKILL")
+
+    def body(world, rank):
+        if rank == 2:
+            return "dead"
+        started = time.monotonic()
+        world.enter_step(1, [0, 1, 2], epoch=1)
+        t = torch.full((4,), float(rank + 1))
+        world.all_reduce(t)
+        return time.monotonic() - started, t, world.group_ranks()
+
+    threads, out = run_ranks(ws, body)
+    for t in threads:
+        t.join(60)
+    for rank in (0, 1):
+        assert not isinstance(out[rank], BaseException), out[rank]
+        waited, t, members = out[rank]
+        assert waited < 10, waited  # the form timeout is 30 s
+        assert torch.equal(t, torch.full((4,), 3.0)) and members == [0, 1]
+
+
 def test_a_pair_link_fails_on_the_joiner_once_its_source_is_declared_lost(store):
     port = store.port
     ws = [ElasticGroups(3, r, lambda t: comm.open_store("127.0.0.1", port, timeout_s=t), 20.0,

@@ -11,7 +11,8 @@ only control messages (:mod:`exogym.comm.store`). The protocol:
 - **Forming.** Every member of a new membership builds the group at the same
   round boundary (:meth:`ElasticGroups.enter_step`), within ``form_timeout_s``
   (``lost_after`` plus 30 s on real hosts); a group that does not form is voted
-  on as a failed call is.
+  on as a failed call is, and so, without waiting, is one with a member the
+  launcher has declared lost already.
 - **Every collective is voted.** A member runs the collective on a private
   copy of its tensors, then votes ``ok`` or ``fail`` in the store. It waits
   for every other member's vote; a member the launcher declares lost before
@@ -278,7 +279,10 @@ class ElasticGroups(Collectives):
         """
         alike = 0
         for _ in range(MAX_ATTEMPTS):
-            pg, ok = self._build(name, members)
+            # A member declared lost already never comes: rather than wait the form timeout
+            # for it, vote at once (the vote seals it lost; the others form without it).
+            gone = any(self.lost_since_admitted(m) for m in members if m != self._rank)
+            pg, ok = (None, False) if gone else self._build(name, members)
             if pg is None and ok:
                 return _Group(name, members, self._rank, None)  # a member alone
             committed, survivors = self._vote(name, "form", members, ok)
