@@ -162,9 +162,9 @@ def main() -> None:
 
     rows = []
     for name, r in results.items():
-        share = r["down_s"] / (r["up_s"] + r["down_s"]) if r["up_s"] else None
+        down = r["down_s"] / (r["up_s"] + r["down_s"]) if r["up_s"] else None
         rows.append([name, str(r["exit_code"]), str(r["steps"]), f"{r['wall_s']:.0f} s",
-                     str(r["failures"]), cell(share, ".1%"),
+                     str(r["failures"]), cell(down, ".1%"),
                      cell(r["fault_free"]["goodput"], ".3f"), cell(r["goodput"], ".3f"),
                      cell(r["dropped"], ""), f"{r['wait_s']:.0f} s", f"{r['idle_s']:.0f} s",
                      cell(r["val_loss"], ".4f")])
