@@ -146,9 +146,10 @@ def main() -> None:
                          f"{calibration['exit_code']}):\n{calibration['output'][-3000:]}")
             rate = steps_per_second(calibration)
             steps = max(CALIBRATION_STEPS[args.task], int(rate * seconds))
+            free = figures(calibration)["goodput"]
             print(f"{name}: {rate:.3g} steps/s fault-free (goodput "
-                  f"{figures(calibration)['goodput']:.3f}); {steps} steps under failures",
-                  flush=True)
+                  f"{'-' if free is None else format(free, '.3f')}); {steps} steps under "
+                  "failures", flush=True)
             run = held_run(label, steps,
                            [*settings, "--inject-random", str(args.seed), "--mtbf", args.mtbf,
                             "--down", args.down, "--failures", args.failures], profile)
