@@ -639,35 +639,6 @@ def test_a_group_with_a_member_declared_lost_forms_among_the_others_without_wait
         assert torch.equal(t, torch.full((4,), 3.0)) and members == [0, 1]
 
 
-def test_a_member_declared_lost_while_the_group_forms_is_not_waited_for(store):
-    """A member that dies as the group forms (killed as it was admitted) is given up once
-    the launcher declares it lost: the others form among themselves within seconds, not
-    after the form timeout."""
-    port = store.port
-    ws = [ElasticGroups(3, r, lambda t: comm.open_store("127.0.0.1", port, timeout_s=t), 60.0,
-                        form_timeout_s=30.0) for r in range(3)]
-
-    def body(world, rank):
-        if rank == 2:  # never comes; declared lost once the others wait for it
-            time.sleep(2.0)
-            declare_lost(store, 2, "killed by SIGKILL")
-            return "dead"
-        started = time.monotonic()
-        world.enter_step(1, [0, 1, 2], epoch=1)
-        t = torch.full((4,), float(rank + 1))
-        world.all_reduce(t)
-        return time.monotonic() - started, t, world.group_ranks()
-
-    threads, out = run_ranks(ws, body)
-    for t in threads:
-        t.join(60)
-    for rank in (0, 1):
-        assert not isinstance(out[rank], BaseException), out[rank]
-        waited, t, members = out[rank]
-        assert 2.0 <= waited < 10, waited  # the form timeout is 30 s
-        assert torch.equal(t, torch.full((4,), 3.0)) and members == [0, 1]
-
-
 def test_a_pair_link_fails_on_the_joiner_once_its_source_is_declared_lost(store):
     port = store.port
     ws = [ElasticGroups(3, r, lambda t: comm.open_store("127.0.0.1", port, timeout_s=t), 20.0,

@@ -11,8 +11,8 @@ only control messages (:mod:`exogym.comm.store`). The protocol:
 - **Forming.** Every member of a new membership builds the group at the same
   round boundary (:meth:`ElasticGroups.enter_step`), within ``form_timeout_s``
   (``lost_after`` plus 30 s on real hosts); a group that does not form is voted
-  on as a failed call is, and so, without waiting for the timeout, is one with
-  a member the launcher declares lost before or while it forms.
+  on as a failed call is, and so, without waiting, is one with a member the
+  launcher has declared lost already.
 - **Every collective is voted.** A member runs the collective on a private
   copy of its tensors, then votes ``ok`` or ``fail`` in the store. It waits
   for every other member's vote; a member the launcher declares lost before
@@ -52,7 +52,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import hashlib
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -169,8 +168,6 @@ class ElasticGroups(Collectives):
         self._wanted_name = f"e1-{_digest(self._wanted)}"
         self._group: _Group | None = None
         self._given_up: list[tuple[Any, Any]] = []  # (group, its call that may still hang)
-        # Groups given up while gloo still connected them: (what it makes, its store).
-        self._forming_given_up: list[tuple[dict[str, Any], Any]] = []
         self._group_stores: list[ControlStore] = []  # the stores the formed groups met through
         #: What the rank waits for now, for a watchdog's message (None: nothing).
         self.waiting_for: str | None = None
@@ -307,41 +304,19 @@ class ElasticGroups(Collectives):
 
     def _build(self, name: str, members: tuple[int, ...]) -> tuple[Any, bool]:
         """A gloo group of ``members`` under the store prefix ``name`` (None alone), and
-        whether it formed: within ``form_timeout_s``, and unless a member is declared lost
-        meanwhile (the group is then given up at once; gloo's connecting goes on in its
-        thread until the form timeout, and what it makes is kept, never used)."""
+        whether it formed within ``form_timeout_s``."""
         if len(members) == 1:
             return None, True
         self.waiting_for = f"forming group {name} of {', '.join(map(self._host, members))}"
         client = self._open_store(self.form_timeout_s)
-        made: dict[str, Any] = {}
-
-        def connect() -> None:
-            try:
-                made["pg"] = dist.ProcessGroupGloo(
-                    dist.PrefixStore(key("pg", name) + "/", client.raw),
-                    members.index(self._rank), len(members),
-                    timedelta(seconds=self.form_timeout_s))
-            except Exception:  # noqa: BLE001 - a member did not come in time: voted on
-                made["pg"] = None
-
-        thread = threading.Thread(target=connect, name=f"exogym-form-{name}", daemon=True)
-        thread.start()
         try:
-            while True:
-                thread.join(LOSS_CHECK_S)
-                if not thread.is_alive():
-                    break
-                self.check_self()
-                if any(self.lost_since_admitted(m) for m in members if m != self._rank):
-                    return None, False
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(key("pg", name) + "/", client.raw),
+                                       members.index(self._rank), len(members),
+                                       timedelta(seconds=self.form_timeout_s))
+        except Exception:  # noqa: BLE001 - a member did not come in time: voted on
+            return None, False
         finally:
             self.waiting_for = None
-            if thread.is_alive():  # given up: what gloo still makes stays out of use
-                self._forming_given_up.append((made, client))
-        pg = made["pg"]
-        if pg is None:
-            return None, False
         pg.set_timeout(timedelta(seconds=self.timeout_s))
         # The group holds the store's C++ side only; a signed store's Python side must
         # outlive it.
