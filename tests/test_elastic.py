@@ -388,9 +388,11 @@ def test_the_live_dashboard_shows_each_hosts_share_of_the_work():
     assert "share" not in out.file.getvalue()
 
 
-def _probe_after(tmp_path, exit_codes: list[int | None]) -> tuple[list[str], list[int]]:
+def _probe_after(tmp_path, exit_codes: list[int | None],
+                 held_s: float | None = None) -> tuple[list[str], list[int]]:
     """What the launcher's probe of a lost rank 1 says and starts after earlier endings
-    with ``exit_codes`` (the last one the run that just ended)."""
+    with ``exit_codes`` (the last one the run that just ended); ``held_s``: its host is
+    held down that long (an injected kill with a duration)."""
     from types import SimpleNamespace
 
     from distributed.launch.elastic_attempt import ElasticAttempt
@@ -411,7 +413,10 @@ def _probe_after(tmp_path, exit_codes: list[int | None]) -> tuple[list[str], lis
         _probing={1}, _ending=threading.Event(), probe_interval=0.01,
         _session_lock=threading.Lock(),
         session=SimpleNamespace(reconnect=lambda host_rank: "shell"),
-        _start=lambda rank, shell: started.append(rank))
+        _start=lambda rank, shell: started.append((rank, time.monotonic())), _held={})
+    attempt._wait_out_hold = lambda rank: ElasticAttempt._wait_out_hold(attempt, rank)
+    if held_s is not None:
+        ElasticAttempt.hold(attempt, 1, time.monotonic() + held_s)
     ElasticAttempt._probe(attempt, 1, object())
     assert 1 not in attempt._probing
     return said, started
@@ -423,7 +428,15 @@ def test_a_rank_whose_program_fails_three_times_is_not_started_again(tmp_path):
     assert "failed 3 times with an error of its own" in said[0] and "ended with 1" in said[0]
     # killed by a signal (128 + N) or cut off (None): not the program's fault, started again
     said, started = _probe_after(tmp_path, [1, 137, None, 137, 2])
-    assert started == [1] and "reachable again: starting rank 1" in said[-1]
+    assert [rank for rank, _ in started] == [1]
+    assert "reachable again: starting rank 1" in said[-1]
+
+
+def test_a_rank_killed_with_its_host_held_down_is_started_again_only_after(tmp_path):
+    begun = time.monotonic()
+    said, started = _probe_after(tmp_path, [137], held_s=1.0)
+    assert [rank for rank, _ in started] == [1] and started[0][1] - begun >= 1.0
+    assert said[0] == "[h1:1] its host is down for 1 s more"
 
 
 def test_a_rank_that_loses_the_launcher_s_store_says_it_lost_the_master():
