@@ -4,13 +4,13 @@ Run as root from the project root::
 
     python -m bench.goodput_hosts                          # DDP, DiLoCo, AsyncDiLoCo
     python -m bench.goodput_hosts --minutes 4 --strategies DiLoCo
-    python -m bench.goodput_hosts --task chargpt           # steps of some 0.5 s
+    python -m bench.goodput_hosts --task digits            # steps of about a millisecond
 
 Three hosts, each a network namespace with an sshd of its own (:mod:`tests.netbed`),
 the launcher in the first (the master: ``min_nodes=2`` keeps the run's store in
-the launcher). Each profile of ``config.ini`` (``digits-ddp``, ``digits-diloco``,
-``digits-async``; with ``--task chargpt``, ``chargpt-bench`` with each strategy, H=20
-for both DiLoCos) is started as a person would::
+the launcher). Each profile of ``config.ini`` (``chargpt-bench`` with each strategy,
+H=20 for both DiLoCos; with ``--task digits``, ``digits-ddp``, ``digits-diloco`` and
+``digits-async``) is started as a person would::
 
     python cli_typer.py distributed-train PROFILE --hosts ... --min-nodes 2 \\
         --inject-random SEED --mtbf 2m --down 30s --failures kill
@@ -93,9 +93,10 @@ def main() -> None:
                         help="what each failure is: a comma list of kill, freeze, cut "
                              "(default kill: the rank killed, started again after --down)")
     parser.add_argument("--seed", type=int, default=1, help="the failures' seed (default 1)")
-    parser.add_argument("--task", default="digits", choices=list(TASKS),
-                        help="digits (steps of about a millisecond) or chargpt (the 3.3M "
-                             "chargpt-bench GPT); default digits")
+    parser.add_argument("--task", default="chargpt", choices=list(TASKS),
+                        help="chargpt (the 3.3M chargpt-bench GPT, steps of some 0.7 s at "
+                             "0.55 of a core) or digits (steps of about a millisecond); "
+                             "default chargpt")
     parser.add_argument("--strategies", nargs="+", default=["DDP", "DiLoCo", "AsyncDiLoCo"],
                         choices=["DDP", "DiLoCo", "AsyncDiLoCo"])
     parser.add_argument("--share", type=float, default=None,
