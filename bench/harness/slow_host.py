@@ -153,7 +153,27 @@ def held_hosts(bed: Testbed, share: float) -> Iterator[list[SlowGroup]]:
                for host in bed.hosts]
 
 
-class GroupKeeper:
+class _WhileBlock:
+    """A thread that runs :meth:`_run` while a ``with`` block lasts; :meth:`_run` ends once
+    ``_stop`` is set (the block's end) or when it is done."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):  # noqa: ANN204 - the subclass's own type
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class GroupKeeper(_WhileBlock):
     """While a run lasts, moves every rank process born outside its host's group into it.
 
     A host's sshd is in its group, so the ranks it starts are born there; but a launcher
@@ -170,20 +190,11 @@ class GroupKeeper:
     """
 
     def __init__(self, bed: Testbed, host: Any, group: SlowGroup, interval: float = 0.25) -> None:
+        super().__init__()
         self.bed, self.host, self.group, self.interval = bed, host, group, interval
         self.moved = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._keep, daemon=True)
 
-    def __enter__(self) -> GroupKeeper:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _keep(self) -> None:
+    def _run(self) -> None:
         wanted = "/" + self.group.path.name
         while not self._stop.wait(self.interval):
             for pid in self.bed.pids(self.host):
@@ -266,7 +277,7 @@ def cpu_cgroup_of(pid: int) -> str | None:
     return None
 
 
-class RankWatch:
+class RankWatch(_WhileBlock):
     """While a job runs, finds each rank's process and notes its ``cpu`` group.
 
     Args:
@@ -275,21 +286,12 @@ class RankWatch:
     """
 
     def __init__(self, ranks: int, marker: str) -> None:
+        super().__init__()
         self.ranks = ranks
         self.marker = marker
         self.found: dict[int, tuple[int, str]] = {}  # rank -> (pid, cpu group)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def __enter__(self) -> RankWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _watch(self) -> None:
+    def _run(self) -> None:
         while len(self.found) < self.ranks and not self._stop.wait(0.5):
             for rank in set(range(self.ranks)) - set(self.found):
                 pid = worker_pid(rank, self.marker)
