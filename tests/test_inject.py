@@ -499,6 +499,24 @@ def test_a_fault_that_would_leave_fewer_than_min_nodes_waits_for_ranks_to_come_b
     assert injector.throttle_path(2).endswith("-rank2.json")
 
 
+def test_failures_that_can_only_be_cuts_are_refused_where_no_host_may_be_cut(config):
+    from types import SimpleNamespace
+
+    from distributed.launch.injector import FaultInjector
+
+    # 127.0.0.x hosts share this machine's network stack: none may be cut
+    session = SimpleNamespace(connect=lambda retry_failed: None, is_local=lambda rank: True)
+
+    def injector(failures):
+        plan_ = plan([], config, random_seed=3, mtbf="2m", failures=failures)
+        return FaultInjector(plan_, config, session=session, rank_run_dir="runs/x",
+                             emit=lambda event: None, say=lambda text, style: None)
+
+    with pytest.raises(FaultSpecError, match="--failures cut: the launcher may cut none"):
+        injector("cut").check()
+    assert injector("cut,freeze").check().random.kinds == ("freeze",)
+
+
 def test_slow_downs_of_one_rank_that_overlap_multiply_and_end_one_by_one(config):
     from distributed.launch.injector import FaultInjector
 

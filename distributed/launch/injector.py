@@ -205,6 +205,10 @@ class FaultInjector:
                 if host in self.plan.random.cut_targets:
                     self.say(f"random faults: no cut of {host}: {why}", "yellow")
             self.plan = self.plan.without_random_cuts(refused)
+            if self.plan.random.mtbf_s is not None and not self.plan.random.kinds:
+                raise FaultSpecError("--failures cut: the launcher may cut none of the hosts "
+                                     f"({'; '.join(f'{h}: {w}' for h, w in refused.items())});"
+                                     " add kill or freeze")
         return self.plan
 
     # ------------------------------------------------------------------ events
