@@ -62,6 +62,8 @@ TASKS: dict[str, dict[str, tuple[str, list[str]]]] = {
 }
 #: Hosts of the bed; the launcher and rank 0 share the first.
 HOSTS = 3
+#: Seconds between a keeper's looks at host 0's processes, and at the other hosts'.
+KEEP_S, CHECK_S = 0.25, 3.0
 #: Steps of each calibration run, by task.
 CALIBRATION_STEPS = {"digits": 2000, "chargpt": 200}
 
@@ -126,10 +128,13 @@ def main() -> None:
         print(f"{HOSTS} hosts, each held to {share:g} of a core (cgroup cpu quota)", flush=True)
 
         def held_run(name: str, steps: int, extra: list[str], profile: str) -> dict[str, Any]:
-            # rank 0 is the launcher's child, born outside host 0's group: keepers move it
+            # rank 0 is the launcher's child, born outside host 0's group: a keeper moves it
+            # (and its restarts) in; the other hosts' ranks are born in theirs, which a
+            # keeper looking seldom only checks (each look starts a process)
             with ExitStack() as stack:
-                keepers = [stack.enter_context(GroupKeeper(bed, host, group))
-                           for host, group in zip(bed.hosts, groups)]
+                keepers = [stack.enter_context(GroupKeeper(bed, host, group,
+                                                           KEEP_S if i == 0 else CHECK_S))
+                           for i, (host, group) in enumerate(zip(bed.hosts, groups))]
                 run = train(bed, folder, name, steps, extra, timeout, profile=profile)
             escaped = sum(k.moved for k in keepers[1:])
             if escaped:
