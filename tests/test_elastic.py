@@ -498,6 +498,33 @@ def test_a_rank_away_when_the_run_ends_says_so_and_leaves_the_outputs_to_the_oth
     assert json.loads(summary)["steps"] == 1500
 
 
+def test_rank_0_killed_in_the_last_round_leaves_the_outputs_to_the_lowest_rank_that_ended_it(
+        store, tmp_path):
+    """Rank 0 dies in the run's last round: the round's decided members still name it,
+    but it does not end the run. Rank 1, the lowest rank that does, writes the final
+    model and the summary."""
+    with _workers(store, tmp_path, "digits-diloco", "max_steps=900", "H=300",
+                  "val_interval=900", quiet=True) as (procs, out):
+        _wait_for_step(tmp_path, procs, 0, 650)  # in the round that starts at step 601
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait()
+        declare_lost(store, 0, "killed")
+        assert [p.wait(timeout=180) for p in procs[1:]] == [0, 0]
+    finals = {r: [e for e in _events(tmp_path / f"rank{r}.log")
+                  if e.get("event") == "final_membership"] for r in (1, 2)}
+    for r in (1, 2):
+        assert finals[r] and finals[r][0]["present"] == [1, 2], finals[r]
+        assert finals[r][0]["writer"] == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 900
+    done = {r: [e for e in _events(tmp_path / f"rank{r}.log") if e.get("event") == "done"][0]
+            for r in (1, 2)}
+    assert done[1]["model_digest"] == done[2]["model_digest"] is not None
+    from safetensors.torch import load_file
+
+    assert all(torch.isfinite(t).all() for t in load_file(out / "model.safetensors").values())
+
+
 def test_a_lost_rank_that_acknowledges_after_the_run_ended_is_not_shown_rejoining(store):
     """The launcher marks a lost rank "rejoining" once it acknowledges its loss, but not
     when the run is already over: there is no round left for it."""

@@ -362,6 +362,87 @@ def test_when_the_master_dies_every_rank_stops_and_resume_continues(sshd, third,
     assert summary["steps"] == 3000
 
 
+def test_the_master_s_rank_down_at_the_end_leaves_the_outputs_to_the_lowest_rank_that_ended(
+        sshd, third, tmp_path):
+    """Rank 0 is killed in the last round and held down past the end: rank 1, the lowest
+    rank that ended the run, writes the final model and summary on its host, and the
+    launcher brings them to the run's folder on the master, goodput added."""
+    import json
+    import subprocess
+
+    out = tmp_path / "net"
+    hosts_file = tmp_path / "hosts.json"
+    hosts_file.write_text(json.dumps(hosts(sshd)))
+    command = [sys.executable, "cli_typer.py", "distributed-train", "digits-diloco",
+               "--hosts", str(hosts_file), "--min-nodes", "2", "--lost-after", "3",
+               "--inject", "kill:127.0.0.1@step=700+600s", "--known-hosts",
+               str(sshd.known_hosts), "--ssh-config", str(sshd.ssh_config),
+               "--run-dir", str(tmp_path / "launch")]
+    for pair in ["max_steps=900", "H=300", "val_interval=900", "val_size=256",
+                 "num_threads=1", "checkpoint_interval=None", f"output_dir={out}"]:
+        command += ["--set", pair]
+    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "CI": "true"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 900 and "goodput" in summary, sorted(summary)
+    assert [m["ranks"] for m in summary["membership"]] == [[0, 1, 2]]  # decided at 601
+    model = load_file(out / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in model.values())
+    rank1 = (tmp_path / "launch" / "rank1.log").read_text()
+    assert '"writer":1' in rank1.replace(" ", ""), rank1[-2000:]
+
+
+@pytest.mark.parametrize("master_local", [True, False], ids=["master-here", "master-away"])
+def test_outputs_written_on_another_host_come_to_the_master_s_folder_or_are_named(
+        tmp_path, master_local):
+    """gather_outputs on hosts that do not share a disk: the writer's files are copied into
+    the master's run folder (the launcher on the master), or into the launcher's log folder
+    with a note saying where they are."""
+    from types import SimpleNamespace
+
+    from distributed.app.run import gather_outputs
+    from distributed.hosts.hostsfile import load_hosts
+
+    config = load_hosts({"master": "10.0.0.1", "workers": ["10.0.0.2", "10.0.0.3"],
+                         "project_path": "/p", "python_env": "/p/.venv/bin/python"})
+    disks = {h: tmp_path / f"disk{h}" for h in range(3)}
+    folder = Path("runs") / "r1"
+    (disks[2] / folder).mkdir(parents=True)
+    (disks[2] / folder / "model.safetensors").write_bytes(b"model of rank 2")
+    (disks[2] / folder / "summary.json").write_text('{"steps": 9}')
+    fetched = []
+
+    def fetch(host, path, local):
+        fetched.append((host, Path(path)))
+        local = Path(local)
+        local.write_bytes((disks[host] / path).read_bytes())
+        return local
+
+    where_out = disks[0] / folder
+    where_out.mkdir(parents=True)
+    launch = tmp_path / "launch"
+    launch.mkdir()
+    launcher = SimpleNamespace(writer=2, master_local=master_local, run_dir=launch,
+                               session=SimpleNamespace(fetch=fetch))
+    placement = SimpleNamespace(folder=folder)
+    note = gather_outputs(launcher, config, placement, where_out)
+    into = where_out if master_local else launch
+    assert fetched == [(2, folder / "model.safetensors"), (2, folder / "summary.json")]
+    assert (into / "model.safetensors").read_bytes() == b"model of rank 2"
+    assert (into / "summary.json").read_text() == '{"steps": 9}'
+    if master_local:
+        assert note is None
+    else:
+        assert note.startswith("rank 2 on 10.0.0.3 wrote the final model and summary")
+        assert str(launch) in note and "10.0.0.1" in note
+    # Rank 0 wrote them, or a rank on the master's host did: nothing is copied.
+    fetched.clear()
+    assert gather_outputs(SimpleNamespace(**{**vars(launcher), "writer": None}), config,
+                          placement, where_out) is None
+    assert fetched == []
+
+
 def test_min_nodes_takes_a_master_at_another_address_of_this_machine(sshd, third, tmp_path):
     """Master 127.0.0.2, reached over SSH like the worker: the launcher runs on the same
     machine, so it can host the run's store on the master's address."""

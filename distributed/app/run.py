@@ -964,6 +964,34 @@ def record_in_summary(launcher: Launcher, config: HostsConfig, placement: RunPla
     return None
 
 
+def gather_outputs(launcher: Launcher, config: HostsConfig, placement: RunPlacement,
+                   where_out: Path) -> str | None:
+    """Bring the final model and summary to the run's folder on the master when another
+    host wrote them (rank 0 was away at the end of a ``min_nodes`` run: the lowest rank
+    that ended it wrote them on its own host). Returns a note for the person when they
+    are elsewhere than that folder."""
+    writer = launcher.writer
+    if writer is None:
+        return None
+    host = config.host_of(writer)
+    if host.rank == config.host_of(0).rank:
+        return None
+    names = (FINAL_MODEL, "summary.json")
+    into = where_out if launcher.master_local else launcher.run_dir
+    try:
+        for name in names:  # each written atomically: never half a model in the folder
+            launcher.session.fetch(host.rank, placement.folder / name, into / name)
+    except Exception as exc:  # noqa: BLE001 - the files are still on the writer's host
+        return (f"rank {writer} wrote the final model and summary in {placement.folder} on "
+                f"{host.host} (rank 0 was away at the end); copying them here failed "
+                f"({exc}): they are still there")
+    if launcher.master_local:
+        return None
+    return (f"rank {writer} on {host.host} wrote the final model and summary (rank 0 was "
+            f"away at the end): they are in {into} on this machine, not in "
+            f"{placement.folder} on {config.master.host}")
+
+
 def hosts_goodput(meter: GoodputMeter, launcher: Launcher) -> dict[str, Any]:
     """``summary['goodput']`` of a run across hosts, from the events the launcher received
     (:mod:`exogym.report.goodput`): in full when hosts came and went or faults were
@@ -1011,11 +1039,12 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
         started = time.monotonic()
         result = None
         error: BaseException | None = None
-        fault_note = None
+        fault_note = outputs_note = None
         recorded: dict[str, Any] = {}
         try:
             result = launcher.run()
             if result.ok:
+                outputs_note = gather_outputs(launcher, config, placement, where_out)
                 recorded["goodput"] = hosts_goodput(meter, launcher)
                 if launcher.injector is not None:
                     recorded["faults"] = launcher.fault_records
@@ -1044,8 +1073,9 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
     if launcher.injector is not None:
         summary["faults"] = launcher.fault_records
     summary["goodput"] = recorded.get("goodput")
-    if fault_note:
-        console.print(f"note: {fault_note}", markup=False, highlight=False, soft_wrap=True)
+    for note in (outputs_note, fault_note):
+        if note:
+            console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     dashboard.finish(summary)
     print_goodput(console, summary["goodput"])
     return TrainOutcome("hosts", profile, summary, out,

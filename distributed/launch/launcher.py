@@ -193,6 +193,9 @@ class Launcher:
         #: Every change of membership of the last attempt (``min_nodes``), as summary.json
         #: records it: ``{"step", "ranks", "hosts", "reason"}``.
         self.membership: list[dict[str, Any]] = []
+        #: The rank that wrote the final model and summary of a run whose ranks come and
+        #: go: the lowest that ended it (None: rank 0, as in any other run).
+        self.writer: int | None = None
 
         project_root = session.project_root
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -441,6 +444,9 @@ class Launcher:
                 self._say(low, style="bold red")
             if injector is not None:
                 injector.on_event(event)
+            if event.get("event") == "final_membership" and event.get("writer") is not None \
+                    and event.get("rank") in event.get("present", ()):
+                self.writer = int(event["writer"])
             self._deliver(self._on_event, event)
 
         context = RankRunContext(

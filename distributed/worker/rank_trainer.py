@@ -59,7 +59,8 @@ class RankTrainer(Trainer):
         super().__init__(model, train_dataset, val_dataset, **trainer_kwargs)
         self.environment = environment
         #: Whether this rank writes the run's final model and summary: rank 0, or where
-        #: ranks come and go (``min_nodes``), the lowest rank present at the end.
+        #: ranks come and go (``min_nodes``), the lowest rank that ended the run with the
+        #: final model.
         self.writes_outputs = environment.rank == 0
         #: Every change of membership (``min_nodes`` runs): ``{"step", "ranks", "hosts", "reason"}``.
         self.membership: list[dict[str, Any]] | None = None
@@ -125,16 +126,17 @@ class RankTrainer(Trainer):
         def emit(event: dict[str, Any]) -> None:
             print(encode_event(event), flush=True)
             if event.get("event") == "final_membership":
-                # Ranks came and went: the lowest one present at the end writes the outputs.
+                # Ranks came and went: the lowest one that ended the run with the final
+                # model writes the outputs.
                 self.membership = event["changes"]
                 present = event["present"]
-                self.writes_outputs = present[:1] == [env.rank]
+                self.writes_outputs = event.get("writer") == env.rank
                 if env.rank not in present:
                     self.summary_title = f"rank {env.rank}'s own steps (not the run's)"
                     print(f"rank {env.rank}: the run ended while this rank was away (it was "
                           f"dropped and not yet back); ranks {', '.join(map(str, present))} "
-                          f"finished it, and rank {present[0]} wrote the final model and "
-                          "summary", file=sys.stderr, flush=True)
+                          f"finished it, and rank {event.get('writer')} wrote the final model "
+                          "and summary", file=sys.stderr, flush=True)
             on_event(event)
 
         elastic = env.min_nodes is not None

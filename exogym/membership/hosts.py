@@ -494,9 +494,29 @@ class ElasticMembership:
         """Stop the run for every rank (the launcher watches for it)."""
         self.store.compare_set(key("stop"), "", reason)
 
-    def finish(self) -> None:
-        """Say the run has ended (a rank still waiting to rejoin then stops waiting)."""
-        self.store.set(key("finished"), "1")
+    def finish(self, ranks: Sequence[int] | None = None) -> list[int] | None:
+        """Say the run has ended (a rank still waiting to rejoin then stops waiting).
+
+        Args:
+            ranks: the ranks that met this rank at the run's last collective, and so
+                hold the final model (None: this rank was away at the end).
+
+        Returns:
+            The ranks that ended the run with the final model, as the first of them to
+            finish recorded it (None where none has); the lowest writes the outputs.
+        """
+        finished = key("finished")
+        if ranks is not None:
+            # Every rank that ended the run met the same last collective: one list.
+            self.store.compare_set(finished, "", json.dumps(sorted(ranks)))
+        raw = self.store.get_if_set(finished)
+        if not raw:
+            return None
+        try:
+            found = json.loads(raw)
+        except ValueError:
+            return None
+        return sorted(int(r) for r in found) if isinstance(found, list) else None
 
     def changes(self, max_steps: int | None = None) -> list[dict[str, Any]]:
         """Every decided change of membership: ``{"step", "ranks", "hosts", "reason"}``."""

@@ -103,8 +103,9 @@ class RunMembership(Protocol):
     def stop(self, reason: str) -> None:
         """Stop the run for every rank."""
 
-    def finish(self) -> None:
-        """The run has ended for this rank."""
+    def finish(self, ranks: Sequence[int] | None = None) -> list[int] | None:
+        """The run has ended for this rank; ``ranks``: those that ended it with the final
+        model (None: this rank did not). Returns the ranks that ended it, where known."""
 
 
 def parse_rank_failures(value: Any, num_nodes: int) -> list[Failure]:
@@ -279,8 +280,10 @@ class Membership:
     def stop(self, reason: str) -> None:
         """Nothing to tell: a simulated run stops with the error that stopped it."""
 
-    def finish(self) -> None:
-        """Nothing to tell: every rank of a simulation ends with the run."""
+    def finish(self, ranks: Sequence[int] | None = None) -> list[int] | None:
+        """Nothing to tell: every rank of a simulation ends with the run, and its
+        ``rank_failures`` say who is present at the end."""
+        return None
 
 
 def _ranks_phrase(ranks: list[int], verb: str) -> str:

@@ -398,9 +398,15 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
                     state = average_state_across_ranks(state)
                 comm.side_barrier()  # nobody leaves while a peer still needs it
             if membership is not None:
-                membership.finish()
-                present = sorted(membership.present(node.max_steps))
+                # The ranks that met this one at the last collective hold the final model;
+                # the lowest of them writes the outputs. The round's decided members may
+                # include a rank killed in its last steps, or one that came back too late
+                # to train: neither holds it.
+                finished = membership.finish(None if node.departed else comm.present_ranks())
+                present = finished if finished is not None else \
+                    sorted(membership.present(node.max_steps))
                 emit({"event": "final_membership", "rank": rank, "present": present,
+                      "writer": present[0] if present else None,
                       "changes": membership.changes(node.max_steps)})
         except MembershipStop as exc:
             raise LostRankError(exc.lost, f"rank {rank}: {exc}") from exc
