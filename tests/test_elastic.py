@@ -679,6 +679,52 @@ def test_a_group_with_a_member_declared_lost_forms_among_the_others_without_wait
         assert torch.equal(t, torch.full((4,), 3.0)) and members == [0, 1]
 
 
+def test_a_member_lost_while_the_others_form_its_group_does_not_hold_them_the_form_timeout(
+        store):
+    """A member killed while the others are forming its group (after they began, before it
+    came): once it is declared lost they form among themselves, within seconds, not after
+    the 30 s form timeout."""
+    port = store.port
+    ws = [ElasticGroups(3, r, lambda t: comm.open_store("127.0.0.1", port, timeout_s=t), 60.0,
+                        form_timeout_s=30.0) for r in range(3)]
+
+    def body(world, rank):
+        if rank == 2:
+            return "dead"
+        started = time.monotonic()
+        world.enter_step(1, [0, 1, 2], epoch=1)
+        t = torch.full((4,), float(rank + 1))
+        world.all_reduce(t)
+        return time.monotonic() - started, t, world.group_ranks()
+
+    threads, out = run_ranks(ws, body)
+    time.sleep(1.5)  # ranks 0 and 1 are forming the group by now
+    assert all(t.is_alive() for t in threads[:2])
+    declare_lost(store, 2, "killed by SIGKILL")
+    for t in threads:
+        t.join(60)
+    for rank in (0, 1):
+        assert not isinstance(out[rank], BaseException), out[rank]
+        waited, t, members = out[rank]
+        assert waited < 8, waited  # 1.5 s before the loss; the form timeout is 30 s
+        assert torch.equal(t, torch.full((4,), 3.0)) and members == [0, 1]
+
+
+def test_a_pair_link_whose_source_is_lost_while_it_forms_fails_without_the_form_timeout(store):
+    port = store.port
+    ws = [ElasticGroups(3, r, lambda t: comm.open_store("127.0.0.1", port, timeout_s=t), 60.0,
+                        form_timeout_s=30.0) for r in range(3)]
+    link = ws[2].pair_link("late", 0, 2, {0: 0, 2: 0})
+    threads, out = run_ranks([ws[2]], lambda world, rank: link.broadcast(torch.zeros(8), 0,
+                                                                          [0, 2]))
+    started = time.monotonic()
+    time.sleep(1.0)
+    declare_lost(store, 0, "killed")
+    threads[0].join(40)
+    assert isinstance(out[0], comm.PeerLost), out[0]
+    assert time.monotonic() - started < 6
+
+
 def test_a_pair_link_fails_on_the_joiner_once_its_source_is_declared_lost(store):
     port = store.port
     ws = [ElasticGroups(3, r, lambda t: comm.open_store("127.0.0.1", port, timeout_s=t), 20.0,

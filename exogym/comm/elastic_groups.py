@@ -302,11 +302,16 @@ class ElasticGroups(Collectives):
         raise RuntimeError(f"rank {self._rank}: could not form a group after {MAX_ATTEMPTS} "
                            f"attempts (last: ranks {list(members)})")
 
-    def _build(self, name: str, members: tuple[int, ...]) -> tuple[Any, bool]:
+    def _build(self, name: str, members: tuple[int, ...],
+               is_lost: Callable[[int], bool] | None = None) -> tuple[Any, bool]:
         """A gloo group of ``members`` under the store prefix ``name`` (None alone), and
-        whether it formed within ``form_timeout_s``."""
+        whether it formed within ``form_timeout_s``: False at once when a member is
+        declared lost (``is_lost``; default: since the round admitted it) before every
+        member arrived."""
         if len(members) == 1:
             return None, True
+        if not self._arrive(name, members, is_lost or self.lost_since_admitted):
+            return None, False
         self.waiting_for = f"forming group {name} of {', '.join(map(self._host, members))}"
         client = self._open_store(self.form_timeout_s)
         try:
@@ -322,6 +327,42 @@ class ElasticGroups(Collectives):
         # outlive it.
         self._group_stores.append(client)
         return pg, True
+
+    def _arrive(self, name: str, members: tuple[int, ...],
+                is_lost: Callable[[int], bool]) -> bool:
+        """Wait until every member of group ``name`` has come to form it: True, or False
+        once one is declared lost (its arrival sealed, so every member reads the same),
+        after ``form_timeout_s``, or when this rank's own arrival was sealed.
+
+        gloo's rendezvous cannot be interrupted: a member killed while the others wait
+        in it would hold them the whole form timeout. Here they wait in the store,
+        looking for losses every :data:`LOSS_CHECK_S`, and enter gloo only together.
+        """
+        store = self.store
+        base = key("arrive", name)
+        if store.compare_set(f"{base}/{self._rank}", "", _OK) != _OK:
+            return False  # declared lost while it came: the vote drops it
+        slots = {m: f"{base}/{m}" for m in members if m != self._rank}
+        start = time.monotonic()
+        deadline = start + self.form_timeout_s
+        next_check = start + LOSS_CHECK_S
+        delay = 0.0002
+        self.waiting_for = f"the members of group {name} ({', '.join(map(self._host, members))})"
+        try:
+            while not store.check(list(slots.values())):
+                now = time.monotonic()
+                if now >= next_check:
+                    for peer, slot in slots.items():
+                        if not store.check([slot]) and is_lost(peer):
+                            store.compare_set(slot, "", TOMBSTONE)
+                    next_check = now + LOSS_CHECK_S
+                if now > deadline:
+                    return False
+                time.sleep(delay)
+                delay = min(delay * 2, 0.002 if now - start < QUICK_POLL_S else 0.02)
+        finally:
+            self.waiting_for = None
+        return all(v == _OK for v in store.multi_get(list(slots.values())))
 
     # -- waiting and voting --------------------------------------------------------------
 
@@ -710,7 +751,8 @@ class PairLink:
             if lost:
                 self.failed = True
                 raise PeerLost(f"rank {lost[0]} was lost before the hand-over on {self.name}")
-            self.pg, ok = groups._build(key("pair", self.name), self.ranks)
+            self.pg, ok = groups._build(key("pair", self.name), self.ranks,
+                                        is_lost=lambda r: r in self._lost())
             if not ok:
                 self.failed = True
                 raise PeerLost(f"the link {self.name} of ranks {list(self.ranks)} did not form "
