@@ -73,6 +73,7 @@ from ..hosts.remote import BOOTSTRAP_SOURCE, hand_command, rank_command
 from ..hosts.session import HostSession, can_listen_on, is_this_machine
 from ..hosts.ssh import SSHOptions, ssh_command_line
 from ..hosts.sync import WORK_ROOT, is_checkout
+from ..profiles.run_dir import utc_now
 from ..worker.environment import RankEnvironment
 from .elastic_attempt import ElasticAttempt
 from .faults import FaultPlan
@@ -194,8 +195,10 @@ class Launcher:
         #: records it: ``{"step", "ranks", "hosts", "reason"}``.
         self.membership: list[dict[str, Any]] = []
         #: The rank that wrote the final model and summary of a run whose ranks come and
-        #: go: the lowest that ended it (None: rank 0, as in any other run).
+        #: go: one that ended it (None: rank 0, as in any other run).
         self.writer: int | None = None
+        # The run's start time, the same for every rank and every start of one (run()).
+        self._started: str | None = None
 
         project_root = session.project_root
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -305,6 +308,10 @@ class Launcher:
                     min_nodes=self.options.min_nodes, lost_after=self.options.lost_after,
                 ).variables(extra=self.env)
                 argv = self.program.argv(host, restart)
+                if self.program.profile_mode and "--run-started" not in argv:
+                    # One identity for the run: a rank started again (min_nodes) joins the
+                    # run its folder holds instead of taking it for an earlier one.
+                    argv += ["--run-started", self._started or utc_now()]
                 local = self.session.is_local(host.rank)
                 by_hand = hand_command(host.project_path, host.python_env, env, argv)
                 if not local:
@@ -381,6 +388,7 @@ class Launcher:
         if self.injector is not None and not self.injector.checked:
             self.injector.check()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._started = utc_now()
         attempts: list[AttemptResult] = []
         self._interrupted = None
         max_restarts = self.options.max_restarts
