@@ -312,3 +312,36 @@ def test_a_contribution_weighs_its_steps_or_counts_alike(monkeypatch, weighting,
     monkeypatch.setattr(async_diloco.comm, "side_all_reduce", lambda tensor, op=None: None)
     strategy._merge([0, 1], final=False)
     torch.testing.assert_close(sent["mine"], torch.full((1, 2), share))
+
+
+def test_the_launcher_s_merge_log_takes_each_merge_from_whichever_rank_reported_it():
+    """Across hosts each merge comes in the step event of the lowest rank present at it:
+    rank 0's events have some, rank 1's the others (rank 0 away). The launcher's log of
+    every rank's events gives them all, in order, with each rank's last version."""
+    from exogym.report.summary import MergeLog
+
+    def merge(step, version, contributors, steps, **extra):
+        return {"version": version, "step": step, "contributors": contributors,
+                "steps": steps, "tokens": steps * 4, "staleness": [0] * len(contributors),
+                "dropped": [], "dropped_steps": 0, "dropped_tokens": 0, **extra}
+
+    events = [
+        {"event": "step", "rank": 0, "step": 4, "version": 0, "merge": merge(4, 1, [0, 1], 8)},
+        {"event": "step", "rank": 1, "step": 4, "version": 0},
+        {"event": "system", "rank": 1},
+        {"event": "step", "rank": 1, "step": 8, "version": 1,
+         "merge": merge(8, 2, [1], 4, left=[{"rank": 0, "step": 8, "steps": 3, "tokens": 12}])},
+        {"event": "step", "rank": 0, "step": 12, "version": 2,
+         "merge": merge(12, 3, [0, 1], 8, final=True)},
+        {"event": "step", "rank": 1, "step": 12, "version": 2},
+    ]
+    log = MergeLog()
+    for event in events:
+        log.on_event(event)
+    merges = log.merges()
+    assert [m["step"] for m in merges["rounds"]] == [4, 8, 12]
+    assert merges["versions"] == 3 and merges["merged"] == 5 and merges["steps"] == 20
+    assert merges["dropped"] == 1 and merges["dropped_steps"] == 3
+    assert merges["ranks"] == [{"rank": 0, "version": 2, "contributed": 2},
+                               {"rank": 1, "version": 2, "contributed": 3}]
+    assert MergeLog().merges() is None

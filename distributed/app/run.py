@@ -43,7 +43,7 @@ from exogym.base.terminal import output_console
 from exogym.config.fit_args import BALANCE_MODES
 from exogym.report.goodput import GoodputMeter, goodput_summary
 from exogym.report.loggers import LOGGER_NAMES
-from exogym.report.summary import print_goodput
+from exogym.report.summary import MergeLog, print_goodput
 from exogym.report.trace import TRACE_FILE, TraceWriter
 
 from ..hosts.hostsfile import HostsConfig, load_hosts
@@ -967,9 +967,9 @@ def record_in_summary(launcher: Launcher, config: HostsConfig, placement: RunPla
 def gather_outputs(launcher: Launcher, config: HostsConfig, placement: RunPlacement,
                    where_out: Path) -> str | None:
     """Bring the final model and summary to the run's folder on the master when another
-    host wrote them (rank 0 was away at the end of a ``min_nodes`` run: the lowest rank
-    that ended it wrote them on its own host). Returns a note for the person when they
-    are elsewhere than that folder."""
+    host wrote them (rank 0 was away at the end of a ``min_nodes`` run, or was started
+    again: a rank that ended it wrote them on its own host). Returns a note for the
+    person when they are elsewhere than that folder."""
     writer = launcher.writer
     if writer is None:
         return None
@@ -983,12 +983,12 @@ def gather_outputs(launcher: Launcher, config: HostsConfig, placement: RunPlacem
             launcher.session.fetch(host.rank, placement.folder / name, into / name)
     except Exception as exc:  # noqa: BLE001 - the files are still on the writer's host
         return (f"rank {writer} wrote the final model and summary in {placement.folder} on "
-                f"{host.host} (rank 0 was away at the end); copying them here failed "
+                f"{host.host}; copying them here failed "
                 f"({exc}): they are still there")
     if launcher.master_local:
         return None
-    return (f"rank {writer} on {host.host} wrote the final model and summary (rank 0 was "
-            f"away at the end): they are in {into} on this machine, not in "
+    return (f"rank {writer} on {host.host} wrote the final model and summary: they are "
+            f"in {into} on this machine, not in "
             f"{placement.folder} on {config.master.host}")
 
 
@@ -1008,10 +1008,11 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
     rank_hosts = [h.host for h in config.rank_hosts]
     tracer = TraceWriter()  # every rank's events arrive here: the trace is written here
     meter = GoodputMeter(config.world_size)  # and goodput is measured from them here
+    merge_log = MergeLog()  # and an asynchronous run's merges, whichever rank reported them
     dashboard = FanOut(Dashboard(config.world_size, rank_hosts,
                                  title=f"{profile.name}: {plural(config.world_size, 'rank')} on "
                                        f"{plural(len(config.hosts), 'host')}",
-                                 console=console, live=live), web, tracer, meter)
+                                 console=console, live=live), web, tracer, meter, merge_log)
     if web is not None:
         web.begin_run(profile.name, profile.values, config.world_size, rank_hosts)
     with make_launcher(request, config, console=console, dashboard=dashboard) as launcher:
@@ -1046,6 +1047,9 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
             if result.ok:
                 outputs_note = gather_outputs(launcher, config, placement, where_out)
                 recorded["goodput"] = hosts_goodput(meter, launcher)
+                merges = merge_log.merges()
+                if merges is not None:  # every rank's (the writer's history has its own)
+                    recorded["merges"] = merges
                 if launcher.injector is not None:
                     recorded["faults"] = launcher.fault_records
                 fault_note = record_in_summary(launcher, config, placement, recorded)

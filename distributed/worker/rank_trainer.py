@@ -59,8 +59,8 @@ class RankTrainer(Trainer):
         super().__init__(model, train_dataset, val_dataset, **trainer_kwargs)
         self.environment = environment
         #: Whether this rank writes the run's final model and summary: rank 0, or where
-        #: ranks come and go (``min_nodes``), the lowest rank that ended the run with the
-        #: final model.
+        #: ranks come and go (``min_nodes``), one of those that ended the run with the
+        #: final model (the lowest never lost, if any: ``ElasticMembership.finish``).
         self.writes_outputs = environment.rank == 0
         #: Every change of membership (``min_nodes`` runs): ``{"step", "ranks", "hosts", "reason"}``.
         self.membership: list[dict[str, Any]] | None = None
@@ -126,8 +126,8 @@ class RankTrainer(Trainer):
         def emit(event: dict[str, Any]) -> None:
             print(encode_event(event), flush=True)
             if event.get("event") == "final_membership":
-                # Ranks came and went: the lowest one that ended the run with the final
-                # model writes the outputs.
+                # Ranks came and went: one that ended the run with the final model
+                # writes the outputs.
                 self.membership = event["changes"]
                 present = event["present"]
                 self.writes_outputs = event.get("writer") == env.rank

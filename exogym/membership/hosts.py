@@ -494,7 +494,7 @@ class ElasticMembership:
         """Stop the run for every rank (the launcher watches for it)."""
         self.store.compare_set(key("stop"), "", reason)
 
-    def finish(self, ranks: Sequence[int] | None = None) -> list[int] | None:
+    def finish(self, ranks: Sequence[int] | None = None) -> tuple[list[int], int] | None:
         """Say the run has ended (a rank still waiting to rejoin then stops waiting).
 
         Args:
@@ -502,21 +502,27 @@ class ElasticMembership:
                 hold the final model (None: this rank was away at the end).
 
         Returns:
-            The ranks that ended the run with the final model, as the first of them to
-            finish recorded it (None where none has); the lowest writes the outputs.
+            The ranks that ended the run with the final model and the one of them that
+            writes the outputs, as the first of them to finish recorded it (None where
+            none has). The writer is the lowest of those never lost, else of those lost
+            the fewest times: a rank started again holds the history of its own steps
+            only, and the summary it writes would lack the merges before.
         """
         finished = key("finished")
         if ranks is not None:
-            # Every rank that ended the run met the same last collective: one list.
-            self.store.compare_set(finished, "", json.dumps(sorted(ranks)))
+            # Every rank that ended the run met the same last collective: one record.
+            ranks = sorted(int(r) for r in ranks)
+            writer = min(ranks, key=lambda r: (loss_generation(self.store, r), r))
+            self.store.compare_set(finished, "",
+                                   json.dumps({"ranks": ranks, "writer": writer}))
         raw = self.store.get_if_set(finished)
-        if not raw:
-            return None
         try:
-            found = json.loads(raw)
+            found = json.loads(raw) if raw else None
         except ValueError:
             return None
-        return sorted(int(r) for r in found) if isinstance(found, list) else None
+        if not isinstance(found, dict):
+            return None
+        return sorted(int(r) for r in found["ranks"]), int(found["writer"])
 
     def changes(self, max_steps: int | None = None) -> list[dict[str, Any]]:
         """Every decided change of membership: ``{"step", "ranks", "hosts", "reason"}``."""

@@ -103,9 +103,10 @@ class RunMembership(Protocol):
     def stop(self, reason: str) -> None:
         """Stop the run for every rank."""
 
-    def finish(self, ranks: Sequence[int] | None = None) -> list[int] | None:
+    def finish(self, ranks: Sequence[int] | None = None) -> tuple[list[int], int] | None:
         """The run has ended for this rank; ``ranks``: those that ended it with the final
-        model (None: this rank did not). Returns the ranks that ended it, where known."""
+        model (None: this rank did not). Returns the ranks that ended it and the one that
+        writes the outputs, where known."""
 
 
 def parse_rank_failures(value: Any, num_nodes: int) -> list[Failure]:
@@ -280,7 +281,7 @@ class Membership:
     def stop(self, reason: str) -> None:
         """Nothing to tell: a simulated run stops with the error that stopped it."""
 
-    def finish(self, ranks: Sequence[int] | None = None) -> list[int] | None:
+    def finish(self, ranks: Sequence[int] | None = None) -> tuple[list[int], int] | None:
         """Nothing to tell: every rank of a simulation ends with the run, and its
         ``rank_failures`` say who is present at the end."""
         return None

@@ -167,6 +167,32 @@ def merges_summary(history: list[dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
+class MergeLog:
+    """The merges of an asynchronous run across hosts, gathered from every rank's step
+    events as the launcher receives them: ``summary['merges']``
+    (:func:`merges_summary`) in full, where the rank that writes ``summary.json`` holds
+    only its own history. Each merge comes in the step event of the lowest rank present
+    at it, so a run whose ranks came and went has merges in several ranks' histories."""
+
+    def __init__(self) -> None:
+        self._merges: list[dict[str, Any]] = []
+        self._last: dict[int, dict[str, Any]] = {}
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """Take one metric event (only step events count)."""
+        if event.get("event") != "step":
+            return
+        if event.get("merge"):
+            self._merges.append({"merge": event["merge"]})
+        if "version" in event:
+            self._last[int(event["rank"])] = {"rank": int(event["rank"]),
+                                              "version": event["version"]}
+
+    def merges(self) -> dict[str, Any] | None:
+        """``summary['merges']`` from every rank's events (None: no merge was reported)."""
+        return merges_summary([*self._merges, *self._last.values()])
+
+
 def balance_table(balance: dict[str, Any]) -> Table:
     """Each rank's final share under ``balance`` (``summary['balance']``)."""
     key = "batch_size" if balance["mode"] == "batch" else "inner_steps"

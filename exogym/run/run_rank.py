@@ -399,15 +399,17 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
                 comm.side_barrier()  # nobody leaves while a peer still needs it
             if membership is not None:
                 # The ranks that met this one at the last collective hold the final model;
-                # the lowest of them writes the outputs. The round's decided members may
-                # include a rank killed in its last steps, or one that came back too late
-                # to train: neither holds it.
+                # one of them writes the outputs (ElasticMembership.finish). The round's
+                # decided members may include a rank killed in its last steps, or one
+                # that came back too late to train: neither holds it.
                 finished = membership.finish(None if node.departed else comm.present_ranks())
-                present = finished if finished is not None else \
-                    sorted(membership.present(node.max_steps))
+                if finished is not None:
+                    present, writer = finished
+                else:
+                    present = sorted(membership.present(node.max_steps))
+                    writer = present[0] if present else None
                 emit({"event": "final_membership", "rank": rank, "present": present,
-                      "writer": present[0] if present else None,
-                      "changes": membership.changes(node.max_steps)})
+                      "writer": writer, "changes": membership.changes(node.max_steps)})
         except MembershipStop as exc:
             raise LostRankError(exc.lost, f"rank {rank}: {exc}") from exc
         except PeerLost as exc:
