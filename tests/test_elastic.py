@@ -807,7 +807,8 @@ def test_an_async_diloco_joiner_replays_the_merges_it_missed_and_meets_the_membe
     joiner = AsyncDiLoCoStrategy(H=3, lr=0.01, quorum=1)
     joiner.setup(RankContext.alone(joiner_model, rank=1, num_nodes=2, samples_per_step=4,
                                    max_steps=100))
-    assert member.catches_up_at_entry
+    assert member.joins_mid_round and member.catches_up_at_entry
+    assert not AsyncDiLoCoStrategy(H=3, merge_delay=1).joins_mid_round
 
     def train(strategy, net, steps):
         for _ in range(steps):
@@ -848,18 +849,28 @@ def test_an_async_diloco_joiner_replays_the_merges_it_missed_and_meets_the_membe
     joiner.train_alone(True)
     train(joiner, joiner_model, 4)
     assert joiner.version == 3 and joiner.workers[1].steps == 4 and joiner.kept is None
-    train(member, model, 2)
+    member.keep_round_updates(False)
+    train(member, model, 4)  # a merge at step 12: the joiner, alone, knows nothing of it
+    assert member.version == 4 and joiner.version == 3
+    own = [p.detach().clone() for p in joiner_model.parameters()]
     joiner.train_alone(False)
-    later = [u for u in member.round_updates(member.local_step) if u["step"] > 9]
-    for update in later:
-        joiner.apply_round_update(update)
-    for strategy in (member, joiner):
-        strategy.admit_late({1: {"at": 10, "note": note}}, 14)
+    # At the round's last step the members admit it, and in their group it takes what
+    # every rank holds alike from one of them: the global model, its optimizer and the
+    # bookkeeping; its own round stays its own.
+    join = {1: {"at": 10, "note": note}}
+    member.admit_late(join, 14)
+    joiner.take_entry_state(member.entry_state())
+    joiner.admit_late(join, 14)
+    assert joiner.version == member.version == 4
+    for m_a, m_b in zip(member.master, joiner.master):
+        assert torch.equal(m_a, m_b)
+        assert torch.equal(member.outer_optim.state[m_a]["momentum_buffer"],
+                           joiner.outer_optim.state[m_b]["momentum_buffer"])
+    assert all(torch.equal(a, b) for a, b in zip(own, joiner_model.parameters()))
     assert {r: asdict(w) for r, w in member.workers.items()} == \
         {r: asdict(w) for r, w in joiner.workers.items()}
     assert asdict(member.workers[1]) == {"steps": 4, "base_version": 3, "credit": 0.0,
                                         "ready": True, "trains": False}
-    member.keep_round_updates(False)
     assert member.round_updates(member.local_step) == []
 
 

@@ -188,8 +188,9 @@ def test_three_hosts_with_min_nodes_lose_a_host_and_take_it_back_at_23m(sshd, th
             assert trained <= merged, (rank, trained, merged, last)
 
 
-@pytest.mark.parametrize("h,strategy", [(60, []), (2, [])],
-                         ids=["long-rounds", "rounds-shorter-than-the-transfer"])
+@pytest.mark.parametrize("h,strategy", [(60, []), (2, []),
+                                        (60, ["strategy=async_diloco", "quorum=2"])],
+                         ids=["long-rounds", "rounds-shorter-than-the-transfer", "async-diloco"])
 def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_train_at_23m(
         sshd, third, tmp_path, h, strategy):
     """DiLoCo's state can be handed over while training goes on: a host that comes back in
@@ -198,7 +199,11 @@ def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_trai
 
     With H=60 a round lasts some 30 s here, time for the host to start its rank again
     within it. With H=2 rounds end while the state travels: the joiner brings its copy
-    up to date with the rounds' updates, and still ends with the others' model."""
+    up to date with the rounds' updates, and still ends with the others' model.
+
+    AsyncDiLoCo's members merge at any step: the joiner starts a round of its own from
+    the global model, trains it alone, and at the round's last step takes the members'
+    global state and enters their merges with the steps it trained."""
     out = tmp_path / "net"
     events = Events()
     steps = 3 * h if h > 2 else 60
@@ -258,6 +263,84 @@ def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_trai
     final = load_file(out / "model.safetensors")
     assert all(torch.isfinite(t).all() for t in final.values())
     assert max(t.numel() * t.element_size() for t in final.values()) >= 16 * 2**20
+    if strategy:
+        _check_the_joiner_merged(events, rejoined["step"], h)
+
+
+def _check_the_joiner_merged(events: Events, joined_at: int, h: int) -> list[dict]:
+    """An AsyncDiLoCo joiner's steps reached the final model: after the round it joined
+    ended, a merge took its round (begun at the step it joined, merged with every step it
+    trained), and the last merge, at the end, dropped nothing. The merges from there, from
+    every rank's events, as the launcher's summary.json has them (a rank that comes and
+    goes reports some merges, rank 0 others)."""
+    from exogym.report.summary import MergeLog
+
+    log = MergeLog()
+    for _, event in events.items:
+        log.on_event(event)
+    merges = log.merges()["rounds"]
+    meets_at = (joined_at - 1) // h * h + h
+    later = [m for m in merges if m["step"] >= meets_at]
+    print(f"merges from step {meets_at}: "
+          f"{[(m['step'], m['contributors'], m['steps']) for m in later]}")
+    assert later and later[-1]["final"] and later[-1]["dropped"] == [], later
+    with_joiner = [m for m in later if 2 in m["contributors"]]
+    assert with_joiner and (with_joiner[0]["step"] > meets_at or with_joiner[0]["final"]), later
+    return later
+
+
+def test_an_async_diloco_joiner_meets_the_members_after_the_member_that_gave_it_the_state_died(
+        sshd, third, tmp_path):
+    """AsyncDiLoCo at 23M: rank 2 comes back during a round and takes the state from rank 0;
+    rank 0 is killed while rank 2 trains alone. At the round's last step rank 2 takes the
+    members' global state from rank 1, the lowest member left, and the run goes on and
+    ends with one model (min_nodes=2: without rank 2 the run would stop)."""
+    out = tmp_path / "net"
+    events = Events()
+    h, steps = 60, 180
+    program = RankProgram.from_profile("gpt-diloco", overrides=SMALL_STEPS + [
+        "strategy=async_diloco", "quorum=2", "num_nodes=3", f"H={h}", f"max_steps={steps}",
+        "val_interval=60", f"output_dir={out}"])
+    with launcher(sshd, ["127.0.0.2", THIRD], program, tmp_path, events, min_nodes=2,
+                  probe_interval=1.0) as job:
+        runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
+        runner.start()
+        events.wait(lambda e: e.get("event") == "step" and e["rank"] == 2 and e["step"] >= 45,
+                    300)
+        third.stop()
+        os.kill(worker_pid(2, str(out)), signal.SIGKILL)
+        _, lost = events.wait(lambda e: e.get("event") == "membership"
+                              and e["ranks"] == [0, 1], 300)
+        events.wait(lambda e: e.get("event") == "step" and e["rank"] == 0
+                    and e["step"] >= lost["step"] + 2, 60)
+        third.start()
+        _, rejoined = events.wait(lambda e: e.get("event") == "membership"
+                                  and e["ranks"] == [0, 1, 2] and e["step"] > 1, 150)
+        meets_at = (rejoined["step"] - 1) // h * h + h
+        assert rejoined["step"] < meets_at - 5, (rejoined, meets_at)  # time to kill rank 0
+        source = worker_pid(0, str(out))
+        os.kill(source, signal.SIGKILL)  # the member that handed rank 2 the state
+        killed_at = max(e["step"] for _, e in events.of("step", 0))
+        runner.join(timeout=600)
+    result = job.result
+    assert result.ok, result.describe()
+    print(f"rank 2 rejoined at step {rejoined['step']}, rank 0 killed at step {killed_at}, "
+          f"rank 2 met the members at step {meets_at}")
+    assert killed_at < meets_at
+    taken = [e for _, e in events.of("hand_over", 2)]
+    assert taken[-1]["source"] == 0 and taken[-1]["step"] == rejoined["step"]
+    ranks = [m["ranks"] for _, m in events.of("membership")]
+    assert ranks[:3] == [[0, 1, 2], [0, 1], [0, 1, 2]], ranks
+    # Rank 0, started again, can rejoin only during the last round, as a joiner itself:
+    # the members' state at rank 2's entry came from rank 1.
+    log = (tmp_path / "launch" / "rank2.log").read_text()
+    assert f"step {meets_at}: rank 2 met the members and took their state from rank 1" in log
+    steps2 = [e["step"] for _, e in events.of("step", 2) if e["step"] >= rejoined["step"]]
+    assert steps2[0] == rejoined["step"] and steps2[-1] == steps
+    done = {e["rank"]: e for _, e in events.of("done")}
+    assert {1, 2} <= set(done) and all(d["step"] == steps for d in done.values())
+    assert len({d["model_digest"] for d in done.values()}) == 1, done
+    _check_the_joiner_merged(events, rejoined["step"], h)
 
 
 def test_a_23m_model_through_torchrun_and_over_ssh_equals_the_simulation(sshd, tmp_path):

@@ -16,7 +16,12 @@ step boundary and a thread of its own streams the copy on a link of the two
 then skips to the step after the member's latest, enters itself in the round's
 record of joins (:mod:`exogym.membership.hosts`) and trains; it meets the
 members in the round's closing collective. If the round closes first, it waits
-for the next round as before.
+for the next round as before. A strategy whose members also meet within a round
+(:attr:`~exogym.strategy.strategy.Strategy.catches_up_at_entry`) has its joiner
+train alone until then; where the members and the joiners have formed one group
+at the round's last step, the lowest member in it gives them what every rank
+holds alike, so a joiner needs the member it took the state from only while
+that transfer lasts.
 """
 
 from __future__ import annotations
@@ -64,6 +69,13 @@ class Member(Protocol):
         """Apply updates of rounds that ended after this rank's state was copied
         (``start``: then start training from it, joined under way)."""
 
+    def entry_state(self) -> dict[str, Any]:
+        """What every rank of the round holds alike, for a rank that trained alone since
+        it joined under way and meets the members now."""
+
+    def take_entry_state(self, state: dict[str, Any]) -> None:
+        """Take a member's :meth:`entry_state`."""
+
     def late_join_note(self, state: dict[str, Any],
                        updates: list[dict[str, Any]]) -> dict[str, Any]:
         """What the members learn of this rank, joining under way, when it meets them."""
@@ -93,9 +105,10 @@ class Attendance:
         self.mid_round = False
         #: ... and takes the steps it missed when it meets the members.
         self.catches_up_at_entry = False
-        # A joiner's link to its source, kept open until it meets the members: (link,
-        # source, the step it meets them at).
-        self._entry: tuple[Any, int, int] | None = None
+        # The step a joiner that trains alone meets the members at, and at that step, the
+        # ranks that joined the round under way, still to be given the members' state.
+        self._meets_at: int | None = None
+        self._entering: dict[int, dict[str, Any]] | None = None
         self._requests_seen = 0
         self._requests: list[dict[str, Any]] = []
         self._next_poll = 0.0
@@ -105,7 +118,7 @@ class Attendance:
         """The strategy's state can be handed over while training goes on: across hosts, a
         returning rank joins the round under way instead of waiting for the next one
         (``catches_up_at_entry``: it trains alone until the round's last step, and takes
-        the members' updates of the steps between there)."""
+        the state every rank holds alike from a member there)."""
         membership = self.membership
         if membership is not None and membership.can_admit_mid_round:
             membership.admits_mid_round = True
@@ -133,6 +146,7 @@ class Attendance:
         if self.mid_round:
             membership.max_steps = max_steps
         if not membership.is_present(self.rank, step):
+            self._meets_at = self._entering = None  # whatever it was joining, it is away
             if self.mid_round:
                 back = membership.next_join(self.rank, step,
                                             lambda generation: self._join_late(generation, member))
@@ -150,6 +164,9 @@ class Attendance:
                 return step
             self._serve(member)
         comm.enter_step(step, membership.present(step), membership.epoch(step))
+        entering, self._entering = self._entering, None
+        if entering:
+            self._enter(step, entering, member)
         if membership.joiners(step):
             try:
                 self.hand_over(step, member)
@@ -249,12 +266,6 @@ class Attendance:
                            "source": self.rank, "joiners": [joiner], "bytes": nbytes,
                            "seconds": time.perf_counter() - started, "during_round": True,
                            "rounds_caught_up": caught_up})
-                if self.catches_up_at_entry:
-                    # The joiner trains alone until the round's last step: there it takes
-                    # the steps the members trained since it joined.
-                    before_entry = membership.round_end(joined) - 1
-                    self._wait_for_step(member, before_entry)
-                    self._send_updates(link, ranks, member.round_updates(before_entry), sent)
         except (PeerLost, PeerTimeoutError, RuntimeError) as exc:
             print(f"rank {self.rank}: handing the state to rank {joiner} during the round "
                   f"failed ({exc}); it asks again", flush=True)
@@ -263,49 +274,55 @@ class Attendance:
             member.keep_round_updates(False)
             link.close()
 
-    def _send_updates(self, link: Any, ranks: list[int], updates: list[dict[str, Any]],
-                      after: int) -> int:
-        """On ``link``: how many of ``updates`` are of steps after ``after``, then those;
-        their bytes."""
-        updates = [u for u in updates if u["step"] > after]
-        link.broadcast(torch.tensor([len(updates)], dtype=torch.int64), self.rank, ranks)
-        return sum(hand_over(u, self.rank, ranks, self.rank, send=link.broadcast)[1]
-                   for u in updates)
-
-    def _receive_updates(self, link: Any, source: int,
-                         ranks: list[int]) -> tuple[list[dict[str, Any]], int]:
-        """The updates :meth:`_send_updates` sends, and their bytes."""
-        head = torch.zeros(1, dtype=torch.int64)
-        link.broadcast(head, source, ranks)
-        updates, nbytes = [], 0
-        for _ in range(int(head)):
-            update, size = hand_over(None, source, ranks, self.rank, send=link.broadcast)
-            updates.append(update)
-            nbytes += size
-        return updates, nbytes
-
     def _admit(self, step: int, member: Member) -> None:
         """At the last step of a round: the ranks that joined it under way meet the members.
-        A joiner that trained alone first takes the steps it missed, from its source."""
+        Where they trained alone (:attr:`catches_up_at_entry`), a joiner is admitted only
+        once it has the members' state (:meth:`_enter`, after the group forms)."""
         membership = self.membership
         joins = membership.late_joins(step)
-        entry, self._entry = self._entry, None
-        if entry is not None:
-            link, source, meets_at = entry
-            try:
-                if meets_at != step or self.rank not in joins:
-                    raise PeerLost(f"rank {self.rank} was to meet the members at step "
-                                   f"{meets_at}, not {step}")
-                updates, _ = self._receive_updates(link, source, [source, self.rank])
-            except (PeerLost, PeerTimeoutError) as exc:
-                membership.drop(f"rank {self.rank} could not take the members' steps from "
-                                f"rank {source} before meeting them ({exc})")
-                raise RankDropped(str(exc)) from exc
-            finally:
-                link.close()
-            member.catch_up(updates, start=False)
-        if joins:
+        meets_at, self._meets_at = self._meets_at, None
+        if meets_at is not None and (meets_at != step or self.rank not in joins):
+            why = (f"rank {self.rank} was to meet the members at step {meets_at}, not at "
+                   f"{step}")
+            membership.drop(why)
+            raise RankDropped(why)
+        if not joins:
+            return
+        if self.catches_up_at_entry:
+            self._entering = joins
+            if self.rank in joins:
+                return
+        member.admit_late(joins, step)
+
+    def _enter(self, step: int, joins: dict[int, dict[str, Any]], member: Member) -> None:
+        """At the last step of a round, the members and the ranks that joined it under way
+        formed one group: the lowest member in it sends the joiners what every rank holds
+        alike (:meth:`Member.entry_state`), whichever member handed them the state before.
+        A joiner then is admitted; one whose transfer fails tries a later round."""
+        present = set(comm.present_ranks())
+        joiners = sorted(r for r in joins if r in present)
+        members = sorted(present - set(joins))
+        if not joiners or (self.rank not in joiners and self.rank != min(members, default=-1)):
+            return
+        if not members:
+            why = f"no member was left to give rank {self.rank} the state at step {step}"
+            self.membership.drop(why)
+            raise RankDropped(why)
+        source = members[0]
+        try:
+            state, _ = hand_over(member.entry_state() if self.rank == source else None,
+                                 source, [source, *joiners], self.rank)
+        except PeerLost as exc:
+            if self.rank == source:
+                return  # the joiners that are left try a later round
+            self.membership.drop(f"rank {self.rank} could not take the members' state from "
+                                 f"rank {source} at step {step} ({exc})")
+            raise RankDropped(str(exc)) from exc
+        if self.rank != source:
+            member.take_entry_state(state)
             member.admit_late(joins, step)
+            print(f"step {step}: rank {self.rank} met the members and took their state from "
+                  f"rank {source}", flush=True)
 
     def _wait_for_step(self, member: Member, step: int) -> None:
         """Until this member has trained ``step``: as long as it takes while the member
@@ -380,12 +397,11 @@ class Attendance:
                   "trying again", flush=True)
             return None
         finally:
-            if step is None or not self.catches_up_at_entry:
-                link.close()
+            link.close()
         if step is None:
             return None
         if self.catches_up_at_entry:
-            self._entry = (link, source, membership.round_end(step))
+            self._meets_at = membership.round_end(step)
         member.adopt_state(state, membership.reshards, at_step=step)
         member.catch_up(updates)
         self.emit({"event": "hand_over", "rank": self.rank, "step": step, "source": source,

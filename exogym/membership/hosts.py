@@ -473,7 +473,8 @@ class ElasticMembership:
         self.joined_late = (start, step)
         self.joining = False
         hosts = self._hosts()
-        members = sorted({*found["ranks"], self.rank})
+        # the round's members, with every rank that joined it under way so far
+        members = sorted({*found["ranks"], *map(int, record["ranks"]), self.rank})
         log_change(self.store, json.dumps({
             "step": step, "epoch": start, "ranks": members, "joined": [self.rank], "left": [],
             "gens": {}, "reason": _phrase([self.rank], hosts, "rejoined during a round"),

@@ -609,6 +609,14 @@ class TrainNode:
         if start:
             self.strategy.start_late()
 
+    def entry_state(self) -> dict[str, Any]:
+        """What every rank holds alike, for a rank meeting the members after training alone."""
+        return self.strategy.entry_state()
+
+    def take_entry_state(self, state: dict[str, Any]) -> None:
+        """Take a member's :meth:`entry_state`, meeting the members after training alone."""
+        self.strategy.take_entry_state(state)
+
     def late_join_note(self, state: dict[str, Any],
                        updates: list[dict[str, Any]]) -> dict[str, Any]:
         """What the members learn of this rank, joining under way from ``state`` and

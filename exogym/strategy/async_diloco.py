@@ -53,7 +53,13 @@ samples); one that comes back takes the state from a worker present and starts
 a round from the newest global model. Across hosts the members are decided once
 a round, so a worker lost mid-round is found at the next merge, which it does
 not complete: the merge's mean is over the contributions that arrived, and the
-lost worker is left out until the next round's members are decided.
+lost worker is left out until the next round's members are decided. A worker that
+comes back on its host during a round (``merge_delay=0``) starts a round of its own
+from the global model at once and trains it alone; at the round's last step it
+meets the others in one group, takes the global model, its optimizer and the
+bookkeeping from the lowest member still live (:meth:`entry_state`), and merges
+from then on as a worker with the steps it trained
+(:mod:`exogym.membership.attendance`).
 
 **Bytes.** One all-reduce of the parameters and float buffers per merge, as a
 DiLoCo round: ``4 * P`` bytes per rank per merge in float32.
@@ -618,14 +624,52 @@ class AsyncDiLoCoStrategy(Strategy):
     # -- a rank that joins a round under way (hosts) ---------------------------------
 
     #: The members merge at any step: a rank joined under way trains alone until the
-    #: round's last step and takes the merges it missed there (:meth:`admit_late`).
+    #: round's last step, takes the global state there from any live member
+    #: (:meth:`entry_state`) and is admitted as a worker (:meth:`admit_late`).
     catches_up_at_entry = True
 
-    #: Not yet: a joiner takes the merges it missed from its source at the round's last
-    #: step, so a source lost before then costs the joiner its place, and with it the run
-    #: where the members were down to ``min_nodes``. Until a joiner can take them from any
-    #: live member, a returning worker joins at a round's start, as before.
-    joins_mid_round = False
+    @property
+    def joins_mid_round(self) -> bool:
+        """A rank coming back mid-round starts a round of its own from the global model;
+        not with ``merge_delay``, whose merges travel across steps: it joins at a round's
+        start there."""
+        return self.merge_delay == 0
+
+    #: What :meth:`entry_state` holds: the global model, its optimizer, and the
+    #: bookkeeping every rank keeps alike.
+    ENTRY_KEYS = ("master", "outer_optim", "version", "workers", "speeds", "throughputs",
+                  "given_speeds", "grace_until", "lost", "merged_contributions",
+                  "dropped_contributions")
+
+    def entry_state(self) -> dict[str, Any]:
+        """The global model, its optimizer's state and the bookkeeping, as every rank of the
+        round holds them now; a joiner's own round (its model, base, inner optimizer) is
+        not in it."""
+        state = self.state_dict()
+        entry = {k: state[k] for k in self.ENTRY_KEYS}
+        entry["applied"] = self.outer.applied
+        entry["left"] = [dict(x) for x in self._left]  # for the next merge's record
+        return entry
+
+    def take_entry_state(self, state: dict[str, Any]) -> None:
+        """Take a member's :meth:`entry_state`: the global model steps no further on this
+        rank than on the members', and their bookkeeping is this rank's."""
+        with torch.no_grad():
+            for m, value in zip(self.master, state["master"]):
+                m.copy_(value)
+        self.outer_optim.load_state_dict(state["outer_optim"])
+        self.outer.applied = state["applied"]
+        self.version = int(state["version"])
+        self.workers = {int(r): _Worker(**w) for r, w in state["workers"].items()}
+        self.speeds = list(state["speeds"])
+        self.throughputs = state["throughputs"]
+        self.given_speeds = state["given_speeds"]
+        self._grace_until = state["grace_until"]
+        self._lost = set(state["lost"])
+        self.merged_contributions = state["merged_contributions"]
+        self.dropped_contributions = state["dropped_contributions"]
+        self._left = [dict(x) for x in state["left"]]
+        self._pending = None
 
     def synced_model(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state`` with each trainable parameter's value in the global model (a tied

@@ -154,8 +154,9 @@ class Strategy(ABC):
 
     #: True for a strategy that :attr:`joins_mid_round` and whose ranks also meet within a
     #: round (AsyncDiLoCo merges at any step): a rank that joined under way then trains
-    #: alone (:attr:`training_alone`) until the round's last step, and there takes the
-    #: updates of the steps it missed (:meth:`round_updates`) before it meets the members.
+    #: alone (:attr:`training_alone`) until the round's last step, and there, once the
+    #: members and it have formed one group, takes the state every rank holds alike
+    #: (:meth:`entry_state`) from the lowest member still live.
     catches_up_at_entry: bool = False
 
     #: True while this rank, joined a round under way, trains before meeting the members
@@ -376,6 +377,18 @@ class Strategy(ABC):
     def apply_round_update(self, update: dict[str, Any]) -> None:
         """Apply one update of :meth:`round_updates` as every rank did at that round's end."""
         raise NotImplementedError(f"{type(self).__name__} keeps no round updates")
+
+    def entry_state(self) -> dict[str, Any]:
+        """What every rank of the round holds alike, at a round's last step before its
+        collectives: what a rank that trained alone since it joined the round under way
+        takes from a member when it meets them (:meth:`take_entry_state`); its own round
+        stays its own. Asked of a strategy that :attr:`catches_up_at_entry`."""
+        raise NotImplementedError(f"{type(self).__name__} does not catch up at entry")
+
+    def take_entry_state(self, state: dict[str, Any]) -> None:
+        """Take a member's :meth:`entry_state` (a rank that trained alone, meeting the
+        members), before :meth:`admit_late`."""
+        raise NotImplementedError(f"{type(self).__name__} does not catch up at entry")
 
     def train_alone(self, alone: bool) -> None:
         """Told before each step whether this rank, joined a round under way, trains it
