@@ -197,7 +197,8 @@ class Launcher:
         #: The rank that wrote the final model and summary of a run whose ranks come and
         #: go: one that ended it (None: rank 0, as in any other run).
         self.writer: int | None = None
-        # The run's start time, the same for every rank and every start of one (run()).
+        # The run's start time, the same for every rank and every start of one (set by
+        # run(); a dry run's commands carry none).
         self._started: str | None = None
 
         project_root = session.project_root
@@ -308,10 +309,11 @@ class Launcher:
                     min_nodes=self.options.min_nodes, lost_after=self.options.lost_after,
                 ).variables(extra=self.env)
                 argv = self.program.argv(host, restart)
-                if self.program.profile_mode and "--run-started" not in argv:
+                if self._started and self.program.profile_mode and \
+                        "--run-started" not in argv:
                     # One identity for the run: a rank started again (min_nodes) joins the
                     # run its folder holds instead of taking it for an earlier one.
-                    argv += ["--run-started", self._started or utc_now()]
+                    argv += ["--run-started", self._started]
                 local = self.session.is_local(host.rank)
                 by_hand = hand_command(host.project_path, host.python_env, env, argv)
                 if not local:
