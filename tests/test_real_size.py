@@ -188,6 +188,26 @@ def test_three_hosts_with_min_nodes_lose_a_host_and_take_it_back_at_23m(sshd, th
             assert trained <= merged, (rank, trained, merged, last)
 
 
+def _lose_and_take_back_rank_2(events: Events, third, out, at_step: int) -> tuple[dict, dict]:
+    """Once rank 2 has trained ``at_step``: its host goes away and its process dies; once the
+    members went on without it, the host answers again. The membership events of its loss
+    and of its return."""
+    events.wait(lambda e: e.get("event") == "step" and e["rank"] == 2
+                and e["step"] >= at_step, 300)
+    third.stop()
+    pid = worker_pid(2, str(out))
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    _, lost = events.wait(lambda e: e.get("event") == "membership"
+                          and e["ranks"] == [0, 1], 300)
+    events.wait(lambda e: e.get("event") == "step" and e["rank"] == 0
+                and e["step"] >= lost["step"] + 2, 60)
+    third.start()
+    _, rejoined = events.wait(lambda e: e.get("event") == "membership"
+                              and e["ranks"] == [0, 1, 2] and e["step"] > 1, 150)
+    return lost, rejoined
+
+
 @pytest.mark.parametrize("h,strategy", [(60, []), (2, []),
                                         (60, ["strategy=async_diloco", "quorum=2"])],
                          ids=["long-rounds", "rounds-shorter-than-the-transfer", "async-diloco"])
@@ -216,19 +236,7 @@ def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_trai
         runner.start()
         # Lost late in the first round, so that the next round (which goes on without it)
         # comes soon; the host answers again during that one.
-        events.wait(lambda e: e.get("event") == "step" and e["rank"] == 2
-                    and e["step"] >= max(3, 3 * h // 4), 300)
-        third.stop()
-        pid = worker_pid(2, str(out))
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        _, lost = events.wait(lambda e: e.get("event") == "membership"
-                              and e["ranks"] == [0, 1], 300)
-        events.wait(lambda e: e.get("event") == "step" and e["rank"] == 0
-                    and e["step"] >= lost["step"] + 2, 60)
-        third.start()
-        _, rejoined = events.wait(lambda e: e.get("event") == "membership"
-                                  and e["ranks"] == [0, 1, 2] and e["step"] > 1, 150)
+        lost, rejoined = _lose_and_take_back_rank_2(events, third, out, max(3, 3 * h // 4))
         runner.join(timeout=600)
     result = job.result
     assert result.ok, result.describe()
@@ -307,17 +315,7 @@ def test_an_async_diloco_joiner_meets_the_members_after_the_member_that_gave_it_
                   probe_interval=1.0) as job:
         runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
         runner.start()
-        events.wait(lambda e: e.get("event") == "step" and e["rank"] == 2 and e["step"] >= 45,
-                    300)
-        third.stop()
-        os.kill(worker_pid(2, str(out)), signal.SIGKILL)
-        _, lost = events.wait(lambda e: e.get("event") == "membership"
-                              and e["ranks"] == [0, 1], 300)
-        events.wait(lambda e: e.get("event") == "step" and e["rank"] == 0
-                    and e["step"] >= lost["step"] + 2, 60)
-        third.start()
-        _, rejoined = events.wait(lambda e: e.get("event") == "membership"
-                                  and e["ranks"] == [0, 1, 2] and e["step"] > 1, 150)
+        _, rejoined = _lose_and_take_back_rank_2(events, third, out, 45)
         meets_at = (rejoined["step"] - 1) // h * h + h
         assert rejoined["step"] < meets_at - 5, (rejoined, meets_at)  # time to kill rank 0
         source = worker_pid(0, str(out))

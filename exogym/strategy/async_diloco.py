@@ -635,21 +635,12 @@ class AsyncDiLoCoStrategy(Strategy):
         start there."""
         return self.merge_delay == 0
 
-    #: What :meth:`entry_state` holds: the global model, its optimizer, and the
-    #: bookkeeping every rank keeps alike.
-    ENTRY_KEYS = ("master", "outer_optim", "version", "workers", "speeds", "throughputs",
-                  "given_speeds", "grace_until", "lost", "merged_contributions",
-                  "dropped_contributions")
-
     def entry_state(self) -> dict[str, Any]:
         """The global model, its optimizer's state and the bookkeeping, as every rank of the
         round holds them now; a joiner's own round (its model, base, inner optimizer) is
         not in it."""
-        state = self.state_dict()
-        entry = {k: state[k] for k in self.ENTRY_KEYS}
-        entry["applied"] = self.outer.applied
-        entry["left"] = [dict(x) for x in self._left]  # for the next merge's record
-        return entry
+        return {"master": [m.detach() for m in self.master],
+                "outer_optim": self.outer_optim.state_dict(), "book": self._book()}
 
     def take_entry_state(self, state: dict[str, Any]) -> None:
         """Take a member's :meth:`entry_state`: the global model steps no further on this
@@ -658,17 +649,7 @@ class AsyncDiLoCoStrategy(Strategy):
             for m, value in zip(self.master, state["master"]):
                 m.copy_(value)
         self.outer_optim.load_state_dict(state["outer_optim"])
-        self.outer.applied = state["applied"]
-        self.version = int(state["version"])
-        self.workers = {int(r): _Worker(**w) for r, w in state["workers"].items()}
-        self.speeds = list(state["speeds"])
-        self.throughputs = state["throughputs"]
-        self.given_speeds = state["given_speeds"]
-        self._grace_until = state["grace_until"]
-        self._lost = set(state["lost"])
-        self.merged_contributions = state["merged_contributions"]
-        self.dropped_contributions = state["dropped_contributions"]
-        self._left = [dict(x) for x in state["left"]]
+        self._set_book(state["book"])
         self._pending = None
 
     def synced_model(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
