@@ -513,6 +513,46 @@ def test_rank_events_travel_in_batches_in_order_and_never_wait_behind_other_even
     assert pipe.messages[2] == [{"event": "step", "step": 5}, {"event": "result", "rank": 0}]
     emit.flush()
     assert len(pipe.messages) == 3  # nothing left to send
+    emit({"event": "step", "step": 6})
+    emit({"event": "step", "step": 7, "checkpoint": True})  # a checkpoint's step: at once
+    assert [e["step"] for e in pipe.messages[3]] == [6, 7]
+
+
+def test_the_rest_of_a_message_whose_handling_was_interrupted_still_reaches_the_trace():
+    """Ctrl-C or SIGTERM raised while the parent hands on one event of a batch: the
+    batch's later events are handed on on the way out, with what the pipes still hold."""
+    import collections
+    import multiprocessing as mp
+
+    import exogym.run.trainer as trainer_module
+
+    class Rank:  # a process that never exits while the parent collects
+        def __init__(self):
+            self._never, self._keep = os.pipe()
+            self.sentinel = self._never
+            self.exitcode = None
+
+    first, second = mp.Pipe(duplex=False), mp.Pipe(duplex=False)
+    first[1].send([{"event": "step", "rank": 0, "step": s} for s in (1, 2, 3)])
+    handed = []
+
+    def on_event(event):
+        handed.append((event["rank"], event["step"]))
+        if len(handed) == 1:
+            raise KeyboardInterrupt
+
+    inbox = collections.deque()
+    rank = Rank()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer_module.Trainer._collect([rank], [first[0]], on_event, inbox=inbox)
+        second[1].send([{"event": "step", "rank": 1, "step": 1},
+                        {"event": "error", "rank": 1, "traceback": ""}])
+        trainer_module._forward_rest([first[0], second[0]], on_event, inbox)
+    finally:
+        os.close(rank._never)
+        os.close(rank._keep)
+    assert handed == [(0, 1), (0, 2), (0, 3), (1, 1)]
 
 
 def test_step_events_reach_a_live_display_while_the_ranks_train():

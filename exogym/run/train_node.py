@@ -665,6 +665,7 @@ class TrainNode:
         if spec.checkpoint_interval and self.step % spec.checkpoint_interval == 0:
             save_checkpoint(self.state_dict(), self.checkpoint_root, self.rank, self.step,
                             keep=spec.keep_checkpoints)
+            event["checkpoint"] = True  # sent at once: see _EventBatches
         event["wall_s"] = time.perf_counter() - start
         self.emit(event)
         self.timer.lag(mark)

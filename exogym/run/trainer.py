@@ -19,6 +19,7 @@ and the failing rank's traceback is raised.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import gc
@@ -216,8 +217,10 @@ class _EventBatches:
 
     Step events wait until ``interval_s`` has passed since the last message;
     any other event (start, result, ...) goes at once, with whatever waits
-    before it, so order is kept. One message per step would wake the parent
-    hundreds of times a second, on the cores the ranks need.
+    before it, so order is kept, and so does the step of a checkpoint: the
+    steps a checkpoint holds are on their way the moment it is written. One
+    message per step would wake the parent hundreds of times a second, on the
+    cores the ranks need.
 
     Args:
         conn: this rank's end of the pipe to the parent.
@@ -232,7 +235,8 @@ class _EventBatches:
 
     def __call__(self, event: dict[str, Any]) -> None:
         self._pending.append(event)
-        if event.get("event") != "step" or time.monotonic() - self._sent_at >= self.interval_s:
+        if event.get("event") != "step" or event.get("checkpoint") or \
+                time.monotonic() - self._sent_at >= self.interval_s:
             self.flush()
 
     def flush(self) -> None:
@@ -730,6 +734,9 @@ class Trainer:
         local = None if packed else SharedMemoryCollectives.for_model(
             spec.model, spec.num_nodes, ctx, spec.timeout_s)
         pipes = [ctx.Pipe(duplex=True) for _ in range(count)]
+        # Events received and not yet handed on: a Ctrl-C or SIGTERM in the middle of a
+        # message leaves its rest here, for the way out.
+        inbox: collections.deque[dict[str, Any]] = collections.deque()
         store = None
         run_id = new_run_id()
         with tempfile.TemporaryDirectory(prefix="exogym-") as result_dir:
@@ -759,7 +766,8 @@ class Trainer:
                     except OSError:
                         pass  # that rank already died: _collect reports how
                 paths = self._collect(procs, [parent_end for parent_end, _ in pipes], on_event,
-                                      lambda i: _process_name(spec.num_nodes, packed, i))
+                                      lambda i: _process_name(spec.num_nodes, packed, i),
+                                      inbox)
                 # One state (or process's sum) loaded at a time: the parent holds one sum,
                 # never every rank's model.
                 total = RunningSum()
@@ -779,7 +787,7 @@ class Trainer:
                 _stop(procs)
                 # What the ranks sent on their way out (an interrupted run's last steps)
                 # still reaches the trace and the loggers.
-                _forward_rest([parent_end for parent_end, _ in pipes], on_event)
+                _forward_rest([parent_end for parent_end, _ in pipes], on_event, inbox)
                 for parent_end, child_end in pipes:
                     parent_end.close()
                     child_end.close()
@@ -789,11 +797,17 @@ class Trainer:
     @staticmethod
     def _collect(procs, readers: list[connection.Connection],
                  on_event: Callable[[dict[str, Any]], None],
-                 name: Callable[[int], str] = lambda i: f"rank {i}") -> dict[int, str | None]:
+                 name: Callable[[int], str] = lambda i: f"rank {i}",
+                 inbox: collections.deque[dict[str, Any]] | None = None
+                 ) -> dict[int, str | None]:
         """Handle every process's events until each has reported its result; raise on failure.
+
+        A message's events wait in ``inbox`` until each is handled: what an interruption
+        leaves there, :func:`_forward_rest` hands on.
 
         Returns each process's result file (None where it has none), by process index.
         """
+        inbox = collections.deque() if inbox is None else inbox
         paths: dict[int, str] = {}
         errors: list[dict[str, Any]] = []
         error_deadline = None
@@ -818,8 +832,9 @@ class Trainer:
             try:
                 while conn.poll():
                     message = conn.recv()
-                    for event in message if isinstance(message, list) else [message]:
-                        handle(event)
+                    inbox.extend(message if isinstance(message, list) else [message])
+                    while inbox:
+                        handle(inbox.popleft())
             except (EOFError, OSError):
                 return False
             return True
@@ -869,18 +884,22 @@ def _root_cause(errors: list[dict[str, Any]]) -> RankFailedError:
 
 
 def _forward_rest(readers: list[connection.Connection],
-                  on_event: Callable[[dict[str, Any]], None]) -> None:
-    """Hand ``on_event`` the metric events still waiting in ``readers`` (the ranks have
-    stopped): their results and errors are left out, the run's outcome is decided."""
+                  on_event: Callable[[dict[str, Any]], None],
+                  inbox: collections.deque[dict[str, Any]] | None = None) -> None:
+    """Hand ``on_event`` the metric events still waiting in ``inbox`` (the rest of a
+    message whose handling was interrupted) and in ``readers`` (the ranks have stopped):
+    their results and errors are left out, the run's outcome is decided."""
+    waiting = list(inbox or ())
     for conn in readers:
         try:
             while conn.poll():
                 message = conn.recv()
-                for event in message if isinstance(message, list) else [message]:
-                    if event.get("event") not in ("error", "result"):
-                        on_event(event)
+                waiting += message if isinstance(message, list) else [message]
         except (EOFError, OSError):
             continue
+    for event in waiting:
+        if event.get("event") not in ("error", "result"):
+            on_event(event)
 
 
 def _stop(procs, grace_s: float = 3.0) -> None:
