@@ -11,7 +11,9 @@ A job's figures come from a window of steps (:class:`bench.harness.timing.Window
   time per step (:func:`bench.harness.timing.training_clock`) and of the wire
   bytes (each evaluation's traffic, the least over the window's evaluations of
   what the steps around it sent beyond the steps before, times their number:
-  :func:`evaluation_bytes`);
+  :func:`evaluation_bytes`). An evaluation whose two scores are one (every rank
+  held the same model, as right after a DiLoCo round: no average is built)
+  sent nothing and is not counted;
 - **other load**: cores kept busy during the window by processes that are not
   the bench's. Before each job :class:`Bench` waits until that falls under
   ``--quiet-cores``, and measures a job again when it was over ``--retry-cores``.
@@ -201,9 +203,14 @@ class Bench:
             {k for k in range(window.s0 + 1, window.s1 + 1) if k % every == 0}
         around = {k + d for k in evaluated for d in EVAL_SNAPS}
         snaps: dict[int, Counters] = {}
+        averaged: set[int] = set()  # evaluations that built the ranks' average model
 
         def on_event(event: dict[str, Any]) -> None:
             events.append(event)
+            if event.get("event") == "step" and event.get("rank") == 0 \
+                    and event.get("step") in evaluated and "val_global_loss" in event \
+                    and event["val_global_loss"] != event.get("val_loss"):
+                averaged.add(event["step"])
             if event.get("event") == "step" and event.get("rank") == 0 \
                     and event.get("step") in around:
                 snaps[event["step"]] = self.bed.counters()
@@ -239,7 +246,7 @@ class Bench:
         result = self._summarize(name, hosts, window, marks, affinity, load_before,
                                  time.monotonic() - started)
         result.groups = groups
-        result.eval_bytes = evaluation_bytes(snaps, evaluated)
+        result.eval_bytes = evaluation_bytes(snaps, averaged)
         if result.eval_bytes:
             result.wire_bytes_per_step -= result.eval_bytes / hosts / window.steps
         return result
