@@ -608,6 +608,34 @@ def test_a_request_from_a_rank_lost_again_is_not_served(store):
     assert ms[0].state_requests(0) == ([], 1)
 
 
+def test_a_request_is_served_once_even_by_a_member_started_again_since(store):
+    """A member that served a request and was started again reads every request made of its
+    rank from the first: the joiner served before, still live, never comes to that link
+    again, so the new process must not serve it (its sender would wait on it, and the
+    next joiner's request behind it)."""
+    ws, ms = membership(store)
+    declare_lost(store, 2, "killed")
+    generation = ms[2].acknowledge()
+    ms[2].ask_state(0, generation)
+    assert [r["rank"] for r in ms[0].state_requests(0)[0]] == [2]
+    again = ElasticMembership(ws[0], 0, 3, 5, 2)  # rank 0's next process
+    assert again.state_requests(0) == ([], 1)
+    second = ms[2].ask_state(0, generation)  # a new request is served
+    assert [r["link"] for r in again.state_requests(1)[0]] == [second]
+
+
+def test_a_pair_link_the_other_side_gave_up_fails_before_it_forms(store):
+    """A joiner that gave a transfer up marks its link: a member that reads the request
+    later fails at once, not after the time a link takes to form."""
+    ws = worlds(store)
+    gens = {0: 0, 2: 0}
+    ws[2].pair_link("late", 0, 2, gens).abandon()
+    started = time.monotonic()
+    with pytest.raises(comm.PeerLost, match="gave the hand-over on late up"):
+        ws[0].pair_link("late", 0, 2, gens).broadcast(torch.zeros(4), 0, [0, 2])
+    assert time.monotonic() - started < 2
+
+
 def test_a_pair_link_streams_a_16_mib_state_while_the_members_all_reduce(store, monkeypatch):
     """The source's thread hands the state over on a link of its own while the members'
     group runs its collectives: neither waits for the other."""

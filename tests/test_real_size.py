@@ -249,6 +249,12 @@ def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_trai
     assert taken and given and taken[-1][1]["during_round"] and given[-1][1]["during_round"]
     assert taken[-1][1]["step"] == rejoined["step"] and taken[-1][1]["source"] == 0
     assert taken[-1][1]["bytes"] > 4 * 23_000_000 * 4  # model, Adam moments, outer state
+    # Rank 1 sent a share at the same time, unless its copy came after a round rank 0's
+    # did not reach; whatever each sent adds up to what the joiner took.
+    shares = taken[-1][1]["from"]
+    assert "0" in shares and set(shares) <= {"0", "1"}
+    assert sum(shares.values()) == taken[-1][1]["bytes"]
+    print(f"the joiner took {shares} bytes from ranks {sorted(shares)}")
     sent_at, sent = given[-1]
     window = (sent_at - sent["seconds"], sent_at)
     during = {r: [e["step"] for t, e in events.of("step", r) if window[0] <= t <= window[1]]

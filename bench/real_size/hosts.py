@@ -92,6 +92,7 @@ def host_run(bed: Testbed, model: str, rate: str, min_nodes: int | None, kill: b
                    rounds_caught_up=handed[-1].get("rounds_caught_up") if handed else None,
                    handed_bytes=handed[-1]["bytes"] if handed else None,
                    handed_s=handed[-1]["seconds"] if handed else None,
+                   handed_from=handed[-1].get("from") if handed else None,
                    transfer_at_rate_s=transfer,
                    target_s=transfer + 5,
                    membership=[len(e["ranks"]) for _, e in events.of("membership")])

@@ -751,6 +751,10 @@ class PairLink:
             if lost:
                 self.failed = True
                 raise PeerLost(f"rank {lost[0]} was lost before the hand-over on {self.name}")
+            if groups.store.check([self._failed_key]):
+                self.failed = True
+                raise PeerLost(f"the other side gave the hand-over on {self.name} up before "
+                               "it began")
             self.pg, ok = groups._build(key("pair", self.name), self.ranks,
                                         is_lost=lambda r: r in self._lost())
             if not ok:
@@ -765,6 +769,11 @@ class PairLink:
                 f"rank {', '.join(map(str, lost))} was lost" if lost else
                 f"{self.why or 'a rank stopped answering'} (ranks "
                 f"{', '.join(map(str, self.ranks))} still live)"))
+
+    def abandon(self) -> None:
+        """Give the transfer up on both sides: the other side's wait ends at once."""
+        self.failed = True
+        self.groups.store.set(self._failed_key, "1")
 
     def close(self) -> None:
         """Give the group up (kept until the process ends if a call may still hang)."""

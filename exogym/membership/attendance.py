@@ -12,7 +12,9 @@ Across hosts, under a strategy that :attr:`~exogym.strategy.strategy.Strategy.jo
 a returning rank need not wait for a round to begin. It asks the lowest live
 member for the state; that member copies :meth:`Member.join_state` at its next
 step boundary and a thread of its own streams the copy on a link of the two
-(:class:`exogym.comm.elastic_groups.PairLink`) while it trains on. The joiner
+(:class:`exogym.comm.elastic_groups.PairLink`) while it trains on. Every other
+live member sends a share of it at the same time, on a link of its own
+(:mod:`exogym.membership.stripes`). The joiner
 then skips to the step after the member's latest, enters itself in the round's
 record of joins (:mod:`exogym.membership.hosts`) and trains; it meets the
 members in the round's closing collective. If the round closes first, it waits
@@ -35,8 +37,15 @@ import torch
 
 from exogym import comm
 from exogym.comm.protocol import PeerLost, PeerTimeoutError, RankDropped
-from exogym.membership.handover import hand_over
+from exogym.membership.handover import (
+    Outgoing,
+    hand_over,
+    send_description,
+    send_tensors,
+    stripes,
+)
 from exogym.membership.simulated import RunMembership
+from exogym.membership.stripes import StripedIntake, exchange_ints, helper_share, send_share
 
 __all__ = ["Attendance", "Member"]
 
@@ -47,9 +56,10 @@ class Member(Protocol):
     def handed_state(self) -> dict[str, Any]:
         """The state a rank that rejoins takes from a member that stayed (live tensors)."""
 
-    def join_state(self) -> dict[str, Any]:
+    def join_state(self, copy: bool = True) -> dict[str, Any]:
         """The state a rank that joins a round under way takes: the model as the round
-        began, the rest as now; a copy, which may travel while this rank trains on."""
+        began, the rest as now; a copy, which may travel while this rank trains on
+        (``copy=False``: the live tensors)."""
 
     def adopt_state(self, state: dict[str, Any], reshard: bool,
                     at_step: int | None = None) -> None:
@@ -112,7 +122,10 @@ class Attendance:
         self._requests_seen = 0
         self._requests: list[dict[str, Any]] = []
         self._next_poll = 0.0
-        self._sender: threading.Thread | None = None
+        # The thread handing a joiner the state, and the one sending a joiner a share.
+        self._senders: dict[str, threading.Thread] = {}
+        self._keeping = 0  # threads that need the rounds' updates kept
+        self._keep_lock = threading.Lock()
 
     def allow_mid_round(self, catches_up_at_entry: bool = False) -> None:
         """The strategy's state can be handed over while training goes on: across hosts, a
@@ -210,7 +223,8 @@ class Attendance:
 
     def _serve(self, member: Member) -> None:
         """A member: at most every :data:`SERVE_POLL_S` seconds, look for ranks that asked it
-        for the state, and start handing a copy to the first over in a thread."""
+        for the state (or for a share of it, :mod:`exogym.membership.stripes`), and start
+        handing the first of each kind a copy in a thread."""
         now = time.monotonic()
         if now < self._next_poll:
             return
@@ -218,40 +232,73 @@ class Attendance:
         membership = self.membership
         found, self._requests_seen = membership.state_requests(self._requests_seen)
         self._requests.extend(found)
-        if not self._requests or (self._sender is not None and self._sender.is_alive()):
-            return
-        request = self._requests.pop(0)
-        state = member.join_state()  # copied at this step boundary, before training goes on
-        member.keep_round_updates(True)  # what rounds that end during the transfer change
-        self._sender = threading.Thread(target=self._send, args=(request, state, member),
-                                        name=f"hand-over to rank {request['rank']}",
-                                        daemon=True)
-        self._sender.start()
+        for request in list(self._requests):
+            kind = "share" if "share" in request else "state"
+            busy = self._senders.get(kind)
+            if busy is not None and busy.is_alive():
+                continue
+            self._requests.remove(request)
+            # Copied at this step boundary, before training goes on.
+            if kind == "share":
+                members = [int(r) for r in request["share"]]
+                target, what = self._send_share, helper_share(
+                    member.join_state(copy=False), members.index(self.rank), len(members))
+            else:
+                target, what = self._send, member.join_state()
+            self._keep_updates(member, True)  # what rounds that end during the transfer change
+            thread = threading.Thread(target=target, args=(request, what, member),
+                                      name=f"{kind} to rank {request['rank']}", daemon=True)
+            self._senders[kind] = thread
+            thread.start()
 
-    def _send(self, request: dict[str, Any], state: dict[str, Any], member: Member) -> None:
-        """The member's thread: the copied state on a link of the two, then, until the
-        joiner has entered a round, the step the member has reached and the updates of the
-        rounds that ended since the copy (a round the joiner finds closed, a member being
-        ahead, is waited out: the next one's update follows)."""
-        membership = self.membership
+    def _keep_updates(self, member: Member, keep: bool) -> None:
+        """One more (or one fewer) thread that needs the rounds' updates kept."""
+        with self._keep_lock:
+            self._keeping += 1 if keep else -1
+            if self._keeping == (1 if keep else 0):
+                member.keep_round_updates(keep)
+
+    def _link_to(self, request: dict[str, Any]):
+        world = self.membership.world
         joiner = int(request["rank"])
-        world = membership.world
-        ranks = [self.rank, joiner]
-        link = world.pair_link(request["link"], self.rank, joiner,
+        return world.pair_link(request["link"], self.rank, joiner,
                                {self.rank: world.generations[self.rank],
                                 joiner: int(request["gen"])})
+
+    def _send(self, request: dict[str, Any], state: dict[str, Any], member: Member) -> None:
+        """The member's thread: the copied state on a link of the two (the tensors of the
+        shares the joiner took from helpers left out), then, until the joiner has entered a
+        round, the step the member has reached and the updates of the rounds that ended
+        since the copy that the joiner asks of it (a round the joiner finds closed, a
+        member being ahead, is waited out: the next one's update follows)."""
+        membership = self.membership
+        joiner = int(request["rank"])
+        ranks = [self.rank, joiner]
+        link = self._link_to(request)
         started = time.perf_counter()
-        sent = caught_up = 0
+        caught_up = 0
         try:
-            _, nbytes = hand_over(state, self.rank, ranks, self.rank, send=link.broadcast)
+            out = Outgoing(state)
+            parts = stripes(out.sizes, 1 + len(request.get("helpers") or []))
+            send_description(link.broadcast, self.rank, ranks, self.rank, out.description)
+            send_tensors(link.broadcast, self.rank, ranks, self.rank, out.shapes, parts[0],
+                         out.tensors)
+            nbytes = out.description.numel() + out.nbytes(parts[0])
+            for position in exchange_ints(link, None, joiner, ranks):  # the helpers' left
+                if not 0 < position < len(parts):
+                    raise RuntimeError(f"rank {joiner} asked for share {position} of "
+                                       f"{len(parts)}")
+                send_tensors(link.broadcast, self.rank, ranks, self.rank, out.shapes,
+                             parts[position], out.tensors)
+                nbytes += out.nbytes(parts[position])
             sent = state["step"]
+            del out, state
             for _ in range(MAX_TRIES):
                 at = member.steps_done()
-                updates = [u for u in member.round_updates(at) if u["step"] > sent]
-                link.broadcast(torch.tensor([at, len(updates)], dtype=torch.int64),
-                               self.rank, ranks)
-                for update in updates:
-                    nbytes += hand_over(update, self.rank, ranks, self.rank,
+                updates = {u["step"]: u for u in member.round_updates(at) if u["step"] > sent}
+                exchange_ints(link, [at, *updates], self.rank, ranks)
+                for step in exchange_ints(link, None, joiner, ranks):  # those it sends
+                    nbytes += hand_over(updates[step], self.rank, ranks, self.rank,
                                         send=link.broadcast)[1]
                 caught_up += len(updates)
                 sent = at
@@ -266,12 +313,37 @@ class Attendance:
                            "source": self.rank, "joiners": [joiner], "bytes": nbytes,
                            "seconds": time.perf_counter() - started, "during_round": True,
                            "rounds_caught_up": caught_up})
-        except (PeerLost, PeerTimeoutError, RuntimeError) as exc:
+        except (PeerLost, PeerTimeoutError, RuntimeError, KeyError) as exc:
             print(f"rank {self.rank}: handing the state to rank {joiner} during the round "
                   f"failed ({exc}); it asks again", flush=True)
             return
         finally:
-            member.keep_round_updates(False)
+            self._keep_updates(member, False)
+            link.close()
+
+    def _send_share(self, request: dict[str, Any], share: dict[str, Any],
+                    member: Member) -> None:
+        """A helper's thread: its share of the state, if the joiner takes it, then the
+        rounds' updates the joiner asks of it (:func:`exogym.membership.stripes.send_share`)."""
+        joiner = int(request["rank"])
+        link = self._link_to(request)
+
+        def update_of(step: int) -> dict[str, Any]:
+            self._wait_for_step(member, step)
+            for update in member.round_updates(step):
+                if update["step"] == step:
+                    return update
+            raise RuntimeError(f"rank {self.rank} kept no update of the round that ended at "
+                               f"step {step}")
+
+        try:
+            send_share(link, self.rank, joiner, share, update_of)
+        except (PeerLost, PeerTimeoutError, RuntimeError) as exc:
+            link.abandon()  # the joiner stops waiting for it at once
+            print(f"rank {self.rank}: sending rank {joiner} its share of the state failed "
+                  f"({exc})", flush=True)
+        finally:
+            self._keep_updates(member, False)
             link.close()
 
     def _admit(self, step: int, member: Member) -> None:
@@ -340,33 +412,39 @@ class Attendance:
                                        f"within {timeout:.0f} s (waiting to reach step {step})")
 
     def _join_late(self, generation: int, member: Member) -> int | None:
-        """A returning rank: take the state from a live member while training goes on, bring
-        it up to date with the rounds that ended meanwhile, and enter the round under way
-        at the step after the member's latest; None when it cannot now (no live member,
-        or the transfer failed)."""
+        """A returning rank: take the state from the live members while training goes on
+        (the lowest gives it, each other one a share, :mod:`exogym.membership.stripes`),
+        bring it up to date with the rounds that ended meanwhile, and enter the round under
+        way at the step after the lowest member's latest; None when it cannot now (no live
+        member, or the transfer failed)."""
         membership = self.membership
         found = membership.current_round()
         if found is None:
             return None
         _, decided = found
-        source = membership.live_source(decided)
-        if source is None:
+        live = membership.live_members(decided)
+        if not live:
             return None
+        source, helpers = live[0], live[1:]
         world = membership.world
-        name = membership.ask_state(source, generation)
+        gens = {int(r): int(g) for r, g in decided["gens"].items()}
+        links = {source: world.pair_link(
+            membership.ask_state(source, generation, {"helpers": helpers}), source, self.rank,
+            {source: gens[source], self.rank: generation})}
+        for helper in helpers:
+            name = membership.ask_state(helper, generation, {"share": live})
+            links[helper] = world.pair_link(name, helper, self.rank,
+                                            {helper: gens[helper], self.rank: generation})
+        intake = StripedIntake(self.rank, source, links, helpers, self._alike, world.timeout_s)
         ranks = [source, self.rank]
-        link = world.pair_link(name, source, self.rank,
-                               {source: int(decided["gens"][str(source)]), self.rank: generation})
+        link = links[source]
         started = time.perf_counter()
         step = None
         updates: list[dict[str, Any]] = []
         try:
-            state, nbytes = hand_over(None, source, ranks, self.rank,
-                                      into=member.handed_state(), send=link.broadcast)
+            state, nbytes = intake.take_state(member.handed_state())
             for attempt in range(MAX_TRIES):
-                head = torch.zeros(2, dtype=torch.int64)
-                link.broadcast(head, source, ranks)
-                at, count = (int(v) for v in head)
+                at, *ended = exchange_ints(link, None, source, ranks)
                 enters = None
                 if attempt and not self.catches_up_at_entry and at + 1 <= state["max_steps"]:
                     # A round closed while its update travelled (rounds shorter than an
@@ -377,11 +455,9 @@ class Attendance:
                     if not membership.join_late(enters, generation,
                                                 member.late_join_note(state, [])):
                         enters = None
-                for _ in range(count):
-                    update, size = hand_over(None, source, ranks, self.rank,
-                                             send=link.broadcast)
-                    updates.append(update)
-                    nbytes += size
+                got, size = intake.take_updates(ended)
+                updates.extend(got)
+                nbytes += size
                 if enters is None and at + 1 <= state["max_steps"] and membership.join_late(
                         at + 1, generation, member.late_join_note(state, updates)):
                     enters = at + 1
@@ -397,6 +473,11 @@ class Attendance:
                   "trying again", flush=True)
             return None
         finally:
+            if step is None:  # the members' threads stop at once, not at a timeout
+                link.abandon()
+                intake.abandon()
+            else:
+                intake.finish()
             link.close()
         if step is None:
             return None
@@ -407,8 +488,17 @@ class Attendance:
         self.emit({"event": "hand_over", "rank": self.rank, "step": step, "source": source,
                    "joiners": [self.rank], "bytes": nbytes,
                    "seconds": time.perf_counter() - started, "during_round": True,
-                   "rounds_caught_up": len(updates)})
+                   "rounds_caught_up": len(updates),
+                   "from": {str(r): b for r, b in intake.bytes_from.items()}})
         return step
+
+    def _alike(self, a: int, b: int) -> bool:
+        """Whether copies of the state taken after ``a`` and after ``b`` steps hold the same
+        state every member holds alike: no round ended between them (the members of a
+        strategy that :attr:`catches_up_at_entry` meet at any step: the same step)."""
+        if self.catches_up_at_entry:
+            return a == b
+        return self.membership.round_end(a + 1) == self.membership.round_end(b + 1)
 
 
 #: How often a member looks for ranks that asked it for the state during a round.

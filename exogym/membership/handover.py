@@ -31,6 +31,9 @@ BUCKET_BYTES = 16 << 20
 ALIGN = 16
 #: The longest description of a state's structure a joiner accepts.
 MAX_DESCRIPTION_BYTES = 64 << 20
+#: A tensor smaller than this comes from the member that gives the rest of a state sent
+#: by several (:func:`stripes`).
+STRIPE_MIN_BYTES = 1 << 20
 
 
 class _Slot:
@@ -185,6 +188,129 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
 
+def stripes(sizes: Sequence[int], count: int,
+            least: int = STRIPE_MIN_BYTES) -> list[list[int]]:
+    """Which of a state's tensors (their ``sizes`` in bytes, in order) each of ``count``
+    senders sends when the state comes from several members at once.
+
+    Part 0 is the member that gives the rest: it sends the description and every tensor
+    under ``least`` bytes (the bookkeeping, the data position). The larger tensors are
+    cut, in their order, into runs of about an equal share of the whole for parts 1 to
+    ``count - 1``, and what is left goes to part 0 as well; so a parameter's optimizer
+    moments, next to each other, mostly come from one member. The same sizes give the
+    same parts on every rank.
+    """
+    if count < 1:
+        raise ValueError(f"a state is sent by at least one member, not {count}")
+    if count == 1:
+        return [list(range(len(sizes)))]
+    share = sum(sizes) / count
+    parts: list[list[int]] = [[] for _ in range(count)]
+    part, load = 1, 0
+    for i, size in enumerate(sizes):
+        if size < least or part == count:
+            parts[0].append(i)
+            continue
+        # Close a run once this tensor would take it further past the share than short of it.
+        if load and load + size - share > share - load:
+            part, load = part + 1, 0
+            if part == count:
+                parts[0].append(i)
+                continue
+        parts[part].append(i)
+        load += size
+    return [sorted(p) for p in parts]
+
+
+def send_description(send: Callable[..., None], source: int, ranks: Sequence[int], rank: int,
+                     description: torch.Tensor | None) -> dict[str, Any] | None:
+    """The first part of a hand-over: the state's description (``description``, on the
+    source, from :func:`describe`), and on a receiver the skeleton it reads from it (with
+    the description's length as ``description_bytes``)."""
+    if rank == source:
+        size = torch.tensor([description.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    send(size, source, ranks)
+    if rank == source:
+        send(description, source, ranks)
+        return None
+    if not 0 < int(size.item()) <= MAX_DESCRIPTION_BYTES:
+        raise ValueError(f"rank {rank}: rank {source} announced a hand-over description "
+                         f"of {int(size.item())} bytes (at most {MAX_DESCRIPTION_BYTES}): "
+                         "not a hand-over of this run")
+    description = torch.empty(int(size.item()), dtype=torch.uint8)
+    send(description, source, ranks)
+    skeleton = read_description(description.numpy().tobytes())
+    skeleton["description_bytes"] = description.numel()
+    return skeleton
+
+
+def send_tensors(send: Callable[..., None], source: int, ranks: Sequence[int], rank: int,
+                 shapes: Sequence[tuple[tuple[int, ...], torch.dtype]], indices: Sequence[int],
+                 tensors: Sequence[torch.Tensor] | None = None,
+                 targets: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+    """The tensors numbered ``indices`` (of a description's ``shapes``) from ``source``:
+    small ones coalesced into buffers of up to :data:`BUCKET_BYTES`, large ones alone.
+
+    ``tensors``: on the source, the state's flattened tensors (all of them, by number).
+    ``targets``: on a receiver, its own tensors that take a received one in place.
+    Returns on a receiver each received tensor by its number (nothing on the source).
+    """
+    targets = targets or {}
+    received: dict[int, torch.Tensor] = {}
+    sizes = [_nbytes(*shapes[i]) for i in indices]
+    for group in _buckets(sizes):
+        numbers = [indices[j] for j in group]
+        if len(numbers) == 1:
+            shape, dtype = shapes[numbers[0]]
+            one = tensors[numbers[0]] if rank == source else targets.get(numbers[0])
+            if one is None:
+                one = torch.empty(shape, dtype=dtype)
+            send(one, source, ranks)
+            if rank != source:
+                received[numbers[0]] = one
+            continue
+        # Each tensor starts at a multiple of ALIGN in the buffer, so that it can be a view.
+        starts = []
+        end = 0
+        for j in group:
+            starts.append(end)
+            end += -(-sizes[j] // ALIGN) * ALIGN
+        flat = torch.zeros(end, dtype=torch.uint8)
+        if rank == source:
+            for i, j, at in zip(numbers, group, starts):
+                flat[at:at + sizes[j]].copy_(tensors[i].reshape(-1).view(torch.uint8))
+        send(flat, source, ranks)
+        if rank == source:
+            continue  # the buffer goes now: the source holds no more than its own state
+        for i, j, at in zip(numbers, group, starts):
+            shape, dtype = shapes[i]
+            piece = flat[at:at + sizes[j]].view(dtype).view(shape)
+            if i in targets:  # into the receiver's own tensor now: the buffer goes sooner
+                piece = targets[i].copy_(piece)
+            received[i] = piece
+    return received
+
+
+class Outgoing:
+    """A state taken apart to be sent, whole or in parts (:func:`stripes`).
+
+    Args:
+        state: the nested state (dicts, lists, tuples and tensors of plain data).
+    """
+
+    def __init__(self, state: Any):
+        self.tensors, skeleton = flatten_tensors(state)
+        self.shapes = skeleton["tensors"]
+        self.sizes = [_nbytes(shape, dtype) for shape, dtype in self.shapes]
+        self.description = torch.frombuffer(bytearray(describe(skeleton)), dtype=torch.uint8)
+
+    def nbytes(self, indices: Sequence[int]) -> int:
+        """The bytes of the tensors numbered ``indices``."""
+        return sum(self.sizes[i] for i in indices)
+
+
 def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int,
               into: Any = None, send: Callable[..., None] | None = None) -> tuple[Any, int]:
     """Send ``state`` from ``source`` to the other ``ranks``; every one of them calls this.
@@ -207,56 +333,19 @@ def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int,
     """
     send = comm.side_broadcast if send is None else send
     if rank == source:
-        tensors, skeleton = flatten_tensors(state)
-        description = torch.frombuffer(bytearray(describe(skeleton)), dtype=torch.uint8)
-        size = torch.tensor([description.numel()], dtype=torch.int64)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-    send(size, source, ranks)
-    if rank != source:
-        if not 0 < int(size.item()) <= MAX_DESCRIPTION_BYTES:
-            raise ValueError(f"rank {rank}: rank {source} announced a hand-over description "
-                             f"of {int(size.item())} bytes (at most {MAX_DESCRIPTION_BYTES}): "
-                             "not a hand-over of this run")
-        description = torch.empty(int(size.item()), dtype=torch.uint8)
-    send(description, source, ranks)
-    if rank != source:
-        skeleton = read_description(description.numpy().tobytes())
+        out = Outgoing(state)
+        send_description(send, source, ranks, rank, out.description)
+        send_tensors(send, source, ranks, rank, out.shapes, range(len(out.shapes)), out.tensors)
+        return state, out.nbytes(range(len(out.shapes))) + out.description.numel()
+    skeleton = send_description(send, source, ranks, rank, None)
     shapes = skeleton["tensors"]
-    sizes = [_nbytes(shape, dtype) for shape, dtype in shapes]
-    targets = _targets(skeleton, into) if rank != source else {}
-    received: list[torch.Tensor] = []
-    for group in _buckets(sizes):
-        if len(group) == 1:
-            shape, dtype = shapes[group[0]]
-            one = (tensors[group[0]] if rank == source
-                   else targets.get(group[0]))
-            if one is None:
-                one = torch.empty(shape, dtype=dtype)
-            send(one, source, ranks)
-            if rank != source:
-                received.append(one)
-            continue
-        # Each tensor starts at a multiple of ALIGN in the buffer, so that it can be a view.
-        starts = []
-        end = 0
-        for i in group:
-            starts.append(end)
-            end += -(-sizes[i] // ALIGN) * ALIGN
-        flat = torch.zeros(end, dtype=torch.uint8)
-        if rank == source:
-            for i, at in zip(group, starts):
-                flat[at:at + sizes[i]].copy_(tensors[i].reshape(-1).view(torch.uint8))
-        send(flat, source, ranks)
-        if rank == source:
-            continue  # the buffer goes now: the source holds no more than its own state
-        for i, at in zip(group, starts):
-            shape, dtype = shapes[i]
-            piece = flat[at:at + sizes[i]].view(dtype).view(shape)
-            if i in targets:  # into the receiver's own tensor now: the buffer goes sooner
-                piece = targets[i].copy_(piece)
-            received.append(piece)
-    nbytes = sum(sizes) + description.numel()
-    if rank == source:
-        return state, nbytes
-    return unflatten_tensors(skeleton, received, into), nbytes
+    got = send_tensors(send, source, ranks, rank, shapes, range(len(shapes)),
+                       targets=_targets(skeleton, into))
+    nbytes = sum(_nbytes(*shape) for shape in shapes) + skeleton["description_bytes"]
+    return unflatten_tensors(skeleton, [got[i] for i in range(len(shapes))], into), nbytes
+
+
+def receiver_targets(skeleton: dict[str, Any], into: Any) -> dict[int, torch.Tensor]:
+    """For each tensor of a received description, the receiver's own tensor (in ``into``,
+    its state of the same structure) that takes it in place."""
+    return _targets(skeleton, into)

@@ -410,24 +410,35 @@ class ElasticMembership:
 
     def live_source(self, decided: dict[str, Any]) -> int | None:
         """The lowest member of a round's decision not lost since it (None: none is left)."""
-        gens = {int(r): int(g) for r, g in decided["gens"].items()}
-        for r in sorted(decided["ranks"]):
-            if r != self.rank and loss_generation(self.store, r) == gens[r]:
-                return r
-        return None
+        live = self.live_members(decided)
+        return live[0] if live else None
 
-    def ask_state(self, source: int, generation: int) -> str:
-        """Ask ``source`` for the state (this rank, at its loss ``generation``); the name of
+    def live_members(self, decided: dict[str, Any]) -> list[int]:
+        """The members of a round's decision not lost since it, this rank aside, lowest
+        first."""
+        gens = {int(r): int(g) for r, g in decided["gens"].items()}
+        return [r for r in sorted(decided["ranks"])
+                if r != self.rank and loss_generation(self.store, r) == gens[r]]
+
+    def ask_state(self, source: int, generation: int,
+                  what: dict[str, Any] | None = None) -> str:
+        """Ask ``source`` for the state (this rank, at its loss ``generation``; ``what``:
+        the helpers that send shares of it, or the share asked of a helper); the name of
         the link it will come on."""
         number = self.store.add(key("asked", source), 1)
         name = f"r{self.rank}g{generation}n{number}-{source}"
         self.store.set(key("asked", source, number),
-                       json.dumps({"rank": self.rank, "gen": generation, "link": name}))
+                       json.dumps({**(what or {}), "rank": self.rank, "gen": generation,
+                                   "link": name}))
         return name
 
     def state_requests(self, seen: int) -> tuple[list[dict[str, Any]], int]:
         """Requests for the state made of this rank after the first ``seen`` (every one
-        still valid: its rank not lost again since), and how many it has read now."""
+        still valid: its rank not lost again since), and how many it has read now.
+
+        Each request is taken once, by whichever process of this rank reads it first: a
+        rank started again after it served some does not serve them a second time (their
+        joiners, still live, took the state long ago and never come to those links)."""
         count = self.store.add(key("asked", self.rank), 0)
         out = []
         while seen < count:
@@ -436,7 +447,8 @@ class ElasticMembership:
                 break
             seen += 1
             request = json.loads(raw)
-            if loss_generation(self.store, int(request["rank"])) == int(request["gen"]):
+            if (loss_generation(self.store, int(request["rank"])) == int(request["gen"])
+                    and self.store.add(key("asked", self.rank, seen, "taken"), 1) == 1):
                 out.append(request)
         return out, seen
 

@@ -561,16 +561,16 @@ class TrainNode:
                 "step": self.step, "max_steps": self.max_steps,
                 "data": self.train_stream.state(), "sim_time_s": self.timer.now}
 
-    def join_state(self) -> dict[str, Any]:
+    def join_state(self, copy: bool = True) -> dict[str, Any]:
         """What a rank that joins a round under way takes: the model as every rank held it
         when the round began (:meth:`~exogym.strategy.strategy.Strategy.synced_model`), the
         strategy's state, step and data position as now; all copied, so that it can stream
-        while this rank trains on."""
+        while this rank trains on (``copy=False``: the live tensors, to copy a part of)."""
         state = {"model": self.strategy.synced_model(self._model_state()),
                  "strategy": self.strategy.state_dict(), "step": self.step,
                  "max_steps": self.max_steps, "data": self.train_stream.state(),
                  "sim_time_s": self.timer.now}
-        return _copied(state)
+        return _copied(state) if copy else state
 
     def adopt_state(self, state: dict[str, Any], reshard: bool,
                     at_step: int | None = None) -> None:

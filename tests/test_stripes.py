@@ -1,0 +1,195 @@
+"""A state that several members send a joiner at once, a share each
+(:mod:`exogym.membership.stripes`): three ranks in threads over one store, two members
+and a joiner, with a state of 21M values whose largest tensor is 16 MiB."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from ranks import free_port
+
+from exogym import comm
+from exogym.comm.elastic_groups import ElasticGroups
+from exogym.membership.attendance import Attendance
+from exogym.membership.handover import STRIPE_MIN_BYTES, stripes
+from exogym.membership.hosts import ElasticMembership, declare_lost, key
+
+SHAPES = {"emb": (8192, 512), **{f"l{i}": (2048, 2048) for i in range(4)}}
+
+
+def test_stripes_give_every_tensor_to_one_sender_and_share_the_bytes():
+    sizes = [100, 64 << 20, 64 << 20, 300, 16 << 20, 16 << 20, 64 << 20, 32 << 20, 50]
+    for count in (1, 2, 3, 4):
+        parts = stripes(sizes, count)
+        assert len(parts) == count
+        assert sorted(i for p in parts for i in p) == list(range(len(sizes)))
+        assert all(i in parts[0] for i, s in enumerate(sizes) if s < STRIPE_MIN_BYTES)
+        loads = [sum(sizes[i] for i in p) for p in parts]
+        # No sender is further from an equal share than the largest tensor.
+        assert max(loads) - sum(sizes) / count <= max(sizes), (count, loads)
+    assert stripes(sizes, 2) == stripes(list(sizes), 2)  # the same on every rank
+    with pytest.raises(ValueError):
+        stripes(sizes, 0)
+
+
+class FakeMember:
+    """A member's state as a hand-over sees it: a model every member holds alike, the outer
+    state alike, and optimizer moments of its own."""
+
+    def __init__(self, rank: int, step: int, copied_at: int, shared: dict[str, torch.Tensor],
+                 updates: list[dict]):
+        self.rank = rank
+        self.step = step
+        self.copied_at = copied_at
+        self.model = {k: v.clone() for k, v in shared.items()}
+        self.momentum = [v.clone() * 0.5 for v in shared.values()]
+        self.moments = {i: {"step": torch.tensor(float(step)),
+                            "exp_avg": torch.full(SHAPES[k], float(10 * rank + i)),
+                            "exp_avg_sq": torch.full(SHAPES[k], float(10 * rank + i + 100))}
+                        for i, k in enumerate(SHAPES)}
+        self.updates = updates
+        self.kept: list[dict] | None = None
+        self.adopted = None
+        self.caught_up: list[dict] = []
+
+    def join_state(self, copy: bool = True) -> dict:
+        state = {"model": self.model,
+                 "strategy": {"optim": {"state": self.moments, "param_groups": [{"lr": 0.1}]},
+                              "master": list(self.model.values()), "momentum": self.momentum},
+                 "step": self.copied_at, "max_steps": 100, "data": {"position": self.step},
+                 "sim_time_s": 0.0}
+        if not copy:
+            return state
+        return {"model": {k: v.clone() for k, v in self.model.items()},
+                "strategy": {"optim": {"state": {i: {k: v.clone() for k, v in m.items()}
+                                                 for i, m in self.moments.items()},
+                                       "param_groups": [{"lr": 0.1}]},
+                             "master": [v.clone() for v in self.model.values()],
+                             "momentum": [v.clone() for v in self.momentum]},
+                "step": self.copied_at, "max_steps": 100, "data": {"position": self.step},
+                "sim_time_s": 0.0}
+
+    def handed_state(self) -> dict:
+        return self.join_state(copy=False)
+
+    def steps_done(self) -> int:
+        return self.step
+
+    def keep_round_updates(self, keep: bool) -> None:
+        self.kept = list(self.updates) if keep else None
+
+    def round_updates(self, through_step: int) -> list[dict]:
+        return [u for u in self.kept or [] if u["step"] <= through_step]
+
+    def late_join_note(self, state, updates) -> dict:
+        return {}
+
+    def adopt_state(self, state, reshard, at_step=None) -> None:
+        self.adopted = state
+
+    def catch_up(self, updates, start=True) -> None:
+        self.caught_up = list(updates)
+
+
+def _run(copied_at: dict[int, int]) -> tuple[dict, FakeMember, list[dict]]:
+    """Ranks 0 and 1 members at step 7 of a round of steps 6-10 (copies of the state taken
+    after ``copied_at`` steps), rank 2 back during it: it takes the state; its hand-over
+    event, its member and every event."""
+    server = comm.open_store("127.0.0.1", free_port(), is_master=True, timeout_s=60)
+    port = server.port
+    ws = [ElasticGroups(3, r, lambda t: comm.open_store("127.0.0.1", port, timeout_s=t), 60.0,
+                        form_timeout_s=30.0) for r in range(3)]
+    ms = [ElasticMembership(w, r, 3, 5, 2) for r, w in enumerate(ws)]
+    for r, m in enumerate(ms):
+        server.set(key("host", r), "h")
+        m.admits_mid_round = True
+        m.max_steps = 100
+        m.present(1)
+    declare_lost(server, 2, "killed")
+    assert ms[0].present(6) == {0, 1} and ms[1].present(6) == {0, 1}
+    torch.manual_seed(0)
+    shared = {k: torch.randn(s) for k, s in SHAPES.items()}
+    # The rounds' updates every member applied alike since the copies (steps 6 and 7 here).
+    updates = [{"step": s, "deltas": [torch.full((1 << 20,), float(s))]} for s in (6, 7)]
+    members = [FakeMember(r, 7, copied_at[r], shared, updates) for r in (0, 1)]
+    joiner = FakeMember(2, 0, 0, {k: torch.zeros(s) for k, s in SHAPES.items()}, [])
+    events: list[dict] = []
+    lock = threading.Lock()
+
+    def emit(event):
+        with lock:
+            events.append(event)
+
+    atts = [Attendance(m, r, emit) for r, m in enumerate(ms)]
+    for a in atts:
+        a.mid_round = True
+    done = threading.Event()
+
+    def serve(r):
+        while not done.is_set():
+            atts[r]._next_poll = 0.0
+            atts[r]._serve(members[r])
+            time.sleep(0.02)
+        for thread in atts[r]._senders.values():
+            thread.join(60)
+
+    servers = [threading.Thread(target=serve, args=(r,)) for r in (0, 1)]
+    for t in servers:
+        t.start()
+    generation = ms[2].acknowledge()
+    try:
+        step = atts[2]._join_late(generation, joiner)
+    finally:
+        done.set()
+        for t in servers:
+            t.join(90)
+    assert step == 8
+    taken = [e for e in events if e["rank"] == 2]
+    assert len(taken) == 1
+    return taken[0], joiner, events
+
+
+def test_a_joiner_takes_a_share_of_the_state_from_each_member_and_their_updates_in_turn():
+    taken, joiner, events = _run({0: 5, 1: 5})
+    state = joiner.adopted
+    got_from = taken["from"]
+    assert set(got_from) == {"0", "1"} and min(got_from.values()) > 40 << 20, got_from
+    assert taken["bytes"] == sum(got_from.values())
+    torch.manual_seed(0)
+    shared = {k: torch.randn(s) for k, s in SHAPES.items()}
+    # What every member holds alike arrives whole, from whichever member sent it.
+    for k, v in shared.items():
+        assert torch.equal(state["model"][k], v)
+    for got, want in zip(state["strategy"]["master"], shared.values()):
+        assert torch.equal(got, want)
+    for got, want in zip(state["strategy"]["momentum"], shared.values()):
+        assert torch.equal(got, want * 0.5)
+    # Each moment is one member's own, and both members gave some.
+    sources = set()
+    for i, moments in state["strategy"]["optim"]["state"].items():
+        for name, base in (("exp_avg", i), ("exp_avg_sq", i + 100)):
+            value = float(moments[name].view(-1)[0])
+            assert value in (base, base + 10), (i, name, value)
+            assert torch.all(moments[name] == value)
+            sources.add(value >= base + 10)
+    assert sources == {True, False}
+    assert state["step"] == 5 and state["strategy"]["optim"]["param_groups"] == [{"lr": 0.1}]
+    # The rounds' updates came in order, one from each member.
+    assert [u["step"] for u in joiner.caught_up] == [6, 7]
+    assert [float(u["deltas"][0][0]) for u in joiner.caught_up] == [6.0, 7.0]
+    given = [e for e in events if e["rank"] == 0]
+    assert given and given[0]["during_round"] and given[0]["rounds_caught_up"] == 2
+
+
+def test_a_share_copied_after_another_round_ended_comes_from_the_source_instead():
+    """Rank 1 copied its share after the round that ends at step 10: what every member holds
+    alike was no longer the source's, so the source sends every tensor."""
+    taken, joiner, _ = _run({0: 5, 1: 10})
+    assert set(taken["from"]) == {"0"}, taken["from"]
+    state = joiner.adopted
+    for i, moments in state["strategy"]["optim"]["state"].items():
+        assert torch.all(moments["exp_avg"] == float(i))  # rank 0's own
+    assert [u["step"] for u in joiner.caught_up] == [6, 7]
