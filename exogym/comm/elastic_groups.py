@@ -751,7 +751,7 @@ class PairLink:
             if lost:
                 self.failed = True
                 raise PeerLost(f"rank {lost[0]} was lost before the hand-over on {self.name}")
-            if groups.store.check([self._failed_key]):
+            if self.given_up():
                 self.failed = True
                 raise PeerLost(f"the other side gave the hand-over on {self.name} up before "
                                "it began")
@@ -769,6 +769,10 @@ class PairLink:
                 f"rank {', '.join(map(str, lost))} was lost" if lost else
                 f"{self.why or 'a rank stopped answering'} (ranks "
                 f"{', '.join(map(str, self.ranks))} still live)"))
+
+    def given_up(self) -> bool:
+        """Whether either side gave the transfer up (:meth:`abandon`)."""
+        return bool(self.groups.store.check([self._failed_key]))
 
     def abandon(self) -> None:
         """Give the transfer up on both sides: the other side's wait ends at once."""

@@ -238,6 +238,9 @@ class Attendance:
             if busy is not None and busy.is_alive():
                 continue
             self._requests.remove(request)
+            link = self._link_to(request)
+            if link.given_up():  # the joiner went on without it
+                continue
             # Copied at this step boundary, before training goes on.
             if kind == "share":
                 members = [int(r) for r in request["share"]]
@@ -246,7 +249,7 @@ class Attendance:
             else:
                 target, what = self._send, member.join_state()
             self._keep_updates(member, True)  # what rounds that end during the transfer change
-            thread = threading.Thread(target=target, args=(request, what, member),
+            thread = threading.Thread(target=target, args=(link, request, what, member),
                                       name=f"{kind} to rank {request['rank']}", daemon=True)
             self._senders[kind] = thread
             thread.start()
@@ -258,14 +261,16 @@ class Attendance:
             if self._keeping == (1 if keep else 0):
                 member.keep_round_updates(keep)
 
-    def _link_to(self, request: dict[str, Any]):
+    def _link_to(self, request: dict[str, Any]) -> Any:
+        """The link a request names, of this member and the joiner (not formed yet)."""
         world = self.membership.world
         joiner = int(request["rank"])
         return world.pair_link(request["link"], self.rank, joiner,
                                {self.rank: world.generations[self.rank],
                                 joiner: int(request["gen"])})
 
-    def _send(self, request: dict[str, Any], state: dict[str, Any], member: Member) -> None:
+    def _send(self, link: Any, request: dict[str, Any], state: dict[str, Any],
+              member: Member) -> None:
         """The member's thread: the copied state on a link of the two (the tensors of the
         shares the joiner took from helpers left out), then, until the joiner has entered a
         round, the step the member has reached and the updates of the rounds that ended
@@ -274,7 +279,6 @@ class Attendance:
         membership = self.membership
         joiner = int(request["rank"])
         ranks = [self.rank, joiner]
-        link = self._link_to(request)
         started = time.perf_counter()
         caught_up = 0
         try:
@@ -321,12 +325,11 @@ class Attendance:
             self._keep_updates(member, False)
             link.close()
 
-    def _send_share(self, request: dict[str, Any], share: dict[str, Any],
+    def _send_share(self, link: Any, request: dict[str, Any], share: dict[str, Any],
                     member: Member) -> None:
         """A helper's thread: its share of the state, if the joiner takes it, then the
         rounds' updates the joiner asks of it (:func:`exogym.membership.stripes.send_share`)."""
         joiner = int(request["rank"])
-        link = self._link_to(request)
 
         def update_of(step: int) -> dict[str, Any]:
             self._wait_for_step(member, step)

@@ -255,6 +255,7 @@ class StripedIntake:
             with self.lock:
                 if helper.taken is None:  # not offered yet: the source sends it instead
                     helper.taken = False
+                    helper.link.abandon()  # the helper, reading the request later, skips it
             if helper.taken and not helper.done.wait(self.wait_s):
                 raise PeerTimeoutError(f"rank {self.rank}: rank {helper.member}'s share did "
                                        f"not come within {self.wait_s:.0f} s")
