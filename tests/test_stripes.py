@@ -94,10 +94,12 @@ class FakeMember:
         self.caught_up = list(updates)
 
 
-def _run(copied_at: dict[int, int]) -> tuple[dict, FakeMember, list[dict]]:
+def _run(copied_at: dict[int, int], while_waiting: bool = False
+         ) -> tuple[dict, FakeMember, list[dict]]:
     """Ranks 0 and 1 members at step 7 of a round of steps 6-10 (copies of the state taken
     after ``copied_at`` steps), rank 2 back during it: it takes the state; its hand-over
-    event, its member and every event."""
+    event, its member and every event. ``while_waiting``: the members serve only as they
+    do while they wait for a collective, on the thread that trains."""
     server = comm.open_store("127.0.0.1", free_port(), is_master=True, timeout_s=60)
     port = server.port
     ws = [ElasticGroups(3, r, lambda t: comm.open_store("127.0.0.1", port, timeout_s=t), 60.0,
@@ -129,9 +131,16 @@ def _run(copied_at: dict[int, int]) -> tuple[dict, FakeMember, list[dict]]:
     done = threading.Event()
 
     def serve(r):
+        att = atts[r]
+        if while_waiting:
+            att._trainer = threading.get_ident()
+            att._serving = members[r]
         while not done.is_set():
-            atts[r]._next_poll = 0.0
-            atts[r]._serve(members[r])
+            att._next_poll = 0.0
+            if while_waiting:
+                att._serve_while_waiting()
+            else:
+                att._serve(members[r])
             time.sleep(0.02)
         for thread in atts[r]._senders.values():
             thread.join(60)
@@ -152,7 +161,7 @@ def _run(copied_at: dict[int, int]) -> tuple[dict, FakeMember, list[dict]]:
     return taken[0], joiner, events
 
 
-def test_a_joiner_takes_a_share_of_the_state_from_each_member_and_their_updates_in_turn():
+def test_a_joiner_takes_a_share_of_the_state_and_of_each_update_from_each_member():
     taken, joiner, events = _run({0: 5, 1: 5})
     state = joiner.adopted
     got_from = taken["from"]
@@ -177,7 +186,7 @@ def test_a_joiner_takes_a_share_of_the_state_from_each_member_and_their_updates_
             sources.add(value >= base + 10)
     assert sources == {True, False}
     assert state["step"] == 5 and state["strategy"]["optim"]["param_groups"] == [{"lr": 0.1}]
-    # The rounds' updates came in order, one from each member.
+    # The rounds' updates came in order, each in parts from both members.
     assert [u["step"] for u in joiner.caught_up] == [6, 7]
     assert [float(u["deltas"][0][0]) for u in joiner.caught_up] == [6.0, 7.0]
     given = [e for e in events if e["rank"] == 0]
@@ -193,3 +202,51 @@ def test_a_share_copied_after_another_round_ended_comes_from_the_source_instead(
     for i, moments in state["strategy"]["optim"]["state"].items():
         assert torch.all(moments["exp_avg"] == float(i))  # rank 0's own
     assert [u["step"] for u in joiner.caught_up] == [6, 7]
+
+
+def test_members_serve_a_request_while_they_wait_for_a_collective_on_the_thread_that_trains():
+    taken, joiner, _ = _run({0: 5, 1: 5}, while_waiting=True)
+    assert set(taken["from"]) == {"0", "1"}
+    assert [u["step"] for u in joiner.caught_up] == [6, 7]
+
+
+def test_a_wait_serves_nothing_off_the_training_thread_or_outside_a_members_step():
+    served = []
+    att = Attendance(None, 0, lambda event: None)
+    att._serve = served.append  # what a served request would call
+    att._serve_while_waiting()  # no step under way
+    att._serving = "member"
+    other = threading.Thread(target=att._serve_while_waiting)
+    other.start()
+    other.join()
+    assert served == []
+    att._serve_while_waiting()
+    assert served == ["member"]
+
+
+def test_a_members_collective_calls_its_hook_while_it_waits(monkeypatch):
+    """The hook runs between the wait's slices, on the waiting rank's thread, while a slow
+    member has not yet come to the collective."""
+    server = comm.open_store("127.0.0.1", free_port(), is_master=True, timeout_s=30)
+    port = server.port
+    ws = [ElasticGroups(2, r, lambda t: comm.open_store("127.0.0.1", port, timeout_s=t), 30.0)
+          for r in range(2)]
+    calls: list[int] = []
+    ws[0].while_waiting = lambda: calls.append(threading.get_ident())
+    out = {}
+
+    def rank(r):
+        ws[r].enter_step(1, [0, 1])
+        if r == 1:
+            time.sleep(1.5)
+        t = torch.full((4,), float(r + 1))
+        ws[r].all_reduce_many([t], comm.ReduceOp.SUM)
+        out[r] = (float(t[0]), threading.get_ident())
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out[0][0] == out[1][0] == 3.0
+    assert len(calls) >= 3 and set(calls) == {out[0][1]}

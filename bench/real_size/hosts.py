@@ -79,14 +79,19 @@ def host_run(bed: Testbed, model: str, rate: str, min_nodes: int | None, kill: b
                                      and e["ranks"] == [0, 1, 2], 1, after=back)
         # Back to work: the returning rank's first trained step (it joins the round under
         # way), from the host answering and from the rank saying it was ready to come back.
-        t_first, _ = events.wait(lambda e: e.get("event") == "step" and e["rank"] == 2
-                                 and e["step"] >= joined["step"], 1, after=t_join)
+        t_first, first = events.wait(lambda e: e.get("event") == "step" and e["rank"] == 2
+                                     and e["step"] >= joined["step"], 1, after=t_join)
+        # When that step began: its event comes at its end, after its compute and, at a
+        # round's last step, the round's all-reduce.
+        t_began = t_first - (first.get("compute_s") or 0.0) - (first.get("comm_s") or 0.0)
         t_ready = max((t for t, e in events.of("host", 2) if e["state"] == "rejoining"
                        and t >= back), default=None)
         handed = [e for _, e in events.of("hand_over", 2)]
         transfer = handed[-1]["bytes"] * 8 / rate_bits(rate) if handed else 0.0
         row.update(back_s=t_first - back, joined_s=t_join - back,
                    ready_to_work_s=None if t_ready is None else t_first - t_ready,
+                   ready_to_first_step_s=None if t_ready is None else t_began - t_ready,
+                   first_step_s=t_first - t_began,
                    joined_step=joined["step"],
                    during_round=bool(handed and handed[-1].get("during_round")),
                    rounds_caught_up=handed[-1].get("rounds_caught_up") if handed else None,
@@ -144,7 +149,8 @@ def hosts_table(rows: list[dict], model: str, rate: str) -> None:
           f"{r['allreduce_s']:.2f} s" if r["allreduce_s"] else "-",
           f"{r['bytes_per_round'] / 2**20:.0f}", f"{r['ring_bound_s']:.2f} s",
           f"{r['efficiency']:.2f}" if r["efficiency"] else "-",
-          (f"{r['back_s']:.1f} s / " + (f"{r['ready_to_work_s']:.1f} s"
+          (f"{r['back_s']:.1f} s / " + (f"{r['ready_to_work_s']:.1f} s (step began "
+                                          f"{r['ready_to_first_step_s']:.1f} s)"
                                           if r.get("ready_to_work_s") is not None else "-"))
           if "back_s" in r else "-",
           f"{r['target_s']:.1f} s" if "target_s" in r else "-",

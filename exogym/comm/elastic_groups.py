@@ -171,6 +171,9 @@ class ElasticGroups(Collectives):
         self._group_stores: list[ControlStore] = []  # the stores the formed groups met through
         #: What the rank waits for now, for a watchdog's message (None: nothing).
         self.waiting_for: str | None = None
+        #: Called between the slices of a wait for the members' collective (None: nothing):
+        #: the rank's state stands still meanwhile, so a joiner's request can be served.
+        self.while_waiting: Callable[[], None] | None = None
 
     # -- who, where -----------------------------------------------------------------------
 
@@ -387,6 +390,8 @@ class ElasticGroups(Collectives):
                 self.check_self()
                 if any(self.lost_since_admitted(m) for m in members if m != self._rank):
                     return False
+                if self.while_waiting is not None:
+                    self.while_waiting()
                 if time.monotonic() > deadline:
                     raise PeerTimeoutError(
                         f"rank {self._rank}: {what} did not finish within "

@@ -45,7 +45,13 @@ from exogym.membership.handover import (
     stripes,
 )
 from exogym.membership.simulated import RunMembership
-from exogym.membership.stripes import StripedIntake, exchange_ints, helper_share, send_share
+from exogym.membership.stripes import (
+    StripedIntake,
+    exchange_ints,
+    helper_share,
+    send_share,
+    send_update,
+)
 
 __all__ = ["Attendance", "Member"]
 
@@ -126,6 +132,10 @@ class Attendance:
         self._senders: dict[str, threading.Thread] = {}
         self._keeping = 0  # threads that need the rounds' updates kept
         self._keep_lock = threading.Lock()
+        # The member this rank is, while it may serve requests during a collective's wait
+        # (None: not now), and the thread that trains.
+        self._serving: Member | None = None
+        self._trainer = threading.get_ident()
 
     def allow_mid_round(self, catches_up_at_entry: bool = False) -> None:
         """The strategy's state can be handed over while training goes on: across hosts, a
@@ -137,6 +147,12 @@ class Attendance:
             membership.admits_mid_round = True
             self.mid_round = True
             self.catches_up_at_entry = catches_up_at_entry
+            if not catches_up_at_entry and hasattr(membership.world, "while_waiting"):
+                # The members' state changes only in their steps, not while they wait for
+                # a round's collective (seconds, on a slow link): a request that comes
+                # then is served then, not at the next step boundary.
+                self._trainer = threading.get_ident()
+                membership.world.while_waiting = self._serve_while_waiting
 
     def in_group(self, step: int) -> bool:
         """False while this rank, joined under way, trains before its round's last step:
@@ -156,6 +172,7 @@ class Attendance:
         if membership is None:
             comm.enter_step(step)
             return step
+        self._serving = None
         if self.mid_round:
             membership.max_steps = max_steps
         if not membership.is_present(self.rank, step):
@@ -175,6 +192,7 @@ class Attendance:
             if not membership.in_members_group(step):  # joined under way: trains alone
                 member.reshard(*membership.shard(self.rank, step))
                 return step
+            self._serving = member
             self._serve(member)
         comm.enter_step(step, membership.present(step), membership.epoch(step))
         entering, self._entering = self._entering, None
@@ -254,6 +272,16 @@ class Attendance:
             self._senders[kind] = thread
             thread.start()
 
+    def _serve_while_waiting(self) -> None:
+        """Between the slices of a wait for the members' collective, on the thread that
+        trains: serve requests as at a step boundary. The state stands still there; a copy
+        taken in the collective of a round's last step is the state after the step before,
+        with the inner optimizer's moments of this one (each member's own), and the update
+        of the round ending now follows it like any other."""
+        member = self._serving
+        if member is not None and threading.get_ident() == self._trainer:
+            self._serve(member)
+
     def _keep_updates(self, member: Member, keep: bool) -> None:
         """One more (or one fewer) thread that needs the rounds' updates kept."""
         with self._keep_lock:
@@ -301,9 +329,9 @@ class Attendance:
                 at = member.steps_done()
                 updates = {u["step"]: u for u in member.round_updates(at) if u["step"] > sent}
                 exchange_ints(link, [at, *updates], self.rank, ranks)
-                for step in exchange_ints(link, None, joiner, ranks):  # those it sends
-                    nbytes += hand_over(updates[step], self.rank, ranks, self.rank,
-                                        send=link.broadcast)[1]
+                count, *steps = exchange_ints(link, None, joiner, ranks)  # in how many parts
+                for step in steps:
+                    nbytes += send_update(link, self.rank, joiner, updates[step], count)
                 caught_up += len(updates)
                 sent = at
                 verdict = torch.zeros(1, dtype=torch.int64)

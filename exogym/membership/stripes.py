@@ -17,8 +17,8 @@ else the source sends that share too. The rest (the inner optimizer's moments)
 is each member's own, and any member's serves a joiner as well as the source's.
 
 The updates of the rounds that end while the state travels are the same on every
-member: the joiner takes them in turn from the source and the helpers whose
-share it took.
+member: the joiner takes each in parts, like the state, from the source and the
+helpers whose share it took.
 
 Every message here is tensors of numbers and the JSON description of
 :mod:`exogym.membership.handover`; nothing is unpickled.
@@ -36,6 +36,7 @@ import torch
 from exogym.comm.protocol import PeerLost, PeerTimeoutError
 from exogym.membership.handover import (
     Outgoing,
+    _nbytes,
     hand_over,
     receiver_targets,
     send_description,
@@ -44,7 +45,8 @@ from exogym.membership.handover import (
     unflatten_tensors,
 )
 
-__all__ = ["StripedIntake", "exchange_ints", "helper_share", "send_share"]
+__all__ = ["StripedIntake", "exchange_ints", "helper_share", "send_share", "send_update",
+           "update_part"]
 
 #: The most numbers one message of :func:`exchange_ints` carries.
 MAX_INTS = 1 << 20
@@ -101,11 +103,47 @@ def send_share(link: Any, rank: int, joiner: int, share: dict[str, Any],
     nbytes = sum(share["sizes"])
     share["tensors"] = {}  # sent: the copy goes now
     while True:
-        steps = exchange_ints(link, None, joiner, ranks)
-        if not steps:
+        ask = exchange_ints(link, None, joiner, ranks)
+        if not ask:
             return nbytes
+        count, position, steps = ask[0], ask[1], ask[2:]
+        if not 0 < position < count:
+            raise RuntimeError(f"rank {joiner} asked rank {rank} for part {position} of "
+                               f"{count} of an update")
         for step in steps:
-            nbytes += hand_over(update_of(step), rank, ranks, rank, send=link.broadcast)[1]
+            nbytes += hand_over(update_part(update_of(step), position, count), rank, ranks,
+                                rank, send=link.broadcast)[1]
+
+
+def update_part(update: dict[str, Any], position: int, count: int) -> dict[str, Any]:
+    """Part ``position`` of ``count`` of a round's update (:func:`stripes` of its tensors):
+    the tensors' numbers and the tensors."""
+    out = Outgoing(update)
+    indices = stripes(out.sizes, count)[position]
+    return {"indices": indices, "tensors": [out.tensors[i] for i in indices]}
+
+
+def send_update(link: Any, rank: int, joiner: int, update: dict[str, Any], count: int) -> int:
+    """The source's part of a round's update, of ``count``: the description and part 0. The
+    bytes sent."""
+    ranks = [rank, joiner]
+    out = Outgoing(update)
+    part = stripes(out.sizes, count)[0]
+    send_description(link.broadcast, rank, ranks, rank, out.description)
+    send_tensors(link.broadcast, rank, ranks, rank, out.shapes, part, out.tensors)
+    return out.description.numel() + out.nbytes(part)
+
+
+def _is_part(piece: Any, indices: list[int],
+             shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> bool:
+    """Whether a helper's ``piece`` of an update (:func:`update_part`) holds the tensors
+    numbered ``indices``, of the shapes and dtypes the source described."""
+    if not isinstance(piece, dict) or piece.get("indices") != indices:
+        return False
+    tensors = piece.get("tensors")
+    return (isinstance(tensors, list) and len(tensors) == len(indices)
+            and all(isinstance(t, torch.Tensor) and (tuple(t.shape), t.dtype) == tuple(shapes[i])
+                    for i, t in zip(indices, tensors)))
 
 
 class _Helper(threading.Thread):
@@ -132,15 +170,15 @@ class _Helper(threading.Thread):
         try:
             if self._take_share():
                 while True:
-                    steps = self._asks.get()
-                    exchange_ints(self.link, steps or [], self.intake.rank, self.ranks)
-                    if not steps:
+                    ask = self._asks.get()
+                    exchange_ints(self.link, ask, self.intake.rank, self.ranks)
+                    if not ask:
                         break
                     got = {}
-                    for step in steps:
-                        update, size = hand_over(None, self.member, self.ranks, self.intake.rank,
-                                                 send=self.link.broadcast)
-                        got[step] = update
+                    for step in ask[2:]:
+                        piece, size = hand_over(None, self.member, self.ranks, self.intake.rank,
+                                                send=self.link.broadcast)
+                        got[step] = piece
                         self.nbytes += size
                     self._answers.put(got)
         except BaseException as exc:  # noqa: BLE001 - reported to the joiner's main thread
@@ -172,12 +210,13 @@ class _Helper(threading.Thread):
         self.done.set()
         return True
 
-    def ask(self, steps: list[int]) -> None:
-        """Take the updates of the rounds that ended at ``steps`` (empty: no more)."""
-        self._asks.put(steps)
+    def ask(self, steps: list[int], count: int = 1, position: int = 1) -> None:
+        """Take part ``position`` of ``count`` of each update of the rounds that ended at
+        ``steps`` from this helper (none: it sends no more)."""
+        self._asks.put([count, position, *steps] if steps else [])
 
     def answer(self, wait_s: float) -> dict[int, Any]:
-        """The updates asked for last, by step."""
+        """Its parts of the updates asked for last, by step."""
         try:
             got = self._answers.get(timeout=wait_s)
         except queue.Empty:
@@ -276,30 +315,42 @@ class StripedIntake:
         return rebuilt, nbytes + sum(h.nbytes for h in self.taking)
 
     def take_updates(self, steps: list[int]) -> tuple[list[dict[str, Any]], int]:
-        """The updates of the rounds that ended at ``steps``: in turn from the source and
-        the helpers whose share it took. Returns them in order and their bytes."""
+        """The updates of the rounds that ended at ``steps``, each in parts: the source's
+        (its description and part 0) and one from each helper whose share it took. Returns
+        them in order and their bytes."""
         source, ranks = self.source, [self.source, self.rank]
-        senders = [source, *(h.member for h in self.taking)]
-        mine = {s: [step for i, step in enumerate(steps) if senders[i % len(senders)] == s]
-                for s in senders}
-        exchange_ints(self.links[source], mine[source], self.rank, ranks)
-        asked = [h for h in self.taking if mine[h.member]]
-        before = {h.member: h.nbytes for h in asked}
-        for helper in asked:
-            helper.ask(mine[helper.member])
-        got: dict[int, Any] = {}
+        link = self.links[source]
+        count = 1 + len(self.taking)
+        exchange_ints(link, [count, *steps], self.rank, ranks)
+        if not steps:
+            return [], 0
+        before = {h.member: h.nbytes for h in self.taking}
+        for position, helper in enumerate(self.taking, 1):
+            helper.ask(steps, count, position)
         nbytes = 0
-        for step in mine[source]:
-            got[step], size = hand_over(None, source, ranks, self.rank,
-                                        send=self.links[source].broadcast)
-            nbytes += size
+        partial = {}
+        for step in steps:
+            skeleton = send_description(link.broadcast, source, ranks, self.rank, None)
+            shapes = skeleton["tensors"]
+            sizes = [_nbytes(*shape) for shape in shapes]
+            parts = stripes(sizes, count)
+            got = send_tensors(link.broadcast, source, ranks, self.rank, shapes, parts[0])
+            nbytes += skeleton["description_bytes"] + sum(sizes[i] for i in parts[0])
+            partial[step] = (skeleton, parts, got)
         self.bytes_from[source] += nbytes
-        for helper in asked:
-            got.update(helper.answer(self.wait_s))
+        for position, helper in enumerate(self.taking, 1):
+            pieces = helper.answer(self.wait_s)
+            for step, piece in pieces.items():
+                skeleton, parts, got = partial[step]
+                if not _is_part(piece, parts[position], skeleton["tensors"]):
+                    raise PeerLost(f"rank {helper.member}'s part of the update of step {step} "
+                                   "is not the one the source left to it")
+                got.update(zip(piece["indices"], piece["tensors"]))
             size = helper.nbytes - before[helper.member]
             self.bytes_from[helper.member] += size
             nbytes += size
-        return [got[step] for step in steps], nbytes
+        return [unflatten_tensors(skeleton, [got[i] for i in range(len(skeleton["tensors"]))])
+                for skeleton, _, got in (partial[step] for step in steps)], nbytes
 
     def finish(self) -> None:
         """The helpers whose share it took send nothing more."""
