@@ -256,12 +256,12 @@ class Attendance:
             if busy is not None and busy.is_alive():
                 continue
             self._requests.remove(request)
+            members = [int(r) for r in request.get("share") or [self.rank]]
             link = self._link_to(request)
-            if link.given_up():  # the joiner went on without it
+            if self.rank not in members or link.given_up():  # the joiner went on without it
                 continue
             # Copied at this step boundary, before training goes on.
             if kind == "share":
-                members = [int(r) for r in request["share"]]
                 target, what = self._send_share, helper_share(
                     member.join_state(copy=False), members.index(self.rank), len(members))
             else:
