@@ -1,5 +1,5 @@
 """A state that several members send a joiner at once, a share each
-(:mod:`exogym.membership.stripes`): three ranks in threads over one store, two members
+(:mod:`exogym.membership.handover`): three ranks in threads over one store, two members
 and a joiner, with a state of 21M values whose largest tensor is 16 MiB."""
 
 from __future__ import annotations

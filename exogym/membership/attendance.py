@@ -14,7 +14,7 @@ member for the state; that member copies :meth:`Member.join_state` at its next
 step boundary and a thread of its own streams the copy on a link of the two
 (:class:`exogym.comm.elastic_groups.PairLink`) while it trains on. Every other
 live member sends a share of it at the same time, on a link of its own
-(:mod:`exogym.membership.stripes`). The joiner
+(:mod:`exogym.membership.handover`). The joiner
 then skips to the step after the member's latest, enters itself in the round's
 record of joins (:mod:`exogym.membership.hosts`) and trains; it meets the
 members in the round's closing collective. If the round closes first, it waits
@@ -39,19 +39,17 @@ from exogym import comm
 from exogym.comm.protocol import PeerLost, PeerTimeoutError, RankDropped
 from exogym.membership.handover import (
     Outgoing,
+    StripedIntake,
+    exchange_ints,
     hand_over,
+    helper_share,
     send_description,
+    send_share,
     send_tensors,
+    send_update,
     stripes,
 )
 from exogym.membership.simulated import RunMembership
-from exogym.membership.stripes import (
-    StripedIntake,
-    exchange_ints,
-    helper_share,
-    send_share,
-    send_update,
-)
 
 __all__ = ["Attendance", "Member"]
 
@@ -241,7 +239,7 @@ class Attendance:
 
     def _serve(self, member: Member) -> None:
         """A member: at most every :data:`SERVE_POLL_S` seconds, look for ranks that asked it
-        for the state (or for a share of it, :mod:`exogym.membership.stripes`), and start
+        for the state (or for a share of it, :mod:`exogym.membership.handover`), and start
         handing the first of each kind a copy in a thread."""
         now = time.monotonic()
         if now < self._next_poll:
@@ -356,7 +354,7 @@ class Attendance:
     def _send_share(self, link: Any, request: dict[str, Any], share: dict[str, Any],
                     member: Member) -> None:
         """A helper's thread: its share of the state, if the joiner takes it, then the
-        rounds' updates the joiner asks of it (:func:`exogym.membership.stripes.send_share`)."""
+        rounds' updates the joiner asks of it (:func:`exogym.membership.handover.send_share`)."""
         joiner = int(request["rank"])
 
         def update_of(step: int) -> dict[str, Any]:
@@ -444,7 +442,7 @@ class Attendance:
 
     def _join_late(self, generation: int, member: Member) -> int | None:
         """A returning rank: take the state from the live members while training goes on
-        (the lowest gives it, each other one a share, :mod:`exogym.membership.stripes`),
+        (the lowest gives it, each other one a share, :mod:`exogym.membership.handover`),
         bring it up to date with the rounds that ended meanwhile, and enter the round under
         way at the step after the lowest member's latest; None when it cannot now (no live
         member, or the transfer failed)."""
