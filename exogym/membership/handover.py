@@ -371,12 +371,6 @@ def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int,
     return unflatten_tensors(skeleton, [got[i] for i in range(len(shapes))], into), nbytes
 
 
-def receiver_targets(skeleton: dict[str, Any], into: Any) -> dict[int, torch.Tensor]:
-    """For each tensor of a received description, the receiver's own tensor (in ``into``,
-    its state of the same structure) that takes it in place."""
-    return _targets(skeleton, into)
-
-
 #: The most numbers one message of :func:`exchange_ints` carries.
 MAX_INTS = 1 << 20
 
@@ -611,7 +605,7 @@ class StripedIntake:
         self.sizes = [torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
                       for s, d in self.shapes]
         self.parts = stripes(self.sizes, 1 + len(self.helpers))
-        self.targets = receiver_targets(skeleton, into)
+        self.targets = _targets(skeleton, into)
         state = skeleton["state"]
         self.step = int(state["step"]) if isinstance(state, dict) else 0
         self.ready.set()
