@@ -40,6 +40,7 @@ nothing is unpickled.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -327,10 +328,14 @@ class Outgoing:
     """
 
     def __init__(self, state: Any):
-        self.tensors, skeleton = flatten_tensors(state)
-        self.shapes = skeleton["tensors"]
+        self.tensors, self._skeleton = flatten_tensors(state)
+        self.shapes = self._skeleton["tensors"]
         self.sizes = [_nbytes(shape, dtype) for shape, dtype in self.shapes]
-        self.description = torch.frombuffer(bytearray(describe(skeleton)), dtype=torch.uint8)
+
+    @functools.cached_property
+    def description(self) -> torch.Tensor:
+        """The description a receiver reads first (a helper, sending a part, sends none)."""
+        return torch.frombuffer(bytearray(describe(self._skeleton)), dtype=torch.uint8)
 
     def nbytes(self, indices: Sequence[int]) -> int:
         """The bytes of the tensors numbered ``indices``."""
@@ -480,7 +485,6 @@ class _Helper(threading.Thread):
         self.member = member
         self.link = link
         self.ranks = [member, intake.rank]
-        self.decided = threading.Event()
         self.taken: bool | None = None  # None until decided; False: the source sends it
         self.received: dict[int, torch.Tensor] = {}
         self.nbytes = 0
@@ -508,7 +512,6 @@ class _Helper(threading.Thread):
             self.error = exc
             self._answers.put(exc)
         finally:
-            self.decided.set()
             self.done.set()
             self.link.close()
 
@@ -522,7 +525,6 @@ class _Helper(threading.Thread):
             if self.taken is None:
                 self.taken = intake.fits(self.position, head)
             taken = self.taken
-            self.decided.set()
         exchange_ints(self.link, [1 if taken else 0], intake.rank, self.ranks)
         if not taken:
             return False
@@ -683,7 +685,5 @@ class StripedIntake:
     def abandon(self) -> None:
         """The transfer failed: every helper's link gives up at once, on both sides."""
         for helper in self.helpers:
-            abandon = getattr(helper.link, "abandon", None)
-            if abandon is not None:
-                abandon()
+            helper.link.abandon()
             helper.ask([])
