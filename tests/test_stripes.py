@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -94,12 +95,10 @@ class FakeMember:
         self.caught_up = list(updates)
 
 
-def _run(copied_at: dict[int, int], while_waiting: bool = False
-         ) -> tuple[dict, FakeMember, list[dict]]:
-    """Ranks 0 and 1 members at step 7 of a round of steps 6-10 (copies of the state taken
-    after ``copied_at`` steps), rank 2 back during it: it takes the state; its hand-over
-    event, its member and every event. ``while_waiting``: the members serve only as they
-    do while they wait for a collective, on the thread that trains."""
+def _world() -> tuple[Any, list[ElasticMembership], dict[str, torch.Tensor]]:
+    """Ranks 0 and 1 members at step 7 of a round of steps 6-10, rank 2 lost: the store
+    (kept by the caller while the ranks run), their memberships and the model every member
+    holds alike."""
     server = comm.open_store("127.0.0.1", free_port(), is_master=True, timeout_s=60)
     port = server.port
     ws = [ElasticGroups(3, r, lambda t: comm.open_store("127.0.0.1", port, timeout_s=t), 60.0,
@@ -114,6 +113,24 @@ def _run(copied_at: dict[int, int], while_waiting: bool = False
     assert ms[0].present(6) == {0, 1} and ms[1].present(6) == {0, 1}
     torch.manual_seed(0)
     shared = {k: torch.randn(s) for k, s in SHAPES.items()}
+    return server, ms, shared
+
+
+class Run(NamedTuple):
+    taken: dict  # the joiner's hand-over event
+    joiner: FakeMember
+    events: list[dict]
+    atts: list[Attendance]
+    server: Any  # the store, kept while the ranks' threads may use it
+
+
+def _run(copied_at: dict[int, int], while_waiting: bool = False, serving: tuple = (0, 1)
+         ) -> Run:
+    """Ranks 0 and 1 members at step 7 of a round of steps 6-10 (copies of the state taken
+    after ``copied_at`` steps), rank 2 back during it: it takes the state.
+    ``while_waiting``: the members serve only as they do while they wait for a collective,
+    on the thread that trains. ``serving``: the members that look for requests."""
+    server, ms, shared = _world()
     # The rounds' updates every member applied alike since the copies (steps 6 and 7 here).
     updates = [{"step": s, "deltas": [torch.full((1 << 20,), float(s))]} for s in (6, 7)]
     members = [FakeMember(r, 7, copied_at[r], shared, updates) for r in (0, 1)]
@@ -142,10 +159,10 @@ def _run(copied_at: dict[int, int], while_waiting: bool = False
             else:
                 att._serve(members[r])
             time.sleep(0.02)
-        for thread in atts[r]._senders.values():
+        for thread, _ in atts[r]._senders.values():
             thread.join(60)
 
-    servers = [threading.Thread(target=serve, args=(r,)) for r in (0, 1)]
+    servers = [threading.Thread(target=serve, args=(r,)) for r in serving]
     for t in servers:
         t.start()
     generation = ms[2].acknowledge()
@@ -158,11 +175,11 @@ def _run(copied_at: dict[int, int], while_waiting: bool = False
     assert step == 8
     taken = [e for e in events if e["rank"] == 2]
     assert len(taken) == 1
-    return taken[0], joiner, events
+    return Run(taken[0], joiner, events, atts, server)
 
 
 def test_a_joiner_takes_a_share_of_the_state_and_of_each_update_from_each_member():
-    taken, joiner, events = _run({0: 5, 1: 5})
+    taken, joiner, events, _, _ = _run({0: 5, 1: 5})
     state = joiner.adopted
     got_from = taken["from"]
     assert set(got_from) == {"0", "1"} and min(got_from.values()) > 40 << 20, got_from
@@ -196,7 +213,7 @@ def test_a_joiner_takes_a_share_of_the_state_and_of_each_update_from_each_member
 def test_a_share_copied_after_another_round_ended_comes_from_the_source_instead():
     """Rank 1 copied its share after the round that ends at step 10: what every member holds
     alike was no longer the source's, so the source sends every tensor."""
-    taken, joiner, _ = _run({0: 5, 1: 10})
+    taken, joiner, _, _, _ = _run({0: 5, 1: 10})
     assert set(taken["from"]) == {"0"}, taken["from"]
     state = joiner.adopted
     for i, moments in state["strategy"]["optim"]["state"].items():
@@ -205,7 +222,7 @@ def test_a_share_copied_after_another_round_ended_comes_from_the_source_instead(
 
 
 def test_members_serve_a_request_while_they_wait_for_a_collective_on_the_thread_that_trains():
-    taken, joiner, _ = _run({0: 5, 1: 5}, while_waiting=True)
+    taken, joiner, _, _, _ = _run({0: 5, 1: 5}, while_waiting=True)
     assert set(taken["from"]) == {"0", "1"}
     assert [u["step"] for u in joiner.caught_up] == [6, 7]
 
@@ -250,3 +267,70 @@ def test_a_members_collective_calls_its_hook_while_it_waits(monkeypatch):
         t.join(60)
     assert out[0][0] == out[1][0] == 3.0
     assert len(calls) >= 3 and set(calls) == {out[0][1]}
+
+
+def test_a_joiners_thread_for_a_helper_that_never_came_ends_once_its_share_is_given_up():
+    """Rank 1 never reads its request: the source sends its share, and the joiner's thread
+    waiting for rank 1's link to form ends at once, not at the form timeout (30 s)."""
+    run = _run({0: 5, 1: 5}, serving=(0,))
+    assert set(run.taken["from"]) == {"0"}
+    helper = run.atts[2]._intake.helpers[0]
+    helper.join(3)
+    assert not helper.is_alive()
+    assert "given up before it formed" in str(helper.error)
+
+
+MEMBER_DONE_MID_TRANSFER = """
+import sys, threading, time
+sys.path[:0] = [{tests!r}, {root!r}]
+from test_stripes import FakeMember, _world
+from exogym.membership.attendance import Attendance
+from exogym.membership.handover import send_description
+
+server, ms, shared = _world()
+member = FakeMember(0, 7, 5, shared, [])
+att = Attendance(ms[0], 0, lambda event: None)
+att.mid_round = True
+generation = ms[2].acknowledge()
+name = ms[2].ask_state(0, generation, {{"helpers": []}})
+_, decided = ms[2].current_round()
+link = ms[2].world.pair_link(name, 0, 2, {{0: int(decided["gens"]["0"]), 2: generation}})
+described = threading.Event()
+
+def joiner():  # takes the description, then nothing more
+    send_description(link.broadcast, 0, [0, 2], 2, None)
+    described.set()
+
+threading.Thread(target=joiner, daemon=True).start()
+att._serve(member)
+assert described.wait(60)
+time.sleep(1.0)  # the member's thread now waits for a joiner that takes no tensor
+thread = att._senders["state"][0]
+assert thread.is_alive()
+started = time.monotonic()
+att.close()
+print(f"closed in {{time.monotonic() - started:.2f}} s, thread alive: {{thread.is_alive()}}")
+ms[0].world.close()
+"""
+
+
+def test_a_rank_done_while_its_thread_hands_the_state_over_stops_it_and_exits_cleanly(
+        tmp_path):
+    """A thread left waiting in a collective when the process exits ends the process with
+    an abort (SIGABRT) after the run is done: closing the rank gives the transfer up, and
+    the thread ends within a loss check's slices."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    script = tmp_path / "member_done.py"
+    script.write_text(MEMBER_DONE_MID_TRANSFER.format(tests=str(tests),
+                                                      root=str(tests.parent)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = [x for x in done.stdout.splitlines() if x.startswith("closed in")]
+    assert line and line[0].endswith("thread alive: False"), done.stdout
+    assert float(line[0].split()[2]) < 3.0, line
+    assert "terminate called" not in done.stderr

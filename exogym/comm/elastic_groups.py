@@ -760,12 +760,15 @@ class PairLink:
                 self.failed = True
                 raise PeerLost(f"the other side gave the hand-over on {self.name} up before "
                                "it began")
+            # A side that gives the link up while the other waits for it to form ends that
+            # wait too (within a loss check), not at the form timeout.
             self.pg, ok = groups._build(key("pair", self.name), self.ranks,
-                                        is_lost=lambda r: r in self._lost())
+                                        is_lost=lambda r: r in self._lost() or self.given_up())
             if not ok:
                 self.failed = True
-                raise PeerLost(f"the link {self.name} of ranks {list(self.ranks)} did not form "
-                               f"within {groups.form_timeout_s:.0f} s")
+                raise PeerLost(f"the link {self.name} of ranks {list(self.ranks)} " + (
+                    "was given up before it formed" if self.given_up() else
+                    f"did not form within {groups.form_timeout_s:.0f} s"))
         if not groups._stream(self.pg, tensor, self.ranks, src, self._completes):
             self.failed = True
             groups.store.set(self._failed_key, "1")  # the other side stops waiting at once

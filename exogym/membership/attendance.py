@@ -53,6 +53,9 @@ from exogym.membership.simulated import RunMembership
 
 __all__ = ["Attendance", "Member"]
 
+#: How long a rank that is done waits for its hand-over threads to stop.
+CLOSE_WAIT_S = 10.0
+
 
 class Member(Protocol):
     """What a rank gives to and takes from a hand-over."""
@@ -126,8 +129,11 @@ class Attendance:
         self._requests_seen = 0
         self._requests: list[dict[str, Any]] = []
         self._next_poll = 0.0
-        # The thread handing a joiner the state, and the one sending a joiner a share.
-        self._senders: dict[str, threading.Thread] = {}
+        # The thread handing a joiner the state, and the one sending a joiner a share, with
+        # their links; a joiner's intake of its last state taken under way.
+        self._senders: dict[str, tuple[threading.Thread, Any]] = {}
+        self._intake: StripedIntake | None = None
+        self._closing = threading.Event()  # the rank is done: its threads stop
         self._keeping = 0  # threads that need the rounds' updates kept
         self._keep_lock = threading.Lock()
         # The member this rank is, while it may serve requests during a collective's wait
@@ -251,7 +257,7 @@ class Attendance:
         for request in list(self._requests):
             kind = "share" if "share" in request else "state"
             busy = self._senders.get(kind)
-            if busy is not None and busy.is_alive():
+            if busy is not None and busy[0].is_alive():
                 continue
             self._requests.remove(request)
             members = [int(r) for r in request.get("share") or [self.rank]]
@@ -267,7 +273,7 @@ class Attendance:
             self._keep_updates(member, True)  # what rounds that end during the transfer change
             thread = threading.Thread(target=target, args=(link, request, what, member),
                                       name=f"{kind} to rank {request['rank']}", daemon=True)
-            self._senders[kind] = thread
+            self._senders[kind] = (thread, link)
             thread.start()
 
     def _serve_while_waiting(self) -> None:
@@ -344,8 +350,9 @@ class Attendance:
                            "seconds": time.perf_counter() - started, "during_round": True,
                            "rounds_caught_up": caught_up})
         except (PeerLost, PeerTimeoutError, RuntimeError, KeyError) as exc:
-            print(f"rank {self.rank}: handing the state to rank {joiner} during the round "
-                  f"failed ({exc}); it asks again", flush=True)
+            if not self._closing.is_set():
+                print(f"rank {self.rank}: handing the state to rank {joiner} during the round "
+                      f"failed ({exc}); it asks again", flush=True)
             return
         finally:
             self._keep_updates(member, False)
@@ -368,9 +375,14 @@ class Attendance:
         try:
             send_share(link, self.rank, joiner, share, update_of)
         except (PeerLost, PeerTimeoutError, RuntimeError) as exc:
+            refused = link.given_up()
             link.abandon()  # the joiner stops waiting for it at once
-            print(f"rank {self.rank}: sending rank {joiner} its share of the state failed "
-                  f"({exc})", flush=True)
+            if refused and not self._closing.is_set():
+                print(f"rank {self.rank}: rank {joiner} went on without its share of the "
+                      f"state ({exc})", flush=True)
+            elif not refused:
+                print(f"rank {self.rank}: sending rank {joiner} its share of the state "
+                      f"failed ({exc})", flush=True)
         finally:
             self._keep_updates(member, False)
             link.close()
@@ -432,7 +444,8 @@ class Attendance:
         seen = member.steps_done()
         deadline = time.monotonic() + timeout
         while seen < step:
-            time.sleep(0.02)
+            if self._closing.wait(0.02):
+                raise PeerLost(f"rank {self.rank} stopped at step {seen}, before step {step}")
             now = member.steps_done()
             if now != seen:
                 seen, deadline = now, time.monotonic() + timeout
@@ -465,6 +478,7 @@ class Attendance:
             links[helper] = world.pair_link(name, helper, self.rank,
                                             {helper: gens[helper], self.rank: generation})
         intake = StripedIntake(self.rank, source, links, helpers, self._alike, world.timeout_s)
+        self._intake = intake
         ranks = [source, self.rank]
         link = links[source]
         started = time.perf_counter()
@@ -520,6 +534,29 @@ class Attendance:
                    "rounds_caught_up": len(updates),
                    "from": {str(r): b for r, b in intake.bytes_from.items()}})
         return step
+
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """The rank is done: the transfers its threads still make (a state or a share it
+        sends, a share it takes) are given up on both sides, and the threads end within
+        ``wait_s`` seconds. A thread left blocked in a collective when the process exits
+        would end it with an abort."""
+        self._closing.set()
+        threads = []
+        for thread, link in self._senders.values():
+            if thread.is_alive():
+                link.abandon()
+                threads.append(thread)
+        intake, self._intake = self._intake, None
+        if intake is not None and any(h.is_alive() for h in intake.helpers):
+            intake.abandon()
+            threads.extend(h for h in intake.helpers if h.is_alive())
+        deadline = time.monotonic() + wait_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        left = [t.name for t in threads if t.is_alive()]
+        if left:
+            print(f"rank {self.rank}: {', '.join(left)} did not stop within {wait_s:.0f} s "
+                  "of the end", flush=True)
 
     def _alike(self, a: int, b: int) -> bool:
         """Whether copies of the state taken after ``a`` and after ``b`` steps hold the same

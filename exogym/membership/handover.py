@@ -521,6 +521,8 @@ class _Helper(threading.Thread):
         if not intake.ready.wait(intake.wait_s):
             raise PeerTimeoutError(f"rank {intake.rank}: the description from rank "
                                    f"{intake.source} did not come within {intake.wait_s:.0f} s")
+        if intake.abandoned:
+            raise PeerLost(f"rank {intake.rank} gave the transfer up")
         with intake.lock:
             if self.taken is None:
                 self.taken = intake.fits(self.position, head)
@@ -583,6 +585,7 @@ class StripedIntake:
         self.targets: dict[int, torch.Tensor] = {}
         self.step = 0
         self.bytes_from: dict[int, int] = {source: 0}
+        self.abandoned = False
 
     def fits(self, position: int, head: list[int]) -> bool:
         """Whether a helper's offer is part ``position`` of the source's state, copied
@@ -637,6 +640,9 @@ class StripedIntake:
             nbytes += sum(self.sizes[i] for i in indices)
         self.bytes_from[source] = nbytes
         rebuilt = unflatten_tensors(skeleton, [got[i] for i in range(len(self.shapes))], into)
+        self.targets = {}  # in the state now: the intake keeps no tensor of it
+        for helper in self.taking:
+            helper.received = {}
         return rebuilt, nbytes + sum(h.nbytes for h in self.taking)
 
     def take_updates(self, steps: list[int]) -> tuple[list[dict[str, Any]], int]:
@@ -684,6 +690,8 @@ class StripedIntake:
 
     def abandon(self) -> None:
         """The transfer failed: every helper's link gives up at once, on both sides."""
+        self.abandoned = True
+        self.ready.set()  # a helper waiting for the description goes on to fail
         for helper in self.helpers:
             helper.link.abandon()
             helper.ask([])

@@ -672,8 +672,10 @@ class TrainNode:
 
     def close(self) -> None:
         """Give back what the node holds in the process (torch's answers for a strategy
-        not built into exogym); the strategy is not called after."""
+        not built into exogym, the threads of hand-overs still under way); the strategy is
+        not called after."""
         self._foreign_code.close()
+        self.attendance.close()
 
     def train(self) -> dict[str, torch.Tensor]:
         """Train to ``max_steps`` and return this rank's final model state (on the CPU)."""
