@@ -248,7 +248,7 @@ class Attendance:
         for the state (or for a share of it, :mod:`exogym.membership.handover`), and start
         handing the first of each kind a copy in a thread."""
         now = time.monotonic()
-        if now < self._next_poll:
+        if now < self._next_poll or self._closing.is_set():
             return
         self._next_poll = now + SERVE_POLL_S
         membership = self.membership
