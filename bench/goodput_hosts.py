@@ -9,7 +9,8 @@ Run as root from the project root::
 Three hosts, each a network namespace with an sshd of its own (:mod:`tests.netbed`),
 the launcher in the first (the master: ``min_nodes=2`` keeps the run's store in
 the launcher). Each profile of ``config.ini`` (``chargpt-bench`` with each strategy,
-H=20 for both DiLoCos; with ``--task digits``, ``digits-ddp``, ``digits-diloco`` and
+H=20 for both DiLoCos, AsyncDiLoCo's workers training on while they wait for a merge
+(``keep_training``); with ``--task digits``, ``digits-ddp``, ``digits-diloco`` and
 ``digits-async``) is started as a person would::
 
     python cli_typer.py distributed-train PROFILE --hosts ... --min-nodes 2 \\
@@ -58,7 +59,8 @@ TASKS: dict[str, dict[str, tuple[str, list[str]]]] = {
     "chargpt": {"DDP": ("chargpt-bench", ["--set", "strategy=ddp"]),
                 "DiLoCo": ("chargpt-bench", ["--set", "strategy=diloco", *_OUTER]),
                 "AsyncDiLoCo": ("chargpt-bench", ["--set", "strategy=async_diloco", *_OUTER,
-                                                  "--set", "quorum=0.5"])},
+                                                  "--set", "quorum=0.5",
+                                                  "--set", "keep_training=true"])},
 }
 #: Hosts of the bed; the launcher and rank 0 share the first.
 HOSTS = 3

@@ -105,6 +105,28 @@ def test_fast_ranks_do_not_wait_for_a_slow_one():
         {0: 3, 1: 3, 2: 3, 3: 2}
 
 
+def test_keep_training_fills_the_wait_for_a_quorum_with_steps_that_are_merged():
+    """A full quorum waits for the slow rank: the fast ranks idle through it, or with
+    ``keep_training`` train on, their rounds longer than H, every step merged, in the
+    same simulated time."""
+    runs = {}
+    for keep in (False, True):
+        trainer, _ = fit(AsyncDiLoCoStrategy(lr=0.01, H=4, quorum=4, keep_training=keep),
+                         max_steps=16, rank_speeds=SLOW)
+        runs[keep] = trainer
+    trained = {keep: {rank: sum(not r.get("idle") for r in step_rows(t, rank))
+                      for rank in range(4)} for keep, t in runs.items()}
+    assert trained[False] == {0: 8, 1: 8, 2: 8, 3: 6}
+    assert trained[True] == {0: 16, 1: 16, 2: 16, 3: 6}
+    for keep, trainer in runs.items():
+        merges = trainer.summary["merges"]
+        assert [m["step"] for m in merges["rounds"]] == [7, 16]
+        assert merges["steps"] == sum(trained[keep].values()) and merges["dropped_steps"] == 0
+    assert runs[True].summary["sim_time_s"] < 1.1 * runs[False].summary["sim_time_s"]
+    assert runs[True].summary["final_val_global_loss"] < \
+        runs[False].summary["final_val_global_loss"]
+
+
 def test_grace_waits_for_a_round_about_to_end_and_staleness_drops_old_ones():
     speeds = [1.0, 1.0, 1.0, 0.5]
     # grace 0: the quorum of the three fast ranks merges at once

@@ -41,7 +41,8 @@ DiLoCo's SGD with Nesterov momentum) steps the global model with it on every
 rank alike, and the version goes up by one. The contributors take the new global model and start a new
 round; the others train on and take the newest model when their own round
 ends. A worker whose round is done waits for a merge (it idles) only until the
-quorum and grace rule calls one.
+quorum and grace rule calls one; with ``keep_training`` it trains on meanwhile,
+and its round, longer than ``H``, counts every step it trained.
 
 **The end.** At the last step every present worker offers what it has (a round
 cut short counts with its samples), so no trained step is left out, and all
@@ -157,6 +158,9 @@ class AsyncDiLoCoStrategy(Strategy):
         adaptive_H: a worker's round is ``H`` times its speed (rounded, at least 1) rather
             than ``H`` (dynamic local updates, as in Async Local-SGD): a slow worker
             offers fresh, shorter rounds at the fast ones' pace instead of late long ones.
+        keep_training: a worker whose round is done trains on, at its pace, until a merge
+            takes its round (which then counts every step it trained), instead of idling
+            until then: no worker waits for a quorum, for a grace or for a merge in flight.
         **kwargs: inner optimizer, schedule and clipping arguments of ``Strategy``.
 
     The rules are in this module's docstring. It paces its ranks itself, so
@@ -184,13 +188,14 @@ class AsyncDiLoCoStrategy(Strategy):
         comm_dtype: str = ASYNC_DILOCO.comm_dtype.default,
         merge_delay: int = ASYNC_DILOCO.merge_delay.default,
         adaptive_H: bool = ASYNC_DILOCO.adaptive_H.default,
+        keep_training: bool = ASYNC_DILOCO.keep_training.default,
         **kwargs: Any,
     ):
         ASYNC_DILOCO.check(self, H=H, quorum=quorum, grace_s=grace_s, weighting=weighting,
                            max_staleness=max_staleness, outer_lr=outer_lr,
                            outer_momentum=outer_momentum, nesterov=nesterov,
                            comm_dtype=comm_dtype, merge_delay=merge_delay,
-                           adaptive_H=adaptive_H)
+                           adaptive_H=adaptive_H, keep_training=keep_training)
         if merge_delay >= H:
             raise ValueError(f"merge_delay must be an integer with 0 <= merge_delay < H={H} "
                              f"(steps trained while a merge travels), got {merge_delay!r}")
@@ -203,6 +208,7 @@ class AsyncDiLoCoStrategy(Strategy):
         self.comm_dtype = comm_dtype
         self.merge_delay = merge_delay
         self.adaptive_H = adaptive_H
+        self.keep_training = keep_training
         self.outer_optim_spec = OuterOptimizer.from_args(
             "AsyncDiLoCoStrategy", outer_optim_spec, outer_optim, outer_lr, outer_momentum,
             nesterov,
@@ -311,14 +317,14 @@ class AsyncDiLoCoStrategy(Strategy):
         for rank in present:
             worker = self.workers[rank]
             worker.trains = False
-            if worker.ready:
-                continue
+            if worker.ready and not self.keep_training:
+                continue  # its round waits for a merge
             worker.credit += self.speeds[rank]
             if worker.credit >= 1.0 - 1e-9:
                 worker.credit = max(0.0, worker.credit - 1.0)
                 worker.trains = True
                 worker.steps += 1
-                worker.ready = worker.steps >= self.round_length(rank)
+                worker.ready = worker.ready or worker.steps >= self.round_length(rank)
         return self.workers[self.rank].trains
 
     def record_step(self, samples: int, seconds: float,
@@ -813,6 +819,7 @@ class AsyncDiLoCoStrategy(Strategy):
         config = super().__config__()
         config.update({"quorum": self.quorum, "grace_s": self.grace_s,
                        "weighting": self.weighting, "max_staleness": self.max_staleness,
-                       "merge_delay": self.merge_delay, "adaptive_H": self.adaptive_H})
+                       "merge_delay": self.merge_delay, "adaptive_H": self.adaptive_H,
+                       "keep_training": self.keep_training})
         return config
 

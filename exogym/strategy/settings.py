@@ -436,6 +436,8 @@ ASYNC_DILOCO = Settings(
             low=0, unit="steps"),
     Setting("adaptive_H", bool, False, "a worker's round is H times its speed, so a slow "
             "worker sends short, fresh rounds"),
+    Setting("keep_training", bool, False, "a worker whose round is done trains on until a "
+            "merge takes it, instead of idling"),
 )
 
 NONE = Settings("none")
