@@ -281,8 +281,7 @@ def test_a_joiners_thread_for_a_helper_that_never_came_ends_once_its_share_is_gi
 
 
 MEMBER_DONE_MID_TRANSFER = """
-import sys, threading, time
-sys.path[:0] = [{tests!r}, {root!r}]
+import threading, time
 from test_stripes import FakeMember, _world
 from exogym.membership.attendance import Attendance
 from exogym.membership.handover import send_description
@@ -292,9 +291,9 @@ member = FakeMember(0, 7, 5, shared, [])
 att = Attendance(ms[0], 0, lambda event: None)
 att.mid_round = True
 generation = ms[2].acknowledge()
-name = ms[2].ask_state(0, generation, {{"helpers": []}})
+name = ms[2].ask_state(0, generation, {"helpers": []})
 _, decided = ms[2].current_round()
-link = ms[2].world.pair_link(name, 0, 2, {{0: int(decided["gens"]["0"]), 2: generation}})
+link = ms[2].world.pair_link(name, 0, 2, {0: int(decided["gens"]["0"]), 2: generation})
 described = threading.Event()
 
 def joiner():  # takes the description, then nothing more
@@ -309,7 +308,7 @@ thread = att._senders["state"][0]
 assert thread.is_alive()
 started = time.monotonic()
 att.close()
-print(f"closed in {{time.monotonic() - started:.2f}} s, thread alive: {{thread.is_alive()}}")
+print(f"closed in {time.monotonic() - started:.2f} s, thread alive: {thread.is_alive()}")
 ms[0].world.close()
 """
 
@@ -319,16 +318,17 @@ def test_a_rank_done_while_its_thread_hands_the_state_over_stops_it_and_exits_cl
     """A thread left waiting in a collective when the process exits ends the process with
     an abort (SIGABRT) after the run is done: closing the rank gives the transfer up, and
     the thread ends within a loss check's slices."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     tests = Path(__file__).resolve().parent
     script = tmp_path / "member_done.py"
-    script.write_text(MEMBER_DONE_MID_TRANSFER.format(tests=str(tests),
-                                                      root=str(tests.parent)))
+    script.write_text(MEMBER_DONE_MID_TRANSFER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=240)
+                          timeout=240, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     line = [x for x in done.stdout.splitlines() if x.startswith("closed in")]
     assert line and line[0].endswith("thread alive: False"), done.stdout
