@@ -109,6 +109,10 @@ def main() -> None:
                              "to the launcher; 0.55 on two cores)")
     parser.add_argument("--subnet", default="10.213.98",
                         help="the bed's /24, three octets (default 10.213.98)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a profile setting for every run, after the strategy's own "
+                        "(e.g. keep_training=false: AsyncDiLoCo's workers idle while they "
+                        "wait for a merge)")
     parser.add_argument("--out", type=Path, default=None,
                         help="where the runs and goodput.json are kept (default: a new "
                              "folder in the temporary directory)")
@@ -146,6 +150,7 @@ def main() -> None:
 
         for name in args.strategies:
             profile, settings = TASKS[args.task][name]
+            settings = [*settings, *(part for given in args.set for part in ("--set", given))]
             label = f"{args.task}-{name.lower()}"
             calibration = held_run(f"{label}-calibration", CALIBRATION_STEPS[args.task],
                                    settings, profile)
