@@ -474,6 +474,38 @@ def test_progress_bound_is_ten_measured_rounds_and_at_least_five_minutes():
     assert fixed.stalled() is None  # not training yet: no bound runs
 
 
+
+def test_a_rank_done_training_is_not_lost_while_it_writes_its_outputs_without_a_heartbeat():
+    """With min_nodes the launcher judges ranks by their heartbeat, which a rank stops when
+    it reports the end of its training; averaging and writing a large model's outputs
+    after that took longer than ``lost_after``, and every rank was stopped as lost before
+    the final model and summary were written."""
+    from types import SimpleNamespace
+
+    from distributed.launch.elastic_attempt import ElasticAttempt
+
+    progress = ProgressWatch()
+    beats = {0: 7, 1: 7}
+    lost: list[int] = []
+    attempt = SimpleNamespace(
+        runs={r: SimpleNamespace(running=True) for r in (0, 1)}, lost={}, beats={},
+        lost_after=10.0, store=None, progress=progress,
+        comm=SimpleNamespace(read_beat=lambda store, key: beats[int(key.rsplit("/", 1)[1])]),
+        _lose=lambda rank, why: (lost.append(rank), attempt.lost.update({rank: why})))
+    ElasticAttempt._watch_heartbeats(attempt, 0.0)
+    beats.update({0: 8, 1: 8})  # both beat, then go quiet
+    ElasticAttempt._watch_heartbeats(attempt, 1.0)
+    for rank in (0, 1):
+        progress.on_event({"event": "step", "rank": rank, "step": 5})
+    progress.on_event({"event": "done", "rank": 0, "step": 5})
+    ElasticAttempt._watch_heartbeats(attempt, 30.0)  # neither has beaten for 29 s
+    assert lost == [1]
+    # A process of the rank that starts again (it rejoins) is judged by its heartbeat.
+    progress.on_event({"event": "start", "rank": 0, "round_steps": 1})
+    ElasticAttempt._watch_heartbeats(attempt, 31.0)
+    assert lost == [1, 0]
+
+
 DRIVER = """
 import json, signal, sys
 from distributed.launch.launcher import Launcher, RankProgram, split_options

@@ -175,7 +175,10 @@ class ElasticAttempt:
 
     def _watch_heartbeats(self, now: float) -> None:
         for rank, run in self.runs.items():
-            if rank in self.lost or not run.running:
+            # A rank that reported its end beats no more while it averages and writes its
+            # outputs (seconds for a large model): its exit is awaited, within the bound
+            # on a run without progress, not judged by its heartbeat.
+            if rank in self.lost or not run.running or rank in self.progress.finished:
                 continue
             beat = self.comm.read_beat(self.store, f"exogym/beat/{rank}")
             seen = self.beats.get(rank)

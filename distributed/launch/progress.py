@@ -49,6 +49,9 @@ class ProgressWatch:
         self._advances: list[tuple[float, int]] = []  # (time, step) of each new best step
         self.waiting: dict[int, dict[str, Any]] = {}  # the last wait each rank reported
         self.hosts: dict[int, str] = {}
+        #: Ranks whose process reported the end of its training (``done``): it writes its
+        #: outputs now, with no heartbeat; a process of the rank that starts again leaves it.
+        self.finished: set[int] = set()
 
     def on_event(self, event: dict[str, Any]) -> None:
         """Take one of the run's events."""
@@ -57,7 +60,10 @@ class ProgressWatch:
         if rank is not None and event.get("host"):
             self.hosts[rank] = str(event["host"])
         now = self.clock()
+        if kind == "done" and rank is not None:
+            self.finished.add(rank)
         if kind == "start":
+            self.finished.discard(rank)
             self.round_steps = max(1, int(event.get("round_steps") or 1))
             if self.since is None:
                 self.since = now
