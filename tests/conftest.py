@@ -7,8 +7,10 @@ made its own namespaces asks for the real thing (tests/test_discovery.py).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -21,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 _NO_MACHINES = Path(tempfile.mkdtemp(prefix="exogym-tests-")) / "discovered.json"
+atexit.register(shutil.rmtree, _NO_MACHINES.parent, True)
 _NO_MACHINES.write_text("[]\n", encoding="utf-8")
 os.environ["EXOGYM_DISCOVERED"] = str(_NO_MACHINES)
 # Several tests press Ctrl-C on commands they start (SIGINT). A shell that starts the suite

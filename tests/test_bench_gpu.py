@@ -49,7 +49,8 @@ def test_cpu_part_prints_every_mode_with_samples_per_second_and_why_the_gpu_part
         tmp_path):
     figures = tmp_path / "gpu.json"
     # With an accelerator the CPU part runs only when asked for.
-    args = ("--quick", "--json", str(figures), *(("--device", "cpu") if ACCELERATOR else ()))
+    args = ("--quick", "--json", str(figures), "--logs", str(tmp_path / "logs"),
+            *(("--device", "cpu") if ACCELERATOR else ()))
     done = run_bench(*args, timeout=240)
 
     rows = table_rows(done.stdout)
@@ -84,7 +85,8 @@ def test_gpu_part_prints_every_row_measured_or_refused_with_the_device_in_the_he
         pytest.skip("no CUDA device here (torch.cuda.is_available() is False): the GPU part "
                     "of bench.gpu is not run")
     figures = tmp_path / "gpu.json"
-    done = run_bench("--quick", "--json", str(figures), timeout=600)
+    done = run_bench("--quick", "--json", str(figures), "--logs", str(tmp_path / "logs"),
+                     timeout=600)
 
     report = json.loads(figures.read_text())
     assert report["gpu_part"]["ran"] is True

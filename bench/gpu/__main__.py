@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deadline", type=float, default=600.0,
                         help="seconds a run may take before it is stopped (default 600)")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    parser.add_argument("--logs", type=Path, default=None,
+                        help="folder for every run's log and figures (default: a new "
+                             "temporary folder, printed)")
     args = parser.parse_args(argv)
     if args.packed is not None and args.packed < 1:
         raise SystemExit(f"--packed must be 1 or more, got {args.packed}")
@@ -112,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     name = device_name(device)
     dtype = compute_dtype(args.autocast)
     peak = peak_flops(name, dtype) if device_type == "cuda" else None
-    work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    if args.logs is not None:
+        args.logs.mkdir(parents=True, exist_ok=True)
+    work = args.logs or Path(tempfile.mkdtemp(prefix="bench-gpu-"))
     print(f"{name} ({device}); logs in {work}", flush=True)
     runs = plan(device_type, args.quick, args.packed, args.gym is not None)
     rows: list[dict[str, Any]] = []
