@@ -14,8 +14,9 @@ from ranks import free_port
 
 from exogym import comm
 from exogym.comm.elastic_groups import ElasticGroups
-from exogym.membership.attendance import Attendance
-from exogym.membership.handover import STRIPE_MIN_BYTES, stripes
+from exogym.comm.protocol import PeerTimeoutError
+from exogym.membership.attendance import Attendance, _left_to_helpers
+from exogym.membership.handover import STRIPE_MIN_BYTES, CopyAhead, share_tag, stripes
 from exogym.membership.hosts import ElasticMembership, declare_lost, key
 
 SHAPES = {"emb": (8192, 512), **{f"l{i}": (2048, 2048) for i in range(4)}}
@@ -34,6 +35,78 @@ def test_stripes_give_every_tensor_to_one_sender_and_share_the_bytes():
     assert stripes(sizes, 2) == stripes(list(sizes), 2)  # the same on every rank
     with pytest.raises(ValueError):
         stripes(sizes, 0)
+
+
+class _Gated:
+    """A live tensor whose copy waits for ``gate``: the copying stands still there."""
+
+    def __init__(self, gate: threading.Event):
+        self.gate = gate
+
+    def detach(self) -> _Gated:
+        return self
+
+    def clone(self) -> torch.Tensor:
+        assert self.gate.wait(30), "the copy was never let go on"
+        return torch.ones(3)
+
+
+def test_a_copy_is_sent_as_soon_as_it_is_made_not_once_the_whole_state_is_copied():
+    first = torch.arange(1 << 22, dtype=torch.float32)  # 16 MiB
+    gate = threading.Event()
+    copies = CopyAhead([first, _Gated(gate)], [0, 1], wait_s=30)
+    got: dict[int, torch.Tensor] = {}
+
+    def send():
+        got[0] = copies[0]  # while the copying waits at tensor 1
+        gate.set()
+        got[1] = copies[1]
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    copies.make()
+    sender.join(30)
+    assert torch.equal(got[1], torch.ones(3))
+    first.add_(1)  # the state moves on: what was copied does not
+    assert torch.equal(got[0], torch.arange(1 << 22, dtype=torch.float32))
+    with pytest.raises(RuntimeError, match=r"tensor 0 .*\(handed out already\)"):
+        copies[0]  # each copy goes once it is sent
+
+
+def test_copying_stops_once_nothing_more_is_sent_and_a_copy_never_made_is_a_clear_error():
+    live = [torch.zeros(4), torch.zeros(4)]
+    copies = CopyAhead(live, [0, 1], wait_s=0.2)
+    with pytest.raises(PeerTimeoutError, match="copy of tensor 1 of the state was not made "
+                                               "within 0 s"):
+        copies[1]  # make() never ran
+    copies.stop()
+    copies.make()
+    with pytest.raises(RuntimeError, match="tensor 0 of the state was not copied"):
+        copies[0]
+
+
+def test_the_source_leaves_uncopied_a_part_whose_helper_share_the_joiner_took():
+    class Link:  # the source's link with the joiner: the joiner took part 1 from its helper
+        def __init__(self):
+            self.asked: list[str] = []
+
+        def marked(self, tag: str) -> bool:
+            self.asked.append(tag)
+            return tag == share_tag(1)
+
+    parts = [[0, 3], [1, 4], [2]]
+    live = [torch.full((1 << 20,), float(i)) for i in range(5)]
+    link = Link()
+    copies = CopyAhead(live, [i for part in parts for i in part], 5.0,
+                       _left_to_helpers(parts, link))
+    copies.make()
+    assert copies.skipped == {1, 4}
+    assert link.asked == [share_tag(1), share_tag(2)]  # once a part, as the copying reached it
+    assert copies.copied_bytes == 3 * (4 << 20)
+    for i in (0, 3, 2):
+        assert torch.equal(copies[i], live[i])
+    with pytest.raises(RuntimeError, match=r"tensor 4 .*\(another member was sending it\)"):
+        copies[4]
 
 
 class FakeMember:
@@ -179,7 +252,7 @@ def _run(copied_at: dict[int, int], while_waiting: bool = False, serving: tuple 
 
 
 def test_a_joiner_takes_a_share_of_the_state_and_of_each_update_from_each_member():
-    taken, joiner, events, _, _ = _run({0: 5, 1: 5})
+    taken, joiner, events, atts, _ = _run({0: 5, 1: 5})
     state = joiner.adopted
     got_from = taken["from"]
     assert set(got_from) == {"0", "1"} and min(got_from.values()) > 40 << 20, got_from
@@ -208,6 +281,8 @@ def test_a_joiner_takes_a_share_of_the_state_and_of_each_update_from_each_member
     assert [float(u["deltas"][0][0]) for u in joiner.caught_up] == [6.0, 7.0]
     given = [e for e in events if e["rank"] == 0]
     assert given and given[0]["during_round"] and given[0]["rounds_caught_up"] == 2
+    # The joiner told the source it took rank 1's share, on their link.
+    assert atts[2]._intake.links[0].marked(share_tag(1))
 
 
 def test_a_share_copied_after_another_round_ended_comes_from_the_source_instead():
@@ -283,7 +358,7 @@ def test_a_joiners_thread_for_a_helper_that_never_came_ends_once_its_share_is_gi
 MEMBER_DONE_MID_TRANSFER = """
 import threading, time
 from test_stripes import FakeMember, _world
-from exogym.membership.attendance import Attendance
+from exogym.membership.attendance import Attendance, _left_to_helpers
 from exogym.membership.handover import send_description
 
 server, ms, shared = _world()

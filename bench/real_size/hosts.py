@@ -98,6 +98,11 @@ def host_run(bed: Testbed, model: str, rate: str, min_nodes: int | None, kill: b
                    handed_bytes=handed[-1]["bytes"] if handed else None,
                    handed_s=handed[-1]["seconds"] if handed else None,
                    handed_from=handed[-1].get("from") if handed else None,
+                   # Where the hand-over's time went, on the joiner and on its source.
+                   joiner_timing=handed[-1].get("timing") if handed else None,
+                   source_timing=next((e.get("timing") for _, e in
+                                       reversed(events.of("hand_over", 0))
+                                       if e.get("during_round")), None),
                    transfer_at_rate_s=transfer,
                    target_s=transfer + 5,
                    membership=[len(e["ranks"]) for _, e in events.of("membership")])

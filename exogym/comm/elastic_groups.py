@@ -778,6 +778,14 @@ class PairLink:
                 f"{self.why or 'a rank stopped answering'} (ranks "
                 f"{', '.join(map(str, self.ranks))} still live)"))
 
+    def mark(self, tag: str) -> None:
+        """Tell the other side ``tag`` (a plain word), apart from the transfer."""
+        self.groups.store.set(key("pair", self.name, "mark", tag), "1")
+
+    def marked(self, tag: str) -> bool:
+        """Whether either side set the mark ``tag`` (:meth:`mark`)."""
+        return bool(self.groups.store.check([key("pair", self.name, "mark", tag)]))
+
     def given_up(self) -> bool:
         """Whether either side gave the transfer up (:meth:`abandon`)."""
         return bool(self.groups.store.check([self._failed_key]))

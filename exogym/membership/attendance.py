@@ -47,6 +47,7 @@ from exogym.membership.handover import (
     send_share,
     send_tensors,
     send_update,
+    share_tag,
     stripes,
 )
 from exogym.membership.simulated import RunMembership
@@ -253,6 +254,10 @@ class Attendance:
         self._next_poll = now + SERVE_POLL_S
         membership = self.membership
         found, self._requests_seen = membership.state_requests(self._requests_seen)
+        for request in found:  # how long it waited to be read (wall clocks), and since then
+            request["waited_s"] = max(0.0, time.time() - float(request.get("asked_at", 0) or
+                                                                time.time()))
+            request["seen"] = now
         self._requests.extend(found)
         for request in list(self._requests):
             kind = "share" if "share" in request else "state"
@@ -264,17 +269,32 @@ class Attendance:
             link = self._link_to(request)
             if self.rank not in members or link.given_up():  # the joiner went on without it
                 continue
-            # Copied at this step boundary, before training goes on.
+            # Copied at this step boundary, before training goes on; the thread sends each
+            # tensor as soon as its copy is made.
+            copying = time.monotonic()
+            wait_s = self.membership.world.timeout_s
+            live = member.join_state(copy=False)
             if kind == "share":
-                target, what = self._send_share, helper_share(
-                    member.join_state(copy=False), members.index(self.rank), len(members))
+                what = helper_share(live, members.index(self.rank), len(members), wait_s)
+                target, copies = self._send_share, what["tensors"]
             else:
-                target, what = self._send, member.join_state()
+                out = Outgoing(live)
+                parts = stripes(out.sizes, 1 + len(request.get("helpers") or []))
+                # Its own part first; then a helper's, in case it cannot send its own,
+                # unless the joiner has taken that helper's share by then.
+                copies = out.copy_ahead([i for part in parts for i in part], wait_s,
+                                        _left_to_helpers(parts, link))
+                target, what = self._send, (out, parts, int(live["step"]))
+            del live
+            request["served_after_s"] = copying - request["seen"]
             self._keep_updates(member, True)  # what rounds that end during the transfer change
             thread = threading.Thread(target=target, args=(link, request, what, member),
                                       name=f"{kind} to rank {request['rank']}", daemon=True)
             self._senders[kind] = (thread, link)
             thread.start()
+            copies.make()
+            request["copy_s"] = time.monotonic() - copying
+            request["copied_bytes"] = copies.copied_bytes
 
     def _serve_while_waiting(self) -> None:
         """Between the slices of a wait for the members' collective, on the thread that
@@ -301,24 +321,27 @@ class Attendance:
                                {self.rank: world.generations[self.rank],
                                 joiner: int(request["gen"])})
 
-    def _send(self, link: Any, request: dict[str, Any], state: dict[str, Any],
-              member: Member) -> None:
-        """The member's thread: the copied state on a link of the two (the tensors of the
-        shares the joiner took from helpers left out), then, until the joiner has entered a
-        round, the step the member has reached and the updates of the rounds that ended
-        since the copy that the joiner asks of it (a round the joiner finds closed, a
-        member being ahead, is waited out: the next one's update follows)."""
+    def _send(self, link: Any, request: dict[str, Any],
+              what: tuple[Outgoing, list[list[int]], int], member: Member) -> None:
+        """The member's thread: the state copied at the step boundary (``what``: taken
+        apart, its tensors' copies made as it goes; its parts; its step) on a link of the two (the
+        tensors of the shares the joiner took from helpers left out), then, until the
+        joiner has entered a round, the step the member has reached and the updates of the
+        rounds that ended since the copy that the joiner asks of it (a round the joiner
+        finds closed, a member being ahead, is waited out: the next one's update follows)."""
         membership = self.membership
         joiner = int(request["rank"])
         ranks = [self.rank, joiner]
         started = time.perf_counter()
         caught_up = 0
+        out, parts, sent = what
+        copies = out.tensors
         try:
-            out = Outgoing(state)
-            parts = stripes(out.sizes, 1 + len(request.get("helpers") or []))
             send_description(link.broadcast, self.rank, ranks, self.rank, out.description)
+            described = time.perf_counter() - started
             send_tensors(link.broadcast, self.rank, ranks, self.rank, out.shapes, parts[0],
                          out.tensors)
+            own_part = time.perf_counter() - started
             nbytes = out.description.numel() + out.nbytes(parts[0])
             for position in exchange_ints(link, None, joiner, ranks):  # the helpers' left
                 if not 0 < position < len(parts):
@@ -327,8 +350,8 @@ class Attendance:
                 send_tensors(link.broadcast, self.rank, ranks, self.rank, out.shapes,
                              parts[position], out.tensors)
                 nbytes += out.nbytes(parts[position])
-            sent = state["step"]
-            del out, state
+            copies.stop()  # the copies of the helpers' parts go
+            del out, what
             for _ in range(MAX_TRIES):
                 at = member.steps_done()
                 updates = {u["step"]: u for u in member.round_updates(at) if u["step"] > sent}
@@ -348,13 +371,20 @@ class Attendance:
                 self.emit({"event": "hand_over", "rank": self.rank, "step": joined,
                            "source": self.rank, "joiners": [joiner], "bytes": nbytes,
                            "seconds": time.perf_counter() - started, "during_round": True,
-                           "rounds_caught_up": caught_up})
+                           "rounds_caught_up": caught_up, "timing": {
+                               "request_waited_s": request.get("waited_s"),
+                               "served_after_s": request.get("served_after_s"),
+                               "copy_s": request.get("copy_s"),
+                               "copied_bytes": request.get("copied_bytes"),
+                               "described_s": described,
+                               "own_part_s": own_part}})
         except (PeerLost, PeerTimeoutError, RuntimeError, KeyError) as exc:
             if not self._closing.is_set():
                 print(f"rank {self.rank}: handing the state to rank {joiner} during the round "
                       f"failed ({exc}); it asks again", flush=True)
             return
         finally:
+            copies.stop()  # no more copies are made, and those made go
             self._keep_updates(member, False)
             link.close()
 
@@ -469,6 +499,7 @@ class Attendance:
             return None
         source, helpers = live[0], live[1:]
         world = membership.world
+        started = time.perf_counter()
         gens = {int(r): int(g) for r, g in decided["gens"].items()}
         links = {source: world.pair_link(
             membership.ask_state(source, generation, {"helpers": helpers}), source, self.rank,
@@ -481,24 +512,31 @@ class Attendance:
         self._intake = intake
         ranks = [source, self.rank]
         link = links[source]
-        started = time.perf_counter()
         step = None
         updates: list[dict[str, Any]] = []
         try:
             state, nbytes = intake.take_state(member.handed_state())
+            state_s = time.perf_counter() - started
+            rounds: list[dict[str, Any]] = []  # each exchange of the step and updates
             for attempt in range(MAX_TRIES):
                 at, *ended = exchange_ints(link, None, source, ranks)
+                asked_at = time.perf_counter() - started
                 enters = None
-                if attempt and not self.catches_up_at_entry and at + 1 <= state["max_steps"]:
-                    # A round closed while its update travelled (rounds shorter than an
-                    # update's transfer): rather than chase the next one, the joiner enters
-                    # the round under way before the updates arrive, at its last step, and
-                    # the members' closing collective waits for it at most that long.
-                    enters = membership.round_end(at + 1)
+                if not self.catches_up_at_entry and at + 1 <= state["max_steps"]:
+                    # The joiner enters the round under way before the updates arrive, so
+                    # that the round cannot close while they travel (a member reaching its
+                    # last step) and leave it to chase the next one; the members' closing
+                    # collective waits for it at most that long. After a round closed while
+                    # its update travelled (rounds shorter than an update's transfer), it
+                    # enters at the round's last step.
+                    enters = at + 1 if attempt == 0 else membership.round_end(at + 1)
                     if not membership.join_late(enters, generation,
                                                 member.late_join_note(state, [])):
                         enters = None
                 got, size = intake.take_updates(ended)
+                rounds.append({"at": at, "updates": len(ended), "asked_s": asked_at,
+                               "taken_s": time.perf_counter() - started,
+                               "entered": enters is not None})
                 updates.extend(got)
                 nbytes += size
                 if enters is None and at + 1 <= state["max_steps"] and membership.join_late(
@@ -532,7 +570,9 @@ class Attendance:
                    "joiners": [self.rank], "bytes": nbytes,
                    "seconds": time.perf_counter() - started, "during_round": True,
                    "rounds_caught_up": len(updates),
-                   "from": {str(r): b for r, b in intake.bytes_from.items()}})
+                   "from": {str(r): b for r, b in intake.bytes_from.items()},
+                   "timing": {"described_s": intake.described_at - started,
+                              "state_s": state_s, "rounds": rounds}})
         return step
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
@@ -565,6 +605,24 @@ class Attendance:
         if self.catches_up_at_entry:
             return a == b
         return self.membership.round_end(a + 1) == self.membership.round_end(b + 1)
+
+
+def _left_to_helpers(parts: list[list[int]], link: Any) -> Callable[[int], bool]:
+    """Whether the source still copies tensor ``i`` for itself: its own part's always, a
+    helper's unless the joiner has taken that helper's share (asked of the link once per
+    part, as the copying reaches it)."""
+    position = {i: k for k, part in enumerate(parts) for i in part}
+    taken: dict[int, bool] = {}
+
+    def needed(i: int) -> bool:
+        k = position[i]
+        if k == 0:
+            return True
+        if k not in taken:
+            taken[k] = link.marked(share_tag(k))
+        return not taken[k]
+
+    return needed
 
 
 #: How often a member looks for ranks that asked it for the state during a round.

@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -320,6 +321,84 @@ def send_tensors(send: Callable[..., None], source: int, ranks: Sequence[int], r
     return received
 
 
+class CopyAhead:
+    """Copies of some of a state's tensors, made one after another by the thread that
+    trains (:meth:`make`, before the state changes again) while a thread that sends them
+    takes each as soon as it is made: the transfer starts with the first copy, not after
+    the last, and each copy goes once it is sent.
+
+    Args:
+        tensors: the state's live tensors, by number.
+        order: the numbers of those to copy, in the order they are sent.
+        wait_s: the longest wait for one copy.
+        needed: asked of each tensor as its turn comes (None: every one is): False leaves
+            it uncopied (another member sends it), and asking for it is then an error.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], order: Sequence[int], wait_s: float,
+                 needed: Callable[[int], bool] | None = None):
+        self._live = list(tensors)
+        self.order = list(order)
+        self.wait_s = wait_s
+        self.needed = needed
+        self._made: dict[int, torch.Tensor] = {}
+        self._taken: set[int] = set()
+        self.skipped: set[int] = set()  # left to another member
+        self.copied_bytes = 0
+        self._cond = threading.Condition()
+        self._finished = False
+        self._stopped = False
+
+    def make(self) -> None:
+        """On the thread that trains: copy the tensors in order (until :meth:`stop`)."""
+        try:
+            for i in self.order:
+                if self._stopped:
+                    break
+                if self.needed is not None and not self.needed(i):
+                    self.skipped.add(i)
+                    continue
+                copy = self._live[i].detach().clone()
+                self.copied_bytes += copy.numel() * copy.element_size()
+                with self._cond:
+                    if i not in self._taken:
+                        self._made[i] = copy
+                    self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._live = []  # the live tensors change from now on: no reference is kept
+                self._finished = True
+                self._cond.notify_all()
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """Tensor ``i``'s copy, once made; it is handed out once.
+
+        Raises:
+            PeerTimeoutError: it was not made within :attr:`wait_s`.
+            RuntimeError: it was not copied (not in the order, handed out before, or the
+                copying stopped).
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: i in self._made or self._finished,
+                                       self.wait_s):
+                raise PeerTimeoutError(f"the copy of tensor {i} of the state was not made "
+                                       f"within {self.wait_s:.0f} s")
+            if i not in self._made:
+                why = (" (handed out already)" if i in self._taken else
+                       " (another member was sending it)" if i in self.skipped else "")
+                raise RuntimeError(f"tensor {i} of the state was not copied for sending{why}")
+            self._taken.add(i)
+            return self._made.pop(i)
+
+    def stop(self) -> None:
+        """Nothing more is sent: the copies go, and :meth:`make` stops copying."""
+        with self._cond:
+            self._stopped = True
+            self._taken.update(self._made)
+            self._made.clear()
+            self._cond.notify_all()
+
+
 class Outgoing:
     """A state taken apart to be sent, whole or in parts (:func:`stripes`).
 
@@ -340,6 +419,15 @@ class Outgoing:
     def nbytes(self, indices: Sequence[int]) -> int:
         """The bytes of the tensors numbered ``indices``."""
         return sum(self.sizes[i] for i in indices)
+
+    def copy_ahead(self, order: Sequence[int], wait_s: float,
+                   needed: Callable[[int], bool] | None = None) -> CopyAhead:
+        """Send copies of the tensors numbered ``order`` (made in that order by
+        :meth:`CopyAhead.make`, those ``needed``) instead of the live tensors it was built
+        of; the description is made now, of the state as it stands."""
+        self.description  # noqa: B018 - made before the state changes
+        self.tensors = CopyAhead(self.tensors, order, wait_s, needed)
+        return self.tensors
 
 
 def hand_over(state: Any, source: int, ranks: Sequence[int], rank: int,
@@ -402,16 +490,24 @@ def exchange_ints(link: Any, values: Sequence[int] | None, src: int,
     return [int(v) for v in data]
 
 
-def helper_share(state: dict[str, Any], position: int, count: int) -> dict[str, Any]:
-    """A helper's share of its live ``state`` (a member's ``join_state(copy=False)``, copied
-    now, at a step boundary): part ``position`` of ``count`` (:func:`stripes`), and the
-    step the state is of."""
+def share_tag(position: int) -> str:
+    """The mark (:meth:`~exogym.comm.elastic_groups.PairLink.mark`) a joiner sets on its
+    link with the source once it takes part ``position`` from a helper."""
+    return f"share{position}"
+
+
+def helper_share(state: dict[str, Any], position: int, count: int,
+                 wait_s: float) -> dict[str, Any]:
+    """A helper's share of its live ``state`` (a member's ``join_state(copy=False)``, at a
+    step boundary): part ``position`` of ``count`` (:func:`stripes`), the step the state is
+    of, and the share's tensors as a :class:`CopyAhead` whose :meth:`~CopyAhead.make` the
+    caller runs before the state changes."""
     out = Outgoing(state)
     indices = stripes(out.sizes, count)[position]
     return {"step": int(state["step"]), "count": len(out.shapes), "indices": indices,
             "sizes": [out.sizes[i] for i in indices],
             "shapes": {i: out.shapes[i] for i in indices},
-            "tensors": {i: out.tensors[i].detach().clone() for i in indices}}
+            "tensors": CopyAhead(out.tensors, indices, wait_s)}
 
 
 def send_share(link: Any, rank: int, joiner: int, share: dict[str, Any],
@@ -421,15 +517,18 @@ def send_share(link: Any, rank: int, joiner: int, share: dict[str, Any],
     (``update_of(step)``: the update of the round that ended at ``step``, once this rank
     has it) until it asks for none. The bytes sent."""
     ranks = [rank, joiner]
-    exchange_ints(link, [share["step"], share["count"], *share["indices"], *share["sizes"]],
-                  rank, ranks)
-    taken = exchange_ints(link, None, joiner, ranks)
-    if taken != [1]:
-        return 0
-    send_tensors(link.broadcast, rank, ranks, rank, share["shapes"], share["indices"],
-                 share["tensors"])
+    copies = share["tensors"]
+    try:
+        exchange_ints(link, [share["step"], share["count"], *share["indices"],
+                             *share["sizes"]], rank, ranks)
+        taken = exchange_ints(link, None, joiner, ranks)
+        if taken != [1]:
+            return 0
+        send_tensors(link.broadcast, rank, ranks, rank, share["shapes"], share["indices"],
+                     copies)
+    finally:
+        copies.stop()  # sent, refused or failed: the copies go (and no more are made)
     nbytes = sum(share["sizes"])
-    share["tensors"] = {}  # sent: the copy goes now
     while True:
         ask = exchange_ints(link, None, joiner, ranks)
         if not ask:
@@ -527,6 +626,8 @@ class _Helper(threading.Thread):
             if self.taken is None:
                 self.taken = intake.fits(self.position, head)
             taken = self.taken
+        if taken:  # the source need not copy this part for itself
+            intake.links[intake.source].mark(share_tag(self.position))
         exchange_ints(self.link, [1 if taken else 0], intake.rank, self.ranks)
         if not taken:
             return False
@@ -586,6 +687,7 @@ class StripedIntake:
         self.step = 0
         self.bytes_from: dict[int, int] = {source: 0}
         self.abandoned = False
+        self.described_at = 0.0  # perf_counter() when the description came
 
     def fits(self, position: int, head: list[int]) -> bool:
         """Whether a helper's offer is part ``position`` of the source's state, copied
@@ -613,6 +715,7 @@ class StripedIntake:
         self.targets = _targets(skeleton, into)
         state = skeleton["state"]
         self.step = int(state["step"]) if isinstance(state, dict) else 0
+        self.described_at = time.perf_counter()
         self.ready.set()
         got = send_tensors(link.broadcast, source, ranks, self.rank, self.shapes, self.parts[0],
                            targets=self.targets)

@@ -429,7 +429,7 @@ class ElasticMembership:
         name = f"r{self.rank}g{generation}n{number}-{source}"
         self.store.set(key("asked", source, number),
                        json.dumps({**(what or {}), "rank": self.rank, "gen": generation,
-                                   "link": name}))
+                                   "link": name, "asked_at": time.time()}))
         return name
 
     def state_requests(self, seen: int) -> tuple[list[dict[str, Any]], int]:
