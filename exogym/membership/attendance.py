@@ -323,12 +323,13 @@ class Attendance:
 
     def _send(self, link: Any, request: dict[str, Any],
               what: tuple[Outgoing, list[list[int]], int], member: Member) -> None:
-        """The member's thread: the state copied at the step boundary (``what``: taken
-        apart, its tensors' copies made as it goes; its parts; its step) on a link of the two (the
-        tensors of the shares the joiner took from helpers left out), then, until the
-        joiner has entered a round, the step the member has reached and the updates of the
-        rounds that ended since the copy that the joiner asks of it (a round the joiner
-        finds closed, a member being ahead, is waited out: the next one's update follows)."""
+        """The member's thread: the state copied at the step boundary (``what``: the
+        state taken apart, whose copies the trainer makes as this thread sends them; its
+        parts; its step) on a link of the two (the tensors of the shares the joiner took
+        from helpers left out), then, until the joiner has entered a round, the step the
+        member has reached and the updates of the rounds that ended since the copy that
+        the joiner asks of it (a round the joiner finds closed, a member being ahead, is
+        waited out: the next one's update follows)."""
         membership = self.membership
         joiner = int(request["rank"])
         ranks = [self.rank, joiner]
@@ -619,7 +620,10 @@ def _left_to_helpers(parts: list[list[int]], link: Any) -> Callable[[int], bool]
         if k == 0:
             return True
         if k not in taken:
-            taken[k] = link.marked(share_tag(k))
+            try:
+                taken[k] = link.marked(share_tag(k))
+            except Exception:  # noqa: BLE001 - not known to be taken: copied, as before
+                taken[k] = False
         return not taken[k]
 
     return needed
