@@ -128,6 +128,7 @@ class FakeMember:
         self.kept: list[dict] | None = None
         self.adopted = None
         self.caught_up: list[dict] = []
+        self.on_round_updates: Any = None  # called as its updates are read
 
     def join_state(self, copy: bool = True) -> dict:
         state = {"model": self.model,
@@ -156,6 +157,8 @@ class FakeMember:
         self.kept = list(self.updates) if keep else None
 
     def round_updates(self, through_step: int) -> list[dict]:
+        if self.on_round_updates is not None:
+            self.on_round_updates()
         return [u for u in self.kept or [] if u["step"] <= through_step]
 
     def late_join_note(self, state, updates) -> dict:
@@ -197,8 +200,8 @@ class Run(NamedTuple):
     server: Any  # the store, kept while the ranks' threads may use it
 
 
-def _run(copied_at: dict[int, int], while_waiting: bool = False, serving: tuple = (0, 1)
-         ) -> Run:
+def _run(copied_at: dict[int, int], while_waiting: bool = False, serving: tuple = (0, 1),
+         close_during_updates: bool = False) -> Run:
     """Ranks 0 and 1 members at step 7 of a round of steps 6-10 (copies of the state taken
     after ``copied_at`` steps), rank 2 back during it: it takes the state.
     ``while_waiting``: the members serve only as they do while they wait for a collective,
@@ -208,6 +211,8 @@ def _run(copied_at: dict[int, int], while_waiting: bool = False, serving: tuple 
     updates = [{"step": s, "deltas": [torch.full((1 << 20,), float(s))]} for s in (6, 7)]
     members = [FakeMember(r, 7, copied_at[r], shared, updates) for r in (0, 1)]
     joiner = FakeMember(2, 0, 0, {k: torch.zeros(s) for k, s in SHAPES.items()}, [])
+    if close_during_updates:  # a member reaches the round's last step as the updates travel
+        members[1].on_round_updates = lambda: ms[1].close_round(10)
     events: list[dict] = []
     lock = threading.Lock()
 
@@ -294,6 +299,16 @@ def test_a_share_copied_after_another_round_ended_comes_from_the_source_instead(
     for i, moments in state["strategy"]["optim"]["state"].items():
         assert torch.all(moments["exp_avg"] == float(i))  # rank 0's own
     assert [u["step"] for u in joiner.caught_up] == [6, 7]
+
+
+def test_a_round_that_closes_while_the_updates_travel_still_takes_the_joiner_in():
+    """The joiner enters the round under way before its updates arrive: a member that
+    closes the round's record meanwhile (it reached the round's last step) reads the joiner
+    in it, instead of the joiner finding it closed and chasing the next round."""
+    taken, joiner, _, _, _ = _run({0: 5, 1: 5}, close_during_updates=True)
+    assert taken["step"] == 8
+    assert [u["step"] for u in joiner.caught_up] == [6, 7]
+    assert [r["entered"] for r in taken["timing"]["rounds"]] == [True]
 
 
 def test_members_serve_a_request_while_they_wait_for_a_collective_on_the_thread_that_trains():

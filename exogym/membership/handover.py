@@ -276,12 +276,13 @@ def send_description(send: Callable[..., None], source: int, ranks: Sequence[int
 
 def send_tensors(send: Callable[..., None], source: int, ranks: Sequence[int], rank: int,
                  shapes: Sequence[tuple[tuple[int, ...], torch.dtype]], indices: Sequence[int],
-                 tensors: Sequence[torch.Tensor] | None = None,
+                 tensors: Sequence[torch.Tensor] | CopyAhead | None = None,
                  targets: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
     """The tensors numbered ``indices`` (of a description's ``shapes``) from ``source``:
     small ones coalesced into buffers of up to :data:`BUCKET_BYTES`, large ones alone.
 
-    ``tensors``: on the source, the state's flattened tensors (all of them, by number).
+    ``tensors``: on the source, the state's flattened tensors (all of them, by number), or
+    their copies as they are made (:class:`CopyAhead`).
     ``targets``: on a receiver, its own tensors that take a received one in place.
     Returns on a receiver each received tensor by its number (nothing on the source).
     """
