@@ -362,7 +362,7 @@ class CopyAhead:
                 copy = self._live[i].detach().clone()
                 self.copied_bytes += copy.numel() * copy.element_size()
                 with self._cond:
-                    if i not in self._taken:
+                    if not self._stopped:  # a copy made as the sending stopped goes at once
                         self._made[i] = copy
                     self._cond.notify_all()
         finally:
@@ -376,17 +376,18 @@ class CopyAhead:
 
         Raises:
             PeerTimeoutError: it was not made within :attr:`wait_s`.
-            RuntimeError: it was not copied (not in the order, handed out before, or the
-                copying stopped).
+            RuntimeError: it was not copied (not in the order, left to another member,
+                handed out before, or the sending stopped).
         """
         with self._cond:
-            if not self._cond.wait_for(lambda: i in self._made or self._finished,
-                                       self.wait_s):
+            if not self._cond.wait_for(
+                    lambda: i in self._made or self._finished or self._stopped, self.wait_s):
                 raise PeerTimeoutError(f"the copy of tensor {i} of the state was not made "
                                        f"within {self.wait_s:.0f} s")
             if i not in self._made:
                 why = (" (handed out already)" if i in self._taken else
-                       " (another member was sending it)" if i in self.skipped else "")
+                       " (another member was sending it)" if i in self.skipped else
+                       " (the sending stopped)" if self._stopped else "")
                 raise RuntimeError(f"tensor {i} of the state was not copied for sending{why}")
             self._taken.add(i)
             return self._made.pop(i)
@@ -395,7 +396,6 @@ class CopyAhead:
         """Nothing more is sent: the copies go, and :meth:`make` stops copying."""
         with self._cond:
             self._stopped = True
-            self._taken.update(self._made)
             self._made.clear()
             self._cond.notify_all()
 
