@@ -190,6 +190,138 @@ def test_two_groups_meeting_at_once_across_processes_never_read_each_others_part
     assert wrong == [[], []]
 
 
+def _many_ranks_in_windows(index: int, port: int, run_id: str, out) -> None:
+    import threading
+
+    from exogym import comm
+    from exogym.comm import packed
+    from exogym.comm.mailbox import Mailbox
+    from exogym.comm.packed import PackedWorld
+
+    packed.POST_BYTES = 64 << 10  # 8 ranks of 40 KB each: several windows per exchange
+    packed.MIN_WINDOW_BYTES = 1 << 10
+    sizes = []
+    take = Mailbox.take
+
+    def recorded_take(self, nbytes, *args, **kwargs):
+        sizes.append(nbytes)
+        return take(self, nbytes, *args, **kwargs)
+
+    Mailbox.take = recorded_take
+    world = PackedWorld(16, 2, index, lambda: comm.open_store("127.0.0.1", port, timeout_s=30),
+                        30, run_id=run_id)
+    comm.use_backend(world)
+    results = {}
+
+    def values(rank: int) -> torch.Tensor:
+        return torch.randn(10_000, generator=torch.Generator().manual_seed(rank))
+
+    def body(rank: int) -> None:
+        world.sit(rank)
+        try:
+            t = values(rank)
+            world.all_reduce(t)
+            gathered = [torch.empty(10_000) for _ in range(16)]
+            world.all_gather(gathered, values(rank))
+            b = torch.zeros(10_000) if rank != 11 else values(11)
+            world.broadcast(b, 11)
+            results[rank] = (t, gathered, b)
+        finally:
+            world.stand()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in world.here]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    world.close()
+    total = values(0).clone()
+    for r in range(1, 16):
+        total += values(r)  # in rank order, as every reduction adds
+    wrong = [r for r, (t, gathered, b) in results.items()
+             if not (torch.equal(t, total) and torch.equal(b, values(11))
+                     and all(torch.equal(g, values(s)) for s, g in enumerate(gathered)))]
+    out.put((sorted(results), wrong, max(sizes)))
+
+
+def test_a_process_of_many_ranks_posts_them_in_windows_of_bounded_size():
+    """A process's part of an exchange is capped (POST_BYTES), however many ranks it runs:
+    8 ranks of 40 KB post in windows of at most 64 KiB, and the sums, gathers and
+    broadcasts come out exactly as one exchange would give them."""
+    from exogym.comm.mailbox import remove_segments
+
+    reported, run_id = _two_processes(_many_ranks_in_windows, timeout=120)
+    assert remove_segments(run_id) == 0
+    for ranks, wrong, largest in reported:
+        assert len(ranks) == 8 and wrong == []
+        assert largest <= 64 << 10  # not the 8 x 40 KB = 320 KB of one window per rank
+
+
+def test_window_elements_shrink_with_the_ranks_a_process_posts_within_bounds():
+    from exogym.comm.packed import MIN_WINDOW_BYTES, POST_BYTES, WINDOW_BYTES, window_elements
+
+    assert window_elements(1, 4) == WINDOW_BYTES // 4  # few ranks: the per-rank cap
+    assert window_elements(512, 4) * 4 * 512 <= POST_BYTES
+    assert window_elements(1 << 20, 4) == MIN_WINDOW_BYTES // 4  # never below the floor
+    assert window_elements(3, 1 << 30) == 1  # at least one element
+
+
+def _mkl_memory() -> int | None:
+    """Bytes MKL's memory manager holds now (None: this torch has no MKL to ask)."""
+    import ctypes
+    from pathlib import Path
+
+    for path in Path(torch.__file__).parent.joinpath("lib").glob("libtorch_cpu.*"):
+        stat = getattr(ctypes.CDLL(str(path)), "mkl_serv_mem_stat", None)
+        if stat is not None:
+            stat.restype = ctypes.c_int64
+            stat.argtypes = [ctypes.POINTER(ctypes.c_int)]
+            return stat(ctypes.byref(ctypes.c_int()))
+    return None
+
+
+def test_a_rank_thread_that_hands_its_turn_on_keeps_no_blas_buffers():
+    """Each thread that ran a matrix product keeps MKL buffers of its own; a packed rank
+    gives them back whenever it lets the others run, so a process of hundreds of rank
+    threads does not hold hundreds of buffers."""
+    import threading
+
+    from exogym.base.blas_buffers import release_thread_buffers, thread_buffers_releasable
+    from exogym.comm.packed import PackedWorld
+
+    if not thread_buffers_releasable() or _mkl_memory() is None:
+        pytest.skip("this torch has no MKL: no per-thread BLAS buffers to give back")
+    world = PackedWorld(8, 1, 0, None, 30)
+    held = {}
+
+    def body(rank: int) -> None:
+        world.sit(rank)
+        try:
+            torch.randn(32, 784) @ torch.randn(784, 256)
+            if rank == 0:
+                held["while running"] = _mkl_memory()
+            world.sleep(0.01)  # the rank lets the others run
+            torch.randn(32, 784) @ torch.randn(784, 256)  # and takes buffers again
+        finally:
+            world.stand()
+
+    def warm_up() -> None:  # MKL's first product keeps a buffer for the whole process
+        torch.randn(32, 784) @ torch.randn(784, 256)
+        release_thread_buffers()
+
+    warming = threading.Thread(target=warm_up)
+    warming.start()
+    warming.join()
+    before = _mkl_memory()
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert held["while running"] > before  # a product took buffers
+    assert _mkl_memory() <= before  # every rank gave its own back when it ended
+
+
 def _leave_after_barrier(index: int, port: int, run_id: str, out) -> None:
     import time
 

@@ -29,7 +29,11 @@ Every reduction adds the ranks' tensors one by one in rank order
 (:func:`exogym.comm.protocol.reduce_rows`), the order shared memory between
 unpacked processes uses too, so a run's result does not depend on how its
 ranks are packed, and every rank gets bitwise the same result. Tensors of any
-size pass, in windows of :data:`WINDOW_BYTES` per rank.
+size pass, in windows of at most :data:`WINDOW_BYTES` per rank, and of at most
+:data:`POST_BYTES` for all the ranks of a process together: a process with
+many ranks posts its part in more, smaller windows, so the shared memory it
+holds does not grow with its ranks (512 ranks of a 235k-parameter model post
+64 KiB each per window, not all of their 0.9 MiB at once).
 
 Process-wide state a rank uses is swapped when the baton changes hands:
 torch's, Python's and NumPy's global random generators (dropout, user code).
@@ -60,6 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from exogym.base.blas_buffers import release_thread_buffers
 from exogym.comm.mailbox import Mailbox
 from exogym.comm.protocol import (
     Collectives,
@@ -76,9 +81,21 @@ log = logging.getLogger(__name__)
 
 #: The most of each rank's tensor one cross-process exchange carries.
 WINDOW_BYTES = 4 << 20
+#: The most one process posts for one window of an exchange, all its ranks together.
+POST_BYTES = 32 << 20
+#: The least of each rank's tensor one window carries, however many ranks a process has.
+MIN_WINDOW_BYTES = 16 << 10
 #: A reduction whose parts (over every rank) reach this many bytes is split into one
 #: slice per process; a smaller one is reduced whole by every process.
 SPLIT_BYTES = 1 << 20
+
+
+def window_elements(rows: int, itemsize: int) -> int:
+    """Elements of each rank's tensor one cross-process window carries when a process
+    posts ``rows`` rows of them: :data:`WINDOW_BYTES` at most, fewer where ``rows`` of
+    them would exceed :data:`POST_BYTES`, never under :data:`MIN_WINDOW_BYTES`."""
+    per_row = min(WINDOW_BYTES, max(MIN_WINDOW_BYTES, POST_BYTES // max(1, rows)))
+    return max(1, per_row // itemsize)
 
 
 def process_ranks(world_size: int, processes: int, index: int) -> range:
@@ -215,6 +232,7 @@ class PackedWorld(Collectives):
         seat = self._seat()
         if self._holder is seat:
             self._holder = None  # nobody needs its random state any more
+        release_thread_buffers()
         self._baton.release()
 
     def _seat(self) -> _Seat:
@@ -244,6 +262,7 @@ class PackedWorld(Collectives):
     def _aside(self):
         """Let the process's other ranks run while this one waits."""
         seat = self._seat()
+        release_thread_buffers()  # the ranks that run meanwhile need no buffers kept for it
         self._baton.release()
         try:
             yield
@@ -447,7 +466,8 @@ class PackedWorld(Collectives):
         present, here = meeting.present, meeting.here
         procs = self._processes(present)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        window = max(1, WINDOW_BYTES // itemsize)
+        split_possible = len(procs) > 1
+        window = window_elements(len(here) + split_possible, itemsize)
         place = {r: i for p in procs for i, r in
                  enumerate(r for r in present if self._owner[r] == p)}
         with self._store() as store:
@@ -514,7 +534,7 @@ class PackedWorld(Collectives):
         sending = [r for r in here if r in wanted]
         readers = len(procs) - 1 if only is None or self._owner[only] == self.index else 0
         itemsize = torch.empty((), dtype=dtype).element_size()
-        window = max(1, WINDOW_BYTES // itemsize)
+        window = window_elements(len(sending), itemsize)
         got: dict[int, list[torch.Tensor]] = {r: [] for r in wanted}
         with self._store() as store:
             for lo in range(0, numel, window):
