@@ -5,9 +5,10 @@ thread that has run a matrix product, a buffer of about a megabyte for the
 next one. A packed simulation (:mod:`exogym.comm.packed`) runs hundreds of
 ranks as threads of one process, each running in turn; every one of them
 kept its own buffer, which at K=1024 came to about 1 GiB that no rank was
-using. :func:`release_thread_buffers` frees the calling thread's buffers, so
-that a rank that hands its turn on keeps none; the next rank's product takes
-the memory back from the allocator instead of the system.
+using. :func:`release_thread_buffers` frees what MKL lets go of the calling
+thread's buffers (it keeps one while the thread lives), so that a rank that
+hands its turn on keeps little; the next rank's product takes the memory back
+from the allocator instead of the system.
 
 Where torch has no MKL (macOS, ARM, other BLAS libraries) it does nothing.
 """

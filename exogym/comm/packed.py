@@ -85,6 +85,10 @@ WINDOW_BYTES = 4 << 20
 POST_BYTES = 32 << 20
 #: The least of each rank's tensor one window carries, however many ranks a process has.
 MIN_WINDOW_BYTES = 16 << 10
+#: A process of up to this many ranks lets each rank's thread keep its BLAS buffers (about
+#: 1 MiB each with MKL) while others run; with more, a rank gives them back whenever it
+#: hands its turn on (taking them again costs some 0.2 ms; keeping them, memory per rank).
+BUFFERS_KEPT_UP_TO = 32
 #: A reduction whose parts (over every rank) reach this many bytes is split into one
 #: slice per process; a smaller one is reduced whole by every process.
 SPLIT_BYTES = 1 << 20
@@ -262,7 +266,8 @@ class PackedWorld(Collectives):
     def _aside(self):
         """Let the process's other ranks run while this one waits."""
         seat = self._seat()
-        release_thread_buffers()  # the ranks that run meanwhile need no buffers kept for it
+        if len(self.here) > BUFFERS_KEPT_UP_TO:
+            release_thread_buffers()  # the ranks that run meanwhile need none kept for it
         self._baton.release()
         try:
             yield
