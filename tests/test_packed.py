@@ -145,6 +145,18 @@ def _two_processes(target, timeout: float) -> tuple[list, str]:
     return reported, run_id
 
 
+def _run_ranks(world, body) -> None:
+    """Run ``body(rank)`` for each of the world's ranks in a thread of its own, then close it."""
+    import threading
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in world.here]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    world.close()
+
+
 def _crossing_groups(index: int, port: int, run_id: str, out) -> None:
     from exogym import comm
     from exogym.comm.packed import PackedWorld
@@ -168,14 +180,7 @@ def _crossing_groups(index: int, port: int, run_id: str, out) -> None:
         finally:
             world.stand()
 
-    import threading
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in world.here]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    world.close()
+    _run_ranks(world, body)
     out.put(wrong)
 
 
@@ -191,8 +196,6 @@ def test_two_groups_meeting_at_once_across_processes_never_read_each_others_part
 
 
 def _many_ranks_in_windows(index: int, port: int, run_id: str, out) -> None:
-    import threading
-
     from exogym import comm
     from exogym.comm import packed
     from exogym.comm.mailbox import Mailbox
@@ -229,12 +232,7 @@ def _many_ranks_in_windows(index: int, port: int, run_id: str, out) -> None:
         finally:
             world.stand()
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in world.here]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    world.close()
+    _run_ranks(world, body)
     total = values(0).clone()
     for r in range(1, 16):
         total += values(r)  # in rank order, as every reduction adds
