@@ -278,7 +278,7 @@ def _mkl_memory() -> int | None:
     return None
 
 
-def test_a_rank_thread_that_hands_its_turn_on_keeps_no_blas_buffers(monkeypatch):
+def test_a_rank_thread_that_hands_its_turn_on_gives_back_its_blas_buffers(monkeypatch):
     """Each thread that ran a matrix product keeps MKL buffers of its own; in a process of
     more than BUFFERS_KEPT_UP_TO ranks a rank gives back what MKL lets go whenever it lets
     the others run."""
