@@ -27,6 +27,12 @@ def rows(trainer):
     return [(r["rank"], r["step"], r["train_loss"], r["comm_bytes"]) for r in trainer.history]
 
 
+def evaluations(trainer):
+    """(rank, step, validation loss of the global model) of every evaluation, in order."""
+    return [(r["rank"], r["step"], r["val_global_loss"]) for r in trainer.history
+            if "val_global_loss" in r]
+
+
 @pytest.mark.parametrize("make", [
     lambda: SimpleReduceStrategy(optim_spec="sgd", lr=0.1),
     lambda: DiLoCoStrategy(H=2, inner_optim="sgd", lr=0.1),
@@ -42,6 +48,11 @@ def test_packed_ranks_train_as_one_process_per_rank(make):
         for a, b in zip(rows(separate), rows(trainer)):
             assert a[:2] == b[:2] and a[3] == b[3]  # same rows, same bytes counted
             assert math.isclose(a[2], b[2], rel_tol=1e-5, abs_tol=1e-6)
+        # the global model scored at step 3, mid-round for DiLoCo and FedAvg, in one
+        # evaluation model per process
+        assert len(evaluations(trainer)) == len(evaluations(separate)) == 8
+        for a, b in zip(evaluations(separate), evaluations(trainer)):
+            assert a[:2] == b[:2] and math.isclose(a[2], b[2], rel_tol=1e-5, abs_tol=1e-6)
     assert_models_close(separate_model, packed_model, atol=1e-5)
     assert_models_close(packed_model, alone_model, atol=1e-5)
 
@@ -255,6 +266,70 @@ def test_a_process_of_many_ranks_posts_them_in_windows_of_bounded_size():
         assert largest <= 64 << 10  # not the 8 x 40 KB = 320 KB of one window per rank
 
 
+def test_an_average_across_many_packed_ranks_goes_in_buckets_the_process_shares(monkeypatch):
+    """A process of 16 ranks averages a model in side-channel calls of at most its share
+    of the process's bucket each, splitting a tensor larger than that, and every rank
+    gets the exact float64 mean, written into its targets when it gives them."""
+    from exogym import comm
+    from exogym.comm import averaging
+    from exogym.comm.packed import PackedWorld
+
+    monkeypatch.setattr(averaging, "BUCKET_ELEMENTS", 4096)
+    monkeypatch.setattr(averaging, "MIN_BUCKET_ELEMENTS", 64)
+    assert averaging.bucket_elements() == 4096  # one rank in this process
+    ranks = 16
+    world = PackedWorld(ranks, 1, 0, None, 30)
+    sent: list[int] = []
+    reduce = world.side_all_reduce
+
+    def recorded(tensor, op=None):
+        sent.append(tensor.numel())
+        reduce(tensor, op)
+
+    monkeypatch.setattr(world, "side_all_reduce", recorded)
+
+    def tensors(rank: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(rank)
+        return [torch.randn(50, 30, generator=g), torch.tensor([3 * rank, rank]),
+                torch.tensor([rank == 0]), torch.zeros(0), torch.randn(7, generator=g)]
+
+    def mean(i: int) -> torch.Tensor:  # summed in rank order, as every reduction is
+        total = torch.zeros_like(tensors(0)[i], dtype=torch.float64)
+        for rank in range(ranks):
+            total += tensors(rank)[i]
+        return total / ranks
+
+    expected = [mean(i) for i in (0, 1, 4)]
+    got: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
+    comm.use_backend(world)
+    try:
+        def body(rank: int) -> None:
+            world.sit(rank)
+            try:
+                mine = tensors(rank)
+                targets = [torch.full_like(t, 9) for t in mine]
+                returned = averaging.average_across_ranks(mine, into=targets)
+                assert returned == targets
+                got[rank] = (targets, averaging.average_across_ranks(mine),
+                             averaging.bucket_elements())
+            finally:
+                world.stand()
+
+        _run_ranks(world, body)
+    finally:
+        comm.use_backend(None)
+    assert sorted(got) == list(range(ranks))
+    assert max(sent) == 4096 // ranks and sum(sent) == 2 * ranks * (1500 + 2 + 7)
+    for rank, (into, fresh, bucket) in got.items():
+        assert bucket == 4096 // ranks
+        for results in (into, fresh):
+            assert torch.equal(results[0], expected[0].float())
+            assert torch.equal(results[1], expected[1].round().long())
+            assert results[2].item() == (rank == 0)  # booleans keep their own value
+            assert results[3].shape == (0,)
+            assert torch.equal(results[4], expected[2].float())
+
+
 def test_window_elements_shrink_with_the_ranks_a_process_posts_within_bounds():
     from exogym.comm.packed import MIN_WINDOW_BYTES, POST_BYTES, WINDOW_BYTES, window_elements
 
@@ -417,6 +492,11 @@ def test_packed_and_stacked_ranks_on_an_accelerator_train_as_one_process_per_ran
         for a, b in zip(rows(separate), rows(trainer)):
             assert a[:2] == b[:2] and a[3] == b[3]
             assert math.isclose(a[2], b[2], rel_tol=1e-5, abs_tol=1e-6)
+        # the global model scored at step 3, mid-round for DiLoCo and FedAvg, in one
+        # evaluation model per process
+        assert len(evaluations(trainer)) == len(evaluations(separate)) == 8
+        for a, b in zip(evaluations(separate), evaluations(trainer)):
+            assert a[:2] == b[:2] and math.isclose(a[2], b[2], rel_tol=1e-5, abs_tol=1e-6)
     assert_models_close(separate_model, packed_model, atol=1e-5)
     assert_models_close(separate_model, stacked_model, atol=1e-5)
     assert [r["step"] for r in away.history if r["rank"] == 1] == [1, 5, 6]

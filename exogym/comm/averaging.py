@@ -20,7 +20,8 @@ import torch
 
 from exogym import comm
 
-BUCKET_ELEMENTS = 4 * 1024 * 1024  # float64 values per side-channel call (32 MiB)
+BUCKET_ELEMENTS = 4 * 1024 * 1024  # float64 values per side-channel call (32 MiB) per process
+MIN_BUCKET_ELEMENTS = 16 * 1024  # and never fewer per rank (128 KiB)
 
 
 def averaged_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -107,43 +108,86 @@ def average_state_dicts(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[st
     return average_of_sums([(state_sums(states), len(states))], states[0])
 
 
-def _buckets(tensors: Sequence[torch.Tensor]) -> Iterator[list[int]]:
-    """Indices of ``tensors`` in runs of at most ``BUCKET_ELEMENTS`` values (one tensor at least)."""
-    bucket: list[int] = []
-    size = 0
-    for i, t in enumerate(tensors):
-        if bucket and size + t.numel() > BUCKET_ELEMENTS:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(i)
-        size += t.numel()
+def bucket_elements() -> int:
+    """Float64 values a rank sends per side-channel call of :func:`average_across_ranks`.
+
+    :data:`BUCKET_ELEMENTS` for the whole process: the ranks packed in one process
+    (:func:`exogym.comm.ranks_here`) each hold their bucket at once, so they share
+    it, down to :data:`MIN_BUCKET_ELEMENTS` each.
+    """
+    return max(MIN_BUCKET_ELEMENTS, BUCKET_ELEMENTS // max(1, comm.ranks_here()))
+
+
+def _spans(sizes: Sequence[int], limit: int) -> Iterator[list[tuple[int, int, int]]]:
+    """Pieces ``(tensor index, start, stop)`` of the tensors' flattened values, in order,
+    in buckets of at most ``limit`` values; a tensor larger than that is split."""
+    bucket: list[tuple[int, int, int]] = []
+    room = limit
+    for i, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            take = min(size - start, room)
+            bucket.append((i, start, start + take))
+            start += take
+            room -= take
+            if room == 0:
+                yield bucket
+                bucket, room = [], limit
     if bucket:
         yield bucket
 
 
-def average_across_ranks(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def average_across_ranks(tensors: Sequence[torch.Tensor],
+                         into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Every rank gets the mean over all ranks of each of ``tensors`` (a collective).
 
-    Travels over the side channel, so it is never counted as training traffic.
-    Returns new tensors on the CPU, each in its input's dtype; boolean tensors
-    come back unchanged. Outside a process group, the tensors themselves.
+    Travels over the side channel, so it is never counted as training traffic, in
+    buckets of :func:`bucket_elements` values. Returns new tensors on the CPU, each in
+    its input's dtype; boolean tensors come back unchanged. With ``into`` (tensors of
+    the same shapes, contiguous), the means are written there instead, bucket by
+    bucket, and ``into`` is returned: a rank then holds one bucket beyond its targets,
+    not a second copy of them. Outside a process group, the tensors themselves
+    (copied into ``into`` when given).
     """
-    out: list[torch.Tensor] = list(tensors)
+    if into is not None:
+        if len(into) != len(tensors) or any(
+                t.shape != target.shape for t, target in zip(tensors, into)):
+            raise ValueError("average_across_ranks: 'into' must hold one tensor of the same "
+                             "shape for each tensor averaged")
+        if not all(target.is_contiguous() for target in into):
+            raise ValueError("average_across_ranks: the tensors of 'into' must be contiguous")
     ranks = comm.side_group_size()
     if ranks == 1:
-        return out
+        if into is None:
+            return list(tensors)
+        for t, target in zip(tensors, into):
+            if t is not target:
+                target.copy_(t)
+        return list(into)
+    out: list[torch.Tensor] = list(into) if into is not None else [
+        t if t.dtype == torch.bool else torch.empty(t.shape, dtype=t.dtype)
+        for t in tensors]
     numeric = [i for i, t in enumerate(tensors) if t.dtype != torch.bool]
-    members = [tensors[i] for i in numeric]
-    for bucket in _buckets(members):
-        flat = torch.cat([members[j].detach().reshape(-1).to("cpu", torch.float64)
-                          for j in bucket])
+    for i, t in enumerate(tensors):
+        if t.dtype == torch.bool and out[i] is not t:
+            out[i].copy_(t)
+    sizes = [tensors[i].numel() for i in numeric]
+    flat_of: tuple[int, torch.Tensor] | None = None  # the tensor being read, flattened
+    for bucket in _spans(sizes, bucket_elements()):
+        flat = torch.empty(sum(stop - start for _, start, stop in bucket), dtype=torch.float64)
+        offset = 0
+        for j, start, stop in bucket:
+            if flat_of is None or flat_of[0] != j:
+                flat_of = (j, tensors[numeric[j]].detach().reshape(-1))
+            flat[offset:offset + stop - start].copy_(flat_of[1][start:stop])
+            offset += stop - start
         comm.side_all_reduce(flat)
         flat /= ranks
         offset = 0
-        for j in bucket:
-            like = members[j]
-            out[numeric[j]] = _mean_as(flat[offset:offset + like.numel()].view(like.shape), like)
-            offset += like.numel()
+        for j, start, stop in bucket:
+            target = out[numeric[j]].view(-1)
+            target[start:stop].copy_(_mean_as(flat[offset:offset + stop - start], target))
+            offset += stop - start
     return out
 
 

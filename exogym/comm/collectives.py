@@ -373,6 +373,12 @@ def held_once(key: Any, make: Callable[[], Any]) -> Any:
     return _backend.held_once(key, make)
 
 
+def ranks_here() -> int:
+    """How many ranks this process runs: more than one where ranks are packed
+    (:mod:`exogym.comm.packed`), and each may hold a collective's buffers at once."""
+    return _backend.ranks_here()
+
+
 def pause(seconds: float) -> None:
     """Sleep ``seconds`` without holding up other ranks that share this process."""
     if seconds > 0:

@@ -416,6 +416,9 @@ class PackedWorld(Collectives):
                 found = self._held[key] = make()
         return found
 
+    def ranks_here(self) -> int:
+        return len(self.here)
+
     # -- across processes ----------------------------------------------------------------
 
     def _processes(self, ranks: Sequence[int]) -> list[int]:

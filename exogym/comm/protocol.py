@@ -211,6 +211,11 @@ class Collectives:
         (``make()``); a backend with one rank per process makes one for each."""
         return make()
 
+    def ranks_here(self) -> int:
+        """How many ranks this process runs (they may all hold a collective's buffers at
+        once: a packed process's ranks do); 1 for a backend of one rank per process."""
+        return 1
+
     # -- training collectives (uncounted here) ---------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, group: Any = None,

@@ -424,26 +424,32 @@ class TrainNode:
             model.train(was_training)
         return total, count
 
-    def _average_model(self) -> torch.nn.Module:
+    def _evaluation_model(self) -> torch.nn.Module:
+        """The model the global model is scored in: one per process, which the ranks packed
+        there share. A rank fills it and scores it holding its process's baton, with no
+        collective between, and every rank of a process fills an average with the same
+        bytes, so a thousand ranks hold one copy, not a thousand."""
         if self._avg_model is None:
-            self._avg_model = _own_copy(self.model)
-        means = average_across_ranks(averaged_tensors(self.model))
-        for target, mean in zip(averaged_tensors(self._avg_model), means):
-            target.copy_(mean)
+            self._avg_model = comm.held_once(("evaluation-model",),
+                                             lambda: _own_copy(self.model))
         return self._avg_model
+
+    def _average_model(self) -> torch.nn.Module:
+        model = self._evaluation_model()
+        average_across_ranks(averaged_tensors(self.model), into=averaged_tensors(model))
+        return model
 
     @torch.no_grad()
     def _global_model(self) -> torch.nn.Module:
         shared = self.strategy.global_model_tensors()
         if shared is None:
             return self._average_model()
-        if self._avg_model is None:
-            self._avg_model = _own_copy(self.model)
-        self._avg_model.load_state_dict(self.model.state_dict())
-        trainable = [p for p in self._avg_model.parameters() if p.requires_grad]
+        model = self._evaluation_model()
+        model.load_state_dict(self.model.state_dict())
+        trainable = [p for p in model.parameters() if p.requires_grad]
         for target, value in zip(trainable, shared):
             target.copy_(value)
-        return self._avg_model
+        return model
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss of this rank's model and of the average of all ranks' models."""
