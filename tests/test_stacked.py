@@ -336,3 +336,96 @@ def test_stacked_ranks_are_accounted_each_with_its_gradients(monkeypatch):
 def _wide_model() -> nn.Module:
     """Gradients large beside the runtime each process is accounted."""
     return TinyNet(hidden=500_000)
+
+
+class Attends(nn.Module):
+    """Attention in the shapes stacked ranks meet: per-rank batches of 3-D or 4-D
+    queries, causal, a float mask held per rank (a buffer), a boolean mask, fewer key
+    heads than query heads (grouped-query), and nn.MultiheadAttention."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        grouped = kind == "grouped"
+        self.mha = nn.MultiheadAttention(16, 4, batch_first=True) if kind == "module" else None
+        if self.mha is None:
+            self.q = nn.Linear(16, 16)
+            self.kv = nn.Linear(16, 16 if grouped else 32)
+        self.register_buffer("bias", torch.randn(5, 5) if kind == "float-mask" else None)
+
+    def forward(self, x):
+        if self.mha is not None:
+            return self.mha(x, x, x, need_weights=False)[0].square().mean()
+        q, (k, v) = self.q(x), self.kv(x).chunk(2, dim=-1)
+        if self.kind != "3d":
+            q, k, v = (t.unflatten(-1, (-1, 4)).transpose(-2, -3) for t in (q, k, v))
+        options: dict = {"is_causal": True}
+        if self.kind == "float-mask":
+            options = {"attn_mask": self.bias}
+        elif self.kind == "bool-mask":
+            options = {"attn_mask": torch.ones(5, 5, dtype=torch.bool).tril()}
+        elif self.kind == "grouped":
+            options["enable_gqa"] = True
+        return F.scaled_dot_product_attention(q, k, v, **options).square().mean()
+
+
+def _stacked_losses_and_gradients(model: nn.Module, ranks: int, batched: bool):
+    from torch.func import functional_call, vmap
+
+    from exogym.run.stack_attention import batched_attention
+
+    gen = torch.Generator().manual_seed(0)
+    params = {n: torch.stack([p.detach() + 0.1 * torch.randn(p.shape, generator=gen)
+                              for _ in range(ranks)]).requires_grad_()
+              for n, p in model.named_parameters()}
+    buffers = {n: torch.stack([b + r for r in range(ranks)]) for n, b in model.named_buffers()}
+    x = torch.randn(ranks, 2, 5, 16, generator=gen)
+    ranks_at_once = vmap(lambda p, b, batch: functional_call(model, (p, b), (batch,)),
+                         randomness="different")
+    if batched:
+        with batched_attention():
+            losses = ranks_at_once(params, buffers, x)
+    else:
+        losses = ranks_at_once(params, buffers, x)
+    return losses, torch.autograd.grad(losses.sum(), list(params.values()))
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("kind", ["4d", "3d", "float-mask", "bool-mask", "grouped", "module"])
+def test_stacked_attention_gives_each_rank_the_loss_and_gradients_of_its_own(kind):
+    torch.manual_seed(0)
+    model = Attends(kind)
+    own, own_grads = _stacked_losses_and_gradients(model, 3, batched=False)
+    once, once_grads = _stacked_losses_and_gradients(model, 3, batched=True)
+    torch.testing.assert_close(once, own, atol=1e-6, rtol=0)
+    for a, b in zip(once_grads, own_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert F.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_stacked_attention_calls_its_kernel_once_for_every_rank_not_once_per_rank():
+    """vmap alone runs attention's fused kernel rank by rank, forward and backward; the
+    stacked ranks' attention runs it once (and once more to recompute it for the
+    backward pass), whatever the number of ranks."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in str(func):
+                self.seen["backward" if "backward" in str(func) else "forward"] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for batched in (False, True):
+        with Calls() as calls:
+            _stacked_losses_and_gradients(Attends("4d"), 6, batched)
+        counts[batched] = dict(calls.seen)
+    assert counts[False] == {"forward": 6, "backward": 6}
+    assert counts[True] == {"forward": 2, "backward": 1}

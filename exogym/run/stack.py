@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from exogym.run.stack_attention import batched_attention
+
 __all__ = ["RankStack", "StackError", "model_problem", "probe_model", "strategy_problem"]
 
 
@@ -119,13 +121,22 @@ def probe_model(model: torch.nn.Module, batch: Any) -> str | None:
 
 
 def _vmapped(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """Every rank's loss at once: ``vmap`` over the ranks of ``functional_call``, with
+    attention computed for all ranks in one call (:mod:`exogym.run.stack_attention`)."""
     from torch.func import functional_call, vmap
 
     def one(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
             batch: Any) -> torch.Tensor:
         return functional_call(model, (params, buffers), (batch,)).reshape(())
 
-    return vmap(one, in_dims=(0, 0, 0), randomness="different")
+    ranks = vmap(one, in_dims=(0, 0, 0), randomness="different")
+
+    def losses(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+               batches: Any) -> torch.Tensor:
+        with batched_attention():
+            return ranks(params, buffers, batches)
+
+    return losses
 
 
 class _Rank:
