@@ -369,7 +369,10 @@ class Attends(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, **options).square().mean()
 
 
-def _stacked_losses_and_gradients(model: nn.Module, ranks: int, batched: bool):
+def _stacked_losses_and_gradients(model: nn.Module, ranks: int, how: str,
+                                  autocast: bool = False):
+    """Every rank's loss on its own batch and the gradients of their sum, ``how``: each
+    rank on its own (the reference), ``vmap`` alone, or vmap with ``batched_attention``."""
     from torch.func import functional_call, vmap
 
     from exogym.run.stack_attention import batched_attention
@@ -380,13 +383,20 @@ def _stacked_losses_and_gradients(model: nn.Module, ranks: int, batched: bool):
               for n, p in model.named_parameters()}
     buffers = {n: torch.stack([b + r for r in range(ranks)]) for n, b in model.named_buffers()}
     x = torch.randn(ranks, 2, 5, 16, generator=gen)
-    ranks_at_once = vmap(lambda p, b, batch: functional_call(model, (p, b), (batch,)),
-                         randomness="different")
-    if batched:
-        with batched_attention():
-            losses = ranks_at_once(params, buffers, x)
-    else:
-        losses = ranks_at_once(params, buffers, x)
+
+    def one(p, b, batch):
+        return functional_call(model, (p, b), (batch,))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if how == "each":
+            losses = torch.stack([one({n: t[r] for n, t in params.items()},
+                                      {n: t[r] for n, t in buffers.items()}, x[r])
+                                  for r in range(ranks)])
+        elif how == "vmap":
+            losses = vmap(one, randomness="different")(params, buffers, x)
+        else:
+            with batched_attention():
+                losses = vmap(one, randomness="different")(params, buffers, x)
     return losses, torch.autograd.grad(losses.sum(), list(params.values()))
 
 
@@ -395,12 +405,28 @@ def _stacked_losses_and_gradients(model: nn.Module, ranks: int, batched: bool):
 def test_stacked_attention_gives_each_rank_the_loss_and_gradients_of_its_own(kind):
     torch.manual_seed(0)
     model = Attends(kind)
-    own, own_grads = _stacked_losses_and_gradients(model, 3, batched=False)
-    once, once_grads = _stacked_losses_and_gradients(model, 3, batched=True)
+    own, own_grads = _stacked_losses_and_gradients(model, 3, "each")
+    once, once_grads = _stacked_losses_and_gradients(model, 3, "batched")
     torch.testing.assert_close(once, own, atol=1e-6, rtol=0)
     for a, b in zip(once_grads, own_grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     assert F.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_stacked_attention_under_autocast_computes_as_each_rank_would_alone():
+    """In bfloat16, as a rank alone computes it (vmap alone hands attention back in
+    float32), and its backward pass recomputes it in bfloat16 too."""
+    torch.manual_seed(0)
+    model = Attends("4d")
+    own, own_grads = _stacked_losses_and_gradients(model, 3, "each", autocast=True)
+    once, once_grads = _stacked_losses_and_gradients(model, 3, "batched", autocast=True)
+    fp32, _ = _stacked_losses_and_gradients(model, 3, "batched")
+    assert once.dtype == own.dtype
+    assert not torch.allclose(once.float(), fp32, atol=1e-5, rtol=0)  # bfloat16 it was
+    torch.testing.assert_close(once, own, atol=1e-3, rtol=1e-2)
+    for a, b in zip(once_grads, own_grads):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-2)
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
@@ -425,7 +451,7 @@ def test_stacked_attention_calls_its_kernel_once_for_every_rank_not_once_per_ran
     counts = {}
     for batched in (False, True):
         with Calls() as calls:
-            _stacked_losses_and_gradients(Attends("4d"), 6, batched)
+            _stacked_losses_and_gradients(Attends("4d"), 6, "batched" if batched else "vmap")
         counts[batched] = dict(calls.seen)
     assert counts[False] == {"forward": 6, "backward": 6}
     assert counts[True] == {"forward": 2, "backward": 1}

@@ -53,12 +53,16 @@ class _RanksAttention(torch.autograd.Function):
         query, key, value, attn_mask, is_causal, scale, gqa = inputs
         ctx.save_for_backward(query, key, value, attn_mask)
         ctx.settings = (is_causal, scale, gqa)
+        device = query.device.type  # recomputed backward as it was computed: autocast too
+        ctx.autocast = (device, torch.is_autocast_enabled(device),
+                        torch.get_autocast_dtype(device))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
         saved = ctx.saved_tensors
         wants = ctx.needs_input_grad[:4]
-        with torch.enable_grad():
+        device, enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
             inputs = [None if t is None else t.detach().requires_grad_(want)
                       for t, want in zip(saved, wants)]
             out = _attend(*inputs, *ctx.settings)
