@@ -77,6 +77,42 @@ def compute_bound(repeat: int = 5) -> tuple[float, float]:
     return flops * tokens / step_s / 1e9, 2 * 1024**3 / mm_s / 1e9
 
 
+def attention_seconds(ranks: int, repeat: int = 3) -> tuple[float, float]:
+    """Seconds of one forward and backward of ``ranks`` stacked chargpt ranks on one
+    thread: with ``vmap``'s own attention, and with the ranks' attention in one call."""
+    import torch
+    from torch.func import functional_call, vmap
+    from torch.utils.data import default_collate
+
+    from distributed.tasks.builtin import chargpt_task
+    from exogym.run.stack_attention import batched_attention
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, train, _ = chargpt_task(**SHAPE)
+        params = {n: torch.stack([p.detach()] * ranks).requires_grad_()
+                  for n, p in model.named_parameters()}
+        buffers = {n: torch.stack([b] * ranks) for n, b in model.named_buffers()}
+        batch = [t.unflatten(0, (ranks, BATCH)) for t in
+                 default_collate([train[i] for i in range(BATCH * ranks)])]
+        losses = vmap(lambda p, b, x: functional_call(model, (p, b), (x,)),
+                      randomness="different")
+
+        def step(batched: bool) -> None:
+            if batched:
+                with batched_attention():
+                    loss = losses(params, buffers, batch).sum()
+            else:
+                loss = losses(params, buffers, batch).sum()
+            torch.autograd.grad(loss, list(params.values()))
+
+        return (_best_seconds(lambda: step(False), repeat),
+                _best_seconds(lambda: step(True), repeat))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def compare(args: argparse.Namespace) -> None:
     """Packed then stacked, ``--repeat`` times: the table, the ratio, the difference."""
     samples = args.nodes * args.steps * BATCH
@@ -117,6 +153,11 @@ def main() -> None:
           f"a 1024^3 matrix product on one thread: {peak:.1f} GFLOP/s. Stacking computes the "
           f"same FLOPs, so it can compute at most {peak / step:.2f}x as fast as ranks one "
           "after another on this CPU")
+    ranks = args.nodes // args.processes
+    alone, batched = attention_seconds(ranks)
+    print(f"{ranks} stacked ranks' forward and backward on one thread: {alone:.2f} s with "
+          f"vmap's own attention, {batched:.2f} s with the ranks' attention in one call "
+          f"({alone / batched:.2f}x)")
 
 
 if __name__ == "__main__":
