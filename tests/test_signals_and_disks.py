@@ -163,3 +163,39 @@ def test_sigterm_stops_a_run_as_ctrl_c_does_and_its_resume_continues_the_trace(t
     assert all(real.times[b] > real.times[a] for a, b in zip(steps, steps[1:]))
     evaluated = [step for step, _, _ in real.evaluations]
     assert len(evaluated) == len(set(evaluated)), evaluated
+
+
+def test_an_event_whose_handling_a_ctrl_c_interrupts_is_handed_on_not_lost():
+    """Ctrl-C in the middle of handing on a message's first event: that event, and the
+    rest of the message, still reach the trace on the way out (a step was lost so)."""
+    import collections
+    import multiprocessing as mp
+    import types
+
+    from exogym.run.trainer import Trainer, _forward_rest
+
+    events = [{"event": "step", "rank": 0, "step": s} for s in (1, 2, 3)]
+    parent_end, child_end = mp.Pipe()
+    child_end.send(events)
+    never_read, never_written = os.pipe()  # a rank process that has not exited
+    seen: list[dict] = []
+
+    def interrupted_at_first(event: dict) -> None:
+        if not seen:
+            seen.append(event)
+            raise KeyboardInterrupt
+        seen.append(event)
+
+    inbox: collections.deque = collections.deque()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Trainer._collect([types.SimpleNamespace(sentinel=never_read)], [parent_end],
+                             interrupted_at_first, inbox=inbox)
+        handed_on: list[dict] = []
+        _forward_rest([parent_end], handed_on.append, inbox)
+    finally:
+        for end in (parent_end, child_end):
+            end.close()
+        os.close(never_read)
+        os.close(never_written)
+    assert [e["step"] for e in handed_on] == [1, 2, 3]  # the interrupted one included

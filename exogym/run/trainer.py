@@ -803,7 +803,8 @@ class Trainer:
         """Handle every process's events until each has reported its result; raise on failure.
 
         A message's events wait in ``inbox`` until each is handled: what an interruption
-        leaves there, :func:`_forward_rest` hands on.
+        leaves there, :func:`_forward_rest` hands on (the event being handled too, which
+        may then reach ``on_event`` twice: once in part).
 
         Returns each process's result file (None where it has none), by process index.
         """
@@ -834,7 +835,11 @@ class Trainer:
                     message = conn.recv()
                     inbox.extend(message if isinstance(message, list) else [message])
                     while inbox:
-                        handle(inbox.popleft())
+                        # Out of the inbox only once handled: an interruption in the middle
+                        # of an event's handling leaves it to _forward_rest, which hands it
+                        # on again rather than losing it (a step the trace never saw).
+                        handle(inbox[0])
+                        inbox.popleft()
             except (EOFError, OSError):
                 return False
             return True
