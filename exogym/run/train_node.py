@@ -669,11 +669,19 @@ class TrainNode:
                 self.step % spec.correlation_interval == 0:
             event["correlation"] = self.correlation()
         if spec.checkpoint_interval and self.step % spec.checkpoint_interval == 0:
-            save_checkpoint(self.state_dict(), self.checkpoint_root, self.rank, self.step,
-                            keep=spec.keep_checkpoints)
-            event["checkpoint"] = True  # sent at once: see _EventBatches
-        event["wall_s"] = time.perf_counter() - start
-        self.emit(event)
+            try:
+                save_checkpoint(self.state_dict(), self.checkpoint_root, self.rank, self.step,
+                                keep=spec.keep_checkpoints)
+            finally:
+                # Sent even when the run is stopped right after the save: a resumed run
+                # starts after the steps a checkpoint holds, so the trace must have them.
+                if checkpoint_path(self.checkpoint_root, self.rank, self.step).is_file():
+                    event["checkpoint"] = True  # sent at once: see _EventBatches
+                    event["wall_s"] = time.perf_counter() - start
+                    self.emit(event)
+        else:
+            event["wall_s"] = time.perf_counter() - start
+            self.emit(event)
         self.timer.lag(mark)
 
     def close(self) -> None:
