@@ -199,3 +199,25 @@ def test_an_event_whose_handling_a_ctrl_c_interrupts_is_handed_on_not_lost():
         os.close(never_read)
         os.close(never_written)
     assert [e["step"] for e in handed_on] == [1, 2, 3]  # the interrupted one included
+
+
+def test_interruptions_wait_for_the_end_of_a_deferred_block_then_reach_their_handlers():
+    from exogym.base.stop_signal import Terminated, interruptions_deferred, sigterm_as_interrupt
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with interruptions_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # Python runs a handler between two bytecodes
+                pass
+            reached.append("end of the block")
+    assert reached == ["end of the block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was
+    with sigterm_as_interrupt():
+        with pytest.raises(Terminated):
+            with interruptions_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):
+                    pass
+                reached.append("again")
+    assert reached[-1] == "again"

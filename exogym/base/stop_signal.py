@@ -7,6 +7,8 @@ file, the ranks are left to die on their own and no resume command is printed.
 ``KeyboardInterrupt``, raised in the main thread, so every path that handles
 Ctrl-C handles it too; :func:`exit_status` tells the two apart for the exit code
 (128 + the signal's number: 130 for SIGINT, 143 for SIGTERM).
+:func:`interruptions_deferred` holds both back over a few lines that must not be
+cut in two (a message taken off a pipe and not yet kept).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Terminated", "exit_status", "sigterm_as_interrupt", "stop_on_sigterm"]
+__all__ = ["Terminated", "exit_status", "interruptions_deferred", "sigterm_as_interrupt",
+           "stop_on_sigterm"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -61,6 +64,35 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def interruptions_deferred() -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM wait: each reaches the handler it had as the
+    block ends. Blocking the signals would not do: the kernel may hand one to another
+    thread, and Python still runs its handler in the main thread at once. Does nothing
+    off the main thread (Python runs handlers there only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple[int, Any]] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    handlers = {signum: signal.getsignal(signum) for signum in held}
+    for signum in held:
+        if handlers[signum] not in (signal.SIG_IGN, None):
+            signal.signal(signum, lambda signum, frame: caught.append((signum, frame)))
+    try:
+        yield
+    finally:
+        for signum in held:
+            if handlers[signum] not in (signal.SIG_IGN, None):
+                signal.signal(signum, handlers[signum])
+        for signum, frame in caught:
+            handler = handlers[signum]
+            if callable(handler):
+                handler(signum, frame)
+            else:  # SIG_DFL: as if it came now
+                signal.raise_signal(signum)
 
 
 def exit_status(error: BaseException) -> int:

@@ -40,7 +40,11 @@ import torch
 
 from exogym import comm
 from exogym.base.io import atomic_torch_save
-from exogym.base.stop_signal import sigterm_as_interrupt, stop_on_sigterm
+from exogym.base.stop_signal import (
+    interruptions_deferred,
+    sigterm_as_interrupt,
+    stop_on_sigterm,
+)
 from exogym.comm.averaging import RunningSum, average_of_sums, average_state_dicts
 from exogym.comm.mailbox import new_run_id, remove_segments
 from exogym.comm.packed import PackedWorld, process_ranks
@@ -832,8 +836,9 @@ class Trainer:
             """Handle what ``conn`` holds now; False once its writer has closed."""
             try:
                 while conn.poll():
-                    message = conn.recv()
-                    inbox.extend(message if isinstance(message, list) else [message])
+                    with interruptions_deferred():  # a message is in the inbox, or not taken
+                        message = conn.recv()
+                        inbox.extend(message if isinstance(message, list) else [message])
                     while inbox:
                         # Out of the inbox only once handled: an interruption in the middle
                         # of an event's handling leaves it to _forward_rest, which hands it
