@@ -165,40 +165,38 @@ def test_sigterm_stops_a_run_as_ctrl_c_does_and_its_resume_continues_the_trace(t
     assert len(evaluated) == len(set(evaluated)), evaluated
 
 
-def test_an_event_whose_handling_a_ctrl_c_interrupts_is_handed_on_not_lost():
-    """Ctrl-C in the middle of handing on a message's first event: that event, and the
-    rest of the message, still reach the trace on the way out (a step was lost so)."""
-    import collections
+def test_a_ctrl_c_while_the_parent_hands_on_a_message_waits_until_each_event_is_handed_once():
+    """Ctrl-C in the middle of handing on a message's first event: the message is handed on
+    whole, each event once, before the interruption stops the collecting (a step was lost
+    to the trace when it came in the middle)."""
     import multiprocessing as mp
     import types
 
     from exogym.run.trainer import Trainer, _forward_rest
 
-    events = [{"event": "step", "rank": 0, "step": s} for s in (1, 2, 3)]
     parent_end, child_end = mp.Pipe()
-    child_end.send(events)
+    child_end.send([{"event": "step", "rank": 0, "step": s} for s in (1, 2, 3)])
     never_read, never_written = os.pipe()  # a rank process that has not exited
-    seen: list[dict] = []
+    handed: list[int] = []
 
-    def interrupted_at_first(event: dict) -> None:
-        if not seen:
-            seen.append(event)
-            raise KeyboardInterrupt
-        seen.append(event)
+    def on_event(event: dict) -> None:
+        if not handed:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, while this event is handled
+            for _ in range(1000):  # Python runs a handler between two bytecodes
+                pass
+        handed.append(event["step"])
 
-    inbox: collections.deque = collections.deque()
     try:
         with pytest.raises(KeyboardInterrupt):
             Trainer._collect([types.SimpleNamespace(sentinel=never_read)], [parent_end],
-                             interrupted_at_first, inbox=inbox)
-        handed_on: list[dict] = []
-        _forward_rest([parent_end], handed_on.append, inbox)
+                             on_event)
+        _forward_rest([parent_end], on_event)  # the way out: nothing is left
     finally:
         for end in (parent_end, child_end):
             end.close()
         os.close(never_read)
         os.close(never_written)
-    assert [e["step"] for e in handed_on] == [1, 2, 3]  # the interrupted one included
+    assert handed == [1, 2, 3]
 
 
 def test_interruptions_wait_for_the_end_of_a_deferred_block_then_reach_their_handlers():
@@ -221,3 +219,13 @@ def test_interruptions_wait_for_the_end_of_a_deferred_block_then_reach_their_han
                     pass
                 reached.append("again")
     assert reached[-1] == "again"
+    # asked twice, it does not wait: a block stuck on something must not hold the way out
+    with pytest.raises(KeyboardInterrupt):
+        with interruptions_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+            reached.append("not reached")
+    assert reached[-1] == "again"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

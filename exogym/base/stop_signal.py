@@ -68,31 +68,43 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 @contextlib.contextmanager
 def interruptions_deferred() -> Iterator[None]:
-    """Within the block, SIGINT and SIGTERM wait: each reaches the handler it had as the
-    block ends. Blocking the signals would not do: the kernel may hand one to another
-    thread, and Python still runs its handler in the main thread at once. Does nothing
-    off the main thread (Python runs handlers there only)."""
+    """Within the block, SIGINT and SIGTERM wait: the first reaches the handler it had as
+    the block ends; a second one while it waits reaches it at once (a block stuck on
+    something must not hold the way out). Blocking the signals would not do: the kernel
+    may hand one to another thread, and Python still runs its handler in the main thread
+    at once. Does nothing off the main thread (Python runs handlers there only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    caught: list[tuple[int, Any]] = []
-    held = (signal.SIGINT, signal.SIGTERM)
+    held = [s for s in (signal.SIGINT, signal.SIGTERM)
+            if signal.getsignal(s) not in (signal.SIG_IGN, None)]
     handlers = {signum: signal.getsignal(signum) for signum in held}
+    caught: list[tuple[int, Any]] = []
+
+    def deliver(signum: int, frame: Any) -> None:
+        handler = handlers[signum]
+        if callable(handler):
+            handler(signum, frame)
+        else:  # SIG_DFL: as if it came now
+            signal.signal(signum, handler)
+            signal.raise_signal(signum)
+
+    def hold(signum: int, frame: Any) -> None:
+        if caught:  # asked again while held
+            caught.clear()
+            deliver(signum, frame)
+        else:
+            caught.append((signum, frame))
+
     for signum in held:
-        if handlers[signum] not in (signal.SIG_IGN, None):
-            signal.signal(signum, lambda signum, frame: caught.append((signum, frame)))
+        signal.signal(signum, hold)
     try:
         yield
     finally:
         for signum in held:
-            if handlers[signum] not in (signal.SIG_IGN, None):
-                signal.signal(signum, handlers[signum])
+            signal.signal(signum, handlers[signum])
         for signum, frame in caught:
-            handler = handlers[signum]
-            if callable(handler):
-                handler(signum, frame)
-            else:  # SIG_DFL: as if it came now
-                signal.raise_signal(signum)
+            deliver(signum, frame)
 
 
 def exit_status(error: BaseException) -> int:

@@ -247,7 +247,8 @@ class _EventBatches:
         """Send every waiting event now."""
         if self._pending:
             batch, self._pending = self._pending, []
-            self.conn.send(batch)
+            with interruptions_deferred():  # cut in two, the parent could read none of it
+                self.conn.send(batch)
         self._sent_at = time.monotonic()
 
 
@@ -807,8 +808,7 @@ class Trainer:
         """Handle every process's events until each has reported its result; raise on failure.
 
         A message's events wait in ``inbox`` until each is handled: what an interruption
-        leaves there, :func:`_forward_rest` hands on (the event being handled too, which
-        may then reach ``on_event`` twice: once in part).
+        leaves there (``on_event`` raised), :func:`_forward_rest` hands on.
 
         Returns each process's result file (None where it has none), by process index.
         """
@@ -836,15 +836,14 @@ class Trainer:
             """Handle what ``conn`` holds now; False once its writer has closed."""
             try:
                 while conn.poll():
-                    with interruptions_deferred():  # a message is in the inbox, or not taken
+                    # Ctrl-C and SIGTERM wait until a message taken off the pipe is handed
+                    # on whole, each event once: cut in two, its events were lost to the
+                    # trace (a second Ctrl-C does not wait).
+                    with interruptions_deferred():
                         message = conn.recv()
                         inbox.extend(message if isinstance(message, list) else [message])
-                    while inbox:
-                        # Out of the inbox only once handled: an interruption in the middle
-                        # of an event's handling leaves it to _forward_rest, which hands it
-                        # on again rather than losing it (a step the trace never saw).
-                        handle(inbox[0])
-                        inbox.popleft()
+                        while inbox:
+                            handle(inbox.popleft())
             except (EOFError, OSError):
                 return False
             return True
