@@ -340,7 +340,8 @@ def _wide_model() -> nn.Module:
 
 class Attends(nn.Module):
     """Attention in the shapes stacked ranks meet: per-rank batches of 3-D or 4-D
-    queries, causal, a float mask held per rank (a buffer), a boolean mask, fewer key
+    queries, causal, a float mask held per rank (a buffer), a boolean mask (for every
+    sample, or one per sample of the batch), fewer key
     heads than query heads (grouped-query), and nn.MultiheadAttention."""
 
     def __init__(self, kind: str):
@@ -364,6 +365,9 @@ class Attends(nn.Module):
             options = {"attn_mask": self.bias}
         elif self.kind == "bool-mask":
             options = {"attn_mask": torch.ones(5, 5, dtype=torch.bool).tril()}
+        elif self.kind == "batch-mask":  # one mask for every rank, a row per sample
+            options = {"attn_mask": torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+                       .logical_or(torch.tensor([0, 1]).bool().view(2, 1, 1, 1))}
         elif self.kind == "grouped":
             options["enable_gqa"] = True
         return F.scaled_dot_product_attention(q, k, v, **options).square().mean()
@@ -401,7 +405,8 @@ def _stacked_losses_and_gradients(model: nn.Module, ranks: int, how: str,
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
-@pytest.mark.parametrize("kind", ["4d", "3d", "float-mask", "bool-mask", "grouped", "module"])
+@pytest.mark.parametrize("kind", ["4d", "3d", "float-mask", "bool-mask", "batch-mask",
+                                  "grouped", "module"])
 def test_stacked_attention_gives_each_rank_the_loss_and_gradients_of_its_own(kind):
     torch.manual_seed(0)
     model = Attends(kind)

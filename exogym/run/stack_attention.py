@@ -83,13 +83,19 @@ class _RanksAttention(torch.autograd.Function):
         # (ranks, batch, ..., L, E): the ranks join the first batch dimension, so the
         # kernel sees the layout it was built for.
         fold = query.dim() >= 5
-        if attn_mask is not None and in_dims[3] is not None:
-            mask = attn_mask.movedim(in_dims[3], 0)
+        mask_dim = in_dims[3]
+        if fold and attn_mask is not None and mask_dim is None \
+                and attn_mask.dim() == query.dim() - 1 and attn_mask.shape[0] != 1:
+            # the same mask for every rank, with a batch dimension of its own: once the
+            # ranks join that dimension it must be there for each rank
+            attn_mask, mask_dim = attn_mask.unsqueeze(0).expand(ranks, *attn_mask.shape), 0
+        if attn_mask is not None and mask_dim is not None:
+            mask = attn_mask.movedim(mask_dim, 0)
             mask = mask.reshape(ranks, *([1] * (query.dim() - mask.dim())), *mask.shape[1:])
             attn_mask = mask.expand(ranks, *query.shape[1:-1], key.shape[-2]) if fold else mask
         if fold:
             query, key, value = (t.flatten(0, 1) for t in (query, key, value))
-            if attn_mask is not None and in_dims[3] is not None:
+            if attn_mask is not None and mask_dim is not None:
                 attn_mask = attn_mask.flatten(0, 1)
         out = _RanksAttention.apply(query, key, value, attn_mask, is_causal, scale, gqa)
         if fold:
