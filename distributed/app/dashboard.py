@@ -53,6 +53,8 @@ from ..launch.faults import FaultLog, describe_fault_event
 WAITING = "waiting"
 #: Seconds of recent steps the time left is estimated from.
 RATE_WINDOW_S = 30.0
+#: The states of a host that comes and goes (``min_nodes``), shown in the table only.
+MEMBERSHIP_STATES = ("lost", "rejoining", "training")
 STATUS_STYLES = {WAITING: "dim", "started": "cyan", "training": "green", "done": "bold green",
                  "failed": "bold red", "stopped": "yellow", "lost": "bold red",
                  "rejoining": "magenta"}
@@ -265,11 +267,8 @@ class Dashboard:
             if line:
                 self._log(line)
             return
-        if kind == "membership":
+        if kind == "membership":  # told by the launcher, once (distributed.launch)
             self.membership.append({k: event[k] for k in ("step", "ranks", "hosts", "reason")})
-            if event.get("reason") != "start":
-                self._log(f"step {event['step']}: {event['reason']}; training on "
-                          f"{', '.join(event['hosts'])}")
             return
         if "rank" not in event or kind not in ("start", "step", "done"):
             return
@@ -287,9 +286,13 @@ class Dashboard:
         state = self._state(int(event["rank"]), event.get("host"))
         state.last_seen = now
         if kind == "start":
-            state.status = "started"
             state.started_at = now
             state.max_steps = event.get("max_steps", state.max_steps)
+            if event.get("joining"):
+                # A process started again to rejoin: its step comes with the state a member
+                # hands it, and the membership change that admits it is what is told.
+                return None
+            state.status = "started"
             state.step = int(event.get("step") or 0)
             if "labels" in event:
                 self.labels[state.rank] = list(event["labels"])
@@ -342,13 +345,16 @@ class Dashboard:
 
     def set_status(self, rank: int, status: str) -> None:
         """Mark a rank's state (``done``, ``failed``, ``stopped``, ``lost``, ``rejoining``,
-        ``training``), e.g. from the launcher."""
+        ``training``), e.g. from the launcher. The states of hosts that come and go are
+        shown in the table only: the membership change is what is told of them, once,
+        at its step (a lost rank's last step seen is not the step the others went on
+        without it)."""
         line = None
         with self._lock:
             state = self._state(rank)
             if state.status != status:
                 state.status = status
-                if status != "done":
+                if status not in ("done", *MEMBERSHIP_STATES):
                     line = f"{state.label} {status} at step {state.step}"
         if line is not None:
             self._log(line)
@@ -555,11 +561,8 @@ class Dashboard:
             self.console.print(self.summary_table(summary, title))
             if summary.get("balance"):
                 self.console.print(balance_table(summary["balance"]))
-            for change in summary.get("membership") or []:
-                if change["reason"] != "start":
-                    self.console.print(f"step {change['step']}: {change['reason']}; training on "
-                                       f"{', '.join(change['hosts'])}", markup=False,
-                                       highlight=False, soft_wrap=True)
+            # The membership changes were told as they happened; the goodput's lines give
+            # what each cost.
             if summary.get("faults"):
                 self.console.print(fault_table(summary["faults"]))
             if summary.get("label_histogram"):

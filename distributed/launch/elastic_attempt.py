@@ -14,7 +14,10 @@ death takes it away. While the job runs, this watch:
   lived through its loss (thawed, reconnected) rejoins by itself;
 - reports every change of membership as an event (``{"event": "membership",
   ...}``) and each host's state (``{"event": "host", "state": "lost" |
-  "rejoining" | "training"}``) for the dashboards;
+  "rejoining" | "training"}``) for the dashboards. A change is told once, as the
+  ranks decided it, at the step it took effect (``step 161: ... lost (...)``): a
+  loss the run goes on without is not told again when it is noticed, nor a rank's
+  return when its process starts (the table shows those states);
 - stops every rank when the ranks decide that fewer than ``min_nodes`` remain
   (they write a checkpoint first), naming the lost hosts.
 """
@@ -162,8 +165,8 @@ class ElasticAttempt:
             self.say(f"[{plan.host.host}:{rank}] lost ({why}); {remaining} of "
                      f"{plural(len(self.plans), 'rank')} remain, fewer than "
                      f"min_nodes={self.min_nodes}: the run stops at the next round", "red")
-            return
-        self.say(f"[{plan.host.host}:{rank}] lost ({why}); the others carry on", "red")
+        # Otherwise the others carry on, and the ranks' membership decision tells the loss
+        # once, at the step from which they train without it (_read_log).
 
     def _stop(self, reason: str) -> None:
         """Stop the run: no rank is brought back, every rank still running is stopped."""
@@ -243,8 +246,8 @@ class ElasticAttempt:
                 continue
             if self._ending.is_set():
                 break
-            self.say(f"[{plan.host.host}:{rank}] reachable again: starting rank {rank}; it "
-                     "rejoins at the next round", "green")
+            self.say(f"[{plan.host.host}:{rank}] reachable again: starting rank {rank} there",
+                     "green")
             self._start(rank, outcome)
             break
         self._probing.discard(rank)

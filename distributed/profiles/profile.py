@@ -363,7 +363,10 @@ class Profile:
         if quick:
             return None, tuple(quick)
         try:
-            task_fn = resolve_task(self.task)
+            # a task module beside the config file that names it, or in the current folder
+            near = [Path(self.source).resolve().parent] if self.source and \
+                Path(self.source).is_file() else []
+            task_fn = resolve_task(self.task, near=[*near, Path.cwd()])
             strategy_cls = strategy_class(self.strategy)
             routing = KeyRouting.of(task_fn, strategy_cls)
         except (ValueError, ImportError) as exc:

@@ -22,7 +22,8 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,8 +178,22 @@ BUILTIN_TASKS: dict[str, Callable[..., TaskResult]] = dict(zip(
     BUILTIN_TASK_NAMES, (digits_task, chargpt_task, _whisper_task, _gpt_task), strict=True))
 
 
-def resolve_task(name: str) -> Callable[..., TaskResult]:
-    """The task function for a built-in name or ``package.module:function``."""
+def _beside(module_name: str, folders: Sequence[Path]) -> Path | None:
+    """The first of ``folders`` that holds ``module_name``'s top-level module or package."""
+    top = module_name.partition(".")[0]
+    for folder in folders:
+        if (folder / f"{top}.py").is_file() or (folder / top / "__init__.py").is_file():
+            return folder
+    return None
+
+
+def resolve_task(name: str, near: Sequence[Path] = ()) -> Callable[..., TaskResult]:
+    """The task function for a built-in name or ``package.module:function``.
+
+    A module Python cannot import as it stands is looked for in ``near`` (the folder of
+    the profile that names it, then the current folder, say): a person's task module
+    beside their ``config.ini`` is found from the ``exogym`` command as from ``python -m``.
+    """
     if name in BUILTIN_TASKS:
         return BUILTIN_TASKS[name]
     if ":" not in name:
@@ -187,6 +202,19 @@ def resolve_task(name: str) -> Callable[..., TaskResult]:
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        folder = _beside(module_name, near) if exc.name == module_name.partition(".")[0] \
+            else None
+        if folder is None:
+            looked = "".join(f", nor in {f}" for f in dict.fromkeys(str(f) for f in near))
+            raise ValueError(f"task {name!r}: cannot import module {module_name!r} "
+                             f"({exc}{looked})") from exc
+        sys.path.append(str(folder))
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as again:
+            raise ValueError(f"task {name!r}: cannot import module {module_name!r} from "
+                             f"{folder} ({again})") from again
     except ImportError as exc:
         raise ValueError(f"task {name!r}: cannot import module {module_name!r} ({exc})") from exc
     fn = getattr(module, attr, None)

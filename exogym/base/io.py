@@ -79,7 +79,8 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
 
 def _atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
-            mode: int | None = None, durable: bool = True) -> Path:
+            mode: int | None = None, durable: bool = True,
+            then: Callable[[], None] | None = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp: Path | None = None
@@ -100,7 +101,17 @@ def _atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
                 os.fsync(f.fileno())
         # made 0o600, whatever the umask
         os.chmod(tmp, usual_file_mode() if mode is None else mode)
-        os.replace(tmp, path)
+        if then is None:
+            os.replace(tmp, path)
+        else:
+            # imported here: every module that writes a file imports this one, and the
+            # import chains of exogym stay short (tests/test_layers.py)
+            from exogym.base.stop_signal import done_whole
+
+            with done_whole():  # the file and what announces it: both, or neither
+                os.replace(tmp, path)
+                tmp = None
+                then()
     except BaseException as exc:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
@@ -112,10 +123,17 @@ def _atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
     return path
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
+                 then: Callable[[], None] | None = None) -> Path:
     """Call ``write`` with a temporary file beside ``path``, then flush it to disk and
-    rename it to ``path`` (removed instead if ``write`` raises)."""
-    return _atomic(path, write)
+    rename it to ``path`` (removed instead if ``write`` raises).
+
+    ``then`` is called right after the rename, in the same block
+    (:func:`exogym.base.stop_signal.done_whole`): an interruption (Ctrl-C, SIGTERM) comes
+    before the rename or after ``then`` has returned, never between, so what announces
+    the file (a checkpoint's step event) is never lost while the file stays.
+    """
+    return _atomic(path, write, then=then)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -> Path:

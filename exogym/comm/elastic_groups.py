@@ -43,6 +43,8 @@ the joining ranks only, in chunks of :data:`CHUNK_BYTES`.
 A call given up may stay blocked in gloo's own threads until gloo's timeout,
 and destroying its group would wait for it: such a group is kept until the
 process ends (:func:`_keep_forever`), and no thread of ours ever waits on gloo.
+That holds for the call a rank was in when it found itself dropped (thawed
+after its loss) too: its process then ends at once, not at gloo's timeout.
 
 Tensors on a GPU are staged through the CPU (gloo).
 """
@@ -208,7 +210,7 @@ class ElasticGroups(Collectives):
         """This rank is out of the run's groups until a round admits it again."""
         self._abandon()
         self._epoch = None
-        raise RankDropped(f"rank {self._rank} {why}: it rejoins at the next round")
+        raise RankDropped(f"rank {self._rank} {why}: it rejoins once the members admit it")
 
     # -- membership ----------------------------------------------------------------------
 
@@ -254,6 +256,14 @@ class ElasticGroups(Collectives):
             self._given_up.append((group.pg, pending))
         self._given_up.extend((pg, None) for pg in group.transfer_groups.values())
         group.transfer_groups = {}
+
+    def _keep_with(self, pg: Any, calls: Sequence[Any]) -> None:
+        """``pg`` is given up while ``calls`` of it may still be blocked in gloo's threads
+        (this rank was dropped in the middle of them): :meth:`close` keeps it for good
+        instead of destroying it, whose destructor would wait for them until gloo's
+        timeout."""
+        if pg is not None:
+            self._given_up.extend((pg, call) for call in calls if call is not None)
 
     def _main(self) -> _Group:
         if self._group is None:
@@ -472,9 +482,17 @@ class ElasticGroups(Collectives):
             except Exception:  # noqa: BLE001 - a peer's connection failed: voted on
                 ok = False
             else:
-                ok = self._completes(work, formed.members,
-                                     f"{what} (call {call} of group {formed.name})")
-            committed, survivors = self._vote(formed.name, str(call), formed.members, ok)
+                try:
+                    ok = self._completes(work, formed.members,
+                                         f"{what} (call {call} of group {formed.name})")
+                except RankDropped:
+                    self._keep_with(formed.pg, [work])
+                    raise
+            try:
+                committed, survivors = self._vote(formed.name, str(call), formed.members, ok)
+            except RankDropped:
+                self._keep_with(formed.pg, [work] if not ok else [])
+                raise
             if committed:
                 return formed, asked
             self._regroup(group, formed, survivors, call, None if ok else work)
@@ -657,7 +675,12 @@ class ElasticGroups(Collectives):
             if not pending:
                 break
             lo, piece, work = pending.popleft()
-            if not completes(work):
+            try:
+                finished = completes(work)
+            except RankDropped:
+                self._keep_with(pg, [work, *(w for _, _, w in pending)])
+                raise
+            if not finished:
                 self._given_up.extend((pg, w) for _, _, w in [(lo, piece, work), *pending])
                 return False
             if self._rank != src:

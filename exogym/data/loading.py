@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch.utils.data import (
     Dataset,
     IterableDataset,
     TensorDataset,
+    default_collate,
 )
 
 DatasetOrFactory = Any  # a Dataset, or f(rank, num_nodes, is_train) -> Dataset
@@ -57,15 +59,87 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 def batch_size_of(batch: Any) -> int:
-    """Number of samples in a batch: the leading size of its first tensor."""
+    """Number of samples in a batch: the leading size of its first tensor (a dict's first
+    entry that holds one), else the length of its first list (a column of strings)."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        for value in batch.values():
-            return batch_size_of(value)
+    if isinstance(batch, Mapping):
+        values = list(batch.values())
+        held = [v for v in values if _holds_tensor(v)]
+        return batch_size_of((held or values or [None])[0])
     if isinstance(batch, (list, tuple)) and batch:
-        return batch_size_of(batch[0])
+        if _holds_tensor(batch[0]) or isinstance(batch[0], (list, tuple, Mapping)):
+            return batch_size_of(batch[0])
+        return len(batch)  # a column of plain values (strings), one per sample
     return 1
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+def _numbers(value: Any) -> bool:
+    """True for a list (or tuple) of numbers, or of such lists: a column torch can hold."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return False
+    first = value[0]
+    if isinstance(first, (list, tuple)):
+        return _numbers(first)
+    return isinstance(first, numbers.Number)
+
+
+def _lengths(values: list[Any]) -> list[int]:
+    return sorted({len(v) if not isinstance(v, torch.Tensor) else tuple(v.shape)  # type: ignore[misc]
+                   for v in values}, key=str)
+
+
+def _column(name: str, values: list[Any]) -> Any:
+    """One entry of a batch of dicts: ``values`` (one per sample) collated."""
+    if _numbers(values[0]):
+        try:
+            return torch.tensor(values)
+        except (ValueError, TypeError):  # ragged: samples of different lengths
+            shapes = _lengths(values)
+            raise ValueError(
+                f"the samples' {name!r} have different lengths ({', '.join(map(str, shapes))})"
+                " and cannot be stacked into one batch: pad or cut them to one length when "
+                "building the dataset, or give fit dataloader_kwargs={'collate_fn': ...} "
+                "that pads them (e.g. transformers' DataCollatorWithPadding)") from None
+    if isinstance(values[0], torch.Tensor) and \
+            any(v.shape != values[0].shape for v in values if isinstance(v, torch.Tensor)):
+        raise ValueError(
+            f"the samples' {name!r} have different shapes ({', '.join(map(str, _lengths(values)))})"
+            " and cannot be stacked into one batch: pad or cut them to one shape when "
+            "building the dataset, or give fit dataloader_kwargs={'collate_fn': ...} that "
+            "pads them")
+    return default_collate(values)
+
+
+def collate_samples(samples: list[Any]) -> Any:
+    """The default collate of every loader: torch's, except that samples that are dicts
+    (a Hugging Face ``datasets.Dataset``, a list of dicts, a Dataset returning dicts)
+    give a dict with one batch per key, lists of numbers becoming tensors (torch's own
+    would give a list of tensors, one per position), strings a list.
+
+    Raises:
+        ValueError: the samples' keys differ, or an entry's lengths differ (naming them).
+    """
+    if not samples or not isinstance(samples[0], Mapping):
+        return default_collate(samples)
+    keys = list(samples[0])
+    for index, sample in enumerate(samples[1:], 1):
+        if not isinstance(sample, Mapping) or list(sample) != keys:
+            theirs = list(sample) if isinstance(sample, Mapping) else type(sample).__name__
+            raise ValueError(f"the samples of one batch differ: the first has keys {keys}, "
+                             f"sample {index} of the batch {theirs}; give every sample the "
+                             "same keys")
+    return {key: _column(key, [sample[key] for sample in samples]) for key in keys}
 
 def shard_length(dataset: Dataset, num_nodes: int) -> int:
     """Samples each rank sees per epoch under a DistributedSampler (it pads evenly)."""
@@ -340,10 +414,23 @@ def loader_kwargs(dataset: Any, kwargs: dict[str, Any] | None) -> dict[str, Any]
     return kwargs
 
 
+def _collated(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with :func:`collate_samples` as the collate unless one is given."""
+    return kwargs if kwargs.get("collate_fn") is not None else \
+        {**kwargs, "collate_fn": collate_samples}
+
+
+def data_loader(dataset: Any, kwargs: dict[str, Any] | None, **given: Any) -> DataLoader:
+    """A DataLoader over ``dataset`` with ``kwargs`` (:func:`loader_kwargs`: the dataset's
+    own collate, else :func:`collate_samples`) and ``given``."""
+    return DataLoader(dataset, **given, **_collated(loader_kwargs(dataset, kwargs)))
+
+
 def _with_generator(kwargs: dict[str, Any], seed: int) -> dict[str, Any]:
     # A DataLoader draws its workers' base seed from the global RNG unless it has a
     # generator of its own; giving it one keeps the training RNG (dropout, ...)
     # independent of how often loaders are created, so a resumed run matches.
+    kwargs = _collated(kwargs)
     if "generator" in kwargs:
         return kwargs
     return {**kwargs, "generator": torch.Generator().manual_seed(seed)}

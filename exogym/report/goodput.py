@@ -36,10 +36,15 @@ their step events to :func:`measure_goodput`::
   nobody injected is not counted as down (the launcher cannot tell a dead host
   from a slow one).
 - **Time** is the simulated clock's in a simulation that has one (each event's
-  ``sim_time_s``); in a simulation without one, the steps' own time (a step lasts
-  its slowest rank's compute and collectives: ranks that share this machine's
-  cores have no wall time of their own); across hosts, the wall time at which
-  the launcher received each event.
+  ``sim_time_s``); across hosts, the wall time at which the launcher received
+  each event. A simulation without a clock has no time of the hosts': its
+  ranks share this machine's cores, take turns on them, and wait in their
+  collectives for the ranks that compute meanwhile (a fault-free K=1024 run
+  would read 0.1%). There the fraction is not given (``goodput`` None, with a
+  ``note`` saying why): only the samples are, those trained and those that
+  reached the final model. Nor is a fraction above 1 given, which no host
+  could reach: hosts whose speed changes with the others' (sharing one
+  machine's cores, one of them down) have no speed alone to measure it by.
 
 So a host's downtime is not held against goodput, but what it costs the others
 is: their waiting in collectives, the rounds thrown away, the time a host that
@@ -47,7 +52,9 @@ is back waits to be admitted, and the hand-over. Evaluation and checkpoints
 count as time not training (across hosts; the simulated clock does not charge
 them). The loss splits per host into ``dropped`` samples (trained, not in the
 final model), ``wait_s`` (in collectives, waiting included) and ``idle_s`` (up,
-outside any step: waiting to rejoin, hand-overs, done before the slowest rank).
+outside any step: waiting to rejoin, hand-overs, done before the slowest rank);
+over all hosts, ``lost`` gives each as a share of their time up, which with
+``goodput`` makes up the whole.
 """
 
 from __future__ import annotations
@@ -230,10 +237,13 @@ def measure_goodput(events: Sequence[Mapping[str, Any]], round_steps: int, num_n
             a simulation.
 
     Returns:
-        ``{"goodput", "time", "useful_samples", "trained_samples", "dropped_samples",
-        "possible_samples", "span_s", "up_s", "down_s", "ranks": [...], "changes":
-        [...]}``;
-        ``goodput`` is None when no step took compute time.
+        ``{"goodput", "note", "time", "useful_samples", "trained_samples",
+        "dropped_samples", "possible_samples", "lost", "span_s", "up_s", "down_s",
+        "ranks": [...], "changes": [...]}``; ``goodput`` is None where it is not
+        defined, ``note`` then says why: no time of the hosts' own (a simulation
+        without a clock), a fraction above 1, or no step that took compute time.
+        ``lost``: the shares of the hosts' time up spent in collectives, idle, and
+        on work dropped (None with ``goodput``).
 
     Raises:
         ValueError: ``times`` not one per event, or ``round_steps`` not an integer >= 1.
@@ -309,8 +319,19 @@ def measure_goodput(events: Sequence[Mapping[str, Any]], round_steps: int, num_n
     possible = sum(r["possible"] for r in ranks)
     useful_total = sum(r["useful"] for r in ranks)
     trained_total = sum(r["trained"] for r in ranks)
-    return {
-        "goodput": useful_total / possible if possible > 0 else None,
+    goodput, note = _defined(useful_total / possible if possible > 0 else None, axis)
+    up_total = sum(r["up_s"] for r in ranks)
+    lost = None
+    if goodput is not None and up_total > 0:
+        dropped_s = sum(r["dropped"] / r["samples_per_s"] for r in ranks
+                        if r["dropped"] and r["samples_per_s"])
+        lost = {"collectives": sum(r["wait_s"] for r in ranks) / up_total,
+                "idle": sum(r["idle_s"] for r in ranks) / up_total,
+                "dropped": dropped_s / up_total}
+    measured = {
+        "goodput": goodput,
+        "note": note,
+        "lost": lost,
         "time": axis,
         "useful_samples": useful_total,
         "trained_samples": trained_total,
@@ -322,6 +343,47 @@ def measure_goodput(events: Sequence[Mapping[str, Any]], round_steps: int, num_n
         "ranks": ranks,
         "changes": _changes(changes, rows, by_rank, ranks, downs, hand_overs, axis, num_nodes),
     }
+    if axis == "steps":  # no time of the hosts': only the samples are measured
+        _without_time(measured)
+    return measured
+
+
+#: The seconds a measurement holds, which a simulation without a clock does not have.
+_TIMED = ("possible_samples", "span_s", "up_s", "down_s")
+_TIMED_RANK = ("up_s", "down_s", "compute_s", "wait_s", "idle_s", "samples_per_s", "possible")
+_TIMED_CHANGE = ("dropped_s", "rejoin_wait_s", "hand_over_s", "lost_s")
+
+
+def _without_time(measured: dict[str, Any]) -> None:
+    """Every figure in seconds (or counted from them) of ``measured`` set to None."""
+    for key in _TIMED:
+        measured[key] = None
+    for rank in measured["ranks"]:
+        rank.update(dict.fromkeys(_TIMED_RANK))
+    for change in measured["changes"]:
+        change.update(dict.fromkeys(_TIMED_CHANGE))
+
+
+#: Why a simulation without a clock gives no goodput.
+NO_CLOCK = ("the ranks shared this machine's cores, taking turns on them, so they had no "
+            "time of their own to measure it in; give fit a network (network='1gbit') or "
+            "compute_time_s for a simulated clock")
+#: Why a fraction above 1 is not given.
+ABOVE_ONE = ("the hosts trained more than their speed alone allows in their time up: "
+             "their speed changed with the others' (hosts that share a machine's cores "
+             "speed up while one is down)")
+
+
+def _defined(fraction: float | None, axis: str) -> tuple[float | None, str | None]:
+    """The goodput fraction where it is defined, else None and why (:data:`NO_CLOCK`,
+    :data:`ABOVE_ONE`, or no compute time)."""
+    if axis == "steps":
+        return None, NO_CLOCK
+    if fraction is None:
+        return None, "no step took compute time"
+    if fraction > 1.0 + 1e-9:
+        return None, ABOVE_ONE
+    return fraction, None
 
 
 def _changes(changes: Sequence[Mapping[str, Any]], rows: list[_Row],
@@ -377,10 +439,12 @@ def _changes(changes: Sequence[Mapping[str, Any]], rows: list[_Row],
 
 def goodput_summary(measured: Mapping[str, Any], detail: bool) -> dict[str, Any]:
     """``summary['goodput']``: the whole measurement when the run had a membership change
-    or faults (``detail``); the plain fraction and its two sums otherwise."""
+    or faults (``detail``); otherwise the fraction (or the note saying why there is none),
+    its two sums, the samples trained and the shares lost."""
     if detail:
         return dict(measured)
-    return {k: measured[k] for k in ("goodput", "time", "useful_samples", "possible_samples")}
+    return {k: measured[k] for k in ("goodput", "note", "time", "useful_samples",
+                                     "possible_samples", "trained_samples", "lost")}
 
 
 #: What goodput reads of a step event (the meter keeps no more of it).

@@ -209,18 +209,33 @@ def balance_table(balance: dict[str, Any]) -> Table:
     return table
 
 
-_TIME_WORDS = {"simulated": "simulated time", "steps": "the steps' own time",
-               "wall": "wall time"}
+_TIME_WORDS = {"simulated": "simulated time", "wall": "wall time"}
 
 
-def goodput_line(goodput: dict[str, Any]) -> str:
-    """``summary['goodput']`` in one line: the fraction, and what it is a fraction of."""
+def goodput_line(goodput: dict[str, Any]) -> str | None:
+    """``summary['goodput']`` in one line: the fraction, what it is a fraction of and where
+    the rest went. Where no fraction is defined (``goodput`` None, ``note`` says why):
+    for a run whose ranks came and went, the samples that reached the final model of those
+    trained; otherwise nothing (None)."""
     value = goodput.get("goodput")
-    said = "-" if value is None else f"{value:.1%}"
-    line = (f"goodput {said}: {goodput.get('useful_samples', 0)} samples reached the final "
-            f"model of {goodput.get('possible_samples', 0.0):.0f} the hosts could have trained "
-            f"while up ({_TIME_WORDS.get(goodput.get('time'), goodput.get('time'))})")
-    if "dropped_samples" in goodput:
+    useful = goodput.get("useful_samples", 0)
+    if value is None:
+        if not goodput.get("ranks"):  # nobody came or went: nothing is measured to say
+            return None
+        trained = goodput.get("trained_samples", useful)
+        return (f"goodput not measured: {goodput.get('note') or 'no time to measure it in'}; "
+                f"{useful} of {trained} trained samples reached the final model "
+                f"({trained - useful} dropped)")
+    line = (f"goodput {value:.1%}: {useful} samples reached the final model of "
+            f"{goodput.get('possible_samples', 0.0):.0f} the hosts could have trained while "
+            f"up ({_TIME_WORDS.get(goodput.get('time'), goodput.get('time'))})")
+    lost = goodput.get("lost") or {}
+    parts = [f"{share:.1%} {where}" for where, share in
+             (("in collectives", lost.get("collectives", 0.0)), ("idle", lost.get("idle", 0.0)),
+              ("on dropped work", lost.get("dropped", 0.0))) if share >= 0.0005]
+    if parts:
+        line += "; the rest of their time went " + ", ".join(parts)
+    if goodput.get("ranks"):
         line += (f"; {goodput['dropped_samples']} trained samples dropped, hosts down "
                  f"{goodput.get('down_s', 0.0):.1f} s in all")
     return line
@@ -244,9 +259,15 @@ def goodput_table(goodput: dict[str, Any]) -> Table:
 
 
 def goodput_change_lines(goodput: dict[str, Any]) -> list[str]:
-    """One line per membership change: the time lost to it."""
+    """One line per membership change: the time lost to it (where goodput has no time to
+    count in, the samples dropped there)."""
     lines = []
     for change in goodput.get("changes") or []:
+        if goodput.get("goodput") is None:
+            if change["dropped_samples"]:
+                lines.append(f"step {change['step']} ({change['reason']}): "
+                             f"{change['dropped_samples']} trained samples dropped")
+            continue
         parts = [f"{change['dropped_samples']} samples dropped ({change['dropped_s']:.1f} s)"]
         if change.get("rejoin_wait_s"):
             parts.append(f"{change['rejoin_wait_s']:.1f} s waiting to rejoin")
@@ -262,11 +283,15 @@ def print_goodput(console: Console, goodput: dict[str, Any] | None) -> None:
     table per host and the time lost to each membership change."""
     if not goodput:
         return
-    console.print(goodput_line(goodput), markup=False, highlight=False)
+    line = goodput_line(goodput)
+    if line is None:
+        return
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
     if goodput.get("ranks"):
-        console.print(goodput_table(goodput))
+        if goodput.get("goodput") is not None:  # its seconds are the hosts' own
+            console.print(goodput_table(goodput))
         for line in goodput_change_lines(goodput):
-            console.print(line, markup=False, highlight=False)
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def label_table(histogram: dict[str, list[int]]) -> Table:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -89,12 +90,17 @@ class _From(io.RawIOBase):
 
 
 def save_checkpoint(state: dict[str, Any], root: str | Path, rank: int, step: int,
-                    keep: int = 3) -> Path:
+                    keep: int = 3, announce: Callable[[], None] | None = None) -> Path:
     """Write ``state`` atomically and delete all but the newest ``keep`` checkpoints.
 
     The payload streams to the file as ``torch.save`` writes it, hashed on the way
     (its checksum is written into the header last): a checkpoint of any size costs no
     memory beyond the state itself.
+
+    ``announce`` is called once the checkpoint is in place, before an interruption can
+    stop the process (:func:`exogym.base.io.atomic_write`'s ``then``): a rank sends the
+    step's event there, since a resumed run starts after the steps a checkpoint holds and
+    the trace must hold them too.
     """
 
     description, tensors = plain_state.split(state)
@@ -108,7 +114,7 @@ def save_checkpoint(state: dict[str, Any], root: str | Path, rank: int, step: in
         f.write(hashing.hash.digest())
         f.seek(0, io.SEEK_END)
 
-    path = atomic_write(checkpoint_path(root, rank, step), write)
+    path = atomic_write(checkpoint_path(root, rank, step), write, then=announce)
     for old in list_steps(root, rank)[:-keep]:
         checkpoint_path(root, rank, old).unlink(missing_ok=True)
     return path

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from exogym import comm
 from exogym.base.plural import plural
 from exogym.config.parsers import divisors
-from exogym.data.loading import build_dataset, loader_kwargs, to_device
+from exogym.data.loading import build_dataset, data_loader, to_device
 from exogym.run.devices import rank_device
+from exogym.run.model_loss import model_loss
 from exogym.run.spec import Placement, RunSpec
 
 
@@ -45,6 +45,20 @@ def _rss_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise OSError(f"{field} not in /proc/self/status")
+
+
+#: Device types on which this process has run a forward and backward for a measure.
+_WARMED: set[str] = set()
+
+
+def _give_back_free_memory() -> None:
+    """Return the memory glibc's allocator holds free to the system (elsewhere: nothing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _reset_cpu_peak() -> bool:
@@ -68,13 +82,24 @@ def measure_peak(model: torch.nn.Module, batch, device: torch.device, autocast: 
         torch.mps.empty_cache()
         base = torch.mps.driver_allocated_memory()
     else:
+        # Freed memory the allocator keeps would be reused unseen by the resident set, and a
+        # process's first backward allocates what it keeps for good: give the first back to
+        # the system and take the second out of the measure, so a probe measures what one
+        # forward and backward take, however many ran in the process before.
+        if device.type not in _WARMED:
+            _WARMED.add(device.type)
+            work = copy.deepcopy(model).to(device)
+            with ctx:
+                model_loss(work, to_device(batch, device)).backward()
+            del work
+        _give_back_free_memory()
         if not _reset_cpu_peak():
             raise RuntimeError("minibatch_size='auto' on the CPU needs Linux's /proc to measure "
                                "memory; give minibatch_size explicitly")
         base = _rss_kib("VmRSS") * 1024
     work = copy.deepcopy(model).to(device)
     with ctx:
-        loss = work(to_device(batch, device))
+        loss = model_loss(work, to_device(batch, device))
     loss.backward()
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) - base
@@ -110,8 +135,7 @@ def probe_minibatch(spec: RunSpec, max_memory_usage: float,
                               for p in spec.model.parameters() if p.requires_grad)
     peaks: dict[int, int] = {}
     for size in sorted(divisors(spec.batch_size), reverse=True):
-        loader = DataLoader(dataset, batch_size=size, shuffle=False,
-                            **loader_kwargs(dataset, spec.dataloader_kwargs))
+        loader = data_loader(dataset, spec.dataloader_kwargs, batch_size=size, shuffle=False)
         batch = next(iter(loader))
         try:
             peak = measure_peak(spec.model, batch, device, spec.autocast) + optimizer_bytes

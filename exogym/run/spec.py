@@ -21,6 +21,7 @@ from torch.utils.data import IterableDataset
 from exogym.config.fit_args import RunArgs
 from exogym.data.loading import is_factory
 from exogym.run.devices import default_threads, resolve_devices
+from exogym.run.model_loss import LossError, call_arguments, checked_loss
 from exogym.strategy.strategy import Strategy
 
 
@@ -169,23 +170,50 @@ def check_data(train_dataset: Any, num_nodes: int, batch_size: int | None,
                       "the number of ranks", DataWarning, stacklevel=4)  # fit()'s caller
 
 
-def sample_batch(train_dataset: Any, dataloader_kwargs: dict[str, Any] | None) -> Any:
+def sample_batch(train_dataset: Any, dataloader_kwargs: dict[str, Any] | None,
+                 collate: bool = True) -> Any:
     """A batch of the first two training samples (one if there is one), collated as the
-    ranks' loaders collate; None for a factory or a dataset without indexing."""
+    ranks' loaders collate; None for a factory or a dataset without indexing
+    (``collate=False``: whether there is one, True, without collating it)."""
     if is_factory(train_dataset) or isinstance(train_dataset, IterableDataset) or \
             not hasattr(train_dataset, "__len__") or len(train_dataset) == 0:
         return None
+    if not collate:
+        return True
     from exogym.data.loading import eval_loader
 
     samples = [0, 1][:len(train_dataset)]  # two: a loss per sample is no scalar then
     return next(iter(eval_loader(train_dataset, samples, len(samples), dataloader_kwargs)))
 
 
+#: Samples spread over a training set that :func:`check_collates` collates into one batch.
+SPREAD_SAMPLES = 16
+
+
+def check_collates(train_dataset: Any, dataloader_kwargs: dict[str, Any] | None) -> None:
+    """Collate samples spread over ``train_dataset`` (the first two, the last, and evenly
+    between: about :data:`SPREAD_SAMPLES` in all) into one batch as the ranks' loaders
+    do, so that samples of different lengths are refused before any rank starts.
+
+    Raises:
+        ValueError: the samples do not collate (``train_dataset:`` and the loader's reason).
+    """
+    from exogym.data.loading import eval_loader
+
+    n = len(train_dataset)
+    picked = sorted({*range(min(2, n)),
+                     *(round(i * (n - 1) / (SPREAD_SAMPLES - 1)) for i in range(SPREAD_SAMPLES))})
+    try:
+        next(iter(eval_loader(train_dataset, picked, len(picked), dataloader_kwargs)))
+    except ValueError as exc:
+        raise ValueError(f"train_dataset: {exc} (checked before any rank started)") from None
+
+
 def check_forward(model: torch.nn.Module, train_dataset: Any,
                   dataloader_kwargs: dict[str, Any] | None) -> None:
     """Call ``model`` on a batch of two training samples (one if there is one), as the ranks
-    will, and refuse an output that is not a scalar loss: before any process starts, in
-    one line.
+    will (:mod:`exogym.run.model_loss`), and refuse an output that holds no scalar loss:
+    before any process starts, in one line.
 
     The model is in eval mode and no gradient is kept, so nothing of it changes (no
     running statistics, no dropout draw). A dataset without indexing, or a factory, is
@@ -193,29 +221,29 @@ def check_forward(model: torch.nn.Module, train_dataset: Any,
     ``torch.distributed`` its rank, say): the ranks check each step.
 
     Raises:
-        TypeError: naming what ``forward`` returned.
+        LossError: (a TypeError) naming what ``forward`` returned.
     """
-    batch = sample_batch(train_dataset, dataloader_kwargs)
-    if batch is None:
+    if sample_batch(train_dataset, dataloader_kwargs, collate=False) is None:
         return
+    check_collates(train_dataset, dataloader_kwargs)
+    batch = sample_batch(train_dataset, dataloader_kwargs)
     samples = [0, 1][:len(train_dataset)]
     training = model.training
     model.eval()
+    args, kwargs = call_arguments(model, batch)
     try:
         with torch.no_grad():
-            loss = model(batch)
+            output = model(*args, **kwargs)
     except Exception:  # noqa: BLE001 - a forward that needs a rank (its process group,
         return  # its device, ...) is checked by the ranks, which report its own error
     finally:
         model.train(training)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) \
-            else f"a {type(loss).__name__}"
-        raise TypeError(f"model.forward(batch) must return the loss as a scalar tensor, but on "
-                        f"a batch of {len(samples)} training sample{'s' if len(samples) > 1 else ''}"
-                        f" it returned {shape} (checked before any rank started); return the "
-                        "loss itself, e.g. "
-                        "torch.nn.functional.cross_entropy(logits, labels)")
+    where = f" on a batch of {len(samples)} training sample{'s' if len(samples) > 1 else ''}"
+    try:
+        checked_loss(output, batch, "model.forward(**batch)" if kwargs else "model.forward(batch)",
+                     where)
+    except LossError as exc:
+        raise LossError(f"checked before any rank started: {exc}") from None
 
 
 def make_run_spec(model: torch.nn.Module, train_dataset: Any, val_dataset: Any,

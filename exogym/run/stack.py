@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from exogym.run.model_loss import call_arguments, loss_of
 from exogym.run.stack_attention import batched_attention
 
 __all__ = ["RankStack", "StackError", "model_problem", "probe_model", "strategy_problem"]
@@ -120,14 +121,24 @@ def probe_model(model: torch.nn.Module, batch: Any) -> str | None:
     return None
 
 
+def _rank_loss(model: torch.nn.Module, params: dict[str, torch.Tensor],
+               buffers: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
+    """One rank's loss: ``model`` computed with ``params`` and ``buffers`` on ``batch``,
+    called and read as every rank's model is (:mod:`exogym.run.model_loss`)."""
+    from torch.func import functional_call
+
+    args, kwargs = call_arguments(model, batch)
+    return loss_of(functional_call(model, (params, buffers), args, kwargs)).reshape(())
+
+
 def _vmapped(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     """Every rank's loss at once: ``vmap`` over the ranks of ``functional_call``, with
     attention computed for all ranks in one call (:mod:`exogym.run.stack_attention`)."""
-    from torch.func import functional_call, vmap
+    from torch.func import vmap
 
     def one(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
             batch: Any) -> torch.Tensor:
-        return functional_call(model, (params, buffers), (batch,)).reshape(())
+        return _rank_loss(model, params, buffers, batch)
 
     ranks = vmap(one, in_dims=(0, 0, 0), randomness="different")
 
@@ -269,13 +280,10 @@ class RankStack:
         else:
             # Batches of different shapes (an epoch's short last batch): each rank's
             # loss on its own slice of the stack, still one backward.
-            from torch.func import functional_call
-
             model = next(iter(self._ranks.values())).model
             losses = torch.stack([
-                functional_call(model, ({n: t[j] for n, t in params.items()},
-                                        {n: t[j] for n, t in buffers.items()}),
-                                (batch,)).reshape(())
+                _rank_loss(model, {n: t[j] for n, t in params.items()},
+                           {n: t[j] for n, t in buffers.items()}, batch)
                 for j, batch in enumerate(batches)])
         if losses.shape != (len(batches),):
             raise TypeError("model.forward(batch) must return a scalar loss tensor, got "

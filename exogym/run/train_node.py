@@ -45,6 +45,7 @@ from exogym.run.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from exogym.run.model_loss import model_loss
 from exogym.run.stack import RankStack
 from exogym.run.timing import StepTimer
 from exogym.sim.clock import SimClock
@@ -248,11 +249,7 @@ class TrainNode:
 
     def _loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         with self.autocast, comm.torch_identity():  # a model may ask torch its rank
-            loss = model(batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise TypeError(f"model.forward(batch) must return a scalar loss tensor, got {shape}")
-        return loss.reshape(())
+            return model_loss(model, batch, f" at rank {self.rank}")
 
     def train_step(self) -> dict[str, Any]:
         """Run one optimizer step (with accumulation) and return its metric event.
@@ -669,16 +666,17 @@ class TrainNode:
                 self.step % spec.correlation_interval == 0:
             event["correlation"] = self.correlation()
         if spec.checkpoint_interval and self.step % spec.checkpoint_interval == 0:
-            try:
-                save_checkpoint(self.state_dict(), self.checkpoint_root, self.rank, self.step,
-                                keep=spec.keep_checkpoints)
-            finally:
-                # Sent even when the run is stopped right after the save: a resumed run
-                # starts after the steps a checkpoint holds, so the trace must have them.
-                if checkpoint_path(self.checkpoint_root, self.rank, self.step).is_file():
-                    event["checkpoint"] = True  # sent at once: see _EventBatches
-                    event["wall_s"] = time.perf_counter() - start
-                    self.emit(event)
+
+            def announce() -> None:
+                event["checkpoint"] = True  # sent at once: see _EventBatches
+                event["wall_s"] = time.perf_counter() - start
+                self.emit(event)
+
+            # The event goes with the checkpoint's rename, in one block that an
+            # interruption does not cut: a resumed run starts after the steps a checkpoint
+            # holds, so the trace must have them (a SIGTERM between the two lost the step).
+            save_checkpoint(self.state_dict(), self.checkpoint_root, self.rank, self.step,
+                            keep=spec.keep_checkpoints, announce=announce)
         else:
             event["wall_s"] = time.perf_counter() - start
             self.emit(event)
@@ -707,6 +705,8 @@ class TrainNode:
                 print(f"rank {self.rank}: resumed from step {resumed}", flush=True)
         opening = {"event": "start", "rank": self.rank, "max_steps": self.max_steps,
                    "step": self.step, "round_steps": self.strategy.round_steps}
+        if self.membership is not None and self.membership.joining:
+            opening["joining"] = True  # its step comes with the state a member hands it
         if self.train_stream.labels_held is not None:
             opening["labels"] = self.train_stream.labels_held
             if self.rank == 0:  # every rank's, for a host that sees only its own events
@@ -718,10 +718,10 @@ class TrainNode:
                 if not self._take_part():
                     break
                 self._one_step(start)
-            except RankDropped as exc:
+            except RankDropped:
                 # Declared lost while it ran (frozen, or cut off): what it did since is
-                # dropped; the next round admits it again with the run's state.
-                print(f"rank {self.rank}: {exc}", flush=True)
+                # dropped; a round admits it again with the run's state. The loss is told
+                # once, by the membership change the ranks decide (not here as well).
                 continue
             except MembershipStop:
                 if self.step:  # a round boundary: every survivor holds the same state

@@ -23,7 +23,7 @@ from exogym.base.plural import plural
 from exogym.sim.network import Network
 
 from .recording import Recording
-from .timelines import Timeline, rounded, time_to_loss
+from .timelines import Timeline, replayed_change, rounded, time_to_loss
 from .variants import Variant
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ def replay_tables(report: Mapping[str, Any]) -> ReplayTables:
         if change["step"] > 1:
             table.add_row(f"lost to step {change['step']}: {change['reason']} (s)",
                           _cell(change.get("lost_s")),
-                          _cell(replayed.get(change["step"], {}).get("lost_s")), "")
+                          _cell(replayed_change(replayed, change).get("lost_s")), "")
     losses = dict((s, v) for s, v in rep["evaluations"])
     for (step, value), (_, ratio) in zip(real["evaluations"], ratios["val_loss"]):
         table.add_row(f"val loss at step {step}", _cell(value), _cell(losses.get(step)),

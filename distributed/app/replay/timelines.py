@@ -277,15 +277,27 @@ def timeline(lines: Sequence[Mapping[str, Any]], round_steps: int, num_nodes: in
 def _membership_costs(lines: Sequence[Mapping[str, Any]], num_nodes: int,
                       rounds: Mapping[int, float], round_steps: int) -> list[dict[str, Any]]:
     """Each change of the ranks that train, in step order: the announced ones and the
-    absences the steps show (:func:`absences`), each after the first with ``lost_s``,
-    what the rounds around it took beyond the median round."""
+    absences the steps show (:func:`absences`) that no announced change tells, each after
+    the first with ``lost_s``, what the rounds around it took beyond the median round.
+
+    One event is one change: a rank lost in the middle of a step records no step from
+    that step on, while the change that tells its loss takes effect at the next step
+    (or round), so an announced change that leaves the rank out between its first step
+    away and its return tells that absence; one that takes it in again by its return
+    tells the return."""
     changes = membership_lines(lines)
-    announced = {int(c.get("step") or 1) for c in changes}
+    announced = [(int(c.get("step") or 1), set(c.get("ranks") or ())) for c in changes]
     for away_rank, first, back in absences(lines, num_nodes):
-        if first not in announced:
+        until = back if back is not None else float("inf")
+        left = [i for i, (step, ranks) in enumerate(announced)
+                if first <= step < until and away_rank not in ranks]
+        if left:  # the steps the replay takes the rank away at (rank_failures)
+            changes[left[0]].setdefault("away_from", first)
+        else:
             changes.append({"step": first, "ranks": None,
                             "reason": f"rank {away_rank} recorded no step from step {first}"})
-        if back is not None and back not in announced:
+        if back is not None and not any(first < step <= back and away_rank in ranks
+                                        for step, ranks in announced):
             changes.append({"step": back, "ranks": None,
                             "reason": f"rank {away_rank} recorded steps again from step {back}"})
     changes.sort(key=lambda c: int(c.get("step") or 1))
@@ -294,6 +306,8 @@ def _membership_costs(lines: Sequence[Mapping[str, Any]], num_nodes: int,
     for change in changes:
         step = int(change.get("step") or 1)
         entry = {"step": step, "ranks": change.get("ranks"), "reason": change.get("reason")}
+        if "away_from" in change:
+            entry["away_from"] = change["away_from"]
         if step > 1:
             around = {(step - 2) // round_steps, (step - 1) // round_steps}
             entry["lost_s"] = rounded(sum(max(0.0, rounds[i] - median) for i in around
@@ -327,3 +341,11 @@ def time_to_loss(evaluations: Sequence[tuple[int, float, float]], target: float)
     """The first time the validation loss reaches ``target`` (linear between
     evaluations); None when it never does."""
     return loss_reached_at([(t, loss) for _, loss, t in evaluations], target)
+
+
+def replayed_change(replayed: Mapping[int, Mapping[str, Any]],
+                    change: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The replay's change for the real ``change``: at its step, or where the replay took
+    the rank away (a rank lost within a step is away from that step in the replay, and
+    announced at the next)."""
+    return replayed.get(change["step"]) or replayed.get(change.get("away_from", -1)) or {}

@@ -107,6 +107,8 @@ def replay_html(report: Mapping[str, Any], timelines: Mapping[str, Mapping[int, 
         timelines: per series name (``real``, then each replay's label), seconds at each
             step.
     """
+    from ..replay.timelines import replayed_change
+
     real, rep = report["real"], report["replay"]
     curves = [("real", list(zip(real["evaluation_s"], (v for _, v in real["evaluations"])))),
               ("replay", list(zip(rep["evaluation_s"], (v for _, v in rep["evaluations"]))))]
@@ -127,7 +129,7 @@ def replay_html(report: Mapping[str, Any], timelines: Mapping[str, Mapping[int, 
     replayed = {m["step"]: m for m in rep["membership"]}
     for change in real["membership"]:
         if change["step"] > 1:
-            other = replayed.get(change["step"], {})
+            other = replayed_change(replayed, change)
             rows.append((f"lost to step {change['step']}: {change['reason']} (s)",
                          change.get("lost_s"), other.get("lost_s"), None))
     losses = dict((s, v) for s, v in rep["evaluations"])
