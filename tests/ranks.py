@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env(rank: int, world: int, port: int, addr: str = "127.0.0.1", **extra: str) -> dict:
@@ -30,12 +25,16 @@ def rank_env(rank: int, world: int, port: int, addr: str = "127.0.0.1", **extra:
 def start_ranks(profile: str, world: int, overrides: list[str], log_dir: Path,
                 prefix: list[str] | None = None, addr: str = "127.0.0.1",
                 port: int | None = None) -> list[subprocess.Popen]:
-    """Start ``world`` worker processes for ``profile``; their output goes to log_dir."""
+    """Start ``world`` worker processes for ``profile``; their output goes to log_dir.
+    Without a ``prefix`` (a namespace to run in) they start warm (tests/warm.py)."""
+    import warm
+
     port = port or free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = []
+    python = [sys.executable] if prefix else warm.python()
     for rank in range(world):
-        args = [sys.executable, "-m", "distributed.worker", "--profile", profile, "--quiet"]
+        args = [*python, "-m", "distributed.worker", "--profile", profile, "--quiet"]
         for pair in overrides:
             args += ["--set", pair]
         log = open(log_dir / f"rank{rank}.log", "wb")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import getpass
 import os
 import shutil
-import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 from netbed.sshd import sshd_config, wait_for_greeting
 from netbed.system import sshd_binary, stop_process
+from ports import free_port
 
 ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6")
 
@@ -45,24 +45,6 @@ class SSHD:
 
     def known_hosts_line(self, address: str) -> str:
         return f"[{address}]:{self.port} {self.host_public_key}\n"
-
-
-def _free_port(addresses: tuple[str, ...]) -> int:
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind((addresses[0], 0))
-            port = probe.getsockname()[1]
-        ok = True
-        for address in addresses:
-            with socket.socket() as s:
-                try:
-                    s.bind((address, port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return port
-    raise RuntimeError("no port is free on every test address")
 
 
 def _keygen(path: Path) -> None:
@@ -90,7 +72,7 @@ def serve_sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHD]:
         _keygen(key)
     authorized = home / "authorized_keys"
     authorized.write_text((home / "user_key.pub").read_text())
-    port = _free_port(ADDRESSES)
+    port = free_port(*ADDRESSES)
     config = home / "sshd_config"
     config.write_text(sshd_config([f"{a}:{port}" for a in ADDRESSES], host_key, authorized,
                                   max_startups=200, verbose=True))

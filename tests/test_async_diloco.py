@@ -127,6 +127,7 @@ def test_keep_training_fills_the_wait_for_a_quorum_with_steps_that_are_merged():
         runs[False].summary["final_val_global_loss"]
 
 
+@pytest.mark.slow
 def test_grace_waits_for_a_round_about_to_end_and_staleness_drops_old_ones():
     speeds = [1.0, 1.0, 1.0, 0.5]
     # grace 0: the quorum of the three fast ranks merges at once
@@ -242,6 +243,7 @@ def test_the_digits_async_profile_writes_its_merges_into_summary_json(tmp_path):
                for m in merges["rounds"])
 
 
+@pytest.mark.slow
 def test_unequal_speeds_reach_the_loss_sooner_than_synchronous_diloco_on_digits():
     train, val = digits_datasets()
     common = dict(dataset=None, num_nodes=4, batch_size=32, val_size=len(val), val_interval=10,

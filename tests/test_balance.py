@@ -336,6 +336,7 @@ def test_a_rank_with_a_host_to_itself_is_timed_by_the_wall_clock(ranks_per_machi
     assert (timed[0] >= 0.1) if counted else (timed[0] < 0.05), timed
 
 
+@pytest.mark.slow
 def test_real_ranks_time_their_own_work_so_a_held_back_host_gets_a_smaller_batch(tmp_path):
     # Two rank processes over TCP, as on two hosts: each has its machine to itself, so
     # it is timed by the wall clock, without the time inside collectives. Rank 1 waits

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
+import warm
 from ranks import ROOT
 
 MODES = ("process per rank", "packed", "stacked")
@@ -25,7 +25,7 @@ ACCELERATOR = torch.cuda.is_available() or (
 
 def run_bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONIOENCODING="utf-8")
-    done = subprocess.run([sys.executable, "-m", "bench.gpu", *args], cwd=ROOT, env=env,
+    done = subprocess.run([*warm.python(), "-m", "bench.gpu", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
@@ -45,6 +45,7 @@ def table_rows(stdout: str) -> list[dict[str, str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_cpu_part_prints_every_mode_with_samples_per_second_and_why_the_gpu_part_did_not_run(
         tmp_path):
     figures = tmp_path / "gpu.json"

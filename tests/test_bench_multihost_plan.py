@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CORES = os.cpu_count() or 1
 
@@ -67,6 +69,7 @@ def test_every_recommended_strategy_parses_to_its_settings_and_period():
     assert "steps 100..300 timed of 301" in lines[1]
 
 
+@pytest.mark.slow
 def test_impossible_strategy_specs_are_refused_with_how_to_write_them():
     for spec in ("streaming_diloco:4:8", "sparseloco:0", "diloco:x", "ddp:3", "fedavg"):
         done = plan("--hosts", "2", "--share", "0.3", "--strategies", spec)

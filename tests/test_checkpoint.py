@@ -86,6 +86,7 @@ def test_checkpoint_files_are_verified_and_pruned(tmp_path):
     assert not list((tmp_path / "rank0").glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_resume_from_a_missing_folder_is_a_clear_error(tmp_path):
     ds = toy_dataset()
     with pytest.raises(Exception, match="not a checkpoint folder"):

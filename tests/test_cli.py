@@ -307,6 +307,7 @@ def test_compare_exits_1_naming_the_strategy_whose_run_failed(tmp_path):
     assert not (tmp_path / "c.png").exists()
 
 
+@pytest.mark.slow
 def test_compare_simulates_each_strategy_and_writes_a_table_and_a_plot(tmp_path):
     out = tmp_path / "plots" / "compare.png"
     result = invoke("compare", "digits-diloco", "--strategies", "ddp,diloco,fedavg",
@@ -372,6 +373,7 @@ def test_preflight_failure_names_the_host_and_offers_local(sshd, tmp_path):
                          "nothing was started")
 
 
+@pytest.mark.slow
 def test_distributed_train_runs_across_three_hosts_with_the_dashboard(sshd, tmp_path):
     hosts = write_hosts(tmp_path / "hosts.json", sshd_hosts(sshd))
     out = tmp_path / "net"

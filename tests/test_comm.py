@@ -125,8 +125,17 @@ class ChecksMirror(SimpleReduceStrategy):
         super().step()
 
 
-def test_mirrored_collectives_send_nothing_and_every_rank_trains_alone(monkeypatch):
-    """EXOGYM_COLLECTIVES=mirror: DDP's ranks train as if alone, yet count DDP's bytes."""
+@pytest.mark.parametrize("start", ["as the machine allows", "fork server"])
+def test_mirrored_collectives_send_nothing_and_every_rank_trains_alone(monkeypatch, start):
+    """EXOGYM_COLLECTIVES=mirror: DDP's ranks train as if alone, yet count DDP's bytes.
+
+    Set after the fork server started (it starts with the first fit), the variable still
+    reaches ranks the server starts: they take the fit's environment, not the server's.
+    """
+    import exogym.run.trainer as trainer_module
+
+    if start == "fork server":
+        monkeypatch.setattr(trainer_module, "_can_fork", lambda spec, placement: False)
     ds = toy_dataset()
     p = trainable_count(tiny_model())
     fit = dict(num_nodes=2, max_steps=6, batch_size=16, val_size=32, val_interval=6,
@@ -162,6 +171,7 @@ def test_an_unknown_collectives_mode_is_refused_before_any_rank_starts(monkeypat
                                           max_steps=2, **FIT)
 
 
+@pytest.mark.slow
 def test_only_the_comm_package_touches_torch_distributed():
     import ast
     from pathlib import Path
@@ -210,6 +220,7 @@ def _side_channel_rank(rank: int, port: int, results) -> None:
         comm.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_side_channel_reduces_gathers_broadcasts_averages_and_is_never_counted():
     import multiprocessing as mp
 

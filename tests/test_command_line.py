@@ -44,6 +44,7 @@ def flat(text: str) -> str:
 # --------------------------------------------------------------------------- --version
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("face", ["cli_typer.py", "wizard.py"])
 def test_version_names_the_package_version_the_commit_and_python(face):
     declared = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(),
@@ -86,6 +87,7 @@ def bash_completions(face: str, words: list[str]) -> list[str]:
     return [w for w in done.stdout.splitlines() if w]
 
 
+@pytest.mark.slow
 def test_bash_completes_commands_options_and_profile_names():
     assert bash_completions("cli_typer.py", ["distributed-tr"]) == ["distributed-train"]
     assert bash_completions("cli_typer.py", ["compare", "--strat"]) == ["--strategies"]
@@ -162,6 +164,7 @@ def _fstring_hedges(path: Path) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_no_message_hedges_a_count_with_s_in_parentheses():
     """Counts go through exogym.base.plural: "1 rank", "3 ranks", never "rank(s)"."""
     files = [ROOT / "cli_typer.py", ROOT / "wizard.py",
@@ -297,6 +300,8 @@ def printed_commands(output: str) -> list[str]:
             if line.lstrip().startswith("command:")]
 
 
+@pytest.mark.slow(
+    reason="the printed command run from several folders, each a training run")
 def test_dry_run_of_a_simulation_prints_a_command_that_runs_as_printed_from_anywhere(tmp_path):
     from distributed.worker.environment import FINAL_MODEL
 
@@ -316,6 +321,7 @@ def test_dry_run_of_a_simulation_prints_a_command_that_runs_as_printed_from_anyw
     assert (out / FINAL_MODEL).is_file()
 
 
+@pytest.mark.slow
 def test_dry_run_across_hosts_prints_commands_that_start_the_run_by_hand(sshd, tmp_path):
     """Each rank's printed command, pasted into a shell of its own (the worker's over the
     real ssh client to the test sshd), trains the run: nothing the launcher adds is missing,
@@ -418,8 +424,15 @@ def test_profiles_marks_nothing_when_the_extra_is_installed(monkeypatch):
 # --------------------------------------------------------------------------- compare's times
 
 #: The start-up the first strategy of a comparison pays alone (see slow_first_digits).
-SHARED_START_S = 2.0
+#: A start-up the later runs of a comparison reuse, far longer than any real one: it is
+#: added to the comparison's clock, not slept, so a loaded machine cannot blur it.
+SHARED_START_S = 1000.0
 _built: list[bool] = []
+_clock_ahead = [0.0]
+
+
+def _compare_clock() -> float:
+    return time.perf_counter() + _clock_ahead[0]
 
 
 def slow_first_digits(**settings):
@@ -429,7 +442,7 @@ def slow_first_digits(**settings):
     from distributed.tasks.builtin import digits_task
 
     if not _built:
-        time.sleep(SHARED_START_S)
+        _clock_ahead[0] += SHARED_START_S
         _built.append(True)
     return digits_task(**settings)
 
@@ -449,10 +462,14 @@ def table_rows(output: str, title: str) -> dict[str, dict[str, str]]:
     return rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", [("ddp", "diloco"), ("diloco", "ddp")])
 def test_compare_times_each_strategy_alone_and_reports_the_start_up_apart(tmp_path, order,
                                                                          monkeypatch):
+    from distributed.app.compare import StartClock
+
     monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(StartClock.__init__, "__defaults__", (_compare_clock,))
     _built.clear()
     config = tmp_path / "compare.ini"
     config.write_text("[distributed:slow-start]\ntask = test_command_line:slow_first_digits\n"

@@ -29,6 +29,7 @@ def test_the_list_covers_the_paths_the_design_promises():
     assert promised <= set(exogym.COMPATIBLE_IMPORTS)
 
 
+@pytest.mark.slow
 def test_from_imports_of_the_re_exports_work_in_a_fresh_interpreter():
     code = ("from exogym.trainer import LocalTrainer, Trainer\n"
             "from exogym.logger import CSVLogger, WandbLogger\n"

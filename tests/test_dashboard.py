@@ -102,6 +102,7 @@ def test_summary_comes_from_the_events_when_no_trainer_gives_one():
     assert summary["bytes_per_node"] == 10 * 1024 and summary["wall_s"] == 4.0
 
 
+@pytest.mark.slow
 def test_a_real_runs_screen_in_a_terminal_shows_a_row_per_rank_with_changing_steps(tmp_path):
     pexpect = pytest.importorskip("pexpect", reason="pip install pexpect")
     env = dict(os.environ, TERM="xterm-256color", COLUMNS="130", LINES="40",
@@ -151,6 +152,7 @@ def test_the_live_table_fits_an_80_column_terminal_without_cutting_a_cell():
     assert "last report" in drawn.getvalue() and "samples/s" in drawn.getvalue()
 
 
+@pytest.mark.slow
 def test_profiles_at_80_columns_is_a_block_per_profile_with_no_value_split(tmp_path):
     import subprocess
 

@@ -155,6 +155,7 @@ def test_periods_beyond_the_run_are_independent_adamw_on_each_rank_and_send_noth
         assert torch.allclose(p, expected, atol=1e-6), name
 
 
+@pytest.mark.slow
 def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
     from test_checkpoint import Dropout
 

@@ -24,6 +24,7 @@ def test_digits_split_is_seeded_disjoint_and_complete():
         digits_datasets(val_fraction=1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [DigitsMLP, DigitsCNN])
 def test_digits_models_return_a_loss_and_learn(cls):
     train, val = digits_datasets()
@@ -44,6 +45,7 @@ def test_digits_models_return_a_loss_and_learn(cls):
     assert model.training  # evaluate puts it back
 
 
+@pytest.mark.slow
 def test_the_digits_are_read_from_scikit_learns_file_without_importing_it():
     import subprocess
     import sys

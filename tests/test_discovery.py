@@ -169,6 +169,7 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(10)
 
 
+@pytest.mark.slow
 @needs_netns
 def test_discover_in_a_third_namespace_finds_both_agents_with_their_fields():
     with lan(3) as (names, addresses):
@@ -204,6 +205,7 @@ def test_discover_in_a_third_namespace_finds_both_agents_with_their_fields():
     assert "alpha" in table.stdout and "beta" in table.stdout
 
 
+@pytest.mark.slow
 @needs_netns
 def test_a_stopped_agent_says_goodbye_and_leaves_a_running_browser_within_5_s():
     with lan(3) as (names, _):
@@ -249,6 +251,7 @@ needs_unshare = pytest.mark.skipif(shutil.which("unshare") is None,
                                    reason="util-linux unshare is not installed")
 
 
+@pytest.mark.slow
 @needs_netns
 @needs_unshare
 def test_a_second_machine_with_the_same_host_name_advertises_as_name_2_keeping_its_host_name():
@@ -274,6 +277,7 @@ def test_a_second_machine_with_the_same_host_name_advertises_as_name_2_keeping_i
     assert re.search(r"│ vm\s+│ vm\s+│", table) and re.search(r"│ vm-2\s+│ vm\s+│", table)
 
 
+@pytest.mark.slow
 @needs_netns
 def test_agent_and_discover_print_ssh_to_the_lan_address_not_to_a_docker_bridge_listed_first():
     with lan(2) as (names, addresses):
@@ -310,6 +314,7 @@ def sshd(tmp_path_factory):
     yield from serve_sshd(tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_wizard_uses_found_machines_after_each_fingerprint_is_confirmed(sshd, tmp_path):
     """The discovery answer is injected (EXOGYM_DISCOVERED, as `discover --json` writes it):
     the test sshd listens on 127.0.0.x of this namespace, which an agent in another namespace

@@ -11,10 +11,10 @@ import importlib.util
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
+import warm
 from doc_blocks import ROOT, code_block
 from toys import tiny_model, toy_dataset
 
@@ -24,12 +24,13 @@ WRITING = "docs/writing-a-strategy.md"
 FIT = dict(batch_size=16, val_size=0, shuffle=False, logger=None, progress=False)
 
 
+@pytest.mark.slow
 def test_the_site_builds_with_no_broken_link_or_reference(tmp_path):
     if importlib.util.find_spec("mkdocs") is None:
         pytest.skip("mkdocs is not installed (pip install -e '.[docs]'), so the site is not built")
     site = tmp_path / "site"
     done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
+        [*warm.python(), "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
          "-d", str(site)],
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True,
         timeout=300)
@@ -142,6 +143,7 @@ def test_the_map_names_every_strategy_and_the_examples_count():
     assert counted.group(2).split(", ") == list(STRATEGIES), example
 
 
+@pytest.mark.slow
 def test_the_compare_page_runs_as_written_and_returns_its_rows(tmp_path, monkeypatch, capsys):
     import torch
 
@@ -186,3 +188,25 @@ def test_compare_refuses_what_it_cannot_run_before_any_run(strategies, kwargs, m
         compare(tiny_model(), toy_dataset(), toy_dataset(), strategies, show=False,
                 num_nodes=2, **{"max_steps": 2, **kwargs})
     assert runs == []
+
+
+@pytest.mark.slow(
+    reason="the page's causal LM trained with DiLoCo twice, from a list and from a dataset")
+def test_the_hugging_face_pages_causal_lm_learns_with_diloco_from_a_list_and_a_datasets_dataset(
+        tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    page = "docs/huggingface.md"
+    scope: dict = {"__name__": "huggingface_page"}
+    exec(compile(code_block(page, "## A small causal language model", "python"), page, "exec"),
+         scope)
+    trainer, final = scope["trainer"], scope["final"]
+    # from ln 64 = 4.16, a guess among 64 tokens
+    assert scope["trainer"].summary["final_val_global_loss"] < 1.0, trainer.summary
+    saved = type(final).from_pretrained(tmp_path / "runs" / "tiny-lm")
+    assert torch.equal(saved.lm_head.weight, final.lm_head.weight)
+    if importlib.util.find_spec("datasets") is None:
+        return  # the page's datasets.Dataset needs the package (the dev extra)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    exec(compile(code_block(page, "## A `datasets.Dataset`", "python"), page, "exec"), scope)
+    assert scope["trainer"].summary["final_val_global_loss"] < 1.0

@@ -16,6 +16,7 @@ from io import StringIO
 
 import pytest
 import torch
+import warm
 from ranks import free_port
 from rich.console import Console
 
@@ -90,6 +91,42 @@ def test_an_all_reduce_completes_among_the_survivors_and_every_survivor_gets_the
     assert isinstance(out[2], RankDropped)
     # The survivors go on in a group of their own.
     assert ws[0].group_ranks() == [0, 1] == ws[1].group_ranks()
+
+
+@pytest.mark.slow
+def test_a_rank_dropped_inside_a_collective_closes_without_waiting_for_the_call(store):
+    """A rank declared lost while its all-reduce waits for members that do not come (it was
+    frozen, and they went on without it) is dropped; ending it then returns at once. Its
+    call is still blocked in gloo's threads, so the group is kept for good, not destroyed:
+    gloo's destructor would wait for the call until gloo's timeout, and the rank's process
+    could not end before."""
+    ws = worlds(store, timeout_s=60.0)
+    threads, out = run_ranks(ws, lambda world, rank: world.enter_step(1, None))
+    for t in threads:
+        t.join(30)
+    assert out == {0: None, 1: None, 2: None}, out
+
+    def alone(world, rank):
+        try:
+            world.all_reduce(torch.ones(4))  # ranks 0 and 1 never call it
+        except RankDropped as exc:
+            return f"dropped: {exc}"  # not the exception: its frames would hold the group
+        return "completed"
+
+    threads, out = run_ranks(ws[2:], alone)
+    deadline = time.monotonic() + 20
+    while not (ws[2].waiting_for or "").startswith("an all-reduce"):
+        assert time.monotonic() < deadline and threads[0].is_alive(), out
+        time.sleep(0.01)
+    declare_lost(store, 2, "no heartbeat")
+    threads[0].join(10)
+    assert out[0].startswith("dropped: rank 2 was declared lost"), out
+    started = time.monotonic()
+    ws[2].close()
+    took = time.monotonic() - started
+    for world in ws[:2]:
+        world.close()
+    assert took < 10, f"closing the dropped rank waited {took:.0f} s for its blocked call"
 
 
 class _VotesLate(ElasticGroups):
@@ -260,7 +297,7 @@ def test_launch_settings_are_checked_before_anything_starts():
     assert launch_key_problems({"min_nodes": "two"})[0].startswith("min_nodes must be")
     assert launch_key_problems({"min_nodes": 2, "lost_after": 5}) == []
     assert "do not go together" in launch_key_problems({"min_nodes": 2, "balance": "steps"})[0]
-    env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+    env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "h", "MASTER_PORT": str(free_port())}
     assert rank_environment({**env, "EXOGYM_MIN_NODES": "2"}).min_nodes == 2
     with pytest.raises(ValueError, match="EXOGYM_MIN_NODES=4 must be in 1..WORLD_SIZE"):
         rank_environment({**env, "EXOGYM_MIN_NODES": "4"})
@@ -290,7 +327,65 @@ def test_the_dashboards_show_lost_and_rejoining_hosts_and_record_the_membership(
     assert [m["ranks"] for m in board.summary()["membership"]] == [[0, 1, 2], [0, 1]]
     assert web.runs[0].as_json(0.0)["membership"][1]["reason"] == "c (rank 2) lost (killed)"
     board.finish()
-    assert "step 21: c (rank 2) lost (killed); training on a, b" in console.file.getvalue()
+    # the launcher tells each change, once (test_a_host_lost_and_back_is_told_once_...)
+    assert "lost" not in console.file.getvalue()
+
+
+def test_a_host_lost_and_back_is_told_once_each_at_its_membership_change_s_step(store):
+    """The terminal of a run across hosts is the launcher's lines and the dashboard's: a
+    host lost at step 160 and back during a round at step 270 is told in one line each, at
+    the step the ranks' membership log gives it, never at a step a process happened to be
+    at (a lost rank's last step seen, a restarted process's step 0)."""
+    from types import SimpleNamespace
+
+    from distributed.launch.elastic_attempt import ElasticAttempt
+    from exogym.membership import hosts as protocol
+
+    console = Console(file=StringIO(), width=300)
+    board = Dashboard(3, ["a", "b", "c"], console=console, live=False)
+    told: list[str] = []
+    attempt = ElasticAttempt.__new__(ElasticAttempt)  # its reporting, on a real store
+    vars(attempt).update(
+        protocol=protocol, store=store, lost={}, first_lost=None, state={}, logged=0,
+        membership=[], beats={}, min_nodes=2, _ending=threading.Event(),
+        plans=[SimpleNamespace(host=SimpleNamespace(host=h)) for h in "abc"],
+        context=SimpleNamespace(on_event=board.on_event),
+        say=lambda text, style: told.append(text))
+
+    def decided(step: int, ranks: list[int], reason: str, joined=()) -> None:
+        protocol.log_change(store, json.dumps({
+            "step": step, "ranks": ranks, "hosts": ["abc"[r] for r in ranks],
+            "reason": reason, "joined": list(joined), "left": [], "gens": {},
+            "stop": None}).encode())
+        attempt._read_log()
+
+    def steps(ranks, first, last):
+        for step in range(first, last + 1):
+            for rank in ranks:
+                board.on_event({"event": "step", "rank": rank, "host": "abc"[rank],
+                                "step": step, "train_loss": 1.0, "samples": 8 * step,
+                                "comm_bytes": 0, "wall_s": 0.0})
+
+    decided(1, [0, 1, 2], "start")
+    steps([0, 1, 2], 1, 159)
+    attempt._lose(2, "its connection dropped")  # noticed: no line yet
+    steps([0, 1], 160, 160)
+    decided(161, [0, 1], "c (rank 2) lost (its connection dropped)")
+    steps([0, 1], 161, 269)
+    # the rank's process, started again, begins before a member hands it the state
+    board.on_event({"event": "start", "rank": 2, "host": "c", "step": 0, "max_steps": 300,
+                    "joining": True})
+    board.on_event({"event": "host", "rank": 2, "host": "c", "state": "rejoining"})
+    decided(270, [0, 1, 2], "c (rank 2) rejoined during a round", joined=[2])
+    steps([0, 1, 2], 270, 300)
+    board.finish()
+    terminal = "\n".join(told) + "\n" + console.file.getvalue()
+    assert [line for line in terminal.splitlines() if "(rank 2)" in line] == [
+        "step 161: c (rank 2) lost (its connection dropped); training on a, b",
+        "step 270: c (rank 2) rejoined during a round; training on a, b, c"], terminal
+    assert "at step 0" not in terminal and "at step 159" not in terminal, terminal
+    assert "next round" not in terminal, terminal
+    assert board.ranks[2].step == 300 and attempt.lost == {}
 
 
 def _events(log_path):
@@ -300,12 +395,15 @@ def _events(log_path):
 
 
 @contextlib.contextmanager
-def _workers(store, tmp_path, profile: str, *settings: str, quiet: bool = False):
+def _workers(store, tmp_path, profile: str, *settings: str, quiet: bool = False,
+             fresh: bool = False):
     """Three local worker processes of ``profile`` meeting through ``store`` with
     ``min_nodes=2`` (the test is their launcher): their processes and output folder,
     every one still running killed when the test ends (passed or not). Each rank's
-    output goes to ``tmp_path/rank{r}.log``."""
-    procs, out = _start_workers(store, tmp_path, profile, *settings, quiet=quiet)
+    output goes to ``tmp_path/rank{r}.log``; each is slowed through its throttle file
+    (:func:`_slow`). They start warm (tests/warm.py) unless ``fresh``: a test that
+    freezes one (SIGSTOP) needs the rank to be the process it has."""
+    procs, out = _start_workers(store, tmp_path, profile, *settings, quiet=quiet, fresh=fresh)
     try:
         yield procs, out
     finally:
@@ -316,7 +414,8 @@ def _workers(store, tmp_path, profile: str, *settings: str, quiet: bool = False)
                 proc.wait(timeout=30)
 
 
-def _start_workers(store, tmp_path, profile: str, *settings: str, quiet: bool = False):
+def _start_workers(store, tmp_path, profile: str, *settings: str, quiet: bool = False,
+                   fresh: bool = False):
     import subprocess
     import sys
 
@@ -325,7 +424,8 @@ def _start_workers(store, tmp_path, profile: str, *settings: str, quiet: bool = 
     for r in range(3):
         store.set(key("host", r), f"host{r}")
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "distributed.worker", "--profile", profile,
+    args = [*([sys.executable] if fresh else warm.python()), "-m", "distributed.worker",
+            "--profile", profile,
             *(["--quiet"] if quiet else [])]
     for pair in (*settings, "num_threads=1", "checkpoint_interval=None", "num_nodes=3",
                  f"output_dir={out}"):
@@ -333,9 +433,20 @@ def _start_workers(store, tmp_path, profile: str, *settings: str, quiet: bool = 
     procs = []
     for r in range(3):
         with open(tmp_path / f"rank{r}.log", "wb") as log:
+            env = rank_env(r, 3, store.port, EXOGYM_MIN_NODES="2",
+                           EXOGYM_THROTTLE_FILE=str(tmp_path / f"throttle{r}.json"))
             procs.append(subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                          env=rank_env(r, 3, store.port, EXOGYM_MIN_NODES="2")))
+                                          env=env))
     return procs, out
+
+
+def _slow(tmp_path, rank: int, factor: float) -> None:
+    """Run ``rank`` of :func:`_workers` at ``factor`` of its speed from its next look at its
+    throttle file (:mod:`distributed.worker.throttle`): a test that must act within a stretch
+    of steps makes the stretch last, whatever else the machine runs."""
+    path = tmp_path / f"throttle{rank}.json"
+    path.with_suffix(".tmp").write_text(json.dumps({"factor": factor, "fault": "test"}))
+    path.with_suffix(".tmp").replace(path)
 
 
 def _wait_for_step(tmp_path, procs, rank: int, step: int) -> None:
@@ -345,6 +456,63 @@ def _wait_for_step(tmp_path, procs, rank: int, step: int) -> None:
         time.sleep(0.1)
 
 
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds process ``pid`` has used (None where /proc does not say)."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _threads_of(pid: int) -> list[str]:
+    """Each thread of ``pid`` as /proc shows it: name, state and the kernel wait it is in
+    (gloo's and torch's C++ threads have no Python stack to dump)."""
+    from pathlib import Path
+
+    out = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            name = (task / "comm").read_text().strip()
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = (task / "wchan").read_text().strip() or "-"
+        except OSError:
+            continue
+        out.append(f"{task.name} {name} state={state} wchan={wchan}")
+    return out
+
+
+def _ends_or_says_why(proc, log_path, timeout_s: float, cpu_before: float | None) -> int:
+    """``proc``'s exit code once it ends within ``timeout_s``; otherwise fail naming what it
+    was doing: its Python stacks (the worker dumps every thread's on SIGUSR1, into its log),
+    its threads as the kernel sees them, the CPU time it had since ``cpu_before`` (a rank
+    starved on a loaded machine has used little of the wait but is runnable; a blocked one
+    sleeps in a futex or a socket), and its log's tail."""
+    import subprocess
+
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    cpu = _cpu_s(proc.pid)
+    threads = _threads_of(proc.pid)
+    proc.send_signal(signal.SIGUSR1)  # faulthandler's dump (the default action once Python
+    time.sleep(3)                      # has shut down: its end is then told by its code)
+    code = proc.poll()
+    used = "?" if cpu is None or cpu_before is None else f"{cpu - cpu_before:.1f}"
+    tail = log_path.read_text(errors="replace")[-8000:]
+    pytest.fail(f"pid {proc.pid} did not end within {timeout_s:.0f} s: it used {used} s of "
+                f"CPU meanwhile; {'still running' if code is None else f'ended with {code}'} "
+                "after SIGUSR1\nits threads:\n  " + "\n  ".join(threads) +
+                f"\nits log's tail (Python stacks last):\n{tail}")
+
+
+@pytest.mark.slow(
+    reason="three worker processes train 300 steps at a twentieth of their speed so that "
+           "the kill lands mid-run")
 @pytest.mark.parametrize("profile, identical", [
     ("digits-ddp", True), ("digits-demo", True), ("digits-sparta", False)])
 def test_per_step_survivors_go_on_from_the_step_they_all_completed(store, tmp_path, profile,
@@ -352,16 +520,19 @@ def test_per_step_survivors_go_on_from_the_step_they_all_completed(store, tmp_pa
     """A per-step strategy: a rank killed mid-run; the others' steps complete among
     themselves and they stay identical (local worker processes, the test as launcher).
     In DeMo's gather the lost rank's part reads as absent (NaN), and is skipped."""
-    with _workers(store, tmp_path, profile, "max_steps=700", "val_interval=700",
+    # Every rank steps with rank 2, slowed so that its run outlasts the test's look at it on
+    # a busy machine (about 4 s in all; at full speed it ends within a second of step 100).
+    _slow(tmp_path, 2, 0.05)
+    with _workers(store, tmp_path, profile, "max_steps=300", "val_interval=300",
                   quiet=True) as (procs, out):
-        _wait_for_step(tmp_path, procs, 2, 200)
-        procs[2].send_signal(signal.SIGKILL)
+        _wait_for_step(tmp_path, procs, 2, 100)
+        warm.send_signal(procs[2], signal.SIGKILL)
         procs[2].wait()
         declare_lost(store, 2, "killed")
         assert [p.wait(timeout=180) for p in procs[:2]] == [0, 0]
     ends = [[e for e in _events(tmp_path / f"rank{r}.log") if e.get("event") == "step"][-1]
             for r in range(2)]
-    assert ends[0]["step"] == ends[1]["step"] == 700
+    assert ends[0]["step"] == ends[1]["step"] == 300
     if identical:  # SPARTA averages a few parameters a step: its ranks differ
         assert ends[0]["val_loss"] == ends[1]["val_loss"]
     assert math.isfinite(ends[0]["val_loss"]) and math.isfinite(ends[1]["val_loss"])
@@ -439,6 +610,7 @@ def test_a_rank_killed_with_its_host_held_down_is_started_again_only_after(tmp_p
     assert said[0] == "[h1:1] its host is down for 1 s more"
 
 
+@pytest.mark.slow
 def test_a_rank_that_loses_the_launcher_s_store_says_it_lost_the_master():
     from exogym.run.run_rank import PeerWatch, Rendezvous
 
@@ -470,22 +642,50 @@ def test_a_rank_that_loses_the_launcher_s_store_says_it_lost_the_master():
     assert took < 10.0  # a refused connection counts after 3 s, not the 60 s a silent link gets
 
 
+def _waits_in_a_collective(tmp_path, procs, rank: int) -> None:
+    """Until ``rank`` of :func:`_workers` says it has waited in one all-reduce for
+    :data:`exogym.run.run_rank.WAIT_REPORT_S` seconds (its ``waiting`` event)."""
+    deadline = time.monotonic() + 120
+    while not any(e.get("event") == "waiting" and "all-reduce" in e.get("what", "")
+                  for e in _events(tmp_path / f"rank{rank}.log")):
+        assert time.monotonic() < deadline and procs[rank].poll() is None
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("frozen", [
+    "between collectives",
+    "inside the round's all-reduce"])
+@pytest.mark.slow(
+    reason="three worker processes train 1,500 steps; one is frozen (inside the all-reduce "
+           "after it waited there 20 s), declared lost and thawed once the others end")
 def test_a_rank_away_when_the_run_ends_says_so_and_leaves_the_outputs_to_the_others(
-        store, tmp_path):
+        store, tmp_path, frozen):
     """A rank frozen past its loss wakes after the survivors finished: it ends cleanly,
-    says the run ended while it was away, and writes neither model nor summary."""
+    says the run ended while it was away, and writes neither model nor summary. Frozen
+    inside the round's all-reduce (the others held until it waits there), it wakes with
+    that call still under way in gloo: it ends as soon, the call left where it stands."""
     with _workers(store, tmp_path, "digits-diloco", "max_steps=1500",
-                  "val_interval=500") as (procs, out):
+                  "val_interval=500", fresh=True) as (procs, out):
         try:
-            _wait_for_step(tmp_path, procs, 2, 200)
+            if frozen == "between collectives":
+                _wait_for_step(tmp_path, procs, 2, 200)
+            else:
+                _wait_for_step(tmp_path, procs, 2, 100)
+                for proc in procs[:2]:
+                    proc.send_signal(signal.SIGSTOP)
+                _waits_in_a_collective(tmp_path, procs, 2)
             procs[2].send_signal(signal.SIGSTOP)
             declare_lost(store, 2, "no heartbeat")
+            for proc in procs[:2]:
+                proc.send_signal(signal.SIGCONT)
             assert [p.wait(timeout=180) for p in procs[:2]] == [0, 0]
             summary = (out / "summary.json").read_bytes()
             model = (out / "model.safetensors").read_bytes()
+            cpu_before = _cpu_s(procs[2].pid)
         finally:
-            procs[2].send_signal(signal.SIGCONT)
-        assert procs[2].wait(timeout=60) == 0
+            for proc in procs:
+                proc.send_signal(signal.SIGCONT)
+        assert _ends_or_says_why(procs[2], tmp_path / "rank2.log", 60, cpu_before) == 0
     log = (tmp_path / "rank2.log").read_text()
     assert "rank 2: the run ended while this rank was away" in log, log[-2000:]
     assert "ranks 0, 1 finished it, and rank 0 wrote the final model" in log
@@ -498,15 +698,24 @@ def test_a_rank_away_when_the_run_ends_says_so_and_leaves_the_outputs_to_the_oth
     assert json.loads(summary)["steps"] == 1500
 
 
+@pytest.mark.slow(
+    reason="three worker processes train 900 steps, rank 0 slowed to a hundredth in the "
+           "last round until it is killed")
 def test_rank_0_killed_in_the_last_round_leaves_the_outputs_to_the_lowest_rank_that_ended_it(
         store, tmp_path):
     """Rank 0 dies in the run's last round: the round's decided members still name it,
     but it does not end the run. Rank 1, the lowest rank that does, writes the final
     model and the summary."""
+    # Rank 0 must not finish the last round before it is killed, however long the machine
+    # holds the test back: a tenth of its speed until the round (a 300-step round then lasts
+    # 2 s or more), a hundredth in it (20 s or more).
+    _slow(tmp_path, 0, 0.1)
     with _workers(store, tmp_path, "digits-diloco", "max_steps=900", "H=300",
                   "val_interval=900", quiet=True) as (procs, out):
-        _wait_for_step(tmp_path, procs, 0, 650)  # in the round that starts at step 601
-        procs[0].send_signal(signal.SIGKILL)
+        _wait_for_step(tmp_path, procs, 0, 601)  # in the round that starts at step 601
+        _slow(tmp_path, 0, 0.01)
+        _wait_for_step(tmp_path, procs, 0, 610)
+        warm.send_signal(procs[0], signal.SIGKILL)
         procs[0].wait()
         declare_lost(store, 0, "killed")
         assert [p.wait(timeout=180) for p in procs[1:]] == [0, 0]

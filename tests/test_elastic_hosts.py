@@ -112,6 +112,7 @@ def start_in_background(job: Launcher, watch: Watch, rank2_step: int) -> threadi
     return runner
 
 
+@pytest.mark.slow(reason="a host's rank killed over SSH, dropped, started again and rejoined")
 def test_a_killed_host_is_dropped_and_rejoins_when_it_answers_again(sshd, third, tmp_path):
     out = tmp_path / "net"
     watch = Watch()
@@ -167,6 +168,8 @@ def test_a_killed_host_is_dropped_and_rejoins_when_it_answers_again(sshd, third,
     assert all(torch.isfinite(t).all() for t in final.values())
 
 
+@pytest.mark.slow(
+    reason="a frozen rank waited out to the heartbeat deadline, then thawed and rejoined")
 def test_a_frozen_rank_is_dropped_within_the_deadline_and_rejoins_after_it_thaws(
         sshd, third, tmp_path):
     out = tmp_path / "net"
@@ -220,6 +223,7 @@ def test_a_frozen_rank_is_dropped_within_the_deadline_and_rejoins_after_it_thaws
     assert log.count("# exogym launcher: rank 2 on") == 1
 
 
+@pytest.mark.slow(reason="a run across hosts that falls below min_nodes, then resumed to its end")
 def test_min_nodes_stops_cleanly_naming_the_host_and_resume_continues(sshd, third, tmp_path):
     out = tmp_path / "net"
     watch = Watch()
@@ -264,6 +268,9 @@ def test_min_nodes_stops_cleanly_naming_the_host_and_resume_continues(sshd, thir
     assert (out / "model.safetensors").is_file()
 
 
+@pytest.mark.slow(
+    reason="a link cut until the heartbeat deadline passes, then restored, and the host's "
+           "rejoin")
 def test_a_host_whose_link_goes_down_is_dropped_and_rejoins(tmp_path):
     from netns import netns_available
 
@@ -316,6 +323,8 @@ def test_a_host_whose_link_goes_down_is_dropped_and_rejoins(tmp_path):
     assert losses[-1][1] < at_loss
 
 
+@pytest.mark.slow(
+    reason="a run across hosts stopped by its master's death, then resumed to its end")
 def test_when_the_master_dies_every_rank_stops_and_resume_continues(sshd, third, tmp_path):
     import json
     import subprocess
@@ -362,6 +371,7 @@ def test_when_the_master_dies_every_rank_stops_and_resume_continues(sshd, third,
     assert summary["steps"] == 3000
 
 
+@pytest.mark.slow(reason="a run across hosts whose master's rank is lost in its last round")
 def test_the_master_s_rank_down_at_the_end_leaves_the_outputs_to_the_lowest_rank_that_ended(
         sshd, third, tmp_path):
     """Rank 0 is killed in the last round and held down past the end: rank 1, the lowest
@@ -443,6 +453,7 @@ def test_outputs_written_on_another_host_come_to_the_master_s_folder_or_are_name
     assert fetched == []
 
 
+@pytest.mark.slow
 def test_min_nodes_takes_a_master_at_another_address_of_this_machine(sshd, third, tmp_path):
     """Master 127.0.0.2, reached over SSH like the worker: the launcher runs on the same
     machine, so it can host the run's store on the master's address."""

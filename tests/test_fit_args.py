@@ -119,6 +119,8 @@ def test_the_typed_keywords_of_fit_are_generated_from_the_one_definition():
         f"{FIT_KWARGS_MODULE} is out of date: run python -m exogym.config.fit_args")
 
 
+@pytest.mark.slow(
+    reason="mypy type-checks a user's script against torch's and the project's types")
 def test_a_type_checker_reports_a_misspelled_fit_argument_in_a_user_script(tmp_path):
     import importlib.util
     import subprocess

@@ -13,6 +13,7 @@ from io import StringIO
 
 import pytest
 import torch
+from ports import free_port
 from ranks import ROOT
 from rich.console import Console
 
@@ -22,7 +23,7 @@ from exogym import Trainer
 from exogym.data.digits import DigitsMLP, digits_datasets
 from exogym.membership.mtbf import draw_rank_failures
 from exogym.membership.simulated import Membership
-from exogym.report.goodput import DownSpan, GoodputMeter, measure_goodput
+from exogym.report.goodput import DownSpan, GoodputMeter, goodput_summary, measure_goodput
 from exogym.report.summary import print_goodput
 from exogym.strategy import DiLoCoStrategy
 
@@ -141,13 +142,55 @@ def test_diloco_a_rank_that_leaves_mid_round_loses_its_inner_steps_and_waits_to_
     assert (back["rejoin_wait_s"], back["lost_s"]) == (1.5, 1.5)
 
 
-def test_without_a_clock_a_simulation_is_timed_by_its_steps_own_time():
+def test_without_a_clock_a_simulation_gives_no_fraction_only_the_samples_and_says_why():
     rows = [{k: v for k, v in r.items() if k not in ("sim_time_s", "sim_comm_s")}
             for r in diloco_rows()]
-    g = measure_goodput(rows, 3, 2, failures=[(1, 2, 3)])
-    # each step lasts its slowest rank's compute and collectives: the same 7 s in all
-    assert g["time"] == "steps"
-    assert g["goodput"] == pytest.approx(90 / 130)
+    g = measure_goodput(rows, 3, 2, failures=[(1, 2, 3)],
+                        changes=[{"step": 1, "ranks": [0, 1], "reason": "start"},
+                                 {"step": 2, "ranks": [0], "reason": "rank 1 left"}])
+    # ranks that take turns on this machine's cores have no time of their own to measure in
+    assert g["time"] == "steps" and g["goodput"] is None and g["lost"] is None
+    assert "shared this machine's cores" in g["note"] and "network" in g["note"]
+    assert (g["useful_samples"], g["trained_samples"], g["dropped_samples"]) == (90, 100, 10)
+    assert g["possible_samples"] is None and g["ranks"][1]["up_s"] is None
+    assert g["ranks"][1]["dropped"] == 10
+    assert g["changes"][0]["dropped_samples"] == 10 and g["changes"][0]["lost_s"] is None
+    console = Console(file=StringIO(), width=300)
+    print_goodput(console, g)
+    text = console.file.getvalue()
+    assert text.startswith("goodput not measured: the ranks shared this machine's cores")
+    assert "; 90 of 100 trained samples reached the final model (10 dropped)" in text
+    assert "step 2 (rank 1 left): 10 trained samples dropped" in text
+    assert "per host" not in text and " s " not in text  # no seconds: it has none
+    # a run where nobody came or went prints nothing at all
+    plain = goodput_summary(measure_goodput(rows, 3, 2), detail=False)
+    assert plain["goodput"] is None and plain["note"] == g["note"]
+    print_goodput(console := Console(file=StringIO()), plain)
+    assert console.file.getvalue() == ""
+
+
+def test_a_fraction_above_one_is_not_given():
+    # rank 1 is said to be down for steps 2-4 but trained them: more than its speed allows
+    rows = [step(r, n, float(n)) for n in range(1, 5) for r in (0, 1)]
+    g = measure_goodput(rows, 1, 2, failures=[(1, 2, 5)])
+    assert g["goodput"] is None and "more than their speed alone allows" in g["note"]
+    assert g["useful_samples"] == 80
+
+
+def test_a_fault_free_run_on_a_clock_says_where_the_time_its_fraction_leaves_went():
+    # two ranks, 1 s of compute and 0.25 s in the collective per step, no one away
+    rows = []
+    for n in range(1, 5):
+        rows += [step(0, n, 1.25 * n, comm=0.25), step(1, n, 1.25 * n, comm=0.25)]
+    g = measure_goodput(rows, 1, 2)
+    assert g["goodput"] == pytest.approx(0.8)
+    assert g["lost"] == pytest.approx({"collectives": 0.2, "idle": 0.0, "dropped": 0.0})
+    plain = goodput_summary(g, detail=False)
+    console = Console(file=StringIO(), width=300)
+    print_goodput(console, plain)
+    assert console.file.getvalue().strip() == (
+        "goodput 80.0%: 80 samples reached the final model of 100 the hosts could have "
+        "trained while up (simulated time); the rest of their time went 20.0% in collectives")
 
 
 def test_async_diloco_a_stale_contribution_and_a_lost_workers_round_are_not_counted():
@@ -201,6 +244,9 @@ def test_the_printed_summary_has_the_fraction_each_host_and_each_change():
     print_goodput(console, g)
     text = console.file.getvalue()
     assert "goodput 69.2%: 90 samples reached the final model of 130" in text
+    # 2.0 s of 13 in collectives, 1.5 s idle, 1.0 s of work dropped
+    assert "the rest of their time went 11.5% in collectives, 11.5% idle, 7.7% on dropped " \
+           "work" in text
     assert "10 trained samples dropped" in text
     assert "step 2 (rank 1 left): lost 1.0 s of host time: 10 samples dropped" in text
     assert "1.5 s waiting to rejoin" in text
@@ -258,7 +304,7 @@ def test_bad_drawing_arguments_are_refused_naming_them(kwargs, message):
 # -- --mtbf across hosts ----------------------------------------------------------------------
 
 HOSTS = {"master": "127.0.0.1", "workers": ["127.0.0.2", "127.0.0.3"], "ssh_user": "u",
-         "python_env": sys.executable, "project_path": str(ROOT), "master_port": 29555}
+         "python_env": sys.executable, "project_path": str(ROOT), "master_port": free_port()}
 
 
 def test_mtbf_draws_each_host_down_for_its_time_at_the_rate_asked():
@@ -348,6 +394,7 @@ def digits_run(tmp_path, name, failures):
     return trainer, json.loads((trainer.log_dir / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_diloco_run_with_a_rank_away_for_a_round_writes_its_goodput(tmp_path):
     # H=5: rank 1 trains steps 6 and 7 of the second round, is away for 8-10 and rejoins
     # at step 11, the third round's start. Its two inner steps never reach an outer step.
@@ -375,6 +422,23 @@ def test_a_diloco_run_with_a_rank_away_for_a_round_writes_its_goodput(tmp_path):
     # the same run with no rank away: the plain fraction, higher
     whole, written = digits_run(tmp_path, "whole", None)
     plain = written["goodput"]
-    assert set(plain) == {"goodput", "time", "useful_samples", "possible_samples"}
+    assert set(plain) == {"goodput", "note", "time", "useful_samples", "possible_samples",
+                          "trained_samples", "lost"}
+    assert plain["note"] is None and sum(plain["lost"].values()) + plain["goodput"] == \
+        pytest.approx(1.0, abs=0.02)
     assert plain["useful_samples"] == 4 * 20 * BATCH
     assert g["goodput"] < plain["goodput"] <= 1.0
+
+
+def test_a_healthy_fit_without_a_clock_prints_no_goodput_and_its_summary_says_why(capsys):
+    from toys import tiny_model, toy_dataset
+
+    data = toy_dataset()
+    trainer = Trainer(tiny_model(), data, data)
+    trainer.fit(strategy=DiLoCoStrategy(H=5), num_nodes=2, max_steps=10, batch_size=8,
+                val_size=0, logger=None, progress=True)
+    printed = capsys.readouterr().err  # the summary is printed to standard error
+    assert "run summary" in printed and "goodput" not in printed
+    goodput = trainer.summary["goodput"]
+    assert goodput["goodput"] is None and "no time of their own" in goodput["note"]
+    assert goodput["useful_samples"] == goodput["trained_samples"] == 2 * 10 * 8

@@ -54,7 +54,7 @@ def test_short_form_gives_ranks_in_order_master_first():
 
 
 def test_per_host_object_overrides_top_level_defaults():
-    data = dict(BASE, master_port=29600, workers=[
+    data = dict(BASE, master_port=41600, workers=[
         "10.0.0.2",
         {"host": "10.0.0.3", "ssh_port": 2222, "ssh_user": "bob", "python_env": "/usr/bin/python3",
          "project_path": "/home/bob/gym", "interface": "en0", "device": "mps"},
@@ -66,7 +66,7 @@ def test_per_host_object_overrides_top_level_defaults():
                                                  "en0", "mps")
     assert config.hosts[1].ssh_user == "alice" and config.hosts[1].interface is None
     assert config.master.device == "cuda:1"
-    assert config.master_port == 29600
+    assert config.master_port == 41600
 
 
 def test_config_is_frozen():
@@ -131,7 +131,7 @@ def test_unknown_key_lists_accepted_keys_and_suggests_the_close_one():
 
 
 def test_unknown_top_level_key_is_reported():
-    (problem,) = problems_of(dict(BASE, masterport=29500))
+    (problem,) = problems_of(dict(BASE, masterport=41500))
     assert 'unknown key "masterport" in the top level (did you mean "master_port"?)' in problem
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import warm
+from ports import free_port
 from rich.console import Console
 from sshd_fixture import SSHD, serve_sshd
 
@@ -116,7 +118,10 @@ RANK_SCRIPTS = {
             print(f"resumed from step {step}", flush=True)
         while step < 10:
             step += 1
-            ckpt.write_text(str(step))
+            # a checkpoint as the project writes one: whole or not at all (a rank stopped
+            # mid-write left an empty file to resume from)
+            ckpt.with_suffix(".tmp").write_text(str(step))
+            ckpt.with_suffix(".tmp").replace(ckpt)
             if rank == 2 and restart == 0 and step == 5:
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(0.02)
@@ -163,12 +168,6 @@ RANK_SCRIPTS = {
 def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SSHD]:
     """One real sshd on 127.0.0.2-6 for every test here (see sshd_fixture)."""
     yield from serve_sshd(tmp_path_factory)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def write_project(path: Path) -> Path:
@@ -312,6 +311,7 @@ class InBackground:
 # --------------------------------------------------------------------------- launching
 
 
+@pytest.mark.slow
 def test_three_ranks_get_their_variables_arguments_output_events_and_logs(run):
     assert "AcceptEnv" not in (run.sshd.log_path.parent / "sshd_config").read_text()
     tricky = ["two words", "it's", "$(touch INJECTED)", "a;b", ""]
@@ -351,6 +351,7 @@ def test_three_ranks_get_their_variables_arguments_output_events_and_logs(run):
     assert index["attempts"][0]["ok"] is True
 
 
+@pytest.mark.slow
 def test_interface_and_device_of_a_host_reach_its_rank(run):
     hosts = run.hosts(workers=[run.worker("127.0.0.2", interface="lo", device="cpu")])
     result = launch(hosts, RankProgram.from_script("show_env.py"), check=True, **run.options())
@@ -361,6 +362,7 @@ def test_interface_and_device_of_a_host_reach_its_rank(run):
     assert (env0["GLOO_SOCKET_IFNAME"], env0["EXOGYM_DEVICE"]) == (None, None)
 
 
+@pytest.mark.slow
 def test_master_over_ssh_runs_rank_zero_remotely(run):
     hosts = run.hosts(master=run.worker("127.0.0.2"), workers=[run.worker("127.0.0.3")])
     with run.launcher(hosts, RankProgram.from_script("show_env.py")) as launcher:
@@ -374,6 +376,7 @@ def test_master_over_ssh_runs_rank_zero_remotely(run):
 # --------------------------------------------------------------------------- stopping
 
 
+@pytest.mark.slow
 def test_killing_one_remote_rank_stops_all_others_and_leaves_nothing(run):
     launcher = run.launcher(run.hosts(), RankProgram.from_script("sleeper.py"))
     with launcher:
@@ -397,6 +400,7 @@ def test_killing_one_remote_rank_stops_all_others_and_leaves_nothing(run):
     assert_nothing_left(pids)
 
 
+@pytest.mark.slow
 def test_a_dropped_ssh_connection_stops_the_job_and_names_the_rank(run):
     launcher = run.launcher(run.hosts(), RankProgram.from_script("sleeper.py"))
     with launcher:
@@ -416,6 +420,7 @@ def test_a_dropped_ssh_connection_stops_the_job_and_names_the_rank(run):
     assert_nothing_left(pids)  # rank 1's supervisor saw its stdin close and stopped it
 
 
+@pytest.mark.slow
 def test_rank_exit_code_and_last_lines_name_the_failure(run):
     launcher = run.launcher(run.hosts(), RankProgram.from_script("fail_rank1.py"))
     with launcher:
@@ -432,6 +437,7 @@ def test_rank_exit_code_and_last_lines_name_the_failure(run):
     assert caught.value.result is result
 
 
+@pytest.mark.slow
 def test_a_run_that_makes_no_progress_is_stopped_naming_what_each_rank_waits_for(run):
     launcher = run.launcher(run.hosts([run.worker("127.0.0.2")]),
                             RankProgram.from_script("stall.py"), stall_after=3.0)
@@ -447,6 +453,7 @@ def test_a_run_that_makes_no_progress_is_stopped_naming_what_each_rank_waits_for
     assert "no wait reported by rank 1 on 127.0.0.2" in message
 
 
+@pytest.mark.slow
 def test_a_host_low_on_memory_is_told_once_naming_it_and_what_it_has_left(run):
     launcher = run.launcher(run.hosts([run.worker("127.0.0.2")]),
                             RankProgram.from_script("low_memory.py"))
@@ -532,6 +539,7 @@ def start_driver(run: Run) -> subprocess.Popen[str]:
         start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_the_launcher_stops_every_rank(run, signum):
     driver = start_driver(run)
@@ -549,6 +557,7 @@ def test_signal_to_the_launcher_stops_every_rank(run, signum):
     assert_nothing_left(pids)
 
 
+@pytest.mark.slow
 def test_ranks_stop_themselves_when_the_launcher_is_killed(run):
     driver = start_driver(run)
     try:
@@ -561,6 +570,7 @@ def test_ranks_stop_themselves_when_the_launcher_is_killed(run):
     assert_nothing_left(pids)
 
 
+@pytest.mark.slow
 def test_max_restarts_restarts_the_job_which_resumes_and_finishes(run):
     hosts = run.hosts(master=run.worker("127.0.0.2"),
                       workers=[run.worker("127.0.0.3"), run.worker("127.0.0.4")])
@@ -586,6 +596,7 @@ def test_max_restarts_restarts_the_job_which_resumes_and_finishes(run):
 # --------------------------------------------------------------------------- secrets
 
 
+@pytest.mark.slow
 def test_secret_reaches_the_rank_but_no_command_line_log_or_index(run):
     token, key = "tok-" + os.urandom(8).hex(), "key-" + os.urandom(8).hex()
     launcher = run.launcher(run.hosts(), RankProgram.from_script("secret.py"),
@@ -690,6 +701,7 @@ def test_preflight_refuses_an_unknown_host_key_and_shows_its_fingerprint(run, tm
     assert empty.read_text() == ""
 
 
+@pytest.mark.slow
 def test_accept_new_host_keys_records_the_key_once_then_plain_checks_pass(run, tmp_path):
     known = tmp_path / "known_hosts"
     known.write_text("# kept\n")
@@ -763,6 +775,7 @@ def old_python() -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(old_python() is None, reason="no Python older than 3.10 on this machine")
 def test_preflight_names_a_python_that_is_too_old(run):
     worker = run.worker("127.0.0.2", python_env=old_python())
@@ -778,6 +791,7 @@ def test_preflight_names_a_missing_project_path(run):
     assert "sync=True" in problem
 
 
+@pytest.mark.slow
 def test_preflight_names_a_master_port_in_use(run):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", run.port))
@@ -789,6 +803,7 @@ def test_preflight_names_a_master_port_in_use(run):
         f"(`ss -ltnp 'sport = :{run.port}'` shows it)")]
 
 
+@pytest.mark.slow
 def test_preflight_names_a_master_port_in_use_on_a_remote_master(run):
     hosts = run.hosts(master=run.worker("127.0.0.2"), workers=[run.worker("127.0.0.3")])
     with socket.socket() as taken:
@@ -861,6 +876,7 @@ def test_preflight_reports_every_host_at_once_in_one_table(run, tmp_path):
 # --------------------------------------------------------------------------- ssh config, agent
 
 
+@pytest.mark.slow
 def test_ssh_config_supplies_hostname_port_user_and_key(run, tmp_path):
     config = tmp_path / "ssh_config"
     config.write_text(f"Host worker-a\n  HostName 127.0.0.3\n  Port {run.sshd.port}\n"
@@ -903,6 +919,7 @@ def test_agent_keys_log_in_without_any_key_file(run, agent, monkeypatch):
 # --------------------------------------------------------------------------- sync
 
 
+@pytest.mark.slow
 def test_sync_copies_tracked_files_then_the_run_uses_them(run, tmp_path):
     (run.project / "pkg").mkdir()
     (run.project / "pkg" / "data.txt").write_text("payload\n")
@@ -938,6 +955,7 @@ def session_for(run: Run, hosts: dict[str, Any]) -> HostSession:
                        console=Console(file=run.out, width=220))
 
 
+@pytest.mark.slow
 def test_a_host_session_preflights_and_fetches_with_no_program(run):
     (run.project / "written.txt").write_text("from a rank\n")
     with session_for(run, run.hosts()) as session:
@@ -954,6 +972,7 @@ def test_a_host_session_preflights_and_fetches_with_no_program(run):
     assert session.shell(1) is None  # closing the session closed its connections
 
 
+@pytest.mark.slow
 def test_a_launcher_runs_on_a_checked_session_and_leaves_it_open(run):
     hosts = run.hosts()
     program = RankProgram.from_script("show_env.py")
@@ -1007,18 +1026,30 @@ def test_the_link_probe_defaults_to_half_a_second_or_to_its_environment_variable
             LaunchOptions()
 
 
+@pytest.mark.slow
 def test_a_bad_link_probe_variable_is_refused_before_any_host_is_reached(tmp_path):
+    """The hosts' SSH ports are listeners of the test's: the refusal comes before any
+    connection to them."""
+    port = free_port("127.0.0.1", "127.0.0.2")
+    listeners = [socket.create_server((address, port)) for address in ("127.0.0.1", "127.0.0.2")]
     hosts = tmp_path / "hosts.json"
-    hosts.write_text(json.dumps({"master": "192.0.2.1", "workers": [{"host": "192.0.2.2"}],
-                                 "python_env": sys.executable, "project_path": str(ROOT)}))
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, str(ROOT / "cli_typer.py"), "distributed-train",
-                           "digits-diloco", "--hosts", str(hosts)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "EXOGYM_LINK_PROBE_S": "fast", "CI": "true"})
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "EXOGYM_LINK_PROBE_S='fast'" in done.stdout + done.stderr
-    assert time.monotonic() - started < 20  # 192.0.2.x (documentation range): never tried
+    hosts.write_text(json.dumps({"master": "127.0.0.1", "workers": [{"host": "127.0.0.2"}],
+                                 "ssh_port": port, "python_env": sys.executable,
+                                 "project_path": str(ROOT)}))
+    try:
+        done = subprocess.run([*warm.cli_command(), "distributed-train", "digits-diloco",
+                               "--hosts", str(hosts)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "EXOGYM_LINK_PROBE_S": "fast", "CI": "true"})
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "EXOGYM_LINK_PROBE_S='fast'" in done.stdout + done.stderr
+        for listener in listeners:  # nobody knocked
+            listener.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                listener.accept()
+    finally:
+        for listener in listeners:
+            listener.close()
 
 
 def test_an_unknown_flat_option_is_named_with_the_close_one_before_anything_starts(tmp_path):

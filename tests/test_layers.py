@@ -125,6 +125,7 @@ def graph() -> dict[str, set[str]]:
     return {m: imports_of(m, p, known) for m, p in modules.items()}
 
 
+@pytest.mark.slow
 def test_every_import_points_down_the_layers(graph):
     wrong = []
     for module, targets in sorted(graph.items()):
@@ -184,6 +185,7 @@ def test_the_layer_rules_catch_an_upward_import(tmp_path):
     assert layer_of("distributed.launch.launcher") not in ALLOWED[layer_of(module)]
 
 
+@pytest.mark.slow
 def test_the_names_users_import_from_distributed_load_lazily():
     """``import distributed`` loads no torch; the plan's names resolve on first use."""
     import subprocess

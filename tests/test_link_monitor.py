@@ -93,6 +93,7 @@ class Timed:
         return [(t, e) for t, e in self.events if e["event"] == kind]
 
 
+@pytest.mark.slow
 def test_a_long_all_reduce_reports_its_progress_about_once_a_second(slow_link):
     tensors = [torch.full((MIB // 4,), float(i)) for i in range(14)]  # 14 MiB: about 3.5 s
     emitted = Timed()
@@ -227,6 +228,7 @@ class Recorder:
         pass
 
 
+@pytest.mark.slow
 def test_a_simulation_sends_each_ranks_link_and_its_hosts_figures(monkeypatch, tmp_path):
     from exogym.data.digits import DigitsMLP, digits_datasets
 
@@ -252,6 +254,7 @@ def test_a_simulation_sends_each_ranks_link_and_its_hosts_figures(monkeypatch, t
     assert "cpu_percent" not in history and "rate_bps" not in history  # steps only
 
 
+@pytest.mark.slow
 def test_a_gloo_all_reduce_over_a_slow_real_link_moves_bucket_by_bucket(tmp_path):
     from netns import namespaces, netns_available
 

@@ -119,6 +119,7 @@ def per_rank_data(rank: int, num_nodes: int, is_train: bool) -> TensorDataset:
     return TensorDataset(x, (x.sum(1) > 0).long())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dataset", [per_rank_data, None], ids=["per-rank-data", "resharded"])
 @pytest.mark.parametrize("make", [
     lambda: SimpleReduceStrategy(optim_spec="sgd", lr=0.1),

@@ -26,6 +26,7 @@ def test_correlation_is_one_for_ddp_and_costs_no_training_bytes():
         assert row["comm_bytes"] == 4 * p * row["step"]  # the gather is not training traffic
 
 
+@pytest.mark.slow
 def test_correlation_falls_below_one_for_independent_ranks():
     ds = toy_dataset()
     trainer = Trainer(tiny_model(), ds, ds)

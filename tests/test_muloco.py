@@ -27,6 +27,7 @@ def test_the_defaults_are_muon_inner_steps_and_an_int4_error_fed_delta():
         MuLoCoStrategy(comm_dtype="bfloat16", error_feedback=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("comm_dtype", ["int4", "int2"])
 def test_each_round_sends_dilocos_quantized_payload(comm_dtype):
     ds = toy_dataset(256)
@@ -41,6 +42,7 @@ def test_each_round_sends_dilocos_quantized_payload(comm_dtype):
     assert planned * 6 == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_muloco_trains_digits_on_two_ranks():
     train, val = digits_datasets()
     torch.manual_seed(0)

@@ -49,6 +49,28 @@ def launcher(sshd, program, tmp_path, on_event, **options):
                     on_output=lambda line: None, on_event=on_event)
 
 
+def test_a_host_s_rank_takes_its_device_and_a_restart_continues_the_run_it_replaced():
+    """What the launcher starts on each host of these runs, without starting it: a host's
+    ``device`` reaches its rank, and a restart (``max_restarts``) resumes the run it started
+    with ``--overwrite`` instead of replacing it a second time."""
+    from distributed.hosts.hostsfile import load_hosts
+
+    config = load_hosts({"master": "127.0.0.1",
+                         "workers": [{"host": "127.0.0.2", "device": "cpu"}],
+                         "python_env": sys.executable, "project_path": str(ROOT)})
+    program = RankProgram.from_profile("digits-diloco", overrides=["max_steps=40"],
+                                       overwrite=True)
+    master, worker = config.hosts
+    first = program.argv(worker)
+    assert first[:4] == ["-m", "distributed.worker", "--profile", "digits-diloco"], first
+    assert "--overwrite" in first and "device=cpu" in first and "--resume" not in first
+    assert "device=cpu" not in program.argv(master)
+    again = program.argv(worker, restart=1)
+    assert "--overwrite" not in again and again[-1] == "--resume", again
+    assert "max_steps=40" in again and "device=cpu" in again
+
+
+@pytest.mark.slow(reason="a run over SSH on three hosts and its simulation")
 def test_three_host_diloco_over_ssh_equals_the_simulation(sshd, tmp_path):
     settings = ["max_steps=40", "val_interval=20", "num_threads=1", "checkpoint_interval=None",
                 "num_nodes=3"]
@@ -84,6 +106,8 @@ def _worker_pid(rank: int, marker: str) -> int | None:
     return None
 
 
+@pytest.mark.slow(
+    reason="a run across hosts whose rank is killed and restarted from its checkpoint")
 def test_max_restarts_finishes_the_run_from_the_checkpoint_after_a_killed_rank(sshd, tmp_path):
     out = tmp_path / "net"
     program = RankProgram.from_profile("digits-ddp", overrides=[
@@ -117,6 +141,7 @@ def test_max_restarts_finishes_the_run_from_the_checkpoint_after_a_killed_rank(s
     assert time.monotonic() - started < 300
 
 
+@pytest.mark.slow(reason="a script run on three hosts over SSH, then its model compared")
 def test_network_trainer_driver_runs_the_script_on_every_host_and_returns_the_model(
         sshd, tmp_path):
     import json

@@ -111,6 +111,7 @@ def plain_muon_training(model, ds, steps, batch_size, lr):
     return model
 
 
+@pytest.mark.slow
 def test_ddp_with_muon_on_one_rank_is_plain_muon_training():
     ds = toy_dataset()
     start = token_net()
@@ -120,6 +121,7 @@ def test_ddp_with_muon_on_one_rank_is_plain_muon_training():
     assert_models_close(trained, plain_muon_training(start, ds, 4, 16, 0.01), atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [
     lambda: SimpleReduceStrategy(inner_optim="muon", lr=0.01),
     lambda: DiLoCoStrategy(inner_optim="muon", lr=0.01, H=2),
@@ -139,6 +141,7 @@ class CrashingTokenNet(CrashAt, TokenNet):
     """TokenNet whose training forward pass raises at step ``crash_at``."""
 
 
+@pytest.mark.slow
 def test_diloco_with_muon_resumes_exactly_where_it_stopped(tmp_path):
     ds = toy_dataset(96)
 

@@ -19,6 +19,7 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 from test_layers import imports_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +121,7 @@ def test_no_two_modules_share_a_file_name():
         + "\n  ".join(f"{name}: {', '.join(paths)}" for name, paths in shared.items()))
 
 
+@pytest.mark.slow
 def test_private_modules_are_imported_only_from_their_own_package():
     found = private_imports_from_outside(ROOT, EXOGYM_PENDING)
     assert not found, ("private modules imported from outside their package (drop the leading "
@@ -133,6 +135,7 @@ def test_the_only_setup_py_is_the_repository_root():
                        "module after what it holds (setup.py is where packaging tools look)")
 
 
+@pytest.mark.slow
 def test_every_allowed_exception_is_still_needed():
     """An entry that no longer breaks a rule goes, so the lists only shrink."""
     sharing = {p for paths in shared_file_names(ROOT, {}, {}).values() for p in paths}

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import warm
 from ranks import ROOT, free_port, rank_env, start_ranks, wait_all
 from safetensors.torch import load_file
 
@@ -35,6 +36,7 @@ def assert_states_close(a, b, atol=1e-5):
         assert torch.allclose(a[k].float(), b[k].float(), atol=atol), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("profile", ["digits-diloco", "digits-ddp"])
 def test_three_real_ranks_end_with_the_simulated_model(profile, tmp_path):
     overrides = COMMON + ["num_nodes=3", f"output_dir={tmp_path / 'net'}"]
@@ -48,6 +50,7 @@ def test_three_real_ranks_end_with_the_simulated_model(profile, tmp_path):
     assert "@@exogym-event" in logs[tmp_path / "logs" / "rank1.log"]
 
 
+@pytest.mark.slow
 def test_killing_one_rank_makes_the_others_exit_naming_it(tmp_path):
     overrides = ["max_steps=100000", "num_threads=1", "num_nodes=3", "val_size=0",
                  "checkpoint_interval=None", "strategy=ddp", f"output_dir={tmp_path / 'net'}"]
@@ -58,7 +61,7 @@ def test_killing_one_rank_makes_the_others_exit_naming_it(tmp_path):
         assert time.monotonic() < deadline, log2.read_text()
         assert procs[2].poll() is None, log2.read_text()
         time.sleep(0.2)
-    procs[2].send_signal(signal.SIGKILL)
+    warm.send_signal(procs[2], signal.SIGKILL)
     killed_at = time.monotonic()
     codes = wait_all(procs[:2], timeout=60)
     assert time.monotonic() - killed_at < 30
@@ -76,6 +79,7 @@ def test_partial_rank_variables_get_a_clear_error():
     assert rank_environment({}) is None
 
 
+@pytest.mark.slow
 def test_torchrun_starts_the_worker_and_it_trains(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
@@ -98,6 +102,7 @@ def test_rank_env_helper_clears_interface():
     assert "GLOO_SOCKET_IFNAME" not in rank_env(0, 1, 1)
 
 
+@pytest.mark.slow
 def test_ranks_in_network_namespaces_pick_their_interface_and_match_the_simulation(tmp_path):
     from netns import namespaces, netns_available
 

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: What the second run leaves out: the shipped code (the first run's) and what is no code of ours.
@@ -35,12 +37,14 @@ def scanned_files(result: subprocess.CompletedProcess[str]) -> int:
     return int(found[1])
 
 
+@pytest.mark.slow
 def test_shipped_code_imports_only_declared_runtime_packages():
     result = deptry(ROOT)
     assert result.returncode == 0, f"deptry . found dependency issues:\n{result.stdout}"
     assert scanned_files(result) > 100, result.stdout  # exogym/ and distributed/ have more
 
 
+@pytest.mark.slow
 def test_tests_benches_examples_and_docs_import_only_declared_packages():
     excludes = [arg for pattern in NOT_DEV_CODE for arg in ("--exclude", pattern)]
     # DEP004 (a dev package imported) is what this code may do; DEP002 (declared, unused)

@@ -33,6 +33,7 @@ def evaluations(trainer):
             if "val_global_loss" in r]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [
     lambda: SimpleReduceStrategy(optim_spec="sgd", lr=0.1),
     lambda: DiLoCoStrategy(H=2, inner_optim="sgd", lr=0.1),
@@ -57,6 +58,7 @@ def test_packed_ranks_train_as_one_process_per_rank(make):
     assert_models_close(packed_model, alone_model, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_more_ranks_than_cores_are_packed_by_default():
     from exogym.run.devices import available_cores
 
@@ -253,6 +255,7 @@ def _many_ranks_in_windows(index: int, port: int, run_id: str, out) -> None:
     out.put((sorted(results), wrong, max(sizes)))
 
 
+@pytest.mark.slow
 def test_a_process_of_many_ranks_posts_them_in_windows_of_bounded_size():
     """A process's part of an exchange is capped (POST_BYTES), however many ranks it runs:
     8 ranks of 40 KB post in windows of at most 64 KiB, and the sums, gathers and
@@ -434,6 +437,7 @@ def _leave_after_barrier(index: int, port: int, run_id: str, out) -> None:
     out.put((index, outcome, time.monotonic() - started))
 
 
+@pytest.mark.slow
 def test_a_process_that_leaves_first_waits_until_its_last_part_is_read():
     """The process that finishes the last barrier first must not remove its shared
     memory while a slower peer has yet to read its part of that barrier."""

@@ -134,6 +134,7 @@ def test_a_rank_reads_only_its_part_reshuffled_every_epoch(digits):
     assert epochs[0] != epochs[1]
 
 
+@pytest.mark.slow
 def test_fit_trains_on_label_skewed_shards_and_reports_each_ranks_labels(digits, tmp_path):
     train, val = digits
     trainer = Trainer(DigitsMLP(), train, val)

@@ -64,7 +64,8 @@ def test_a_profile_is_resolved_once_into_task_strategy_keys_and_output_folder(tm
 
     calls = []
     real = builtin.resolve_task
-    monkeypatch.setattr(builtin, "resolve_task", lambda name: calls.append(name) or real(name))
+    monkeypatch.setattr(builtin, "resolve_task",
+                        lambda name, near=(): calls.append(name) or real(name, near=near))
     profile = Profile("p", {"task": "digits", "strategy": "diloco", "H": 5, "hidden": 8})
     assert profile.problems() == []
     resolved = profile.resolved
@@ -180,6 +181,7 @@ def test_chargpt_task_uses_a_corpus_present_without_download():
         assert float(model((x[None], y[None]))) > 0 and len(val) > 10
 
 
+@pytest.mark.slow
 def test_worker_exits_2_with_a_readable_message_on_a_bad_profile():
     result = subprocess.run([sys.executable, "-m", "distributed.worker", "--profile", "nope"],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -257,6 +259,7 @@ def test_git_ignores_local_profiles_files_beside_any_config():
         assert ignored.returncode == 0, f"{path} is not ignored by git"
 
 
+@pytest.mark.slow
 def test_the_cli_lists_local_profiles_and_the_worker_trains_one(tmp_path):
     from typer.testing import CliRunner
 
@@ -285,6 +288,7 @@ def sshd(tmp_path_factory):
     yield from serve_sshd(tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_a_sync_brings_local_profiles_to_a_host_whose_worker_trains_one(sshd, tmp_path):
     """The master's config.local.ini reaches a host (the host's own kept as .bak), pre-flight
     compares it, and the worker started there trains a profile only that file holds."""

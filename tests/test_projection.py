@@ -258,6 +258,7 @@ def test_bad_arguments_are_named(call, error, words):
         call()
 
 
+@pytest.mark.slow
 def test_payload_matches_the_comm_counters_of_a_real_run():
     from toys import BNNet, tiny_model, toy_dataset
 

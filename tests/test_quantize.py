@@ -313,6 +313,7 @@ def test_diloco_rounds_send_the_quantized_payload_and_keep_ranks_identical(dtype
     assert trainer.summary["final_val_global_loss"] < trainer.history[0]["train_loss"]
 
 
+@pytest.mark.slow
 def test_fedavg_sparta_and_sparta_diloco_take_a_quantized_comm_dtype():
     from toys import tiny_model, toy_dataset, trainable_count
 
@@ -360,6 +361,7 @@ def _residuals_in(state) -> list[torch.Tensor]:
     return []
 
 
+@pytest.mark.slow
 def test_diloco_error_feedback_resumes_exactly_from_a_checkpoint(tmp_path):
     from test_checkpoint import Dropout
     from toys import assert_models_close, toy_dataset

@@ -57,7 +57,7 @@ def launched_variables(command: str) -> dict[str, str]:
 
 def test_every_launcher_field_comes_back_from_the_variables_it_writes():
     written = RankEnvironment(
-        rank=3, world_size=5, master_addr="10.0.0.1", master_port=29511, local_rank=1,
+        rank=3, world_size=5, master_addr="10.0.0.1", master_port=41511, local_rank=1,
         local_world_size=2, min_nodes=2, lost_after=2.5, node_rank=2, restart=4,
         run_dir="runs/launch-1", device="cuda:1", interface="eth7",
         throttle_file="runs/launch-1/inject/ab-rank3.json")
@@ -70,7 +70,7 @@ def test_every_launcher_field_comes_back_from_the_variables_it_writes():
 
 
 def test_a_rank_without_optional_settings_round_trips_and_writes_none_of_them():
-    written = RankEnvironment(0, 1, "127.0.0.1", 29500, node_rank=0, run_dir="/tmp/run")
+    written = RankEnvironment(0, 1, "127.0.0.1", 41500, node_rank=0, run_dir="/tmp/run")
     variables = written.variables()
 
     for name in ("EXOGYM_DEVICE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
@@ -80,7 +80,7 @@ def test_a_rank_without_optional_settings_round_trips_and_writes_none_of_them():
 
 
 def test_the_hosts_settings_win_over_the_callers_variables_and_the_callers_follow_the_rank_ones():
-    written = RankEnvironment(0, 2, "10.0.0.1", 29500, node_rank=0, run_dir="r",
+    written = RankEnvironment(0, 2, "10.0.0.1", 41500, node_rank=0, run_dir="r",
                               interface="eth1", device="mps")
     variables = written.variables(extra={"GLOO_SOCKET_IFNAME": "wlan0", "EXOGYM_DEVICE": "cpu",
                                          "MY_SETTING": "x"})
@@ -92,7 +92,7 @@ def test_the_hosts_settings_win_over_the_callers_variables_and_the_callers_follo
 
 
 def test_the_command_line_the_launcher_builds_reads_back_as_each_ranks_environment(tmp_path):
-    hosts = {"master": "127.0.0.1", "master_port": 29533, "python_env": sys.executable,
+    hosts = {"master": "127.0.0.1", "master_port": 41533, "python_env": sys.executable,
              "project_path": str(tmp_path), "slots": 2,
              "workers": [{"host": "127.0.0.2", "interface": "eth7", "device": "cpu", "slots": 3}]}
     faults = plan_faults(["slow:127.0.0.2@step=3x0.5"], load_hosts(hosts), max_steps=10,
@@ -112,7 +112,7 @@ def test_the_command_line_the_launcher_builds_reads_back_as_each_ranks_environme
         read = rank_environment(variables)
         worker = plan.host.rank == 1
         assert read == RankEnvironment(
-            rank=plan.rank, world_size=5, master_addr="127.0.0.1", master_port=29533,
+            rank=plan.rank, world_size=5, master_addr="127.0.0.1", master_port=41533,
             local_rank=plan.local_rank, local_world_size=plan.host.slots, min_nodes=3,
             lost_after=4.0, node_rank=plan.host.rank, restart=2, run_dir="runs/one",
             device="cpu" if worker else None, interface="eth7" if worker else None,

@@ -164,6 +164,7 @@ def test_ddp_time_is_named_by_what_it_is_spent_on_not_always_the_link():
     assert "sending 37.5 KiB a step on the 0.5 Mbit/s link" in text
 
 
+@pytest.mark.slow
 def test_a_noisy_measurement_is_said_and_the_pick_is_made_again_at_its_ends():
     from distributed.app.recommend import HostTiming, noise_report
 
@@ -296,6 +297,7 @@ def test_without_hosts_or_a_modelled_link_it_says_what_to_give():
 # --------------------------------------------------------------------------- real hosts
 
 
+@pytest.mark.slow(reason="measures every strategy across two hosts over SSH")
 def test_recommend_json_on_two_hosts_gives_a_pick_and_rows(sshd, tmp_path):
     hosts = two_hosts(sshd, tmp_path)
     result = invoke("recommend", "digits-ddp", "--hosts", hosts, "--json", *sets(TINY),
@@ -321,6 +323,8 @@ def test_recommend_json_on_two_hosts_gives_a_pick_and_rows(sshd, tmp_path):
     assert answer["noise"] is None or answer["noise"].startswith("the measurement was noisy")
 
 
+@pytest.mark.slow(
+    reason="measures each strategy on this machine, then trains with the one it picked")
 def test_strategy_auto_trains_with_the_picked_strategy(sshd, tmp_path):
     hosts = two_hosts(sshd, tmp_path)
     out = tmp_path / "out"
@@ -338,6 +342,7 @@ def test_strategy_auto_trains_with_the_picked_strategy(sshd, tmp_path):
         assert values["H"] == int(picked[2])
 
 
+@pytest.mark.slow
 def test_the_wizard_shows_the_recommendation_beside_its_estimates(tmp_path):
     config = tmp_path / "config.ini"
     config.write_text((ROOT / "config.ini").read_text())

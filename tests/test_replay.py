@@ -13,16 +13,18 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from ranks import ROOT
+import warm
 
 from distributed.app.replay import Recording, detection_waits, timeline
 from exogym.report.trace import TRACE_FILE, read_trace
+
+#: One worker runs this module: its tests share one recorded run (a module fixture).
+pytestmark = pytest.mark.xdist_group("replay")
 
 RECORDED = ["--set", "num_nodes=3", "--set", "max_steps=40", "--set", "H=10",
             "--set", "val_interval=10", "--set", "val_size=64", "--set", "num_threads=1",
@@ -31,7 +33,7 @@ RECORDED = ["--set", "num_nodes=3", "--set", "max_steps=40", "--set", "H=10",
 
 
 def cli(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(ROOT / "cli_typer.py"), *map(str, args)],
+    return subprocess.run([*warm.cli_command(), *map(str, args)],
                           capture_output=True, text=True, cwd=cwd, timeout=timeout,
                           env={**os.environ, "COLUMNS": "400"})
 
@@ -53,6 +55,7 @@ def replay_json(run: Path, *extra: str, cwd: Path) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 def test_a_clocked_simulation_is_reproduced_closely(recorded, tmp_path):
     report = replay_json(recorded, "--out", tmp_path / "replays", cwd=tmp_path)
     real, rep = report["real"], report["replay"]
@@ -76,6 +79,7 @@ def test_a_clocked_simulation_is_reproduced_closely(recorded, tmp_path):
     assert read_trace(tmp_path / "replays" / "as-recorded" / TRACE_FILE)[-1]["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_what_if_ranks_strategies_by_time_to_the_recorded_loss(recorded, tmp_path):
     report = replay_json(recorded, "--strategy", "ddp", "--strategy", "diloco", "--set",
                          "H=5", "--out", tmp_path / "w", cwd=tmp_path)
@@ -106,6 +110,7 @@ def refused(run: Path, *extra: str, cwd: Path) -> str:
     return " ".join((done.stdout + done.stderr).split())
 
 
+@pytest.mark.slow
 def test_bad_input_is_refused_before_anything_starts(recorded, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -139,9 +144,10 @@ def test_bad_input_is_refused_before_anything_starts(recorded, tmp_path):
     assert not (recorded / "replay").exists()  # nothing ran
 
 
+@pytest.mark.slow
 def test_the_web_page_shows_both_curves(recorded, tmp_path):
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / "cli_typer.py"), "replay", str(recorded), "--web",
+        [*warm.cli_command(), "replay", str(recorded), "--web",
          "--web-seconds", "60", "--out", str(tmp_path / "web")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
         env={**os.environ, "COLUMNS": "400"})
@@ -195,6 +201,46 @@ def test_the_membership_timeline_becomes_rank_failures_and_its_cost():
     assert paid.wall_s == pytest.approx(11.0 + 2.5)
 
 
+def test_a_rank_lost_within_a_step_is_one_change_in_the_replay_at_its_announced_step():
+    """Rank 2 is lost during step 160: it records no step from 160, the survivors complete
+    160 without it, and the membership change that tells it takes effect at 161. The
+    replay lists one change for it, at 161, matched to the replay's own (which takes the
+    rank away from 160); its return, announced at the step it trains again, is one too."""
+    from distributed.app.replay.report import replay_tables
+
+    lines = [{"kind": "run", "version": 2, "source": "hosts", "num_nodes": 3},
+             {"kind": "membership", "step": 1, "ranks": [0, 1, 2], "reason": "start"},
+             {"kind": "membership", "step": 161, "ranks": [0, 1], "reason": "c lost"},
+             {"kind": "membership", "step": 270, "ranks": [0, 1, 2],
+              "reason": "c rejoined during a round"}]
+    for step in range(1, 301):
+        for rank in range(3):
+            if rank == 2 and 160 <= step < 270:
+                continue
+            lines.append({"kind": "step", "rank": rank, "step": step, "compute_s": 0.1,
+                          "comm_s": 0.0, "wall_s": step * 0.1})
+    figures = timeline(lines, 10, 3)
+    assert [(m["step"], m["reason"]) for m in figures.membership] == [
+        (1, "start"), (161, "c lost"), (270, "c rejoined during a round")]
+    assert figures.membership[1]["away_from"] == 160
+    recording = Recording(Path("."), lines, lines[0], None, None, 3, 10)  # type: ignore[arg-type]
+    assert recording.rank_failures() == [[2, 160, 270]]  # what the replay simulates
+    real = figures.to_dict()
+    replayed = {**real, "membership": [{"step": 160, "lost_s": 0.25},
+                                       {"step": 270, "lost_s": 0.0}]}
+    report = {"profile": "p", "real": {**real, "clock": "wall", "round_steps": 10},
+              "replay": replayed, "ratios": {"wall_s": 1.0, "round_s_median": 1.0,
+                                             "val_loss": []},
+              "what_if": [], "cluster": {"links_from": "the trace: none", "compute_time_s": 0.1,
+                                          "rank_failures": [[2, 160, 270]]}}
+    from rich.console import Console
+
+    console = Console(file=__import__("io").StringIO(), width=300)
+    console.print(replay_tables(report).comparison)
+    rows = [line for line in console.file.getvalue().splitlines() if "lost to step" in line]
+    assert len(rows) == 2 and "lost to step 161: c lost" in rows[0] and "0.25" in rows[0], rows
+
+
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
     from sshd_fixture import serve_sshd
@@ -219,6 +265,7 @@ def test_the_wait_for_a_hung_rank_to_be_declared_lost_is_replayed():
     assert [round(seconds, 6) for _, _, seconds in waits] == [5.0, 5.0, 0.05, 0.05]
 
 
+@pytest.mark.slow
 def test_a_run_across_hosts_records_its_links_and_replays(sshd, tmp_path, monkeypatch):
     from faces_support import sshd_hosts
 

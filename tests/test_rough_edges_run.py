@@ -22,11 +22,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import warm
 from ranks import ROOT, interrupt_after_checkpoints
 
 from distributed.app.console import quiet_library_logs
-
-CLI = [sys.executable, str(ROOT / "cli_typer.py")]
 
 
 def cli(*args: str, cwd: Path | None = None, timeout: float = 300,
@@ -34,7 +33,7 @@ def cli(*args: str, cwd: Path | None = None, timeout: float = 300,
     """Run the command line as a user would; stdout and stderr apart (wide, so that a
     table's cells stay whole)."""
     env = {**os.environ, "COLUMNS": "400", **(env or {})}
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([*warm.cli_command(), *map(str, args)], capture_output=True, text=True,
                           cwd=cwd or ROOT, timeout=timeout, env=env)
 
 
@@ -88,6 +87,7 @@ def hosts_file(path: Path, worker: str, port: int) -> Path:
 NO_TRACE = ("Traceback", "paramiko", "Exception (client)", "No existing session")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fake_ssh", ["silent"], indirect=True)
 def test_check_hosts_says_a_silent_port_sent_no_greeting_and_how_long_it_waited(
         fake_ssh, tmp_path):
@@ -105,6 +105,7 @@ def test_check_hosts_says_a_silent_port_sent_no_greeting_and_how_long_it_waited(
     assert took < 30, took  # one wait for the greeting, not one per attempt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fake_ssh", ["close"], indirect=True)
 def test_check_hosts_says_a_closed_connection_closed_at_once(fake_ssh, tmp_path):
     hosts = hosts_file(tmp_path / "hosts.json", "127.0.0.9", fake_ssh.port)
@@ -119,6 +120,7 @@ def test_check_hosts_says_a_closed_connection_closed_at_once(fake_ssh, tmp_path)
         assert word not in out, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fake_ssh", ["silent"], indirect=True)
 def test_train_on_hosts_reports_the_silent_host_without_traceback(fake_ssh, tmp_path):
     hosts = hosts_file(tmp_path / "hosts.json", "127.0.0.9", fake_ssh.port)
@@ -167,6 +169,7 @@ def cpu_seconds(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
     return result, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+@pytest.mark.slow
 def test_profiles_lists_the_good_ones_and_marks_the_bad_one_with_its_error(tmp_path):
     config = tmp_path / "config.ini"
     config.write_text((ROOT / "config.ini").read_text() + "\n[distributed:broken]\n"
@@ -182,6 +185,7 @@ def test_profiles_lists_the_good_ones_and_marks_the_bad_one_with_its_error(tmp_p
     assert out.count("not usable here") == 2
 
 
+@pytest.mark.slow
 def test_profiles_check_finds_an_unknown_key(tmp_path):
     config = tmp_path / "config.ini"
     config.write_text((ROOT / "config.ini").read_text() + "\n[distributed:typo]\n"
@@ -194,6 +198,7 @@ def test_profiles_check_finds_an_unknown_key(tmp_path):
         checked.stdout.split())
 
 
+@pytest.mark.slow
 def test_profiles_fails_when_no_profile_can_run(tmp_path):
     config = tmp_path / "config.ini"
     config.write_text("[distributed:broken]\nbase_profile = nothing\n")
@@ -202,6 +207,7 @@ def test_profiles_fails_when_no_profile_can_run(tmp_path):
     assert "broken" in result.stdout and "no profile" in result.stderr
 
 
+@pytest.mark.slow
 def test_profiles_answers_without_importing_torch():
     result, cpu = cpu_seconds("profiles")
     assert result.returncode == 0, result.stderr
@@ -229,6 +235,7 @@ def test_builtin_task_names_known_without_torch_match_the_tasks():
 # --- 5. --set checked before work starts ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_set_value_of_the_wrong_type_fails_before_anything_starts():
     result, cpu = cpu_seconds("distributed-train", "digits-diloco", "--set", "max_steps=abc")
     assert result.returncode == 2
@@ -244,6 +251,7 @@ TINY_RUN = ["--set", "max_steps=2", "--set", "num_nodes=2", "--set", "val_size=1
             "--set", "checkpoint_interval=None", "--set", "num_threads=1"]
 
 
+@pytest.mark.slow
 def test_every_shipped_profile_resolves_and_builds_its_strategy_without_a_warning():
     from distributed.profiles.profile import ProfileSet
 
@@ -258,6 +266,7 @@ def test_every_shipped_profile_resolves_and_builds_its_strategy_without_a_warnin
                 resolved.task_fn(**resolved.task_kwargs)
 
 
+@pytest.mark.slow
 def test_digits_demo_runs_without_a_warning(tmp_path):
     result = cli("distributed-train", "digits-demo", *TINY_RUN, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -276,6 +285,7 @@ def assert_plain_warning(stderr: str, text: str) -> None:
 # --- 7. warnings before the start ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_run_whose_h_and_batch_cannot_go_as_set_warns_and_still_runs(tmp_path):
     result = cli("distributed-train", "digits-diloco", *TINY_RUN, "--set", "H=5",
                  "--set", "batch_size=1000", cwd=tmp_path)
@@ -287,6 +297,7 @@ def test_a_run_whose_h_and_batch_cannot_go_as_set_warns_and_still_runs(tmp_path)
     assert (tmp_path / "runs/digits-diloco/summary.json").is_file()
 
 
+@pytest.mark.slow
 def test_many_more_ranks_than_cores_is_warned_with_the_numbers():
     from distributed.app.run import run_warnings
     from distributed.profiles.profile import load_profile
@@ -306,6 +317,7 @@ def test_many_more_ranks_than_cores_is_warned_with_the_numbers():
 # --- 6. what --dry-run tells ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dry_run_on_hosts_says_the_hosts_replace_num_nodes_and_the_key_file_is_missing(
         tmp_path):
     hosts = tmp_path / "hosts.json"
@@ -332,6 +344,7 @@ def result_files(folder: Path) -> dict[str, bytes]:
     return {name: (folder / name).read_bytes() for name in ("summary.json", "model.safetensors")}
 
 
+@pytest.mark.slow
 def test_resume_of_a_finished_run_says_so_and_leaves_its_results_intact(tmp_path):
     first = cli("distributed-train", "digits-diloco", *RESUMABLE, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
@@ -384,6 +397,7 @@ def test_the_run_totals_are_computed_from_the_rank_rows():
 # --- 8. Ctrl-C prints the --resume command -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ctrl_c_after_a_checkpoint_prints_the_exact_resume_command(tmp_path):
     args = ["distributed-train", "digits-diloco", "--set", "max_steps=100000", "--set",
             "num_nodes=2", "--set", "checkpoint_interval=5", "--set", "num_threads=1",
@@ -409,6 +423,7 @@ def sshd(tmp_path_factory):
     yield from serve_sshd(tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_a_run_on_hosts_warns_about_h_and_the_batch_and_still_runs(sshd, tmp_path):
     from faces_support import sshd_hosts
 

@@ -10,18 +10,20 @@ interruption in one line; replay speaks in words and reads a resumed run as one 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm
 from ranks import ROOT
 
 from distributed.hosts.onhost import runfolders
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "cli_typer.py"), *args], cwd=cwd,
+    return subprocess.run([*warm.cli_command(), *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "COLUMNS": "200"})
 
@@ -30,6 +32,18 @@ QUICK = ["--set", "max_steps=4", "--set", "H=2", "--set", "val_size=16", "--set"
          "num_threads=1", "--logger", "none"]
 
 
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory) -> Path:
+    """A folder where one quick run ended: the runs a refused run must leave alone (each
+    test refuses a run in a copy of it)."""
+    folder = tmp_path_factory.mktemp("earlier")
+    earlier = cli("distributed-train", "digits-diloco", *QUICK, cwd=folder)
+    assert earlier.returncode == 0, earlier.stderr
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rough_edges_two-earlier")  # one worker: they share earlier_run
 @pytest.mark.parametrize("setting, named", [
     ("outer_lr=-1", "outer_lr must be a number > 0, got -1"),
     ("outer_lr=abc", "outer_lr must be a number > 0, got 'abc'"),
@@ -40,10 +54,9 @@ QUICK = ["--set", "max_steps=4", "--set", "H=2", "--set", "val_size=16", "--set"
     ("device=cuda" if not __import__("torch").cuda.is_available() else "device=mps",
      "was asked for"),
 ])
-def test_a_run_refused_at_start_takes_no_folder_and_leaves_latest_alone(tmp_path, setting,
-                                                                        named):
-    earlier = cli("distributed-train", "digits-diloco", *QUICK, cwd=tmp_path)
-    assert earlier.returncode == 0, earlier.stderr
+def test_a_run_refused_at_start_takes_no_folder_and_leaves_latest_alone(earlier_run, tmp_path,
+                                                                        setting, named):
+    shutil.copytree(earlier_run / "runs", tmp_path / "runs", symlinks=True)
     runs = tmp_path / "runs"
     before = sorted(p.name for p in runs.iterdir())
     pointed = runfolders.latest(str(runs / "digits-diloco"))
@@ -62,6 +75,7 @@ if not __import__("torch").cuda.is_available():
     DRY_REFUSED.append(("device=cuda", "no CUDA GPU is available"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting, named", DRY_REFUSED)
 def test_a_dry_run_refuses_what_the_run_would_refuse(tmp_path, setting, named):
     done = cli("distributed-train", "digits-diloco", "--dry-run", "--set", setting,
@@ -71,6 +85,7 @@ def test_a_dry_run_refuses_what_the_run_would_refuse(tmp_path, setting, named):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_a_dry_run_warns_as_the_run_would(tmp_path):
     done = cli("distributed-train", "digits-diloco", "--dry-run", "--set", "batch_size=5000",
                "--set", "max_steps=10", cwd=tmp_path)
@@ -82,6 +97,7 @@ def test_a_dry_run_warns_as_the_run_would(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_a_first_run_refused_leaves_no_runs_folder_behind(tmp_path):
     refused = cli("distributed-train", "digits-diloco", *QUICK, "--set", "outer_lr=-1",
                   cwd=tmp_path)
@@ -147,7 +163,7 @@ class _Net(__import__("torch").nn.Module):
 
         logits = self.layer(batch[0])
         if self.returns == "tuple":
-            return torch.nn.functional.cross_entropy(logits, batch[1]), logits
+            return logits, torch.nn.functional.cross_entropy(logits, batch[1])
         if self.returns == "logits":
             return logits
         if self.returns == "per-sample":
@@ -166,7 +182,8 @@ def _data(n: int):
 QUIET_FIT = dict(logger=None, progress=False, val_size=0)
 
 
-@pytest.mark.parametrize("returns, shown", [("tuple", "a tuple"),
+@pytest.mark.parametrize("returns, shown", [("tuple", "a tuple whose first item is a tensor of "
+                                                       "shape (2, 2)"),
                                              ("logits", "a tensor of shape (2, 2)"),
                                              ("per-sample", "a tensor of shape (2,)")])
 def test_fit_refuses_a_forward_that_returns_no_scalar_before_any_rank_starts(returns, shown):
@@ -194,6 +211,7 @@ def test_fit_refuses_ranks_without_a_sample_of_their_own():
                                                 max_steps=2, batch_size=1, **QUIET_FIT)
 
 
+@pytest.mark.slow
 def test_ranks_share_samples_only_when_asked_and_are_told_so():
     from exogym import Trainer
     from exogym.run.spec import DataWarning
@@ -221,6 +239,7 @@ def test_fit_warns_of_a_batch_larger_than_a_ranks_share_as_the_cli_does():
                                                   max_steps=2, batch_size=32, **QUIET_FIT)
 
 
+@pytest.mark.slow
 def test_a_quiet_fit_prints_nothing_when_a_rank_rejoins(capfd):
     from exogym import Trainer
     from exogym.strategy import DiLoCoStrategy
@@ -232,6 +251,7 @@ def test_a_quiet_fit_prints_nothing_when_a_rank_rejoins(capfd):
     assert out == "" and err == "", (out, err)
 
 
+@pytest.mark.slow
 def test_a_fit_with_progress_tells_the_hand_over_once():
     from io import StringIO
 
@@ -253,6 +273,7 @@ def test_a_fit_with_progress_tells_the_hand_over_once():
 
 # -- replay speaks plainly -------------------------------------------------------------
 
+@pytest.mark.slow
 def test_replay_says_why_a_setting_is_refused_and_describes_its_cluster_in_words(tmp_path):
     done = cli("distributed-train", "digits-diloco", "--set", "max_steps=20", "--set", "H=5",
                "--set", "network=100mbit", "--set", "val_size=16", "--logger", "none",
@@ -308,6 +329,7 @@ Trainer(Net(), ds, ds).fit(strategy=DiLoCoStrategy(H=2), num_nodes=2, max_steps=
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_fit_ends_with_one_line_saying_how_to_continue(tmp_path):
     import signal
     import time

@@ -33,6 +33,7 @@ def _help_pages() -> list[tuple[str, list[str], object]]:
     return pages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program,argv,command", _help_pages(),
                          ids=lambda v: v if isinstance(v, str) else None)
 def test_help_fits_80_columns_names_every_option_whole_and_shows_flags_bare(program, argv,
@@ -91,6 +92,7 @@ print(json.dumps({str(p.relative_to(out)) + ("/" if p.is_dir() else ""):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("umask,file_mode,dir_mode", [(0o022, 0o644, 0o755),
                                                        (0o027, 0o640, 0o750)])
 def test_written_files_get_the_users_usual_mode_and_a_secret_stays_private(tmp_path, umask,
@@ -157,6 +159,7 @@ def test_compare_of_a_base_profile_takes_each_strategy_from_its_named_profile():
     assert plans["fedavg"]["H"] == 3
 
 
+@pytest.mark.slow
 def test_compare_shows_the_settings_first_and_writes_the_plot_into_its_output_folder(
         tmp_path, monkeypatch):
     from faces_support import TINY

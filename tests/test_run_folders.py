@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import warm
 from doc_blocks import code_block
 from ranks import ROOT, interrupt_after_checkpoints
 from safetensors import safe_open
@@ -34,14 +35,13 @@ from distributed.profiles.run_dir import (
     take_placement,
 )
 
-CLI = [sys.executable, str(ROOT / "cli_typer.py")]
 #: A run of a few steps with a checkpoint every 2 (2 ranks, one thread each).
 SMALL = ["--set", "num_nodes=2", "--set", "val_size=16", "--set", "num_threads=1",
          "--set", "H=2", "--set", "checkpoint_interval=2", "--logger", "none"]
 
 
 def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([*warm.cli_command(), *map(str, args)], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout, env={**os.environ, "COLUMNS": "400"})
 
 
@@ -241,6 +241,7 @@ def test_the_folder_is_chosen_on_the_master_through_its_own_python(tmp_path):
 # --- the three cases of the issue, through the command line ------------------------------
 
 
+@pytest.mark.slow(reason="several whole runs into one folder, each a command of its own")
 def test_a_rerun_never_replaces_the_last_model_and_overwrite_is_asked_for(tmp_path):
     first = cli("distributed-train", "digits-diloco", *SMALL, "--set", "max_steps=4",
                 cwd=tmp_path)
@@ -284,6 +285,7 @@ def test_a_rerun_never_replaces_the_last_model_and_overwrite_is_asked_for(tmp_pa
     assert json.loads((second / "summary.json").read_text()) == summary  # untouched
 
 
+@pytest.mark.slow
 def test_resume_with_nothing_to_resume_exits_2_and_starts_nothing(tmp_path):
     nothing = cli("distributed-train", "digits-diloco", *SMALL, "--set", "max_steps=2",
                   "--resume", cwd=tmp_path)
@@ -304,6 +306,9 @@ def test_resume_with_nothing_to_resume_exits_2_and_starts_nothing(tmp_path):
     assert worker.returncode == 2 and "nothing to resume" in worker.stderr, worker.stderr
 
 
+@pytest.mark.slow(
+    reason="a run, a second one interrupted after two checkpoints, then resumed by its "
+           "printed command")
 def test_ctrl_c_names_this_runs_checkpoint_and_its_command_continues_this_run(tmp_path):
     finished = cli("distributed-train", "digits-diloco", *SMALL, "--set", "max_steps=6",
                    "--set", "output_dir=runs/stale", cwd=tmp_path)
@@ -352,6 +357,7 @@ def test_ctrl_c_names_this_runs_checkpoint_and_its_command_continues_this_run(tm
 # --- the documented model-loading snippet, from another folder ---------------------------
 
 
+@pytest.mark.slow
 def test_the_documented_snippet_loads_the_newest_model_from_another_folder(tmp_path):
     """As printed, run where the run was made (not the project's root), with what
     ``pip install -e`` gives: exogym and exogym_distributed, and no ``distributed``."""
@@ -386,6 +392,7 @@ def sshd(tmp_path_factory):
     yield from serve_sshd(tmp_path_factory)
 
 
+@pytest.mark.slow(reason="several runs across hosts over SSH, one of them resumed")
 def test_runs_across_hosts_get_folders_of_their_own_and_resume_only_their_settings(
         sshd, tmp_path):
     from faces_support import sshd_hosts

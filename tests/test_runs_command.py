@@ -6,18 +6,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from ranks import ROOT
+import pytest
+import warm
 
 from distributed.app.run_list import clean_runs, list_runs
 from distributed.hosts.onhost import runfolders
 
 
 def cli(*args: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "cli_typer.py"), *args], cwd=cwd,
+    return subprocess.run([*warm.cli_command(), *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300, input=stdin,
                           env={**os.environ, "COLUMNS": "250"})
 
@@ -82,6 +82,7 @@ def test_runs_are_listed_with_how_each_went(tmp_path):
         assert word in done.stdout, done.stdout
 
 
+@pytest.mark.slow
 def test_runs_clean_asks_then_removes_failed_and_refused_runs_and_fixes_latest(tmp_path):
     runs = tmp_path / "runs"
     made = a_tree(runs)

@@ -71,6 +71,7 @@ def test_a_crafted_checkpoint_is_refused_without_running_its_code(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow(reason="a run resumed from crafted checkpoints of each kind")
 def test_resuming_from_a_crafted_checkpoint_runs_no_code_and_starts_afresh(tmp_path):
     marker = tmp_path / "ran"
     _crafted_checkpoint(checkpoint_path(tmp_path / "run", 0, 4), {"step": _Planted(marker)})
@@ -161,6 +162,7 @@ def _planted_run_folder(folder: Path, task: str) -> None:
     (folder / TRACE_FILE).write_text(json.dumps(header) + "\n" + json.dumps(step) + "\n")
 
 
+@pytest.mark.slow(reason="each command that reads a run folder, run on a crafted one")
 @pytest.mark.parametrize("command", ["replay", "recommend"])
 def test_a_run_folder_naming_code_is_not_imported_unless_the_persons_profile_names_it(
         tmp_path, command):
@@ -209,6 +211,7 @@ def test_a_setting_beyond_its_limit_is_refused_naming_the_limit(setting, message
     assert message in str(refused.value)
 
 
+@pytest.mark.slow
 def test_a_refusal_prints_the_persons_text_literally(tmp_path):
     done = cli("distributed-train", "digits-ddp", "--set", "partition=dirichlet:-1:",
                "--dry-run", cwd=tmp_path)
@@ -254,6 +257,7 @@ def test_a_hostile_hosts_file_is_refused_naming_the_file(tmp_path, text, message
     assert message in str(refused.value)
 
 
+@pytest.mark.slow
 def test_check_hosts_refuses_a_billion_slots_before_allocating_anything(tmp_path):
     path = _hosts(tmp_path, '{"master": "127.0.0.1", "workers": [{"host": "127.0.0.2", '
                             '"slots": 1000000000}], ' + HOST_ENV + "}")
@@ -333,6 +337,7 @@ def _listening(namespace: str) -> list[tuple[str, int]]:
     return found
 
 
+@pytest.mark.slow
 def test_a_stranger_on_the_lan_reaches_no_port_of_a_local_simulation():
     import time
 
@@ -534,6 +539,7 @@ def planted(stranger: dist.TCPStore, key: str, value: bytes) -> None:
     stranger.get(key)  # a set is not answered: read it back so it has landed
 
 
+@pytest.mark.slow
 def test_a_signed_store_ignores_and_counts_every_value_a_stranger_writes():
     master = open_store("127.0.0.1", 0, is_master=True, timeout_s=1.0, key=KEY)
     rank = open_store("127.0.0.1", master.port, timeout_s=1.0, key=KEY)
@@ -662,6 +668,7 @@ def test_a_group_meets_only_at_addresses_its_ranks_signed():
     assert ignored_messages()[0] > before
 
 
+@pytest.mark.slow
 def test_a_group_whose_peer_address_is_only_forged_fails_naming_the_key():
     master = open_store("127.0.0.1", 0, is_master=True, timeout_s=2, key=KEY)
     stranger = stranger_client(master.port)
@@ -778,7 +785,7 @@ print(f"stranger wrote {rounds} rounds ({dropped} dropped)", flush=True)
 """
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="attacks a run across hosts over SSH while it trains")
 def test_a_stranger_on_the_lan_neither_stops_nor_steers_a_run_across_hosts(tmp_path):
     from netbed import Testbed
     from netns import netns_available

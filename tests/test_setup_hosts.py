@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from distributed.app.setup_hosts import DEFAULT_PROJECT_PATH, fill_paths
 from distributed.hosts.provision import (
@@ -34,12 +34,6 @@ from distributed.hosts.provision import (
 ROOT = Path(__file__).resolve().parents[1]
 LINUX = HostPlatform(python="3.11.2", implementation="cpython", system="Linux",
                      machine="x86_64", libc="glibc", libc_version="2.36")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_missing_paths_are_filled_per_host_and_this_machine_keeps_its_checkout():
@@ -88,6 +82,7 @@ def test_pip_finding_no_wheel_names_the_package_and_the_platform():
     assert "torch==2.13.0" in str(error) and "Linux x86_64 (glibc 2.36), CPython 3.11" in str(error)
 
 
+@pytest.mark.slow
 def test_a_platform_without_a_wheel_is_refused_naming_the_package(tmp_path):
     riscv = HostPlatform(python="3.11.2", implementation="cpython", system="Linux",
                          machine="riscv64", libc="glibc", libc_version="2.36")
@@ -115,7 +110,9 @@ def test_the_requirements_are_the_declared_ones_of_the_extras_asked():
         declared_requirements(["gpu"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="fresh hosts in namespaces get the project and an environment installed, are "
+           "checked, then train")
 def test_fresh_namespace_hosts_are_set_up_checked_and_train_with_min_nodes(tmp_path):
     """Two namespace hosts with empty project folders and only /usr/bin/python3: setup
     copies the project and installs the lock from wheels sent from here (the namespaces

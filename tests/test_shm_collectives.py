@@ -179,6 +179,7 @@ class RecordsPath(SimpleReduceStrategy):
         super().step()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "diloco"])
 def test_a_fit_through_shared_memory_equals_one_through_gloo(monkeypatch, strategy):
     ds = toy_dataset()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -105,6 +107,8 @@ def test_other_write_errors_pass_unchanged(tmp_path, monkeypatch):
     assert list(Path(tmp_path).iterdir()) == []
 
 
+@pytest.mark.slow(
+    reason="a run interrupted after its first checkpoint, then resumed, for each signal")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_sigterm_stops_a_run_as_ctrl_c_does_and_its_resume_continues_the_trace(tmp_path,
                                                                                signum):
@@ -229,3 +233,167 @@ def test_interruptions_wait_for_the_end_of_a_deferred_block_then_reach_their_han
             reached.append("not reached")
     assert reached[-1] == "again"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _checkpointing_spec(folder: Path):
+    """A one-rank run that saves a checkpoint at every step into ``folder``."""
+    from toys import TinyNet, toy_dataset
+
+    from exogym.config.fit_args import RunArgs
+    from exogym.run.spec import make_run_spec
+    from exogym.strategy import OptimSpec, SimpleReduceStrategy
+
+    ds = toy_dataset()
+    return make_run_spec(TinyNet(), ds, ds, RunArgs(
+        strategy=SimpleReduceStrategy(optim_spec=OptimSpec(torch.optim.SGD, lr=0.1)),
+        num_nodes=1, max_steps=100, batch_size=8, num_threads=1, val_size=0, device="cpu",
+        checkpoint_interval=1, save_dir=str(folder), run_name="run"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signals", [1, 2], ids=["once", "twice"])
+def test_a_sigterm_at_any_line_after_a_checkpoints_rename_keeps_its_step_for_the_trace(
+        tmp_path, monkeypatch, signals):
+    """A rank's checkpoint and its step's event: SIGTERM at each Python line from the
+    checkpoint's rename on (the process group's, and with ``twice`` its parent's too, as
+    ``_stop`` sends one) leaves the step's event in the pipe, or waiting for the rank's
+    last message, whenever the checkpoint file stays. A resumed run starts after that
+    checkpoint: a step lost there was a step missing from the resumed timeline."""
+    import multiprocessing as mp
+    import sys
+
+    from exogym.base.stop_signal import Terminated, stop_on_sigterm
+    from exogym.run.checkpoint import checkpoint_path
+    from exogym.run.run_rank import _one_at_a_time
+    from exogym.run.spec import Placement
+    from exogym.run.train_node import TrainNode
+    from exogym.run.trainer import _EventBatches
+
+    real_replace = os.replace
+    armed: dict[str, int] = {}
+
+    def line_counter(frame, event, arg):
+        if event == "line" and "left" in armed:
+            armed["left"] -= 1
+            if armed["left"] == 0:
+                del armed["left"]
+                for _ in range(signals):
+                    os.kill(os.getpid(), signal.SIGTERM)
+        return line_counter
+
+    def replace(src, dst, *args, **kwargs):
+        real_replace(src, dst, *args, **kwargs)
+        if str(dst).endswith(".ckpt") and "left" in armed:
+            # from here, count the lines every frame on the stack and every new one runs
+            frame = sys._getframe()
+            while frame is not None:
+                frame.f_trace = line_counter
+                frame = frame.f_back
+            sys.settrace(line_counter)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # durability is not what is tested
+    previous = signal.getsignal(signal.SIGTERM)
+    reader, writer = mp.Pipe(duplex=False)
+
+    class Pipe:
+        """The rank's end of its pipe, noting how many lines were left to count when the
+        step's event went."""
+
+        def send(self, message: list[dict]) -> None:
+            left = armed.get("left")  # (a line counted here may be the last)
+            if left is not None and any(e.get("event") == "step" for e in message):
+                armed["at_send"] = left
+            writer.send(message)
+
+    # as a rank process emits: its events in batches (steps wait, unless checkpointed),
+    # one at a time
+    batches = _EventBatches(Pipe(), interval_s=3600.0)
+    node = TrainNode(_checkpointing_spec(tmp_path), 0, torch.device("cpu"),
+                     emit=_one_at_a_time(batches), placement=Placement(ranks_per_machine=1))
+    node.start()
+    trained = node.train_step()  # one real step; the sweep's steps reuse its event
+
+    def train_step() -> dict:  # what comes before the checkpoint is not under test
+        node.step += 1
+        return {**trained, "step": node.step}
+
+    node.train_step = train_step
+
+    def step(line: int) -> bool:
+        """The rank's next step, SIGTERM at its ``line``-th line after the checkpoint's
+        rename (far: none); whether the step was stopped."""
+        # the same lines each time: no checkpoint before (one cut short leaves some)
+        shutil.rmtree(node.checkpoint_root, ignore_errors=True)
+        stop_on_sigterm()
+        armed.clear()
+        armed["left"] = line
+        try:
+            node._one_step(time.perf_counter())
+            armed.pop("left", None)  # the step is over: no more lines count
+            return False
+        except Terminated:
+            batches.flush()  # the rank's last message (its error) takes what waits
+            return True
+        finally:
+            sys.settrace(None)
+            signal.signal(signal.SIGTERM, previous)
+
+    try:
+        far = 1 << 30
+        step(far)
+        lines = far - armed.pop("at_send")  # from the rename to the step's event in the pipe
+        assert lines > 5, lines
+        while reader.poll():
+            reader.recv()
+        for line in range(1, lines + 1):
+            stopped = step(line)
+            sent = []
+            while reader.poll():
+                sent += reader.recv()
+            steps = {e["step"] for e in sent if e.get("event") == "step"}
+            assert stopped or steps == {node.step}, (line, sent)
+            if checkpoint_path(node.checkpoint_root, 0, node.step).is_file():
+                assert steps == {node.step}, (
+                    f"SIGTERM at line {line} of {lines} after the rename: the checkpoint "
+                    "stays, its step's event was lost")
+    finally:
+        sys.settrace(None)
+        signal.signal(signal.SIGTERM, previous)
+        reader.close()
+        writer.close()
+
+
+def test_a_process_that_leaves_waits_for_a_whole_block_under_way_and_lets_none_begin(
+        monkeypatch):
+    """A packed process's ranks are threads: one between its checkpoint's rename and the
+    step's event (a ``done_whole`` block) finishes before the process leaves with
+    ``os._exit``, and no rank begins such a block once the process is leaving."""
+    import threading
+
+    from exogym.base import stop_signal
+
+    monkeypatch.setattr(stop_signal, "_whole", stop_signal._WholeBlocks())
+    inside, release, order = threading.Event(), threading.Event(), []
+
+    def rank_thread() -> None:
+        with stop_signal.done_whole():
+            inside.set()
+            release.wait(30)
+            order.append("its event sent")
+
+    def late_rank_thread() -> None:
+        with stop_signal.done_whole():
+            order.append("a late block began")
+
+    threading.Thread(target=rank_thread, daemon=True).start()
+    assert inside.wait(30)
+    releaser = threading.Timer(0.2, release.set)  # the block ends while the process waits
+    releaser.start()
+    assert stop_signal.finish_whole_blocks(30)
+    order.append("the process leaves")
+    late = threading.Thread(target=late_rank_thread, daemon=True)
+    late.start()
+    late.join(0.5)
+    assert late.is_alive() and order == ["its event sent", "the process leaves"], order
+    releaser.join()

@@ -19,6 +19,7 @@ import pytest
 import torch
 from doc_blocks import code_block
 from faces_support import TINY, sshd_hosts
+from ports import free_port
 from rich.console import Console
 from safetensors.torch import load_file
 from sshd_fixture import serve_sshd
@@ -181,6 +182,7 @@ def sshd(tmp_path_factory):
     yield from serve_sshd(tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_check_hosts_fails_cuda_slots_on_a_host_without_gpus(sshd, tmp_path, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     if shutil.which("nvidia-smi"):
@@ -201,7 +203,7 @@ def test_each_cuda_rank_of_a_host_takes_the_gpu_of_its_local_rank():
 
     spec = SimpleNamespace(device_type="cuda", devices=[0, 1, 2, 3])
     for local_rank in range(4):
-        env = RankEnvironment(4 + local_rank, 8, "10.0.0.1", 29500, local_rank, 4)
+        env = RankEnvironment(4 + local_rank, 8, "10.0.0.1", free_port(), local_rank, 4)
         placement = RankTrainer._placement(SimpleNamespace(environment=env), spec)
         assert placement.devices == [local_rank]
         assert placement.ranks_per_machine == 4 and placement.backend == "nccl"
@@ -210,6 +212,7 @@ def test_each_cuda_rank_of_a_host_takes_the_gpu_of_its_local_rank():
 # --------------------------------------------------------------------------- a real run
 
 
+@pytest.mark.slow
 def test_two_hosts_with_two_slots_each_equal_the_four_rank_simulation(sshd, tmp_path):
     settings = [s for s in TINY if not s.startswith("num_nodes=")] + ["num_nodes=4"]
     config = sshd_hosts(sshd, workers=1)

@@ -70,15 +70,15 @@ def test_a_srun_task_takes_rank_world_local_rank_master_and_port_from_slurm():
     assert env.master_addr == "gpu07"
     assert env.master_port == port_for_job("123456")
     assert rank_environment({**SRUN_TASK, "SLURM_JOB_ID": "123457"}).master_port != env.master_port
-    assert rank_environment({**SRUN_TASK, "MASTER_PORT": "29511"}).master_port == 29511
+    assert rank_environment({**SRUN_TASK, "MASTER_PORT": "41511"}).master_port == 41511
 
 
 def test_explicit_rank_variables_win_over_slurms():
     torchrun = {"RANK": "1", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.9",
-                "MASTER_PORT": "29500"}
+                "MASTER_PORT": "41500"}
     env = rank_environment({**SRUN_TASK, **torchrun})
     assert (env.rank, env.world_size, env.local_rank) == (1, 8, 1)
-    assert (env.master_addr, env.master_port) == ("10.0.0.9", 29500)
+    assert (env.master_addr, env.master_port) == ("10.0.0.9", 41500)
 
 
 def test_slurm_task_errors_name_the_variable():
@@ -101,6 +101,7 @@ def slurm_env(rank: int, world: int, port: int, nodelist: str) -> dict[str, str]
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodelist", ["localhost", "127.0.0.[1-2]"])
 def test_two_ranks_with_only_slurm_variables_end_with_the_simulated_model(nodelist, tmp_path):
     overrides = COMMON + [f"output_dir={tmp_path / 'net'}"]
@@ -168,6 +169,7 @@ def test_a_bad_sbatch_request_fails_before_writing(change, message, tmp_path):
     assert not (tmp_path / "s.sbatch").exists()
 
 
+@pytest.mark.slow
 def test_the_slurm_command_writes_the_script_and_says_how_to_submit_it(tmp_path):
     out = tmp_path / "job.sbatch"
     result = subprocess.run([sys.executable, "cli_typer.py", "slurm", "digits-diloco", "--nodes",
@@ -197,6 +199,8 @@ def cluster():
         yield env
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm-cluster")  # one worker: they share the cluster
 def test_the_documented_srun_example_trains_two_ranks_on_a_real_cluster(cluster, tmp_path):
     [command] = code_lines(SLURM_PAGE, "Inside an allocation, two ranks", "bash")
     command = command.replace("runs/srun-digits", str(tmp_path / "out"))
@@ -210,6 +214,9 @@ def test_the_documented_srun_example_trains_two_ranks_on_a_real_cluster(cluster,
                         atol=1e-4)
 
 
+@pytest.mark.slow(
+    reason="the documented sbatch script run as a job on the test SLURM cluster")
+@pytest.mark.xdist_group("slurm-cluster")  # one worker: they share the cluster
 def test_the_documented_sbatch_example_runs_the_profile_as_a_job(cluster, tmp_path):
     write, submit = code_lines(SLURM_PAGE, "Then submit it", "bash")
     script = ROOT / shlex.split(submit)[1]

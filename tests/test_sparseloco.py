@@ -92,6 +92,7 @@ def test_error_feedback_keeps_what_was_not_sent_and_the_step_moves_by_what_was()
         assert (plan.chunked((0.5 * k - e).reshape(-1)) != 0).sum(1).le(4).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes", [2, 3])
 def test_dense_unquantized_memoryless_sparseloco_equals_diloco_with_outer_sgd(nodes):
     ds = toy_dataset()
@@ -134,6 +135,7 @@ class CrashingNet(CrashAt, BNNet):
     """BNNet whose training forward pass raises at step ``crash_at``."""
 
 
+@pytest.mark.slow
 def test_resumed_run_keeps_the_error_feedback_and_equals_an_uninterrupted_one(tmp_path):
     ds = toy_dataset(96)
 
@@ -179,6 +181,7 @@ def test_shipped_profiles_name_sparseloco_and_muon_and_compare_takes_sparseloco(
     assert "outer_momentum" not in plans[1].values  # DiLoCo's own key is dropped
 
 
+@pytest.mark.slow
 def test_the_digits_sparseloco_profile_trains(tmp_path):
     trainer = run_profile("digits-sparseloco", progress=False, local=True, overrides={
         "num_nodes": 2, "max_steps": 4, "H": 2, "val_size": 32, "val_interval": 4,

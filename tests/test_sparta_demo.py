@@ -76,6 +76,7 @@ def sgd_on_shard(start, ds, rank, num_nodes, steps, lr, batch_size=16):
     return model
 
 
+@pytest.mark.slow
 def test_sparta_p0_is_independent_training_and_sends_nothing():
     ds = toy_dataset()
     start = tiny_model()
@@ -147,6 +148,7 @@ def test_sparta_selected_entries_are_identical_on_every_rank_with_bfloat16(tmp_p
         assert row["comm_bytes"] == 2 * sum(per_round[:row["step"]])
 
 
+@pytest.mark.slow
 def test_sparta_sends_4_bytes_per_entry_and_a_resumed_run_selects_the_same(in_tmp):
     ds = toy_dataset()
     strategy = SPARTAStrategy(optim_spec=sgd(0.3), p_sparta=0.3, index_selector="partitioned")
@@ -253,6 +255,7 @@ def test_sparta_arguments_are_checked():
 # -- DeMo -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_demo_sending_every_coefficient_is_sign_sgd_on_the_mean_gradient():
     ds = toy_dataset()
     start = tiny_model()
@@ -286,6 +289,7 @@ def same_data(rank, num_nodes, is_train):
     return toy_dataset()
 
 
+@pytest.mark.slow
 def test_demo_with_the_same_data_on_every_rank_equals_one_rank():
     strategy = DeMoStrategy(lr=0.01, compression_decay=0.9, compression_topk=3,
                             compression_chunk=8, weight_decay=0.1)
@@ -311,6 +315,7 @@ def demo_bytes_per_step(model, topk, chunk, value_bytes=4):
     return total
 
 
+@pytest.mark.slow
 def test_demo_trains_a_cnn_and_sends_what_the_formula_says():
     ds = toy_images(512)
     torch.manual_seed(0)
@@ -366,6 +371,7 @@ def test_demo_skips_parameters_without_a_gradient():
 # -- SPARTA-DiLoCo ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sparta_diloco_honours_sparta_interval_and_trains():
     ds = toy_dataset(512)
     start = tiny_model()
@@ -437,6 +443,7 @@ def test_demo_payload_round_trips_every_wire_type_through_one_byte_buffer():
         assert torch.equal(plan.unpack_indices(wire), idx)
 
 
+@pytest.mark.slow
 def test_demo_momentum_survives_a_checkpoint():
     from exogym.strategy.demo import DeMo
 

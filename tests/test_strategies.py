@@ -84,6 +84,7 @@ def test_diloco_inner_optim_adam_is_really_adam():
     assert_models_close(trained, reference)
 
 
+@pytest.mark.slow
 def test_diloco_round_runs_after_exactly_h_steps():
     ds = toy_dataset()
     start = tiny_model()
@@ -99,6 +100,7 @@ def test_diloco_round_runs_after_exactly_h_steps():
     assert_models_differ(s5, start)
 
 
+@pytest.mark.slow
 def test_model_averaging_preserves_the_mean_of_ranks():
     """Islands of one rank never average; the final model is the mean of the ranks' models."""
     ds = toy_dataset()
@@ -154,6 +156,7 @@ def test_float_buffers_are_averaged_and_integer_buffers_keep_their_dtype():
     assert not torch.equal(trained.bn.running_mean, model.bn.running_mean)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_the_full_batch():
     ds = toy_dataset()
     kwargs = dict(strategy=SimpleReduceStrategy(optim_spec=sgd()), num_nodes=2, max_steps=4,
@@ -243,6 +246,7 @@ def test_cross_entropy_toy_is_learnable():
     assert evals[-1] < 0.8 * F.cross_entropy(torch.zeros(1, 3), torch.zeros(1).long()).item()
 
 
+@pytest.mark.slow
 def test_cpu_optimizers_take_the_fused_or_foreach_kernel_unless_the_user_chose():
     model = tiny_model()
     assert OptimSpec("adamw").build(model).defaults["fused"] is True

@@ -16,10 +16,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm
+
+#: One worker runs this module: its tests share one quick table (a module fixture).
+pytestmark = pytest.mark.xdist_group("strategy_table")
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["ddp", "diloco", "streaming_diloco", "sparseloco", "sparta", "sparta_diloco", "fedavg",
@@ -28,7 +31,7 @@ NAMES = ["ddp", "diloco", "streaming_diloco", "sparseloco", "sparta", "sparta_di
 
 def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the bench to its end; on a timeout, stop it and every process it started."""
-    command = [sys.executable, "-m", "bench.strategy_table", *args]
+    command = [*warm.python(), "-m", "bench.strategy_table", *args]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -53,6 +56,7 @@ def front(points: list[tuple[float, float]]) -> list[bool]:
             for b, loss in points]
 
 
+@pytest.mark.slow(reason="trains every strategy of the table once")
 def test_quick_writes_every_row_the_table_and_the_plot(quick):
     data = json.loads((quick / "results.json").read_text())
     assert data["version"] == 1 and data["scale"]["name"] == "quick"
@@ -124,6 +128,7 @@ def test_the_sweep_keeps_the_budget_rule_and_the_front_is_the_undominated(quick)
         [(r["bytes_ratio"], r["val_loss"]["mean"]) for r in measured])
 
 
+@pytest.mark.slow
 def test_resume_runs_nothing_and_the_front_of_known_points(quick, tmp_path):
     out = tmp_path / "known"
     shutil.copytree(quick, out)
@@ -178,6 +183,7 @@ def test_existing_results_need_resume(quick):
     assert done.returncode == 2 and "give --resume to continue it" in done.stderr
 
 
+@pytest.mark.slow
 def test_the_clock_is_linear_in_one_over_bandwidth():
     # What the 1 Gbit/s column rests on: for synchronous collectives without latency,
     # T(fast) = T(slow) - (1 - slow/fast) * the network's share of T(slow).

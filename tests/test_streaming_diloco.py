@@ -115,6 +115,7 @@ def per_step_bytes(trainer, rank=0):
     return [b - a for a, b in zip([0] + counts, counts)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 def test_each_sync_sends_exactly_its_fragment(dtype):
     H, F_ = 6, 3
@@ -169,6 +170,7 @@ def test_after_each_fragment_update_without_delay_the_ranks_agree_and_are_finite
     assert all(torch.isfinite(p).all() for p in final.parameters())
 
 
+@pytest.mark.slow
 def test_a_delayed_fragment_applies_its_round_tau_steps_later():
     # Outer lr ~0 and no momentum: a round puts its fragment back at the start.
     def run(steps, delay):
@@ -183,6 +185,7 @@ def test_a_delayed_fragment_applies_its_round_tau_steps_later():
     assert_models_differ(run(5, 0), start)
 
 
+@pytest.mark.slow
 def test_delay_one_trains_and_differs_from_no_delay():
     ds = toy_dataset(96)
     _, sync = fit(deep(), streaming(fragment_delay=0), 12, ds=ds)
@@ -192,6 +195,7 @@ def test_delay_one_trains_and_differs_from_no_delay():
     assert_models_differ(delayed, deep())
 
 
+@pytest.mark.slow
 def test_alpha_one_keeps_the_local_values_and_moves_only_the_global_copy():
     # alpha=1: local = global + 1*(local - global) = local, so a sync leaves the model as
     # it was: one rank trains exactly as with no communication at all.
@@ -219,6 +223,7 @@ def resumable(ds, run, tmp_path, crash_at=None, **kwargs):
                **kwargs)
 
 
+@pytest.mark.slow
 def test_resume_with_a_fragment_in_flight_equals_the_uninterrupted_run(tmp_path):
     ds = toy_dataset(96)
     _, uninterrupted = resumable(ds, "full", tmp_path)
@@ -241,6 +246,7 @@ COMMON = ["max_steps=30", "val_interval=30", "num_threads=1", "checkpoint_interv
           "H=6", "num_fragments=2", "fragment_delay=1"]
 
 
+@pytest.mark.slow
 def test_three_real_ranks_with_delay_one_end_with_the_simulated_model(tmp_path):
     procs = start_ranks("digits-streaming", 3,
                         COMMON + ["num_nodes=3", f"output_dir={tmp_path / 'net'}"],

@@ -256,6 +256,7 @@ def _run(copied_at: dict[int, int], while_waiting: bool = False, serving: tuple 
     return Run(taken[0], joiner, events, atts, server)
 
 
+@pytest.mark.slow
 def test_a_joiner_takes_a_share_of_the_state_and_of_each_update_from_each_member():
     taken, joiner, events, atts, _ = _run({0: 5, 1: 5})
     state = joiner.adopted
@@ -290,6 +291,7 @@ def test_a_joiner_takes_a_share_of_the_state_and_of_each_update_from_each_member
     assert atts[2]._intake.links[0].marked(share_tag(1))
 
 
+@pytest.mark.slow
 def test_a_share_copied_after_another_round_ended_comes_from_the_source_instead():
     """Rank 1 copied its share after the round that ends at step 10: what every member holds
     alike was no longer the source's, so the source sends every tensor."""
@@ -301,6 +303,7 @@ def test_a_share_copied_after_another_round_ended_comes_from_the_source_instead(
     assert [u["step"] for u in joiner.caught_up] == [6, 7]
 
 
+@pytest.mark.slow
 def test_a_round_that_closes_while_the_updates_travel_still_takes_the_joiner_in():
     """The joiner enters the round under way before its updates arrive: a member that
     closes the round's record meanwhile (it reached the round's last step) reads the joiner
@@ -311,6 +314,7 @@ def test_a_round_that_closes_while_the_updates_travel_still_takes_the_joiner_in(
     assert [r["entered"] for r in taken["timing"]["rounds"]] == [True]
 
 
+@pytest.mark.slow
 def test_members_serve_a_request_while_they_wait_for_a_collective_on_the_thread_that_trains():
     taken, joiner, _, _, _ = _run({0: 5, 1: 5}, while_waiting=True)
     assert set(taken["from"]) == {"0", "1"}
@@ -359,6 +363,7 @@ def test_a_members_collective_calls_its_hook_while_it_waits(monkeypatch):
     assert len(calls) >= 3 and set(calls) == {out[0][1]}
 
 
+@pytest.mark.slow
 def test_a_joiners_thread_for_a_helper_that_never_came_ends_once_its_share_is_given_up():
     """Rank 1 never reads its request: the source sends its share, and the joiner's thread
     waiting for rank 1's link to form ends at once, not at the form timeout (30 s)."""
@@ -403,6 +408,7 @@ ms[0].world.close()
 """
 
 
+@pytest.mark.slow
 def test_a_rank_done_while_its_thread_hands_the_state_over_stops_it_and_exits_cleanly(
         tmp_path):
     """A thread left waiting in a collective when the process exits ends the process with

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from ranks import ROOT
+import warm
 from toys import CrashAt, TinyNet, toy_dataset
 
 from exogym import Trainer
@@ -172,6 +171,7 @@ class Watch:
         pass
 
 
+@pytest.mark.slow
 def test_the_trace_appears_only_when_the_run_ends_and_a_failed_run_says_it_failed(tmp_path):
     data = toy_dataset()
     watch = Watch(tmp_path)
@@ -195,6 +195,8 @@ def test_the_trace_appears_only_when_the_run_ends_and_a_failed_run_says_it_faile
     assert [p.name for p in failing.iterdir()] == [TRACE_FILE]
 
 
+@pytest.mark.slow(
+    reason="a run long enough to pass the trace's bound on full step lines")
 def test_a_long_run_is_summarised_past_the_bound_and_stays_small(tmp_path, monkeypatch):
     monkeypatch.setattr(trace_module, "FULL_STEPS", 100)
     monkeypatch.setattr(trace_module, "BLOCK_STEPS", 50)
@@ -277,7 +279,7 @@ def test_the_launchers_membership_host_and_hand_over_events_become_timed_lines(t
 
 
 def cli(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(ROOT / "cli_typer.py"), *map(str, args)],
+    return subprocess.run([*warm.cli_command(), *map(str, args)],
                           capture_output=True, text=True, cwd=cwd, timeout=timeout,
                           env={**os.environ, "COLUMNS": "400"})
 
@@ -287,6 +289,7 @@ SMALL = ["--set", "max_steps=4", "--set", "num_nodes=2", "--set", "val_size=16",
          "--logger", "none"]
 
 
+@pytest.mark.slow
 def test_the_command_lines_local_run_writes_its_trace_beside_its_summary(tmp_path):
     out = tmp_path / "run"
     done = cli("distributed-train", "digits-diloco", *SMALL, "--set", f"output_dir={out}",
@@ -320,6 +323,8 @@ def train_on_hosts(sshd, config: dict, tmp_path):
     return out
 
 
+@pytest.mark.slow(
+    reason="a run across hosts over SSH, each host's rank importing torch")
 def test_a_run_across_hosts_traces_every_ranks_steps_in_its_run_folder(sshd, tmp_path):
     from faces_support import sshd_hosts
 
@@ -341,6 +346,7 @@ def test_a_run_across_hosts_traces_every_ranks_steps_in_its_run_folder(sshd, tmp
     assert lines[-1]["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_with_the_master_on_another_host_the_trace_is_sent_to_its_run_folder(sshd, tmp_path):
     from faces_support import sshd_hosts
 

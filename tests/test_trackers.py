@@ -89,6 +89,7 @@ def one_run_folder(logs: Path) -> Path:
 # --------------------------------------------------------------------------- fit
 
 
+@pytest.mark.slow
 def test_tensorboard_writes_per_rank_and_global_scalars_that_tensorboard_reads_back(tmp_path):
     ds = toy_dataset()
     trainer = Trainer(tiny_model(), ds, ds)
@@ -129,6 +130,7 @@ def test_tensorboard_logs_simulated_time_when_the_events_carry_it(tmp_path):
     assert 3 not in got["global/train_loss"]
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_is_read_back_by_wandbs_own_reader(tmp_path, wandb_offline):
     ds = toy_dataset()
     trainer = Trainer(tiny_model(), ds, ds)
@@ -199,6 +201,7 @@ def test_compare_gives_every_strategy_the_cli_logger():
     assert [p.resolved.run_kwargs["logger"] for p in plans] == ["tensorboard", "tensorboard"]
 
 
+@pytest.mark.slow
 def test_a_profiles_logger_key_writes_tensorboard_into_its_output_folder(tmp_path):
     config = tmp_path / "config.ini"
     out = tmp_path / "out"
@@ -226,6 +229,8 @@ def train_on_three_hosts(sshd, tmp_path, logger: str):
     return out, result
 
 
+@pytest.mark.slow(
+    reason="a run across hosts over SSH that logs to a tracker")
 def test_across_hosts_only_rank_0_writes_the_tracker_into_the_output_folder(sshd, tmp_path):
     out, result = train_on_three_hosts(sshd, tmp_path, "tensorboard")
     assert "all 3 ranks finished" in result.output
@@ -237,6 +242,7 @@ def test_across_hosts_only_rank_0_writes_the_tracker_into_the_output_folder(sshd
     assert json.loads((run / "config.json").read_text())["num_nodes"] == 3
 
 
+@pytest.mark.slow(reason="a run across hosts over SSH that logs to a tracker")
 def test_across_hosts_rank_0_logs_to_wandb_offline_from_the_launching_shell(
         sshd, tmp_path, wandb_offline):
     out, _ = train_on_three_hosts(sshd, tmp_path, "wandb")
@@ -257,6 +263,7 @@ def documented_commands() -> list[str]:
             for line in code_lines("docs/slurm-trackers.md", "## Trackers", "bash")]
 
 
+@pytest.mark.slow(reason="every tracker command of the docs run as written, each a training run")
 def test_the_documented_tracker_commands_run_as_written(tmp_path):
     commands = documented_commands()
     runs = [c for c in commands if "cli_typer.py distributed-train" in c]

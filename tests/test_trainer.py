@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from ports import free_port
 from torch.utils.data import TensorDataset
 from toys import TinyNet, tiny_model, toy_dataset
 
@@ -24,6 +25,7 @@ from exogym.strategy.strategy import lr_factor
 QUIET = dict(logger=None, progress=False)
 
 
+@pytest.mark.slow
 def test_history_has_one_row_per_rank_and_step_with_every_key():
     ds = toy_dataset()
     trainer = Trainer(tiny_model(), ds, ds)
@@ -56,6 +58,7 @@ class RecordingSink:
         self.summaries.append(summary)
 
 
+@pytest.mark.slow
 def test_fit_feeds_every_event_and_the_summary_to_a_progress_object():
     ds = toy_dataset()
     trainer = Trainer(tiny_model(), ds, ds)
@@ -76,6 +79,7 @@ def test_fit_rejects_a_progress_value_that_is_neither_bool_nor_sink():
                                           logger=None, progress="yes")
 
 
+@pytest.mark.slow
 def test_val_size_smaller_than_batch_size_works():
     ds = toy_dataset()
     trainer = Trainer(tiny_model(), ds, ds)
@@ -174,6 +178,7 @@ def _rank_processes() -> list[int]:
     return kids
 
 
+@pytest.mark.slow
 def test_a_failing_rank_ends_the_fit_with_its_traceback_and_leaves_no_process():
     ds = toy_dataset()
     torch.manual_seed(0)
@@ -206,9 +211,10 @@ def test_two_fits_in_parallel_never_collide():
     assert len(results) == 2 and all(len(h) == 6 for h in results.values())
 
 
+@pytest.mark.slow
 def test_start_port_is_used_when_free():
     ds = toy_dataset()
-    Trainer(tiny_model(), ds, ds, start_port=29731).fit(
+    Trainer(tiny_model(), ds, ds, start_port=free_port()).fit(
         strategy=SimpleReduceStrategy(), num_nodes=2, max_steps=1, val_size=0, **QUIET)
 
 
@@ -227,6 +233,7 @@ def test_dataset_factory_builds_each_ranks_own_data():
     assert seen == {0: 5, 1: 5}  # 40 samples / 8 per step, one epoch
 
 
+@pytest.mark.slow
 def test_model_is_back_in_train_mode_after_every_eval():
     class MustTrain(TinyNet):
         def forward(self, batch):
@@ -240,6 +247,7 @@ def test_model_is_back_in_train_mode_after_every_eval():
                                      batch_size=8, val_size=8, val_interval=1, **QUIET)
 
 
+@pytest.mark.slow
 def test_autocast_runs_forward_in_bfloat16_on_cpu():
     class DtypeCheck(TinyNet):
         def forward(self, batch):
@@ -274,6 +282,7 @@ def test_non_scalar_loss_gets_a_clear_error():
                                       max_steps=1, batch_size=8, val_size=0, **QUIET)
 
 
+@pytest.mark.slow
 def test_csv_logger_makes_a_new_folder_per_run_and_saves_the_config(in_tmp):
     ds = toy_dataset()
     for _ in range(2):
@@ -314,6 +323,7 @@ def test_wandb_logger_names_the_extra_when_wandb_is_missing(monkeypatch):
         WandbLogger(project="p")
 
 
+@pytest.mark.slow
 def test_minibatch_auto_picks_the_largest_that_fits_and_trains():
     from exogym.config.fit_args import RunArgs
     from exogym.run.memory import probe_minibatch
@@ -348,7 +358,9 @@ def test_minibatch_auto_counts_only_the_ranks_on_this_machine():
     from exogym.run.spec import Placement, make_run_spec
 
     ds = toy_dataset()
-    spec = make_run_spec(tiny_model(), ds, ds, RunArgs(
+    # A model whose step takes megabytes: a few kilobytes would be within the noise of a
+    # resident set measured in pages.
+    spec = make_run_spec(TinyNet(hidden=4096), ds, ds, RunArgs(
         strategy=SimpleReduceStrategy(), num_nodes=64, max_steps=2, batch_size=16,
         minibatch_size="auto", val_size=0, device="cpu"))
     _, peaks = probe_minibatch(spec, max_memory_usage=1.0, placement=Placement(1))
@@ -390,6 +402,7 @@ def test_lr_factor_warmup_and_cosine_shape():
     assert lr_factor(55, 100, warmup_steps=10, cosine=True, min_lr_factor=0.0) == pytest.approx(0.5)
 
 
+@pytest.mark.slow
 def test_a_model_with_metric_sums_gets_them_logged_at_evaluation():
     class Accuracy(TinyNet):
         def metric_sums(self, batch):
@@ -408,6 +421,7 @@ def test_a_model_with_metric_sums_gets_them_logged_at_evaluation():
         assert abs(row["val_accuracy"] * 40 - round(row["val_accuracy"] * 40)) < 1e-9
 
 
+@pytest.mark.slow
 def test_torch_scheduler_class_is_honoured():
     ds = toy_dataset()
     trainer = Trainer(tiny_model(), ds, ds)
@@ -432,6 +446,7 @@ def _two_cpu_ranks(ds):
     return spec, Placement(ranks_per_machine=2)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux only")
 def test_ranks_are_forked_only_while_no_other_thread_runs():
     # A lock another thread holds at a fork stays held in the child forever (glibc's
@@ -555,6 +570,7 @@ def test_the_rest_of_a_message_whose_handling_was_interrupted_still_reaches_the_
     assert handed == [(0, 1), (0, 2), (0, 3), (1, 1)]
 
 
+@pytest.mark.slow
 def test_step_events_reach_a_live_display_while_the_ranks_train():
     """Batching delays a step event by a tenth of a second, not to the end of the run."""
 

@@ -13,7 +13,6 @@ import random
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -21,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import warm
 from rich.console import Console
 
 from distributed.app.dashboard import Dashboard
@@ -405,6 +405,7 @@ def sshd(tmp_path_factory):
     yield from serve_sshd(tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_a_run_across_hosts_shows_each_host_and_rank_on_the_page(sshd, tmp_path):
     from faces_support import TINY as TINY_KEYS
     from faces_support import sshd_hosts
@@ -439,7 +440,7 @@ def start_command(args: list[str], cwd: Path, stdin=subprocess.DEVNULL,
                   command: str = "distributed-train"):
     """Start ``cli_typer.py COMMAND ARGS``; its output lines are collected in a list by a
     thread (so a full pipe never stalls it). Returns the process, the lines, and the URL."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "cli_typer.py"), command,
+    proc = subprocess.Popen([*warm.cli_command(), command,
                              *args], cwd=cwd, stdin=stdin, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "COLUMNS": "160", "PYTHONPATH": str(ROOT)})
@@ -475,6 +476,7 @@ def wait_for(condition, timeout: float, what: str, lines: list[str] | None = Non
                 ("\n" + "".join(lines[-40:]) if lines else ""))
 
 
+@pytest.mark.slow
 def test_cli_web_host_0000_serves_only_with_the_printed_token(tmp_path):
     proc, lines, url = start_command(["digits-diloco", *TINY, "--web", "--web-host", "0.0.0.0"],
                                      tmp_path)
@@ -495,6 +497,7 @@ def test_cli_web_host_0000_serves_only_with_the_printed_token(tmp_path):
     assert "no terminal is attached" in output  # CI: it exits at the end
 
 
+@pytest.mark.slow
 def test_compare_web_shows_each_strategy_as_a_run_until_enter(tmp_path):
     leader, follower = os.openpty()
     proc, lines, url = start_command(["digits-base", "--strategies", "ddp,diloco", *TINY,
@@ -567,6 +570,7 @@ def severe(driver) -> list[dict]:
     return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
+@pytest.mark.slow(reason="Chromium follows a whole run's page")
 def test_page_in_chromium_follows_each_rank_and_keeps_the_final_state(tmp_path, chromium):
     # stdin is a terminal, so after the run the command keeps serving until Enter
     leader, follower = os.openpty()
@@ -619,6 +623,7 @@ def test_page_in_chromium_follows_each_rank_and_keeps_the_final_state(tmp_path, 
         urllib.request.urlopen(url + "state", timeout=5)  # the page stopped with the command
 
 
+@pytest.mark.slow
 def test_lan_page_in_chromium_loads_its_scripts_and_state_with_the_token(chromium):
     with WebDashboard("0.0.0.0") as web:
         web.begin_run("digits", {"lr": 0.1}, 2)
@@ -636,6 +641,7 @@ def test_lan_page_in_chromium_loads_its_scripts_and_state_with_the_token(chromiu
         assert [e for e in severe(chromium) if "403" not in e["message"]] == []
 
 
+@pytest.mark.slow
 def test_page_in_chromium_counts_while_running_then_shows_the_runs_own_duration(chromium):
     clock = Clock()
     with WebDashboard() as web:
@@ -678,6 +684,7 @@ def visible_headers(driver) -> list[str]:
             if th.is_displayed()]
 
 
+@pytest.mark.slow
 def test_page_in_chromium_shows_validation_accuracy_as_the_terminal_table_does(chromium):
     with WebDashboard() as web:
         web.begin_run("digits", {}, 2)
@@ -701,6 +708,7 @@ def test_page_in_chromium_shows_validation_accuracy_as_the_terminal_table_does(c
         assert severe(chromium) == []
 
 
+@pytest.mark.slow
 def test_page_in_chromium_shows_each_hosts_figures_and_warns_of_low_memory(chromium):
     with WebDashboard() as web:
         web.begin_run("digits", {}, 2, ["mac-a", "10.0.0.2"])
@@ -727,6 +735,7 @@ Y_RANGE_JS = """const gd = document.getElementById(arguments[0]);
 return gd && gd._fullLayout && gd.data && gd.data.length ? gd._fullLayout.yaxis.range : null;"""
 
 
+@pytest.mark.slow
 def test_page_in_chromium_throughput_chart_is_not_flattened_by_the_first_step(chromium):
     with WebDashboard() as web:
         web.begin_run("digits", {}, 2, ["a", "a"])
@@ -751,6 +760,7 @@ def placeholders(driver) -> dict[str, dict]:
     return {p["chart"]: p for p in driver.execute_script(PLACEHOLDERS_JS)}
 
 
+@pytest.mark.slow
 def test_page_in_chromium_shows_a_placeholder_in_each_chart_until_plotly_has_drawn_it(
         chromium_eager):
     driver = chromium_eager
@@ -794,6 +804,7 @@ def test_page_in_chromium_shows_a_placeholder_in_each_chart_until_plotly_has_dra
         assert severe(driver) == []
 
 
+@pytest.mark.slow
 def test_page_in_chromium_says_when_plotly_js_cannot_be_loaded(chromium, tmp_path):
     with WebDashboard() as web:
         web._server.plotly_path = tmp_path / "gone" / "plotly.min.js"  # removed meanwhile
@@ -833,6 +844,7 @@ def set_smoothing(driver, value: str) -> None:
         s.value = arguments[0]; s.dispatchEvent(new Event('input'));""", value)
 
 
+@pytest.mark.slow
 def test_page_in_chromium_smooths_per_step_loss_by_default_and_keeps_the_raw_points(chromium):
     noise = random.Random(5)
     losses = {rank: [10 ** noise.uniform(-6, 0) for _ in range(200)] for rank in (0, 1)}

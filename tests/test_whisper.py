@@ -50,7 +50,10 @@ NO_TIMESTAMPS = 50362
 EOT = 50256
 
 # peft asks transformers about gradient checkpointing through a name deprecated in v5.
-pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")
+#: One worker runs this module: its tests share the synthesized speech and the weights (session
+#: fixtures, made once a test process).
+pytestmark = [pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated"),
+              pytest.mark.xdist_group("whisper")]
 
 # A sentence espeak-ng speaks clearly enough for tiny.en to get it right before any training.
 KNOWN_SENTENCE = "The dashboard shows the loss of every rank."
@@ -110,6 +113,7 @@ def write_tone(path: Path, seconds: float, rate: int = 16000, channels: int = 1)
 # --------------------------------------------------------------------------- wrapper
 
 
+@pytest.mark.slow
 def test_wrapper_forward_returns_finite_loss_and_backward_reaches_every_trainable_weight(
     tiny_model,
 ):
@@ -126,6 +130,7 @@ def test_wrapper_forward_returns_finite_loss_and_backward_reaches_every_trainabl
     assert wrapper.model.model.encoder.conv1.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_wrapper_strips_a_leading_decoder_start_token_from_labels(tiny_model):
     model, proc = tiny_model
     wrapper = WhisperModelWrapper(model, proc).eval()
@@ -142,6 +147,7 @@ def test_wrapper_strips_a_leading_decoder_start_token_from_labels(tiny_model):
     assert not torch.allclose(kept, wrapper(with_start).detach())
 
 
+@pytest.mark.slow
 def test_wrapper_loss_ignores_label_padding(tiny_model):
     model, proc = tiny_model
     wrapper = WhisperModelWrapper(model, proc).eval()
@@ -153,6 +159,7 @@ def test_wrapper_loss_ignores_label_padding(tiny_model):
         assert torch.allclose(wrapper(short), wrapper(padded), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_wrapper_rejects_a_batch_without_labels(tiny_model):
     model, proc = tiny_model
     wrapper = WhisperModelWrapper(model, proc)
@@ -160,6 +167,7 @@ def test_wrapper_rejects_a_batch_without_labels(tiny_model):
         wrapper({"input_features": torch.zeros(1, 80, 3000)})
 
 
+@pytest.mark.slow
 def test_wrapper_with_frozen_encoder_trains_only_the_decoder(tiny_model):
     model, proc = tiny_model
     wrapper = WhisperModelWrapper(model, proc, freeze_encoder=True)
@@ -169,6 +177,7 @@ def test_wrapper_with_frozen_encoder_trains_only_the_decoder(tiny_model):
     assert all(p.grad is None for p in model.model.encoder.parameters())
 
 
+@pytest.mark.slow
 def test_transcribe_returns_one_text_per_utterance_and_restores_training_mode(tiny_model):
     model, proc = tiny_model
     wrapper = WhisperModelWrapper(model, proc).train()
@@ -410,6 +419,7 @@ def adapter_count_from_shapes(model: torch.nn.Module, rank: int, targets: tuple[
     return total
 
 
+@pytest.mark.slow
 def test_lora_makes_only_adapter_weights_trainable(tiny_model):
     model, proc = tiny_model
     expected = adapter_count_from_shapes(model, 4, ("q_proj", "v_proj"))
@@ -421,6 +431,7 @@ def test_lora_makes_only_adapter_weights_trainable(tiny_model):
     assert len(trainable) == 2 * 12
 
 
+@pytest.mark.slow
 def test_lora_on_a_wrapper_with_frozen_encoder_adapts_the_decoder_only(tiny_model):
     model, proc = tiny_model
     expected = adapter_count_from_shapes(model, 2, ("q_proj", "v_proj"), skip_encoder=True)
@@ -437,6 +448,7 @@ def test_lora_rejects_unknown_target_modules_and_bad_rank(tiny_model):
         apply_lora(WhisperModelWrapper(model, proc), rank=0)
 
 
+@pytest.mark.slow
 def test_lora_adapters_are_identical_for_the_same_seed(processor):
     def adapters(seed: int) -> list[torch.Tensor]:
         model, proc = load_whisper("tiny-random", seed=0)
@@ -448,6 +460,7 @@ def test_lora_adapters_are_identical_for_the_same_seed(processor):
     assert not all(torch.equal(a, b) for a, b in zip(first, other))
 
 
+@pytest.mark.slow
 def test_merged_lora_model_saves_reloads_and_computes_the_same_loss(tiny_model, tmp_path):
     model, proc = tiny_model
     wrapper = apply_lora(WhisperModelWrapper(model, proc), rank=4, alpha=8)
@@ -473,6 +486,7 @@ def test_merged_lora_model_saves_reloads_and_computes_the_same_loss(tiny_model, 
     assert reloaded_proc.tokenizer(" Hi").input_ids == proc.tokenizer(" Hi").input_ids
 
 
+@pytest.mark.slow
 def test_full_model_save_merged_round_trips(tiny_model, tmp_path):
     model, proc = tiny_model
     wrapper = WhisperModelWrapper(model, proc)
@@ -580,7 +594,8 @@ def test_converted_tiny_en_has_the_expected_shape_and_generation_settings(tiny_e
     assert proc.tokenizer.prefix_tokens == [SOT, NO_TIMESTAMPS]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="converts Whisper tiny.en's weights and transcribes a spoken clip")
 def test_converted_tiny_en_transcribes_an_espeak_clip_of_a_known_sentence(
     tiny_en_dir, speech_dir
 ):
@@ -612,6 +627,8 @@ def test_ensure_tiny_en_checkpoint_is_safe_concurrently_and_reuses_its_cache(tmp
 # --------------------------------------------------------------------------- task
 
 
+@pytest.mark.slow(
+    reason="speaks the task's sentences with espeak-ng and loads Whisper tiny.en")
 def test_build_whisper_task_holds_out_whole_sentences(tmp_path):
     wrapper, train, val = build_whisper_task(
         checkpoint="tiny-random", num_sentences=5, val_fraction=0.4, cache_dir=tmp_path,
@@ -627,6 +644,7 @@ def test_build_whisper_task_holds_out_whole_sentences(tmp_path):
     assert wer >= 0.0
 
 
+@pytest.mark.slow
 def test_build_whisper_task_with_lora_trains_only_adapters(tmp_path):
     wrapper, _, _ = build_whisper_task(
         checkpoint="tiny-random", num_sentences=3, val_fraction=0.34, lora_rank=2,
@@ -641,6 +659,9 @@ def test_build_whisper_task_with_lora_trains_only_adapters(tmp_path):
 # --------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow(
+    reason="trains Whisper tiny.en with LoRA and DiLoCo on spoken clips, then transcribes "
+           "them")
 def test_lora_diloco_round_sends_4_bytes_per_adapter_parameter_and_logs_wer(tmp_path):
     """The whisper task through the trainer: only adapters travel; WER is logged."""
     from distributed.tasks.builtin import resolve_task

@@ -73,6 +73,7 @@ def test_write_with_backup_keeps_the_previous_file_and_skips_same_content(tmp_pa
     assert write_with_backup(path, "two\n") is None and backup.read_text() == "one\n"
 
 
+@pytest.mark.slow
 def test_link_measurement_sends_to_a_worker_and_times_what_arrived(sshd):
     from distributed.hosts.linkspeed import measure_link
     from distributed.hosts.ssh import SSHOptions
@@ -89,6 +90,7 @@ def test_link_measurement_sends_to_a_worker_and_times_what_arrived(sshd):
 # --------------------------------------------------------------------------- without a terminal
 
 
+@pytest.mark.slow
 def test_without_a_terminal_and_without_yes_it_says_so_and_exits_2(tmp_path):
     done = subprocess.run([sys.executable, WIZARD], cwd=tmp_path, env=wizard_env(),
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
@@ -96,6 +98,7 @@ def test_without_a_terminal_and_without_yes_it_says_so_and_exits_2(tmp_path):
     assert "needs a terminal" in done.stderr and "--yes" in done.stderr
 
 
+@pytest.mark.slow
 def test_yes_without_hosts_writes_a_profile_and_runs_the_local_simulation(tmp_path):
     config = project_config(tmp_path)
     out = tmp_path / "out"
@@ -114,6 +117,8 @@ def test_yes_without_hosts_writes_a_profile_and_runs_the_local_simulation(tmp_pa
     assert not (tmp_path / "distributed_hosts.json").exists()  # one machine: no hosts file
 
 
+@pytest.mark.slow(
+    reason="pre-flight of every host over SSH, then a run across them")
 def test_yes_with_a_hosts_file_checks_every_host_and_uses_it(sshd, tmp_path):
     hosts_file = tmp_path / "distributed_hosts.json"
     hosts_file.write_text(json.dumps(sshd_hosts(sshd)))
@@ -137,6 +142,8 @@ def test_yes_with_a_hosts_file_checks_every_host_and_uses_it(sshd, tmp_path):
 # --------------------------------------------------------------------------- in a terminal
 
 
+@pytest.mark.slow(
+    reason="the wizard answered in a terminal, then its run across hosts over SSH")
 def test_wizard_in_a_terminal_builds_hosts_trusts_keys_writes_files_and_trains(sshd, tmp_path):
     pexpect = pytest.importorskip("pexpect", reason="pip install pexpect")
     config = project_config(tmp_path)
@@ -253,6 +260,7 @@ def table_speedups(screen: str) -> dict[str, str]:
     return rows
 
 
+@pytest.mark.slow
 def test_the_wizards_table_its_recommendation_and_recommend_give_the_same_figures(
         tmp_path, monkeypatch):
     from typer.testing import CliRunner
@@ -371,6 +379,7 @@ def spawn_wizard(tmp_path: Path, *args: str):
     return child, log
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_the_first_question_says_nothing_was_written(tmp_path):
     import pexpect
 
@@ -390,6 +399,7 @@ def test_ctrl_c_at_the_first_question_says_nothing_was_written(tmp_path):
     assert config.read_text() == before and not (tmp_path / "config.ini.bak").exists()
 
 
+@pytest.mark.slow
 def test_a_single_way_to_get_the_link_speed_is_not_a_menu_and_the_name_follows_the_strategy(
         tmp_path):
     import pexpect
@@ -434,6 +444,7 @@ def test_a_single_way_to_get_the_link_speed_is_not_a_menu_and_the_name_follows_t
     assert profiles.get("digits-diloco").strategy == "diloco"
 
 
+@pytest.mark.slow
 def test_in_a_terminal_the_highlighted_pick_is_taken_with_its_setting_changed(tmp_path):
     """Timing shows as a progress display; Enter takes the recommended strategy, and its
     setting (DiLoCo's H, SPARTA's p) is asked with the recommended value, here changed."""
@@ -482,6 +493,7 @@ def test_in_a_terminal_the_highlighted_pick_is_taken_with_its_setting_changed(tm
         assert f"{label}: communication is" in screen  # the change predicted again
 
 
+@pytest.mark.slow
 def test_a_loopback_master_with_a_worker_elsewhere_is_refused_and_the_master_asked_again(
         tmp_path):
     import pexpect
@@ -514,6 +526,7 @@ def test_a_loopback_master_with_a_worker_elsewhere_is_refused_and_the_master_ask
     assert "Cancelled; nothing was written." in screen
 
 
+@pytest.mark.slow
 def test_a_profile_whose_extra_is_missing_is_refused_before_any_question(tmp_path):
     """Simulated here, the whisper task needs the whisper extra: said at once, with the
     command that installs it, not after every question."""

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 from pathlib import Path
+
+from .ports import free_port as claimed_port
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd")
 
@@ -51,10 +52,9 @@ def check_requirements(pin: bool) -> list[str]:
 
 
 def free_port() -> int:
-    """A TCP port free on every address of this machine (a job's master port)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    """A TCP port free on every address of this machine (a job's master port), claimed for
+    this process as the tests' ports are (:mod:`netbed.ports`)."""
+    return claimed_port("")
 
 
 def stop_process(proc: subprocess.Popen) -> None:
