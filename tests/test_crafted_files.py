@@ -1,0 +1,201 @@
+"""What a crafted file can do: nothing but be refused or shown as it is.
+
+A run folder, a profile, a hosts file and a project are files a stranger may have
+written (or handed over). Each test plants one as they would and checks that nothing
+hangs, nothing fills memory, nothing the terminal would act on reaches it, no page
+shows a link the stranger wrote, no file lands where it must not, and the other runs
+are still listed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from ranks import ROOT
+from typer.testing import CliRunner
+
+from distributed.hosts.onhost import runfolders
+
+#: What a stranger puts in a name or an error: a window title, a clear screen, a link, a
+#: clipboard write, a cursor move, a fake status and rich markup.
+HOSTILE = ("\x1b]0;owned\x07\x1b[2J\x1b]8;;https://evil.example/\x1b\\click\x1b]8;;\x1b\\"
+           "\x1b]52;c;ZXZpbA==\x07\x1b[1A\r FINISHED OK [bold green]done[/] "
+           "[link=https://evil.example]x[/link]")
+
+
+def claim(base: Path, identity: dict) -> Path:
+    return Path(runfolders.claim_new(str(base), {"fingerprint": "f", **identity})["folder"])
+
+
+def a_good_run(root: Path) -> Path:
+    folder = claim(root / "good", {"profile": "good", "started": "2026-11-01T10:00:00",
+                                   "settings": {"strategy": "ddp"}})
+    (folder / "summary.json").write_text(json.dumps({"steps": 3, "final_train_loss": 0.5}))
+    return folder
+
+
+def run_bounded(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``code`` in a Python of its own, with 1 GiB of address space and ``timeout`` s: a
+    read that would wait forever or fill memory fails that process, not the suite."""
+    prelude = ("import resource\n"
+               "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n")
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+# -- 9: a run folder's files are read as regular files of a bounded size -----------------
+
+
+def test_runs_lists_damaged_folders_as_damaged_and_the_others_as_usual(tmp_path):
+    root = tmp_path / "runs"
+    good = a_good_run(root)
+    fifo = claim(root / "fifo", {"profile": "fifo", "started": "2026-11-02T10:00:00"})
+    os.mkfifo(fifo / "summary.json")  # nobody ever writes to it
+    zero = claim(root / "zero", {"profile": "zero", "started": "2026-11-03T10:00:00"})
+    (zero / "summary.json").symlink_to("/dev/zero")
+    deep = claim(root / "deep", {"profile": "deep", "started": "2026-11-04T10:00:00"})
+    (deep / "summary.json").write_text("[" * 100_000 + "]" * 100_000)
+    writing = claim(root / "writing", {"profile": "writing", "started": "2026-11-05"})
+    os.mkfifo(writing / ".trace.jsonl.abc.tmp")
+    big = claim(root / "big", {"profile": "big", "started": "2026-11-06T10:00:00"})
+    with open(big / "summary.json", "wb") as f:
+        f.truncate(64 << 20)  # sparse: takes no room, reads as 64 MiB
+    done = run_bounded(f"""
+        import json
+        from distributed.app.run_list import list_runs
+        rows = list_runs({str(root)!r})
+        print(json.dumps({{r.folder.name: [r.status, r.why] for r in rows}}))
+    """, timeout=30)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)
+    assert rows.pop(good.name) == ["finished", ""]
+    assert rows["fifo"][0] == "damaged" and "FIFO" in rows["fifo"][1], rows
+    assert rows["zero"][0] == "damaged" and "device" in rows["zero"][1], rows
+    assert rows["deep"][0] == "damaged" and "nests" in rows["deep"][1], rows
+    assert rows["writing"][0] == "damaged" and "FIFO" in rows["writing"][1], rows
+    assert rows["big"][0] == "damaged" and "over the" in rows["big"][1], rows
+
+
+def test_replay_refuses_a_trace_that_is_a_fifo_or_a_device_without_waiting(tmp_path):
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "trace.jsonl")
+    zero = tmp_path / "zero"
+    zero.mkdir()
+    (zero / "trace.jsonl").symlink_to("/dev/zero")
+    done = run_bounded(f"""
+        from distributed.app.replay import load_recording
+        from distributed.app.replay.recording import ReplayError
+        for folder in ({str(fifo)!r}, {str(zero)!r}):
+            try:
+                load_recording(folder)
+            except ReplayError as exc:
+                print("refused:", exc)
+    """, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "FIFO" in done.stdout and "a device" in done.stdout, done.stdout
+
+
+def test_a_trace_line_nested_past_reading_is_a_value_error_naming_the_line(tmp_path):
+    from exogym.base.untrusted import TooDeepJSON
+    from exogym.report.trace import read_trace
+
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"kind": "x"}\n' + "[" * 100_000 + "\n")
+    with pytest.raises(TooDeepJSON, match="line 2"):
+        read_trace(path)
+
+
+def test_a_base_profile_chain_past_the_limit_is_refused_naming_the_chain(tmp_path):
+    from distributed.profiles.profile import MAX_BASE_CHAIN, ProfileError, ProfileSet
+
+    path = tmp_path / "config.ini"
+    count = 30_000
+    path.write_text("".join(f"[distributed:p{i}]\nbase_profile = p{i + 1}\n"
+                            for i in range(count)) + f"[distributed:p{count}]\ntask = digits\n")
+    with pytest.raises(ProfileError) as refused:
+        ProfileSet(path, local=False).get("p0")
+    message = str(refused.value)
+    assert f"more than {MAX_BASE_CHAIN} base_profile links" in message
+    assert "'p0' -> 'p1'" in message and len(message) < 1000
+
+
+# -- 8: what a run folder holds is shown, never acted on by the terminal -----------------
+
+
+def a_hostile_tree(root: Path) -> None:
+    a_good_run(root)
+    folder = claim(root / "evil", {"profile": "evil" + HOSTILE, "started": "2026-11-02" + HOSTILE,
+                                   "settings": {"strategy": "ddp" + HOSTILE}})
+    (folder / "trace.jsonl").write_text(json.dumps(
+        {"kind": "end", "status": "failed", "error": "boom" + HOSTILE, "steps": 1}) + "\n")
+
+
+def assert_shown_not_acted_on(output: str) -> None:
+    assert "\x1b" not in output and "\x07" not in output and "\r" not in output, repr(output)
+    assert "\\x1b]0;owned\\x07" in output, output  # the stranger's bytes, visible
+    assert "[bold green]done[/]" in output, output  # markup shown as written
+
+
+@pytest.mark.parametrize("words", [["runs"], ["runs", "clean"]], ids=["runs", "clean"])
+def test_runs_and_runs_clean_show_a_run_folders_text_with_its_escapes_visible(tmp_path,
+                                                                               monkeypatch,
+                                                                               words):
+    from cli_typer import app
+
+    a_hostile_tree(tmp_path / "runs")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, words, env={"COLUMNS": "2000"})
+    assert_shown_not_acted_on(result.output)
+    if words == ["runs"]:
+        assert result.exit_code == 0, result.output
+        assert "finished" in result.output
+    else:  # the list it would remove, then no terminal to ask
+        assert result.exit_code == 2 and "give --yes" in result.output, result.output
+
+
+def test_an_error_naming_a_crafted_folder_prints_its_escapes_visible(tmp_path, monkeypatch):
+    from cli_typer import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["runs", "x" + HOSTILE], env={"COLUMNS": "2000"})
+    assert result.exit_code == 2
+    assert_shown_not_acted_on(result.output)
+
+
+def test_replay_tables_show_a_recorded_profile_and_reason_as_written():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from distributed.app.replay.report import replay_tables
+
+    timeline = {"clock": "wall", "wall_s": 1.0, "round_steps": 1, "round_s_median": 0.1,
+                "round_s_p10": 0.1, "round_s_p90": 0.1, "evaluations": [[1, 0.5]],
+                "membership": [{"step": 5, "reason": "lost" + HOSTILE, "lost_s": 0.1}]}
+    report = {"profile": "p" + HOSTILE, "real": timeline,
+              "replay": {**timeline, "membership": []},
+              "ratios": {"wall_s": 1.0, "round_s_median": 1.0, "val_loss": [[1, 1.0]]},
+              "target_val_loss": 0.5,
+              "what_if": [{"place": 1, "label": "v" + HOSTILE, "reaches_target": True,
+                           "time_to_target_s": 1.0, "wall_s": 1.0, "round_s_median": 0.1,
+                           "final_val_loss": 0.5}],
+              "cluster": {"network": None, "links_from": "none: x" + HOSTILE,
+                          "compute_time_s": 0.1}}
+    tables = replay_tables(report)
+    out = StringIO()
+    console = Console(file=out, width=3000, force_terminal=True, highlight=False)
+    console.print(tables.comparison)
+    console.print(tables.what_if)
+    console.print(tables.cluster, markup=False)
+    text = out.getvalue()
+    assert "]0;owned" not in text.replace("\\x1b]0;owned", ""), repr(text)
+    assert "\x1b]" not in text and "\x07" not in text, repr(text)
+    assert text.count("[bold green]done[/]") == 4, text
