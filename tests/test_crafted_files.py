@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -199,3 +200,33 @@ def test_replay_tables_show_a_recorded_profile_and_reason_as_written():
     assert "]0;owned" not in text.replace("\\x1b]0;owned", ""), repr(text)
     assert "\x1b]" not in text and "\x07" not in text, repr(text)
     assert text.count("[bold green]done[/]") == 4, text
+
+
+# -- 13: settings past any real run are refused before anything starts -------------------
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("num_threads=1000000", "num_threads=1000000 is over the limit of 1,024"),
+    ("batch_size=1000000000000", "batch_size=1000000000000 is over the limit of 16,777,216"),
+    ("minibatch_size=1000000000000", "minibatch_size=1000000000000 is over the limit of "),
+    ("val_size=1000000000000", "val_size=1000000000000 is over the limit of 16,777,216"),
+    ("num_threads=1e6", "num_threads must be an integer"),
+    ("batch_size=1e12", "batch_size must be an integer"),
+], ids=["num_threads", "batch_size", "minibatch_size", "val_size", "threads-float",
+        "batch-float"])
+def test_a_setting_past_any_real_run_is_refused_naming_it_and_its_range(setting, message):
+    from distributed.profiles.profile import ProfileError, load_profile, parse_overrides
+
+    with pytest.raises(ProfileError) as refused:
+        load_profile("digits-ddp", overrides=parse_overrides([setting]))
+    assert message in str(refused.value)
+    if "over the limit" in message:
+        assert re.search(r"an integer from [01] to [0-9,]+\)", str(refused.value))
+
+
+def test_fit_refuses_a_batch_size_past_the_limit_before_starting_a_rank():
+    from exogym.config.fit_args import MAX_BATCH_SIZE, RunArgs
+
+    with pytest.raises(ValueError, match=f"batch_size={10**12} is over the limit of "
+                                         f"{MAX_BATCH_SIZE:,}"):
+        RunArgs(batch_size=10**12, strategy=object())
