@@ -230,3 +230,82 @@ def test_fit_refuses_a_batch_size_past_the_limit_before_starting_a_rank():
     with pytest.raises(ValueError, match=f"batch_size={10**12} is over the limit of "
                                          f"{MAX_BATCH_SIZE:,}"):
         RunArgs(batch_size=10**12, strategy=object())
+
+
+# -- 10: a hosts file never sends a project or an environment into the system's folders --
+
+
+@pytest.mark.parametrize("project", ["/", "//", "/etc", "/usr/local/gym", "/var/lib/gym",
+                                     "/lib64", "/home/me", "~", "~/", ".", "~/../x", "/root"])
+def test_a_project_path_in_the_systems_folders_or_a_home_itself_is_refused(tmp_path, project):
+    from distributed.hosts.hostsfile import HostsFileError, load_hosts
+
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps({"master": "10.0.0.1", "workers": [
+        {"host": "10.0.0.2", "project_path": project}], "python_env": "python3",
+        "project_path": "~/exogym"}))
+    with pytest.raises(HostsFileError) as refused:
+        load_hosts(path)
+    assert f'"workers[0].project_path" is {json.dumps(project)}: it ' in str(refused.value)
+    assert "give a folder of its own" in str(refused.value)
+
+
+@pytest.mark.parametrize("project", ["~/exogym", "exogym", "/srv/gym", "/home/me/gym",
+                                     "/opt/exogym", "/root/gym", "/tmp/gym"])
+def test_a_project_path_of_its_own_is_accepted(tmp_path, project):
+    from distributed.hosts.hostsfile import load_hosts
+
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps({"master": "10.0.0.1", "workers": ["10.0.0.2"],
+                                "python_env": "python3", "project_path": project}))
+    assert load_hosts(path).hosts[1].project_path == project
+
+
+@pytest.mark.parametrize("python_env, where", [("/usr/bin/python3", "/usr"),
+                                               ("/bin/python3", "/"),
+                                               ("~/bin/python3", "~")])
+def test_setup_hosts_refuses_to_make_an_environment_in_a_system_folder_before_any_ssh(
+        tmp_path, python_env, where):
+    from distributed.app.setup_hosts import SetupRequest, setup_hosts
+    from distributed.hosts.hostsfile import HostsFileError
+
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps({"master": "10.255.255.1", "workers": [],
+                                "python_env": python_env, "project_path": "~/exogym"}))
+    request = SetupRequest(hosts_file=path, known_hosts=str(tmp_path / "known_hosts"),
+                           ssh_config=str(tmp_path / "ssh_config"), ssh_timeout=0.5,
+                           write=False, preflight=False)
+    with pytest.raises(HostsFileError) as refused:
+        setup_hosts(request, console=None)
+    assert f"would make its environment in {where!r}" in str(refused.value)
+
+
+# -- 12: a host's reported versions are believed only within reason ----------------------
+
+
+def test_an_absurd_c_library_or_macos_version_is_refused_without_allocating():
+    done = run_bounded("""
+        from distributed.hosts.provision import HostPlatform, ProvisionError
+        for system, field, version in [
+                ("Linux", "libc_version", "2.999999999"), ("Linux", "libc_version", "2." + "9" * 5000),
+                ("Linux", "libc_version", "7.1"), ("Linux", "libc_version", "2.x"),
+                ("Darwin", "mac_version", "999999999.0")]:
+            platform = HostPlatform(python="3.11.2", implementation="cpython", system=system,
+                                    machine="x86_64", libc="glibc" if system == "Linux" else None,
+                                    **{field: version})
+            try:
+                platform.wheel_platforms()
+            except ProvisionError as exc:
+                assert "its Python reports" in str(exc) and len(str(exc)) < 400, exc
+                print("refused:", str(exc)[:100])
+    """, timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("refused:") == 5, done.stdout
+
+
+def test_a_real_glibc_still_gets_its_wheel_platforms():
+    from distributed.hosts.provision import HostPlatform
+
+    platform = HostPlatform(python="3.11.2", implementation="cpython", system="Linux",
+                            machine="x86_64", libc="glibc", libc_version="2.36")
+    assert platform.wheel_platforms()[0] == "manylinux_2_36_x86_64"
