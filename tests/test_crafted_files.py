@@ -309,3 +309,74 @@ def test_a_real_glibc_still_gets_its_wheel_platforms():
     platform = HostPlatform(python="3.11.2", implementation="cpython", system="Linux",
                             machine="x86_64", libc="glibc", libc_version="2.36")
     assert platform.wheel_platforms()[0] == "manylinux_2_36_x86_64"
+
+
+# -- 14: the sync sends a project's links as links, never what a link out of it names ---
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    from sshd_fixture import serve_sshd
+
+    yield from serve_sshd(tmp_path_factory)
+
+
+def a_project_with_links(root: Path, outside: Path) -> None:
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "code.py").write_text("x = 1\n")
+    (root / "inside.py").symlink_to("pkg/code.py")
+    (root / "pkg_link").symlink_to("pkg")
+    (root / "absolute.txt").symlink_to(outside / "secret.txt")
+    (root / "pkg" / "climbs.txt").symlink_to("../../outside/secret.txt")
+    (root / "outside_dir").symlink_to(outside)
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    subprocess.run(["git", "-C", str(root), "add", "."], check=True)
+
+
+def test_a_projects_files_leave_out_every_link_that_leads_out_of_it(tmp_path):
+    from distributed.hosts import sync
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("the stranger's target\n")
+    project = tmp_path / "project"
+    a_project_with_links(project, outside)
+    assert sync.shared_files(project) == ["inside.py", "pkg/code.py", "pkg_link"]
+    assert sync.code_files(project) == ["inside.py", "pkg/code.py"]
+    assert set(sync.leaving_links(project, sync.tracked_files(project))) == {
+        "absolute.txt", "pkg/climbs.txt", "outside_dir"}
+
+
+@pytest.mark.slow(reason="copies a project to a real sshd over SFTP")
+def test_the_sync_copies_links_inside_the_project_as_links_and_skips_those_leading_out(
+        tmp_path, sshd):
+    import paramiko
+
+    from distributed.hosts.sync import sync_files, tracked_files
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("the stranger's target\n")
+    project = tmp_path / "project"
+    a_project_with_links(project, outside)
+    remote = tmp_path / "remote"
+    client = paramiko.SSHClient()
+    client.load_host_keys(str(sshd.known_hosts))
+    client.connect(sshd.addresses[0], port=sshd.port, username=sshd.user,
+                   key_filename=str(sshd.key_path), look_for_keys=False, allow_agent=False)
+    try:
+        files = tracked_files(project)
+        stats = sync_files(client, "h", project, str(remote), files)
+        again = sync_files(client, "h", project, str(remote), files)
+    finally:
+        client.close()
+    assert not any("stranger" in p.read_text() for p in remote.rglob("*") if p.is_file())
+    for name in ("absolute.txt", "pkg/climbs.txt", "outside_dir"):
+        assert not os.path.lexists(remote / name), name
+    assert sorted(stats.skipped) == sorted([f"absolute.txt -> {outside / 'secret.txt'}",
+                                            f"outside_dir -> {outside}",
+                                            f"pkg/climbs.txt -> {outside / 'secret.txt'}"])
+    assert os.readlink(remote / "inside.py") == "pkg/code.py"
+    assert os.readlink(remote / "pkg_link") == "pkg"
+    assert (remote / "inside.py").read_text() == "x = 1\n"
+    assert (again.copied, again.unchanged) == (0, 3)
