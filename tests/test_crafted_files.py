@@ -380,3 +380,35 @@ def test_the_sync_copies_links_inside_the_project_as_links_and_skips_those_leadi
     assert os.readlink(remote / "pkg_link") == "pkg"
     assert (remote / "inside.py").read_text() == "x = 1\n"
     assert (again.copied, again.unchanged) == (0, 3)
+
+
+# -- 7: a name on the dashboard's charts is text, never a link ---------------------------
+
+LINK = '<a href="https://evil.example/login">Click to re-authenticate</a>'
+LINKS_JS = """return Array.from(document.querySelectorAll('.js-plotly-plot a'))
+  .map(a => a.getAttribute('href') || a.getAttribute('xlink:href'));"""
+LEGENDS_JS = """return Array.from(document.querySelectorAll('.js-plotly-plot .legendtext'))
+  .map(t => t.textContent);"""
+
+
+@pytest.mark.slow(reason="Chromium draws a dashboard's charts")
+def test_a_host_or_run_named_with_a_link_shows_as_text_on_the_dashboards_charts():
+    from test_web_dashboard import launch_chromium, step, wait_for
+
+    from distributed.app.web.server import WebDashboard
+
+    browser = launch_chromium()
+    chromium = next(browser)
+    try:
+        with WebDashboard() as web:
+            for run in ("first" + LINK, "second" + LINK):
+                web.begin_run(run, {"lr": 0.1}, 1, hosts=[LINK])
+                for n in range(1, 6):
+                    web.on_event(step(0, n, 1.0 / n, host=LINK))
+            chromium.get(f"http://127.0.0.1:{web.port}/")
+            legends = wait_for(lambda: [t for t in chromium.execute_script(LEGENDS_JS)
+                                        if "Click" in t] or None, 20, "the charts' legends")
+            assert any(t.startswith("first" + LINK) for t in legends), legends
+            assert chromium.execute_script(LINKS_JS) == []
+    finally:
+        next(browser, None)
