@@ -412,3 +412,33 @@ def test_a_host_or_run_named_with_a_link_shows_as_text_on_the_dashboards_charts(
             assert chromium.execute_script(LINKS_JS) == []
     finally:
         next(browser, None)
+
+
+# -- 6: values replayed into a run's store leave its recorded membership whole ----------
+
+
+def test_a_replayed_log_entry_leaves_the_summary_with_the_runs_real_membership():
+    from types import SimpleNamespace
+
+    from distributed.app.run import launcher_record
+    from exogym.comm.store import ControlStore, new_run_key, open_store
+    from exogym.membership.hosts import key, log_change, membership_log
+    from exogym.report.goodput import GoodputMeter
+    from exogym.report.summary import MergeLog
+
+    decided = [{"step": 1, "ranks": [0, 1, 2], "hosts": ["a", "b", "c"], "reason": "start"},
+               {"step": 40, "ranks": [0, 1], "hosts": ["a", "b"], "reason": "c (rank 2) lost"}]
+    store = open_store("127.0.0.1", 0, is_master=True, timeout_s=5, key=new_run_key())
+    for entry in decided:
+        log_change(store, json.dumps(entry).encode())
+    # The launcher reads each entry as it is decided (distributed.launch.elastic_attempt).
+    launcher_read = membership_log(store)
+    assert launcher_read == decided
+    # Then a value signed by an earlier run's key is written over the first entry: the
+    # run ignores it as unsigned, and reads the log's other entries all the same.
+    earlier_run = ControlStore(store.raw.inner, new_run_key(), 5)
+    earlier_run.set(key("log", 1), json.dumps({**decided[0], "ranks": [9]}))
+    assert membership_log(store, whole=True) == decided[1:]
+    launcher = SimpleNamespace(membership=launcher_read, injector=None, fault_records=[])
+    recorded = launcher_record(launcher, GoodputMeter(3), MergeLog())
+    assert recorded["membership"] == decided

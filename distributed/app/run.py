@@ -951,12 +951,37 @@ def end_hosts_trace(tracer: TraceWriter, launcher: Launcher, placement: RunPlace
     return None
 
 
+def launcher_record(launcher: Launcher, meter: GoodputMeter, merge_log: MergeLog,
+                    max_steps: int | None = None) -> dict[str, Any]:
+    """What the launcher saw of a run across hosts, for its ``summary.json``: the goodput,
+    an asynchronous run's merges (every rank's), the injected faults, and every change of
+    membership as the launcher read it from the store when it was decided.
+
+    The membership is the launcher's record, not only the writing rank's: that rank reads
+    the whole log again at the end, when a value written into the store since (a
+    stranger's, or one replayed from an earlier run) is ignored as unsigned, so its own
+    list can lack entries (it read ``[]`` where hosts had come and gone). As the rank's,
+    it leaves out a decision for a round after ``max_steps`` (the run had ended).
+    """
+    recorded: dict[str, Any] = {"goodput": hosts_goodput(meter, launcher)}
+    merges = merge_log.merges()
+    if merges is not None:  # every rank's (the writer's history has its own)
+        recorded["merges"] = merges
+    if launcher.injector is not None:
+        recorded["faults"] = launcher.fault_records
+    changes = [entry for entry in launcher.membership
+               if max_steps is None or entry["step"] <= max_steps]
+    if changes:
+        recorded["membership"] = changes
+    return recorded
+
+
 def record_in_summary(launcher: Launcher, config: HostsConfig, placement: RunPlacement,
                       fields: dict[str, Any]) -> str | None:
     """Add what the launcher measured to the ``summary.json`` in the run's folder on the
-    master (``"goodput"``, and ``"faults"`` when faults were injected: each fault's spec,
-    when it fired and ended, and how it went); a note for the person when that could not
-    be done."""
+    master (:func:`launcher_record`: ``"goodput"``, ``"membership"`` when hosts came and
+    went, and ``"faults"`` when faults were injected: each fault's spec, when it fired and
+    ended, and how it went); a note for the person when that could not be done."""
     try:
         done = master_folders(launcher, config)(
             {"action": "merge", "folder": str(placement.folder), "name": "summary.json",
@@ -1056,12 +1081,9 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
             result = launcher.run()
             if result.ok:
                 outputs_note = gather_outputs(launcher, config, placement, where_out)
-                recorded["goodput"] = hosts_goodput(meter, launcher)
-                merges = merge_log.merges()
-                if merges is not None:  # every rank's (the writer's history has its own)
-                    recorded["merges"] = merges
-                if launcher.injector is not None:
-                    recorded["faults"] = launcher.fault_records
+                max_steps = profile.values.get("max_steps")
+                recorded = launcher_record(launcher, meter, merge_log,
+                                           max_steps if isinstance(max_steps, int) else None)
                 fault_note = record_in_summary(launcher, config, placement, recorded)
         except BaseException as exc:
             error = exc
