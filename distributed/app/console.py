@@ -22,13 +22,21 @@ from typing import NoReturn, TextIO
 import typer
 from rich.console import Console
 
+from exogym.base.escapes import printable
 from exogym.base.plural import plural as plural  # the faces count with it (they import app only)
 from exogym.base.stop_signal import exit_status as exit_status
 from exogym.base.stop_signal import sigterm_as_interrupt as sigterm_as_interrupt
 from exogym.base.terminal import output_console
+from exogym.base.terminal import shown as shown  # run folders' text, in cells and lines
 
 #: Told as each stage of a long task starts: what it does, stages done, stages in all.
 StageReport = Callable[[str, int, int], None]
+
+
+def plain(value: object, *, lines: bool = False) -> str:
+    """``value`` with its control characters written as escapes (:func:`shown`), for a
+    message printed with ``markup=False``; ``lines`` keeps its line breaks."""
+    return printable(str(value), keep="\n" if lines else "")
 
 
 def make_console(*, stderr: bool = False) -> Console:
@@ -82,9 +90,9 @@ def fail(message: str, code: int, debug: bool, exc: BaseException | None = None)
     """Print one readable paragraph on stderr (and the traceback with --debug), then exit."""
     err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
     if debug and exc is not None:
-        err.print("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-                  markup=False, end="")
-    err.print(f"error: {message}", markup=False, style="red")
+        err.print(plain("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                        lines=True), markup=False, end="")
+    err.print(f"error: {plain(message, lines=True)}", markup=False, style="red")
     raise typer.Exit(code)
 
 
@@ -134,7 +142,7 @@ def plain_warnings(debug: bool) -> None:
             _default_showwarning(message, category, filename, lineno, file, line)
             return
         Console(stderr=True, highlight=False, soft_wrap=True, emoji=False).print(
-            f"warning: {message}", style="yellow", markup=False)
+            f"warning: {plain(message, lines=True)}", style="yellow", markup=False)
 
     warnings.showwarning = show
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from rich.console import Console
 
+from exogym.base.escapes import printable
 from exogym.base.plural import plural
 from exogym.base.terminal import output_console
 from exogym.config.fit_args import BALANCE_MODES
@@ -213,6 +214,12 @@ class TrainOutcome:
     output_dir: Path
     message: str
     launch: Any = None
+
+
+def shown_note(note: str, prefix: str = "note: ") -> str:
+    """A note for the person, its control characters written as escapes: it may name what a
+    run folder or a host said (a folder's name, a run's settings, an error)."""
+    return prefix + printable(note, keep="\n")
 
 
 def logger_override(overrides: Mapping[str, Any] | None, logger: str | None) -> dict[str, Any]:
@@ -643,7 +650,7 @@ def dry_run(request: TrainRequest, console: Console) -> Profile:
         if notes:
             console.print("", markup=False)
         for note in notes:
-            console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+            console.print(shown_note(note), markup=False, highlight=False, soft_wrap=True)
         return profile
     console.print(f"Dry run: profile {profile.name} as a local simulation of "
                   f"{plural(profile.num_nodes, 'node')}; nothing is started.",
@@ -653,7 +660,7 @@ def dry_run(request: TrainRequest, console: Console) -> Profile:
     notes = run_warnings(profile, profile.num_nodes, os.cpu_count())
     lacking = missing_extra(profile.task)
     for note in notes + ([lacking] if lacking else []):
-        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+        console.print(shown_note(note), markup=False, highlight=False, soft_wrap=True)
     if not lacking:
         # Every check a run makes, with its warnings (the data against the batch size, the
         # device, memory): what the run would refuse, the dry run refuses.
@@ -698,7 +705,8 @@ def train(request: TrainRequest, console: Console | None = None, *,
         if done is not None:
             return done
         record_resume(placement)
-    console.print(placement.note, markup=False, highlight=False, soft_wrap=True)
+    console.print(shown_note(placement.note, ""), markup=False, highlight=False,
+                  soft_wrap=True)
     try:
         return _train_local(profile, placement, console, live, web)
     except KeyboardInterrupt as exc:
@@ -943,12 +951,37 @@ def end_hosts_trace(tracer: TraceWriter, launcher: Launcher, placement: RunPlace
     return None
 
 
+def launcher_record(launcher: Launcher, meter: GoodputMeter, merge_log: MergeLog,
+                    max_steps: int | None = None) -> dict[str, Any]:
+    """What the launcher saw of a run across hosts, for its ``summary.json``: the goodput,
+    an asynchronous run's merges (every rank's), the injected faults, and every change of
+    membership as the launcher read it from the store when it was decided.
+
+    The membership is the launcher's record, not only the writing rank's: that rank reads
+    the whole log again at the end, when a value written into the store since (a
+    stranger's, or one replayed from an earlier run) is ignored as unsigned, so its own
+    list can lack entries (it read ``[]`` where hosts had come and gone). As the rank's,
+    it leaves out a decision for a round after ``max_steps`` (the run had ended).
+    """
+    recorded: dict[str, Any] = {"goodput": hosts_goodput(meter, launcher)}
+    merges = merge_log.merges()
+    if merges is not None:  # every rank's (the writer's history has its own)
+        recorded["merges"] = merges
+    if launcher.injector is not None:
+        recorded["faults"] = launcher.fault_records
+    changes = [entry for entry in launcher.membership
+               if max_steps is None or entry["step"] <= max_steps]
+    if changes:
+        recorded["membership"] = changes
+    return recorded
+
+
 def record_in_summary(launcher: Launcher, config: HostsConfig, placement: RunPlacement,
                       fields: dict[str, Any]) -> str | None:
     """Add what the launcher measured to the ``summary.json`` in the run's folder on the
-    master (``"goodput"``, and ``"faults"`` when faults were injected: each fault's spec,
-    when it fired and ended, and how it went); a note for the person when that could not
-    be done."""
+    master (:func:`launcher_record`: ``"goodput"``, ``"membership"`` when hosts came and
+    went, and ``"faults"`` when faults were injected: each fault's spec, when it fired and
+    ended, and how it went); a note for the person when that could not be done."""
     try:
         done = master_folders(launcher, config)(
             {"action": "merge", "folder": str(placement.folder), "name": "summary.json",
@@ -1027,11 +1060,13 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
                               overwrite=request.overwrite, fresh_if_none=request.fresh_if_none,
                               call=master_folders(launcher, config), where=where)
         profile = placement.profile(profile)
-        console.print(placement.note, markup=False, highlight=False, soft_wrap=True)
+        console.print(shown_note(placement.note, ""), markup=False, highlight=False,
+                  soft_wrap=True)
         if placement.replacing:  # every check has passed: the earlier run goes now
             placement = take_placement(placement, call=master_folders(launcher, config),
                                        where=where)
-            console.print(placement.note, markup=False, highlight=False, soft_wrap=True)
+            console.print(shown_note(placement.note, ""), markup=False, highlight=False,
+                  soft_wrap=True)
         launcher.program = rank_program(request, placement)
         out = placement.folder
         where_out = out if out.is_absolute() else \
@@ -1046,12 +1081,9 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
             result = launcher.run()
             if result.ok:
                 outputs_note = gather_outputs(launcher, config, placement, where_out)
-                recorded["goodput"] = hosts_goodput(meter, launcher)
-                merges = merge_log.merges()
-                if merges is not None:  # every rank's (the writer's history has its own)
-                    recorded["merges"] = merges
-                if launcher.injector is not None:
-                    recorded["faults"] = launcher.fault_records
+                max_steps = profile.values.get("max_steps")
+                recorded = launcher_record(launcher, meter, merge_log,
+                                           max_steps if isinstance(max_steps, int) else None)
                 fault_note = record_in_summary(launcher, config, placement, recorded)
         except BaseException as exc:
             error = exc
@@ -1060,7 +1092,7 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
             dashboard.close()
             trace_note = end_hosts_trace(tracer, launcher, placement, result, error, links)
     if trace_note:
-        console.print(f"note: {trace_note}", markup=False, highlight=False, soft_wrap=True)
+        console.print(shown_note(trace_note), markup=False, highlight=False, soft_wrap=True)
     for rank in result.ranks:
         dashboard.set_status(rank.rank, "done" if rank.ok else
                              "stopped" if rank.stopped else "failed")
@@ -1079,7 +1111,7 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
     summary["goodput"] = recorded.get("goodput")
     for note in (outputs_note, fault_note):
         if note:
-            console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+            console.print(shown_note(note), markup=False, highlight=False, soft_wrap=True)
     dashboard.finish(summary)
     print_goodput(console, summary["goodput"])
     return TrainOutcome("hosts", profile, summary, out,

@@ -9,7 +9,13 @@ what else it holds says how the run went:
   not grown for :data:`SILENT_S` seconds (its process was killed outright);
 - **running**: a trace being written that grew within :data:`SILENT_S` seconds;
 - **refused**: nothing but ``run.json`` (claimed, then refused before it wrote
-  anything, by an earlier version that left such folders).
+  anything, by an earlier version that left such folders);
+- **damaged**: a file of it cannot be read as a run's (a FIFO or a device where a file
+  should be, a file over its size, JSON nested past reading): it is listed with why, and
+  the other runs are listed as usual.
+
+Whoever can write in the tree chooses what its files hold: they are read only as
+regular files of a bounded size (:mod:`exogym.base.untrusted`).
 
 ``runs clean`` removes failed and refused runs (never finished, stopped or running
 ones) and points each ``BASE.latest`` to the newest run left of its base.
@@ -17,7 +23,6 @@ ones) and points each ``BASE.latest`` to the newest run left of its base.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -25,6 +30,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from exogym.base.untrusted import (
+    MAX_RUN_FILE_BYTES,
+    TooDeepJSON,
+    json_loads,
+    open_regular,
+    read_json,
+)
 
 from ..hosts.onhost import runfolders
 
@@ -45,12 +58,13 @@ class RunRow:
     Args:
         folder: the run's folder.
         profile, strategy: from its ``run.json``.
-        status: ``finished``, ``stopped``, ``failed``, ``running`` or ``refused``.
+        status: ``finished``, ``stopped``, ``failed``, ``running``, ``refused`` or
+            ``damaged``.
         steps: the steps it reached (None when nothing says).
         final_loss: its last validation loss, else its last training loss (None: none).
         size_bytes: what the folder holds on disk.
         started: its start time, as ``run.json`` records it.
-        why: for a failed run, its error in a line.
+        why: for a failed or damaged run, its error in a line.
     """
 
     folder: Path
@@ -65,29 +79,39 @@ class RunRow:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None when there is none. A file that is there but
+    cannot be read as a run's (not a regular file, too large, nested too deep) raises
+    ``OSError`` or ``ValueError``: the run is damaged, not missing."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json(path, MAX_RUN_FILE_BYTES)
+    except FileNotFoundError:
         return None
+    except TooDeepJSON:
+        raise
+    except ValueError:
+        return None  # not JSON (a file half written by an old version): it says nothing
     return data if isinstance(data, dict) else None
 
 
 def _last_lines(path: Path) -> list[dict[str, Any]]:
     """The JSON lines at the end of ``path`` (a trace), newest last; unreadable ones skipped."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - _TAIL_BYTES))
-            tail = f.read().decode("utf-8", errors="replace").splitlines()
-    except OSError:
+        f = open_regular(path)
+    except FileNotFoundError:  # a trace being written, renamed as it ended
         return []
+    with f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - _TAIL_BYTES))
+        tail = f.read(_TAIL_BYTES).decode("utf-8", errors="replace").splitlines()
     if size > _TAIL_BYTES:
         tail = tail[1:]  # the first may be cut
     out = []
     for line in tail:
         try:
-            value = json.loads(line)
+            value = json_loads(line, f"a line of {path}")
+        except TooDeepJSON:
+            raise
         except ValueError:
             continue
         if isinstance(value, dict):
@@ -118,7 +142,7 @@ def _status(folder: Path, summary: dict[str, Any] | None, now: float
             ) -> tuple[str, int | None, float | None, str]:
     """``(status, steps, final loss, why)`` of the run in ``folder``."""
     trace = folder / "trace.jsonl"
-    lines = _last_lines(trace) if trace.is_file() else []
+    lines = _last_lines(trace) if os.path.lexists(trace) else []
     end = next((line for line in reversed(lines) if line.get("kind") == "end"), None)
     if summary is not None and (end is None or end.get("status") == "ok"):
         loss = summary.get("final_val_global_loss", summary.get("final_val_loss"))
@@ -174,13 +198,23 @@ def list_runs(root: str | os.PathLike[str] = "runs", now: float | None = None) -
     now = time.time() if now is None else now
     rows = []
     for folder in _folders(base):
-        identity = _read_json(folder / runfolders.RUN_FILE) or {}
-        settings = identity.get("settings") if isinstance(identity.get("settings"), dict) else {}
-        status, steps, loss, why = _status(folder, _read_json(folder / "summary.json"), now)
-        rows.append(RunRow(folder, str(identity.get("profile") or "?"),
-                           str(settings.get("strategy") or "?"), status, steps, loss,
-                           _size(folder), str(identity.get("started") or ""), why))
+        try:
+            rows.append(_row(folder, now))
+        except (OSError, ValueError) as exc:  # one run's damage is that run's alone
+            rows.append(RunRow(folder, "?", "?", "damaged", None, None, _size(folder), "",
+                               str(exc)))
     return sorted(rows, key=lambda r: (r.started, str(r.folder)))
+
+
+def _row(folder: Path, now: float) -> RunRow:
+    """The listing's row of the run in ``folder``; ``OSError`` or ``ValueError`` when a
+    file of it cannot be read as a run's."""
+    identity = _read_json(folder / runfolders.RUN_FILE) or {}
+    settings = identity.get("settings") if isinstance(identity.get("settings"), dict) else {}
+    status, steps, loss, why = _status(folder, _read_json(folder / "summary.json"), now)
+    return RunRow(folder, str(identity.get("profile") or "?"),
+                  str(settings.get("strategy") or "?"), status, steps, loss,
+                  _size(folder), str(identity.get("started") or ""), why)
 
 
 def _base_of(folder: Path) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..hosts.hostsfile import HostsConfig, HostsFileError, load_hosts
+from ..hosts.hostsfile import HostsConfig, HostsFileError, load_hosts, unsafe_folder
 from ..hosts.preflight import PreflightReport
 from ..hosts.provision import (
     DEFAULT_EXTRAS,
@@ -215,7 +215,13 @@ def setup_hosts(request: SetupRequest, console: Console) -> SetupOutcome:
     config = load_hosts(filled_data)
     remote = [h for h in config.hosts if not is_this_machine(h.host)]
     for host in remote:
-        venv_of(host.python_env)  # a python_env setup cannot manage fails before any SSH
+        venv = venv_of(host.python_env)  # a python_env setup cannot manage fails before any SSH
+        why = unsafe_folder(venv)
+        if why is not None:
+            raise HostsFileError([f"{host.host}: python_env {host.python_env!r} would make its "
+                                  f"environment in {venv!r}: {why}; give an interpreter path "
+                                  "in a folder of its own, or leave python_env out for "
+                                  f"PROJECT/{VENV_PYTHON}"], str(request.hosts_file))
     outcome = SetupOutcome(filled=filled)
     options = SSHOptions(**ssh_files(request.known_hosts, request.ssh_config, request.ssh_timeout),
                          accept_new_host_keys=request.accept_new_host_keys)

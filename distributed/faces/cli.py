@@ -36,8 +36,10 @@ from ..app.console import (
     exit_status,
     fail,
     make_console,
+    plain,
     plural,
     reported_errors,
+    shown,
     sigterm_as_interrupt,
 )
 from .guided_setup import main as wizard_main
@@ -451,6 +453,7 @@ def runs(ctx: typer.Context,
     """List the runs of a folder tree: status, steps, final loss, size; or clean it up."""
     with reported_errors(ctx, debug) as debug:
         from rich.table import Table
+        from rich.text import Text
 
         from ..app.dashboard import human_bytes
         from ..app.run_list import REMOVABLE, clean_runs, list_runs
@@ -470,8 +473,9 @@ def runs(ctx: typer.Context,
                               f"{plural(len(rows), 'run')}", markup=False, highlight=False)
                 return
             for row in doomed:
-                console.print(f"  {row.folder}  {row.status}" + (f": {row.why}" if row.why
-                              else "") + f" ({human_bytes(row.size_bytes)})", markup=False,
+                console.print(f"  {plain(row.folder)}  {row.status}"
+                              + (f": {plain(row.why)}" if row.why else "")
+                              + f" ({human_bytes(row.size_bytes)})", markup=False,
                               highlight=False, soft_wrap=True)
             if not yes:
                 if sys.stdin is None or not sys.stdin.isatty():
@@ -488,22 +492,28 @@ def runs(ctx: typer.Context,
                           highlight=False)
             return
         if not rows:
-            console.print(f"no runs in {words[0] if words else 'runs'}", markup=False)
+            console.print(f"no runs in {plain(words[0] if words else 'runs')}", markup=False)
             return
-        table = Table(title=f"Runs in {words[0] if words else 'runs'}", title_justify="left")
+        table = Table(title=shown(f"Runs in {words[0] if words else 'runs'}"),
+                      title_justify="left")
         for name in ("run", "profile", "strategy", "status", "steps", "final loss", "size",
                      "started"):
             table.add_column(name, justify="right" if name in ("steps", "final loss", "size")
                              else "left", overflow="fold")
         styles = {"finished": "green", "stopped": "yellow", "failed": "red",
-                  "running": "cyan", "refused": "dim"}
+                  "running": "cyan", "refused": "dim", "damaged": "bold red"}
         for row in rows:
-            table.add_row(str(row.folder), row.profile, row.strategy,
-                          f"[{styles[row.status]}]{row.status}[/]",
+            table.add_row(shown(row.folder), shown(row.profile), shown(row.strategy),
+                          Text(row.status, style=styles.get(row.status, "")),
                           "-" if row.steps is None else str(row.steps),
                           "-" if row.final_loss is None else f"{row.final_loss:.4f}",
-                          human_bytes(row.size_bytes), row.started.replace("T", " ")[:19])
+                          human_bytes(row.size_bytes),
+                          shown(row.started.replace("T", " ")[:19]))
         console.print(table)
+        damaged = [row for row in rows if row.status == "damaged"]
+        for row in damaged:
+            console.print(f"damaged: {plain(row.folder)}: {plain(row.why)}", markup=False,
+                          highlight=False, soft_wrap=True)
 
 
 #: Below this many columns, ``profiles`` prints a block per profile instead of a table.
@@ -741,13 +751,14 @@ def replay_run(
         folder = out or run_dir / REPLAY_FOLDER
         variants = plan_variants(recording, strategy or [], parse_overrides(set_), folder)
         console = make_console(stderr=json_out)
-        console.print(f"Replaying {run_dir} ({recording.profile.name}, "
-                      f"{plural(recording.num_nodes, 'rank')}, "
-                      f"{plural(recording.steps, 'step')}, recorded {recording.source}): "
-                      f"{', '.join(v.label for v in variants)}", markup=False, soft_wrap=True)
+        console.print(plain(f"Replaying {run_dir} ({recording.profile.name}, "
+                            f"{plural(recording.num_nodes, 'rank')}, "
+                            f"{plural(recording.steps, 'step')}, recorded {recording.source}): "
+                            f"{', '.join(v.label for v in variants)}"), markup=False,
+                      soft_wrap=True)
 
         def started(variant):
-            console.print(f"  replaying {variant.label} ...", markup=False)
+            console.print(f"  replaying {plain(variant.label)} ...", markup=False)
             return False
 
         if json_out:  # the simulations' ranks print to standard output: keep it for the JSON
@@ -765,7 +776,7 @@ def replay_run(
             text.print(tables.cluster, markup=False, soft_wrap=True)
             if tables.what_if is not None:
                 text.print(tables.what_if)
-            console.print(f"written: {folder / 'replay.json'}, {folder / 'replay.html'}",
+            console.print(plain(f"written: {folder / 'replay.json'}, {folder / 'replay.html'}"),
                           markup=False, soft_wrap=True)
         if web:
             server = PageServer(page, web_host, web_port)

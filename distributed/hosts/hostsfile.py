@@ -36,6 +36,7 @@ import difflib
 import ipaddress
 import json
 import os
+import posixpath
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -81,6 +82,48 @@ _CHECKED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 JsonPath = tuple  # a JSON path: keys (str) and list indices (int)
+
+#: Folders of the system that no project or environment of ours goes into (nor below them).
+SYSTEM_FOLDERS = ("/bin", "/boot", "/dev", "/etc", "/proc", "/run", "/sbin", "/sys", "/usr",
+                  "/var", "/System")
+#: Folders whose children are the users' home folders.
+HOME_PARENTS = ("/home", "/Users")
+
+
+def unsafe_folder(path: str) -> str | None:
+    """Why the folder ``path`` on a host (absolute, ``~/...``, or relative to the login
+    folder, the home) must not take a project or an environment; None when it may.
+
+    Refused: the filesystem's root, the system's folders and everything in them
+    (:data:`SYSTEM_FOLDERS`, ``/lib*``), a home folder itself (``~``, ``.``, ``/root``,
+    ``/home/NAME``, ``/Users/NAME``) or the folder of homes, and a path that climbs out of
+    the home (``~/..``): setup-hosts copies the project there and makes its environment,
+    which would write over or among the system's own files.
+    """
+    raw = path.strip()
+    home_relative = raw.startswith("~") or raw.startswith("$HOME") or not raw.startswith("/")
+    if home_relative:
+        rest = raw.partition("/")[2] if raw.startswith(("~", "$HOME")) else raw
+        norm = posixpath.normpath(rest) if rest else "."
+        if norm == ".":
+            return "it is the home folder itself"
+        if norm == ".." or norm.startswith("../"):
+            return "it climbs out of the home folder"
+        return None
+    norm = "/" + posixpath.normpath(raw).lstrip("/")
+    if norm == "/":
+        return "it is the filesystem's root"
+    parts = norm.split("/")[1:]
+    top = "/" + parts[0]
+    lowered = top.lower()  # a Mac's disk ignores case: /USR is /usr
+    if lowered in (f.lower() for f in SYSTEM_FOLDERS) or re.fullmatch(r"/lib\w*", lowered):
+        return f"it is {'the' if len(parts) == 1 else 'inside the'} system folder {top}"
+    if lowered in (f.lower() for f in HOME_PARENTS) and len(parts) <= 2:
+        return "it is a home folder itself" if len(parts) == 2 else \
+            "it is the folder of the home folders"
+    if lowered == "/root" and len(parts) == 1:
+        return "it is root's home folder itself"
+    return None
 
 
 def is_loopback(host: str) -> bool:
@@ -560,8 +603,16 @@ class _Validator:
             if key in obj:
                 value = obj[key]
                 if isinstance(value, str) and value.strip():
-                    if not self._unprintable(value, path + (key,), _field(path + (key,))):
-                        out[key] = value.strip()
+                    if self._unprintable(value, path + (key,), _field(path + (key,))):
+                        continue
+                    why = unsafe_folder(value) if key == "project_path" else None
+                    if why is not None:
+                        self.problem(path + (key,), f"{_field(path + (key,))} is "
+                                     f"{_show(value)}: {why}, and setup-hosts copies the "
+                                     "project there; give a folder of its own, such as "
+                                     '"~/exogym"')
+                        continue
+                    out[key] = value.strip()
                 else:
                     self.problem(path + (key,), f"{_field(path + (key,))} must be {what} "
                                  f"(a non-empty string), got {_show(value)}")

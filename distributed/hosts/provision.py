@@ -153,6 +153,36 @@ def _declared() -> tuple[list[str], dict[str, list[str]]]:
 # --------------------------------------------------------------------------- the host's platform
 
 
+#: The newest glibc and macOS versions a host is believed to report (major, minor): far
+#: past today's (glibc 2.41, macOS 26), and the wheel tags of each version below them
+#: are listed one by one, so a version reported as 2.999999999 is refused, not listed.
+MAX_GLIBC = (2, 199)
+MAX_MACOS = (99, 99)
+
+
+def _version(text: str, what: str, most: tuple[int, int], platform: HostPlatform
+             ) -> tuple[int, int]:
+    """``(major, minor)`` of a version a host reported (``2.36``, ``14``), each at most
+    ``most``'s.
+
+    Raises:
+        ProvisionError: naming the host's platform, the version and what is believed.
+    """
+    parts = (str(text).split(".") + ["0"])[:2]
+    if not all(part.isascii() and part.isdigit() for part in parts):
+        raise ProvisionError(f"{platform.system} {platform.machine}: its Python reports "
+                             f"{what} {str(text)[:40]!r}, not a version such as "
+                             f"{most[0] if what == 'glibc' else 14}.x; check that host's "
+                             "python3, or give it a package index it can reach")
+    major, minor = (int(part) if len(part) <= 12 else 10**12 for part in parts)
+    if major > most[0] or minor > most[1] or (what == "glibc" and major != 2):
+        raise ProvisionError(f"{platform.system} {platform.machine}: its Python reports "
+                             f"{what} {str(text)[:40]!r}, past any {what} there is (at most "
+                             f"{most[0]}.{most[1]} is believed); check that host's python3, "
+                             "or give it a package index it can reach")
+    return major, minor
+
+
 @dataclass(frozen=True)
 class HostPlatform:
     """What a host's system Python reported (:mod:`.onhost.platform_facts`).
@@ -218,14 +248,14 @@ class HostPlatform:
                 raise ProvisionError(f"{self.describe()}: only glibc Linux hosts can be sent "
                                      "wheels (this one's C library is not glibc); give it a "
                                      "package index it can reach")
-            major, minor = (int(x) for x in self.libc_version.split(".")[:2])
+            major, minor = _version(self.libc_version, "glibc", MAX_GLIBC, self)
             tags = [f"manylinux_{major}_{m}_{arch}" for m in range(minor, 4, -1)]
             legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
             tags += [f"{name}_{arch}" for m, name in legacy.items() if m <= minor and major == 2]
             return [*tags, f"linux_{arch}"]
         if self.system == "Darwin" and self.mac_version:
             arch = "arm64" if arch in ("arm64", "aarch64") else "x86_64"
-            major, minor = (int(x) for x in (self.mac_version.split(".") + ["0"])[:2])
+            major, minor = _version(self.mac_version, "macOS", MAX_MACOS, self)
             versions = [(v, 0) for v in range(major, 10, -1)] if major >= 11 else []
             versions += [(10, m) for m in range(15 if major >= 11 else minor, 8, -1)]
             tags = []

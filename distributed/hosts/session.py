@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from exogym.base.escapes import printable
 from exogym.base.io import atomic_copy_stream
 from exogym.base.plural import plural
 
@@ -267,6 +268,10 @@ class HostSession:
                       f"{s.unchanged} unchanged")
             for rel in s.kept:
                 self._say(f"{s.host} had its own {rel}; kept it there as {rel}.bak",
+                          style="yellow")
+            for link in s.skipped:
+                self._say(f"not copied to {s.host}: {printable(link)} (a symbolic link out of the "
+                          "project; copy what it names into the project to send it)",
                           style="yellow")
         self.synced = True
         return stats

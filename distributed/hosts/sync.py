@@ -10,6 +10,12 @@ modification time already match on the host is skipped; every other file is
 written to a temporary name and renamed into place, so a reader never sees
 half a file and a host that shares the checkout with this machine is never
 truncated. Directories are created as needed.
+
+A tracked symbolic link travels as a link, when what it names is inside the project
+(written relative, so that it names the same file on the host); one that leads out of
+the project (``/etc/passwd``, ``../../secrets``, or through a linked folder) is not
+followed: nothing of what it names is copied, and the sync names it as skipped
+(:func:`leaving_links`).
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ def tracked_files(root: str | os.PathLike[str]) -> list[str]:
         out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached"],
                              check=True, capture_output=True).stdout
         files = [p for p in out.decode().split("\0") if p]
-        return sorted(p for p in files if (root / p).is_file())
+        return sorted(p for p in files if (root / p).is_file() or (root / p).is_symlink())
     except (OSError, subprocess.CalledProcessError):
         pass  # not a checkout: fall back to walking the tree
     found: list[str] = []
@@ -126,10 +132,34 @@ def local_profile_files(root: str | os.PathLike[str], tracked: Sequence[str]) ->
     return found
 
 
+def leaving_link(root: str | os.PathLike[str], rel: str) -> str | None:
+    """Where ``root/rel`` really is when a symbolic link (``rel`` itself, or a folder on
+    its way) leads it out of ``root``; None when it stays inside."""
+    top = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(top, rel))
+    if real == top or real.startswith(top.rstrip(os.sep) + os.sep):
+        return None
+    return real
+
+
+def leaving_links(root: str | os.PathLike[str], files: Sequence[str]) -> dict[str, str]:
+    """Of ``files`` (relative to ``root``), those a symbolic link leads out of ``root``, each
+    with where it leads: the sync copies none of them."""
+    out = {}
+    for rel in files:
+        where = leaving_link(root, rel)
+        if where is not None:
+            out[rel] = where
+    return out
+
+
 def shared_files(root: str | os.PathLike[str]) -> list[str]:
-    """What every host must hold: the tracked files and the local profiles files beside them."""
+    """What every host must hold: the tracked files and the local profiles files beside them,
+    less those a symbolic link leads out of the project (:func:`leaving_links`)."""
     tracked = tracked_files(root)
-    return sorted(tracked + local_profile_files(root, tracked))
+    files = tracked + local_profile_files(root, tracked)
+    leaving = leaving_links(root, files)
+    return sorted(rel for rel in files if rel not in leaving)
 
 
 def code_files(root: str | os.PathLike[str]) -> list[str]:
@@ -147,6 +177,8 @@ class SyncStats:
         unchanged: files skipped because size and modification time matched.
         bytes_copied: bytes written.
         kept: files whose previous, different copy on the host was kept as ``NAME.bak``.
+        skipped: symbolic links that lead out of the project, not copied, each as
+            ``NAME -> where it leads``.
     """
 
     host: str
@@ -154,6 +186,7 @@ class SyncStats:
     unchanged: int
     bytes_copied: int
     kept: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
 
 
 def sftp_path(path: str) -> str:
@@ -172,7 +205,9 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
         host: the host's name, for the stats.
         local_root: the local checkout.
         remote_root: the host's ``project_path``.
-        files: relative paths to copy.
+        files: relative paths to copy; a symbolic link among them is made a link on the
+            host when it names something inside ``local_root``, and skipped (named in
+            the stats) when it leads out of it.
         keep_previous: of ``files``, those whose different copy on the host is kept as
             ``NAME.bak`` before it is replaced (files git does not hold for the host).
     """
@@ -180,12 +215,23 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
     base = sftp_path(remote_root)
     copied = unchanged = sent = 0
     kept: list[str] = []
+    skipped: list[str] = []
     made: set[str] = set()
     sftp = client.open_sftp()
     try:
         makedirs_remote(sftp, base, made)
         for rel in files:
             source = local_root / rel
+            leads = leaving_link(local_root, rel)
+            if leads is not None:
+                skipped.append(f"{rel} -> {leads}")
+                continue
+            if source.is_symlink():
+                if _link_remote(sftp, source, posixpath.join(base, rel), made):
+                    copied += 1
+                else:
+                    unchanged += 1
+                continue
             info = source.stat()
             target = posixpath.join(base, rel)
             exists = True
@@ -211,7 +257,22 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
     finally:
         sftp.close()
     return SyncStats(host=host, copied=copied, unchanged=unchanged, bytes_copied=sent,
-                     kept=tuple(kept))
+                     kept=tuple(kept), skipped=tuple(skipped))
+
+
+def _link_remote(sftp: Any, source: Path, target: str, made: set[str]) -> bool:
+    """Make ``target`` on the host a link to what the link ``source`` names (inside the
+    project), written relative to its folder; False when it already is that link."""
+    named = os.path.relpath(os.path.realpath(source), os.path.realpath(source.parent))
+    named = named.replace(os.sep, "/")
+    try:
+        if stat.S_ISLNK(sftp.lstat(target).st_mode or 0) and sftp.readlink(target) == named:
+            return False
+        sftp.remove(target)  # a file or another link: the link replaces it
+    except FileNotFoundError:
+        makedirs_remote(sftp, posixpath.dirname(target), made)
+    sftp.symlink(named, target)
+    return True
 
 
 def _same_content(sftp: Any, remote: str, local: Path) -> bool:

@@ -81,6 +81,24 @@ MAX_VALUE_CHARS = 100_000
 MAX_CONFIG_BYTES = 4 << 20
 
 
+#: The most profiles one ``base_profile`` chain may pass through.
+MAX_BASE_CHAIN = 32
+
+
+def _chain(names: list[str]) -> str:
+    """A long chain of profile names in a line: its first few and its last."""
+    if len(names) <= 6:
+        return " -> ".join(map(repr, names))
+    return " -> ".join(map(repr, names[:4])) + f" -> ... ({len(names) - 5} more) -> " \
+        + repr(names[-1])
+
+
+def _listed(names: list[str], most: int = 40) -> str:
+    """Names in a line, the first ``most`` of them and how many more."""
+    shown = ", ".join(names[:most])
+    return shown + (f", ... ({len(names) - most} more)" if len(names) > most else "")
+
+
 def parse_value(text: str) -> Any:
     """A config value as Python: numbers, booleans, None, lists, else the string.
 
@@ -437,6 +455,7 @@ class ProfileSet:
         self.sources: dict[str, Path] = {}
         #: The files read, the shared one first.
         self.read: list[Path] = [self.path]
+        self._parsed: dict[str, dict[str, Any]] = {}
         if local and self.local_path.is_file():
             self.read.append(self.local_path)
         for file in self.read:
@@ -468,27 +487,51 @@ class ProfileSet:
         """The file profile ``name`` is read from (the config file for an unknown name)."""
         return self.sources.get(name, self.path)
 
-    def _resolve(self, name: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
-        if name not in self.raw:
-            close = difflib.get_close_matches(name, self.raw, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            where = f" (base_profile of {chain[-1]!r})" if chain else ""
-            raise ProfileError(
-                f"no profile {name!r}{where} in {self.files}{hint}; sections are named "
-                f"[{SECTION_PREFIX}NAME] and the profiles are: {', '.join(self.raw) or 'none'}")
-        if name in chain:
-            raise ProfileError(f"base_profile cycle: {' -> '.join(chain + (name,))}")
-        own = {}
-        for key, text in self.raw[name].items():
-            try:
-                own[key] = parse_value(text)
-            except ProfileError as exc:
-                raise ProfileError(f"{self.source(name)}: profile {name!r}, key {key!r}: "
-                                   f"{exc}") from None
-        base = own.pop("base_profile", None)
-        if base:
-            return {**self._resolve(str(base), chain + (name,)), **own}
-        return own
+    def _own(self, name: str) -> dict[str, Any]:
+        """Profile ``name``'s own keys, parsed (once: every profile built on it reads them)."""
+        cache = self._parsed
+        if name not in cache:
+            own = {}
+            for key, text in self.raw[name].items():
+                try:
+                    own[key] = parse_value(text)
+                except ProfileError as exc:
+                    raise ProfileError(f"{self.source(name)}: profile {name!r}, key "
+                                       f"{key!r}: {exc}") from None
+            cache[name] = own
+        return cache[name]
+
+    def _resolve(self, name: str) -> dict[str, Any]:
+        """Profile ``name``'s keys, each ``base_profile`` followed (at most
+        :data:`MAX_BASE_CHAIN` deep), a profile's own keys over its base's."""
+        chain: list[str] = []
+        layers: list[dict[str, Any]] = []
+        current: str | None = name
+        while current:
+            if current not in self.raw:
+                close = difflib.get_close_matches(current, self.raw, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                where = f" (base_profile of {chain[-1]!r})" if chain else ""
+                raise ProfileError(
+                    f"no profile {current!r}{where} in {self.files}{hint}; sections are named "
+                    f"[{SECTION_PREFIX}NAME] and the profiles are: "
+                    f"{_listed(list(self.raw)) or 'none'}")
+            if current in chain:
+                raise ProfileError(f"base_profile cycle: {' -> '.join([*chain, current])}")
+            if len(chain) == MAX_BASE_CHAIN:
+                raise ProfileError(
+                    f"{self.source(name)}: profile {name!r} inherits through more than "
+                    f"{MAX_BASE_CHAIN} base_profile links ({_chain(chain)} -> ...): a profile "
+                    "builds on a few others at most; name a base nearer the start")
+            chain.append(current)
+            own = dict(self._own(current))
+            base = own.pop("base_profile", None)
+            layers.append(own)
+            current = str(base) if base else None
+        values: dict[str, Any] = {}
+        for own in reversed(layers):
+            values.update(own)
+        return values
 
     def values(self, name: str) -> dict[str, Any]:
         """The keys of profile ``name`` with ``base_profile`` resolved, not validated

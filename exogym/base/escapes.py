@@ -14,12 +14,13 @@ def unprintable(text: str) -> list[str]:
     return [_escaped(c) for c in text if unicodedata.category(c) in ("Cc", "Cf")]
 
 
-def printable(text: str) -> str:
+def printable(text: str, keep: str = "") -> str:
     """``text`` with every character :func:`unprintable` names written as its escape, so
     that text from elsewhere (the LAN, a file) shows as it is and cannot move the cursor,
-    hide what follows or reorder it."""
-    return "".join(_escaped(c) if unicodedata.category(c) in ("Cc", "Cf") else c
-                   for c in text)
+    hide what follows or reorder it. The characters of ``keep`` (``"\\n"``: the lines of
+    a message) stay as they are."""
+    return "".join(_escaped(c) if c not in keep and unicodedata.category(c) in ("Cc", "Cf")
+                   else c for c in text)
 
 
 def _escaped(c: str) -> str:

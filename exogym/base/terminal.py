@@ -23,15 +23,22 @@ from rich.text import Text
 
 from .escapes import printable, unprintable
 
-__all__ = ["printable", "unprintable"]
-
-__all__ = ["RULE_WIDTH", "UNFOLDED_WIDTH", "output_console", "printable", "unprintable"]
+__all__ = ["RULE_WIDTH", "UNFOLDED_WIDTH", "output_console", "printable", "shown",
+           "unprintable"]
 
 #: Width given to output that is not a terminal: more than any table or line here needs,
 #: so none is folded (a table takes its natural width, never this one).
 UNFOLDED_WIDTH = 10_000
 #: Width of a rule printed off a terminal.
 RULE_WIDTH = 80
+
+
+def shown(value: object) -> Text:
+    """``value`` as text to print or put in a table cell, whoever wrote it (a run folder,
+    a trace, an error from a host): its control characters written as escapes
+    (``\\x1b``: no escape sequence reaches the terminal, no window title, link, clipboard
+    write or cursor move) and its brackets shown as they are, never read as markup."""
+    return Text(printable(str(value)))
 
 
 class _UnfoldedConsole(Console):

@@ -65,6 +65,11 @@ MAX_NUM_NODES = limits.MAX_NUM_NODES
 MAX_STEPS = 10**9
 #: The largest whole number any other argument takes (counts, intervals, sizes).
 MAX_COUNT = 10**12
+#: The most samples a rank takes in a step (``batch_size``) or an evaluation (``val_size``):
+#: 16M samples, far past any batch a rank's memory holds.
+MAX_BATCH_SIZE = limits.MAX_BATCH_SIZE
+#: The most compute threads a rank may ask for: past any machine's cores.
+MAX_NUM_THREADS = limits.MAX_NUM_THREADS
 
 
 def check_int_at_least(name: str, value: Any, low: int, allow_none: bool = False,
@@ -78,12 +83,17 @@ def check_int_at_least(name: str, value: Any, low: int, allow_none: bool = False
         raise ValueError(f"{name} must be {kind}, got {_brief(value)}")
     if value > high:
         raise ValueError(f"{name}={_brief(value)} is over the limit of {high:,} "
-                         f"({LIMIT_WHY.get(name, 'beyond any real run')}): give at most {high:,}")
+                         f"({LIMIT_WHY.get(name, 'beyond any real run')}): give at most {high:,} "
+                         f"(an integer from {low:,} to {high:,})")
 
 
 #: Why an argument's limit is what it is, by name.
 LIMIT_WHY = {"num_nodes": "the most ranks a run may have",
-             "max_steps": "a billion steps of a millisecond each take 11 days"}
+             "max_steps": "a billion steps of a millisecond each take 11 days",
+             "batch_size": "samples per rank per step, past any rank's memory",
+             "minibatch_size": "samples per forward pass, past any rank's memory",
+             "val_size": "samples per evaluation, past any validation set used here",
+             "num_threads": "threads per rank, past any machine's cores"}
 
 
 def _brief(value: Any) -> str:
@@ -118,7 +128,7 @@ def _device_indices(name: str, value: Any) -> None:
 
 def _minibatch(name: str, value: Any) -> None:
     if value != "auto":
-        check_int_at_least(name, value, 1, allow_none=True)
+        check_int_at_least(name, value, 1, allow_none=True, high=MAX_BATCH_SIZE)
 
 
 def _fraction(name: str, value: Any) -> None:
@@ -362,7 +372,8 @@ class RunArgs:
         _device, profile=True)
     devices: list[int] | None = _arg(None, "CUDA indices to spread ranks over; rank r uses "
                                      "``devices[r % len(devices)]``.", _device_indices)
-    batch_size: int = _arg(16, "samples per rank per optimizer step.", _at_least(1),
+    batch_size: int = _arg(16, f"samples per rank per optimizer step (at most "
+                           f"{MAX_BATCH_SIZE:,}).", _at_least(1, high=MAX_BATCH_SIZE),
                            profile=True)
     minibatch_size: int | str | None = _arg(
         None, "samples per forward pass (gradients accumulate up to ``batch_size``); "
@@ -385,7 +396,7 @@ class RunArgs:
         "(the even split then wraps around, so a rank trains on copies of another's); "
         "otherwise ``fit`` refuses such a run.", profile=True, convert=bool)
     val_size: int = _arg(64, "validation samples per evaluation (0: no evaluation).",
-                         _at_least(0), profile=True)
+                         _at_least(0, high=MAX_BATCH_SIZE), profile=True)
     val_interval: int = _arg(100, "evaluate every this many steps (and after the last).",
                              _at_least(1), profile=True)
     autocast: bool = _arg(False, "run forward passes in bfloat16 autocast.", profile=True,
@@ -410,7 +421,8 @@ class RunArgs:
     log_interval: int = _arg(10, "steps between plain progress lines when not on a terminal.",
                              _at_least(1), profile=True)
     num_threads: int | None = _arg(None, "compute threads per rank (default: cores shared by "
-                                   "the ranks of a machine).", _at_least(1, allow_none=True),
+                                   f"the ranks of a machine; at most {MAX_NUM_THREADS:,}).",
+                                   _at_least(1, allow_none=True, high=MAX_NUM_THREADS),
                                    profile=True)
     timeout_s: float = _arg(1800.0, "how long a collective may wait for a peer.",
                             _positive_seconds, profile=True, convert=float)

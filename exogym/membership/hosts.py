@@ -83,13 +83,22 @@ def log_change(store: ControlStore, decision: bytes) -> None:
     store.set(key("log", number), decision)
 
 
-def membership_log(store: ControlStore, after: int = 0) -> list[dict[str, Any]]:
-    """The decided changes of membership logged after the first ``after``, in order."""
+def membership_log(store: ControlStore, after: int = 0, whole: bool = False
+                   ) -> list[dict[str, Any]]:
+    """The decided changes of membership logged after the first ``after``, in order.
+
+    Read as the run goes (``whole`` false), the log stops at an entry that cannot be read
+    yet: numbered but not written, it is read next time. Read ``whole`` once the run has
+    ended, when every numbered entry has been written, an entry that cannot be read (its
+    value replaced by one this run did not sign) is left out and the others are kept.
+    """
     count = store.add(key("log", "n"), 0)
     out = []
     for number in range(after + 1, count + 1):
         raw = store.get_if_set(key("log", number))
-        if raw is None:  # numbered but not written yet: read it next time
+        if raw is None:
+            if whole:
+                continue
             break
         out.append(json.loads(raw))
     return out
@@ -540,6 +549,6 @@ class ElasticMembership:
     def changes(self, max_steps: int | None = None) -> list[dict[str, Any]]:
         """Every decided change of membership: ``{"step", "ranks", "hosts", "reason"}``."""
         out = [{k: entry[k] for k in ("step", "ranks", "hosts", "reason")}
-               for entry in membership_log(self.store)
+               for entry in membership_log(self.store, whole=True)
                if max_steps is None or entry["step"] <= max_steps]
         return sorted(out, key=lambda e: e["step"])

@@ -29,6 +29,7 @@ only its hidden temporary file, never half a trace under the final name.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from exogym.base.io import usual_file_mode
+from exogym.base.untrusted import MAX_TRACE_BYTES, TooDeepJSON, json_loads, open_regular
 
 __all__ = ["BLOCK_STEPS", "FORMAT_VERSION", "FULL_STEPS", "READABLE_VERSIONS", "TRACE_FILE",
            "TraceWriter", "read_trace", "trace_path"]
@@ -442,14 +444,19 @@ def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     Raises:
         ValueError: a ``run`` line of a format version this code does not know
             (:data:`READABLE_VERSIONS`), a line that is not JSON, or one whose fields are
-            not what the format says, naming the file and the line.
+            not what the format says, naming the file and the line; a line nested
+            deeper than can be read (:class:`~exogym.base.untrusted.TooDeepJSON`).
+        OSError: ``path`` is not a regular file (a FIFO, a device) or is over
+            :data:`~exogym.base.untrusted.MAX_TRACE_BYTES`; nothing waits or fills memory.
     """
     lines = []
-    with open(path, encoding="utf-8") as f:
+    with io.TextIOWrapper(open_regular(path, MAX_TRACE_BYTES), encoding="utf-8") as f:
         for number, text in enumerate(f, 1):
             if text.strip():
                 try:
-                    line = json.loads(text)
+                    line = json_loads(text, f"{path}: line {number}")
+                except TooDeepJSON:
+                    raise
                 except ValueError as exc:
                     raise ValueError(f"{path}: line {number} is not JSON ({exc})") from None
                 problem = trace_line_problem(line)

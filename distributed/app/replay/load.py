@@ -12,11 +12,11 @@ checkpoint is read as one run (:func:`one_timeline`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from exogym.base.untrusted import MAX_RUN_FILE_BYTES, read_json
 from exogym.report.trace import FORMAT_VERSION, TRACE_FILE, read_trace
 
 from ...profiles.profile import Profile, ProfileError, ProfileSet, imported_names
@@ -32,7 +32,7 @@ NEEDED_VERSION = 2
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path, MAX_RUN_FILE_BYTES)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
@@ -120,7 +120,7 @@ def _trace_path(folder: Path) -> Path:
         raise ReplayError(f"{folder} is not a folder: give a run's folder (runs/NAME, as "
                           "distributed-train printed it)")
     path = folder / TRACE_FILE
-    if not path.is_file():
+    if not path.exists():
         raise ReplayError(f"{folder} holds no {TRACE_FILE}: only a run of this version records "
                           "one (distributed-train, a local simulation or across hosts); run it "
                           "again to replay it")

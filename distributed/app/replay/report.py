@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from exogym.base.escapes import printable
 from exogym.base.plural import plural
 from exogym.sim.network import Network
 
@@ -190,8 +191,10 @@ def replay_tables(report: Mapping[str, Any]) -> ReplayTables:
     """The report's tables: real against replay, the cluster replayed, and the what-ifs."""
     from rich.table import Table
 
+    from exogym.base.terminal import shown
+
     real, rep, ratios = report["real"], report["replay"], report["ratios"]
-    table = Table(title=f"{report['profile']}: real ({real['clock']} clock) and replay",
+    table = Table(title=shown(f"{report['profile']}: real ({real['clock']} clock) and replay"),
                   title_justify="left")
     for column in ("", "real", "replay", "replay / real"):
         table.add_column(column, justify="left" if not column else "right")
@@ -206,7 +209,7 @@ def replay_tables(report: Mapping[str, Any]) -> ReplayTables:
     replayed = {m["step"]: m for m in rep["membership"]}
     for change in real["membership"]:
         if change["step"] > 1:
-            table.add_row(f"lost to step {change['step']}: {change['reason']} (s)",
+            table.add_row(shown(f"lost to step {change['step']}: {change['reason']} (s)"),
                           _cell(change.get("lost_s")),
                           _cell(replayed_change(replayed, change).get("lost_s")), "")
     losses = dict((s, v) for s, v in rep["evaluations"])
@@ -221,10 +224,10 @@ def replay_tables(report: Mapping[str, Any]) -> ReplayTables:
                        "final val loss"):
             ranking.add_column(column, justify="left" if column == "replay" else "right")
         for row in report["what_if"]:
-            ranking.add_row(str(row["place"]), row["label"],
+            ranking.add_row(str(row["place"]), shown(row["label"]),
                             _cell(row["time_to_target_s"]) if row["reaches_target"]
                             else "never (within the run's samples)",
                             _cell(row["wall_s"]), _cell(row["round_s_median"]),
                             _cell(row["final_val_loss"]))
-    return ReplayTables(table, f"replayed with: {describe_cluster(report['cluster'])}",
+    return ReplayTables(table, printable(f"replayed with: {describe_cluster(report['cluster'])}"),
                         ranking)

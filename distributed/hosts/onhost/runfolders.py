@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -52,13 +53,35 @@ def holds_run(folder: str) -> bool:
     return any(os.path.lexists(os.path.join(folder, name)) for name in OUTPUTS)
 
 
+#: The largest ``run.json`` read (a run's identity takes a few KiB).
+_MAX_RUN_FILE = 16 << 20
+
+
+def _read_regular(path: str, max_bytes: int) -> bytes:
+    """The bytes of ``path`` when it is a regular file of at most ``max_bytes``; an
+    ``OSError`` for a FIFO or a device (opened without waiting for a writer), or a larger
+    file (whoever writes in the folder chooses what it holds)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
+            raise OSError(f"{path} is not a regular file of at most {max_bytes:,} bytes")
+        os.set_blocking(fd, True)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise OSError(f"{path} is over {max_bytes:,} bytes")
+    return data
+
+
 def read_identity(folder: str) -> dict[str, Any] | None:
     """The identity in ``folder``'s ``run.json``; None when there is none, or it is not a
     run identity (a folder from before identities, a damaged file)."""
     try:
-        with open(os.path.join(folder, RUN_FILE), encoding="utf-8") as f:
-            identity = json.load(f)
-    except (OSError, ValueError):
+        identity = json.loads(_read_regular(os.path.join(folder, RUN_FILE), _MAX_RUN_FILE))
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(identity, dict) or not isinstance(identity.get("fingerprint"), str):
         return None

@@ -85,10 +85,19 @@ function resetTraces() {
   traces = { lossStep: new Map(), valStep: new Map(), lossBytes: new Map(), rate: new Map() };
 }
 
+// Text for plotly (a trace's name in the legend and the hover label, a title): plotly
+// reads <a href>, <b>, <br> and the like in such text as markup, so a host or a run named
+// '<a href="...">Click to re-authenticate</a>' would be a link on the page. Written with
+// entities, which plotly shows as the characters they stand for, it stays text.
+function plotlyText(text) {
+  return String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+}
+
 function series(map, key, name, extra) {
   let s = map.get(key);
   if (!s) {
-    s = Object.assign({ x: [], y: [], name: name, type: "scatter", mode: "lines" }, extra || {});
+    s = Object.assign({ x: [], y: [], name: plotlyText(name), type: "scatter", mode: "lines" },
+                      extra || {});
     map.set(key, s);
   }
   return s;
@@ -350,10 +359,11 @@ function drawConfig() {
 }
 
 function layout(title, xTitle, yTitle, yType) {
-  const yaxis = { title: { text: yTitle }, type: yType || "linear" };
+  const yaxis = { title: { text: plotlyText(yTitle) }, type: yType || "linear" };
   if (!yType) yaxis.rangemode = "tozero";  // a rate: its drops read against zero
-  return { title: { text: title, font: { size: 14 } }, margin: { l: 55, r: 10, t: 35, b: 40 },
-           xaxis: { title: { text: xTitle, standoff: 4 } },
+  return { title: { text: plotlyText(title), font: { size: 14 } },
+           margin: { l: 55, r: 10, t: 35, b: 40 },
+           xaxis: { title: { text: plotlyText(xTitle), standoff: 4 } },
            yaxis: yaxis,
            legend: { orientation: "h", x: 0, y: -0.2, yanchor: "top" },
            uirevision: "keep", datarevision: revision };
