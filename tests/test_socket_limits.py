@@ -165,7 +165,7 @@ def test_when_every_place_holds_a_request_under_way_a_newcomer_is_refused(capfd)
         for sock in held:
             sock.close()
     assert "refused a connection from 127.0.0.4: 2 connections are open, the most this " \
-           "server takes, and none is idle" in capfd.readouterr().err
+           "server takes, and none of them can be closed to make room" in capfd.readouterr().err
 
 
 def test_a_request_that_trickles_in_is_closed_at_its_deadline_and_said_once(capfd):

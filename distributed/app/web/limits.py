@@ -207,7 +207,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         why = {"per_address": f"it holds {limits.per_address} connections, the most one "
                               f"address may",
                "total": f"{limits.total} connections are open, the most this server takes, "
-                        f"and none is idle",
+                        f"and none of them can be closed to make room (none is idle)",
                "made_room": f"{limits.total} connections are open, the most this server "
                             f"takes: the one idle longest (from {detail}) was closed",
                "request_s": f"its request did not arrive whole within {limits.request_s:g} s",
