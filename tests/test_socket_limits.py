@@ -143,7 +143,7 @@ def test_one_address_past_its_share_is_answered_503_at_once_while_others_are_ser
 def test_when_every_place_is_taken_the_connection_idle_longest_makes_room(capfd):
     with WebDashboard(limits=Limits(per_address=2, total=4, request_s=30)) as web:
         held = [connect(web.port, f"127.0.0.{i}") for i in range(2, 6)]
-        wait_for(lambda: web._server.open_connections == 4, 5, "four connections open")
+        wait_for(lambda: web._server.idle_connections == 4, 5, "four idle connections")
         assert ask(web.port, "/state", "127.0.0.9").startswith(b"HTTP/1.1 200")
         assert read_to_end(held[0]) == b""  # the first to come, idle longest: closed
         for sock in held:
@@ -159,7 +159,7 @@ def test_when_every_place_holds_a_request_under_way_a_newcomer_is_refused(capfd)
         for sock in held:
             sock.sendall(b"GET /state HTTP/1.1\r\n")  # begun, never ended
         wait_for(lambda: web._server.open_connections == 2, 5, "two connections open")
-        time.sleep(0.2)  # their first bytes read
+        wait_for(lambda: web._server.idle_connections == 0, 5, "their first bytes read")
         with connect(web.port, "127.0.0.4") as refused:
             assert read_to_end(refused).startswith(b"HTTP/1.1 503")
         for sock in held:

@@ -196,6 +196,12 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         with self._lock:
             return len(self._open)
 
+    @property
+    def idle_connections(self) -> int:
+        """Open connections waiting for a request, none of whose bytes has arrived."""
+        with self._lock:
+            return sum(reader.waiting_since is not None for _, _, reader in self._open.values())
+
     def refuse(self, kind: str, address: str, detail: str = "") -> None:
         """Count a refusal; say the first of its kind on stderr."""
         with self._lock:
