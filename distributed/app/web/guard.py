@@ -7,6 +7,8 @@
   addresses is refused with 421: on loopback ``127.0.0.1:PORT``, ``[::1]:PORT`` or
   ``localhost:PORT``; bound elsewhere, an address literal or this machine's own
   name, with the dashboard's port. An address literal cannot be rebound.
+- **What one peer may cost.** Connections per address and in all, the time a
+  request may take and its size are bounded (``limits.py``).
 - **Closed connections.** A browser that closes a tab mid-response resets its
   connection; ``socketserver`` would print that as a traceback into the
   training's terminal. Resets and broken pipes are dropped; any other error is
@@ -19,8 +21,9 @@ import ipaddress
 import socket
 import sys
 import threading
-from http.server import ThreadingHTTPServer
 from typing import Any
+
+from .limits import BoundedHTTPServer
 
 __all__ = ["ERRORS_SHOWN", "QuietHTTPServer", "host_allowed", "MISDIRECTED"]
 
@@ -76,10 +79,9 @@ def host_allowed(header: str | None, bound: str, port: int) -> bool:
     return address is not None or host in _own_names()
 
 
-class QuietHTTPServer(ThreadingHTTPServer):
-    """A threading HTTP server that does not print a traceback when a client goes away."""
-
-    daemon_threads = True
+class QuietHTTPServer(BoundedHTTPServer):
+    """A bounded threading HTTP server that does not print a traceback when a client goes
+    away."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._errors = 0

@@ -6,8 +6,9 @@ time, the time at each step (the two timelines), and the figures' table. It is
 written beside the replays (``replay.html``) and served by :class:`PageServer`, the
 standard library's HTTP server on 127.0.0.1 by default; bound to any other
 address (``0.0.0.0``: the LAN) it requires a random token, given in the printed
-URL (``?token=...``), as the live dashboard does, and refuses a request whose
-``Host`` is not its own address (``guard.py``).
+URL (``?token=...``), as the live dashboard does, refuses a request whose
+``Host`` is not its own address (``guard.py``) and bounds what one peer may cost
+it (``limits.py``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import secrets
 import threading
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from .guard import MISDIRECTED, QuietHTTPServer, host_allowed
+from .limits import BoundedHandler, Limits
 from .server import is_loopback
 
 __all__ = ["PageServer", "replay_html"]
@@ -167,7 +168,7 @@ strategy {html.escape(str(report['strategy']))}, recorded {html.escape(report['s
 """
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(BoundedHandler):
     server: PageServer._Server  # type: ignore[name-defined]
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
@@ -207,6 +208,7 @@ class PageServer:
         page: the HTML.
         host: the address to bind (127.0.0.1: this machine only).
         port: the port (0: a free one).
+        limits: what one peer may cost the server (default: :class:`Limits`' own).
 
     Raises:
         ValueError: the address cannot be bound.
@@ -216,13 +218,15 @@ class PageServer:
         page = ""
         token: str | None = None
 
-    def __init__(self, page: str, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, page: str, host: str = "127.0.0.1", port: int = 0, *,
+                 limits: Limits | None = None) -> None:
         try:
             self._server = self._Server((host, port), _Handler)
         except OSError as exc:
             raise ValueError(f"--web-host {host} --web-port {port} cannot be bound: "
                              f"{exc.strerror or exc}") from None
         self._server.page = page
+        self._server.limits = limits or Limits()
         self._server.token = None if is_loopback(host) else secrets.token_urlsafe(16)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()

@@ -19,7 +19,9 @@ Bound to 127.0.0.1 by default. Bound to any other address (``0.0.0.0`` shares
 it on the LAN) it requires a random token, given in the printed URL
 (``?token=...``); the page, once opened with it, keeps it in a cookie. Any
 request without it gets 403. A request whose ``Host`` is not the dashboard's own
-address gets 421, on loopback too (``guard.py``: against DNS rebinding).
+address gets 421, on loopback too (``guard.py``: against DNS rebinding). What one
+peer may cost the process that trains (connections, time, bytes) is bounded
+(``limits.py``).
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ import time
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from http.cookies import SimpleCookie
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from .guard import MISDIRECTED, QuietHTTPServer, host_allowed
+from .limits import BoundedHandler, Limits
 from .state import WebState
 
 __all__ = ["WEB_EXTRA_HINT", "WebDashboard", "plotly_js_path"]
@@ -97,7 +99,7 @@ def lan_address() -> str:
             return socket.gethostname()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(BoundedHandler):
     """Answers the page, its files, ``/state`` and ``/events``."""
 
     server: _Server
@@ -212,7 +214,8 @@ class _Server(QuietHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], state: WebState, token: str | None,
-                 plotly_path: Path) -> None:
+                 plotly_path: Path, limits: Limits) -> None:
+        self.limits = limits
         self.state = state
         self.token = token
         self.plotly_path = plotly_path
@@ -239,6 +242,7 @@ class WebDashboard:
         title: the page's title.
         token: the token a non-loopback page needs (default: a random one; never
             required on a loopback address).
+        limits: what one peer may cost the server (default: :class:`Limits`' own).
 
     Raises:
         ImportError: when plotly (which ships plotly.js) is not installed.
@@ -247,7 +251,7 @@ class WebDashboard:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, title: str = "exogym",
-                 token: str | None = None) -> None:
+                 token: str | None = None, limits: Limits | None = None) -> None:
         plotly_path = plotly_js_path()
         if not 0 <= port <= 65535:
             raise ValueError(f"--web-port {port} is not a port: give 1-65535, or 0 for a free one")
@@ -257,7 +261,8 @@ class WebDashboard:
             token = secrets.token_urlsafe(16)
         self.token = None if is_loopback(host) else token
         try:
-            self._server = _Server((host, port), self.state, self.token, plotly_path)
+            self._server = _Server((host, port), self.state, self.token, plotly_path,
+                                   limits or Limits())
         except OSError as exc:
             raise ValueError(f"--web cannot listen on {host}:{port}: {exc.strerror or exc}; give "
                           f"another --web-port (0 picks a free one)") from exc
