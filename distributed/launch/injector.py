@@ -353,9 +353,9 @@ class FaultInjector:
         held = self._held.pop(index, None)
         delayed = round(now - held, 3) if held is not None else 0.0
         active = _Active(spec, index, now, self._now_s() or 0.0, delayed)
-        if spec.duration_s is not None:
-            active.ends = now + spec.duration_s + (onhost.CUT_DELAY_S if spec.kind == "cut"
-                                                   else 0.0)
+        # A slow-down, freeze or cut ends its duration after it took effect on its host
+        # (_start sets the end once the host has answered): timed from here, a host slow to
+        # answer would have it end early, and the record would say it held for less.
         self._last_fired = now
         self.records[index] = {"id": index, **spec.as_dict(), "delayed_s": delayed,
                                "fired_at_s": None, "fired_step": None, "ended_at_s": None,
@@ -449,6 +449,10 @@ class FaultInjector:
             self.say(f"injected fault {index} ({spec.describe()}) failed: "
                      f"{'; '.join(errors)}", "red")
             return
+        if spec.duration_s is not None and spec.kind != "kill":
+            with self._lock:
+                active.ends = time.monotonic() + spec.duration_s + (
+                    onhost.CUT_DELAY_S if spec.kind == "cut" else 0.0)
         event = self._event("start", index, spec, delayed_s=active.delayed_s)
         record.update(fired_at_s=event["at_s"], fired_step=event["step"],
                       outcome="fired" if spec.duration_s is not None else "done")
