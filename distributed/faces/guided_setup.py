@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ..app.about import command_name
+from ..app.about import command, command_name, wizard_command
 from ..app.console import fail, make_console, plural, reported_errors
 from ..app.wizard_steps import WORK_ROOT
 
@@ -63,7 +63,7 @@ def show_version(value: bool) -> None:
     if value:
         from ..app.about import version_line
 
-        print(version_line("wizard.py"))
+        print(version_line(wizard_command().split()[-1]))
         raise typer.Exit()
 
 
@@ -320,8 +320,8 @@ class Wizard:
                 failed = sum(not c.ok for c in report.checks)
                 fail(f"{failed} of {plural(len(config.hosts), 'host')} "
                      f"{'is' if failed == 1 else 'are'} not ready (each problem above names the "
-                     "host and the fix); fix them and run again, or use cli_typer.py "
-                     "distributed-train --local to simulate",
+                     "host and the fix); fix them and run again, or use "
+                     f"{command('distributed-train', '--local')} to simulate",
                      2, False)
             if not self.ask.confirm("Continue anyway? (the run's own pre-flight will stop it "
                                     "if the problems remain)", default=False):
@@ -424,7 +424,7 @@ class Wizard:
             self.console.print(f"[yellow]No LAN discovery: {exc}[/]", highlight=False)
             return None
         if not machines:
-            self.console.print("No other machines found (run `python cli_typer.py agent` on a "
+            self.console.print(f"No other machines found (run `{command('agent')}` on a "
                                "machine to make it findable).")
             return None
         many = len(machines) > 1
@@ -508,7 +508,7 @@ class Wizard:
         choices = [(title(e), e.name, why_not(e)) for e in entries]
         usable = [v for _, v, why in choices if why is None]
         if not usable:
-            fail(f"no profile in {path} can run here (see `python cli_typer.py profiles`)",
+            fail(f"no profile in {path} can run here (see `{command('profiles')}`)",
                  2, False)
         chosen = {v: why for _, v, why in choices}
         if self.profile_name and chosen.get(self.profile_name):
@@ -744,7 +744,7 @@ class Wizard:
         label = spec_for(strategy, settings).label if settings else strategy
         values["description"] = (f"{base.name} with {label} on {nodes} "
                                  f"{'hosts' if hosts is not None else 'simulated nodes'} "
-                                 "(written by wizard.py)")
+                                 f"(written by {wizard_command()})")
         suggested = profile_name_for(base, strategy, nodes, hosts is not None)
         name = self.ask.text("Name of the profile to write:",
                              free_profile_name(self.config_path, suggested, values),
@@ -758,7 +758,7 @@ class Wizard:
             hosts_file = self.write_hosts(hosts)
             if not self.set_up_hosts(hosts_file):
                 inside = self.config_path.resolve().is_relative_to(WORK_ROOT)
-                sync = self.ask.confirm(f"Copy this checkout's tracked files and your profiles "
+                sync = self.ask.confirm(f"Copy this project's files and your profiles "
                                         f"({self.local_profiles.name}) to the workers first?",
                                         default=inside)
         request = self.request(hosts_file, name, config=str(self.config_path), sync=sync,
