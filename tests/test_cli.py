@@ -149,7 +149,7 @@ def test_compare_with_an_unknown_strategy_fails_before_any_run():
 def test_compare_names_the_plot_extra_before_any_run_when_matplotlib_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     result = invoke("compare", "digits-diloco", "--strategies", "ddp,diloco")
-    assert_one_paragraph(result, 2, "pip install 'exogym[examples]'")
+    assert_one_paragraph(result, 2, "pip install -e '.[examples]'")  # from a checkout
     assert "Comparing" not in result.output
 
 

@@ -544,3 +544,94 @@ def test_a_profile_whose_extra_is_missing_is_refused_before_any_question(tmp_pat
     assert "profile whisper-tiny-diloco cannot run here: needs the whisper extra" in said, said
     assert "pip install -e '.[whisper]'" in said
     assert "How many nodes" not in said and "Training steps" not in said
+
+
+# --------------------------------------------------------------------------- hosts asked for
+
+
+class ScriptedAsker:
+    """Answers the wizard's questions from a list, in order, as a person types them: an
+    answer its question's check refuses is recorded and the question asked again."""
+
+    def __init__(self, answers: list) -> None:
+        self.answers = list(answers)
+        self.asked: list[str] = []
+        self.refused: list[tuple[str, str]] = []
+        self.assume_yes = False
+        self.answered = 0
+
+    def _next(self, message: str):
+        self.asked.append(message)
+        answer = self.answers.pop(0)
+        self.answered += 1
+        return answer
+
+    def text(self, message, default="", validate=None):
+        while True:
+            answer = self._next(message)
+            said = validate(answer) if validate is not None else True
+            if said is True:
+                return answer
+            self.refused.append((message, said))
+
+    def confirm(self, message, default=True):
+        answer = self._next(message)
+        return default if answer is None else answer
+
+    def select(self, message, choices, default):
+        return self._next(message)
+
+
+def asked_wizard(tmp_path: Path, answers: list, monkeypatch):
+    """A wizard answered by ``answers``, whose pre-flight finds the master ready and every
+    other host without the project (as a new machine is)."""
+    from rich.console import Console
+
+    from distributed.faces import guided_setup
+
+    monkeypatch.setattr(guided_setup.Wizard, "check", lambda self, config: config)
+    monkeypatch.setattr(guided_setup.Wizard, "show_host_check",
+                        lambda self, config, host: host == config.master.host)
+    asker = ScriptedAsker(answers)
+    wizard = guided_setup.Wizard(
+        Console(file=io.StringIO(), width=200), asker, hosts_path=tmp_path / "hosts.json",
+        config_path=project_config(tmp_path), profile=None, strategy=None, overrides={},
+        bandwidth_mbit=None, start=False, run_dir=None, ssh={})
+    return wizard, asker
+
+
+def test_hosts_without_python_or_project_take_this_machines_and_setup_hosts_for_the_others(
+        tmp_path, monkeypatch):
+    from distributed.hosts.sync import PROJECT_ROOT
+
+    wizard, asker = asked_wizard(tmp_path, [
+        "hosts", "alice", "", "22", "", "", "10.0.0.1", "29500",
+        "10.0.0.2", None,  # pre-flight finds nothing there yet: kept (the default) for setup
+        ""], monkeypatch)
+    config = wizard.build_hosts()
+    assert config is not None and not asker.refused and not asker.answers
+    assert (config.master.python_env, config.master.project_path) == (sys.executable,
+                                                                        str(PROJECT_ROOT))
+    worker = config.workers[0]
+    assert (worker.python_env, worker.project_path) == ("~/exogym/.venv/bin/python", "~/exogym")
+    assert config.workers[0].ssh_user == "alice"
+
+
+def test_a_hosts_file_problem_is_said_at_its_question_and_that_question_asked_again(
+        tmp_path, monkeypatch):
+    wizard, asker = asked_wizard(tmp_path, [
+        "hosts", "alice", "", "22", "", "/",  # the filesystem's root cannot take the project
+        "~/gym", "10.0.0.1", "29500", ""], monkeypatch)
+    assert wizard.build_hosts() is None  # no workers: a simulation here
+    [(question, why)] = asker.refused
+    assert "checkout on every host" in question and "filesystem's root" in why
+    assert asker.asked.count(question) == 2 and not asker.answers
+
+
+def test_ctrl_c_after_answers_says_they_are_not_kept(tmp_path, monkeypatch):
+    wizard, asker = asked_wizard(tmp_path, ["hosts", "alice", "", "22"], monkeypatch)
+    with pytest.raises(IndexError):  # the person stops answering: the Ctrl-C's place
+        wizard.build_hosts()
+    said = wizard.cancelled_message()
+    assert said.startswith("Cancelled; nothing was written.")
+    assert "The 4 answers given are not kept" in said

@@ -13,6 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from exogym.base import install_mode
+from exogym.base.install_mode import command, install_extra, wizard_command
+
+__all__ = ["command", "command_name", "command_words", "install_extra", "package_version",
+           "version_line", "wizard_command"]
+
 #: The checkout this module belongs to.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,11 +62,10 @@ def git_commit(root: Path = PROJECT_ROOT) -> str | None:
 
 
 def command_words() -> list[str]:
-    """How the user started this command line: ``["exogym"]`` for the installed command,
-    ``["python", "cli_typer.py"]`` from a checkout. Hints that print a command use it."""
-    if Path(sys.argv[0]).name in ("exogym", "exogym.exe"):
-        return ["exogym"]
-    return ["python", "cli_typer.py"]
+    """How the user starts this command line: ``["exogym"]`` installed (or when the
+    ``exogym`` command started it), ``["python", "cli_typer.py"]`` from a checkout. Hints
+    that print a command use it (:mod:`exogym.base.install_mode`)."""
+    return install_mode.command_words()
 
 
 def command_name() -> str:

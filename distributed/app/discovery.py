@@ -21,6 +21,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from exogym.base.install_mode import command
+
 from ..hosts.hostkeys import HostKey, fetch_host_key, is_known, trust_host_key
 from ..hosts.mdns import (
     Advertiser,
@@ -55,7 +57,7 @@ def find_machines(timeout: float = 3.0) -> list[MachineAdvert]:
                                      "addresses": tuple(row["addresses"])}) for row in rows]
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise DiscoveryError(f"{DISCOVERED_ENV}={saved} is not a list written by "
-                                 f"`cli_typer.py discover --json`: {exc}") from None
+                                 f"`{command('discover', '--json')}`: {exc}") from None
     return discover(timeout)
 
 

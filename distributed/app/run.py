@@ -51,7 +51,7 @@ from ..hosts.hostsfile import HostsConfig, load_hosts
 from ..hosts.onhost import runfolders
 from ..hosts.preflight import PreflightError
 from ..hosts.remote import module_source, probe_command
-from ..hosts.sync import PROJECT_ROOT, is_checkout
+from ..hosts.sync import BUILTIN_CONFIG, PROJECT_ROOT, is_checkout
 from ..launch.faults import FaultPlan, FaultSpecError, plan_faults
 from ..launch.launcher import Launcher
 from ..launch.options import split_options
@@ -530,7 +530,8 @@ def train_command(request: TrainRequest) -> str:
         ValueError: when the hosts are a loaded ``HostsConfig`` read from no file.
     """
     args = [*command_words(), "distributed-train", request.profile]
-    if request.config:
+    if request.config and Path(request.config).resolve() != BUILTIN_CONFIG.resolve():
+        # the built-in profiles are the default: installed, their path is site-packages'
         args += ["--config", str(request.config)]
     if request.hosts is not None:
         hosts = request.hosts.source if isinstance(request.hosts, HostsConfig) else request.hosts

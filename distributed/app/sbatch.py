@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from exogym.base.install_mode import command
 from exogym.base.io import atomic_write_text
 from exogym.base.plural import plural
 
@@ -104,7 +105,7 @@ class SlurmJob:
                 else f"$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))")
         lines = ["#!/bin/bash",
                  f"# Profile {self.profile} on {plural(self.ranks, 'rank')}; written by "
-                 "`python cli_typer.py slurm`.",
+                 f"`{command('slurm')}`.",
                  *(f"#SBATCH {d}" for d in directives),
                  "set -euo pipefail",
                  f"cd {shlex.quote(self.project_path)}",

@@ -25,7 +25,7 @@ from ..hosts.hostsfile import (
 from ..hosts.linkspeed import LinkError, LinkMeasurement, measure_link
 from ..hosts.preflight import PreflightReport
 from ..hosts.ssh import SSHOptions
-from ..hosts.sync import WORK_ROOT, local_profiles_path
+from ..hosts.sync import PROJECT_ROOT, WORK_ROOT, local_profiles_path
 from ..planning import projection
 from ..profiles.profile import (
     DEFAULT_CONFIG,
@@ -44,13 +44,15 @@ from ..profiles.setup_files import (
 )
 from .compare import profile_for_strategy
 from .profile_list import ProfileEntry, list_profiles
+from .setup_hosts import fill_paths
 
 __all__ = [
     "DEFAULT_CONFIG", "WORK_ROOT", "HostsConfig", "HostsFileError", "LinkError", "PreflightReport", "Profile",
     "ProfileError", "existing_profile", "free_profile_name", "is_loopback", "is_other_machine",
     "load_hosts", "load_profile", "list_profiles", "local_profiles_file", "measure_link_to",
     "parse_overrides", "ProfileEntry", "profile_file", "profile_name_for", "SUMMARY_COLUMNS",
-    "same_hosts", "same_strategy", "usable_strategies", "write_hosts_file", "write_profile",
+    "same_hosts", "same_strategy", "usable_strategies", "with_paths", "write_hosts_file",
+    "write_profile",
 ]
 
 
@@ -63,6 +65,31 @@ def same_hosts(path: Path, config: HostsConfig) -> bool:
         return load_hosts(path).to_dict() == config.to_dict()
     except HostsFileError:
         return False
+
+
+def with_paths(mapping: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, str]]]:
+    """``mapping`` (a hosts file's content) with each host's missing ``python_env`` and
+    ``project_path`` filled in, and what was filled (``{host: {key: value}}``).
+
+    The master is this machine, where the wizard runs: it keeps this Python and this
+    project. Any other host gets what ``setup-hosts`` installs there (``~/exogym`` and the
+    environment inside it), as :func:`distributed.app.setup_hosts.fill_paths` gives.
+    """
+    import sys
+
+    data = dict(mapping)
+    master = data.get("master")
+    filled: dict[str, dict[str, str]] = {}
+    if isinstance(master, str) or (isinstance(master, dict) and isinstance(master.get("host"), str)):
+        obj = {"host": master} if isinstance(master, str) else dict(master)
+        added = {key: value for key, value in (("python_env", sys.executable),
+                                               ("project_path", str(PROJECT_ROOT)))
+                 if obj.get(key, data.get(key)) is None}
+        if added:
+            data["master"] = {**obj, **added}
+            filled[obj["host"]] = added
+    out, others = fill_paths(data)
+    return out, {**filled, **others}
 
 
 def write_hosts_file(path: Path, config: HostsConfig) -> Path | None:

@@ -31,6 +31,7 @@ import click
 import typer
 import typer.core
 
+from ..app.about import command
 from ..app.compare import DEFAULT_STRATEGIES
 from ..app.console import (
     exit_status,
@@ -219,7 +220,7 @@ def distributed_train(
              "s).")] = None,
     accept_new_host_keys: AcceptNewHostKeys = False,
     sync: Annotated[bool, typer.Option(
-        "--sync", help="Copy this checkout's tracked files to every host first.")] = False,
+        "--sync", help="Copy this project's files (a checkout's tracked ones) to every host first.")] = False,
     local: Annotated[bool, typer.Option(
         "--local", help="Simulate here even when --hosts is given.")] = False,
     known_hosts: KnownHosts = None,
@@ -818,7 +819,7 @@ def slurm(
     ] = None,
     project_path: Annotated[str | None, typer.Option(
         "--project-path", help="This project's folder as the nodes see it (default: this "
-                               "checkout).")] = None,
+                               "one's).")] = None,
     python: Annotated[str | None, typer.Option(
         "--python", help="Python on the nodes (default: this one).")] = None,
     master_port: Annotated[int | None, typer.Option(
@@ -931,7 +932,7 @@ def discover(
         if as_json:
             print(json.dumps([m.to_dict() for m in machines], indent=2))
         elif not machines:
-            make_console().print(f"no machines found in {timeout:g} s (is `cli_typer.py agent` "
+            make_console().print(f"no machines found in {timeout:g} s (is `{command('agent')}` "
                                  "running on them, on this LAN?)", markup=False)
         else:
             make_console().print(machines_table(machines))

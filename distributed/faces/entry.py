@@ -16,8 +16,10 @@ def main() -> int:
     except ModuleNotFoundError as exc:
         if exc.name not in NEEDS_EXTRA:
             raise
+        from ..app.about import install_extra
+
         print(f"exogym: the command line needs the 'distributed' extra ({exc.name} is not "
-              "installed); install it with: pip install 'exogym[distributed]'", file=sys.stderr)
+              f"installed); install it with: {install_extra('distributed')}", file=sys.stderr)
         return 2
     return app()
 

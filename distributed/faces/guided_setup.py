@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ..app.about import command_name
+from ..app.about import command, command_name, wizard_command
 from ..app.console import fail, make_console, plural, reported_errors
 from ..app.wizard_steps import WORK_ROOT
 
@@ -63,7 +63,7 @@ def show_version(value: bool) -> None:
     if value:
         from ..app.about import version_line
 
-        print(version_line("wizard.py"))
+        print(version_line(wizard_command().split()[-1]))
         raise typer.Exit()
 
 
@@ -79,6 +79,7 @@ class Asker:
     def __init__(self, console: Console, assume_yes: bool) -> None:
         self.console = console
         self.assume_yes = assume_yes
+        self.answered = 0  # questions a person answered, to say they are lost on Ctrl-C
 
     def _took(self, message: str, answer: Any) -> None:
         self.console.print(f"? {message} [bold]{answer}[/] (default)", highlight=False)
@@ -91,7 +92,9 @@ class Asker:
             return default
         import questionary
 
-        return questionary.text(message, default=default, validate=validate).unsafe_ask().strip()
+        answer = questionary.text(message, default=default, validate=validate).unsafe_ask()
+        self.answered += 1
+        return answer.strip()
 
     def confirm(self, message: str, default: bool = True) -> bool:
         """Yes or no."""
@@ -100,7 +103,9 @@ class Asker:
             return default
         import questionary
 
-        return bool(questionary.confirm(message, default=default).unsafe_ask())
+        answer = bool(questionary.confirm(message, default=default).unsafe_ask())
+        self.answered += 1
+        return answer
 
     def select(self, message: str, choices: Sequence[tuple[str, Any, str | None]],
                default: Any) -> Any:
@@ -112,7 +117,9 @@ class Asker:
 
         options = [questionary.Choice(title, value=value, disabled=why)
                    for title, value, why in choices]
-        return questionary.select(message, choices=options, default=default).unsafe_ask()
+        answer = questionary.select(message, choices=options, default=default).unsafe_ask()
+        self.answered += 1
+        return answer
 
 
 def _is_int(low: int, high: int) -> Callable[[str], bool | str]:
@@ -212,12 +219,16 @@ class Wizard:
         self.hosts_ready = True  # whether every host checked so far passed pre-flight
 
     def cancelled_message(self) -> str:
-        """What a Ctrl-C before the run leaves behind, in one line."""
+        """What a Ctrl-C before the run leaves behind, in one line: the files written, and
+        that the answers not yet written are not kept."""
+        answers = self.ask.answered
+        lost = (f" The {plural(answers, 'answer')} given {'is' if answers == 1 else 'are'} not "
+                "kept: the wizard asks again from the start next time.") if answers else ""
         if not self.written:
-            return "Cancelled; nothing was written."
+            return "Cancelled; nothing was written." + lost
         return (f"Cancelled; {', '.join(str(p) for p in self.written)} "
                 f"{'was' if len(self.written) == 1 else 'were'} written and kept; no training "
-                "was started.")
+                "was started; answers not in them are not kept.")
 
     # ------------------------------------------------------------------ hosts
 
@@ -320,8 +331,8 @@ class Wizard:
                 failed = sum(not c.ok for c in report.checks)
                 fail(f"{failed} of {plural(len(config.hosts), 'host')} "
                      f"{'is' if failed == 1 else 'are'} not ready (each problem above names the "
-                     "host and the fix); fix them and run again, or use cli_typer.py "
-                     "distributed-train --local to simulate",
+                     "host and the fix); fix them and run again, or use "
+                     f"{command('distributed-train', '--local')} to simulate",
                      2, False)
             if not self.ask.confirm("Continue anyway? (the run's own pre-flight will stop it "
                                     "if the problems remain)", default=False):
@@ -330,7 +341,13 @@ class Wizard:
 
     def build_hosts(self) -> HostsConfig | None:
         """Ask for the hosts, checking each as it is added; None for one machine."""
-        from ..app.wizard_steps import HostsFileError, is_loopback, is_other_machine, load_hosts
+        from ..app.wizard_steps import (
+            HostsFileError,
+            is_loopback,
+            is_other_machine,
+            load_hosts,
+            with_paths,
+        )
 
         where = self.ask.select("Where should it train?", [
             ("On this machine only: simulate the nodes here", "local", None),
@@ -338,25 +355,45 @@ class Wizard:
         if where == "local":
             return None
         self.console.print("Settings every host shares (a host can differ later in the file):")
-        top: dict[str, Any] = {
-            "ssh_user": self.ask.text("SSH user on the workers:", getpass.getuser()),
-            "ssh_key_path": self.ask.text("SSH private key (empty: the SSH agent and "
-                                          "~/.ssh defaults):", _default_key()),
-            "ssh_port": int(self.ask.text("SSH port of the workers:", "22", _is_int(1, 65535))),
-            "python_env": self.ask.text("Python on every host (path to the interpreter):",
-                                        sys.executable),
-            "project_path": self.ask.text("This project's checkout on every host:",
-                                          str(WORK_ROOT)),
-        }
-        master = self.ask.text("Address of the master, which runs rank 0 (the workers must "
-                               "reach it):", _this_address())
-        port = int(self.ask.text("Training port on the master:", "29500", _is_int(1, 65535)))
-        mapping = {"master": master, "workers": [], "master_port": port,
-                   **{k: v for k, v in top.items() if v not in ("", None)}}
-        try:
-            config = load_hosts(mapping)
-        except HostsFileError as exc:
-            fail(str(exc), 2, False, exc)
+        # Each answer is checked as a hosts file would be, at its own question: a problem
+        # is shown there and the question asked again, never after every other question.
+        mapping: dict[str, Any] = {"master": "127.0.0.1", "workers": []}
+
+        def answer(key: str, question: str, default: str,
+                   check: Callable[[str], bool | str] | None = None) -> None:
+            def valid(text: str) -> bool | str:
+                said = check(text) if check is not None else True
+                if said is not True:
+                    return said
+                value: Any = int(text) if key.endswith("port") else text.strip()
+                trial = {**mapping, key: value} if value != "" else \
+                    {k: v for k, v in mapping.items() if k != key}
+                try:
+                    load_hosts(with_paths(trial)[0])
+                except HostsFileError as exc:
+                    return " ".join(str(exc).split())
+                return True
+
+            text = self.ask.text(question, default, valid)
+            if text != "":
+                mapping[key] = int(text) if key.endswith("port") else text
+            else:
+                mapping.pop(key, None)
+
+        answer("ssh_user", "SSH user on the workers:", getpass.getuser())
+        answer("ssh_key_path", "SSH private key (empty: the SSH agent and ~/.ssh defaults):",
+               _default_key())
+        answer("ssh_port", "SSH port of the workers:", "22", _is_int(1, 65535))
+        answer("python_env", "Python on every host (path to the interpreter; empty: this "
+               "machine's own here, and setup-hosts makes one on each other host):",
+               sys.executable)
+        answer("project_path", "This project's checkout on every host (empty: this one here, "
+               "and setup-hosts copies it to ~/exogym on each other host):", str(WORK_ROOT))
+        answer("master", "Address of the master, which runs rank 0 (the workers must reach "
+               "it):", _this_address())
+        answer("master_port", "Training port on the master:", "29500", _is_int(1, 65535))
+        master = mapping["master"]
+        config = load_hosts(with_paths(mapping)[0])
         self.console.print(f"Checking the master {master}...")
         self.show_host_check(self.check(config), master)
         while True:
@@ -375,23 +412,28 @@ class Wizard:
                     _this_address(), lambda t: not is_loopback(t.strip()) or
                     f"{t.strip()} is a loopback address: the workers cannot reach it")
                 self.console.print(f"Checking the master {mapping['master']}...")
-                self.show_host_check(self.check(load_hosts({**mapping, "workers": []})),
-                                     mapping["master"])
+                self.show_host_check(self.check(load_hosts(with_paths(
+                    {**mapping, "workers": []})[0])), mapping["master"])
             trial = {**mapping, "workers": [*mapping["workers"], address]}
             try:
-                load_hosts(trial)
+                load_hosts(with_paths(trial)[0])
             except HostsFileError as exc:
                 self.console.print(f"[red]{exc}[/]", highlight=False)
                 continue
             self.console.print(f"Checking {address}...")
-            pair = load_hosts({**mapping, "workers": [address]})
-            if self.show_host_check(self.check(pair), address) or self.ask.confirm(
-                    f"Keep {address} anyway?", default=False):
+            pair, filled = with_paths({**mapping, "workers": [address]})
+            to_set_up = address in filled
+            if to_set_up:
+                self.console.print(f"  {address} gets this project and its Python from "
+                                   "setup-hosts, offered before training: until then "
+                                   "pre-flight finds neither there.", highlight=False)
+            if self.show_host_check(self.check(load_hosts(pair)), address) or self.ask.confirm(
+                    f"Keep {address} anyway?", default=to_set_up):
                 mapping = trial
         if not mapping["workers"]:
             self.console.print("No workers: the run will be a simulation on this machine.")
             return None
-        return load_hosts(mapping)
+        return load_hosts(with_paths(mapping)[0])
 
     def hosts(self) -> HostsConfig | None:
         """The hosts to train on, or None for a local simulation."""
@@ -424,7 +466,7 @@ class Wizard:
             self.console.print(f"[yellow]No LAN discovery: {exc}[/]", highlight=False)
             return None
         if not machines:
-            self.console.print("No other machines found (run `python cli_typer.py agent` on a "
+            self.console.print(f"No other machines found (run `{command('agent')}` on a "
                                "machine to make it findable).")
             return None
         many = len(machines) > 1
@@ -447,8 +489,9 @@ class Wizard:
                                 **({"ssh_key_path": key} if key else {}))
         try:
             config = load_hosts(mapping)
-        except HostsFileError as exc:
-            fail(str(exc), 2, False, exc)
+        except HostsFileError as exc:  # said here, and the hosts then asked for one by one
+            self.console.print(f"[red]{exc}[/]", highlight=False)
+            return None
         self.console.print("Checking every host (pre-flight)...")
         report = self.check(config)
         for host in config.hosts:
@@ -508,7 +551,7 @@ class Wizard:
         choices = [(title(e), e.name, why_not(e)) for e in entries]
         usable = [v for _, v, why in choices if why is None]
         if not usable:
-            fail(f"no profile in {path} can run here (see `python cli_typer.py profiles`)",
+            fail(f"no profile in {path} can run here (see `{command('profiles')}`)",
                  2, False)
         chosen = {v: why for _, v, why in choices}
         if self.profile_name and chosen.get(self.profile_name):
@@ -744,7 +787,7 @@ class Wizard:
         label = spec_for(strategy, settings).label if settings else strategy
         values["description"] = (f"{base.name} with {label} on {nodes} "
                                  f"{'hosts' if hosts is not None else 'simulated nodes'} "
-                                 "(written by wizard.py)")
+                                 f"(written by {wizard_command()})")
         suggested = profile_name_for(base, strategy, nodes, hosts is not None)
         name = self.ask.text("Name of the profile to write:",
                              free_profile_name(self.config_path, suggested, values),
@@ -758,7 +801,7 @@ class Wizard:
             hosts_file = self.write_hosts(hosts)
             if not self.set_up_hosts(hosts_file):
                 inside = self.config_path.resolve().is_relative_to(WORK_ROOT)
-                sync = self.ask.confirm(f"Copy this checkout's tracked files and your profiles "
+                sync = self.ask.confirm(f"Copy this project's files and your profiles "
                                         f"({self.local_profiles.name}) to the workers first?",
                                         default=inside)
         request = self.request(hosts_file, name, config=str(self.config_path), sync=sync,

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from exogym.base.escapes import unprintable
+from exogym.base.install_mode import hosts_file_help
 from exogym.base.limits import MAX_NUM_NODES
 from exogym.base.plural import plural
 
@@ -305,8 +306,7 @@ def load_hosts(source: str | os.PathLike[str] | Mapping[str, Any]) -> HostsConfi
                               f"{exc.start}); give the JSON file listing your hosts"],
                              str(path)) from None
     except FileNotFoundError:
-        message = (f"hosts file: {str(path)!r} does not exist; create it from "
-                   "distributed_hosts.json.example")
+        message = f"hosts file: {str(path)!r} does not exist; {hosts_file_help()}"
         raise HostsFileError([message], str(path)) from None
     except OSError as exc:
         raise HostsFileError([f"hosts file: cannot read {str(path)!r}: {exc.strerror}"],

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from exogym.base.escapes import printable
+from exogym.base.install_mode import install_extra
 
 from .onhost.probe import hash_files, torch_version
 from .sync import PROJECT_ROOT, WORK_ROOT, code_files
@@ -64,7 +65,7 @@ def require_zeroconf() -> Any:
     except ImportError:
         raise DiscoveryError(
             "LAN discovery needs the zeroconf package, which is not installed; install the "
-            "distributed extra: pip install -e \".[distributed]\" (or pip install zeroconf)"
+            f"distributed extra: {install_extra('distributed')} (or pip install zeroconf)"
         ) from None
     return zeroconf
 

@@ -519,7 +519,7 @@ def rank_identity(profile: Profile, rank: int, ranks: int, *, resume: bool = Fal
         raise RunFolderError(
             f"the settings on this host differ from those the run was started with (in "
             f"{folder}/run.json): {'; '.join(theirs.differences(identity, here='on this host'))}"
-            ". Every host must read the same profile: copy this checkout to the hosts "
+            ". Every host must read the same profile: copy this project to the hosts "
             "(--sync)")
     if overwrite:  # replaced once every check has passed (replace_rank_folder)
         return identity

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from exogym.base.install_mode import from_checkout, own_files_owner, wizard_command
 from exogym.base.io import atomic_write_bytes, atomic_write_text
 
 from ..hosts.hostsfile import HostsConfig
@@ -25,10 +26,13 @@ from .profile import SECTION_PREFIX, parse_value
 
 def local_profiles_header(shared: str) -> str:
     """What a new local profiles file beside the profiles file named ``shared`` starts with."""
-    return (f"# This checkout's own profiles, read after {shared} beside it: a profile here\n"
+    git = ("Git ignores this file, so a `git pull` never meets it; " if from_checkout()
+           else "")
+    where = "beside it" if from_checkout() else "(the built-in one)"
+    return (f"# {own_files_owner()} profiles, read after {shared} {where}: a profile here\n"
             "# replaces the one of the same name there, and may name one there as its\n"
-            "# base_profile. Git ignores this file, so a `git pull` never meets it; `--sync`\n"
-            "# copies it to the hosts. python wizard.py adds the profiles it sets up here.\n")
+            f"# base_profile. {git}`--sync` copies it to the hosts.\n"
+            f"# {wizard_command()} adds the profiles it sets up here.\n")
 
 
 def backup_path(path: str | os.PathLike[str]) -> Path:

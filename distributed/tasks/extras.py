@@ -1,15 +1,18 @@
 """Which optional extra (``pyproject.toml``'s ``[project.optional-dependencies]``) a built-in
 task needs, and the command that installs it, known without importing anything heavy.
 
-``distributed`` runs from a checkout (never installed into site-packages: dask owns
-that name), so an extra is installed from the project's folder, ``pip install -e
-'.[NAME]'``. Whether a package is installed is asked with ``importlib.util.find_spec``,
-which imports nothing (``profiles`` stays instant).
+The install line fits how the project was installed
+(:func:`exogym.base.install_mode.install_extra`): ``pip install -e '.[NAME]'`` from a
+checkout, ``pip install 'exogym[NAME]'`` installed, each pinned by the lock. Whether a
+package is installed is asked with ``importlib.util.find_spec``, which imports nothing
+(``profiles`` stays instant).
 """
 
 from __future__ import annotations
 
 import importlib.util
+
+from exogym.base.install_mode import install_extra
 
 __all__ = ["TASK_EXTRAS", "install_command", "missing_extra", "missing_modules",
            "needed_extra", "require_extra"]
@@ -17,13 +20,15 @@ __all__ = ["TASK_EXTRAS", "install_command", "missing_extra", "missing_modules",
 #: For a built-in task: the extra it needs and the top-level modules that extra brings
 #: which the task imports.
 TASK_EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    # the digits are read from the file scikit-learn ships
+    "digits": ("examples", ("sklearn",)),
     "whisper": ("whisper", ("transformers", "peft", "soundfile", "scipy")),
 }
 
 
 def install_command(extra: str) -> str:
-    """The command that installs ``extra`` into this checkout's environment."""
-    return f"pip install -e '.[{extra}]'"
+    """The command that installs ``extra`` into this environment, as this install needs it."""
+    return install_extra(extra)
 
 
 def _installed(module: str) -> bool:
@@ -48,7 +53,7 @@ def missing_extra(task: str) -> str | None:
         return None
     extra = TASK_EXTRAS[task][0]
     return (f"the {task} task needs the {extra} extra, which is not installed here (missing: "
-            f"{', '.join(missing)}); install it from the project's folder with: "
+            f"{', '.join(missing)}); install it with: "
             f"{install_command(extra)}")
 
 

@@ -20,6 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
+from exogym.base.install_mode import install_extra
+
 __all__ = ["load_digits_tensors", "digits_datasets", "DigitsMLP", "DigitsCNN", "evaluate"]
 
 NUM_CLASSES = 10
@@ -52,7 +54,7 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
             from sklearn.datasets import load_digits
         except ImportError:  # pragma: no cover - depends on the environment
             raise ImportError(
-                "the digits data comes with scikit-learn: pip install 'exogym[examples]' "
+                f"the digits data comes with scikit-learn: {install_extra('examples')} "
                 "(or pip install scikit-learn)") from None
         data = load_digits()
         pixels, labels = data.data, data.target

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from exogym.base.install_mode import install_extra
 from exogym.base.io import atomic_write_bytes
 
 __all__ = ["check_plotting", "comparison_figure", "plot_comparison"]
@@ -24,7 +25,7 @@ def check_plotting() -> None:
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
-        raise ImportError("the comparison plot needs matplotlib: pip install 'exogym[examples]'")
+        raise ImportError(f"the comparison plot needs matplotlib: {install_extra('examples')}")
 
 
 def comparison_figure(results: Sequence[Any], title: str | None = None,
@@ -36,7 +37,7 @@ def comparison_figure(results: Sequence[Any], title: str | None = None,
     simulated time on ``network`` (its name labels the axis).
 
     Raises:
-        ImportError: when matplotlib is not installed (``pip install 'exogym[examples]'``).
+        ImportError: when matplotlib is not installed (the message names the install line).
     """
     check_plotting()
     import matplotlib
@@ -88,7 +89,7 @@ def plot_comparison(results: Sequence[Any], path: str | Path,
     """Draw :func:`comparison_figure` and write the PNG atomically to ``path``.
 
     Raises:
-        ImportError: when matplotlib is not installed (``pip install 'exogym[examples]'``).
+        ImportError: when matplotlib is not installed (the message names the install line).
     """
     import matplotlib.pyplot as plt
 

@@ -21,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from exogym.base.install_mode import install_extra
 from exogym.base.io import atomic_write_json, atomic_write_text
 
 
@@ -151,7 +152,7 @@ class WandbLogger(Logger):
         except ImportError:
             raise ImportError(
                 "WandbLogger needs the wandb package, which is an optional extra: "
-                "pip install 'exogym[wandb]' (or pip install wandb)"
+                f"{install_extra('wandb')} (or pip install wandb)"
             ) from None
         if x_axis not in ("step", "examples"):
             raise ValueError(f"x_axis must be 'step' or 'examples', got {x_axis!r}")
@@ -215,7 +216,7 @@ class TensorBoardLogger(Logger):
         except ImportError:
             raise ImportError(
                 "TensorBoardLogger needs the tensorboard package, which is an optional extra: "
-                "pip install 'exogym[tensorboard]' (or pip install tensorboard)"
+                f"{install_extra('tensorboard')} (or pip install tensorboard)"
             ) from None
         self._writer_class = SummaryWriter
         self.log_dir = Path(log_dir)

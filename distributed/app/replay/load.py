@@ -185,7 +185,7 @@ def _rebuilt_profile(recorded: RunIdentity, header: Mapping[str, Any], num_nodes
     problems = profile.problems()
     if problems:
         raise ReplayError(f"the settings of the run in {folder} make no valid profile here "
-                          f"(this checkout's code differs from the one that ran it):\n  "
+                          f"(the code here differs from the one that ran it):\n  "
                           + "\n  ".join(problems))
     again = RunIdentity.of(profile, num_nodes)
     if again.fingerprint != recorded.fingerprint:
@@ -193,7 +193,7 @@ def _rebuilt_profile(recorded: RunIdentity, header: Mapping[str, Any], num_nodes
         raise ReplayError(f"the profile rebuilt from {path} is not the run it records (its "
                           f"settings fingerprint differs: "
                           f"{', '.join(differ[:6]) or 'the same keys, other defaults'}); "
-                          "this checkout's defaults differ from the ones the run had")
+                          "the defaults here differ from the ones the run had")
     return profile
 
 

@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from exogym.base.install_mode import install_extra
+
 from .guard import MISDIRECTED, QuietHTTPServer, host_allowed
 from .limits import BoundedHandler, Limits
 from .state import WebState
@@ -53,7 +55,8 @@ PAGES = {"/": ("index.html", "text/html; charset=utf-8"),
          "/app.js": ("app.js", "text/javascript; charset=utf-8"),
          "/app.css": ("app.css", "text/css; charset=utf-8")}
 COOKIE = "exogym_token"
-WEB_EXTRA_HINT = "pip install 'exogym[web]'"
+#: The install line of the web extra, as this install needs it.
+WEB_EXTRA_HINT = install_extra("web")
 #: Seconds between two messages of one event stream (changes in between are merged).
 PUSH_INTERVAL_S = 0.2
 #: Seconds ``stop`` gives open pages to receive the final state.
