@@ -367,7 +367,7 @@ def test_wizard_uses_found_machines_after_each_fingerprint_is_confirmed(sshd, tm
         child.expect(r"Strategy ddp \(--strategy\)")
         answer("Name of the profile to write", clear + "found-test\r")
         answer("Set up the hosts now", "n")
-        answer("Copy this checkout", "n")
+        answer("Copy this project.s files", "n")
         child.expect(pexpect.EOF, timeout=300)
     finally:
         child.close()

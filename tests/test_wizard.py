@@ -190,7 +190,7 @@ def test_wizard_in_a_terminal_builds_hosts_trusts_keys_writes_files_and_trains(s
         answer("Set up the hosts now", "y")
         child.expect(r"setting up the hosts failed")
         child.expect(r"is no virtual environment that setup made or can use")
-        answer("Copy this checkout", "n")
+        answer("Copy this project.s files", "n")
         answer("Start training now", "y")
         child.expect(pexpect.EOF, timeout=300)
     finally:
