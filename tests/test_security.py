@@ -705,6 +705,11 @@ def test_ranks_watching_each_other_do_not_lose_a_peer_whose_heartbeat_is_deleted
         finally:
             deleter.end()
         assert deleted_keys()[0] > before
+        stranger = stranger_client(master.port)  # an unsigned beat over it is no news either
+        for _ in range(30):
+            planted(stranger, "exogym/beat/1", b"99999999999999")
+            assert watchers[0].silent() == []
+            time.sleep(0.1)
         watchers[1].stop()  # now truly silent
         stopped = time.monotonic()
         while watchers[0].silent() != [1]:

@@ -457,12 +457,14 @@ def next_beat(last: int) -> int:
 
 def beat_news(store: ControlStore, key: str, seen: int = 0) -> int | None:
     """The heartbeat at ``key``: 0 when none (or, in a signed store, none signed); None
-    when a key that held a beat was deleted, which says nothing of the rank.
+    when a key that held a beat was deleted or overwritten by a stranger, which says
+    nothing of the rank.
 
     A rank never deletes its heartbeat, so in a signed store a key found unset after
     a beat was seen there was deleted by something without the run's key: the deletion
     is counted (:func:`deleted_keys`, :func:`describe_ignored`), once each time the key
-    goes missing, and a watcher must not take it for the rank's silence.
+    goes missing, as a forged value there is (:func:`ignored_messages`). Neither may a
+    watcher take for the rank's silence.
 
     Args:
         store: the run's store.
@@ -477,6 +479,7 @@ def beat_news(store: ControlStore, key: str, seen: int = 0) -> int | None:
             _IGNORED.note_present(key)
         elif seen > 0:
             _IGNORED.note_deleted(key)
+        if value is None and seen > 0:
             return None
     return int(value) if value is not None and value.isdigit() else 0
 

@@ -166,10 +166,10 @@ class PeerWatch:
                 beat = comm.beat_news(self.store, self._key("beat", peer),
                                       last[0] if last else 0)
                 if beat is None:
-                    # Deleted by something without the run's key (counted): no news of the
-                    # peer, so its silence does not run on meanwhile. The last beat seen goes
-                    # back (unless the peer wrote again): once deletions cease, a peer that
-                    # does not beat above it is silent again.
+                    # Deleted or overwritten by something without the run's key (counted):
+                    # no news of the peer, so its silence does not run on meanwhile. The last
+                    # beat seen goes back (unless the peer wrote again): once the stranger
+                    # ceases, a peer that does not beat above it is silent again.
                     assert last is not None
                     self.seen[peer] = (last[0], now)
                     self.store.compare_set(self._key("beat", peer), "", str(last[0]))
