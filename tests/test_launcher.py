@@ -495,9 +495,10 @@ def test_a_rank_done_training_is_not_lost_while_it_writes_its_outputs_without_a_
     beats = {0: 7, 1: 7}
     lost: list[int] = []
     attempt = SimpleNamespace(
-        runs={r: SimpleNamespace(running=True) for r in (0, 1)}, lost={}, beats={},
-        lost_after=10.0, store=None, progress=progress,
-        comm=SimpleNamespace(read_beat=lambda store, key: beats[int(key.rsplit("/", 1)[1])]),
+        runs={r: SimpleNamespace(running=True, beat_heard_at=0.0) for r in (0, 1)}, lost={},
+        beats={}, lost_after=10.0, store=None, progress=progress,
+        comm=SimpleNamespace(read_beat=lambda store, key, seen=0:
+                             beats[int(key.rsplit("/", 1)[1])]),
         _lose=lambda rank, why: (lost.append(rank), attempt.lost.update({rank: why})))
     ElasticAttempt._watch_heartbeats(attempt, 0.0)
     beats.update({0: 8, 1: 8})  # both beat, then go quiet

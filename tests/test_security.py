@@ -596,6 +596,130 @@ def test_a_signed_store_ignores_and_counts_every_value_a_stranger_writes():
     assert {"exogym/elastic/stop", "exogym/elastic/lost/1", "exogym/beat/1"} <= set(keys)
 
 
+class _Deleter:
+    """A stranger who deletes ``keys`` in a loop, as fast as the store answers."""
+
+    def __init__(self, port: int, keys: list[str]):
+        self.client = stranger_client(port)
+        self.keys = keys
+        self.deletes = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            for key in self.keys:
+                self.client.delete_key(key)
+                self.deletes += 1
+            time.sleep(0.002)
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+def test_a_deleted_heartbeat_is_counted_and_never_taken_for_a_ranks_silence():
+    """Deleting a rank's heartbeat key faster than the launcher looks neither makes it lost
+    nor goes unsaid; a rank silent on every channel is still lost within ``lost_after``."""
+    from types import SimpleNamespace
+
+    from distributed.launch.elastic_attempt import ElasticAttempt
+    from distributed.launch.progress import ProgressWatch
+    from exogym import comm
+    from exogym.comm.store import deleted_keys, describe_ignored
+
+    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=5, key=KEY)
+    rank_store = open_store("127.0.0.1", master.port, timeout_s=5, key=KEY)
+    run = SimpleNamespace(running=True, beat_heard_at=0.0)
+    lost: dict[int, float] = {}
+    attempt = SimpleNamespace(
+        runs={1: run}, lost={}, beats={}, lost_after=1.5, store=master,
+        progress=ProgressWatch(), comm=comm,
+        _lose=lambda rank, why: (lost.setdefault(rank, time.monotonic()),
+                                 attempt.lost.update({rank: why})))
+    beating = threading.Event()
+    beating.set()
+    ended = threading.Event()
+
+    def rank_one() -> None:  # beats in the store and on its own channel, as a rank does
+        beat = 0
+        while not ended.wait(0.2):
+            if beating.is_set():
+                beat = comm.next_beat(beat)
+                rank_store.set("exogym/beat/1", str(beat))
+                run.beat_heard_at = time.monotonic()
+
+    def watch(seconds: float) -> None:
+        until = time.monotonic() + seconds
+        while time.monotonic() < until and not lost:
+            ElasticAttempt._watch_heartbeats(attempt, time.monotonic())
+            time.sleep(0.1)
+
+    beater = threading.Thread(target=rank_one, daemon=True)
+    beater.start()
+    before, _ = deleted_keys()
+    watch(1.0)  # the launcher has seen a beat
+    deleter = _Deleter(master.port, ["exogym/beat/1"])
+    try:
+        watch(5.0)  # more than three times lost_after
+        assert lost == {}, attempt.lost
+        assert deleter.deletes > 100
+        count, keys = deleted_keys()
+        assert count > before and "exogym/beat/1" in keys
+        assert "deletion" in describe_ignored() and "exogym/beat/1" in describe_ignored()
+        # Silent on every channel, while the stranger still deletes: lost in time.
+        beating.clear()
+        silent_since = time.monotonic()
+        watch(10.0)
+        assert 1 in lost, "a rank silent on every channel was never declared lost"
+        assert lost[1] - silent_since < 1.5 + 1.0
+    finally:
+        deleter.end()
+        ended.set()
+        beater.join(5)
+
+
+def test_ranks_watching_each_other_do_not_lose_a_peer_whose_heartbeat_is_deleted():
+    """Where the ranks judge each other (every rank needed), a deleted heartbeat is no news
+    of the peer: counted, never its silence; a peer that stops beating is still lost."""
+    from exogym.comm.store import deleted_keys
+    from exogym.run.run_rank import PeerWatch, Rendezvous
+
+    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=5, key=KEY)
+    rendezvous = Rendezvous("127.0.0.1", master.port, store_on_rank0=False, watch_peers=True,
+                            key=KEY)
+    watchers = [PeerWatch(rendezvous, rank, 2, interval_s=0.1, silent_after_s=1.5)
+                for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 10
+        while 1 not in watchers[0].seen or watchers[0].seen[1][0] == 0:
+            assert time.monotonic() < deadline, "rank 0 never saw rank 1 beat"
+            time.sleep(0.05)
+        before, _ = deleted_keys()
+        deleter = _Deleter(master.port, ["exogym/beat/1"])
+        try:
+            for _ in range(40):  # 4 s: more than twice the silence allowed
+                assert watchers[0].silent() == []
+                time.sleep(0.1)
+        finally:
+            deleter.end()
+        assert deleted_keys()[0] > before
+        stranger = stranger_client(master.port)  # an unsigned beat over it is no news either
+        for _ in range(30):
+            planted(stranger, "exogym/beat/1", b"99999999999999")
+            assert watchers[0].silent() == []
+            time.sleep(0.1)
+        watchers[1].stop()  # now truly silent
+        stopped = time.monotonic()
+        while watchers[0].silent() != [1]:
+            assert time.monotonic() - stopped < 1.5 + 2.0, "a silent peer was never lost"
+            time.sleep(0.05)
+    finally:
+        for watcher in watchers:
+            watcher.stop()
+
+
 def test_a_store_across_hosts_listens_on_the_masters_address_alone():
     import socket
 
@@ -852,3 +976,85 @@ def test_a_stranger_on_the_lan_neither_stops_nor_steers_a_run_across_hosts(tmp_p
         if path.is_file():
             assert key not in path.read_text(errors="replace"), path
     assert key not in said
+
+
+DELETE_BEATS = r"""
+import sys, time, torch.distributed as dist
+from datetime import timedelta
+addr, port, bound = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+deletes, started = 0, time.monotonic()
+try:
+    s = dist.TCPStore(addr, port, None, is_master=False, timeout=timedelta(seconds=10),
+                      wait_for_workers=False)
+    while time.monotonic() - started < bound:
+        for rank in (1, 2):
+            s.delete_key(f"exogym/beat/{rank}")
+            deletes += 1
+        time.sleep(0.005)
+except Exception:  # the run has ended and its store with it
+    pass
+print(f"stranger deleted {deletes} times over {time.monotonic() - started:.1f} s", flush=True)
+"""
+
+
+def test_a_stranger_deleting_heartbeats_changes_no_membership_across_hosts(tmp_path):
+    """Deleting two ranks' heartbeat keys again and again, for the whole run, neither drops
+    a host nor stops a ``min_nodes=2`` run; the launcher says that deletions were seen."""
+    from netbed import Testbed
+    from netns import netns_available
+    from rich.console import Console
+
+    from distributed.hosts.ssh import SSHOptions
+    from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram
+
+    why = netns_available()
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "net"
+    events: list[dict] = []
+    output: list[str] = []
+    program = RankProgram.from_profile("digits-diloco", overrides=[
+        "max_steps=4000", "val_interval=2000", "val_size=256", "num_threads=1",
+        "checkpoint_interval=None", "num_nodes=3", f"output_dir={out}"])
+    port = free_port()
+    lost_after = 4.0
+    with Testbed(3, subnet="10.213.94", pin=False) as bed:
+        config = bed.hosts_config(port, launcher_is_master=True, count=2)
+        stranger_host = bed.hosts[2]  # on the same LAN, in no hosts file
+        console = StringIO()
+        job = Launcher(config, program, options=LaunchOptions(
+            run_dir=tmp_path / "launch", grace_period=2, probe_interval=1.0, min_nodes=2,
+            lost_after=lost_after),
+            ssh=SSHOptions(**bed.ssh_settings(connect_timeout=3)),
+            console=Console(file=console, width=200),
+            on_output=lambda line: output.append(line.text), on_event=events.append)
+        with job:
+            runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
+            runner.start()
+            deadline = time.monotonic() + 120
+            while not any(e.get("event") == "step" and e.get("rank") == 2 for e in events):
+                assert time.monotonic() < deadline, "the run never trained"
+                time.sleep(0.2)
+            attack = subprocess.run(
+                bed.in_host(stranger_host, sys.executable, "-c", DELETE_BEATS,
+                            bed.uplink_address, str(port), "300"),
+                capture_output=True, text=True, timeout=400,
+                env={**os.environ, "PYTHONPATH": str(ROOT)})
+            runner.join(timeout=300)
+        result = job.result
+    found = re.search(r"stranger deleted (\d+) times over ([\d.]+) s", attack.stdout)
+    assert found, (attack.stdout, attack.stderr[-2000:])
+    # Deleting for the rest of the run, several times the silence that loses a host.
+    assert int(found.group(1)) > 1000 and float(found.group(2)) > 3 * lost_after, found.group(0)
+    assert result.ok, result.describe()
+    memberships = [e["ranks"] for e in events if e.get("event") == "membership"]
+    assert memberships == [[0, 1, 2]], memberships
+    assert not [e for e in events if e.get("event") == "host" and e.get("state") == "lost"]
+    assert not [e for e in events if e.get("event") == "beat"]  # the launcher's alone
+    steps = {e["rank"]: e["step"] for e in events if e.get("event") == "step"}
+    assert steps == {0: 4000, 1: 4000, 2: 4000}, steps
+    said = console.getvalue() + "\n".join(output)
+    told = [line for line in said.splitlines() if "deletion" in line]
+    assert told and "exogym/beat/" in told[0], said[-3000:]
+    assert "fewer than min_nodes" not in said and "no heartbeat" not in said
+    print(found.group(0), "|", told[0].strip())

@@ -7,7 +7,10 @@ death takes it away. While the job runs, this watch:
 - declares a rank lost when its process exits with an error or its connection
   drops (at once), or when its heartbeat has not moved for ``lost_after``
   seconds (a frozen process, a sleeping laptop, a cut link); the other ranks
-  carry on among themselves;
+  carry on among themselves. A rank beats both in the store and on its own
+  channel (a line on its stdout over SSH): either keeps it alive, so a stranger
+  who deletes its key in the store cannot make it look silent (the deletions
+  are counted and told at the end);
 - probes a lost rank's host every ``probe_interval`` seconds over a fresh SSH
   connection; once it answers, starts the rank again, and the rank rejoins at
   the next round with the state a live peer hands it. A rank whose process
@@ -183,10 +186,17 @@ class ElasticAttempt:
             # on a run without progress, not judged by its heartbeat.
             if rank in self.lost or not run.running or rank in self.progress.finished:
                 continue
-            beat = self.comm.read_beat(self.store, f"exogym/beat/{rank}")
             seen = self.beats.get(rank)
+            beat = self.comm.read_beat(self.store, f"exogym/beat/{rank}",
+                                       seen[0] if seen is not None else 0)
             if seen is None or beat > seen[0]:
                 self.beats[rank] = (beat, now, seen is not None)
+                continue
+            # The same heartbeat also arrives on the rank's own channel, which a stranger
+            # who deletes its key in the store (counted by read_beat) cannot touch.
+            heard = run.beat_heard_at
+            if heard > seen[1]:
+                self.beats[rank] = (seen[0], heard, True)
                 continue
             allowed = self.lost_after if seen[2] else self.lost_after + START_ALLOWANCE_S
             if now - seen[1] > allowed:

@@ -84,6 +84,8 @@ class RankRun:
         self.stop_requested = False
         self.running = False
         self.t0 = self.t1 = time.monotonic()
+        #: When the rank's last heartbeat line arrived on its channel (0: none yet).
+        self.beat_heard_at = 0.0
         self.last_lines: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
         self.threads: list[threading.Thread] = []
         self.log_lock = threading.Lock()
@@ -138,9 +140,12 @@ class RankRun:
                 if not text:
                     return
         text = self.context.redact(text)
+        event = decode_line(text)
+        if event is not None and event.get("event") == "beat":
+            self.beat_heard_at = time.monotonic()  # the rank's heartbeat, on its own channel
+            return
         with self.log_lock:
             self.log.write(text + "\n")
-        event = decode_line(text)
         if event is not None:
             event.setdefault("rank", self.plan.rank)
             event.setdefault("host", self.host)

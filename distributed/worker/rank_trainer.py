@@ -125,6 +125,8 @@ class RankTrainer(Trainer):
 
         def emit(event: dict[str, Any]) -> None:
             print(encode_event(event), flush=True)
+            if event.get("event") == "beat":
+                return  # a sign of life for the launcher alone
             if event.get("event") == "final_membership":
                 # Ranks came and went: one that ended the run with the final model
                 # writes the outputs.

@@ -101,6 +101,9 @@ from exogym.comm.store import (
     ControlValueTooLarge as ControlValueTooLarge,
 )
 from exogym.comm.store import (
+    beat_news as beat_news,
+)
+from exogym.comm.store import (
     next_beat as next_beat,
 )
 from exogym.comm.store import (

@@ -85,13 +85,17 @@ class UnsignedValueError(RuntimeError):
 
 
 class _Ignored:
-    """The values this process found unsigned, counted once per key and value."""
+    """The values this process found unsigned, counted once per key and value, and the
+    keys it found deleted by others, counted once each time one goes missing."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.count = 0
         self.keys: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.last: dict[str, bytes] = {}
+        self.deleted = 0
+        self.deleted_keys: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.missing: set[str] = set()  # keys found deleted, not yet seen set again
 
     def note(self, key: str, raw: bytes) -> None:
         with self.lock:
@@ -106,6 +110,24 @@ class _Ignored:
             while len(self.keys) > 16:
                 self.keys.popitem(last=False)
 
+    def note_deleted(self, key: str) -> None:
+        with self.lock:
+            if key in self.missing:
+                return  # the same deletion, looked at again
+            if len(self.missing) >= _COUNTER_MEMORY:
+                self.missing.pop()
+            self.missing.add(key)
+            self.deleted += 1
+            self.deleted_keys[key] = self.deleted_keys.get(key, 0) + 1
+            self.deleted_keys.move_to_end(key)
+            while len(self.deleted_keys) > 16:
+                self.deleted_keys.popitem(last=False)
+
+    def note_present(self, key: str) -> None:
+        if key in self.missing:
+            with self.lock:
+                self.missing.discard(key)
+
 
 _IGNORED = _Ignored()
 
@@ -116,14 +138,28 @@ def ignored_messages() -> tuple[int, list[str]]:
         return _IGNORED.count, list(_IGNORED.keys)
 
 
+def deleted_keys() -> tuple[int, list[str]]:
+    """How many times this process found a key of the run deleted by something other than
+    its ranks, and the keys (newest last)."""
+    with _IGNORED.lock:
+        return _IGNORED.deleted, list(_IGNORED.deleted_keys)
+
+
 def describe_ignored() -> str:
-    """A sentence on the unsigned values this process ignored; ``""`` when none."""
+    """A sentence on the unsigned values and the deletions this process ignored; ``""``
+    when none."""
     count, keys = ignored_messages()
-    if not count:
+    deleted, gone = deleted_keys()
+    said = []
+    if count:
+        said.append(f"ignored {count} store value{'s' if count != 1 else ''} not signed by "
+                    f"this run (at {', '.join(keys[-3:])})")
+    if deleted:
+        said.append(f"ignored {deleted} deletion{'s' if deleted != 1 else ''} of the run's "
+                    f"keys, which its ranks never delete (at {', '.join(gone[-3:])})")
+    if not said:
         return ""
-    shown = ", ".join(keys[-3:])
-    return (f"ignored {count} store value{'s' if count != 1 else ''} not signed by this run "
-            f"(at {shown}): something other than the run's ranks writes to its store")
+    return " and ".join(said) + ": something other than the run's ranks writes to its store"
 
 
 class SignedStore(dist.Store):
@@ -198,6 +234,12 @@ class SignedStore(dist.Store):
             if time.monotonic() > deadline:
                 raise self._forged(key)
             time.sleep(_FORGED_POLL_S)
+
+    def lookup(self, key: str) -> tuple[bool, bytes | None]:
+        """``(set, value)`` of ``key`` now: whether anything is stored there, and the value
+        (None when unset or forged)."""
+        raw, value = self._read(key)
+        return raw is not None, value
 
     def _read(self, key: str) -> tuple[bytes | None, bytes | None]:
         """``(raw, value)`` of ``key`` now: ``(None, None)`` when unset, value None when forged."""
@@ -413,10 +455,39 @@ def next_beat(last: int) -> int:
     return max(last + 1, time.time_ns() // 1_000_000)
 
 
-def read_beat(store: ControlStore, key: str) -> int:
-    """The heartbeat at ``key``; 0 when none (or, in a signed store, none signed)."""
-    value = store.get_if_set(key)
+def beat_news(store: ControlStore, key: str, seen: int = 0) -> int | None:
+    """The heartbeat at ``key``: 0 when none (or, in a signed store, none signed); None
+    when a key that held a beat was deleted or overwritten by a stranger, which says
+    nothing of the rank.
+
+    A rank never deletes its heartbeat, so in a signed store a key found unset after
+    a beat was seen there was deleted by something without the run's key: the deletion
+    is counted (:func:`deleted_keys`, :func:`describe_ignored`), once each time the key
+    goes missing, as a forged value there is (:func:`ignored_messages`). Neither may a
+    watcher take for the rank's silence.
+
+    Args:
+        store: the run's store.
+        key: the heartbeat's key.
+        seen: the highest beat this process saw at ``key`` (0: none yet).
+    """
+    if not isinstance(store.raw, SignedStore):
+        value = store.get_if_set(key)
+    else:
+        found, value = store.raw.lookup(key)
+        if found:
+            _IGNORED.note_present(key)
+        elif seen > 0:
+            _IGNORED.note_deleted(key)
+        if value is None and seen > 0:
+            return None
     return int(value) if value is not None and value.isdigit() else 0
+
+
+def read_beat(store: ControlStore, key: str, seen: int = 0) -> int:
+    """The heartbeat at ``key``; 0 when none (or, in a signed store, none signed), also
+    when it was deleted after ``seen`` (counted: :func:`beat_news`)."""
+    return beat_news(store, key, seen) or 0
 
 
 def open_store(addr: str, port: int, *, is_master: bool = False, world_size: int | None = None,

@@ -113,14 +113,21 @@ class PeerWatch:
             rank has waited in one collective for :data:`WAIT_REPORT_S` seconds
             (and again every as many seconds while it still waits there), so that
             the launcher can say what a run that makes no progress waits for.
+        on_beat: called from the watch thread with a ``beat`` event at every heartbeat,
+            where the launcher judges the ranks: the event reaches it on the rank's own
+            channel (stdout over SSH), which no one without a login on the hosts can
+            touch, so deleting the heartbeat's key in the store cannot make the rank
+            look silent.
     """
 
     def __init__(self, rendezvous: Rendezvous, rank: int, world_size: int,
                  interval_s: float = 0.5, silent_after_s: float = 20.0,
                  on_lost: Callable[[list[int], str], None] | None = None,
                  judge_peers: bool = True,
-                 on_wait: Callable[[dict[str, Any]], None] | None = None):
+                 on_wait: Callable[[dict[str, Any]], None] | None = None,
+                 on_beat: Callable[[dict[str, Any]], None] | None = None):
         self.store = rendezvous.open_store(timeout_s=10)
+        self.on_beat = on_beat
         self.rank = rank
         self.world_size = world_size
         self.interval_s = interval_s
@@ -155,8 +162,18 @@ class PeerWatch:
             for peer in range(self.world_size if self.judge_peers else 0):
                 if peer == self.rank:
                     continue
-                beat = comm.read_beat(self.store, self._key("beat", peer))
-                if peer not in self.seen or beat > self.seen[peer][0]:
+                last = self.seen.get(peer)
+                beat = comm.beat_news(self.store, self._key("beat", peer),
+                                      last[0] if last else 0)
+                if beat is None:
+                    # Deleted or overwritten by something without the run's key (counted):
+                    # no news of the peer, so its silence does not run on meanwhile. The last
+                    # beat seen goes back (unless the peer wrote again): once the stranger
+                    # ceases, a peer that does not beat above it is silent again.
+                    assert last is not None
+                    self.seen[peer] = (last[0], now)
+                    self.store.compare_set(self._key("beat", peer), "", str(last[0]))
+                elif last is None or beat > last[0]:
                     self.seen[peer] = (beat, now)
 
     def _report_wait(self) -> None:
@@ -173,6 +190,8 @@ class PeerWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self._report_wait()
+            if self.on_beat is not None:
+                self.on_beat({"event": "beat", "rank": self.rank})
             try:
                 self._poll()
                 self._failing_since = None
@@ -376,7 +395,7 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
         # launcher's store itself, after a minute without an answer.
         watch = PeerWatch(rendezvous, rank, spec.num_nodes, on_lost=_exit_lost,
                           silent_after_s=60.0 if elastic else 20.0, judge_peers=not elastic,
-                          on_wait=emit)
+                          on_wait=emit, on_beat=emit if elastic else None)
     monitor = None
     try:
         comm.reset_counters()
