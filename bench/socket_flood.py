@@ -8,7 +8,7 @@ the server process's threads, open descriptors and resident memory after each
 wave, and again once the server's request time has passed. Then whether a
 request from another address (``127.0.0.1``) is still answered, and in how long.
 
-Twice: with the server's bounds (``distributed/app/web/limits.py``) as shipped,
+Twice: with the server's bounds (``distributed/app/web/connection_limits.py``) as shipped,
 and with them lifted (as the server was before them: a thread for every
 connection, waiting for ever). Figures are printed, nothing is asserted.
 
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: A dashboard in a process of its own; prints its port, then serves until stdin closes.
 SERVER = """
 import json, sys
-from distributed.app.web.limits import Limits
+from distributed.app.web.connection_limits import Limits
 from distributed.app.web.server import WebDashboard
 limits = Limits(**json.loads(sys.argv[1]))
 with WebDashboard("127.0.0.1", 0, limits=limits) as web:
@@ -126,7 +126,7 @@ def main() -> None:
                         help="source addresses of the many-address waves (127.0.0.2 up)")
     args = parser.parse_args()
     shipped = {}
-    from distributed.app.web.limits import Limits
+    from distributed.app.web.connection_limits import Limits
 
     settle_s = Limits().request_s + 1.0
     for title, bounds in (("bounds as shipped", shipped), ("bounds lifted (as before)", LIFTED)):

@@ -4,7 +4,7 @@ The dashboards (``--web``, ``replay --web``) serve from inside the process that 
 Each test makes a peer do what a stranger on the LAN could (hold idle connections from
 one address or many, trickle a request in, send oversized headers or a body) against a
 real server on loopback, and checks that the server refuses it within its bounds
-(``distributed/app/web/limits.py``), says so once, and keeps answering everyone else.
+(``distributed/app/web/connection_limits.py``), says so once, and keeps answering everyone else.
 
 Peers take addresses of their own on loopback (``127.0.0.2`` and up), so one address's
 flood and another's request are told apart as they would be on a LAN.
@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("plotly")
 
-from distributed.app.web.limits import CLOSING_MAX, Limits  # noqa: E402
+from distributed.app.web.connection_limits import CLOSING_MAX, Limits  # noqa: E402
 from distributed.app.web.replay_page import PageServer  # noqa: E402
 from distributed.app.web.server import WebDashboard  # noqa: E402
 
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: own; prints its port and token, then serves until stdin closes.
 SERVER = """
 import json, sys
-from distributed.app.web.limits import Limits
+from distributed.app.web.connection_limits import Limits
 from distributed.app.web.server import WebDashboard
 with WebDashboard("0.0.0.0", 0, limits=Limits(**json.loads(sys.argv[1]))) as web:
     print(web.port, web.token, flush=True)

@@ -29,6 +29,7 @@ from distributed.app.web import server as web_server
 from distributed.app.web.page_lifetime import keep_serving
 from distributed.app.web.server import WebDashboard, plotly_js_path
 from distributed.app.web.state import WebState
+from exogym.base.install_mode import install_extra
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -362,7 +363,7 @@ def test_taken_port_and_missing_plotly_fail_before_the_run_with_what_to_do(monke
         with pytest.raises(ValueError, match=f"127.0.0.1:{web.port}.*--web-port"):
             WebDashboard(port=web.port)
     hide_plotly(monkeypatch)
-    with pytest.raises(ImportError, match=r"pip install 'exogym\[web\]'"):
+    with pytest.raises(ImportError, match=re.escape(install_extra("web"))):
         WebDashboard()
 
 
@@ -382,7 +383,7 @@ def test_web_without_plotly_is_bad_input_naming_the_extra_before_any_run(monkeyp
     hide_plotly(monkeypatch)
     result = CliRunner().invoke(app, ["distributed-train", "digits-diloco", "--web"])
     assert result.exit_code == 2, result.output
-    assert "exogym[web]" in result.output and "Traceback" not in result.output
+    assert install_extra("web") in result.output and "Traceback" not in result.output
     assert "simulating" not in result.output and not (tmp_path / "runs").exists()
 
 
@@ -809,7 +810,7 @@ def test_page_in_chromium_says_when_plotly_js_cannot_be_loaded(chromium, tmp_pat
     with WebDashboard() as web:
         web._server.plotly_path = tmp_path / "gone" / "plotly.min.js"  # removed meanwhile
         status, body = get(f"http://127.0.0.1:{web.port}/plotly.min.js")
-        assert status == 500 and b"reinstall it: pip install 'exogym[web]'" in body
+        assert status == 500 and f"reinstall it: {install_extra('web')}".encode() in body
         web.begin_run("digits", {}, 1)
         web.on_event(step(0, 1))
         chromium.get(f"http://127.0.0.1:{web.port}/")

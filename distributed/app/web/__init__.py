@@ -5,7 +5,7 @@ page (``static/``), ``/state`` and ``/events`` with the standard library and
 is the progress sink the runs feed, ``page_lifetime.py`` opens it for a command and
 keeps it serving after the run while a person looks, ``guard.py`` refuses
 requests addressed to another name (DNS rebinding) and keeps closed connections quiet,
-``limits.py`` bounds what one peer may cost the server (connections, time, bytes). Standard
+``connection_limits.py`` bounds what one peer may cost the server (connections, time, bytes). Standard
 library only,
 no torch; plotly.js comes from the installed ``plotly`` package (the ``web`` extra).
 """

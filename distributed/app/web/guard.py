@@ -8,7 +8,7 @@
   ``localhost:PORT``; bound elsewhere, an address literal or this machine's own
   name, with the dashboard's port. An address literal cannot be rebound.
 - **What one peer may cost.** Connections per address and in all, the time a
-  request may take and its size are bounded (``limits.py``).
+  request may take and its size are bounded (``connection_limits.py``).
 - **Closed connections.** A browser that closes a tab mid-response resets its
   connection; ``socketserver`` would print that as a traceback into the
   training's terminal. Resets and broken pipes are dropped; any other error is
@@ -23,7 +23,7 @@ import sys
 import threading
 from typing import Any
 
-from .limits import BoundedHTTPServer
+from .connection_limits import BoundedHTTPServer
 
 __all__ = ["ERRORS_SHOWN", "QuietHTTPServer", "host_allowed", "MISDIRECTED"]
 

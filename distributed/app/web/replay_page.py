@@ -8,7 +8,7 @@ standard library's HTTP server on 127.0.0.1 by default; bound to any other
 address (``0.0.0.0``: the LAN) it requires a random token, given in the printed
 URL (``?token=...``), as the live dashboard does, refuses a request whose
 ``Host`` is not its own address (``guard.py``) and bounds what one peer may cost
-it (``limits.py``).
+it (``connection_limits.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from .connection_limits import BoundedHandler, Limits
 from .guard import MISDIRECTED, QuietHTTPServer, host_allowed
-from .limits import BoundedHandler, Limits
 from .server import is_loopback
 
 __all__ = ["PageServer", "replay_html"]

@@ -21,7 +21,7 @@ it on the LAN) it requires a random token, given in the printed URL
 request without it gets 403. A request whose ``Host`` is not the dashboard's own
 address gets 421, on loopback too (``guard.py``: against DNS rebinding). What one
 peer may cost the process that trains (connections, time, bytes) is bounded
-(``limits.py``).
+(``connection_limits.py``).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from exogym.base.install_mode import install_extra
 
+from .connection_limits import BoundedHandler, Limits
 from .guard import MISDIRECTED, QuietHTTPServer, host_allowed
-from .limits import BoundedHandler, Limits
 from .state import WebState
 
 __all__ = ["WEB_EXTRA_HINT", "WebDashboard", "plotly_js_path"]
