@@ -713,6 +713,12 @@ def train(request: TrainRequest, console: Console | None = None, *,
     except KeyboardInterrupt as exc:
         release_placement(placement)  # interrupted before the run wrote anything
         raise RunInterrupted(placement.folder, placement.folder) from exc
+    except RunFailedError as exc:
+        release_placement(placement)
+        hint = resume_hint(request, RunInterrupted(placement.folder, placement.folder))
+        if hint is None:
+            raise
+        raise RunFailedError(f"{exc}\n{hint}", exc.launch) from exc
     except BaseException:
         release_placement(placement)  # refused before it wrote anything: no folder left
         raise

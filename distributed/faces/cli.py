@@ -457,7 +457,7 @@ def runs(ctx: typer.Context,
         from rich.text import Text
 
         from ..app.dashboard import human_bytes
-        from ..app.run_list import REMOVABLE, clean_runs, list_runs
+        from ..app.run_list import REMOVABLE, clean_runs, list_runs, resume_note
 
         words = list(words or [])
         cleaning = bool(words) and words[0] == "clean"
@@ -473,17 +473,29 @@ def runs(ctx: typer.Context,
                 console.print(f"nothing to clean: no failed or refused run among "
                               f"{plural(len(rows), 'run')}", markup=False, highlight=False)
                 return
+            resumable = 0
             for row in doomed:
                 console.print(f"  {plain(row.folder)}  {row.status}"
                               + (f": {plain(row.why)}" if row.why else "")
                               + f" ({human_bytes(row.size_bytes)})", markup=False,
                               highlight=False, soft_wrap=True)
+                note = resume_note(row)
+                if note:
+                    resumable += 1
+                    console.print(f"    {plain(note)}", markup=False, highlight=False,
+                                  soft_wrap=True)
+            kept = (f" ({resumable} of them can be resumed: removing "
+                    f"{'it' if resumable == 1 else 'them'} loses "
+                    f"{'its checkpoint' if resumable == 1 else 'their checkpoints'})"
+                    if len(doomed) > 1 and resumable else
+                    " (it can be resumed: removing it loses its checkpoint)" if resumable
+                    else "")
+            which = "this run" if len(doomed) == 1 else f"these {plural(len(doomed), 'run')}"
             if not yes:
                 if sys.stdin is None or not sys.stdin.isatty():
-                    fail(f"{plural(len(doomed), 'run')} would be removed; without a terminal "
-                         "to ask, give --yes", 2, debug)
-                if not typer.confirm(f"Remove these {plural(len(doomed), 'run')}?",
-                                     default=False):
+                    fail(f"{plural(len(doomed), 'run')} would be removed{kept}; without a "
+                         "terminal to ask, give --yes", 2, debug)
+                if not typer.confirm(f"Remove {which}{kept}?", default=False):
                     console.print("nothing removed", markup=False)
                     return
             removed = clean_runs(rows)
@@ -511,6 +523,11 @@ def runs(ctx: typer.Context,
                           human_bytes(row.size_bytes),
                           shown(row.started.replace("T", " ")[:19]))
         console.print(table)
+        for row in rows:
+            note = resume_note(row)
+            if note:
+                console.print(f"{plain(row.status)}: {plain(row.folder)}: {plain(note)}",
+                              markup=False, highlight=False, soft_wrap=True)
         damaged = [row for row in rows if row.status == "damaged"]
         for row in damaged:
             console.print(f"damaged: {plain(row.folder)}: {plain(row.why)}", markup=False,
