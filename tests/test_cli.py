@@ -82,6 +82,28 @@ def test_help_of_every_command_answers_without_importing_torch():
     assert done.stdout.split() == ["False", "False"]
 
 
+@pytest.mark.slow(reason="a fresh interpreter runs three commands")
+def test_a_broken_hosts_file_is_refused_before_torch_is_imported(tmp_path):
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text('{"master": "127.0.0.1", "workers": "oops"\n')
+    code = ("import sys\n"
+            "from typer.testing import CliRunner\n"
+            "import cli_typer\n"
+            "runner = CliRunner()\n"
+            f"for args in (['distributed-train', '--hosts', {str(hosts)!r}],\n"
+            f"             ['distributed-train', 'digits-ddp', '--hosts', {str(hosts)!r}, "
+            "'--dry-run'],\n"
+            f"             ['recommend', 'digits-diloco', '--hosts', {str(hosts)!r}]):\n"
+            "    result = runner.invoke(cli_typer.app, args)\n"
+            "    assert result.exit_code == 2, (args, result.output)\n"
+            "    assert 'invalid hosts file' in result.output, (args, result.output)\n"
+            "print('torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]
+
+
 def test_profiles_lists_every_profile_with_base_profile_resolved():
     result = invoke("profiles")
     assert result.exit_code == 0, result.output

@@ -351,8 +351,8 @@ class ResolvedRequest:
 
 
 def resolve(request: TrainRequest) -> ResolvedRequest:
-    """``request`` resolved, once: the first call checks the profile (with its ``--set``
-    values), then the hosts file, then the faults, and every later call on the same
+    """``request`` resolved, once: the first call checks the hosts file, then the profile
+    (with its ``--set`` values), then the faults, and every later call on the same
     request returns the same object.
 
     Raises:
@@ -363,16 +363,18 @@ def resolve(request: TrainRequest) -> ResolvedRequest:
         return done
     from exogym.strategy import registry
 
+    hosts = None
+    if request.multi_host:
+        # The hosts file first: reading it needs nothing but the standard library, while a
+        # profile's task imports torch (seconds), and a typo there should cost none of them.
+        hosts = request.hosts if isinstance(request.hosts, HostsConfig) \
+            else load_hosts(request.hosts)
     overrides = dict(request.overrides)
     if request.multi_host:
         # The ranks read the --set values from their command line: the profile is resolved
         # from the values as they travel there, so the launcher and the ranks agree on it.
         overrides = parse_overrides(override_items(overrides))
     profile = load_profile(request.profile, request.config, overrides or None)
-    hosts = None
-    if request.multi_host:
-        hosts = request.hosts if isinstance(request.hosts, HostsConfig) \
-            else load_hosts(request.hosts)
     faults = _plan_faults(request, profile, hosts) if request.injects and hosts else None
     resolved = ResolvedRequest(
         request=request, profile=profile, hosts=hosts, faults=faults,
@@ -386,7 +388,7 @@ def resolve(request: TrainRequest) -> ResolvedRequest:
 def check_request(request: TrainRequest, given: Sequence[str], *, strategy: str | None = None,
                   link_mbit: float | None = None) -> ResolvedRequest:
     """Every check of a ``distributed-train`` request, before anything starts: the request
-    resolved (a bad profile or ``--set`` fails first, then a bad hosts file, then bad
+    resolved (a bad hosts file fails first, then a bad profile or ``--set``, then bad
     faults), options only a run across hosts reads refused in a simulation, and
     ``--strategy`` (only ``auto``, which needs a network: hosts or ``--link-mbit``).
 

@@ -662,8 +662,6 @@ def recommend(
         from rich.table import Table
 
         from ..app import run
-        from ..app.recommend import RULE, table_rows
-        from ..app.recommend import recommend as choose
 
         request = run.TrainRequest(
             profile=profile, config=str(config) if config else None,
@@ -674,6 +672,9 @@ def recommend(
             raise ValueError("--hosts measures the hosts and --trace reads a recorded run's: "
                              "give one of them")
         run.resolve(request)  # a bad profile, --set or hosts file fails before any measurement
+        from ..app.recommend import RULE, table_rows  # imports torch: after the checks
+        from ..app.recommend import recommend as choose
+
         recording = None
         if trace is not None:
             from ..app.replay import load_recording
