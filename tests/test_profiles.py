@@ -178,6 +178,17 @@ def test_missing_task_unknown_strategy_and_unknown_task(tmp_path):
         load_profile("c", path)
 
 
+def test_a_profile_without_a_task_lists_every_built_in_task(tmp_path):
+    from distributed.tasks import BUILTIN_TASK_NAMES
+
+    path = write(tmp_path, "[distributed:a]\nstrategy = diloco\n")
+    with pytest.raises(ProfileError) as refused:
+        load_profile("a", path)
+    listed = str(refused.value).split("set task = ", 1)[1].split(" | ")
+    assert listed[:-1] == list(BUILTIN_TASK_NAMES) and "gpt" in listed, listed
+    assert listed[-1].startswith("module:function"), listed
+
+
 def test_overrides_are_parsed_and_validated():
     assert parse_overrides(["lr=0.5", "H=10", "autocast=true", "device=cpu"]) == {
         "lr": 0.5, "H": 10, "autocast": True, "device": "cpu"}

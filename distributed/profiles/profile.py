@@ -372,7 +372,8 @@ class Profile:
         type. An unknown key is found only by :meth:`problems`."""
         task = self.values.get("task")
         if task is None:
-            return ["no 'task' key: set task = digits | chargpt | whisper | module:function"]
+            return [f"no 'task' key: set task = {' | '.join(BUILTIN_TASK_NAMES)} | "
+                    "module:function"]
         found = []
         if str(task) not in BUILTIN_TASK_NAMES and ":" not in str(task):
             found.append(f"unknown task {task!r}: use one of {', '.join(BUILTIN_TASK_NAMES)} "
