@@ -171,3 +171,21 @@ def test_a_local_run_that_fails_after_a_checkpoint_says_how_to_resume_it(tmp_pat
     message = str(failed.value)
     assert message.startswith("rank 0 failed: boom"), message
     assert "newest checkpoint, at step 20" in message and "--resume" in message, message
+
+
+def test_runs_clean_asks_in_words_that_agree_with_the_count(tmp_path):
+    from distributed.app.run_list import RunRow, clean_question
+
+    def row(name: str, checkpoint: int | None = None) -> RunRow:
+        return RunRow(tmp_path / name, "p", "ddp", "failed", None, None, 0, "", "",
+                      checkpoint)
+
+    assert clean_question([row("a")]) == "Remove this run?"
+    assert clean_question([row("a"), row("b")]) == "Remove these 2 runs?"
+    assert clean_question([row("a", 5)]) == \
+        "Remove this run (it can be resumed: removing it loses its checkpoint)?"
+    assert clean_question([row("a", 5), row("b", 7)]) == \
+        "Remove these 2 runs (both can be resumed: removing them loses their checkpoints)?"
+    assert clean_question([row("a", 5), row("b"), row("c")]) == (
+        "Remove these 3 runs (1 of them can be resumed: removing it loses its checkpoint)?")
+    assert clean_question([row("a")], asking=False) == "1 run would be removed"

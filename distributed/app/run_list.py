@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from exogym.base.install_mode import command
+from exogym.base.plural import plural
 from exogym.base.untrusted import (
     MAX_RUN_FILE_BYTES,
     TooDeepJSON,
@@ -44,7 +45,7 @@ from exogym.base.untrusted import (
 
 from ..hosts.onhost import runfolders
 
-__all__ = ["RunRow", "clean_runs", "list_runs", "resume_note", "SILENT_S"]
+__all__ = ["RunRow", "clean_question", "clean_runs", "list_runs", "resume_note", "SILENT_S"]
 
 #: A trace being written that has not grown for this long belongs to a process that died.
 SILENT_S = 600.0
@@ -236,6 +237,28 @@ def resume_note(row: RunRow) -> str | None:
                    f"output_dir={row.folder}")
     return (f"it has a checkpoint at step {row.checkpoint_step} and can be resumed: {line} "
             "(add the --hosts, --config and --set it started with)")
+
+
+def clean_question(doomed: list[RunRow], asking: bool = True) -> str:
+    """What ``runs clean`` asks before removing ``doomed`` ("Remove this run?", "Remove
+    these 3 runs?"), saying how many of them could be resumed; with ``asking`` False, the
+    statement ("3 runs would be removed ...") for when there is no terminal to ask."""
+    count = len(doomed)
+    resumable = sum(1 for row in doomed if row.checkpoint_step is not None)
+    if not resumable:
+        kept = ""
+    elif count == 1:
+        kept = " (it can be resumed: removing it loses its checkpoint)"
+    elif resumable == count:
+        kept = (f" ({'both' if count == 2 else f'all {count}'} can be resumed: removing "
+                "them loses their checkpoints)")
+    else:
+        kept = (f" ({resumable} of them can be resumed: removing "
+                + ("it loses its checkpoint)" if resumable == 1 else
+                   "them loses their checkpoints)"))
+    if not asking:
+        return f"{plural(count, 'run')} would be removed{kept}"
+    return f"Remove {'this run' if count == 1 else f'these {count} runs'}{kept}?"
 
 
 def _base_of(folder: Path) -> str:

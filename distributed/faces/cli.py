@@ -457,7 +457,13 @@ def runs(ctx: typer.Context,
         from rich.text import Text
 
         from ..app.dashboard import human_bytes
-        from ..app.run_list import REMOVABLE, clean_runs, list_runs, resume_note
+        from ..app.run_list import (
+            REMOVABLE,
+            clean_question,
+            clean_runs,
+            list_runs,
+            resume_note,
+        )
 
         words = list(words or [])
         cleaning = bool(words) and words[0] == "clean"
@@ -473,7 +479,6 @@ def runs(ctx: typer.Context,
                 console.print(f"nothing to clean: no failed or refused run among "
                               f"{plural(len(rows), 'run')}", markup=False, highlight=False)
                 return
-            resumable = 0
             for row in doomed:
                 console.print(f"  {plain(row.folder)}  {row.status}"
                               + (f": {plain(row.why)}" if row.why else "")
@@ -481,21 +486,13 @@ def runs(ctx: typer.Context,
                               highlight=False, soft_wrap=True)
                 note = resume_note(row)
                 if note:
-                    resumable += 1
                     console.print(f"    {plain(note)}", markup=False, highlight=False,
                                   soft_wrap=True)
-            kept = (f" ({resumable} of them can be resumed: removing "
-                    f"{'it' if resumable == 1 else 'them'} loses "
-                    f"{'its checkpoint' if resumable == 1 else 'their checkpoints'})"
-                    if len(doomed) > 1 and resumable else
-                    " (it can be resumed: removing it loses its checkpoint)" if resumable
-                    else "")
-            which = "this run" if len(doomed) == 1 else f"these {plural(len(doomed), 'run')}"
             if not yes:
                 if sys.stdin is None or not sys.stdin.isatty():
-                    fail(f"{plural(len(doomed), 'run')} would be removed{kept}; without a "
-                         "terminal to ask, give --yes", 2, debug)
-                if not typer.confirm(f"Remove {which}{kept}?", default=False):
+                    fail(f"{clean_question(doomed, asking=False)}; without a terminal to "
+                         "ask, give --yes", 2, debug)
+                if not typer.confirm(clean_question(doomed), default=False):
                     console.print("nothing removed", markup=False)
                     return
             removed = clean_runs(rows)
