@@ -114,6 +114,9 @@ def refused(run: Path, *extra: str, cwd: Path) -> str:
 def test_bad_input_is_refused_before_anything_starts(recorded, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
+    assert f"is not a run's folder and holds none with a {TRACE_FILE}" in \
+        refused(empty, cwd=tmp_path)
+    (empty / "run.json").write_text("{}")  # a run's folder, of a version that wrote no trace
     assert f"holds no {TRACE_FILE}" in refused(empty, cwd=tmp_path)
     assert "is not a folder" in refused(tmp_path / "nowhere", cwd=tmp_path)
 
