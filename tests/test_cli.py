@@ -292,6 +292,33 @@ def test_local_run_trains_shows_plain_progress_and_writes_the_model(tmp_path):
     assert json.loads(metadata["config"])["num_nodes"] == 2
     assert json.loads(metadata["profile_values"])["task"] == "digits"
     the_documented_snippet_loads_the_model(out / "model.safetensors")
+    steps = result.output.split("next steps:\n", 1)[1]
+    assert f"python cli_typer.py replay {out}" in steps, steps
+    the_printed_snippet_loads_the_model(steps, out / "model.safetensors")
+
+
+def the_printed_snippet_loads_the_model(steps: str, path: Path) -> None:
+    """Run the lines a finished run printed to load its model, as a person pastes them."""
+    lines = steps.split("load the model in Python", 1)[1].splitlines()[1:]
+    code = "\n".join(line[4:] for line in lines if line.startswith("    "))
+    scope: dict = {}
+    exec(compile(code, "next steps", "exec"), scope)
+    from safetensors.torch import load_file
+
+    for key, tensor in load_file(path).items():
+        assert torch.equal(scope["model"].state_dict()[key], tensor), key
+
+
+def test_next_steps_after_a_run_name_the_commands_of_this_install():
+    from distributed.app.run import TrainOutcome, next_steps
+
+    said = next_steps(TrainOutcome("local", None, {}, Path("runs/digits-diloco-2"), ""))
+    assert "python cli_typer.py runs " in said  # the default tree needs no folder
+    assert "python cli_typer.py replay runs/digits-diloco-2 " in said
+    assert "load_file('runs/digits-diloco-2/model.safetensors')" in said
+    elsewhere = next_steps(TrainOutcome("hosts", None, {}, Path("/data/out/digits"), ""))
+    assert "python cli_typer.py runs /data/out " in elsewhere
+    assert "on the master host" in elsewhere
 
 
 def the_documented_snippet_loads_the_model(path: Path) -> None:

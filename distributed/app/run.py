@@ -39,6 +39,7 @@ from typing import Any
 from rich.console import Console
 
 from exogym.base.escapes import printable
+from exogym.base.install_mode import command
 from exogym.base.plural import plural
 from exogym.base.terminal import output_console
 from exogym.config.fit_args import BALANCE_MODES
@@ -83,7 +84,7 @@ from .web.server import WebDashboard
 
 __all__ = ["NothingToResumeError", "PreflightError", "RunFailedError", "RunFolderError",
            "RunInterrupted", "TrainOutcome", "TrainRequest", "dry_run", "logger_override",
-           "parse_overrides", "resume_hint", "run_warnings", "train", "train_command"]
+           "next_steps", "parse_overrides", "resume_hint", "run_warnings", "train", "train_command"]
 
 #: Ranks per core beyond which a local simulation is warned that it will crawl.
 RANKS_PER_CORE_WARNING = 4
@@ -214,6 +215,29 @@ class TrainOutcome:
     output_dir: Path
     message: str
     launch: Any = None
+
+
+def next_steps(outcome: TrainOutcome) -> str:
+    """What a person can do once a run has ended well, as commands of this install: list
+    the runs, replay this one in the simulator, load its model (as docs/hosts.md shows)."""
+    folder = outcome.output_dir
+    tree = folder.parent
+    where = " (on the master host, in its project folder)" if outcome.mode == "hosts" else ""
+    model = folder / FINAL_MODEL
+    return "\n".join([
+        f"next steps{where}:",
+        f"  {command('runs', *([str(tree)] if tree != Path('runs') else []))}"
+        "   # every run, how each went",
+        f"  {command('replay', str(folder))}   # replay it in the simulator; add --strategy "
+        "NAME for what if",
+        "  load the model in Python (docs/hosts.md, \"Loading the final model\"):",
+        "    import json; from exogym_distributed.profiles.profile import Profile",
+        "    from safetensors import safe_open; from safetensors.torch import load_file",
+        f"    with safe_open({str(model)!r}, 'pt') as f: meta = f.metadata()",
+        "    profile = Profile(meta['profile'], json.loads(meta['profile_values']))",
+        "    model = profile.resolved.task_fn(**profile.resolved.task_kwargs)[0]",
+        f"    model.load_state_dict(load_file({str(model)!r}))",
+    ])
 
 
 def shown_note(note: str, prefix: str = "note: ") -> str:

@@ -321,6 +321,7 @@ def distributed_train(
                   f"alone. To simulate this profile on this machine instead, add --local "
                   f"({cmd}).", 2, debug, exc)
         console.print(outcome.message, markup=False)
+        console.print(run.next_steps(outcome), markup=False, highlight=False, soft_wrap=True)
         keep_serving(page, console)
 
 
