@@ -82,6 +82,28 @@ def test_help_of_every_command_answers_without_importing_torch():
     assert done.stdout.split() == ["False", "False"]
 
 
+@pytest.mark.slow(reason="a fresh interpreter runs three commands")
+def test_a_broken_hosts_file_is_refused_before_torch_is_imported(tmp_path):
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text('{"master": "127.0.0.1", "workers": "oops"\n')
+    code = ("import sys\n"
+            "from typer.testing import CliRunner\n"
+            "import cli_typer\n"
+            "runner = CliRunner()\n"
+            f"for args in (['distributed-train', '--hosts', {str(hosts)!r}],\n"
+            f"             ['distributed-train', 'digits-ddp', '--hosts', {str(hosts)!r}, "
+            "'--dry-run'],\n"
+            f"             ['recommend', 'digits-diloco', '--hosts', {str(hosts)!r}]):\n"
+            "    result = runner.invoke(cli_typer.app, args)\n"
+            "    assert result.exit_code == 2, (args, result.output)\n"
+            "    assert 'invalid hosts file' in result.output, (args, result.output)\n"
+            "print('torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]
+
+
 def test_profiles_lists_every_profile_with_base_profile_resolved():
     result = invoke("profiles")
     assert result.exit_code == 0, result.output
@@ -270,6 +292,33 @@ def test_local_run_trains_shows_plain_progress_and_writes_the_model(tmp_path):
     assert json.loads(metadata["config"])["num_nodes"] == 2
     assert json.loads(metadata["profile_values"])["task"] == "digits"
     the_documented_snippet_loads_the_model(out / "model.safetensors")
+    steps = result.output.split("next steps:\n", 1)[1]
+    assert f"python cli_typer.py replay {out}" in steps, steps
+    the_printed_snippet_loads_the_model(steps, out / "model.safetensors")
+
+
+def the_printed_snippet_loads_the_model(steps: str, path: Path) -> None:
+    """Run the lines a finished run printed to load its model, as a person pastes them."""
+    lines = steps.split("load the model in Python", 1)[1].splitlines()[1:]
+    code = "\n".join(line[4:] for line in lines if line.startswith("    "))
+    scope: dict = {}
+    exec(compile(code, "next steps", "exec"), scope)
+    from safetensors.torch import load_file
+
+    for key, tensor in load_file(path).items():
+        assert torch.equal(scope["model"].state_dict()[key], tensor), key
+
+
+def test_next_steps_after_a_run_name_the_commands_of_this_install():
+    from distributed.app.run import TrainOutcome, next_steps
+
+    said = next_steps(TrainOutcome("local", None, {}, Path("runs/digits-diloco-2"), ""))
+    assert "python cli_typer.py runs " in said  # the default tree needs no folder
+    assert "python cli_typer.py replay runs/digits-diloco-2 " in said
+    assert "load_file('runs/digits-diloco-2/model.safetensors')" in said
+    elsewhere = next_steps(TrainOutcome("hosts", None, {}, Path("/data/out/digits"), ""))
+    assert "python cli_typer.py runs /data/out " in elsewhere
+    assert "on the master host" in elsewhere
 
 
 def the_documented_snippet_loads_the_model(path: Path) -> None:

@@ -102,6 +102,36 @@ def test_another_strategy_keeps_the_shared_keys_and_drops_the_old_strategys_own(
         profile_for_strategy(base, "magic")
 
 
+def demo_warnings(caught: list) -> list:
+    return [w for w in caught if "DeMoStrategy replaces" in str(w.message)]
+
+
+def test_demo_tried_as_a_candidate_warns_nothing_and_warns_when_it_is_built_to_run():
+    import warnings
+
+    base = load_profile("digits-diloco")  # inner_optim = adamw, which DeMo replaces
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        demo = profile_for_strategy(base, "demo")
+        assert demo.problems() == []
+    assert not demo_warnings(caught), caught
+    with pytest.warns(UserWarning, match="DeMoStrategy replaces AdamW with DeMo"):
+        demo.resolved.strategy_cls(**demo.resolved.strategy_kwargs)  # as the run builds it
+
+
+@pytest.mark.slow(reason="times two training steps")
+def test_demo_timed_for_a_plan_warns_nothing():
+    import warnings
+
+    from distributed.planning.estimate import measure_model
+
+    demo = profile_for_strategy(load_profile("digits-diloco"), "demo")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        measure_model(demo, steps=1, warmup=0)
+    assert not demo_warnings(caught), caught
+
+
 def test_compared_runs_write_under_the_profiles_output_folder(tmp_path):
     path = write(tmp_path, "[distributed:p]\ntask = digits\nstrategy = diloco\nH = 5\n"
                            f"[distributed:q]\nbase_profile = p\noutput_dir = {tmp_path / 'q'}\n")
@@ -146,6 +176,17 @@ def test_missing_task_unknown_strategy_and_unknown_task(tmp_path):
         load_profile("b", path)
     with pytest.raises(ProfileError, match="unknown task 'nosuch'"):
         load_profile("c", path)
+
+
+def test_a_profile_without_a_task_lists_every_built_in_task(tmp_path):
+    from distributed.tasks import BUILTIN_TASK_NAMES
+
+    path = write(tmp_path, "[distributed:a]\nstrategy = diloco\n")
+    with pytest.raises(ProfileError) as refused:
+        load_profile("a", path)
+    listed = str(refused.value).split("set task = ", 1)[1].split(" | ")
+    assert listed[:-1] == list(BUILTIN_TASK_NAMES) and "gpt" in listed, listed
+    assert listed[-1].startswith("module:function"), listed
 
 
 def test_overrides_are_parsed_and_validated():

@@ -114,6 +114,9 @@ def refused(run: Path, *extra: str, cwd: Path) -> str:
 def test_bad_input_is_refused_before_anything_starts(recorded, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
+    assert f"is not a run's folder and holds none with a {TRACE_FILE}" in \
+        refused(empty, cwd=tmp_path)
+    (empty / "run.json").write_text("{}")  # a run's folder, of a version that wrote no trace
     assert f"holds no {TRACE_FILE}" in refused(empty, cwd=tmp_path)
     assert "is not a folder" in refused(tmp_path / "nowhere", cwd=tmp_path)
 
@@ -145,6 +148,31 @@ def test_bad_input_is_refused_before_anything_starts(recorded, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_folder_of_runs_names_the_run_folders_that_can_be_replayed(tmp_path):
+    from distributed.app.replay import ReplayError, load_recording
+    from distributed.hosts.onhost import runfolders
+
+    runs = tmp_path / "runs"
+    folders = []
+    for started in ("2026-11-01T10:00:00", "2026-11-02T10:00:00", "2026-11-03T10:00:00"):
+        identity = {"profile": "digits-diloco", "fingerprint": "f", "started": started,
+                    "settings": {"strategy": "diloco"}, "may_change": {}}
+        folders.append(Path(runfolders.claim_new(str(runs / "digits-diloco"),
+                                                 identity)["folder"]))
+    for folder in folders[:2]:  # the third was refused before it wrote a trace
+        (folder / TRACE_FILE).write_text("")
+    with pytest.raises(ReplayError) as refused:
+        load_recording(runs)
+    message = str(refused.value)
+    assert "is a folder of runs, not a run's folder" in message, message
+    assert f"replay {folders[1]}" in message, message  # the newest replayable, as a command
+    assert f"newest first: {folders[1]}, {folders[0]} (" in message, message
+    assert str(folders[2]) not in message and "run it again" not in message, message
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReplayError, match="holds none with a trace.jsonl"):
+        load_recording(tmp_path / "empty")  # no run under it can be replayed
+
+
 def test_the_web_page_shows_both_curves(recorded, tmp_path):
     process = subprocess.Popen(
         [*warm.cli_command(), "replay", str(recorded), "--web",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import warm
 
-from distributed.app.run_list import clean_runs, list_runs
+from distributed.app.run_list import clean_runs, list_runs, resume_note
 from distributed.hosts.onhost import runfolders
 
 
@@ -114,3 +114,78 @@ def test_clean_keeps_a_latest_pointer_that_names_a_run_left(tmp_path):
 def test_runs_of_a_folder_that_is_not_there_says_so(tmp_path):
     done = cli("runs", "elsewhere", cwd=tmp_path)
     assert done.returncode == 2 and "elsewhere is not a folder of runs" in done.stderr
+
+
+def checkpoint(folder: Path, profile: str, rank: int, step: int) -> None:
+    ranks = folder / "checkpoints" / profile / f"rank{rank}"
+    ranks.mkdir(parents=True, exist_ok=True)
+    (ranks / f"step{step:08d}.ckpt").write_bytes(b"x")
+
+
+def failed_with_checkpoints(root: Path) -> dict[str, Path]:
+    made = a_tree(root)
+    checkpoint(made["failed"], "digits-diloco", 0, 6)
+    checkpoint(made["failed"], "digits-diloco", 1, 4)
+    return made
+
+
+def test_a_failed_run_with_checkpoints_says_how_to_resume_it(tmp_path):
+    made = failed_with_checkpoints(tmp_path / "runs")
+    rows = {row.folder: row for row in list_runs(tmp_path / "runs")}
+    assert rows[made["failed"]].checkpoint_step == 4  # the newest step every rank has
+    assert rows[made["refused"]].checkpoint_step is None
+    assert resume_note(rows[made["refused"]]) is None
+    note = resume_note(rows[made["failed"]])
+    assert note is not None and "checkpoint at step 4 and can be resumed" in note
+    assert f"digits-diloco --resume --set output_dir={made['failed']}" in note
+
+
+@pytest.mark.slow(reason="two CLI commands")
+def test_runs_and_runs_clean_say_a_failed_run_can_be_resumed(tmp_path):
+    made = failed_with_checkpoints(tmp_path / "runs")
+    failed = made["failed"].relative_to(tmp_path)
+    listed = cli("runs", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert "checkpoint at step 4 and can be resumed" in listed.stdout, listed.stdout
+    assert f"--resume --set output_dir={failed}" in listed.stdout, listed.stdout
+    asked = cli("runs", "clean", cwd=tmp_path)  # no terminal: it says, and removes nothing
+    assert asked.returncode == 2, asked.stderr
+    assert "checkpoint at step 4 and can be resumed" in asked.stdout, asked.stdout
+    assert "3 runs would be removed (1 of them can be resumed" in asked.stderr, asked.stderr
+    assert made["failed"].is_dir()
+
+
+@pytest.mark.slow(reason="resolves the profile and imports torch")
+def test_a_local_run_that_fails_after_a_checkpoint_says_how_to_resume_it(tmp_path,
+                                                                         monkeypatch):
+    from distributed.app import run
+
+    def fails_after_a_checkpoint(profile, placement, *args, **kwargs):
+        checkpoint(Path(placement.folder), profile.name, 0, 20)
+        raise run.RunFailedError("rank 0 failed: boom")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run, "_train_local", fails_after_a_checkpoint)
+    with pytest.raises(run.RunFailedError) as failed:
+        run.train(run.TrainRequest(profile="digits-diloco"))
+    message = str(failed.value)
+    assert message.startswith("rank 0 failed: boom"), message
+    assert "newest checkpoint, at step 20" in message and "--resume" in message, message
+
+
+def test_runs_clean_asks_in_words_that_agree_with_the_count(tmp_path):
+    from distributed.app.run_list import RunRow, clean_question
+
+    def row(name: str, checkpoint: int | None = None) -> RunRow:
+        return RunRow(tmp_path / name, "p", "ddp", "failed", None, None, 0, "", "",
+                      checkpoint)
+
+    assert clean_question([row("a")]) == "Remove this run?"
+    assert clean_question([row("a"), row("b")]) == "Remove these 2 runs?"
+    assert clean_question([row("a", 5)]) == \
+        "Remove this run (it can be resumed: removing it loses its checkpoint)?"
+    assert clean_question([row("a", 5), row("b", 7)]) == \
+        "Remove these 2 runs (both can be resumed: removing them loses their checkpoints)?"
+    assert clean_question([row("a", 5), row("b"), row("c")]) == (
+        "Remove these 3 runs (1 of them can be resumed: removing it loses its checkpoint)?")
+    assert clean_question([row("a")], asking=False) == "1 run would be removed"

@@ -39,6 +39,7 @@ from typing import Any
 from rich.console import Console
 
 from exogym.base.escapes import printable
+from exogym.base.install_mode import command
 from exogym.base.plural import plural
 from exogym.base.terminal import output_console
 from exogym.config.fit_args import BALANCE_MODES
@@ -83,7 +84,7 @@ from .web.server import WebDashboard
 
 __all__ = ["NothingToResumeError", "PreflightError", "RunFailedError", "RunFolderError",
            "RunInterrupted", "TrainOutcome", "TrainRequest", "dry_run", "logger_override",
-           "parse_overrides", "resume_hint", "run_warnings", "train", "train_command"]
+           "next_steps", "parse_overrides", "resume_hint", "run_warnings", "train", "train_command"]
 
 #: Ranks per core beyond which a local simulation is warned that it will crawl.
 RANKS_PER_CORE_WARNING = 4
@@ -214,6 +215,29 @@ class TrainOutcome:
     output_dir: Path
     message: str
     launch: Any = None
+
+
+def next_steps(outcome: TrainOutcome) -> str:
+    """What a person can do once a run has ended well, as commands of this install: list
+    the runs, replay this one in the simulator, load its model (as docs/hosts.md shows)."""
+    folder = outcome.output_dir
+    tree = folder.parent
+    where = " (on the master host, in its project folder)" if outcome.mode == "hosts" else ""
+    model = folder / FINAL_MODEL
+    return "\n".join([
+        f"next steps{where}:",
+        f"  {command('runs', *([str(tree)] if tree != Path('runs') else []))}"
+        "   # every run, how each went",
+        f"  {command('replay', str(folder))}   # replay it in the simulator; add --strategy "
+        "NAME for what if",
+        "  load the model in Python (docs/hosts.md, \"Loading the final model\"):",
+        "    import json; from exogym_distributed.profiles.profile import Profile",
+        "    from safetensors import safe_open; from safetensors.torch import load_file",
+        f"    with safe_open({str(model)!r}, 'pt') as f: meta = f.metadata()",
+        "    profile = Profile(meta['profile'], json.loads(meta['profile_values']))",
+        "    model = profile.resolved.task_fn(**profile.resolved.task_kwargs)[0]",
+        f"    model.load_state_dict(load_file({str(model)!r}))",
+    ])
 
 
 def shown_note(note: str, prefix: str = "note: ") -> str:
@@ -351,8 +375,8 @@ class ResolvedRequest:
 
 
 def resolve(request: TrainRequest) -> ResolvedRequest:
-    """``request`` resolved, once: the first call checks the profile (with its ``--set``
-    values), then the hosts file, then the faults, and every later call on the same
+    """``request`` resolved, once: the first call checks the hosts file, then the profile
+    (with its ``--set`` values), then the faults, and every later call on the same
     request returns the same object.
 
     Raises:
@@ -363,16 +387,18 @@ def resolve(request: TrainRequest) -> ResolvedRequest:
         return done
     from exogym.strategy import registry
 
+    hosts = None
+    if request.multi_host:
+        # The hosts file first: reading it needs nothing but the standard library, while a
+        # profile's task imports torch (seconds), and a typo there should cost none of them.
+        hosts = request.hosts if isinstance(request.hosts, HostsConfig) \
+            else load_hosts(request.hosts)
     overrides = dict(request.overrides)
     if request.multi_host:
         # The ranks read the --set values from their command line: the profile is resolved
         # from the values as they travel there, so the launcher and the ranks agree on it.
         overrides = parse_overrides(override_items(overrides))
     profile = load_profile(request.profile, request.config, overrides or None)
-    hosts = None
-    if request.multi_host:
-        hosts = request.hosts if isinstance(request.hosts, HostsConfig) \
-            else load_hosts(request.hosts)
     faults = _plan_faults(request, profile, hosts) if request.injects and hosts else None
     resolved = ResolvedRequest(
         request=request, profile=profile, hosts=hosts, faults=faults,
@@ -386,7 +412,7 @@ def resolve(request: TrainRequest) -> ResolvedRequest:
 def check_request(request: TrainRequest, given: Sequence[str], *, strategy: str | None = None,
                   link_mbit: float | None = None) -> ResolvedRequest:
     """Every check of a ``distributed-train`` request, before anything starts: the request
-    resolved (a bad profile or ``--set`` fails first, then a bad hosts file, then bad
+    resolved (a bad hosts file fails first, then a bad profile or ``--set``, then bad
     faults), options only a run across hosts reads refused in a simulation, and
     ``--strategy`` (only ``auto``, which needs a network: hosts or ``--link-mbit``).
 
@@ -713,6 +739,12 @@ def train(request: TrainRequest, console: Console | None = None, *,
     except KeyboardInterrupt as exc:
         release_placement(placement)  # interrupted before the run wrote anything
         raise RunInterrupted(placement.folder, placement.folder) from exc
+    except RunFailedError as exc:
+        release_placement(placement)
+        hint = resume_hint(request, RunInterrupted(placement.folder, placement.folder))
+        if hint is None:
+            raise
+        raise RunFailedError(f"{exc}\n{hint}", exc.launch) from exc
     except BaseException:
         release_placement(placement)  # refused before it wrote anything: no folder left
         raise

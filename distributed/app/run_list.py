@@ -18,7 +18,9 @@ Whoever can write in the tree chooses what its files hold: they are read only as
 regular files of a bounded size (:mod:`exogym.base.untrusted`).
 
 ``runs clean`` removes failed and refused runs (never finished, stopped or running
-ones) and points each ``BASE.latest`` to the newest run left of its base.
+ones) and points each ``BASE.latest`` to the newest run left of its base. A failed or
+stopped run with a checkpoint can be continued (:func:`resume_note` says how), so both
+the listing and ``runs clean`` say so before anything is removed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exogym.base.install_mode import command
+from exogym.base.plural import plural
 from exogym.base.untrusted import (
     MAX_RUN_FILE_BYTES,
     TooDeepJSON,
@@ -41,7 +45,7 @@ from exogym.base.untrusted import (
 
 from ..hosts.onhost import runfolders
 
-__all__ = ["RunRow", "clean_runs", "list_runs", "SILENT_S"]
+__all__ = ["RunRow", "clean_question", "clean_runs", "list_runs", "resume_note", "SILENT_S"]
 
 #: A trace being written that has not grown for this long belongs to a process that died.
 SILENT_S = 600.0
@@ -65,6 +69,8 @@ class RunRow:
         size_bytes: what the folder holds on disk.
         started: its start time, as ``run.json`` records it.
         why: for a failed or damaged run, its error in a line.
+        checkpoint_step: for a failed or stopped run, the newest step every rank has a
+            checkpoint of (it can be resumed from there); None when there is none.
     """
 
     folder: Path
@@ -76,6 +82,7 @@ class RunRow:
     size_bytes: int
     started: str
     why: str = ""
+    checkpoint_step: int | None = None
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -212,9 +219,46 @@ def _row(folder: Path, now: float) -> RunRow:
     identity = _read_json(folder / runfolders.RUN_FILE) or {}
     settings = identity.get("settings") if isinstance(identity.get("settings"), dict) else {}
     status, steps, loss, why = _status(folder, _read_json(folder / "summary.json"), now)
-    return RunRow(folder, str(identity.get("profile") or "?"),
-                  str(settings.get("strategy") or "?"), status, steps, loss,
-                  _size(folder), str(identity.get("started") or ""), why)
+    profile = str(identity.get("profile") or "?")
+    checkpoint = None
+    if status in ("failed", "stopped") and profile != "?":
+        # the ranks resume from the newest step all of them have
+        checkpoint = min(runfolders.newest_steps(str(folder), profile).values(), default=None)
+    return RunRow(folder, profile, str(settings.get("strategy") or "?"), status, steps,
+                  loss, _size(folder), str(identity.get("started") or ""), why, checkpoint)
+
+
+def resume_note(row: RunRow) -> str | None:
+    """How to continue the run of ``row`` from its newest checkpoint, in a line naming the
+    command; None when it has no checkpoint to continue from."""
+    if row.checkpoint_step is None:
+        return None
+    line = command("distributed-train", row.profile, "--resume", "--set",
+                   f"output_dir={row.folder}")
+    return (f"it has a checkpoint at step {row.checkpoint_step} and can be resumed: {line} "
+            "(add the --hosts, --config and --set it started with)")
+
+
+def clean_question(doomed: list[RunRow], asking: bool = True) -> str:
+    """What ``runs clean`` asks before removing ``doomed`` ("Remove this run?", "Remove
+    these 3 runs?"), saying how many of them could be resumed; with ``asking`` False, the
+    statement ("3 runs would be removed ...") for when there is no terminal to ask."""
+    count = len(doomed)
+    resumable = sum(1 for row in doomed if row.checkpoint_step is not None)
+    if not resumable:
+        kept = ""
+    elif count == 1:
+        kept = " (it can be resumed: removing it loses its checkpoint)"
+    elif resumable == count:
+        kept = (f" ({'both' if count == 2 else f'all {count}'} can be resumed: removing "
+                "them loses their checkpoints)")
+    else:
+        kept = (f" ({resumable} of them can be resumed: removing "
+                + ("it loses its checkpoint)" if resumable == 1 else
+                   "them loses their checkpoints)"))
+    if not asking:
+        return f"{plural(count, 'run')} would be removed{kept}"
+    return f"Remove {'this run' if count == 1 else f'these {count} runs'}{kept}?"
 
 
 def _base_of(folder: Path) -> str:

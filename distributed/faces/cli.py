@@ -321,6 +321,7 @@ def distributed_train(
                   f"alone. To simulate this profile on this machine instead, add --local "
                   f"({cmd}).", 2, debug, exc)
         console.print(outcome.message, markup=False)
+        console.print(run.next_steps(outcome), markup=False, highlight=False, soft_wrap=True)
         keep_serving(page, console)
 
 
@@ -457,7 +458,13 @@ def runs(ctx: typer.Context,
         from rich.text import Text
 
         from ..app.dashboard import human_bytes
-        from ..app.run_list import REMOVABLE, clean_runs, list_runs
+        from ..app.run_list import (
+            REMOVABLE,
+            clean_question,
+            clean_runs,
+            list_runs,
+            resume_note,
+        )
 
         words = list(words or [])
         cleaning = bool(words) and words[0] == "clean"
@@ -478,12 +485,15 @@ def runs(ctx: typer.Context,
                               + (f": {plain(row.why)}" if row.why else "")
                               + f" ({human_bytes(row.size_bytes)})", markup=False,
                               highlight=False, soft_wrap=True)
+                note = resume_note(row)
+                if note:
+                    console.print(f"    {plain(note)}", markup=False, highlight=False,
+                                  soft_wrap=True)
             if not yes:
                 if sys.stdin is None or not sys.stdin.isatty():
-                    fail(f"{plural(len(doomed), 'run')} would be removed; without a terminal "
-                         "to ask, give --yes", 2, debug)
-                if not typer.confirm(f"Remove these {plural(len(doomed), 'run')}?",
-                                     default=False):
+                    fail(f"{clean_question(doomed, asking=False)}; without a terminal to "
+                         "ask, give --yes", 2, debug)
+                if not typer.confirm(clean_question(doomed), default=False):
                     console.print("nothing removed", markup=False)
                     return
             removed = clean_runs(rows)
@@ -511,6 +521,11 @@ def runs(ctx: typer.Context,
                           human_bytes(row.size_bytes),
                           shown(row.started.replace("T", " ")[:19]))
         console.print(table)
+        for row in rows:
+            note = resume_note(row)
+            if note:
+                console.print(f"{plain(row.status)}: {plain(row.folder)}: {plain(note)}",
+                              markup=False, highlight=False, soft_wrap=True)
         damaged = [row for row in rows if row.status == "damaged"]
         for row in damaged:
             console.print(f"damaged: {plain(row.folder)}: {plain(row.why)}", markup=False,
@@ -645,8 +660,6 @@ def recommend(
         from rich.table import Table
 
         from ..app import run
-        from ..app.recommend import RULE, table_rows
-        from ..app.recommend import recommend as choose
 
         request = run.TrainRequest(
             profile=profile, config=str(config) if config else None,
@@ -657,6 +670,9 @@ def recommend(
             raise ValueError("--hosts measures the hosts and --trace reads a recorded run's: "
                              "give one of them")
         run.resolve(request)  # a bad profile, --set or hosts file fails before any measurement
+        from ..app.recommend import RULE, table_rows  # imports torch: after the checks
+        from ..app.recommend import recommend as choose
+
         recording = None
         if trace is not None:
             from ..app.replay import load_recording

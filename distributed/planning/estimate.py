@@ -22,7 +22,7 @@ from exogym.run.memory import with_measured_minibatch
 from exogym.run.spec import Placement, make_run_spec
 from exogym.run.step_time import measure_step_seconds
 
-from ..profiles.profile import Profile
+from ..profiles.profile import Profile, quietly
 from ..tasks.builtin import count_parameters
 
 
@@ -72,7 +72,7 @@ def measure_model(profile: Profile, ranks_here: int = 1, steps: int = 10,
     threads = int(run.get("num_threads") or max(1, (os.cpu_count() or 1) // max(1, ranks_here)))
     args = RunArgs(**{
         **run,
-        "strategy": resolved.strategy_cls(**resolved.strategy_kwargs),
+        "strategy": quietly(resolved.strategy_cls, resolved.strategy_kwargs),  # timed, not run
         "num_nodes": num_nodes or profile.num_nodes,
         "max_steps": warmup + steps,
         "device": "cpu",

@@ -33,6 +33,7 @@ import configparser
 import difflib
 import importlib
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -207,10 +208,19 @@ def strategy_balance_problem(mode: str, strategy_cls: type,
     if mode == "none":
         return None
     try:
-        strategy = strategy_cls(**strategy_kwargs)
+        strategy = quietly(strategy_cls, strategy_kwargs)
     except (TypeError, ValueError):
         return None
     return balance_problem(mode, strategy)
+
+
+def quietly(strategy_cls: type, strategy_kwargs: dict[str, Any]) -> Any:
+    """The strategy built only to check or plan it, its warnings held back: they are for
+    whoever runs it (the run builds it again), not for every profile resolved or candidate
+    weighed on the way (``recommend`` and the wizard try strategies nobody chose)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return strategy_cls(**strategy_kwargs)
 
 
 def override_problems(profile: str, overrides: dict[str, Any]) -> list[str]:
@@ -362,7 +372,8 @@ class Profile:
         type. An unknown key is found only by :meth:`problems`."""
         task = self.values.get("task")
         if task is None:
-            return ["no 'task' key: set task = digits | chargpt | whisper | module:function"]
+            return [f"no 'task' key: set task = {' | '.join(BUILTIN_TASK_NAMES)} | "
+                    "module:function"]
         found = []
         if str(task) not in BUILTIN_TASK_NAMES and ":" not in str(task):
             found.append(f"unknown task {task!r}: use one of {', '.join(BUILTIN_TASK_NAMES)} "
@@ -401,7 +412,7 @@ class Profile:
             return None, tuple(unknown)
         task, strategy, run = routing.split(self.values)
         try:  # a strategy's own checks (lr=abc) fail here, before any run is placed
-            strategy_cls(**strategy)
+            quietly(strategy_cls, strategy)
         except (TypeError, ValueError) as exc:
             return None, (f"strategy {self.strategy!r}: {exc}",)
         # `balance = none` in a profile reads as None

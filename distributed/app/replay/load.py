@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from exogym.base.install_mode import command
 from exogym.base.untrusted import MAX_RUN_FILE_BYTES, read_json
 from exogym.report.trace import FORMAT_VERSION, TRACE_FILE, read_trace
 
@@ -121,10 +122,39 @@ def _trace_path(folder: Path) -> Path:
                           "distributed-train printed it)")
     path = folder / TRACE_FILE
     if not path.exists():
+        if not (folder / "run.json").exists():
+            raise ReplayError(_not_a_run_folder(folder))
         raise ReplayError(f"{folder} holds no {TRACE_FILE}: only a run of this version records "
                           "one (distributed-train, a local simulation or across hosts); run it "
                           "again to replay it")
     return path
+
+
+#: How many replayable run folders a message names.
+_NAMED_FOLDERS = 5
+
+
+def _not_a_run_folder(folder: Path) -> str:
+    """Why ``folder`` (no run's own: a tree of runs such as ``runs``, or another folder)
+    cannot be replayed, naming the run folders under it that can."""
+    from ..run_list import list_runs
+
+    try:
+        rows = list_runs(folder)
+    except OSError:
+        rows = []
+    replayable = [row.folder for row in reversed(rows)  # newest first
+                  if row.status != "running" and (row.folder / TRACE_FILE).is_file()]
+    if not replayable:
+        return (f"{folder} is not a run's folder and holds none with a {TRACE_FILE}: give "
+                f"the folder of a run (as distributed-train printed it), e.g. "
+                f"{command('replay', 'runs/digits-diloco')}; `{command('runs')}` lists them")
+    named = ", ".join(str(p) for p in replayable[:_NAMED_FOLDERS])
+    more = len(replayable) - _NAMED_FOLDERS
+    return (f"{folder} is a folder of runs, not a run's folder: give one of them, e.g. "
+            f"{command('replay', str(replayable[0]))}. Those that can be replayed, newest "
+            f"first: {named}" + (f" and {more} more" if more > 0 else "")
+            + f" (`{command('runs', str(folder))}` lists every run)")
 
 
 def _header(lines: list[dict[str, Any]], path: Path) -> dict[str, Any]:
