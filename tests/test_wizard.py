@@ -605,7 +605,7 @@ def test_hosts_without_python_or_project_take_this_machines_and_setup_hosts_for_
     from distributed.hosts.sync import PROJECT_ROOT
 
     wizard, asker = asked_wizard(tmp_path, [
-        "hosts", "alice", "", "22", "", "", "10.0.0.1", "29500",
+        "hosts", "alice", "", "22", "", "", "10.0.0.1", str(free_port()),
         "10.0.0.2", None,  # pre-flight finds nothing there yet: kept (the default) for setup
         ""], monkeypatch)
     config = wizard.build_hosts()
@@ -621,7 +621,7 @@ def test_a_hosts_file_problem_is_said_at_its_question_and_that_question_asked_ag
         tmp_path, monkeypatch):
     wizard, asker = asked_wizard(tmp_path, [
         "hosts", "alice", "", "22", "", "/",  # the filesystem's root cannot take the project
-        "~/gym", "10.0.0.1", "29500", ""], monkeypatch)
+        "~/gym", "10.0.0.1", str(free_port()), ""], monkeypatch)
     assert wizard.build_hosts() is None  # no workers: a simulation here
     [(question, why)] = asker.refused
     assert "checkout on every host" in question and "filesystem's root" in why
