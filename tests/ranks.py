@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -79,3 +80,29 @@ def interrupt_after_checkpoints(args: list[str], cwd: Path, checkpoints: Path,
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return proc.returncode, out, err
+
+
+class Throttle:
+    """Every rank's speed, through one throttle file all of them read (the product's own
+    :mod:`distributed.worker.throttle`; the test hosts, SSH or namespaces, share this
+    machine's disk): a test that must act while a run is still going slows the run down
+    for as long as it acts, instead of making the run long in steps, whatever else the
+    machine runs.
+
+    Args:
+        tmp_path: the test's folder, where the file goes.
+    """
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.path = tmp_path / "throttle.json"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The variable that points every rank at the file (``LaunchOptions.env``)."""
+        return {"EXOGYM_THROTTLE_FILE": str(self.path)}
+
+    def set(self, factor: float) -> None:
+        """Every rank at ``factor`` of its speed from its next look at the file."""
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"factor": factor, "fault": "test"}))
+        tmp.replace(self.path)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from netbed import Events, Testbed, worker_pid
-from ranks import ROOT, free_port
+from ranks import ROOT, Throttle, free_port
 from rich.console import Console
 from safetensors.torch import load_file
 from sshd_fixture import HostSSHD, serve_sshd
@@ -112,31 +112,6 @@ def start_in_background(job: Launcher, watch: Watch, rank2_step: int) -> threadi
     watch.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 2
                    and e["step"] >= rank2_step, 120)
     return runner
-
-
-class Throttle:
-    """Every rank's speed, through one throttle file all of them read (the product's own
-    :mod:`distributed.worker.throttle`; the test hosts share this machine's disk): a test
-    that must act while a run is still going slows the run down for as long as it acts,
-    instead of making the run long in steps, whatever else the machine runs.
-
-    Args:
-        tmp_path: the test's folder, where the file goes.
-    """
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.path = tmp_path / "throttle.json"
-
-    @property
-    def env(self) -> dict[str, str]:
-        """The variable that points every rank at the file (``LaunchOptions.env``)."""
-        return {"EXOGYM_THROTTLE_FILE": str(self.path)}
-
-    def set(self, factor: float) -> None:
-        """Every rank at ``factor`` of its speed from its next look at the file."""
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"factor": factor, "fault": "test"}))
-        tmp.replace(self.path)
 
 
 @pytest.mark.slow(reason="a host's rank killed over SSH, dropped, started again and rejoined")
