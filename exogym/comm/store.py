@@ -84,6 +84,18 @@ class UnsignedValueError(RuntimeError):
     """A key of a signed store held only values this run did not sign, until the wait ran out."""
 
 
+#: Keys named in the report of ignored operations: the most recently seen this many.
+_KEYS_NAMED = 16
+
+
+def _tally(keys: collections.OrderedDict[str, int], key: str) -> None:
+    """Count ``key`` once more in ``keys``, which keeps the :data:`_KEYS_NAMED` most recent."""
+    keys[key] = keys.get(key, 0) + 1
+    keys.move_to_end(key)
+    while len(keys) > _KEYS_NAMED:
+        keys.popitem(last=False)
+
+
 class _Ignored:
     """The values this process found unsigned, counted once per key and value, and the
     keys it found deleted by others, counted once each time one goes missing."""
@@ -105,10 +117,7 @@ class _Ignored:
                 self.last.pop(next(iter(self.last)))
             self.last[key] = raw
             self.count += 1
-            self.keys[key] = self.keys.get(key, 0) + 1
-            self.keys.move_to_end(key)
-            while len(self.keys) > 16:
-                self.keys.popitem(last=False)
+            _tally(self.keys, key)
 
     def note_deleted(self, key: str) -> None:
         with self.lock:
@@ -118,10 +127,7 @@ class _Ignored:
                 self.missing.pop()
             self.missing.add(key)
             self.deleted += 1
-            self.deleted_keys[key] = self.deleted_keys.get(key, 0) + 1
-            self.deleted_keys.move_to_end(key)
-            while len(self.deleted_keys) > 16:
-                self.deleted_keys.popitem(last=False)
+            _tally(self.deleted_keys, key)
 
     def note_present(self, key: str) -> None:
         if key in self.missing:
