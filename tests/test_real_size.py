@@ -28,7 +28,7 @@ from io import StringIO
 import pytest
 import torch
 from netbed import Events, worker_pid
-from ranks import ROOT, free_port
+from ranks import ROOT, Throttle, free_port
 from rich.console import Console
 from safetensors.torch import load_file
 from sshd_fixture import HostSSHD, serve_sshd
@@ -42,6 +42,8 @@ from exogym import Trainer
 from exogym.strategy import DiLoCoStrategy
 
 THIRD = "127.0.0.7"
+#: The members' speed while a host is away (:class:`ranks.Throttle`).
+SLOW = 0.25
 #: The profile's model at 23M parameters, with short sequences and small batches.
 SMALL_STEPS = ["block_size=32", "tokens=30000", "batch_size=2", "val_size=8", "num_threads=1",
                "checkpoint_interval=None", "warmup_steps=0"]
@@ -137,12 +139,19 @@ def launcher(sshd, workers, program, tmp_path, on_event, **options):
                     on_output=lambda line: None, on_event=on_event)
 
 
-def _lose_and_take_back_rank_2(events: Events, third, out, at_step: int) -> tuple[dict, dict]:
+def _lose_and_take_back_rank_2(events: Events, third, out, at_step: int, throttle: Throttle,
+                              *, release_when_ready: bool = True) -> tuple[dict, dict]:
     """Once rank 2 has trained ``at_step``: its host goes away and its process dies; once the
     members went on without it, the host answers again. The membership events of its loss
-    and of its return."""
+    and of its return.
+
+    The members train at a quarter of their speed from the loss until the restarted rank
+    says it is ready (``release_when_ready``; otherwise the caller gives the speed back):
+    the round it comes back in lasts as long as its start takes, however busy the machine,
+    and the state then travels while the members train at full speed."""
     events.wait(lambda e: e.get("event") == "step" and e["rank"] == 2
                 and e["step"] >= at_step, 300)
+    throttle.set(SLOW)
     third.stop()
     pid = worker_pid(2, str(out))
     assert pid is not None
@@ -152,6 +161,10 @@ def _lose_and_take_back_rank_2(events: Events, third, out, at_step: int) -> tupl
     events.wait(lambda e: e.get("event") == "step" and e["rank"] == 0
                 and e["step"] >= lost["step"] + 2, 60)
     third.start()
+    if release_when_ready:
+        events.wait(lambda e: e.get("event") == "host" and e.get("rank") == 2
+                    and e.get("state") == "rejoining", 150)
+        throttle.set(1.0)
     _, rejoined = events.wait(lambda e: e.get("event") == "membership"
                               and e["ranks"] == [0, 1, 2] and e["step"] > 1, 150)
     return lost, rejoined
@@ -160,8 +173,8 @@ def _lose_and_take_back_rank_2(events: Events, third, out, at_step: int) -> tupl
 @pytest.mark.slow(
     reason="three hosts over SSH train a 23M-parameter model, lose one and take it back: the "
            "hand-over at real size")
-@pytest.mark.parametrize("h,strategy", [(60, []), (2, []),
-                                        (60, ["strategy=async_diloco", "quorum=2"])],
+@pytest.mark.parametrize("h,strategy", [(20, []), (2, []),
+                                        (20, ["strategy=async_diloco", "quorum=2"])],
                          ids=["long-rounds", "rounds-shorter-than-the-transfer", "async-diloco"])
 def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_train_at_23m(
         sshd, third, tmp_path, h, strategy):
@@ -169,26 +182,29 @@ def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_trai
     the middle of a round takes it from a member on a link of their own while the members
     train, joins at the next step, not the next round, and the run ends with one model.
 
-    With H=60 a round lasts some 30 s here, time for the host to start its rank again
-    within it. With H=2 rounds end while the state travels: the joiner brings its copy
-    up to date with the rounds' updates, and still ends with the others' model.
+    With H=20 the members train slowly while the host is away (:data:`SLOW`), so the round
+    it comes back in lasts beyond its rank's start, and at full speed once it is ready.
+    With H=2 rounds end while the state travels: the joiner brings its copy up to date
+    with the rounds' updates, and still ends with the others' model.
 
     AsyncDiLoCo's members merge at any step: the joiner starts a round of its own from
     the global model, trains it alone, and at the round's last step takes the members'
     global state and enters their merges with the steps it trained."""
     out = tmp_path / "net"
     events = Events()
-    steps = 3 * h if h > 2 else 60
+    steps = 3 * h if h > 2 else 40
+    throttle = Throttle(tmp_path)
     program = RankProgram.from_profile("gpt-diloco", overrides=SMALL_STEPS + strategy + [
         "num_nodes=3", f"H={h}", f"max_steps={steps}", f"val_interval={max(h, 30)}",
         f"output_dir={out}"])
     with launcher(sshd, ["127.0.0.2", THIRD], program, tmp_path, events, min_nodes=2,
-                  probe_interval=1.0) as job:
+                  probe_interval=1.0, env=throttle.env) as job:
         runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
         runner.start()
         # Lost late in the first round, so that the next round (which goes on without it)
         # comes soon; the host answers again during that one.
-        lost, rejoined = _lose_and_take_back_rank_2(events, third, out, max(3, 3 * h // 4))
+        lost, rejoined = _lose_and_take_back_rank_2(events, third, out, max(3, 3 * h // 4),
+                                                    throttle)
         runner.join(timeout=600)
     result = job.result
     assert result.ok, result.describe()
@@ -305,20 +321,25 @@ def test_an_async_diloco_joiner_meets_the_members_after_the_member_that_gave_it_
     ends with one model (min_nodes=2: without rank 2 the run would stop)."""
     out = tmp_path / "net"
     events = Events()
-    h, steps = 60, 180
+    h, steps = 20, 60
+    throttle = Throttle(tmp_path)
     program = RankProgram.from_profile("gpt-diloco", overrides=SMALL_STEPS + [
         "strategy=async_diloco", "quorum=2", "num_nodes=3", f"H={h}", f"max_steps={steps}",
-        "val_interval=60", f"output_dir={out}"])
+        "val_interval=20", f"output_dir={out}"])
     with launcher(sshd, ["127.0.0.2", THIRD], program, tmp_path, events, min_nodes=2,
-                  probe_interval=1.0) as job:
+                  probe_interval=1.0, env=throttle.env) as job:
         runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
         runner.start()
-        _, rejoined = _lose_and_take_back_rank_2(events, third, out, 45)
+        # Slow from rank 2's loss until rank 0 is killed: the round rank 2 joins in holds
+        # its hand-over and the kill, however long they take.
+        _, rejoined = _lose_and_take_back_rank_2(events, third, out, 15, throttle,
+                                                 release_when_ready=False)
         meets_at = (rejoined["step"] - 1) // h * h + h
-        assert rejoined["step"] < meets_at - 5, (rejoined, meets_at)  # time to kill rank 0
+        assert rejoined["step"] < meets_at - 3, (rejoined, meets_at)  # time to kill rank 0
         source = worker_pid(0, str(out))
         os.kill(source, signal.SIGKILL)  # the member that handed rank 2 the state
         killed_at = max(e["step"] for _, e in events.of("step", 0))
+        throttle.set(1.0)
         runner.join(timeout=600)
     result = job.result
     assert result.ok, result.describe()
