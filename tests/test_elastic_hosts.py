@@ -243,9 +243,9 @@ def test_min_nodes_stops_cleanly_naming_the_host_and_resume_continues(sshd, thir
     out = tmp_path / "net"
     watch = Watch()
     told = Console(file=StringIO(), width=400)
-    with launcher(sshd, program(out, 3000, "checkpoint_interval=1000"), tmp_path, watch,
+    with launcher(sshd, program(out, 600, "checkpoint_interval=200"), tmp_path, watch,
                   console=told, min_nodes=3) as job:
-        runner = start_in_background(job, watch, 1500)
+        runner = start_in_background(job, watch, 300)
         third.stop()
         pid = worker_pid(2, str(out))
         assert pid is not None
@@ -272,8 +272,8 @@ def test_min_nodes_stops_cleanly_naming_the_host_and_resume_continues(sshd, thir
     third.start()
     watch = Watch()
     resumed = RankProgram.from_profile("digits-diloco", overrides=[
-        "max_steps=3000", "val_interval=500", "val_size=256", "num_threads=1",
-        "checkpoint_interval=1000", "num_nodes=3", "lr_scheduler=cosine", f"output_dir={out}"],
+        "max_steps=600", "val_interval=500", "val_size=256", "num_threads=1",
+        "checkpoint_interval=200", "num_nodes=3", "lr_scheduler=cosine", f"output_dir={out}"],
         resume=True)
     with launcher(sshd, resumed, tmp_path, watch, min_nodes=3) as job:
         again = job.run()
@@ -349,8 +349,8 @@ def test_when_the_master_dies_every_rank_stops_and_resume_continues(sshd, third,
     out = tmp_path / "net"
     hosts_file = tmp_path / "hosts.json"
     hosts_file.write_text(json.dumps(hosts(sshd)))
-    settings = ["max_steps=3000", "val_interval=500", "val_size=256", "num_threads=1",
-                "checkpoint_interval=1000", f"output_dir={out}"]
+    settings = ["max_steps=600", "val_interval=200", "val_size=256", "num_threads=1",
+                "checkpoint_interval=200", f"output_dir={out}"]
     command = [sys.executable, "cli_typer.py", "distributed-train", "digits-diloco",
                "--hosts", str(hosts_file), "--min-nodes", "2", "--lost-after", "3",
                "--known-hosts",
@@ -364,7 +364,7 @@ def test_when_the_master_dies_every_rank_stops_and_resume_continues(sshd, third,
     from exogym.run.checkpoint import list_steps
     root = out / "checkpoints" / "digits-diloco"
     deadline = time.monotonic() + 180
-    while not all(1000 in list_steps(root, r) for r in range(3)):
+    while not all(200 in list_steps(root, r) for r in range(3)):
         assert cli.poll() is None and time.monotonic() < deadline, cli.stdout.read().decode()
         time.sleep(0.2)
     # The master host dies: the launcher (with the run's store) and its rank 0 at once.
@@ -385,7 +385,7 @@ def test_when_the_master_dies_every_rank_stops_and_resume_continues(sshd, third,
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"resumed from step {newest}" in done.stdout
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 3000
+    assert summary["steps"] == 600
 
 
 @pytest.mark.slow(reason="a run across hosts whose master's rank is lost in its last round")
