@@ -35,7 +35,7 @@ from distributed.launch.faults import (
 )
 from distributed.worker.throttle import FileThrottle
 from exogym.report.trace import TraceWriter, read_trace
-from exogym.run.timing import StepTimer
+from exogym.run.timing import THROTTLE_SLICE_S, StepTimer
 
 HOSTS = {"master": "127.0.0.1", "workers": ["127.0.0.2", "127.0.0.3"], "ssh_user": "u",
          "python_env": sys.executable, "project_path": str(ROOT), "master_port": free_port()}
@@ -371,6 +371,42 @@ def test_a_throttle_file_slows_a_rank_by_its_factor_and_lets_it_go(tmp_path):
     throttle._checked = float("-inf")
     assert throttle.factor() == 1.0
     assert timer.throttle_step(timer.mark(), {}) == 0.0
+
+
+def test_a_slow_down_that_ends_mid_sleep_cuts_the_sleep_short():
+    """A rank slowed to a hundredth owes some 2 s of sleep for 20 ms of work; when its
+    factor comes back to 1 a quarter of a second in, it sleeps no more than a slice
+    beyond that, and when it eases to a half it owes only what a half owes."""
+
+    class Changing:
+        def __init__(self, factors: list[tuple[float, float]]) -> None:
+            self.started = time.perf_counter()
+            self.factors = factors  # (from this many seconds in, the factor)
+
+        def factor(self) -> float:
+            now = time.perf_counter() - self.started
+            return [f for at, f in self.factors if now >= at][-1]
+
+    def work(timer: StepTimer):
+        mark = timer.mark()
+        busy = time.thread_time() + 0.02
+        while time.thread_time() < busy:
+            pass
+        return mark
+
+    ends = Changing([(0.0, 0.01), (0.25, 1.0)])
+    timer = StepTimer(None, one_thread=True, speed_mode="wall", alone_on_machine=True,
+                      throttle=ends)
+    event = {"compute_s": 0.02}
+    slept = timer.throttle_step(work(timer), event)
+    assert 0.2 <= slept <= 0.25 + THROTTLE_SLICE_S + 0.05, slept  # not the 2 s first owed
+    assert event["throttle"] == 0.01 and event["compute_s"] == pytest.approx(0.02 + slept)
+    eases = Changing([(0.0, 0.01), (0.15, 0.5)])
+    timer = StepTimer(None, one_thread=True, speed_mode="wall", alone_on_machine=True,
+                      throttle=eases)
+    slept = timer.throttle_step(work(timer), {})
+    # a half owes as much sleep as the work took (~20 ms): more has been slept already
+    assert 0.1 <= slept <= 0.15 + THROTTLE_SLICE_S + 0.05, slept
 
 
 def test_the_on_host_script_signals_freezes_and_thaws_a_process_group():
