@@ -6,7 +6,7 @@ here. Each run is a few steps of small batches, to stay well under two minutes o
 two cores:
 
 - a simulation packed several ranks to a process ends with the model of one
-  process per rank (K=8, four ranks to each of two processes);
+  process per rank (K=4, two ranks to each of two processes);
 - three hosts over SSH with ``min_nodes=2``: a host killed and started again, the
   membership 3 -> 2 -> 3, the state handed over during a round (DiLoCo's long and
   short rounds, AsyncDiLoCo), and every rank ends with the same finite model;
@@ -65,9 +65,9 @@ def assert_states_equal(a: dict, b: dict, atol: float = 1e-5) -> None:
 # -- simulation: packed ranks ------------------------------------------------------------
 
 
-@pytest.mark.slow(reason="a 23M-parameter model in 8 ranks, packed and then one process each")
+@pytest.mark.slow(reason="a 23M-parameter model in 4 ranks, packed and then one process each")
 def test_a_packed_simulation_of_a_23m_model_ends_with_the_unpacked_model():
-    num_nodes = 8
+    num_nodes = 4
     model, train, val = gpt_task(block_size=32, tokens=30000)
     assert_real_size(model)
     ends = {}
@@ -373,7 +373,7 @@ def test_an_async_diloco_joiner_meets_the_members_after_the_member_that_gave_it_
     reason="the 23M-parameter model trained three ways: simulated, under torchrun and over "
            "SSH")
 def test_a_23m_model_through_torchrun_and_over_ssh_equals_the_simulation(sshd, tmp_path):
-    settings = SMALL_STEPS + ["num_nodes=2", "H=4", "max_steps=8", "val_interval=8"]
+    settings = SMALL_STEPS + ["num_nodes=2", "H=2", "max_steps=4", "val_interval=4"]
     run_profile("gpt-diloco", overrides=parse_overrides(
         settings + [f"output_dir={tmp_path / 'sim'}"]), progress=False, local=True)
     simulated = load_file(tmp_path / "sim" / "model.safetensors")
