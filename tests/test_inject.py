@@ -380,10 +380,12 @@ def test_a_slow_down_that_ends_mid_sleep_cuts_the_sleep_short():
 
     class Changing:
         def __init__(self, factors: list[tuple[float, float]]) -> None:
-            self.started = time.perf_counter()
+            self.started: float | None = None  # the first look, as the step's sleep starts
             self.factors = factors  # (from this many seconds in, the factor)
 
         def factor(self) -> float:
+            if self.started is None:
+                self.started = time.perf_counter()
             now = time.perf_counter() - self.started
             return [f for at, f in self.factors if now >= at][-1]
 
