@@ -20,6 +20,7 @@ against known_hosts (``distributed.hosts.ssh``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import ipaddress
 import os
 import socket
@@ -297,6 +298,13 @@ class HostSession:
             connect_timeout=self.ssh.connect_timeout, probe_timeout=self.probe_timeout,
             notes=self._notes)
         self.report = report
+        if report.master_port != self.config.master_port:
+            # The hosts file names no port and the first choice was taken: every rank
+            # of this session's runs meets at the one pre-flight found free.
+            self.config = dataclasses.replace(self.config, master_port=report.master_port)
+            self._say(f"master port {report.master_port} on {self.config.master.host}: the "
+                      "hosts file names no \"master_port\" and the default was taken, so "
+                      "the run uses this free one", style="yellow")
         if show:
             report.render(self._get_console())
         if raise_on_failure and not report.ok:
