@@ -129,6 +129,8 @@ class ElasticMembership:
     reshards = True
     #: A returning rank may join a round under way (see the module).
     can_admit_mid_round = True
+    #: Decided through the launcher's store.
+    decided_in_store = True
 
     def __init__(self, world: ElasticGroups, rank: int, num_nodes: int, round_steps: int,
                  min_nodes: int):
