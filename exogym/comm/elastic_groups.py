@@ -362,7 +362,7 @@ class ElasticGroups(Collectives):
         delay = 0.0002
         self.waiting_for = f"the members of group {name} ({', '.join(map(self._host, members))})"
         try:
-            while not store.check(list(slots.values())):
+            while (found := store.values_if_set(list(slots.values()))) is None:
                 now = time.monotonic()
                 if now >= next_check:
                     for peer, slot in slots.items():
@@ -375,7 +375,7 @@ class ElasticGroups(Collectives):
                 delay = min(delay * 2, 0.002 if now - start < QUICK_POLL_S else 0.02)
         finally:
             self.waiting_for = None
-        return all(v == _OK for v in store.multi_get(list(slots.values())))
+        return all(v == _OK for v in found)
 
     # -- waiting and voting --------------------------------------------------------------
 
@@ -421,7 +421,8 @@ class ElasticGroups(Collectives):
         deadline = start + self.timeout_s
         next_check = start + LOSS_CHECK_S
         delay = 0.0002
-        while not store.check(list(slots.values())):  # one round trip while all is well
+        # One round trip a look, and one more to read the votes once all are there.
+        while (found := store.values_if_set(list(slots.values()))) is None:
             now = time.monotonic()
             if now >= next_check:
                 self.check_self()
@@ -436,7 +437,7 @@ class ElasticGroups(Collectives):
                     f"{what} nor was declared lost within {self.timeout_s:.0f} s")
             time.sleep(delay)
             delay = min(delay * 2, 0.002 if now - start < QUICK_POLL_S else 0.02)
-        return dict(zip(slots, store.multi_get(list(slots.values()))))
+        return dict(zip(slots, found))
 
     def _vote(self, name: str, call: str, members: tuple[int, ...],
               ok: bool) -> tuple[bool, tuple[int, ...]]:

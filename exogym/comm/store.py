@@ -337,6 +337,14 @@ class SignedStore(dist.Store):
         """The value of ``key``; None when it is unset or holds a value this run did not sign."""
         return self._read(key)[1]
 
+    def values_if_set(self, keys: list[str]) -> list[bytes] | None:
+        """The values of ``keys`` when every one holds a value this run signed; None at once
+        otherwise (one round trip, two when all are set)."""
+        if not self._ops.check(keys):
+            return None
+        values = [self._open(k, raw) for k, raw in zip(keys, self._ops.multi_get(keys))]
+        return None if any(v is None for v in values) else values
+
     def multi_get(self, keys: list[str]) -> list[bytes]:  # noqa: D102
         raws = self._ops.multi_get(keys)
         out = [self._open(k, raw) for k, raw in zip(keys, raws)]
@@ -515,6 +523,16 @@ class ControlStore:
         if isinstance(self.raw, SignedStore):
             return self.raw.get_if_set(key)
         return self._calls.get(key) if self._calls.check([key]) else None
+
+    def values_if_set(self, keys: Sequence[str]) -> list[bytes] | None:
+        """The values of ``keys`` when every one is set (signed, by the run); None at once
+        otherwise: a wait for several keys polls with one round trip, and reads them
+        with one more."""
+        if isinstance(self.raw, SignedStore):
+            return self.raw.values_if_set(list(keys))
+        if not self._calls.check(list(keys)):
+            return None
+        return list(self._calls.multi_get(list(keys)))
 
 
 def next_beat(last: int) -> int:

@@ -366,11 +366,6 @@ class TrainNode:
             "comm_s": comm_wall - self._comm_wall_seen,
         }
         self._comm_wall_seen = comm_wall
-        if self._trips_seen is not None:
-            # what the control plane cost this step, its attendance before it included
-            trips = comm.store_round_trips()
-            event["store_trips"] = trips - self._trips_seen
-            self._trips_seen = trips
         clock = self.clock
         if clock is None:
             # measured: the step's wall time less its time in collectives
@@ -673,6 +668,12 @@ class TrainNode:
         if spec.correlation_interval and in_group and \
                 self.step % spec.correlation_interval == 0:
             event["correlation"] = self.correlation()
+        if self._trips_seen is not None:
+            # what the control plane cost this step: its attendance before it, the step,
+            # its evaluation
+            trips = comm.store_round_trips()
+            event["store_trips"] = trips - self._trips_seen
+            self._trips_seen = trips
         if spec.checkpoint_interval and self.step % spec.checkpoint_interval == 0:
 
             def announce() -> None:
