@@ -10,10 +10,13 @@ heartbeats judged by the launcher, gloo groups formed per membership, every
 collective voted), the order alternating between repeats. No host is lost.
 
 It prints, for each run, rank 0's steps per second over the steps after the
-first ``--skip`` (its own clock: the step events' ``wall_s``), and for the
+first ``--skip`` (its own clock: the step events' ``wall_s``), the median time of
+a step inside a round (neither a round's first nor its last, no evaluation), and for the
 ``min_nodes`` runs the store round trips each rank's training thread made (the
 step events' ``store_trips``): per step inside a round (target: none), and per
-round. Last, the ratio of the medians (target: at least 0.9). With ``--before PATH``
+round. Last, the ratio of the medians, and the median of each repeat's ratio (its two
+runs ran next to each other: on a shared machine whose load drifts, the steadier
+figure) (target: at least 0.9). With ``--before PATH``
 the ranks of every repeat also run from another checkout of the project (e.g. a
 worktree of an earlier commit), the launcher still this one's: before and after,
 side by side in one run.
@@ -126,6 +129,10 @@ def figures(events: Events, skip: int) -> dict[str, Any]:
     steps = {e["step"]: e for _, e in events.of("step", 0)}
     last = max(steps)
     rate = (last - skip) / (steps[last]["wall_s"] - steps[skip]["wall_s"])
+    # A step inside a round, alone: from the step event before it (no evaluation between).
+    alone = [steps[k]["wall_s"] - steps[k - 1]["wall_s"] for k in range(skip + 1, last)
+             if k % H not in (0, 1) and "val_loss" not in steps[k] and
+             "val_loss" not in steps[k - 1]]
     inside, boundary = [], []
     for _, e in events.of("step"):
         if "store_trips" not in e or e["step"] <= H:
@@ -135,7 +142,8 @@ def figures(events: Events, skip: int) -> dict[str, Any]:
         edge = e["step"] % H in (0, 1)  # a round's last step (its collective), or first
         (boundary if edge else inside).append(e["store_trips"])
     # A rank's round has two edges: what both cost, a round's share of the control plane.
-    return {"rate": rate, "inside": statistics.mean(inside) if inside else None,
+    return {"rate": rate, "step_ms": 1000 * statistics.median(alone),
+            "inside": statistics.mean(inside) if inside else None,
             "per_round": 2 * sum(boundary) / len(boundary) if boundary else None}
 
 
@@ -163,6 +171,7 @@ def main() -> None:
     kinds = [(f"{tag}{mode}", path, min_nodes) for tag, path in checkouts.items()
              for mode, min_nodes in (("static", None), ("min_nodes=2", 2))]
     rows, rates = [], {label: [] for label, _, _ in kinds}
+    ratios: dict[str, list[float]] = {tag: [] for tag in checkouts}
     with tempfile.TemporaryDirectory(prefix="exogym-elastic-overhead-") as tmp:
         folder = Path(tmp)
         with loopback_sshd(folder) as sshd:
@@ -177,19 +186,24 @@ def main() -> None:
                     trips = "-" if found["inside"] is None else f"{found['inside']:.2f}"
                     per_round = "-" if found["per_round"] is None else \
                         f"{found['per_round']:.1f}"
-                    print(f"run {i + 1} {label}: {found['rate']:.1f} steps/s, store round "
-                          f"trips {trips} a step inside a round, {per_round} a round",
-                          flush=True)
-                    rows.append([str(i + 1), label, f"{found['rate']:.1f}", trips, per_round])
+                    print(f"run {i + 1} {label}: {found['rate']:.1f} steps/s, a step inside "
+                          f"a round {found['step_ms']:.2f} ms, store round trips {trips} a "
+                          f"step inside a round, {per_round} a round", flush=True)
+                    rows.append([str(i + 1), label, f"{found['rate']:.1f}",
+                                 f"{found['step_ms']:.2f}", trips, per_round])
+                for tag in checkouts:  # this repeat's pair, run next to each other
+                    ratios[tag].append(rates[f"{tag}min_nodes=2"][-1] / rates[f"{tag}static"][-1])
     print_table(f"digits-diloco (H={H}) across 3 hosts on this machine, {args.steps} steps, "
                 "no host lost",
-                ["repeat", "run", "steps/s (rank 0)", "store trips a step inside a round",
-                 "store trips a round (a rank)"], rows, left=("run",))
+                ["repeat", "run", "steps/s (rank 0)", "ms a step inside a round (median)",
+                 "store trips a step inside a round", "store trips a round (a rank)"], rows,
+                left=("run",))
     for tag in checkouts:
         static = statistics.median(rates[f"{tag}static"])
         elastic = statistics.median(rates[f"{tag}min_nodes=2"])
         print(f"{tag or 'this checkout'}: median steps/s static {static:.1f}, min_nodes=2 "
-              f"{elastic:.1f}: {elastic / static:.2f}x (target 0.9x)")
+              f"{elastic:.1f}: {elastic / static:.2f}x; median of each repeat's ratio "
+              f"{statistics.median(ratios[tag]):.2f}x (target 0.9x)")
 
 
 if __name__ == "__main__":

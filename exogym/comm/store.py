@@ -61,8 +61,9 @@ RUN_KEY_BYTES = 32
 SIGNATURE_BYTES = 32
 #: Seconds between looks at a key that holds a forged value, waiting for a signed one.
 _FORGED_POLL_S = 0.05
-#: What a read of a signed store compares a key with: no signed value is ever this.
-_PROBE = b"\x00exogym-probe"
+#: How a read of a signed store's probe begins (:meth:`SignedStore._read`); random bytes of
+#: the client's own follow, so that no signed value, and no value anyone else writes, is it.
+_PROBE = b"\x00exogym-probe-"
 #: Counters a process remembers the highest value of (an older value sent again is ignored).
 _COUNTER_MEMORY = 4096
 
@@ -258,6 +259,7 @@ class SignedStore(dist.Store):
             raise ValueError(f"a run's store key must be at least 16 bytes, got {len(key)}")
         self.inner = inner
         self._ops = _Counted(inner)
+        self._probe = _PROBE + os.urandom(16)
         self._key = bytes(key)
         self.timeout_s = timeout_s
         # counter -> (the highest value this process saw, the stored bytes it saw it as)
@@ -317,12 +319,11 @@ class SignedStore(dist.Store):
     def _read(self, key: str) -> tuple[bytes | None, bytes | None]:
         """``(raw, value)`` of ``key`` now: ``(None, None)`` when unset, value None when forged."""
         # One round trip: a compare-and-set that can never match answers with the value,
-        # or with the probe itself when the key is unset.
-        raw = bytes(self._ops.compare_set(key, _PROBE, _PROBE))
-        if raw == _PROBE:  # unset, or set just after the probe: ask again
-            if not self._ops.check([key]):
-                return None, None
-            raw = bytes(self._ops.get(key))
+        # or with the probe itself when the key is unset. The probe is this client's own
+        # secret, so no one can have stored it: the probe back means unset.
+        raw = bytes(self._ops.compare_set(key, self._probe, self._probe))
+        if raw == self._probe:
+            return None, None
         return raw, self._open(key, raw)
 
     def check(self, keys: list[str]) -> bool:  # noqa: D102
