@@ -34,6 +34,11 @@ only; their tensors travel on gloo groups formed for each membership
   reach the round's last step closes it by compare-and-set, so every member
   reads the same joiners there, and a joiner that finds it closed waits for the
   next round.
+- **Off the step.** Within a round a rank asks the store nothing: a thread of
+  its own (:class:`Lookout`) reads whether it was declared lost and whether a
+  returning rank asked it for the state, and the step takes that look while
+  it is fresh. The store is asked on the step's path at a round's edges only
+  (its decision, its record of joins closed, its voted collective).
 - **Too few hosts.** A decision that leaves fewer than ``min_nodes`` members
   says so; every rank then writes a checkpoint and stops, naming the lost hosts.
 - **The master.** The store lives in the launcher. If the launcher's host
