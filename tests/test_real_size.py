@@ -141,7 +141,8 @@ def launcher(sshd, workers, program, tmp_path, on_event, **options):
 
 
 def _lose_and_take_back_rank_2(events: Events, third, out, at_step: int, throttle: Throttle,
-                              *, after_ready: float = 1.0) -> tuple[dict, dict]:
+                              *, after_ready: float = 1.0,
+                              release: bool = True) -> tuple[dict, dict]:
     """Once rank 2 has trained ``at_step``: its host goes away and its process dies; once the
     members went on without it, the host answers again. The membership events of its loss
     and of its return.
@@ -149,8 +150,8 @@ def _lose_and_take_back_rank_2(events: Events, third, out, at_step: int, throttl
     The run is held while the host is away, however long its rank takes to start on a busy
     machine: the members train at :data:`SLOW` from the loss, and all but stop
     (:data:`AWAY`) from the host's return until its restarted rank says it is ready; from
-    there at ``after_ready`` of their speed (full speed: the state travels while the
-    members train as they do)."""
+    there at ``after_ready`` of their speed while the state travels, and at full speed
+    once it has rejoined (unless not ``release``: the caller gives the speed back)."""
     events.wait(lambda e: e.get("event") == "step" and e["rank"] == 2
                 and e["step"] >= at_step, 300)
     throttle.set(SLOW)
@@ -169,6 +170,8 @@ def _lose_and_take_back_rank_2(events: Events, third, out, at_step: int, throttl
     throttle.set(after_ready)
     _, rejoined = events.wait(lambda e: e.get("event") == "membership"
                               and e["ranks"] == [0, 1, 2] and e["step"] > 1, 150)
+    if release:
+        throttle.set(1.0)
     return lost, rejoined
 
 
@@ -205,8 +208,10 @@ def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_trai
         runner.start()
         # Lost late in the first round, so that the next round (which goes on without it)
         # comes soon; the host answers again during that one.
+        # With H=2 the state travels while the members train at full speed, so that rounds
+        # end meanwhile; with H=10 at half speed, so that the run outlasts the hand-over.
         lost, rejoined = _lose_and_take_back_rank_2(events, third, out, max(3, 3 * h // 4),
-                                                    throttle)
+                                                    throttle, after_ready=1.0 if h == 2 else 0.5)
         runner.join(timeout=600)
     result = job.result
     assert result.ok, result.describe()
@@ -335,7 +340,7 @@ def test_an_async_diloco_joiner_meets_the_members_after_the_member_that_gave_it_
         # Slow until rank 0 is killed: the round rank 2 joins in holds its hand-over and
         # the kill, however long they take.
         _, rejoined = _lose_and_take_back_rank_2(events, third, out, 15, throttle,
-                                                 after_ready=SLOW)
+                                                 after_ready=SLOW, release=False)
         meets_at = (rejoined["step"] - 1) // h * h + h
         assert rejoined["step"] < meets_at - 3, (rejoined, meets_at)  # time to kill rank 0
         source = worker_pid(0, str(out))

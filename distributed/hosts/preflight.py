@@ -38,6 +38,8 @@ from .sync import LOCAL_PROFILES_SUFFIX
 
 #: The oldest Python a rank may run on (pyproject's requires-python).
 MIN_PYTHON = (3, 10)
+#: Seconds the master's port hold may take to exit once pre-flight gives the port back.
+RELEASE_S = 10.0
 
 
 @dataclass
@@ -229,10 +231,13 @@ class _MasterPort:
         return None
 
     def release(self) -> None:
+        """Give the port back; a hold over SSH is waited for (at most
+        :data:`RELEASE_S`) until its command has exited, so that the run's store, started
+        next on the same address, finds the port free."""
         if self.sock is not None:
             self.sock.close()
         if self.started is not None:
-            self.started.close()
+            self.started.end(RELEASE_S)
 
 
 def run_preflight(
