@@ -819,7 +819,7 @@ def test_preflight_names_a_master_port_in_use_on_a_remote_master(run):
 
 def first_choice_taken(run: Run, hosts: dict[str, Any]) -> HostsConfig:
     """The hosts without a "master_port", whose first choice is the test's own port (the
-    default's part: a fixed 29500 may be anyone's on a shared machine)."""
+    default's part: torch's default port may be anyone's on a shared machine)."""
     config = load_hosts({k: v for k, v in hosts.items() if k != "master_port"})
     assert not config.master_port_given
     return dataclasses.replace(config, master_port=run.port)
