@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -474,6 +475,30 @@ def test_ranks_are_forked_only_while_no_other_thread_runs():
         other.join()
     if baseline == 1 and not _library_threads():  # other tests' threads may linger here
         assert _can_fork(spec, placement)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux only")
+def test_tqdm_s_idle_monitor_is_stopped_so_the_ranks_are_still_forked():
+    # A progress bar (a Hugging Face tokenizer, a datasets map) leaves tqdm's monitor thread
+    # asleep for the rest of the process; it used to send every later fit to the fork
+    # server, at 4x the CPU of a forked fit of a small causal LM.
+    from tqdm import tqdm
+    from tqdm.std import TMonitor
+
+    from exogym.run.trainer import _can_fork, _library_threads
+
+    spec, placement = _two_cpu_ranks(toy_dataset())
+    others = [t for t in threading.enumerate()
+              if t is not threading.main_thread() and not isinstance(t, TMonitor)]
+    for _ in tqdm(range(2), disable=False, file=io.StringIO(), mininterval=0):
+        pass
+    assert any(isinstance(t, TMonitor) for t in threading.enumerate())
+    if others or _library_threads():  # other tests' threads may linger here
+        pytest.skip(f"other threads run in this test process: {others or _library_threads()}")
+    assert _can_fork(spec, placement)
+    assert not any(isinstance(t, TMonitor) and t.is_alive() for t in threading.enumerate())
+    for _ in tqdm(range(2), file=io.StringIO()):  # and the next bar has a monitor again
+        assert any(isinstance(t, TMonitor) and t.is_alive() for t in threading.enumerate())
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux only")

@@ -130,14 +130,44 @@ def _can_fork(spec: RunSpec, placement: Placement) -> bool:
     in a forked child that starts a thread pool its parent already used), and
     no other Python thread running here (a lock another thread holds at the
     fork stays held forever in the child: a notebook, a live display, a
-    second fit in parallel), nor a library's own thread (a gloo group's loop,
+    second fit in parallel; tqdm's idle monitor is stopped first:
+    :func:`_stop_idle_monitors`), nor a library's own thread (a gloo group's loop,
     a TCP store's server, left by an earlier run in this process: the child
     inherits their locks in whatever state they were). The ranks are forked
     before the rendezvous store starts its own thread.
     """
-    return (sys.platform.startswith("linux") and spec.device_type == "cpu"
-            and placement.threads_per_rank(spec) == 1 and threading.active_count() == 1
-            and not _library_threads() and "fork" in mp.get_all_start_methods())
+    if not (sys.platform.startswith("linux") and spec.device_type == "cpu"
+            and placement.threads_per_rank(spec) == 1 and not _library_threads()
+            and "fork" in mp.get_all_start_methods()):
+        return False
+    if threading.active_count() > 1:
+        _stop_idle_monitors()
+    return threading.active_count() == 1
+
+
+#: Seconds to wait for tqdm's monitor to stop before a fork; one that has not stopped by
+#: then leaves the fit to the fork server.
+MONITOR_STOP_S = 2.0
+
+
+def _stop_idle_monitors() -> None:
+    """Stop tqdm's monitor thread, the one Python thread a library leaves behind on its own.
+
+    tqdm starts it with its first progress bar (a Hugging Face download or tokenizer, a
+    ``datasets`` map) and it lives on, asleep, for the rest of the process; with it
+    alive no fit of that process could fork its ranks, and each would start a fork
+    server instead (4x the CPU of a fit of a small causal LM). It only adjusts the
+    refresh of bars that are slow to print: stopped (and joined), it holds no lock at
+    the fork, and tqdm starts a new one with its next bar.
+    """
+    tqdm_std = sys.modules.get("tqdm.std")
+    monitor_class = getattr(tqdm_std, "TMonitor", None)
+    if monitor_class is None:
+        return
+    for thread in threading.enumerate():
+        if isinstance(thread, monitor_class) and thread.is_alive():
+            thread.was_killed.set()  # what its exit() does, with a bound on the join
+            thread.join(timeout=MONITOR_STOP_S)
 
 
 #: Native threads a fork leaves safe: jemalloc's purging thread (pyarrow's allocator, loaded
