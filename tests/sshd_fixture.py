@@ -102,9 +102,10 @@ class HostSSHD:
     Args:
         server: the running test server whose keys and port it shares.
         address: the address it listens on (not one of ``ADDRESSES``).
+        sftp: whether it offers the SFTP subsystem (False: a host without one).
     """
 
-    def __init__(self, server: SSHD, address: str):
+    def __init__(self, server: SSHD, address: str, *, sftp: bool = True):
         self.server = server
         self.address = address
         home = server.key_path.parent
@@ -112,7 +113,8 @@ class HostSSHD:
         text = (home / "sshd_config").read_text().splitlines()
         self.config.write_text("\n".join(
             [f"ListenAddress {address}:{server.port}"] +
-            [line for line in text if not line.startswith("ListenAddress")]) + "\n")
+            [line for line in text if not line.startswith("ListenAddress")
+             and (sftp or not line.startswith("Subsystem sftp"))]) + "\n")
         self.log = home / f"sshd_{address}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         with server.known_hosts.open("a") as f:

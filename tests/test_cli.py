@@ -19,7 +19,7 @@ from doc_blocks import code_block
 from faces_support import TINY, sshd_hosts
 from ranks import ROOT
 from safetensors import safe_open
-from sshd_fixture import serve_sshd
+from sshd_fixture import HostSSHD, serve_sshd
 from typer.testing import CliRunner
 
 from cli_typer import app
@@ -29,6 +29,8 @@ from exogym.data.digits import digits_datasets
 from exogym.data.partition import dataset_labels, label_histogram, split_by_label
 
 runner = CliRunner()
+#: A host of the test sshd's keys whose own sshd has no SFTP subsystem.
+NO_SFTP = "127.0.0.8"
 
 
 @pytest.fixture(scope="module")
@@ -410,6 +412,39 @@ def test_check_hosts_names_the_failing_host_and_exits_2(sshd, tmp_path):
     hosts = write_hosts(tmp_path / "hosts.json", config)
     result = invoke("check-hosts", hosts, *ssh_files(sshd))
     assert_one_paragraph(result, 2, "1 of 3 hosts", "[127.0.0.3:2]", "no-checkout")
+
+
+@pytest.fixture(scope="module")
+def no_sftp_host(sshd):
+    """A host whose sshd has no "Subsystem sftp" line: logins work, file copies cannot."""
+    host = HostSSHD(sshd, NO_SFTP, sftp=False)
+    host.start()
+    try:
+        yield host
+    finally:
+        host.stop()
+
+
+@pytest.mark.parametrize("command", [
+    ["setup-hosts", "--no-write"],
+    ["distributed-train", "--sync", *sets(*TINY[:1])],
+], ids=["setup-hosts", "distributed-train--sync"])
+def test_a_host_without_sftp_is_named_with_the_fix_and_exits_2(sshd, no_sftp_host, tmp_path,
+                                                                command):
+    config = sshd_hosts(sshd, workers=1)
+    config["workers"].append({"host": NO_SFTP, "ssh_port": sshd.port})
+    for worker in config["workers"]:
+        worker["project_path"] = str(tmp_path / f"project-{worker['host']}")
+    hosts = write_hosts(tmp_path / "hosts.json", config)
+    name, *rest = command
+    if name == "distributed-train":
+        result = invoke(name, "--hosts", hosts, *rest, *ssh_files(sshd))
+    else:
+        result = invoke(name, hosts, *rest, *ssh_files(sshd))
+    assert_one_paragraph(result, 2, f"host {NO_SFTP}: its sshd offers no SFTP subsystem "
+                                    "(Subsystem sftp in sshd_config)", "Subsystem sftp")
+    assert "SSHException" not in result.output and "Channel closed" not in result.output
+    assert "host 127.0.0.2:" not in result.output  # the host with SFTP is not blamed
 
 
 def test_preflight_failure_names_the_host_and_offers_local(sshd, tmp_path):

@@ -287,6 +287,41 @@ def test_too_few_ranks_stop_the_run_naming_the_host(store):
     assert store.check([key("stop")])
 
 
+def _until(test, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not test():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s:.0f} s"
+        time.sleep(0.02)
+
+
+def test_a_fresh_look_spares_the_step_the_store_and_a_loss_is_still_seen(store, monkeypatch):
+    """A rank's lookout reads its loss generation and the requests for its state in a thread
+    of its own: a step boundary that has a fresh look asks the store nothing, yet a loss
+    declared meanwhile is seen there once the next look has read it. A stale look (a
+    process frozen and thawed, a starved thread) makes the step ask the store itself."""
+    from exogym.membership import hosts
+
+    _, ms = membership(store)
+    member = ms[0]
+    assert member.present(1) == {0, 1, 2}
+    member.watch(lambda t: comm.open_store("127.0.0.1", store.port, timeout_s=t))
+    try:
+        _until(lambda: member.lookout.look() is not None, "rank 0's first look")
+        trips = comm.store_round_trips()
+        assert member.is_present(0, 2) and member.state_requests(0) == ([], 0)
+        assert comm.store_round_trips() == trips
+        declare_lost(store, 0, "no heartbeat for 10 s")  # as the launcher would
+        trips = comm.store_round_trips()
+        _until(lambda: not member.is_present(0, 3), "rank 0 seeing its own loss")
+        assert comm.store_round_trips() == trips
+        monkeypatch.setattr(hosts, "LOOK_FRESH_S", 0.0)  # every look is stale now
+        assert not member.is_present(0, 3)
+        assert comm.store_round_trips() > trips
+    finally:
+        member.close()
+    assert member.lookout is None
+
+
 def test_launch_settings_are_checked_before_anything_starts():
     with pytest.raises(ValueError, match="min_nodes must be a whole number >= 1"):
         LaunchOptions(min_nodes=0)
@@ -539,6 +574,32 @@ def test_per_step_survivors_go_on_from_the_step_they_all_completed(store, tmp_pa
     summary = json.loads((out / "summary.json").read_text())
     assert [m["ranks"] for m in summary["membership"]] == [[0, 1, 2], [0, 1]]
     assert summary["membership"][1]["reason"] == "host2 (rank 2) lost (killed)"
+
+
+@pytest.mark.slow(reason="three worker processes train DiLoCo across 6 rounds")
+def test_a_step_inside_a_diloco_round_asks_the_store_nothing_while_no_host_is_lost(
+        store, tmp_path):
+    """What hosts that may come and go cost on a training step, counted: the store round
+    trips of each rank's training thread (the step events' ``store_trips``). A step inside
+    a round makes none (liveness and requests for the state are read by a thread off the
+    step); a round's edges make some (its decision, its record of joins closed, its voted
+    all-reduce: how many depends on how long the votes are waited for). A step that had to
+    ask (its look at the store went stale on a busy machine) is rare, never the rule."""
+    h, rounds = 20, 6
+    with _workers(store, tmp_path, "digits-diloco", f"H={h}", f"max_steps={h * rounds}",
+                  f"val_interval={h * rounds}", quiet=True) as (procs, _):
+        assert [p.wait(timeout=180) for p in procs] == [0, 0, 0]
+    inside, edges = [], []
+    for r in range(3):
+        steps = [e for e in _events(tmp_path / f"rank{r}.log") if e.get("event") == "step"]
+        assert [e["step"] for e in steps] == list(range(1, h * rounds + 1))
+        # Rounds 2 to 5: the first forms the group, the last ends the run (an evaluation).
+        for e in steps[h:h * (rounds - 1)]:
+            (edges if e["step"] % h in (0, 1) else inside).append(e["store_trips"])
+    asked = [t for t in inside if t]
+    assert len(asked) <= len(inside) // 10, f"{len(asked)} of {len(inside)} steps inside " \
+        f"rounds asked the store: {asked}"
+    assert sum(edges) >= 3 * (rounds - 2), edges  # each rank's rounds were counted
 
 
 def test_the_live_dashboard_shows_each_hosts_share_of_the_work():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import statistics
 import sys
 from io import StringIO
@@ -188,9 +189,11 @@ def test_a_fault_free_run_on_a_clock_says_where_the_time_its_fraction_leaves_wen
     plain = goodput_summary(g, detail=False)
     console = Console(file=StringIO(), width=300)
     print_goodput(console, plain)
+    # nothing was lost to faults: the line says how the time went, and gives no "goodput"
     assert console.file.getvalue().strip() == (
-        "goodput 80.0%: 80 samples reached the final model of 100 the hosts could have "
-        "trained while up (simulated time); the rest of their time went 20.0% in collectives")
+        "the hosts' time (simulated time): 80.0% computing, 20.0% in collectives, 0.0% idle; "
+        "all 80 trained samples reached the final model (no faults and no membership "
+        "changes: no goodput to measure)")
 
 
 def test_async_diloco_a_stale_contribution_and_a_lost_workers_round_are_not_counted():
@@ -243,7 +246,8 @@ def test_the_printed_summary_has_the_fraction_each_host_and_each_change():
     console = Console(file=StringIO(), width=200)
     print_goodput(console, g)
     text = console.file.getvalue()
-    assert "goodput 69.2%: 90 samples reached the final model of 130" in text
+    assert "goodput 69.2%: of the 130 samples the hosts could have trained while up (each at " \
+           "its own speed, in simulated time), 90 reached the final model" in text
     # 2.0 s of 13 in collectives, 1.5 s idle, 1.0 s of work dropped
     assert "the rest of their time went 11.5% in collectives, 11.5% idle, 7.7% on dropped " \
            "work" in text
@@ -428,6 +432,23 @@ def test_a_diloco_run_with_a_rank_away_for_a_round_writes_its_goodput(tmp_path):
         pytest.approx(1.0, abs=0.02)
     assert plain["useful_samples"] == 4 * 20 * BATCH
     assert g["goodput"] < plain["goodput"] <= 1.0
+
+
+@pytest.mark.slow
+def test_a_healthy_fit_on_a_clock_prints_how_the_time_went_and_no_goodput(capsys):
+    from toys import tiny_model, toy_dataset
+
+    data = toy_dataset()
+    trainer = Trainer(tiny_model(), data, data)
+    trainer.fit(strategy=DiLoCoStrategy(H=5), num_nodes=2, max_steps=10, batch_size=8,
+                val_size=0, logger=None, progress=True, network="100mbit",
+                compute_time_s=0.05)
+    printed = " ".join(capsys.readouterr().err.split())
+    assert not re.search(r"goodput [0-9.]+%", printed)  # no fraction: nothing was lost
+    lost = trainer.summary["goodput"]["lost"]
+    assert (f"the hosts' time (simulated time): {1 - lost['collectives'] - lost['idle']:.1%} "
+            f"computing, {lost['collectives']:.1%} in collectives, {lost['idle']:.1%} idle; "
+            "all 160 trained samples reached the final model") in printed
 
 
 def test_a_healthy_fit_without_a_clock_prints_no_goodput_and_its_summary_says_why(capsys):

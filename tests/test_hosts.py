@@ -47,7 +47,8 @@ def test_short_form_gives_ranks_in_order_master_first():
     assert [h.rank for h in config.hosts] == [0, 1, 2]
     assert config.master.host == "10.0.0.1"
     assert config.world_size == 3
-    assert config.master_port == DEFAULT_MASTER_PORT
+    assert config.master_port == DEFAULT_MASTER_PORT and not config.master_port_given
+    assert "master_port" not in config.to_dict()  # written back, it stays the run's to pick
     assert all(h.ssh_user == "alice" and h.python_env == "/opt/venv/bin/python"
                for h in config.hosts)
     assert config.master.ssh_port is None  # left to ~/.ssh/config, then 22
@@ -66,7 +67,8 @@ def test_per_host_object_overrides_top_level_defaults():
                                                  "en0", "mps")
     assert config.hosts[1].ssh_user == "alice" and config.hosts[1].interface is None
     assert config.master.device == "cuda:1"
-    assert config.master_port == 41600
+    assert config.master_port == 41600 and config.master_port_given
+    assert load_hosts(config.to_dict()).master_port == 41600
 
 
 def test_config_is_frozen():
@@ -94,6 +96,7 @@ def test_written_hosts_file_loads_back_the_same(tmp_path):
     again = load_hosts(path)
     assert again.hosts == config.hosts
     assert again.master_port == config.master_port
+    assert again.master_port_given == config.master_port_given
     assert not [p for p in path.parent.iterdir() if p.name != "hosts.json"]  # no temp file left
 
 

@@ -9,6 +9,7 @@ Processes are identified by the PIDs the ranks write, and looked up in /proc.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import io
 import json
@@ -32,7 +33,7 @@ from ports import free_port
 from rich.console import Console
 from sshd_fixture import SSHD, serve_sshd
 
-from distributed.hosts.hostsfile import HostSpec, load_hosts
+from distributed.hosts.hostsfile import HostsConfig, HostSpec, load_hosts
 from distributed.hosts.onhost.probe import hash_files
 from distributed.hosts.remote import rank_command, shell_path
 from distributed.hosts.session import HostSession
@@ -799,9 +800,10 @@ def test_preflight_names_a_master_port_in_use(run):
         taken.listen(1)
         problems = preflight_problems(run, run.hosts())
     assert problems == [
-        (f"[127.0.0.1:0] master port {run.port} is not free on 127.0.0.1 (Address already in "
-        f'use): pick another "master_port" in the hosts file, or stop what listens there '
-        f"(`ss -ltnp 'sport = :{run.port}'` shows it)")]
+        (f"[127.0.0.1:0] master port {run.port} is taken on 127.0.0.1: something else listens "
+         f'there (Address already in use); set another "master_port" in the hosts file (one '
+         "free on 127.0.0.1), or leave it out to let the run pick a free one, or stop what "
+         f"listens there (`ss -ltnp 'sport = :{run.port}'` on 127.0.0.1 shows it)")]
 
 
 @pytest.mark.slow
@@ -811,7 +813,48 @@ def test_preflight_names_a_master_port_in_use_on_a_remote_master(run):
         taken.bind(("0.0.0.0", run.port))
         taken.listen(1)
         (problem,) = preflight_problems(run, hosts)
-    assert problem.startswith(f"[127.0.0.2:0] master port {run.port} is not free on 127.0.0.2")
+    assert problem.startswith(f"[127.0.0.2:0] master port {run.port} is taken on 127.0.0.2: "
+                              "something else listens there")
+
+
+def first_choice_taken(run: Run, hosts: dict[str, Any]) -> HostsConfig:
+    """The hosts without a "master_port", whose first choice is the test's own port (the
+    default's part: torch's default port may be anyone's on a shared machine)."""
+    config = load_hosts({k: v for k, v in hosts.items() if k != "master_port"})
+    assert not config.master_port_given
+    return dataclasses.replace(config, master_port=run.port)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remote", [False, True], ids=["local-master", "remote-master"])
+def test_a_taken_default_master_port_is_replaced_by_a_free_one(run, remote):
+    master = run.worker("127.0.0.2") if remote else "127.0.0.1"
+    config = first_choice_taken(run, run.hosts(master=master,
+                                               workers=[run.worker("127.0.0.3")]))
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", run.port))
+        taken.listen(1)
+        with run.launcher(config, RankProgram.from_script("show_env.py")) as launcher:
+            result = launcher.run()
+    assert result.ok, result.describe()
+    picked = launcher.config.master_port
+    assert picked != run.port
+    envs = [json.loads(next(t for t in run.output_of(r) if t.startswith("ENV "))[4:])
+            for r in (0, 1)]
+    assert [e["MASTER_PORT"] for e in envs] == [str(picked), str(picked)]
+    out = run.out.getvalue()
+    master_host = "127.0.0.2" if remote else "127.0.0.1"
+    assert f"master port {picked} on {master_host}: the hosts file names no" in out
+    assert f"master port {run.port} is taken on {master_host}, and the hosts file names no " \
+           f'"master_port": the run uses port {picked}' in " ".join(out.split())
+
+
+def test_a_free_default_master_port_is_kept(run):
+    config = first_choice_taken(run, run.hosts(workers=[run.worker("127.0.0.2")]))
+    with run.launcher(config, RankProgram.from_script("marker.py")) as launcher:
+        report = launcher.session.preflight(show=False)
+    assert report.ok and report.master_port == run.port == launcher.config.master_port
+    assert "master port" not in run.out.getvalue()
 
 
 def test_preflight_lists_the_files_whose_code_differs(run, tmp_path):

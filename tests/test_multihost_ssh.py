@@ -111,7 +111,7 @@ def _worker_pid(rank: int, marker: str) -> int | None:
 def test_max_restarts_finishes_the_run_from_the_checkpoint_after_a_killed_rank(sshd, tmp_path):
     out = tmp_path / "net"
     program = RankProgram.from_profile("digits-ddp", overrides=[
-        "max_steps=1000", "num_threads=1", "num_nodes=3", "val_size=0",
+        "max_steps=400", "num_threads=1", "num_nodes=3", "val_size=0",
         "checkpoint_interval=100", f"output_dir={out}"])
     events = []
     killed = threading.Event()
@@ -136,8 +136,9 @@ def test_max_restarts_finishes_the_run_from_the_checkpoint_after_a_killed_rank(s
     steps = {e["step"] for e in resumed}
     logs = "\n".join(line for line in (tmp_path / "launch" / "rank2.log").read_text().splitlines()
                      if "exogym-event" not in line)
-    assert len(steps) == 1, logs and steps.pop() in range(100, 1000, 100)
-    assert '"steps": 1000' in (out / "summary.json").read_text()
+    assert len(steps) == 1, logs
+    assert steps.pop() in range(100, 400, 100), logs
+    assert '"steps": 400' in (out / "summary.json").read_text()
     assert time.monotonic() - started < 300
 
 

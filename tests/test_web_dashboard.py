@@ -595,8 +595,10 @@ def test_page_in_chromium_follows_each_rank_and_keeps_the_final_state(tmp_path, 
             wait_for(lambda c=chart: chromium.execute_script(POINTS_JS, c) > 0, 10,
                      f"data points in {chart}")
         # the host at a glance, from the ranks' monitors
+        # (the link's figure comes with the ranks' first collective after their monitors')
         host = wait_for(lambda: [h for h in chromium.execute_script(HOSTS_JS)
-                                 if h.get("cpu", "-") != "-"], 20, "the host's figures", lines)
+                                 if h.get("cpu", "-") != "-" and h.get("link", "-") != "-"],
+                        60, "the host's figures, its link's among them", lines)
         assert [h["host"] for h in host] == ["local"]
         assert re.fullmatch(r"[\d.]+ [MG]bit/s", host[0]["link"]), host
         assert re.fullmatch(r"\d+%", host[0]["cpu"]) and host[0]["rss"].endswith(" GiB"), host

@@ -159,6 +159,7 @@ def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
 
     from ..hosts.hostsfile import HostsFileError
     from ..hosts.preflight import PreflightError
+    from ..hosts.sync import NoSFTPError
     from ..profiles.profile import ProfileError
     from .run import RunFailedError
 
@@ -176,7 +177,7 @@ def reported_errors(ctx: typer.Context, debug: bool) -> Iterator[bool]:
         fail(f"the run failed: {exc}", 1, debug, exc)
     except DiskFullError as exc:
         fail(f"{exc}; free some space there and run again", 1, debug, exc)
-    except (ProfileError, HostsFileError, PreflightError) as exc:
+    except (ProfileError, HostsFileError, PreflightError, NoSFTPError) as exc:
         fail(str(exc), 2, debug, exc)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
         fail(str(exc), 2, debug, exc)

@@ -53,13 +53,18 @@ from .run import TrainRequest, hosts_config, make_launcher, resolve_profile
 #: DiLoCo's inner steps per round among the candidates (those below the run's max_steps).
 CANDIDATE_H = (10, 50, 100, 500)
 
-__all__ = ["COMPUTE_KIND", "CandidateSpec", "HostTiming", "LINK_AGREE", "LINK_TRIES",
-           "Measurements", "NOISY", "RecommendError", "candidate_specs", "measure",
-           "robust_sd", "spec_for"]
+__all__ = ["COMPUTE_KIND", "CONTAINS", "CandidateSpec", "HostTiming", "LINK_AGREE",
+           "LINK_TRIES", "LOCAL_ROUNDS", "Measurements", "NOISY", "RecommendError",
+           "TOO_NOISY", "candidate_specs", "measure", "robust_sd", "spec_for",
+           "with_contained_steps"]
 
 #: A spread (from step to step, or between transfers) above this share of the typical
 #: value makes a measurement noisy: it is taken again, and said.
 NOISY = 0.2
+#: A spread above this share of the typical value says nothing about how the candidates
+#: compare: each kind's step is timed at its own moment, and noise this wide can reorder
+#: them however the pick is made again at the ends of the ranges measured.
+TOO_NOISY = 1.0
 #: Transfers per link at most; two in a row within :data:`LINK_AGREE` of each other end it.
 LINK_TRIES = 4
 LINK_AGREE = 0.1
@@ -128,6 +133,9 @@ class Measurements:
             from run to run (``(1, 1)``: timed once).
         sd_range: the lowest and highest spread from step to step among the timing runs.
         timing_runs: how many times the hosts' steps were timed.
+        compute_range_from: where ``compute_range`` comes from: ``hosts`` (the timing
+            runs on the hosts) or ``here`` (the passes timed on this machine, when its
+            step stands in for the hosts').
     """
 
     hosts: int
@@ -146,6 +154,7 @@ class Measurements:
     compute_range: tuple[float, float] = (1.0, 1.0)
     sd_range: tuple[float, float] | None = None
     timing_runs: int = 1
+    compute_range_from: str = "hosts"
 
     @property
     def mbit(self) -> float:
@@ -184,6 +193,34 @@ class CandidateSpec:
 #: FedAvg; SPARTA's selection; DeMo's transform.
 COMPUTE_KIND = {"ddp": "ddp", "diloco": "ddp", "fedavg": "ddp", "sparta": "sparta",
                 "demo": "demo"}
+
+
+#: The compute kinds whose step contains another's: SPARTA's step is an AdamW step and its
+#: selection. (And one host doing every host's minibatches, the speedup's reference,
+#: contains an AdamW step's forward, backward and optimizer: ``minibatch_s`` is at least
+#: a ``ddp`` step over the hosts.)
+CONTAINS = {"sparta": "ddp"}
+
+
+def with_contained_steps(m: Measurements) -> Measurements:
+    """``m`` with every step at least as long as a step it contains (:data:`CONTAINS`).
+
+    Each kind is timed at its own moment, so on a busy machine a step can measure shorter
+    than one it contains, or the reference shorter than one AdamW step; the predictions
+    would then contradict themselves (SPARTA's step shorter than the AdamW step in it, or
+    DDP slower than one host with nothing to send). Such a figure is the noise of the
+    machine: it is raised to the step it contains.
+    """
+    compute = dict(m.compute_s)
+    for kind, inner in CONTAINS.items():
+        if kind in compute and inner in compute:
+            compute[kind] = max(compute[kind], compute[inner])
+    minibatch_s = m.minibatch_s
+    if "ddp" in compute:
+        minibatch_s = max(minibatch_s, compute["ddp"] / max(1, m.hosts))
+    if compute == m.compute_s and minibatch_s == m.minibatch_s:
+        return m
+    return dataclasses.replace(m, compute_s=compute, minibatch_s=minibatch_s)
 
 
 def spec_for(name: str, settings: Mapping[str, Any]) -> CandidateSpec:
@@ -532,6 +569,7 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
     tries: tuple[list[LinkMeasurement], ...] = ()
     scale, sd = 1.0, 0.0
     compute_range, sd_range, runs = (1.0, local_range), None, 1
+    range_from = "here"
     remote: dict[str, float] = {}
     if on_hosts and time_hosts:
         assert config is not None
@@ -545,6 +583,7 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
         means = [statistics.fmean(t.step_s for t in found) for found in runs_found]
         sds = [statistics.fmean(t.step_sd_s for t in found) for found in runs_found]
         compute_range = (min(means) / host_mean, max(means) / host_mean)
+        range_from = "hosts"
         sd_range = (min(sds), max(sds))
         # Each kind's own step, and the reference, on the hosts too where --set reaches them
         # (the same conditions as the run; this machine's ratios stand in for the rest).
@@ -581,7 +620,8 @@ def measure(request: TrainRequest, console: Console, *, link_mbit: float | None 
         throughput_bytes_per_s=throughput, link="modelled" if link_mbit is not None
         else "measured", host_steps=timings, links=links, local_s=local,
         latency_s=max(latencies) if latencies else 0.0, throughput_range=throughput_range,
-        compute_range=compute_range, sd_range=sd_range, timing_runs=runs)
+        compute_range=compute_range, sd_range=sd_range, timing_runs=runs,
+        compute_range_from=range_from)
 
 
 def _measure_recorded(request: TrainRequest, recording: Any, *, link_mbit: float | None,

@@ -43,7 +43,9 @@ from .compare import profile_for_strategy
 from .console import StageReport, stage_progress
 from .measurements import (
     COMPUTE_KIND,
+    LOCAL_ROUNDS,
     NOISY,
+    TOO_NOISY,
     CandidateSpec,
     HostTiming,
     Measurements,
@@ -51,6 +53,7 @@ from .measurements import (
     candidate_specs,
     measure,
     spec_for,
+    with_contained_steps,
 )
 from .run import TrainRequest, resolve_profile
 from .run_with import RunWith, run_with
@@ -185,6 +188,7 @@ def predict_candidates(measurements: Measurements, specs: Sequence[CandidateSpec
         why_not: per label, why the profile cannot switch to it (absent or None: it can).
     """
     why_not = why_not or {}
+    measurements = with_contained_steps(measurements)
     rows = []
     for spec in specs:
         compute = measurements.compute_s.get(spec.compute, measurements.compute_s["ddp"])
@@ -228,19 +232,25 @@ def noise_report(measurements: Measurements, specs: Sequence[CandidateSpec],
     """
     m = measurements
     said = []
+    widest = 0.0  # the widest spread said, as a share of its typical value
     if m.throughput_range is not None:
         low, high = m.throughput_range
         if high - low > NOISY * m.throughput_bytes_per_s:
             said.append("the link measured " + _span(low * 8 / 1e6, high * 8 / 1e6, _rate))
+            widest = max(widest, (high - low) / m.throughput_bytes_per_s)
     if m.host_steps:
         worst = max(m.host_steps, key=lambda t: t.spread)
         if worst.spread > NOISY:
             said.append(f"steps on {worst.host} varied by {worst.spread:.0%} from step to step "
                         f"(median {worst.step_s * 1000:.3g} ms)")
+            widest = max(widest, worst.spread)
     low, high = m.compute_range
     if high - low > NOISY:
-        said.append(f"step times differed by {high / low - 1:.0%} between "
-                    f"{plural(m.timing_runs, 'timing run')}")
+        between = (f"the {plural(m.timing_runs, 'timing run')} on the hosts"
+                   if m.compute_range_from == "hosts"
+                   else f"the {LOCAL_ROUNDS} passes timed on this machine")
+        said.append(f"step times differed by {high / low - 1:.0%} between {between}")
+        widest = max(widest, high / low - 1)
     others = []
     for corner in _ends(m):
         rows = predict_candidates(corner, specs, why_not)
@@ -254,6 +264,11 @@ def noise_report(measurements: Measurements, specs: Sequence[CandidateSpec],
         return (f"the measurement was noisy ({where}): within it "
                 f"{' or '.join(others)} would be picked instead of {chosen.label}; "
                 "measure again, on quieter hosts, before trusting the pick")
+    if widest > TOO_NOISY:
+        return (f"the measurement was too noisy to tell ({where}): each strategy's step was "
+                f"timed at its own moment, and a spread this wide can reorder them, so "
+                f"{chosen.label} is a guess; measure again when the machines are quieter "
+                "before trusting it")
     return f"the measurement was noisy ({where}), but the pick is {chosen.label} anywhere within it"
 
 

@@ -42,7 +42,7 @@ from ..hosts.provision import (
 from ..hosts.remote import SSHShell
 from ..hosts.session import HostSession, is_this_machine
 from ..hosts.ssh import SSHOptions
-from ..hosts.sync import PROJECT_ROOT, SyncStats
+from ..hosts.sync import PROJECT_ROOT, SyncStats, open_sftp
 from ..profiles.setup_files import write_with_backup
 from .hosts_check import ssh_files
 
@@ -260,7 +260,7 @@ def _provision_all(session: HostSession, config: HostsConfig, remote: Sequence[A
         shell = session.shell(host.rank)
         if not isinstance(shell, SSHShell):
             return f"[{host.host}] has no SSH connection"
-        sftp = shell.client.open_sftp()
+        sftp = open_sftp(shell.client, host.host)  # NoSFTPError: a bad host, not a failure
         try:
             provisioner = HostProvisioner(
                 shell, sftp, host.host, python_env=host.python_env,

@@ -15,9 +15,11 @@ Rank 0 runs on the master, ranks 1.. on the workers in the order listed.
 A host may run several ranks (one per GPU of a multi-GPU box, say) with
 ``"slots": N``, as in DeepSpeed's hostfile: the world size is the sum of the
 slots, and global ranks are numbered host by host (the master's slots first).
-Optional ``master_port`` (default 29500) is the port of the training process
-group on the master. Every per-host key may also be given at the top level,
-where it is the default for every host. The master and any worker may be an
+Optional ``master_port`` is the port of the training process group on the
+master. Without it a run takes 29500 when that is free on the master, and
+otherwise a free port the master's system picks (pre-flight says which).
+Every per-host key may also be given at the top level, where it is the
+default for every host. The master and any worker may be an
 object instead of an address, to override those defaults for that host::
 
     {"host": "192.168.1.102", "ssh_port": 2222, "python_env": "/opt/py/bin/python",
@@ -232,13 +234,18 @@ class HostsConfig:
 
     Args:
         hosts: the hosts in order, the master first; ``hosts[i].rank == i``.
-        master_port: port of the training process group on the master.
+        master_port: port of the training process group on the master; when
+            ``master_port_given`` is false, only the first choice (pre-flight takes
+            another free one when it is taken, see ``distributed.hosts.preflight``).
         source: the file it was read from, if any.
+        master_port_given: whether the hosts file names the port, so that the run
+            must use exactly that one.
     """
 
     hosts: tuple[HostSpec, ...]
     master_port: int = DEFAULT_MASTER_PORT
     source: str | None = None
+    master_port_given: bool = True
 
     @property
     def master(self) -> HostSpec:
@@ -269,11 +276,13 @@ class HostsConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a hosts-file object that ``load_hosts`` reads back unchanged."""
-        return {
+        data: dict[str, Any] = {
             "master": self.master.to_dict(),
             "workers": [w.to_dict() for w in self.workers],
-            "master_port": self.master_port,
         }
+        if self.master_port_given:
+            data["master_port"] = self.master_port
+        return data
 
 
 def load_hosts(source: str | os.PathLike[str] | Mapping[str, Any]) -> HostsConfig:
@@ -529,7 +538,8 @@ class _Validator:
                             **{k: v for k, v in h.items() if k != "_path"})
             specs.append(spec)
             first_rank += spec.slots
-        return HostsConfig(hosts=tuple(specs), master_port=master_port, source=self.source)
+        return HostsConfig(hosts=tuple(specs), master_port=master_port, source=self.source,
+                           master_port_given="master_port" in data)
 
     def _address_path(self, path: JsonPath) -> JsonPath:
         """Where a host's address sits: the entry itself, or its "host" key in an object."""

@@ -38,6 +38,8 @@ from .sync import LOCAL_PROFILES_SUFFIX
 
 #: The oldest Python a rank may run on (pyproject's requires-python).
 MIN_PYTHON = (3, 10)
+#: Seconds the master's port hold may take to exit once pre-flight gives the port back.
+RELEASE_S = 10.0
 
 
 @dataclass
@@ -177,11 +179,16 @@ def _is_loopback(address: str) -> bool:
 
 
 class _MasterPort:
-    """Holds the master port open for the duration of the checks."""
+    """Holds the master port open for the duration of the checks.
+
+    ``port`` is the port held: the one asked for, or, asked for port 0, the free one
+    the master's system picked (as a local run's store takes one).
+    """
 
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
         self.started: Started | None = None
+        self.port: int | None = None
 
     def hold_local(self, master_addr: str, port: int) -> str | None:
         """Bind the port on this machine; an error text, or ``None`` when it is held."""
@@ -189,6 +196,7 @@ class _MasterPort:
             self.sock = bind_master_port(master_addr, port)
         except OSError as exc:
             return exc.strerror or str(exc)
+        self.port = self.sock.getsockname()[1]
         return None
 
     def hold_remote(self, shell: Shell, host: HostSpec, master_addr: str, port: int,
@@ -204,7 +212,6 @@ class _MasterPort:
         started = shell.start(probe_command(host.project_path, host.python_env),
                               {"code": PROBE_SOURCE, "action": "listen", "port": port,
                                "master": master_addr})
-        self.started = started
         answer: list[bytes] = []
         reader = threading.Thread(target=lambda: answer.append(started.stdout.readline()),
                                   daemon=True)
@@ -214,15 +221,23 @@ class _MasterPort:
             reply = json.loads(answer[0]) if answer and answer[0] else None
         except ValueError:
             reply = None
-        if not isinstance(reply, dict):
-            raise OSError("the port check on the master gave no answer")
-        return None if reply.get("ok") else str(reply.get("error"))
+        if not isinstance(reply, dict) or not reply.get("ok"):
+            started.close()
+            if not isinstance(reply, dict):
+                raise OSError(f"the port check on the master gave no answer in {timeout:g} s")
+            return str(reply.get("error"))
+        self.started = started
+        self.port = int(reply.get("port", port))
+        return None
 
     def release(self) -> None:
+        """Give the port back; a hold over SSH is waited for (at most
+        :data:`RELEASE_S`) until its command has exited, so that the run's store, started
+        next on the same address, finds the port free."""
         if self.sock is not None:
             self.sock.close()
         if self.started is not None:
-            self.started.close()
+            self.started.end(RELEASE_S)
 
 
 def run_preflight(
@@ -275,15 +290,24 @@ def run_preflight(
                 checks[0].port = "not checked"
                 checks[0].notes.append(f"the master port could not be checked: {exc}")
             else:
+                if error is not None and not config.master_port_given:
+                    error = _pick_master_port(held, shells[0], master, master_addr, port,
+                                              probe_timeout, checks[0])
                 if error is None:
                     port_held = True
-                    checks[0].port = f"{port} free"
+                    if held.port != port:
+                        port = held.port if held.port is not None else port
+                        checks[0].port = f"{port} picked"
+                    else:
+                        checks[0].port = f"{port} free"
                 else:
                     checks[0].port = f"{port} in use"
                     checks[0].problems.append(
-                        f"master port {port} is not free on {master.host} ({error}): pick "
-                        f'another "master_port" in the hosts file, or stop what listens there '
-                        f"(`ss -ltnp 'sport = :{port}'` shows it)")
+                        f"master port {port} is taken on {master.host}: something else listens "
+                        f"there ({error}); set another \"master_port\" in the hosts file (one "
+                        f"free on {master.host}), or leave it out to let the run pick a free "
+                        f"one, or stop what listens there (`ss -ltnp 'sport = :{port}'` on "
+                        f"{master.host} shows it)")
 
         def probe_one(rank: int) -> tuple[int, Completed]:
             host = config.hosts[rank]
@@ -310,6 +334,21 @@ def run_preflight(
                 c.notes.append("versions, code and the master port were not compared: the "
                                "master could not be checked")
     return PreflightReport(checks=checks, master_port=port)
+
+
+def _pick_master_port(held: _MasterPort, shell: Shell, master: HostSpec, master_addr: str,
+                      first: int, timeout: float, check: HostCheck) -> str | None:
+    """The hosts file names no master port and ``first`` is taken: hold a free port the
+    master's system picks instead, and say so; an error text when none could be held."""
+    if shell.is_local:
+        error = held.hold_local(master_addr, 0)
+    else:
+        error = held.hold_remote(shell, master, master_addr, 0, timeout)
+    if error is None:
+        check.notes.append(f"master port {first} is taken on {master.host}, and the hosts file "
+                           f"names no \"master_port\": the run uses port {held.port}, a free "
+                           "one the master picked (set \"master_port\" to fix one)")
+    return error
 
 
 def _last_line(text: str) -> str:

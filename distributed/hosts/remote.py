@@ -150,6 +150,13 @@ class Started(ABC):
     def close(self) -> None:
         """Close stdin and the streams; on SSH, the channel."""
 
+    def end(self, timeout: float) -> bool:
+        """Close its stdin, wait at most ``timeout`` seconds for it to exit (a command that
+        ends at the end of its input, such as a port held for pre-flight, has then given
+        back what it held), and close. Whether it exited in time."""
+        self.close()
+        return False
+
 
 class Shell(ABC):
     """A host that commands run on."""
@@ -197,6 +204,20 @@ class _LocalStarted(Started):
     def wait(self) -> int | None:
         code = self.proc.wait()
         return 128 - code if code < 0 else code
+
+    def end(self, timeout: float) -> bool:
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=timeout)
+            ended = True
+        except subprocess.TimeoutExpired:
+            ended = False
+        self.close()
+        return ended
 
     def close(self) -> None:
         for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
@@ -255,6 +276,15 @@ class _SSHStarted(Started):
     def wait(self) -> int | None:
         code = self.channel.recv_exit_status()
         return None if code == -1 else code
+
+    def end(self, timeout: float) -> bool:
+        try:
+            self.channel.shutdown_write()
+        except OSError:
+            pass  # the connection is gone: nothing is held there any more
+        ended = self.channel.status_event.wait(timeout)
+        self.close()
+        return bool(ended)
 
     def close(self) -> None:
         self.channel.close()

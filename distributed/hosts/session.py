@@ -20,6 +20,7 @@ against known_hosts (``distributed.hosts.ssh``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import ipaddress
 import os
 import socket
@@ -45,9 +46,11 @@ from .ssh import (
 )
 from .sync import (
     PROJECT_ROOT,
+    NoSFTPError,
     SyncStats,
     code_files,
     local_profile_files,
+    open_sftp,
     sftp_path,
     sync_files,
     tracked_files,
@@ -237,6 +240,7 @@ class HostSession:
             are left to pre-flight, which reports them).
 
         Raises:
+            NoSFTPError: naming every host whose sshd offers no SFTP subsystem.
             RuntimeError: naming every host where copying failed, and why.
         """
         self.connect()
@@ -245,19 +249,24 @@ class HostSession:
         files = sorted(tracked + local)
         remote = [r for r in self.targets if r in self._shells]
 
-        def one(rank: int) -> SyncStats | str:
+        def one(rank: int) -> SyncStats | str | NoSFTPError:
             host = self.config.hosts[rank]
             shell = self._shells[rank]
             assert isinstance(shell, SSHShell)
             try:
                 return sync_files(shell.client, host.host, self.project_root, host.project_path,
                                   files, keep_previous=local)
+            except NoSFTPError as exc:
+                return exc
             except (OSError, EOFError) as exc:
                 return (f"[{host.host}:{rank}] copying the project to {host.project_path} "
                         f"failed: {exc}; check that {self.targets[rank].user} may write there")
 
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(remote)))) as pool:
             outcomes = list(pool.map(one, remote))
+        without_sftp = [host for o in outcomes if isinstance(o, NoSFTPError) for host in o.hosts]
+        if without_sftp:
+            raise NoSFTPError(without_sftp)
         failures = [o for o in outcomes if isinstance(o, str)]
         if failures:
             raise RuntimeError("sync failed:\n" + "\n".join(f"  {f}" for f in failures))
@@ -297,6 +306,13 @@ class HostSession:
             connect_timeout=self.ssh.connect_timeout, probe_timeout=self.probe_timeout,
             notes=self._notes)
         self.report = report
+        if report.master_port != self.config.master_port:
+            # The hosts file names no port and the first choice was taken: every rank
+            # of this session's runs meets at the one pre-flight found free.
+            self.config = dataclasses.replace(self.config, master_port=report.master_port)
+            self._say(f"master port {report.master_port} on {self.config.master.host}: the "
+                      "hosts file names no \"master_port\" and the default was taken, so "
+                      "the run uses this free one", style="yellow")
         if show:
             report.render(self._get_console())
         if raise_on_failure and not report.ok:
@@ -318,6 +334,7 @@ class HostSession:
 
         Raises:
             SSHConnectError: when the host cannot be reached.
+            NoSFTPError: when its sshd offers no SFTP subsystem.
             OSError: when the file cannot be read.
         """
         local_path = Path(local_path)
@@ -332,7 +349,7 @@ class HostSession:
                 raise errors[rank]
         shell = self._shells[rank]
         assert isinstance(shell, SSHShell)
-        with shell.client.open_sftp() as sftp, \
+        with open_sftp(shell.client, host.host) as sftp, \
                 sftp.open(sftp_path(source.as_posix()), "rb") as f:
             f.prefetch(max_concurrent_requests=64)  # read ahead while the copy writes
             return atomic_copy_stream(local_path, f)

@@ -189,6 +189,40 @@ class SyncStats:
     skipped: tuple[str, ...] = ()
 
 
+class NoSFTPError(RuntimeError):
+    """Hosts whose sshd offers no SFTP subsystem: no file can be copied to them.
+
+    Args:
+        hosts: the hosts, as the hosts file names them.
+    """
+
+    def __init__(self, hosts: Sequence[str]) -> None:
+        self.hosts = tuple(hosts)
+        super().__init__("; ".join(
+            f"host {host}: its sshd offers no SFTP subsystem (Subsystem sftp in sshd_config), "
+            "so no file can be copied there; add the line `Subsystem sftp internal-sftp` to "
+            f"{host}'s /etc/ssh/sshd_config, restart its sshd, and run again"
+            for host in self.hosts))
+
+
+def open_sftp(client: Any, host: str) -> Any:
+    """An SFTP session on ``client``'s connection to ``host``.
+
+    Raises:
+        NoSFTPError: when the connection is up but the host's sshd refuses or drops the
+            SFTP channel (no ``Subsystem sftp`` line, or a missing ``sftp-server``).
+    """
+    import paramiko
+
+    try:
+        return client.open_sftp()
+    except (paramiko.SSHException, EOFError):
+        transport = client.get_transport()
+        if transport is None or not transport.is_active():
+            raise  # the connection itself is gone: not a missing subsystem
+        raise NoSFTPError([host]) from None
+
+
 def sftp_path(path: str) -> str:
     """SFTP paths start in the login's home directory, where ``~/x`` is just ``x``."""
     if path == "~":
@@ -217,7 +251,7 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
     kept: list[str] = []
     skipped: list[str] = []
     made: set[str] = set()
-    sftp = client.open_sftp()
+    sftp = open_sftp(client, host)
     try:
         makedirs_remote(sftp, base, made)
         for rel in files:

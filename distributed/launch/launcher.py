@@ -179,7 +179,6 @@ class Launcher:
             _check_session(session, config, options, ssh)
             self._owns_session = False
         self.session = session
-        self.config = session.config
         if options.min_nodes is not None:
             problem = min_nodes_problem(options.min_nodes, self.config.world_size)
             if problem is not None:
@@ -232,6 +231,11 @@ class Launcher:
                 say=lambda text, style: self._say(text, style=style))
         #: Every injected fault of the last run, as ``summary.json`` records it.
         self.fault_records: list[dict[str, Any]] = []
+
+    @property
+    def config(self) -> HostsConfig:
+        """The hosts, as the session holds them (its pre-flight may pick the master port)."""
+        return self.session.config
 
     @property
     def master_local(self) -> bool:
@@ -356,7 +360,10 @@ class Launcher:
                     f", local rank {p.local_rank} of {p.host.slots}" if p.host.slots > 1
                     else ""),
                 f"  port:      {p.master_port} on {p.master_addr}"
-                + (" (this rank listens)" if p.rank == 0 else ""),
+                + (" (this rank listens)" if p.rank == 0 else "")
+                + ("" if self.config.master_port_given else
+                   " (the hosts file names no \"master_port\": another, free one when this "
+                   "is taken as the run starts)"),
                 f"  interface: {interface}",
                 f"  sets:      {' '.join(p.env_names)}",
                 "  secrets:   " + (" ".join(p.secret_names) + " (over stdin, never on a command "
@@ -599,7 +606,8 @@ class Launcher:
 def _check_session(session: HostSession, config: HostsConfig, options: LaunchOptions,
                    ssh: SSHOptions | None) -> None:
     """A given session must be for the same hosts, and the settings it fixed not given again."""
-    if (session.config.hosts, session.config.master_port) != (config.hosts, config.master_port):
+    if session.config.hosts != config.hosts or (
+            config.master_port_given and session.config.master_port != config.master_port):
         raise ValueError("session= was opened for other hosts than the launcher's; give the "
                          "launcher the session's hosts (session.config)")
     given = [name for name, value in (("ssh", ssh), ("project_root", options.project_root),

@@ -112,6 +112,9 @@ from exogym.comm.store import (
 from exogym.comm.store import (
     read_beat as read_beat,
 )
+from exogym.comm.store import (
+    store_round_trips as store_round_trips,
+)
 from exogym.comm.wire import (  # the planner reads the same numbers
     BUCKET_BYTES,
     QUANT_CHUNK,

@@ -92,6 +92,8 @@ LOSS_CHECK_S = 0.2
 MAX_ATTEMPTS = 20
 #: What torch says when a wait with a timeout ends before its collective did.
 _SLICE_ENDED = "Operation timed out!"
+#: Votes of its own a rank keeps track of to delete once read (others are left in the store).
+VOTES_KEPT = 64
 #: How long a rank polls the store quickly (every 2 ms at most) for its peers' votes
 #: before it slows down (to every 20 ms).
 QUICK_POLL_S = 1.0
@@ -171,6 +173,8 @@ class ElasticGroups(Collectives):
         self._group: _Group | None = None
         self._given_up: list[tuple[Any, Any]] = []  # (group, its call that may still hang)
         self._group_stores: list[ControlStore] = []  # the stores the formed groups met through
+        # This rank's votes not deleted yet, with their calls' members (for tidying up).
+        self._own_votes: list[tuple[str, frozenset[int]]] = []
         #: What the rank waits for now, for a watchdog's message (None: nothing).
         self.waiting_for: str | None = None
         #: Called between the slices of a wait for the members' collective (None: nothing):
@@ -362,7 +366,7 @@ class ElasticGroups(Collectives):
         delay = 0.0002
         self.waiting_for = f"the members of group {name} ({', '.join(map(self._host, members))})"
         try:
-            while not store.check(list(slots.values())):
+            while (found := store.values_if_set(list(slots.values()))) is None:
                 now = time.monotonic()
                 if now >= next_check:
                     for peer, slot in slots.items():
@@ -375,7 +379,7 @@ class ElasticGroups(Collectives):
                 delay = min(delay * 2, 0.002 if now - start < QUICK_POLL_S else 0.02)
         finally:
             self.waiting_for = None
-        return all(v == _OK for v in store.multi_get(list(slots.values())))
+        return all(v == _OK for v in found)
 
     # -- waiting and voting --------------------------------------------------------------
 
@@ -421,7 +425,8 @@ class ElasticGroups(Collectives):
         deadline = start + self.timeout_s
         next_check = start + LOSS_CHECK_S
         delay = 0.0002
-        while not store.check(list(slots.values())):  # one round trip while all is well
+        # One round trip a look, and one more to read the votes once all are there.
+        while (found := store.values_if_set(list(slots.values()))) is None:
             now = time.monotonic()
             if now >= next_check:
                 self.check_self()
@@ -436,7 +441,7 @@ class ElasticGroups(Collectives):
                     f"{what} nor was declared lost within {self.timeout_s:.0f} s")
             time.sleep(delay)
             delay = min(delay * 2, 0.002 if now - start < QUICK_POLL_S else 0.02)
-        return dict(zip(slots, store.multi_get(list(slots.values()))))
+        return dict(zip(slots, found))
 
     def _vote(self, name: str, call: str, members: tuple[int, ...],
               ok: bool) -> tuple[bool, tuple[int, ...]]:
@@ -453,10 +458,17 @@ class ElasticGroups(Collectives):
         finally:
             self.waiting_for = None
         survivors = tuple(m for m in members if finals[m] != TOMBSTONE)
-        if store.add(f"{base}/n", 1) == len(survivors):  # the last reader tidies up
-            for m in members:
-                store.delete_key(f"{base}/{m}")
-            store.delete_key(f"{base}/n")
+        # Tidying up: each member deletes its own votes of earlier calls once every member
+        # of such a call has voted on this one (and so has read that call's votes); a vote
+        # whose call had a member lost since is left (at most VOTES_KEPT of them).
+        voted = set(survivors)
+        kept = []
+        for slot, its_members in self._own_votes:
+            if its_members <= voted:
+                store.delete_key(slot)
+            else:
+                kept.append((slot, its_members))
+        self._own_votes = [*kept[-VOTES_KEPT:], (f"{base}/{self._rank}", frozenset(members))]
         return all(v == _OK for v in finals.values()), survivors
 
     def _reliably(self, group: Any, what: str,

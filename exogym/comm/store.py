@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -60,8 +61,9 @@ RUN_KEY_BYTES = 32
 SIGNATURE_BYTES = 32
 #: Seconds between looks at a key that holds a forged value, waiting for a signed one.
 _FORGED_POLL_S = 0.05
-#: What a read of a signed store compares a key with: no signed value is ever this.
-_PROBE = b"\x00exogym-probe"
+#: How a read of a signed store's probe begins (:meth:`SignedStore._read`); random bytes of
+#: the client's own follow, so that no signed value, and no value anyone else writes, is it.
+_PROBE = b"\x00exogym-probe-"
 #: Counters a process remembers the highest value of (an older value sent again is ignored).
 _COUNTER_MEMORY = 4096
 
@@ -168,6 +170,71 @@ def describe_ignored() -> str:
     return " and ".join(said) + ": something other than the run's ranks writes to its store"
 
 
+class _Trips(threading.local):
+    """This thread's round trips to a store (:func:`store_round_trips`)."""
+
+    count = 0
+
+
+_TRIPS = _Trips()
+
+
+def store_round_trips() -> int:
+    """How many round trips to a store the calling thread has made (every call the project
+    makes reaches the store's server once; a signed read of an unset key twice).
+
+    A rank's training thread reads it around its steps: the control plane's work on the
+    step's path (:mod:`exogym.membership.hosts`), which must stay off it while the
+    membership holds."""
+    return _TRIPS.count
+
+
+class _Counted:
+    """A torch store whose every call is counted as one round trip of the calling thread."""
+
+    def __init__(self, store: dist.Store):
+        self.store = store
+
+    def set(self, key: str, value: bytes) -> None:
+        _TRIPS.count += 1
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        _TRIPS.count += 1
+        return self.store.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        _TRIPS.count += 1
+        return self.store.add(key, amount)
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        _TRIPS.count += 1
+        return self.store.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        _TRIPS.count += 1
+        return self.store.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        _TRIPS.count += 1
+        return self.store.multi_get(keys)
+
+    def delete_key(self, key: str) -> bool:
+        _TRIPS.count += 1
+        return self.store.delete_key(key)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        _TRIPS.count += 1
+        if timeout is None:
+            self.store.wait(keys)
+        else:
+            self.store.wait(keys, timeout)
+
+    def num_keys(self) -> int:
+        _TRIPS.count += 1
+        return self.store.num_keys()
+
+
 class SignedStore(dist.Store):
     """A store whose every value carries an HMAC-SHA256 signature under the run's key.
 
@@ -191,6 +258,8 @@ class SignedStore(dist.Store):
         if len(key) < 16:
             raise ValueError(f"a run's store key must be at least 16 bytes, got {len(key)}")
         self.inner = inner
+        self._ops = _Counted(inner)
+        self._probe = _PROBE + os.urandom(16)
         self._key = bytes(key)
         self.timeout_s = timeout_s
         # counter -> (the highest value this process saw, the stored bytes it saw it as)
@@ -229,12 +298,12 @@ class SignedStore(dist.Store):
 
     # -- the store's calls --------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:  # noqa: D102 - dist.Store's
-        self.inner.set(key, self._sign(key, value))
+        self._ops.set(key, self._sign(key, value))
 
     def get(self, key: str) -> bytes:  # noqa: D102
         deadline = time.monotonic() + self.timeout_s
         while True:
-            value = self._open(key, self.inner.get(key))
+            value = self._open(key, self._ops.get(key))
             if value is not None:
                 return value
             if time.monotonic() > deadline:
@@ -250,28 +319,35 @@ class SignedStore(dist.Store):
     def _read(self, key: str) -> tuple[bytes | None, bytes | None]:
         """``(raw, value)`` of ``key`` now: ``(None, None)`` when unset, value None when forged."""
         # One round trip: a compare-and-set that can never match answers with the value,
-        # or with the probe itself when the key is unset.
-        raw = bytes(self.inner.compare_set(key, _PROBE, _PROBE))
-        if raw == _PROBE:  # unset, or set just after the probe: ask again
-            if not self.inner.check([key]):
-                return None, None
-            raw = bytes(self.inner.get(key))
+        # or with the probe itself when the key is unset. The probe is this client's own
+        # secret, so no one can have stored it: the probe back means unset.
+        raw = bytes(self._ops.compare_set(key, self._probe, self._probe))
+        if raw == self._probe:
+            return None, None
         return raw, self._open(key, raw)
 
     def check(self, keys: list[str]) -> bool:  # noqa: D102
         if len(keys) == 1:
             return self._read(keys[0])[1] is not None
-        if not self.inner.check(keys):
+        if not self._ops.check(keys):
             return False
-        raws = self.inner.multi_get(keys)
+        raws = self._ops.multi_get(keys)
         return all(self._open(k, raw) is not None for k, raw in zip(keys, raws))
 
     def get_if_set(self, key: str) -> bytes | None:
         """The value of ``key``; None when it is unset or holds a value this run did not sign."""
         return self._read(key)[1]
 
+    def values_if_set(self, keys: list[str]) -> list[bytes] | None:
+        """The values of ``keys`` when every one holds a value this run signed; None at once
+        otherwise (one round trip, two when all are set)."""
+        if not self._ops.check(keys):
+            return None
+        values = [self._open(k, raw) for k, raw in zip(keys, self._ops.multi_get(keys))]
+        return None if any(v is None for v in values) else values
+
     def multi_get(self, keys: list[str]) -> list[bytes]:  # noqa: D102
-        raws = self.inner.multi_get(keys)
+        raws = self._ops.multi_get(keys)
         out = [self._open(k, raw) for k, raw in zip(keys, raws)]
         return [v if v is not None else self.get(k) for k, v in zip(keys, out)]
 
@@ -280,7 +356,7 @@ class SignedStore(dist.Store):
         desired_raw = self._sign(key, desired)
         deadline = time.monotonic() + self.timeout_s
         while True:
-            now = bytes(self.inner.compare_set(key, expected_raw, desired_raw))
+            now = bytes(self._ops.compare_set(key, expected_raw, desired_raw))
             if now == desired_raw:
                 return _encoded(key, desired)
             value = self._open(key, now)
@@ -288,7 +364,7 @@ class SignedStore(dist.Store):
                 return value
             # A forged value sits where the run expects its own: replace it, as if unset.
             if expected_raw == b"":
-                if bytes(self.inner.compare_set(key, now, desired_raw)) == desired_raw:
+                if bytes(self._ops.compare_set(key, now, desired_raw)) == desired_raw:
                     return _encoded(key, desired)
             elif time.monotonic() > deadline:
                 raise self._forged(key)
@@ -310,7 +386,7 @@ class SignedStore(dist.Store):
             # A nonce of this write's own: two processes adding to the same value must not
             # write the same bytes, or each would take the other's write for its own.
             desired = self._sign(key, f"{current + amount}:{os.urandom(8).hex()}")
-            now = bytes(self.inner.compare_set(key, expected, desired))
+            now = bytes(self._ops.compare_set(key, expected, desired))
             if now == desired:
                 self._remember(key, current + amount, desired)
                 return current + amount
@@ -356,7 +432,7 @@ class SignedStore(dist.Store):
             time.sleep(_FORGED_POLL_S)
             return 0, b""
         restored = self._sign(key, str(known))
-        self.inner.compare_set(key, raw, restored)
+        self._ops.compare_set(key, raw, restored)
         return known, restored
 
     def _remember(self, key: str, value: int, raw: bytes) -> None:
@@ -371,16 +447,13 @@ class SignedStore(dist.Store):
     def delete_key(self, key: str) -> bool:  # noqa: D102
         with self._lock:
             self._counters.pop(key, None)
-        return self.inner.delete_key(key)
+        return self._ops.delete_key(key)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # noqa: D102
-        if timeout is None:
-            self.inner.wait(keys)
-        else:
-            self.inner.wait(keys, timeout)
+        self._ops.wait(keys, timeout)
 
     def num_keys(self) -> int:  # noqa: D102
-        return self.inner.num_keys()
+        return self._ops.num_keys()
 
     def set_timeout(self, timeout: timedelta) -> None:  # noqa: D102
         self.inner.set_timeout(timeout)
@@ -400,6 +473,8 @@ class ControlStore:
     def __init__(self, store: dist.Store, key: bytes | None = None, timeout_s: float = 300.0):
         self.signed = key is not None
         self.raw: dist.Store = store if key is None else SignedStore(store, key, timeout_s)
+        # The project's calls, each counted (a signed store counts its own).
+        self._calls: Any = self.raw if key is not None else _Counted(store)
 
     @property
     def port(self) -> int:
@@ -408,32 +483,32 @@ class ControlStore:
 
     def set(self, key: str, value: str | bytes) -> None:
         """Set ``key``; refuses a value over :data:`MAX_VALUE_BYTES`."""
-        self.raw.set(key, _encoded(key, value))
+        self._calls.set(key, _encoded(key, value))
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting for it up to the store's timeout."""
-        return self.raw.get(key)
+        return self._calls.get(key)
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the counter ``key`` (0 reads it); its new value."""
-        return int(self.raw.add(key, amount))
+        return int(self._calls.add(key, amount))
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (``""``: absent); what it holds then."""
-        return self.raw.compare_set(key, expected, _encoded(key, desired))
+        return self._calls.compare_set(key, expected, _encoded(key, desired))
 
     def check(self, keys: Sequence[str]) -> bool:
         """True when every key of ``keys`` is set."""
-        return self.raw.check(list(keys))
+        return self._calls.check(list(keys))
 
     def delete_key(self, key: str) -> bool:
         """Remove ``key``; True if it was there."""
-        return self.raw.delete_key(key)
+        return self._calls.delete_key(key)
 
     def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
         """Block until every key of ``keys`` is set; False after ``timeout_s`` seconds."""
         try:
-            self.raw.wait(list(keys), timedelta(seconds=timeout_s))
+            self._calls.wait(list(keys), timedelta(seconds=timeout_s))
         except Exception as exc:  # noqa: BLE001 - torch raises its store error on a timeout
             if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
                 return False
@@ -442,13 +517,23 @@ class ControlStore:
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """The values of ``keys``, in one round trip (waiting for them as :meth:`get` does)."""
-        return self.raw.multi_get(list(keys))
+        return self._calls.multi_get(list(keys))
 
     def get_if_set(self, key: str) -> bytes | None:
         """The value of ``key``, or None at once when it is not set (or, signed, forged)."""
         if isinstance(self.raw, SignedStore):
             return self.raw.get_if_set(key)
-        return self.raw.get(key) if self.raw.check([key]) else None
+        return self._calls.get(key) if self._calls.check([key]) else None
+
+    def values_if_set(self, keys: Sequence[str]) -> list[bytes] | None:
+        """The values of ``keys`` when every one is set (signed, by the run); None at once
+        otherwise: a wait for several keys polls with one round trip, and reads them
+        with one more."""
+        if isinstance(self.raw, SignedStore):
+            return self.raw.values_if_set(list(keys))
+        if not self._calls.check(list(keys)):
+            return None
+        return list(self._calls.multi_get(list(keys)))
 
 
 def next_beat(last: int) -> int:

@@ -34,6 +34,11 @@ only; their tensors travel on gloo groups formed for each membership
   reach the round's last step closes it by compare-and-set, so every member
   reads the same joiners there, and a joiner that finds it closed waits for the
   next round.
+- **Off the step.** Within a round a rank asks the store nothing: a thread of
+  its own (:class:`Lookout`) reads whether it was declared lost and whether a
+  returning rank asked it for the state, and the step takes that look while
+  it is fresh. The store is asked on the step's path at a round's edges only
+  (its decision, its record of joins closed, its voted collective).
 - **Too few hosts.** A decision that leaves fewer than ``min_nodes`` members
   says so; every rank then writes a checkpoint and stops, naming the lost hosts.
 - **The master.** The store lives in the launcher. If the launcher's host
@@ -48,8 +53,11 @@ the log of membership changes is one key per change.
 from __future__ import annotations
 
 import json
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from exogym.comm.elastic_groups import NAMESPACE, ElasticGroups, key, loss_generation
@@ -63,6 +71,12 @@ __all__ = ["ElasticMembership", "MembershipStop", "NAMESPACE", "PeerLost", "Rank
 
 #: How often a returning rank tries to join a round under way while it waits.
 LATE_TRY_S = 0.5
+#: Seconds between a rank's looks at the store off its training step (:class:`Lookout`).
+LOOK_S = 0.2
+#: A look older than this is not trusted: the step asks the store itself (the process was
+#: frozen and thawed, or the look's thread starved on a busy machine, or the store is out
+#: of reach).
+LOOK_FRESH_S = 1.0
 
 
 def declare_lost(store: ControlStore, rank: int, why: str) -> int:
@@ -104,6 +118,89 @@ def membership_log(store: ControlStore, after: int = 0, whole: bool = False
     return out
 
 
+@dataclass(frozen=True)
+class Look:
+    """What a :class:`Lookout` read in the store, and when it began to read it."""
+
+    #: This rank's loss generation.
+    generation: int
+    #: How many times ranks have asked this rank for the state (the ``asked`` counter).
+    asked: int
+    #: ``time.monotonic()`` before the reads: the values are at least this recent.
+    at: float
+
+
+class Lookout:
+    """What a rank would otherwise ask the store before every training step, read by a
+    thread of its own: its loss generation (declared lost since the round admitted it?)
+    and the requests for its state (a rank joining a round under way).
+
+    The step takes a :meth:`look` no older than :data:`LOOK_FRESH_S` instead of asking
+    the store; an older one (a process frozen and thawed, a thread starved, a store out of
+    reach) makes the step ask the store itself, as it did before every step. Both values
+    only grow, so a look can be late but never wrong the other way: a loss is noticed at
+    most :data:`LOOK_FRESH_S` later on the step's path, and at once by any collective's
+    vote or round decision, which read the store.
+
+    Args:
+        open_store: opens a client of the run's store (the thread's own).
+        rank: this rank.
+        interval_s: seconds between looks.
+    """
+
+    def __init__(self, open_store: Callable[[float], ControlStore], rank: int,
+                 interval_s: float = LOOK_S):
+        self.rank = rank
+        self.interval_s = interval_s
+        self._latest: Look | None = None
+        self._stop = threading.Event()
+        # The thread holds the lookout weakly: a lookout dropped without stop() ends it too.
+        self._thread = threading.Thread(target=_keep_looking,
+                                        args=(weakref.ref(self), open_store, self._stop),
+                                        name=f"exogym-lookout-{rank}", daemon=True)
+        self._thread.start()
+
+    def read(self, store: ControlStore) -> None:
+        """Take one look through ``store`` (the thread's)."""
+        at = time.monotonic()
+        generation = loss_generation(store, self.rank)
+        asked = store.add(key("asked", self.rank), 0)
+        self._latest = Look(generation, asked, at)
+
+    def look(self) -> Look | None:
+        """The latest look, if no older than :data:`LOOK_FRESH_S` (None: ask the store)."""
+        latest = self._latest
+        if latest is None or time.monotonic() - latest.at > LOOK_FRESH_S:
+            return None
+        return latest
+
+    def stop(self) -> None:
+        """End the thread: at once between looks; one blocked on a store out of reach ends
+        with the process (a daemon), not waited for beyond :data:`LOOK_FRESH_S`."""
+        self._stop.set()
+        self._thread.join(timeout=LOOK_FRESH_S)
+
+
+def _keep_looking(ref: weakref.ref[Lookout], open_store: Callable[[float], ControlStore],
+                  stop: threading.Event) -> None:
+    store = None
+    interval = LOOK_S
+    while True:
+        lookout = ref()
+        if lookout is None:
+            return
+        interval = lookout.interval_s
+        try:
+            if store is None:
+                store = open_store(10.0)
+            lookout.read(store)
+        except Exception:  # noqa: BLE001 - out of reach: the look goes stale, the step asks
+            store = None
+        del lookout
+        if stop.wait(interval):
+            return
+
+
 def _phrase(ranks: Sequence[int], hosts: dict[int, str], verb: str) -> str:
     named = ", ".join(f"{hosts[r]} (rank {r})" if r in hosts else f"rank {r}" for r in ranks)
     return f"{named} {verb}"
@@ -129,6 +226,8 @@ class ElasticMembership:
     reshards = True
     #: A returning rank may join a round under way (see the module).
     can_admit_mid_round = True
+    #: Decided through the launcher's store.
+    decided_in_store = True
 
     def __init__(self, world: ElasticGroups, rank: int, num_nodes: int, round_steps: int,
                  min_nodes: int):
@@ -149,6 +248,33 @@ class ElasticMembership:
         self.late: dict[int, dict[str, Any]] = {}
         #: (round start, step) at which this rank joined a round under way, until it ends.
         self.joined_late: tuple[int, int] | None = None
+        #: Reads off the training step what it would ask the store (:meth:`watch`).
+        self.lookout: Lookout | None = None
+        self._host_names: dict[int, str] = {}
+
+    def watch(self, open_store: Callable[[float], ControlStore]) -> None:
+        """Read this rank's loss generation and the requests for its state in a thread of
+        its own (:class:`Lookout`, through a client ``open_store`` opens), so that a step
+        inside a round asks the store nothing while the membership holds."""
+        if self.lookout is None:
+            self.lookout = Lookout(open_store, self.rank)
+
+    def close(self) -> None:
+        """Stop the thread of :meth:`watch`."""
+        if self.lookout is not None:
+            self.lookout.stop()
+            self.lookout = None
+
+    def _look(self) -> Look | None:
+        return self.lookout.look() if self.lookout is not None else None
+
+    def _lost_here(self) -> bool:
+        """True once this rank has been declared lost since the round admitted it (as a
+        fresh look says, else as the store does)."""
+        look = self._look()
+        generation = look.generation if look is not None else loss_generation(self.store,
+                                                                               self.rank)
+        return generation > self.world.generations.get(self.rank, 0)
 
     # -- decisions --------------------------------------------------------------------
 
@@ -157,12 +283,13 @@ class ElasticMembership:
         return (max(1, step) - 1) // h * h + 1
 
     def _hosts(self) -> dict[int, str]:
-        names = {}
+        """Each rank's host, as the launcher named it (kept: a rank's host has one name)."""
         for r in range(self.num_nodes):
-            k = key("host", r)
-            if self.store.check([k]):
-                names[r] = self.store.get(k).decode()
-        return names
+            if r not in self._host_names:
+                raw = self.store.get_if_set(key("host", r))
+                if raw is not None:
+                    self._host_names[r] = raw.decode()
+        return dict(self._host_names)
 
     def _propose(self, start: int) -> dict[str, Any]:
         lost = {r: loss_generation(self.store, r) for r in range(self.num_nodes)}
@@ -181,11 +308,10 @@ class ElasticMembership:
             ranks.add(r)  # joined that round under way, with the generation it joined at
             gens[r] = joined_at["gen"]
         stay = [r for r in sorted(ranks) if lost[r] == gens[r]]
-        ready = {r: ready_generation(self.store, r) for r in range(self.num_nodes)}
         # Where ranks join rounds under way, a returning rank asks for the state itself.
         joined = [] if self.admits_mid_round else [
             r for r in range(self.num_nodes)
-            if r not in stay and lost[r] > 0 and ready[r] == lost[r]]
+            if r not in stay and lost[r] > 0 and ready_generation(self.store, r) == lost[r]]
         left = sorted(ranks - set(stay) - set(joined))
         members = sorted(stay + joined)
         parts = []
@@ -220,9 +346,8 @@ class ElasticMembership:
         found = self.decisions.get(start)
         if found is None:
             k = key("members", start)
-            if self.store.check([k]):
-                raw = self.store.get(k)
-            else:
+            raw = self.store.get_if_set(k)
+            if raw is None:
                 # "by" makes each rank's proposal its own: only the winner logs the decision.
                 proposal = json.dumps({**self._propose(start), "by": self.rank}).encode()
                 raw = self.store.compare_set(k, "", proposal)
@@ -245,7 +370,7 @@ class ElasticMembership:
 
     def is_present(self, rank: int, step: int) -> bool:
         """True when ``rank`` trains step ``step``; for this rank, False once it was declared lost."""
-        if rank == self.rank and self.world.lost_since_admitted(rank):
+        if rank == self.rank and self._lost_here():
             return False
         if rank in self.decision(step)["ranks"]:
             return True
@@ -389,7 +514,7 @@ class ElasticMembership:
         if start in self.late or not self.admits_mid_round:
             return
         k = key("late", start)
-        raw = self.store.get_if_set(k)
+        raw = None  # most rounds have no record: closing an empty one is one round trip
         while True:
             record = json.loads(raw) if raw else {"closed": False, "ranks": {}}
             if record["closed"]:
@@ -448,6 +573,9 @@ class ElasticMembership:
         Each request is taken once, by whichever process of this rank reads it first: a
         rank started again after it served some does not serve them a second time (their
         joiners, still live, took the state long ago and never come to those links)."""
+        look = self._look()
+        if look is not None and look.asked <= seen:
+            return [], seen  # none since: nothing to ask the store
         count = self.store.add(key("asked", self.rank), 0)
         out = []
         while seen < count:

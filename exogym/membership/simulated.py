@@ -72,6 +72,9 @@ class RunMembership(Protocol):
     admits_mid_round: bool
     #: Whether :attr:`admits_mid_round` may be set (runs across hosts).
     can_admit_mid_round: bool
+    #: Decided in the run's store (runs across hosts): each step event then says how many
+    #: round trips to it the step made (``store_trips``).
+    decided_in_store: bool
 
     def is_present(self, rank: int, step: int) -> bool:
         """True when ``rank`` trains step ``step``."""
@@ -158,6 +161,7 @@ class Membership:
     #: Present ranks read the data shard of their place among them (exogym.data.loading).
     reshards = True
     admits_mid_round = can_admit_mid_round = False  # a rank comes back where rank_failures says
+    decided_in_store = False
     #: Every rank of a simulation starts with the run.
     joining = False
 

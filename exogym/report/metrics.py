@@ -16,7 +16,9 @@ Event kinds (the ``"event"`` key):
   included) and ``compute_s`` (the step's own work: its wall time less
   ``comm_s``); eval steps add ``val_loss`` and ``val_global_loss``; with a
   simulated clock (``fit(network=...)``) every step adds ``sim_time_s``, and
-  ``compute_s`` and ``sim_comm_s`` are what the clock charged the step.
+  ``compute_s`` and ``sim_comm_s`` are what the clock charged the step; across
+  hosts that come and go (``min_nodes``) every step adds ``store_trips``, the
+  round trips to the run's store its training thread made since the last step.
 - ``"start"``: a rank is ready (``rank``, ``max_steps``, ``host``); under a
   non-iid ``partition`` it adds ``labels`` (its samples per label), and rank 0
   ``labels_by_rank`` (every rank's).

@@ -213,31 +213,47 @@ _TIME_WORDS = {"simulated": "simulated time", "wall": "wall time"}
 
 
 def goodput_line(goodput: dict[str, Any]) -> str | None:
-    """``summary['goodput']`` in one line: the fraction, what it is a fraction of and where
-    the rest went. Where no fraction is defined (``goodput`` None, ``note`` says why):
-    for a run whose ranks came and went, the samples that reached the final model of those
-    trained; otherwise nothing (None)."""
+    """``summary['goodput']`` in one line, saying what its figures mean.
+
+    Goodput (the share of what the hosts could have trained while up that reached the
+    final model) measures what faults and membership changes cost, so the fraction is
+    given only for a run that had some (``goodput['ranks']`` present), with where the rest
+    of the hosts' time went. A run without any has nothing lost to them: its line says how
+    the hosts spent their time (computing, in collectives, idle) and how many trained
+    samples reached the final model, never a "goodput" that would read as work lost.
+    Where no time is measured (``goodput`` None, ``note`` says why): for a run whose ranks
+    came and went, the samples that reached the final model of those trained; otherwise
+    nothing (None)."""
     value = goodput.get("goodput")
     useful = goodput.get("useful_samples", 0)
+    trained = goodput.get("trained_samples", useful)
+    faulted = bool(goodput.get("ranks"))
     if value is None:
-        if not goodput.get("ranks"):  # nobody came or went: nothing is measured to say
+        if not faulted:  # nobody came or went, and no time to say anything in
             return None
-        trained = goodput.get("trained_samples", useful)
         return (f"goodput not measured: {goodput.get('note') or 'no time to measure it in'}; "
                 f"{useful} of {trained} trained samples reached the final model "
                 f"({trained - useful} dropped)")
-    line = (f"goodput {value:.1%}: {useful} samples reached the final model of "
-            f"{goodput.get('possible_samples', 0.0):.0f} the hosts could have trained while "
-            f"up ({_TIME_WORDS.get(goodput.get('time'), goodput.get('time'))})")
+    time_words = _TIME_WORDS.get(goodput.get("time"), goodput.get("time"))
     lost = goodput.get("lost") or {}
+    if not faulted:
+        computing = max(0.0, 1.0 - lost.get("collectives", 0.0) - lost.get("idle", 0.0))
+        reached = (f"all {trained} trained samples" if useful == trained
+                   else f"{useful} of {trained} trained samples")
+        return (f"the hosts' time ({time_words}): {computing:.1%} computing, "
+                f"{lost.get('collectives', 0.0):.1%} in collectives, "
+                f"{lost.get('idle', 0.0):.1%} idle; {reached} reached the final model "
+                "(no faults and no membership changes: no goodput to measure)")
+    line = (f"goodput {value:.1%}: of the {goodput.get('possible_samples', 0.0):.0f} samples "
+            f"the hosts could have trained while up (each at its own speed, in "
+            f"{time_words}), {useful} reached the final model")
     parts = [f"{share:.1%} {where}" for where, share in
              (("in collectives", lost.get("collectives", 0.0)), ("idle", lost.get("idle", 0.0)),
               ("on dropped work", lost.get("dropped", 0.0))) if share >= 0.0005]
     if parts:
         line += "; the rest of their time went " + ", ".join(parts)
-    if goodput.get("ranks"):
-        line += (f"; {goodput['dropped_samples']} trained samples dropped, hosts down "
-                 f"{goodput.get('down_s', 0.0):.1f} s in all")
+    line += (f"; {goodput['dropped_samples']} trained samples dropped, hosts down "
+             f"{goodput.get('down_s', 0.0):.1f} s in all")
     return line
 
 

@@ -329,6 +329,7 @@ def _join(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezvous
                                form_timeout_s=rendezvous.lost_after + FORM_MARGIN_S)
         membership = ElasticMembership(groups, rank, spec.num_nodes, spec.strategy.round_steps,
                                        rendezvous.min_nodes)
+        membership.watch(client)  # liveness read off the step (run_rank stops it)
         return groups, membership
     store = rendezvous.open_store(is_master=rendezvous.store_on_rank0 and rank == 0,
                                   world_size=spec.num_nodes, timeout_s=spec.timeout_s)
@@ -478,6 +479,8 @@ def run_rank(spec: RunSpec, placement: Placement, rank: int, rendezvous: Rendezv
             monitor.stop(last=False)
         if watch is not None:
             watch.stop()
+        if membership is not None:
+            membership.close()
         comm.use_clock(None)
         if rendezvous is not None:
             comm.destroy_process_group()

@@ -24,6 +24,9 @@ __all__ = ["Mark", "StepTimer", "Throttle"]
 #: seconds spent inside collectives so far.
 Mark = tuple[float, float, float, float]
 
+#: The longest slice of a throttled step's sleep before the throttle's factor is read again.
+THROTTLE_SLICE_S = 0.1
+
 
 class Throttle(Protocol):
     """Slows a real rank down from outside (an injected ``slow`` fault): :meth:`factor`
@@ -121,18 +124,31 @@ class StepTimer:
         """Under a throttle at factor F < 1, sleep off ``1/F - 1`` times the compute of the
         step since ``mark`` (collectives aside), as a rank at F of its speed would take;
         the step's event gets ``throttle`` (F) and, without a simulated clock, the sleep
-        in its ``compute_s``. Returns the seconds slept."""
+        in its ``compute_s``. Returns the seconds slept.
+
+        The sleep is taken in slices of at most :data:`THROTTLE_SLICE_S`, the factor read
+        again after each: a slow-down that ends (or eases) mid-sleep cuts the sleep short to
+        what the new factor owes, so that a rank slowed to a crawl is back at its speed at
+        once, not at the end of a long sleep."""
         if self.throttle is None:
             return 0.0
         factor = self.throttle.factor()
         if not 0.0 < factor < 1.0:
             return 0.0
-        seconds = self.compute_since(mark) * (1.0 / factor - 1.0)
-        comm.pause(seconds)
         event["throttle"] = factor
+        compute = self.compute_since(mark)
+        slept = 0.0
+        while 0.0 < factor < 1.0:
+            owed = compute * (1.0 / factor - 1.0) - slept
+            if owed <= 0.0:
+                break
+            chunk = min(owed, THROTTLE_SLICE_S)
+            comm.pause(chunk)
+            slept += chunk
+            factor = self.throttle.factor()
         if self.clock is None and "compute_s" in event:
-            event["compute_s"] += seconds
-        return seconds
+            event["compute_s"] += slept
+        return slept
 
     def clock_reading(self) -> tuple[float, float] | None:
         """The simulated time and the part of it spent communicating (None without a clock)."""

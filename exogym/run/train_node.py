@@ -171,6 +171,9 @@ class TrainNode:
         self.pacer: Pacer | None = None
         self._last_loss = float("nan")  # reported by an idle step
         self._comm_wall_seen = comm.collective_time()[0]
+        # The store round trips of this thread at the last step event (None: not counted).
+        self._trips_seen = comm.store_round_trips() if (
+            self.membership is not None and self.membership.decided_in_store) else None
         self._clock_seen = (0.0, 0.0)  # the clock's compute and communication at the last event
         self._step_started = self.timer.wall()
         self._samples_before = 0
@@ -666,6 +669,12 @@ class TrainNode:
         if spec.correlation_interval and in_group and \
                 self.step % spec.correlation_interval == 0:
             event["correlation"] = self.correlation()
+        if self._trips_seen is not None:
+            # what the control plane cost this step: its attendance before it, the step,
+            # its evaluation
+            trips = comm.store_round_trips()
+            event["store_trips"] = trips - self._trips_seen
+            self._trips_seen = trips
         if spec.checkpoint_interval and self.step % spec.checkpoint_interval == 0:
 
             def announce() -> None:

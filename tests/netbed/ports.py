@@ -69,10 +69,12 @@ def _claim(port: int) -> bool:
 
 
 def free_port(*addresses: str) -> int:
-    """A TCP port free on every one of ``addresses`` (default ``127.0.0.1``; ``""`` is every
-    address of this machine), claimed for this process: no other test process on this
-    machine gets it while this one lives, and no outgoing connection is given it."""
-    addresses = addresses or ("127.0.0.1",)
+    """A TCP port free on every one of ``addresses`` (default ``""``: every address of this
+    machine, so that a port free on 127.0.0.1 but listened on at 127.0.0.2 by a process a
+    test left, or by another suite, is not given out), claimed for this process: no other
+    test process on this machine gets it while this one lives, and no outgoing connection
+    is given it."""
+    addresses = addresses or ("",)
     spans = _candidates()
     weights = [len(span) for span in spans]
     for _ in range(4000):

@@ -203,7 +203,7 @@ def listen(message: dict[str, Any]) -> None:
     except OSError as exc:
         print(json.dumps({"ok": False, "error": exc.strerror or str(exc)}), flush=True)
         return
-    print(json.dumps({"ok": True}), flush=True)
+    print(json.dumps({"ok": True, "port": sock.getsockname()[1]}), flush=True)
     stdin = sys.stdin.fileno()
     while True:
         ready, _, _ = select.select([sock, stdin], [], [], 1.0)
