@@ -182,6 +182,40 @@ def test_the_monitor_stops_within_a_report_and_a_failing_sampler_stops_only_itse
     assert "rank 4: the monitor stopped (PermissionError" in capfd.readouterr().err
 
 
+def test_the_monitors_of_ranks_packed_in_a_process_share_one_thread():
+    """512 packed ranks had 512 monitor threads, each waking once a second for the
+    interpreter's lock while one rank computed: a process's ranks share one, which
+    reports for each of them at every interval and ends with the last of them."""
+    from exogym.run.monitor import MonitorTicker
+
+    ticks: dict[int, int] = {}
+
+    class Counted(RankMonitor):
+        def tick(self) -> None:
+            ticks[self.rank] = ticks.get(self.rank, 0) + 1
+            super().tick()
+
+    emitted = Timed()
+    before = threading.active_count()
+    ticker = MonitorTicker(0.05)
+    monitors = [Counted(rank, emitted, interval_s=0.05, ticker=ticker) for rank in range(8)]
+    assert threading.active_count() == before + 1
+    time.sleep(0.4)
+    assert all(monitor.running for monitor in monitors)
+    assert {e["rank"] for _, e in emitted.of("system")} == {0}  # one rank samples the host
+    for monitor in monitors:
+        monitor.stop()
+    assert sorted(ticks) == list(range(8)) and min(ticks.values()) >= 3, ticks
+    assert not any(monitor.running for monitor in monitors)
+    deadline = time.monotonic() + 2.0
+    while ticker.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not ticker.running  # no monitor left: its thread ended
+    count = len(emitted.events)
+    time.sleep(0.2)
+    assert len(emitted.events) == count
+
+
 def test_the_monitors_interval_comes_from_its_variable():
     assert monitor_interval({}) == 1.0
     assert monitor_interval({INTERVAL_ENV: "0.25"}) == 0.25

@@ -504,3 +504,134 @@ def test_packed_and_stacked_ranks_on_an_accelerator_train_as_one_process_per_ran
     assert_models_close(separate_model, packed_model, atol=1e-5)
     assert_models_close(separate_model, stacked_model, atol=1e-5)
     assert [r["step"] for r in away.history if r["rank"] == 1] == [1, 5, 6]
+
+
+def _counted_fit(monkeypatch, scratch_bytes: int):
+    """A DiLoCo fit of 66 ranks in two processes (33 each, more than BUFFERS_KEPT_UP_TO),
+    two rounds of H=10 steps and no evaluation, with each rank's BLAS scratch counted as
+    ``scratch_bytes``: its packed processes' account and notes."""
+    from exogym.run import memory
+
+    monkeypatch.setattr(memory, "SCRATCH_BYTES", scratch_bytes)
+    ds = toy_dataset()
+    trainer = Trainer(tiny_model(), ds, ds)
+    trainer.fit(strategy=DiLoCoStrategy(H=10, inner_optim="sgd", lr=0.1), num_nodes=66,
+                max_steps=20, batch_size=8, val_size=0, processes=2, **QUIET)
+    return trainer.summary["packed"], trainer.summary["notes"]
+
+
+@pytest.mark.slow
+def test_packed_diloco_ranks_hand_their_turn_on_only_at_rounds_and_keep_scratch_when_memory_allows(
+        monkeypatch):
+    """The work a packed process does besides its ranks' steps, counted per rank-step: a
+    rank hands its turn on at its rounds' collectives and the end, never once a step,
+    and gives its BLAS scratch back only where memory is short (a scratch release once
+    a hand-over cost K=1024 nothing measurable, but memory kept by no rank that waits is
+    the only reason for it)."""
+    from exogym.base.blas_buffers import thread_buffers_releasable
+
+    if not thread_buffers_releasable():
+        pytest.skip("this torch has no MKL: no per-thread BLAS scratch to keep or give back")
+    ranks, steps, rounds = 66, 20, 2
+    packed, notes = _counted_fit(monkeypatch, scratch_bytes=1)  # plenty of memory
+    assert packed["scratch_releases"] == 0, packed
+    assert "keep their BLAS scratch" in notes[0]
+    # A round's all-reduce and the last barrier: a rank waits at each, once; the rank
+    # acting for its process waits for the other's parts as well.
+    assert ranks * (rounds + 1) <= packed["hand_overs"] <= ranks * (rounds + 1) + 4 * (rounds + 1)
+    assert packed["hand_overs"] / (ranks * steps) < 0.2
+    assert packed["turns"] == ranks + packed["hand_overs"]  # each sat once, came back each time
+    assert packed["collectives"] == 2 * (rounds + 1)
+
+    short, notes = _counted_fit(monkeypatch, scratch_bytes=1 << 50)  # no memory to keep it
+    assert short["hand_overs"] == packed["hand_overs"]
+    # given back at each hand-over, and as each rank ends
+    assert short["scratch_releases"] == short["hand_overs"] + ranks
+    assert notes[0].startswith("memory is short for packed ranks to keep BLAS scratch")
+
+
+def test_the_scratch_plan_keeps_scratch_within_an_eighth_of_the_memory_free_beside_the_state():
+    from exogym.run.memory import SCRATCH_BYTES, StateBytes, scratch_plan
+
+    state = StateBytes(parameters=1 << 20, gradients=1 << 20, optimizer=2 << 20, strategy=0,
+                       shared=2 << 20)
+    need = state.on_machine(1024, 2)
+    room = 8 * 1024 * SCRATCH_BYTES
+    assert not scratch_plan(state, 1024, 2, available=need + room).releases
+    short = scratch_plan(state, 1024, 2, available=need + room - 8)
+    assert short.releases and "1024 x 4 MiB = 4.00 GiB" in short.note
+    assert scratch_plan(state, 1024, 2, available=need // 2).releases  # nothing free at all
+
+
+def _four_ranks_each_waiting_once(releases: bool) -> dict:
+    """Four ranks of one packed process, each handing its turn on once until all four have
+    had one, then timing a block: the process's account."""
+    import threading
+    import time
+
+    from exogym.comm.packed import PackedWorld
+
+    world = PackedWorld(4, 1, 0, None, 30)
+    world.releases_scratch = releases
+    ran = threading.Barrier(4)
+
+    def body(rank: int) -> None:
+        world.sit(rank)
+        try:
+            with world._aside():
+                ran.wait(30)
+            with world.timed("work"):
+                with world.timed("inner"):
+                    time.sleep(0.01)
+        finally:
+            world.stand()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return world.tally.as_dict()
+
+
+def test_a_packed_world_counts_its_turns_hand_overs_and_scratch_releases():
+    for releases in (False, True):
+        tally = _four_ranks_each_waiting_once(releases)
+        assert (tally["turns"], tally["hand_overs"]) == (8, 4)
+        assert tally["scratch_releases"] == (8 if releases else 0)  # each hand-over, each end
+        # a block within another counts as its own phase only
+        phases = tally["phases_s"]
+        assert set(phases) == {"work", "inner"} and phases["inner"] >= 0.04 > phases["work"]
+        assert tally["running_s"] >= sum(phases.values())
+
+
+def test_ranks_of_a_process_that_end_with_the_same_state_digest_it_once():
+    from exogym import comm
+    from exogym.comm.averaging import state_digest
+    from exogym.comm.packed import PackedWorld
+    from exogym.run import run_rank
+
+    hashed = []
+
+    def counted(state):
+        hashed.append(1)
+        return state_digest(state)
+
+    previous = comm.use_backend(PackedWorld(4, 1, 0, None, 30))
+    try:
+        original = run_rank.state_digest
+        run_rank.state_digest = counted
+        try:
+            one = {"w": torch.arange(6.0), "b": torch.ones(2)}
+            same = {"w": torch.arange(6.0), "b": torch.ones(2)}
+            other = {"w": torch.arange(6.0), "b": torch.zeros(2)}
+            as_double = {"w": torch.arange(6.0, dtype=torch.float64), "b": torch.ones(2)}
+            digests = [run_rank._digest(s) for s in (one, same, other, as_double)]
+        finally:
+            run_rank.state_digest = original
+    finally:
+        comm.use_backend(previous)
+    assert digests[0] == digests[1] == state_digest(same)
+    assert digests[2] == state_digest(other) != digests[0]
+    assert digests[3] == state_digest(as_double) != digests[0]  # the same values, another dtype
+    assert len(hashed) == 3  # the second state was compared, not hashed

@@ -178,6 +178,51 @@ def test_iid_shards_are_the_distributed_samplers(n, ranks):
                 assert shard_indices(n, ranks, rank, shuffle, 42, epoch) == list(sampler)
 
 
+def test_ranks_in_turn_through_many_epochs_draw_each_epochs_permutation_once(monkeypatch):
+    """512 ranks of a packed process, each starting an epoch every step in its turn (its
+    share of the data smaller than a batch), as K=1024 runs: one permutation of the data
+    per epoch for them all, not one per rank and epoch."""
+    from exogym.data import loading
+
+    drawn = []
+    randperm = torch.randperm
+
+    def counted(*args, **kwargs):
+        drawn.append(args[0])
+        return randperm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "randperm", counted)
+    monkeypatch.setattr(loading, "_permutations", type(loading._permutations)())
+    monkeypatch.setattr(loading, "_permutations_bytes", 0)
+    for rank in range(512):
+        for epoch in range(20):
+            loading.shard_indices(20_000, 1024, rank, True, 42, epoch)
+    assert drawn == [20_000] * 20
+    kept = sum(t.numel() * t.element_size() for t in loading._permutations.values())
+    assert kept == loading._permutations_bytes == 20 * 20_000 * 4  # int32
+    assert kept <= loading.PERMUTATIONS_KEPT_BYTES
+
+
+def test_a_plain_tensor_datasets_evaluation_batches_are_the_dataloaders():
+    """Evaluation gathers a TensorDataset's minibatches a tensor at a time (a DataLoader
+    fetched and stacked 64 samples one by one, for each of a thousand packed ranks)."""
+    from torch.utils.data import DataLoader
+
+    from exogym.data.loading import eval_loader, validation_subset
+
+    data = TensorDataset(torch.randn(100, 3), torch.arange(100))
+    picked = validation_subset(data, 37, 42)
+    assert picked == torch.randperm(100, generator=torch.Generator().manual_seed(42))[:37].tolist()
+    fast = eval_loader(data, picked, 8)
+    slow = DataLoader(data, batch_size=8, sampler=picked)
+    for _ in range(2):  # again and again, as each evaluation iterates it
+        got, want = list(fast), list(slow)
+        assert len(got) == len(want) == len(fast) == 5
+        assert all(type(g) is type(w) and all(torch.equal(a, b) for a, b in zip(g, w))
+                   for g, w in zip(got, want))
+    assert isinstance(eval_loader(data, picked, 8, {"num_workers": 0}), DataLoader)
+
+
 def test_a_shard_entered_at_its_end_after_ranks_changed_gives_no_empty_minibatch():
     """Resharded over more ranks at the end of an epoch, the new shard's position lies at
     or past its end: the stream goes on in the next epoch, never with a minibatch of no

@@ -559,6 +559,13 @@ def test_rank_events_travel_in_batches_in_order_and_never_wait_behind_other_even
     emit({"event": "step", "step": 6})
     emit({"event": "step", "step": 7, "checkpoint": True})  # a checkpoint's step: at once
     assert [e["step"] for e in pipe.messages[3]] == [6, 7]
+    # Link figures wait as steps do (512 waiting ranks report theirs each second); the
+    # host's figures go at once, with them.
+    emit({"event": "link", "rank": 0})
+    emit({"event": "link", "rank": 1})
+    assert len(pipe.messages) == 4
+    emit({"event": "system", "rank": 0})
+    assert [e["event"] for e in pipe.messages[4]] == ["link", "link", "system"]
 
 
 def test_the_rest_of_a_message_whose_handling_was_interrupted_still_reaches_the_trace():

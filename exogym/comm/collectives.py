@@ -385,6 +385,13 @@ def ranks_here() -> int:
     return _backend.ranks_here()
 
 
+def timed(phase: str) -> contextlib.AbstractContextManager[None]:
+    """The calling rank's seconds in the block, its waits for others not included, counted
+    as ``phase`` of its process's account where ranks are packed (``summary['packed']``,
+    :class:`exogym.comm.packed.PackedTally`); elsewhere nothing."""
+    return _backend.timed(phase)
+
+
 def pause(seconds: float) -> None:
     """Sleep ``seconds`` without holding up other ranks that share this process."""
     if seconds > 0:

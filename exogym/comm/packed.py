@@ -86,8 +86,9 @@ POST_BYTES = 32 << 20
 #: The least of each rank's tensor one window carries, however many ranks a process has.
 MIN_WINDOW_BYTES = 16 << 10
 #: A process of up to this many ranks lets each rank's thread keep its BLAS buffers (about
-#: 1 MiB each with MKL) while others run; with more, a rank gives them back whenever it
-#: hands its turn on (taking them again costs some 0.2 ms; keeping them, memory per rank).
+#: 4 MiB each with MKL) while others run; with more, a rank gives them back whenever it
+#: hands its turn on. A fit decides from the machine's free memory instead
+#: (:func:`exogym.run.memory.scratch_plan`, :attr:`PackedWorld.releases_scratch`).
 BUFFERS_KEPT_UP_TO = 32
 #: A reduction whose parts (over every rank) reach this many bytes is split into one
 #: slice per process; a smaller one is reduced whole by every process.
@@ -139,6 +140,61 @@ class _Seat:
         self.counts: dict[str, int] = {}  # collectives per group in the current step
         self.present: dict[str, tuple[int, ...]] = {}  # a group's present members, cached
         self.rng: tuple[Any, Any, Any, Any] | None = None  # saved while another rank runs
+        self.asked_at = 0.0  # when it last asked for the baton
+        self.aside_s = 0.0  # seconds it has let the others run while it waited
+        self.inner_s: list[float] = []  # per timed block it is in: its inner blocks' seconds
+
+
+class PackedTally:
+    """What a packed process spent besides its ranks' own steps: counts and seconds.
+
+    Written by the rank holding the baton only, so nothing here needs a lock.
+
+    - ``turns``: a rank took the baton (to start, or after a wait);
+    - ``hand_overs``: a rank gave it up to wait (at a collective, asleep);
+    - ``scratch_releases``: a rank gave MKL's scratch back as it handed over
+      (:data:`PackedWorld.releases_scratch`);
+    - ``collectives``: meetings of the process's ranks that completed;
+    - ``running_s``: some rank held the baton;
+    - ``hand_over_s``: the baton was free while a rank waited for it (the system waking
+      that rank's thread);
+    - ``idle_s``: the baton was free and no rank of the process could run (every one
+      waiting for peers in other processes);
+    - ``scratch_s``: giving MKL's scratch back;
+    - ``phases_s``: seconds the ranks spent in named parts of their run (start-up,
+      evaluation, ...; ``exchange``: the rank acting for the process posting, reading
+      and reducing parts of collectives across processes), their waits for others
+      not included, nor a part within another (:meth:`PackedWorld.timed`).
+    """
+
+    COUNTS = ("turns", "hand_overs", "scratch_releases", "collectives")
+    SECONDS = ("running_s", "hand_over_s", "idle_s", "scratch_s")
+
+    def __init__(self) -> None:
+        for name in self.COUNTS:
+            setattr(self, name, 0)
+        for name in self.SECONDS:
+            setattr(self, name, 0.0)
+        self.phases_s: dict[str, float] = {}
+        self.freed_at = time.perf_counter()  # when the baton was last given up
+        self.taken_at = self.freed_at  # when it was last taken
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {name: getattr(self, name) for name in self.COUNTS + self.SECONDS}
+        out["phases_s"] = dict(self.phases_s)
+        return out
+
+    @staticmethod
+    def total(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The sum of several processes' :meth:`as_dict`."""
+        out: dict[str, Any] = {name: sum(p.get(name, 0) for p in parts)
+                               for name in PackedTally.COUNTS + PackedTally.SECONDS}
+        phases: dict[str, float] = {}
+        for part in parts:
+            for name, seconds in (part.get("phases_s") or {}).items():
+                phases[name] = phases.get(name, 0.0) + seconds
+        out["phases_s"] = phases
+        return out
 
 
 class _Meeting:
@@ -219,6 +275,11 @@ class PackedWorld(Collectives):
         self._here_group = PackedGroup(range(world_size), "h")  # meet_here's
         self._mailbox = Mailbox(run_id, index, timeout_s) if run_id is not None else None
         self._held: dict[Any, Any] = {}  # state every rank of the process shares (held_once)
+        #: A rank that hands its turn on gives its BLAS (MKL) scratch back, to be taken again
+        #: from the allocator at its next product: memory kept by no rank that waits, for
+        #: a call that costs microseconds (see :data:`BUFFERS_KEPT_UP_TO`).
+        self.releases_scratch = len(self.here) > BUFFERS_KEPT_UP_TO
+        self.tally = PackedTally()
 
     # -- seats and the baton ------------------------------------------------------------
 
@@ -236,8 +297,9 @@ class PackedWorld(Collectives):
         seat = self._seat()
         if self._holder is seat:
             self._holder = None  # nobody needs its random state any more
-        release_thread_buffers()
-        self._baton.release()
+        if self.releases_scratch:
+            self._give_scratch_back()  # its thread ends soon: the others need it sooner
+        self._free_baton()
 
     def _seat(self) -> _Seat:
         seat = getattr(self._local, "seat", None)
@@ -246,9 +308,17 @@ class PackedWorld(Collectives):
         return seat
 
     def _take_baton(self, seat: _Seat) -> None:
+        seat.asked_at = time.perf_counter()
         if not self._baton.acquire(timeout=self.timeout_s):
             raise PeerTimeoutError(f"rank {seat.rank}: waited {self.timeout_s:.0f} s for its turn "
                                    "to run (another rank of its process never gave it up)")
+        tally = self.tally
+        now = time.perf_counter()
+        wanted = max(tally.freed_at, seat.asked_at)  # from then on a rank waited for it
+        tally.idle_s += wanted - tally.freed_at
+        tally.hand_over_s += now - wanted
+        tally.taken_at = now
+        tally.turns += 1
         previous = self._holder
         if previous is not seat:
             # The globals hold the previous runner's random state: keep it, put ours back.
@@ -262,17 +332,50 @@ class PackedWorld(Collectives):
                 _set_accelerator_rng(self.device, seat.rng[3])
             self._holder = seat
 
+    def _free_baton(self) -> None:
+        tally = self.tally
+        tally.freed_at = time.perf_counter()
+        tally.running_s += tally.freed_at - tally.taken_at
+        self._baton.release()
+
+    def _give_scratch_back(self) -> None:
+        start = time.perf_counter()
+        release_thread_buffers()
+        self.tally.scratch_s += time.perf_counter() - start
+        self.tally.scratch_releases += 1
+
     @contextmanager
     def _aside(self):
         """Let the process's other ranks run while this one waits."""
         seat = self._seat()
-        if len(self.here) > BUFFERS_KEPT_UP_TO:
-            release_thread_buffers()  # the ranks that run meanwhile need none kept for it
-        self._baton.release()
+        if self.releases_scratch:
+            self._give_scratch_back()  # the ranks that run meanwhile need none kept for it
+        self.tally.hand_overs += 1
+        self._free_baton()
+        start = time.perf_counter()
         try:
             yield
         finally:
             self._take_baton(seat)
+            seat.aside_s += time.perf_counter() - start
+
+    @contextmanager
+    def timed(self, phase: str):
+        """Add the calling rank's seconds in the block to ``phase`` of :attr:`tally`: not
+        its waits for others, nor its seconds in a timed block within (those count as
+        that block's phase)."""
+        seat = self._seat()
+        start, aside = time.perf_counter(), seat.aside_s
+        seat.inner_s.append(0.0)
+        try:
+            yield
+        finally:
+            own = time.perf_counter() - start - (seat.aside_s - aside)
+            inner = seat.inner_s.pop()
+            if seat.inner_s:
+                seat.inner_s[-1] += own
+            phases = self.tally.phases_s
+            phases[phase] = phases.get(phase, 0.0) + own - inner
 
     def sleep(self, seconds: float) -> None:
         """Sleep without holding up the other ranks of this process."""
@@ -353,6 +456,7 @@ class PackedWorld(Collectives):
                 meeting.error = exc
                 raise
             finally:
+                self.tally.collectives += 1
                 meeting.done.set()
         return meeting
 
@@ -478,7 +582,7 @@ class PackedWorld(Collectives):
         window = window_elements(len(here) + split_possible, itemsize)
         place = {r: i for p in procs for i, r in
                  enumerate(r for r in present if self._owner[r] == p)}
-        with self._store() as store:
+        with self.timed("exchange"), self._store() as store:
             for lo in range(0, total, window):
                 hi = min(total, lo + window)
                 n = hi - lo
@@ -544,7 +648,7 @@ class PackedWorld(Collectives):
         itemsize = torch.empty((), dtype=dtype).element_size()
         window = window_elements(len(sending), itemsize)
         got: dict[int, list[torch.Tensor]] = {r: [] for r in wanted}
-        with self._store() as store:
+        with self.timed("exchange"), self._store() as store:
             for lo in range(0, numel, window):
                 hi = min(numel, lo + window)
                 n = hi - lo

@@ -22,6 +22,7 @@ counted. A backend where ranks come and go also follows :meth:`enter_step`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -215,6 +216,12 @@ class Collectives:
         """How many ranks this process runs (they may all hold a collective's buffers at
         once: a packed process's ranks do); 1 for a backend of one rank per process."""
         return 1
+
+    def timed(self, phase: str) -> contextlib.AbstractContextManager[None]:
+        """Counts the calling rank's seconds in the block as ``phase`` where the backend
+        keeps such an account (a packed process: :class:`exogym.comm.packed.PackedTally`);
+        elsewhere nothing."""
+        return contextlib.nullcontext()
 
     # -- training collectives (uncounted here) ---------------------------------------
 

@@ -12,9 +12,10 @@ in samples.
 
 from __future__ import annotations
 
-import functools
+import collections
 import math
 import numbers
+import threading
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -183,6 +184,7 @@ class MinibatchStream:
         self.part: list[int] | None = None  # this rank's indices under a split by label
         self.labels_held: list[int] | None = None  # how many of each label it holds
         self.labels_by_rank: list[list[int]] | None = None  # the same for every rank
+        self._places: tuple[tuple[int, int, int], torch.Tensor] | None = None  # shard_places
         if shard and partition != "iid" and not self.iterable:
             # a split by label only when asked for one (iid runs never load it)
             from exogym.data.partition import dataset_labels, label_histogram, split_by_label
@@ -219,6 +221,15 @@ class MinibatchStream:
             return torch.randperm(len(self.dataset), generator=gen).tolist()
         return list(range(len(self.dataset)))
 
+    def _shard_order(self, epoch: int) -> torch.Tensor:
+        """:func:`shard_indices` of this rank in ``epoch``, as a tensor of indices."""
+        n = len(self.dataset)
+        key = (n, self.num_nodes, self.rank)
+        if self._places is None or self._places[0] != key:
+            self._places = (key, shard_places(n, self.num_nodes, self.rank))
+        places = self._places[1]
+        return _permutation(n, self.seed + epoch)[places] if self.shuffle else places
+
     def _start_epoch(self) -> None:
         if self.iterable:
             loader = DataLoader(self.dataset, batch_size=self.minibatch_size,
@@ -230,8 +241,15 @@ class MinibatchStream:
             self._start_steps()
             return
         else:
+            fast = type(self.dataset) is TensorDataset and not self.loader_kwargs
+            if fast and self.shard and self.part is None:
+                # the shard as a tensor: a rank whose share is smaller than its batch starts
+                # an epoch every step, and each conversion costs it (1024 ranks did).
+                order = self._shard_order(self.epoch)[self.taken * self.minibatch_size:]
+                self._iter = _tensor_batches(self.dataset, order, self.minibatch_size)
+                return
             indices = self._indices(self.epoch)[self.taken * self.minibatch_size:]
-            if type(self.dataset) is TensorDataset and not self.loader_kwargs:
+            if fast:
                 self._iter = _tensor_batches(self.dataset, indices, self.minibatch_size)
                 return
             loader = DataLoader(self.dataset, batch_size=self.minibatch_size, sampler=indices,
@@ -349,10 +367,57 @@ class MinibatchStream:
         self._step_taken = 0
         self._iter = None
 
-@functools.lru_cache(maxsize=8)
+#: Bytes of the epochs' permutations a process keeps for its ranks (:func:`shard_indices`).
+PERMUTATIONS_KEPT_BYTES = 32 << 20
+
+_permutations: collections.OrderedDict[tuple[int, int], torch.Tensor] = collections.OrderedDict()
+_permutations_lock = threading.Lock()
+_permutations_bytes = 0  # what they hold
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _permutation(n: int, seed: int) -> torch.Tensor:
-    """``torch.randperm(n)`` seeded with ``seed``; shared by the ranks a process runs."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    """``torch.randperm(n)`` seeded with ``seed``, shared by the ranks a process runs.
+
+    The most recent permutations are kept, up to :data:`PERMUTATIONS_KEPT_BYTES` (at
+    least one), in the smallest integer type that holds ``n``: ranks packed in a
+    process (:mod:`exogym.comm.packed`) each run many steps in their turn, and a rank
+    whose share of the data is smaller than a step's batch starts an epoch every step,
+    so a process of 512 such ranks went through one epoch after another 512 times over
+    (eight epochs kept by number drew each permutation again for every rank).
+    """
+    global _permutations_bytes
+    key = (n, seed)
+    with _permutations_lock:
+        order = _permutations.get(key)
+        if order is not None:
+            _permutations.move_to_end(key)
+            return order
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    if n <= torch.iinfo(torch.int32).max:
+        order = order.to(torch.int32)
+    with _permutations_lock:
+        if key not in _permutations:
+            _permutations[key] = order
+            _permutations_bytes += _nbytes(order)
+            while len(_permutations) > 1 and _permutations_bytes > PERMUTATIONS_KEPT_BYTES:
+                _, dropped = _permutations.popitem(last=False)
+                _permutations_bytes -= _nbytes(dropped)
+        return _permutations[key]
+
+
+def shard_places(n: int, num_replicas: int, rank: int) -> torch.Tensor:
+    """The places in an epoch's order of ``n`` samples that ``DistributedSampler
+    (drop_last=False)`` gives ``rank``: every ``num_replicas``-th from ``rank``, the order
+    padded by repeating it from its start (place i of the padded order is i % n)."""
+    total = -(-n // num_replicas) * num_replicas
+    places = torch.arange(rank, total, num_replicas)
+    if total > n:
+        places %= n
+    return places
 
 
 def shard_indices(n: int, num_replicas: int, rank: int, shuffle: bool, seed: int,
@@ -363,24 +428,24 @@ def shard_indices(n: int, num_replicas: int, rank: int, shuffle: bool, seed: int
     the ranks of a process share (each rank would otherwise draw and convert
     the whole permutation, a cost that grows with the number of ranks).
     """
-    order = _permutation(n, seed + epoch) if shuffle else torch.arange(n)
-    total = -(-n // num_replicas) * num_replicas
-    if total > n:  # padded by repeating the order from its start, as the sampler does
-        order = torch.cat([order] * -(-total // n))[:total]
-    return order[rank:total:num_replicas].tolist()
+    places = shard_places(n, num_replicas, rank)
+    if not shuffle:
+        return places.tolist()
+    return _permutation(n, seed + epoch)[places].tolist()
 
 
-def _tensor_batches(dataset: TensorDataset, indices: list[int],
+def _tensor_batches(dataset: TensorDataset, indices: list[int] | torch.Tensor,
                     minibatch_size: int) -> Iterator[list[torch.Tensor]]:
     """Minibatches of a plain TensorDataset, each gathered by one indexing per tensor.
 
     The same list of stacked tensors a DataLoader with the default collate gives,
     without fetching and stacking one sample at a time.
     """
-    if not indices:  # split() would give one empty minibatch: a step of no samples
+    if not len(indices):  # split() would give one empty minibatch: a step of no samples
         return
-    order = torch.as_tensor(indices, dtype=torch.long)
-    for chunk in order.split(minibatch_size):
+    order = indices if isinstance(indices, torch.Tensor) else \
+        torch.as_tensor(indices, dtype=torch.long)
+    for chunk in (order,) if len(order) <= minibatch_size else order.split(minibatch_size):
         # index_select on dim 0 is t[chunk], without advanced indexing's general machinery.
         yield [t.index_select(0, chunk) for t in dataset.tensors]
 
@@ -398,8 +463,8 @@ def validation_subset(dataset: Dataset, val_size: int, seed: int) -> list[int]:
     if isinstance(dataset, IterableDataset):
         raise TypeError("the validation dataset must support len() and indexing")
     n = len(dataset)
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randperm(n, generator=gen)[: min(val_size, n)].tolist()
+    # torch.randperm(n) seeded with ``seed``, drawn once for the ranks of a process
+    return _permutation(n, seed)[: min(val_size, n)].tolist()
 
 def loader_kwargs(dataset: Any, kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """DataLoader arguments: ``kwargs``, plus the dataset's own ``collate_fn`` if it has one.
@@ -436,9 +501,30 @@ def _with_generator(kwargs: dict[str, Any], seed: int) -> dict[str, Any]:
     return {**kwargs, "generator": torch.Generator().manual_seed(seed)}
 
 
+class _TensorBatchLoader:
+    """The minibatches of ``indices`` of a plain TensorDataset, in order, each time it is
+    iterated: what a DataLoader with the default collate gives, gathered by one indexing
+    per tensor (:func:`_tensor_batches`) instead of sample by sample."""
+
+    def __init__(self, dataset: TensorDataset, indices: list[int], minibatch_size: int):
+        self.dataset = dataset
+        self.indices = indices
+        self.minibatch_size = minibatch_size
+
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+        return _tensor_batches(self.dataset, self.indices, self.minibatch_size)
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.indices) / self.minibatch_size)
+
+
 def eval_loader(dataset: Dataset, indices: list[int], minibatch_size: int,
-                dataloader_kwargs: dict[str, Any] | None = None) -> DataLoader:
-    """A DataLoader over ``indices`` of ``dataset`` in order."""
+                dataloader_kwargs: dict[str, Any] | None = None
+                ) -> DataLoader | _TensorBatchLoader:
+    """A DataLoader over ``indices`` of ``dataset`` in order (for a plain TensorDataset with
+    no loader arguments, the same minibatches gathered a tensor at a time)."""
     kwargs = {k: v for k, v in loader_kwargs(dataset, dataloader_kwargs).items() if k != "shuffle"}
+    if type(dataset) is TensorDataset and not kwargs:
+        return _TensorBatchLoader(dataset, indices, minibatch_size)
     return DataLoader(dataset, batch_size=minibatch_size, sampler=indices,
                       **_with_generator(kwargs, 0))

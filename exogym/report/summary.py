@@ -459,6 +459,8 @@ class RunReporter:
               else ()),
         )
         self.console.print(table)
+        for note in summary.get("notes") or []:
+            self.console.print(f"note: {note}", markup=False, highlight=False)
         for change in summary.get("membership") or []:
             if change["reason"] != "start":
                 self.console.print(f"step {change['step']}: {change['reason']}; present: ranks "

@@ -360,3 +360,53 @@ def check_memory(spec: RunSpec, ranks: int, processes: int,
             "that what every rank holds the same is held once, lower minibatch_size, or "
             "train a smaller model")
     return state
+
+
+# -- what packed ranks spend to save memory, only where memory is short ------------------
+
+#: What torch's BLAS (Intel MKL) keeps for each thread that has run a matrix product, as
+#: counted for every rank of a packed process: 4.5 MiB allocated after a step of the
+#: 235k-parameter MLP of ``bench.sim_scale``.
+SCRATCH_BYTES = 4 << 20
+#: The share of the memory free beside the ranks' state that their kept scratch may take.
+SCRATCH_SHARE = 1 / 8
+
+
+def _share() -> str:
+    return "an eighth" if SCRATCH_SHARE == 1 / 8 else f"{SCRATCH_SHARE:.0%}"
+
+
+@dataclass(frozen=True)
+class ScratchPlan:
+    """Whether the ranks packed in processes give MKL's per-thread scratch back each time
+    one hands its turn on (:attr:`exogym.comm.packed.PackedWorld.releases_scratch`), and
+    the run's note saying why."""
+
+    releases: bool
+    note: str
+
+
+def scratch_plan(state: StateBytes, ranks: int, processes: int,
+                 available: int | None = None, stacked: bool = False) -> ScratchPlan:
+    """Keep each packed rank's scratch between its turns unless memory is short.
+
+    A rank of a packed process (:mod:`exogym.comm.packed`) is a thread, and MKL keeps
+    a scratch buffer for each thread that has run a matrix product: kept by every
+    rank, they take ``ranks`` x :data:`SCRATCH_BYTES` (4 GiB at 1024 ranks). Memory is
+    short when that is more than :data:`SCRATCH_SHARE` of the memory this machine has
+    free (``available``, default :func:`available_memory`) beside the ranks' state:
+    then a rank gives its scratch back whenever it hands its turn on, and takes it
+    again from the allocator at its next product.
+    """
+    have = available_memory() if available is None else available
+    beside = max(0, have - state.on_machine(ranks, processes, stacked))
+    kept = ranks * SCRATCH_BYTES
+    if kept > SCRATCH_SHARE * beside:
+        return ScratchPlan(True, f"memory is short for packed ranks to keep BLAS scratch between "
+                                 f"turns ({ranks} x {gib(SCRATCH_BYTES)} = {gib(kept)}, over "
+                                 f"{_share()} of the {gib(beside)} free beside the "
+                                 "ranks' state): a rank gives it back whenever it hands its "
+                                 "turn on")
+    return ScratchPlan(False, f"packed ranks keep their BLAS scratch between turns ({ranks} x "
+                              f"{gib(SCRATCH_BYTES)} = {gib(kept)}, within {_share()} "
+                              f"of the {gib(beside)} free beside the ranks' state)")

@@ -9,6 +9,9 @@ Every :data:`INTERVAL_S` seconds the thread reads, and never writes:
   ``system`` event: one rank per process does (the ranks packed in a process share
   its host and memory).
 
+The ranks packed in one process (:mod:`exogym.comm.packed`) share one such thread
+(:class:`MonitorTicker`), which reports for each of them in turn.
+
 The events go out through the rank's ``emit``, as its step events do (a pipe to the
 parent in a simulation, a line on stdout from a host), never over the process group,
 so watching a run changes neither its byte counts nor its timings. Reading the
@@ -35,8 +38,8 @@ from exogym import comm
 from exogym.comm.in_flight import LinkProgress, LinkSnapshot
 from exogym.run.system_sampler import SystemSampler
 
-__all__ = ["INTERVAL_ENV", "INTERVAL_S", "LinkMeter", "RankMonitor", "monitor_interval",
-           "start_monitor"]
+__all__ = ["INTERVAL_ENV", "INTERVAL_S", "LinkMeter", "MonitorTicker", "RankMonitor",
+           "monitor_interval", "start_monitor"]
 
 #: Seconds between two reports of a rank's monitor.
 INTERVAL_S = 1.0
@@ -138,24 +141,35 @@ class RankMonitor:
     def __init__(self, rank: int, emit: Callable[[dict[str, Any]], None],
                  device: torch.device | None = None, interval_s: float = INTERVAL_S,
                  progress: LinkProgress | None = None, sampler: SystemSampler | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 ticker: MonitorTicker | None = None) -> None:
         self.rank = rank
         self.emit = emit
         self.interval_s = interval_s
         self.progress = progress if progress is not None else comm.link_progress()
-        self.sampler = sampler if sampler is not None else SystemSampler(device)
+        if sampler is None:  # the ranks of a process share a host: its ticker's sampler
+            sampler = ticker.sampler if ticker is not None else SystemSampler(device)
+        self.sampler = sampler
         self.clock = clock
         self.meter = LinkMeter()
         self._stop = threading.Event()
         self._stopped = False
         self._ticking = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=f"exogym-monitor-{rank}",
-                                        daemon=True)
-        self._thread.start()
+        self._ticker = ticker
+        self._thread: threading.Thread | None = None
+        if ticker is not None:
+            ticker.add(self)
+        else:
+            self._thread = threading.Thread(target=self._run, name=f"exogym-monitor-{rank}",
+                                            daemon=True)
+            self._thread.start()
 
     @property
     def running(self) -> bool:
         """True while the thread reports."""
+        if self._ticker is not None:
+            return not self._stop.is_set() and self._ticker.running
+        assert self._thread is not None
         return self._thread.is_alive()
 
     def _run(self) -> None:
@@ -163,9 +177,12 @@ class RankMonitor:
             if not self._tick():
                 return
 
-    def _tick(self) -> bool:
-        """One report; False when the monitor failed (said once on stderr)."""
+    def _tick(self, scheduled: bool = False) -> bool:
+        """One report; False when the monitor failed (said once on stderr) or, for a
+        ``scheduled`` one, has stopped."""
         with self._ticking:
+            if scheduled and self._stop.is_set():
+                return False
             try:
                 self.tick()
                 return True
@@ -203,16 +220,79 @@ class RankMonitor:
         self._stopped = True
         running = not self._stop.is_set()
         self._stop.set()
-        self._thread.join(timeout=self.interval_s + 2.0)
-        if last and running and not self._thread.is_alive():
-            self._tick()
+        if self._ticker is not None:
+            self._ticker.remove(self)
+            with self._ticking:  # a report under way ends first
+                pass
+            if last and running:
+                self._tick()
+        else:
+            assert self._thread is not None
+            self._thread.join(timeout=self.interval_s + 2.0)
+            if last and running and not self._thread.is_alive():
+                self._tick()
         with _system_lock:
             if _system_owner is self:
                 _system_owner = None
 
 
+class MonitorTicker:
+    """One thread that reports for the monitors of every rank a process runs.
+
+    The ranks packed in a process (:mod:`exogym.comm.packed`) share it: 512 of them
+    had 512 monitor threads, each waking once a second for the interpreter's lock
+    while one rank computed. It runs while a monitor is registered, one report of
+    each in turn every ``interval_s``, and holds the one sampler of the host they
+    share (``device``: theirs).
+    """
+
+    def __init__(self, interval_s: float, device: torch.device | None = None) -> None:
+        self.interval_s = interval_s
+        self.sampler = SystemSampler(device)  # the host's, for whichever rank samples it
+        self._monitors: list[RankMonitor] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def add(self, monitor: RankMonitor) -> None:
+        with self._lock:
+            self._monitors.append(monitor)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="exogym-monitors",
+                                                daemon=True)
+                self._thread.start()
+
+    def remove(self, monitor: RankMonitor) -> None:
+        with self._lock:
+            if monitor in self._monitors:
+                self._monitors.remove(monitor)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            with self._lock:
+                monitors = list(self._monitors)
+                if not monitors:
+                    self._thread = None
+                    return
+            for monitor in monitors:
+                if not monitor._tick(scheduled=True):
+                    self.remove(monitor)
+
+
 def start_monitor(rank: int, emit: Callable[[dict[str, Any]], None],
                   device: torch.device | None = None) -> RankMonitor | None:
-    """The rank's monitor, started, at ``EXOGYM_MONITOR_S`` (None when set to 0)."""
+    """The rank's monitor, started, at ``EXOGYM_MONITOR_S`` (None when set to 0); the
+    ranks packed in a process share one thread (:class:`MonitorTicker`)."""
     interval = monitor_interval()
-    return RankMonitor(rank, emit, device, interval) if interval > 0 else None
+    if interval <= 0:
+        return None
+    ticker = None
+    if comm.ranks_here() > 1:
+        ticker = comm.held_once((MonitorTicker, interval),
+                                lambda: MonitorTicker(interval, device))
+    return RankMonitor(rank, emit, device, interval, ticker=ticker)

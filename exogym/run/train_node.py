@@ -664,7 +664,8 @@ class TrainNode:
         if self.val_loader is not None and in_group and (
             self.step % spec.val_interval == 0 or self.step == self.max_steps
         ):
-            event.update(self.evaluate())
+            with comm.timed("evaluation"):
+                event.update(self.evaluate())
         if spec.correlation_interval and in_group and \
                 self.step % spec.correlation_interval == 0:
             event["correlation"] = self.correlation()
@@ -706,7 +707,8 @@ class TrainNode:
             self.close()
 
     def _train(self) -> dict[str, torch.Tensor]:
-        self.start()
+        with comm.timed("start-up"):
+            self.start()
         spec = self.spec
         if spec.resume_from and not (self.membership is not None and self.membership.joining):
             resumed = self.resume(spec.resume_from)

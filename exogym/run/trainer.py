@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from exogym import comm
+from exogym.base.blas_buffers import thread_buffers_releasable
 from exogym.base.io import atomic_torch_save
 from exogym.base.stop_signal import (
     finish_whole_blocks,
@@ -48,7 +49,7 @@ from exogym.base.stop_signal import (
 )
 from exogym.comm.averaging import RunningSum, average_of_sums, average_state_dicts
 from exogym.comm.mailbox import new_run_id, remove_segments
-from exogym.comm.packed import PackedWorld, process_ranks
+from exogym.comm.packed import PackedTally, PackedWorld, process_ranks
 from exogym.comm.shared_memory import SharedMemoryCollectives
 from exogym.config.fit_args import FitArgs, fit_args_doc, fit_signature
 from exogym.report.goodput import goodput_summary, measure_goodput
@@ -56,7 +57,13 @@ from exogym.report.loggers import Logger, make_logger
 from exogym.report.summary import ProgressSink, RunReporter, summarize
 from exogym.report.trace import TraceWriter, trace_path
 from exogym.run.devices import available_cores, loopback_interface
-from exogym.run.memory import StateBytes, check_memory, with_measured_minibatch
+from exogym.run.memory import (
+    ScratchPlan,
+    StateBytes,
+    check_memory,
+    scratch_plan,
+    with_measured_minibatch,
+)
 from exogym.run.run_rank import Rendezvous, run_rank
 from exogym.run.spec import (
     Placement,
@@ -256,15 +263,20 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
+#: The events a rank's messages gather (:class:`_EventBatches`); any other goes at once.
+_BATCHED = frozenset({"step", "link"})
+
+
 class _EventBatches:
     """A rank's events on their way to the parent, a few per message.
 
-    Step events wait until ``interval_s`` has passed since the last message;
-    any other event (start, result, ...) goes at once, with whatever waits
-    before it, so order is kept, and so does the step of a checkpoint: the
-    steps a checkpoint holds are on their way the moment it is written. One
-    message per step would wake the parent hundreds of times a second, on the
-    cores the ranks need.
+    Step and link events wait until ``interval_s`` has passed since the last
+    message; any other event (start, system, result, ...) goes at once, with
+    whatever waits before it, so order is kept, and so does the step of a
+    checkpoint: the steps a checkpoint holds are on their way the moment it is
+    written. One message per step would wake the parent hundreds of times a
+    second, on the cores the ranks need; so would the link figures of a process
+    of 512 ranks waiting at a collective, each rank's once a second.
 
     Args:
         conn: this rank's end of the pipe to the parent.
@@ -279,7 +291,7 @@ class _EventBatches:
 
     def __call__(self, event: dict[str, Any]) -> None:
         self._pending.append(event)
-        if event.get("event") != "step" or event.get("checkpoint") or \
+        if event.get("event") not in _BATCHED or event.get("checkpoint") or \
                 time.monotonic() - self._sent_at >= self.interval_s:
             self.flush()
 
@@ -352,12 +364,17 @@ WHOLE_BLOCKS_WAIT_S = 1.0
 def _packed_process_entry(payload: Any, placement: Placement, index: int, processes: int,
                           events: connection.Connection, result_dir: str,
                           parent_pid: int, run_id: str,
-                          environ: dict[str, str] | None = None) -> None:
+                          environ: dict[str, str] | None = None,
+                          releases_scratch: bool | None = None) -> None:
     """Body of one process of a packed simulation: its block of ranks, run in turn.
 
     Each rank is a thread (:mod:`exogym.comm.packed`). The process writes the float64
     sum of its ranks' final states (those still present at the end) and their
-    count; the parent finishes the average from every process's part.
+    count; the parent finishes the average from every process's part, and the
+    process's account (:class:`~exogym.comm.packed.PackedTally`) comes with its
+    result. ``releases_scratch``: whether a rank gives its BLAS scratch back as it
+    hands its turn on (:func:`exogym.run.memory.scratch_plan`; None: the world's
+    default).
     """
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     _take_environment(environ)
@@ -394,6 +411,8 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
                             lambda: comm.open_store("127.0.0.1", port, timeout_s=spec.timeout_s),
                             spec.timeout_s, run_id=run_id,
                             device=placement.device_of(spec, first_rank))
+        if releases_scratch is not None:
+            world.releases_scratch = releases_scratch
         comm.use_backend(world)
         _one_malloc_arena()
         # The process's ranks' final states, summed as they end, in rank order: a state
@@ -431,7 +450,7 @@ def _packed_process_entry(payload: Any, placement: Placement, index: int, proces
             part = {"sums": total.sums, "count": total.count}
             path = str(atomic_torch_save(part, Path(result_dir) / f"process{index}.pt",
                                          durable=False))
-        emit({"event": "result", "process": index, "path": path})
+        emit({"event": "result", "process": index, "path": path, "packed": world.tally.as_dict()})
     except BaseException:
         fail(first_rank)
     events.close()
@@ -586,6 +605,8 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.summary: dict[str, Any] = {}
         self._processes: int | None = None
+        self._packed_tallies: dict[int, dict[str, Any]] = {}  # packed processes: their accounts
+        self._scratch: ScratchPlan | None = None  # packed ranks: do they keep BLAS scratch
         #: The training state a rank holds, accounted before the run (exogym.run.memory).
         self.state_bytes: StateBytes | None = None
         self.rank_stats: dict[int, dict[str, Any]] = {}
@@ -625,6 +646,12 @@ class Trainer:
             self._processes, placement = self._stacking(spec, placement, fit_args.stack,
                                                         fit_args.processes)
         self.state_bytes = self._check_memory(spec, placement)
+        self._scratch = None
+        if self._processes and thread_buffers_releasable():
+            # Ranks on an accelerator hold their state there, not in this machine's memory.
+            state = self.state_bytes if spec.device_type == "cpu" else StateBytes(0, 0, 0, 0, 0)
+            self._scratch = scratch_plan(state, spec.num_nodes, self._processes,
+                                         stacked=placement.stacked)
         return fit_args, spec, placement
 
     def check(self, *args: Any, **kwargs: Unpack[FitKwargs]) -> None:
@@ -677,6 +704,7 @@ class Trainer:
             reporter = progress
         self.history = []
         self.rank_stats = {}
+        self._packed_tallies = {}
         self.run_config = spec.config()
         labels: dict[int, list[int]] = {}
 
@@ -716,8 +744,13 @@ class Trainer:
             self.history.sort(key=lambda r: (r["step"], r["rank"]))
             self.summary = summarize(self.history, spec.num_nodes, time.perf_counter() - started,
                                      labels)
+            if self._scratch is not None:
+                self.summary["notes"] = [self._scratch.note]
             if self._processes:
                 self.summary["processes"] = self._processes
+                if self._packed_tallies:
+                    self.summary["packed"] = PackedTally.total(
+                        [self._packed_tallies[i] for i in sorted(self._packed_tallies)])
             if placement.stacked:
                 self.summary["stacked"] = True
             membership = spec.membership()
@@ -818,9 +851,10 @@ class Trainer:
         with tempfile.TemporaryDirectory(prefix="exogym-") as result_dir:
             if packed:
                 placement = dataclasses.replace(placement, processes=packed)
+                releases = None if self._scratch is None else self._scratch.releases
                 procs = [ctx.Process(target=_packed_process_entry, name=f"exogym-ranks{index}",
                                      args=(payload, placement, index, packed, pipes[index][1],
-                                           result_dir, os.getpid(), run_id, environ))
+                                           result_dir, os.getpid(), run_id, environ, releases))
                          for index in range(packed)]
             else:
                 procs = [
@@ -843,7 +877,7 @@ class Trainer:
                         pass  # that rank already died: _collect reports how
                 paths = self._collect(procs, [parent_end for parent_end, _ in pipes], on_event,
                                       lambda i: _process_name(spec.num_nodes, packed, i),
-                                      inbox)
+                                      inbox, self._packed_tallies)
                 # One state (or process's sum) loaded at a time: the parent holds one sum,
                 # never every rank's model.
                 total = RunningSum()
@@ -874,14 +908,17 @@ class Trainer:
     def _collect(procs, readers: list[connection.Connection],
                  on_event: Callable[[dict[str, Any]], None],
                  name: Callable[[int], str] = lambda i: f"rank {i}",
-                 inbox: collections.deque[dict[str, Any]] | None = None
+                 inbox: collections.deque[dict[str, Any]] | None = None,
+                 tallies: dict[int, dict[str, Any]] | None = None
                  ) -> dict[int, str | None]:
         """Handle every process's events until each has reported its result; raise on failure.
 
         A message's events wait in ``inbox`` until each is handled: what an interruption
         leaves there (``on_event`` raised), :func:`_forward_rest` hands on.
 
-        Returns each process's result file (None where it has none), by process index.
+        Returns each process's result file (None where it has none), by process index;
+        ``tallies`` receives each packed process's account
+        (:class:`~exogym.comm.packed.PackedTally`), by process index.
         """
         inbox = collections.deque() if inbox is None else inbox
         paths: dict[int, str] = {}
@@ -900,6 +937,8 @@ class Trainer:
                 error_deadline = error_deadline or time.monotonic() + 2.0
             elif kind == "result":
                 paths[event["process"]] = event["path"]
+                if tallies is not None and event.get("packed"):
+                    tallies[event["process"]] = event["packed"]
             else:
                 on_event(event)
 
