@@ -14,6 +14,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -207,3 +209,77 @@ def test_an_installed_package_sends_its_own_files_laid_out_as_installed(tmp_path
     assert tracked_files(site) == sorted(["exogym/__init__.py", f"{PACKAGE_FOLDER}/__init__.py",
                                           f"{PACKAGE_FOLDER}/config.ini",
                                           f"{PACKAGE_FOLDER}/worker/__main__.py"])
+
+
+# --------------------------------------------------------------------------- shared folders
+# The test sshd's addresses are hosts that share this machine's disk and home: the layout
+# of hosts with one home on NFS.
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    from sshd_fixture import serve_sshd
+
+    yield from serve_sshd(tmp_path_factory)
+
+
+def _ssh(sshd):
+    from distributed.hosts.ssh import SSHOptions
+
+    return SSHOptions(known_hosts_path=sshd.known_hosts, ssh_config_path=sshd.ssh_config,
+                      allow_agent=False, look_for_keys=False, connect_timeout=5.0)
+
+
+def _small_project(root: Path, files: int) -> list[str]:
+    (root / "pkg").mkdir(parents=True)
+    (root / "config.ini").write_text("[distributed:x]\n")
+    for i in range(files):
+        (root / "pkg" / f"m{i}.py").write_text(f"VALUE = {i}\n" + "# padding\n" * 400)
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    subprocess.run(["git", "-C", str(root), "add", "."], check=True)
+    from distributed.hosts.sync import tracked_files
+
+    return tracked_files(root)
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if p.name.startswith(".exogym-share.") or p.name.endswith(".exogym-sync.tmp"))
+
+
+def test_two_copies_into_one_new_folder_at_once_neither_fails(sshd, tmp_path):
+    """Two writers into one folder not made yet (two runs, or hosts sharing a home that were
+    not told apart): each makes the folders the other may have made, and writes temporary
+    files the other never takes away; the old shared temporary name failed with
+    '[Errno 2] No such file'."""
+    import paramiko
+
+    from distributed.hosts.sync import sync_files
+
+    project = tmp_path / "project"
+    files = _small_project(project, 150)
+    remote = tmp_path / "home" / "new" / "gym"
+    clients = []
+    try:
+        for address in sshd.addresses[:2]:
+            client = paramiko.SSHClient()
+            client.load_host_keys(str(sshd.known_hosts))
+            client.connect(address, port=sshd.port, username=sshd.user,
+                           key_filename=str(sshd.key_path), look_for_keys=False,
+                           allow_agent=False)
+            clients.append(client)
+        start = threading.Barrier(2, timeout=30)
+
+        def copy(client):
+            start.wait()
+            return sync_files(client, "h", project, str(remote), files)
+
+        with ThreadPoolExecutor(2) as pool:
+            stats = list(pool.map(copy, clients))
+    finally:
+        for client in clients:
+            client.close()
+    assert sum(s.copied + s.unchanged for s in stats) == 2 * len(files)
+    for rel in files:
+        assert (remote / rel).read_bytes() == (project / rel).read_bytes()
+    assert _leftovers(tmp_path) == []

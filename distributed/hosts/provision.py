@@ -47,6 +47,7 @@ from .sync import (
     PROJECT_ROOT,
     is_checkout,
     makedirs_remote,
+    remote_temp,
     replace_remote,
     sftp_path,
 )
@@ -549,8 +550,9 @@ class HostProvisioner:
         code = ("import os,sys,zipfile\nz=zipfile.ZipFile(sys.argv[1])\n"
                 "name=[n for n in z.namelist() if n.endswith('/scripts/uv')][0]\n"
                 "os.makedirs(os.path.dirname(sys.argv[2]),exist_ok=True)\n"
-                "open(sys.argv[2]+'.tmp','wb').write(z.read(name))\n"
-                "os.chmod(sys.argv[2]+'.tmp',0o755);os.replace(sys.argv[2]+'.tmp',sys.argv[2])\n")
+                "t=sys.argv[2]+'.%d.tmp'%os.getpid()\n"
+                "open(t,'wb').write(z.read(name))\n"
+                "os.chmod(t,0o755);os.replace(t,sys.argv[2])\n")
         py = interpreter_word(self.base_python)
         done = self.shell.run(f"{py} -c {shlex.quote(code)} "
                               f"{shell_path(posixpath.join(remote, wheel))} {shell_path(target)} "
@@ -596,9 +598,10 @@ class HostProvisioner:
         for name, text in (("requirements.txt", "\n".join(self.requirements) + "\n"),
                            ("constraints.txt", self.lock_text)):
             target = posixpath.join(base, name)
-            with self.sftp.open(sftp_path(target) + ".tmp", "wb") as handle:
+            temp = remote_temp(sftp_path(target))
+            with self.sftp.open(temp, "wb") as handle:
                 handle.write(text.encode())
-            replace_remote(self.sftp, sftp_path(target) + ".tmp", sftp_path(target))
+            replace_remote(self.sftp, temp, sftp_path(target))
             paths.append(target)
         return paths[0], paths[1]
 
@@ -614,8 +617,9 @@ class HostProvisioner:
             if have.get(wheel.name) == size:
                 continue
             target = sftp_path(posixpath.join(remote, wheel.name))
-            self.sftp.put(str(wheel), target + ".tmp", confirm=True)
-            replace_remote(self.sftp, target + ".tmp", target)
+            temp = remote_temp(target)
+            self.sftp.put(str(wheel), temp, confirm=True)
+            replace_remote(self.sftp, temp, target)
             result.wheels_sent += 1
             result.bytes_sent += size
         return remote
@@ -638,8 +642,9 @@ class HostProvisioner:
 
     def _write_marker(self, key: str) -> None:
         target = sftp_path(posixpath.join(self.venv, MARKER))
-        with self.sftp.open(target + ".tmp", "wb") as handle:
+        temp = remote_temp(target)
+        with self.sftp.open(temp, "wb") as handle:
             handle.write(json.dumps({"key": key, "requirements": self.requirements,
                                      "written": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
-        replace_remote(self.sftp, target + ".tmp", target)
+        replace_remote(self.sftp, temp, target)
 
