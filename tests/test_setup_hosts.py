@@ -9,6 +9,7 @@ errors for a platform without a wheel or an environment setup may not touch.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -245,6 +246,78 @@ def _small_project(root: Path, files: int) -> list[str]:
 def _leftovers(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
                   if p.name.startswith(".exogym-share.") or p.name.endswith(".exogym-sync.tmp"))
+
+
+def test_hosts_are_told_apart_by_their_folders_not_by_the_folders_names(sshd, tmp_path):
+    """Probes find one folder behind two spellings (a link, as one NFS home mounted at two
+    places), and two folders of one machine are not taken as one."""
+    import paramiko
+
+    from distributed.hosts.shared import find_shared
+
+    shared, own = tmp_path / "home" / "gym", tmp_path / "own" / "gym"
+    (tmp_path / "home").mkdir()
+    (tmp_path / "mount").symlink_to(tmp_path / "home")
+    clients = {}
+    try:
+        for k, address in enumerate(sshd.addresses[:4]):
+            clients[k] = paramiko.SSHClient()
+            clients[k].load_host_keys(str(sshd.known_hosts))
+            clients[k].connect(address, port=sshd.port, username=sshd.user,
+                               key_filename=str(sshd.key_path), look_for_keys=False,
+                               allow_agent=False)
+        names = dict(enumerate(sshd.addresses[:4]))
+        folders = {0: str(shared), 1: str(own), 2: str(tmp_path / "mount" / "gym"),
+                   3: str(tmp_path / "third")}
+        groups = find_shared(clients, folders, names)
+        apart = find_shared(clients, {0: str(shared), 1: str(own)}, names)
+    finally:
+        for client in clients.values():
+            client.close()
+    assert [(g.keys, g.paths) for g in groups] == [((0, 2), (folders[0], folders[2]))]
+    assert groups[0].leader_host == sshd.addresses[0]
+    assert groups[0].describe() == (f"hosts {sshd.addresses[0]} and {sshd.addresses[2]} share "
+                                    f"one folder ({sshd.addresses[0]}: {folders[0]}, "
+                                    f"{sshd.addresses[2]}: {folders[2]})")
+    assert apart == []
+    assert shared.is_dir() and own.is_dir() and (tmp_path / "third").is_dir()
+    assert _leftovers(tmp_path) == []
+
+
+def test_the_project_is_copied_once_into_a_folder_hosts_share_and_into_each_of_its_own(
+        sshd, tmp_path):
+    """A session's sync (setup-hosts', a run's --sync) copies into a shared project folder
+    from its first host alone and says so; a host with a folder of its own gets its copy."""
+    from rich.console import Console
+
+    from distributed.hosts.session import HostSession
+
+    project = tmp_path / "project"
+    files = _small_project(project, 20)
+    shared = tmp_path / "home" / "gym"
+    a, b, c = sshd.addresses[:3]
+    hosts = {"master": "127.0.0.1", "master_port": free_port(),
+             "workers": [{"host": a, "project_path": str(shared)},
+                         {"host": b, "project_path": str(shared)},
+                         {"host": c, "project_path": str(tmp_path / "own")}],
+             "ssh_port": sshd.port, "ssh_user": sshd.user, "ssh_key_path": str(sshd.key_path),
+             "python_env": sys.executable, "project_path": str(project)}
+    out = io.StringIO()
+    with HostSession(hosts, ssh=_ssh(sshd), project_root=project,
+                     console=Console(file=out, width=300)) as session:
+        first = {s.host: s for s in session.sync()}
+        again = {s.host: s for s in session.sync()}
+    assert (first[a].copied, first[a].shared_from) == (len(files), None)
+    assert (first[b].copied, first[b].shared_from) == (0, a)
+    assert (first[c].copied, first[c].shared_from) == (len(files), None)
+    assert (again[a].unchanged, again[b].shared_from, again[c].unchanged) == (
+        len(files), a, len(files))
+    assert f"hosts {a} and {b} share {shared}: set up once from {a}" in out.getvalue()
+    assert c not in out.getvalue().split("share")[1].split("\n")[0]
+    for rel in files:
+        assert (shared / rel).read_bytes() == (project / rel).read_bytes()
+        assert (tmp_path / "own" / rel).read_bytes() == (project / rel).read_bytes()
+    assert _leftovers(tmp_path) == []
 
 
 def test_two_copies_into_one_new_folder_at_once_neither_fails(sshd, tmp_path):

@@ -182,6 +182,8 @@ class SyncStats:
         kept: files whose previous, different copy on the host was kept as ``NAME.bak``.
         skipped: symbolic links that lead out of the project, not copied, each as
             ``NAME -> where it leads``.
+        shared_from: the host whose sync filled this host's project folder, when the two
+            share it (this host copied nothing itself); None when it was synced itself.
     """
 
     host: str
@@ -190,6 +192,7 @@ class SyncStats:
     bytes_copied: int
     kept: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
+    shared_from: str | None = None
 
 
 class NoSFTPError(RuntimeError):
