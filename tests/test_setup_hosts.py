@@ -231,6 +231,16 @@ def _ssh(sshd):
                       allow_agent=False, look_for_keys=False, connect_timeout=5.0)
 
 
+def _connect(sshd, address):
+    import paramiko
+
+    client = paramiko.SSHClient()
+    client.load_host_keys(str(sshd.known_hosts))
+    client.connect(address, port=sshd.port, username=sshd.user,
+                   key_filename=str(sshd.key_path), look_for_keys=False, allow_agent=False)
+    return client
+
+
 def _small_project(root: Path, files: int) -> list[str]:
     (root / "pkg").mkdir(parents=True)
     (root / "config.ini").write_text("[distributed:x]\n")
@@ -251,8 +261,6 @@ def _leftovers(folder: Path) -> list[str]:
 def test_hosts_are_told_apart_by_their_folders_not_by_the_folders_names(sshd, tmp_path):
     """Probes find one folder behind two spellings (a link, as one NFS home mounted at two
     places), and two folders of one machine are not taken as one."""
-    import paramiko
-
     from distributed.hosts.shared import find_shared
 
     shared, own = tmp_path / "home" / "gym", tmp_path / "own" / "gym"
@@ -261,11 +269,7 @@ def test_hosts_are_told_apart_by_their_folders_not_by_the_folders_names(sshd, tm
     clients = {}
     try:
         for k, address in enumerate(sshd.addresses[:4]):
-            clients[k] = paramiko.SSHClient()
-            clients[k].load_host_keys(str(sshd.known_hosts))
-            clients[k].connect(address, port=sshd.port, username=sshd.user,
-                               key_filename=str(sshd.key_path), look_for_keys=False,
-                               allow_agent=False)
+            clients[k] = _connect(sshd, address)
         names = dict(enumerate(sshd.addresses[:4]))
         folders = {0: str(shared), 1: str(own), 2: str(tmp_path / "mount" / "gym"),
                    3: str(tmp_path / "third")}
@@ -325,8 +329,6 @@ def test_two_copies_into_one_new_folder_at_once_neither_fails(sshd, tmp_path):
     not told apart): each makes the folders the other may have made, and writes temporary
     files the other never takes away; the old shared temporary name failed with
     '[Errno 2] No such file'."""
-    import paramiko
-
     from distributed.hosts.sync import sync_files
 
     project = tmp_path / "project"
@@ -335,12 +337,7 @@ def test_two_copies_into_one_new_folder_at_once_neither_fails(sshd, tmp_path):
     clients = []
     try:
         for address in sshd.addresses[:2]:
-            client = paramiko.SSHClient()
-            client.load_host_keys(str(sshd.known_hosts))
-            client.connect(address, port=sshd.port, username=sshd.user,
-                           key_filename=str(sshd.key_path), look_for_keys=False,
-                           allow_agent=False)
-            clients.append(client)
+            clients.append(_connect(sshd, address))
         start = threading.Barrier(2, timeout=30)
 
         def copy(client):
@@ -356,3 +353,120 @@ def test_two_copies_into_one_new_folder_at_once_neither_fails(sshd, tmp_path):
     for rel in files:
         assert (remote / rel).read_bytes() == (project / rel).read_bytes()
     assert _leftovers(tmp_path) == []
+
+
+def test_a_shared_environment_made_for_another_platform_is_refused_naming_both_hosts(
+        sshd, tmp_path):
+    """A host that shares an environment another host made checks it and writes nothing;
+    one made for another platform (NFS homes across x86 and ARM machines) is refused with
+    the fix: an environment of its own."""
+    from distributed.hosts.provision import MARKER, HostProvisioner, ProvisionResult
+    from distributed.hosts.remote import SSHShell
+
+    venv = tmp_path / "home" / "gym" / ".venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (venv / MARKER).write_text(json.dumps({"key": "made-for-another-platform"}))
+    before = sorted(venv.rglob("*"))
+    a, b = sshd.addresses[:2]
+    client = _connect(sshd, b)
+    try:
+        sftp = client.open_sftp()
+        provisioner = HostProvisioner(
+            SSHShell(client, b), sftp, b, python_env=str(venv / "bin" / "python"),
+            project_path=str(venv.parent), requirements=["numpy"], lock=lock_path(),
+            base_python=sys.executable)
+        made = ProvisionResult(a, "Linux aarch64 (glibc 2.36), CPython 3.11",
+                               str(venv / "bin" / "python"), "wheels", 1.0)
+        with pytest.raises(ProvisionError) as caught:
+            provisioner.check_shared(made)
+        sftp.close()
+    finally:
+        client.close()
+    message = str(caught.value)
+    assert message.startswith(f"[{b}] shares the environment {venv} with {a}, which made it")
+    assert "the environment was made for Linux aarch64 (glibc 2.36), CPython 3.11" in message
+    assert "give " + b + " a python_env in a folder only it uses" in message
+    assert sorted(venv.rglob("*")) == before  # checked, nothing written
+    assert json.loads((venv / MARKER).read_text()) == {"key": "made-for-another-platform"}
+
+
+def _counting_python(folder: Path) -> tuple[Path, Path]:
+    """A host's ``python3`` that counts the environments it makes (a line each in the count
+    file) and makes them see this interpreter's packages, so that installing the lock from
+    the host's index finds every package there and fetches nothing."""
+    count = folder / "environments-made"
+    script = folder / "python3"
+    script.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = -m ] && [ "$2" = venv ]; then\n'
+        f"  echo made >> {count}\n"
+        "  shift 2\n"
+        f"  exec {sys.executable} -m venv --system-site-packages --without-pip \"$@\"\n"
+        "fi\n"
+        f'exec {sys.executable} "$@"\n')
+    script.chmod(0o755)
+    return script, count
+
+
+@pytest.mark.slow(reason="sets up two hosts sharing a home (the project copied, an "
+                         "environment made and pre-flighted), then trains a short run on them")
+def test_two_hosts_sharing_a_home_are_set_up_once_and_then_train(sshd, tmp_path):
+    """Two hosts whose hosts-file entries name no project_path or python_env of the same
+    folder alike (one home, mounted at two places): the project is copied once, the
+    environment made once, the messages name what is shared, pre-flight passes on both, and
+    a run with --sync trains on both."""
+    from rich.console import Console
+
+    from distributed.app.setup_hosts import SetupRequest, setup_hosts
+    from distributed.launch.launcher import Launcher, LaunchOptions, RankProgram
+
+    (tmp_path / "home").mkdir()
+    (tmp_path / "mount").symlink_to(tmp_path / "home")
+    a, b = sshd.addresses[:2]
+    paths = {a: str(tmp_path / "home" / "exogym"), b: str(tmp_path / "mount" / "exogym")}
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps({
+        "master": {"host": a, "project_path": paths[a]},
+        "workers": [{"host": b, "project_path": paths[b]}],
+        "ssh_port": sshd.port, "ssh_user": sshd.user, "ssh_key_path": str(sshd.key_path),
+        "master_port": free_port()}))
+    python, made = _counting_python(tmp_path)
+    out = io.StringIO()
+    outcome = setup_hosts(SetupRequest(
+        hosts, base_python=str(python), wheels="never", known_hosts=str(sshd.known_hosts),
+        ssh_config=str(sshd.ssh_config), ssh_timeout=5.0), Console(file=out, width=400))
+    said = out.getvalue()
+    assert outcome.report is not None and outcome.report.ok, said
+    assert made.read_text() == "made\n"  # one environment made, for both hosts
+    synced = {s.host: s for s in outcome.synced}
+    assert synced[a].copied > 100 and synced[a].shared_from is None
+    assert (synced[b].copied, synced[b].shared_from) == (0, a)
+    assert {r.host: (r.action, r.shared_from) for r in outcome.hosts} == {
+        a: ("index", None), b: ("shared", a)}
+    assert (f"hosts {a} and {b} share one folder ({a}: {paths[a]}, {b}: {paths[b]}): "
+            f"set up once from {a}") in said
+    assert (f"hosts {a} and {b} share one environment ({a}: {paths[a]}/.venv, "
+            f"{b}: {paths[b]}/.venv): made once, on {a}") in said
+    written = json.loads(hosts.read_text())
+    assert written["workers"][0]["python_env"] == f"{paths[b]}/.venv/bin/python"
+    assert _leftovers(tmp_path / "home") == []
+
+    again = setup_hosts(SetupRequest(
+        hosts, base_python=str(python), wheels="never", known_hosts=str(sshd.known_hosts),
+        ssh_config=str(sshd.ssh_config), ssh_timeout=5.0, preflight=False),
+        Console(file=io.StringIO(), width=400))
+    assert made.read_text() == "made\n"
+    assert {r.host: r.action for r in again.hosts} == {a: "unchanged", b: "shared"}
+
+    events: list[dict] = []
+    program = RankProgram.from_profile("digits-diloco", overrides=[
+        "max_steps=10", "H=5", "num_nodes=2", "val_interval=10", "val_size=64",
+        "num_threads=1", "checkpoint_interval=None", f"output_dir={tmp_path / 'run'}"])
+    with Launcher(hosts, program, options=LaunchOptions(run_dir=tmp_path / "launch",
+                                                         grace_period=2, sync=True),
+                  ssh=_ssh(sshd), console=Console(file=io.StringIO(), width=200),
+                  on_output=lambda line: None, on_event=events.append) as job:
+        result = job.run()
+    assert result.ok, result.describe()
+    assert {e["rank"] for e in events if e.get("event") == "step"} == {0, 1}
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 10

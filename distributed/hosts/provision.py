@@ -366,12 +366,15 @@ class ProvisionResult:
         host: the host, as the hosts file names it.
         platform: its platform, in words.
         python_env: the interpreter of the environment.
-        action: ``unchanged``, ``index`` (installed from the host's index) or ``wheels``
-            (installed from wheels sent from here).
+        action: ``unchanged``, ``index`` (installed from the host's index), ``wheels``
+            (installed from wheels sent from here) or ``shared`` (made by another host
+            that shares the environment, and checked here).
         seconds: how long it took.
         wheels_sent: wheels copied to the host (their bytes in ``bytes_sent``).
         notes: what else happened, in words.
         steps: seconds each step took (``venv``, ``download``, ``send``, ``install``).
+        shared_from: with ``action`` ``shared``, the host that made the environment this
+            host shares.
     """
 
     host: str
@@ -383,6 +386,7 @@ class ProvisionResult:
     bytes_sent: int = 0
     notes: list[str] = field(default_factory=list)
     steps: dict[str, float] = field(default_factory=dict)
+    shared_from: str | None = None
 
 
 def venv_of(python_env: str) -> str:
@@ -524,6 +528,33 @@ class HostProvisioner:
         self._write_marker(key)
         result.seconds = time.monotonic() - start
         return result
+
+    def check_shared(self, made: ProvisionResult) -> ProvisionResult:
+        """Check the environment another host sharing it (``made``) has just made: this
+        host's interpreter sees it, and its marker is what this host's own setup would
+        write; nothing is made or written.
+
+        Raises:
+            ProvisionError: naming both hosts when the environment does not serve this one
+                (another platform or Python, or no environment seen there).
+        """
+        start = time.monotonic()
+        facts = self.facts()
+        platform = HostPlatform.from_facts(facts)
+        key = environment_key(platform, self.requirements, self.lock_text)
+        env = facts.get("env") or {}
+        marker = env.get("marker") or {}
+        if not env.get("python") or marker.get("key") != key:
+            seen = ("the environment was made for " + made.platform
+                    if env.get("python") else "this host sees no environment there")
+            raise ProvisionError(
+                f"[{self.host}] shares the environment {self.venv} with {made.host}, which made "
+                f"it, but it does not serve {self.host} ({platform.describe()}; {seen}): give "
+                f"{self.host} a python_env in a folder only it uses, or make both hosts one "
+                "platform and Python")
+        return ProvisionResult(self.host, platform.describe(), self.python_env, "shared",
+                               time.monotonic() - start, shared_from=made.host,
+                               notes=[f"its environment {self.venv} is the one {made.host} made"])
 
     @staticmethod
     def _timed(result: ProvisionResult, step: str, call: Callable[..., Any], *args: Any) -> Any:
