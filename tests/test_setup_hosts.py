@@ -390,6 +390,100 @@ def test_a_shared_environment_made_for_another_platform_is_refused_naming_both_h
     assert json.loads((venv / MARKER).read_text()) == {"key": "made-for-another-platform"}
 
 
+def test_a_second_setup_waits_for_the_first_ones_lock_and_one_left_behind_is_taken_over(
+        sshd, tmp_path):
+    """Two setups at once (two terminals, or two machines into one home) through two hosts
+    sharing the folder: the second waits until the first releases the lock; one held past
+    the wait is refused naming its holder and the lock; one left by a setup that died is
+    taken over."""
+    import time
+
+    from distributed.hosts.shared import FolderBusyError, FolderLock
+
+    folder = tmp_path / "home" / "gym"
+    folder.mkdir(parents=True)
+    lock_file = folder / ".venv.exogym-setup.lock"
+    a, b = sshd.addresses[:2]
+    clients = [_connect(sshd, a), _connect(sshd, b)]
+    said: list[str] = []
+    try:
+        first, second = (c.open_sftp() for c in clients)
+
+        def lock(sftp, host, **kw):
+            return FolderLock(sftp, str(lock_file), what="the environment gym/.venv",
+                              host=host, stale_after=kw.pop("stale_after", 600),
+                              poll=0.05, say=said.append, **kw)
+
+        events: list[str] = []
+
+        def wait_for_it():
+            with lock(second, b, wait=30) as held:
+                events.append("second holds it")
+                return held.contended
+
+        holding = lock(first, a, wait=0)
+        holding.acquire()
+        with ThreadPoolExecutor(1) as pool:
+            try:
+                waiting = pool.submit(wait_for_it)
+                deadline = time.monotonic() + 30
+                while not said and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                with pytest.raises(FolderBusyError) as busy:
+                    lock(second, b, wait=0.1).acquire()
+                events.append("first releases it")
+            finally:
+                holding.release()
+            assert waiting.result(timeout=30) is True
+        assert events == ["first releases it", "second holds it"]
+        assert said[0].startswith(f"[{b}] another setup (from ") and f"through {a}" in said[0]
+        assert "is making the environment gym/.venv: waiting for it" in said[0]
+        assert f"remove {lock_file} on {b}" in str(busy.value)
+        assert not lock_file.exists()
+
+        lock_file.write_text(json.dumps({"token": "dead", "by": "gone", "host": a,
+                                         "started": time.time() - 3600}))
+        with lock(second, b, wait=0, stale_after=60) as taken:
+            assert json.loads(lock_file.read_text())["token"] == taken.token
+        assert not lock_file.exists() and list(folder.iterdir()) == []
+        first.close()
+        second.close()
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_setup_makes_no_environment_while_another_setup_holds_its_lock(sshd, tmp_path):
+    """ensure() takes the environment's lock before it makes anything: held by another
+    setup past the wait, the host's error names that setup, and nothing is made."""
+    import time
+
+    from distributed.hosts.provision import HostProvisioner
+    from distributed.hosts.remote import SSHShell
+
+    python, made = _counting_python(tmp_path)
+    project = tmp_path / "home" / "gym"
+    project.mkdir(parents=True)
+    (project / ".venv.exogym-setup.lock").write_text(json.dumps(
+        {"token": "theirs", "by": "laptop", "host": "10.0.0.9", "started": time.time()}))
+    b = sshd.addresses[1]
+    client = _connect(sshd, b)
+    try:
+        sftp = client.open_sftp()
+        provisioner = HostProvisioner(
+            SSHShell(client, b), sftp, b, python_env=str(project / ".venv" / "bin" / "python"),
+            project_path=str(project), requirements=["numpy"], lock=lock_path(),
+            base_python=str(python), wheels="never", lock_wait=0.2)
+        with pytest.raises(ProvisionError) as caught:
+            provisioner.ensure()
+        sftp.close()
+    finally:
+        client.close()
+    assert str(caught.value).startswith(f"[{b}] another setup (from laptop, through 10.0.0.9")
+    assert f"is making the environment {project}/.venv" in str(caught.value)
+    assert not made.exists() and not (project / ".venv").exists()
+
+
 def _counting_python(folder: Path) -> tuple[Path, Path]:
     """A host's ``python3`` that counts the environments it makes (a line each in the count
     file) and makes them see this interpreter's packages, so that installing the lock from
@@ -450,6 +544,7 @@ def test_two_hosts_sharing_a_home_are_set_up_once_and_then_train(sshd, tmp_path)
     written = json.loads(hosts.read_text())
     assert written["workers"][0]["python_env"] == f"{paths[b]}/.venv/bin/python"
     assert _leftovers(tmp_path / "home") == []
+    assert not (tmp_path / "home" / "exogym" / ".venv.exogym-setup.lock").exists()
 
     again = setup_hosts(SetupRequest(
         hosts, base_python=str(python), wheels="never", known_hosts=str(sshd.known_hosts),

@@ -42,6 +42,7 @@ from typing import Any
 
 from .onhost import platform_facts
 from .remote import LOADER, Shell, interpreter_word, module_source, shell_path
+from .shared import FolderBusyError, FolderLock
 from .sync import (
     PACKAGE_DIR,
     PROJECT_ROOT,
@@ -66,6 +67,10 @@ FACTS_TIMEOUT_S = 60.0
 VENV_TIMEOUT_S = 180.0
 INSTALL_TIMEOUT_S = 1800.0
 DOWNLOAD_TIMEOUT_S = 1800.0
+#: After how long a setup's lock on an environment was left by a setup that died: longer
+#: than every step of one together (an install from the index that fails, then wheels
+#: downloaded, sent and installed). A setup waits for another's lock as long, at most.
+LOCK_STALE_S = 2 * 3600.0
 #: How the wheel installs choose: the host's index when it answers, else sent wheels.
 WHEEL_MODES = ("auto", "always", "never")
 #: The installer sent with the wheels (a static binary in a wheel; pip where it has none).
@@ -420,12 +425,14 @@ class HostProvisioner:
             ``always`` or ``never``.
         index: the index URL whose answer says the host is online.
         say: where progress lines go.
+        lock_wait: seconds to wait at most for another setup making the same environment.
     """
 
     def __init__(self, shell: Shell, sftp: Any, host: str, *, python_env: str,
                  project_path: str, requirements: Sequence[str], lock: Path,
                  base_python: str = "python3", wheels: str = "auto",
-                 index: str = DEFAULT_INDEX, say: Callable[[str], None] = lambda _: None) -> None:
+                 index: str = DEFAULT_INDEX, say: Callable[[str], None] = lambda _: None,
+                 lock_wait: float = LOCK_STALE_S) -> None:
         if wheels not in WHEEL_MODES:
             raise ValueError(f"wheels must be one of {', '.join(WHEEL_MODES)}, got {wheels!r}")
         self.shell = shell
@@ -441,6 +448,7 @@ class HostProvisioner:
         self.wheels = wheels
         self.index = index
         self.say = say
+        self.lock_wait = lock_wait
 
     def _run(self, command: str, step: str, timeout: float,
              message: dict[str, Any] | None = None) -> str:
@@ -471,30 +479,75 @@ class HostProvisioner:
     def ensure(self) -> ProvisionResult:
         """Make the environment unless its marker says it holds what is asked; what was done.
 
+        The making holds a lock file beside the environment (:class:`.shared.FolderLock`),
+        so that two setups (from two terminals or machines, or through two hosts sharing
+        the folder) never make one environment at once; a setup that waited for another
+        looks again, and finds it made.
+
         Raises:
-            ProvisionError: naming the host and the step that failed.
+            ProvisionError: naming the host and the step that failed, or the setup whose
+                lock it waited for longer than ``lock_wait``.
         """
         start = time.monotonic()
         facts = self.facts()
+        done = self._made_already(facts, start)
+        if done is not None:
+            return done
+        self._refuse_unmakeable(facts)  # before anything is written there
+        parent, name = posixpath.split(self.venv)
+        makedirs_remote(self.sftp, sftp_path(parent or "."), set())
+        hidden = name if name.startswith(".") else f".{name}"
+        lock = FolderLock(self.sftp, posixpath.join(parent, f"{hidden}.exogym-setup.lock"),
+                          what=f"the environment {self.venv}", host=self.host,
+                          stale_after=LOCK_STALE_S, wait=self.lock_wait, say=self.say)
+        try:
+            with lock:
+                if lock.contended:  # another setup held it: it may have made it meanwhile
+                    facts = self.facts()
+                    done = self._made_already(facts, start)
+                    if done is not None:
+                        done.notes.append("another setup made it while this one waited")
+                        return done
+                return self._make(facts, start)
+        except FolderBusyError as exc:
+            raise ProvisionError(f"[{self.host}] {exc}") from None
+
+    def _refuse_unmakeable(self, facts: dict[str, Any]) -> None:
+        """Raise ProvisionError when ``facts`` show an environment setup may not make: no
+        venv module, or a folder there that no virtual environment setup made or can use."""
         platform = HostPlatform.from_facts(facts)
-        key = environment_key(platform, self.requirements, self.lock_text)
         env = facts.get("env") or {}
-        marker = env.get("marker") or {}
-        result = ProvisionResult(self.host, platform.describe(), self.python_env, "unchanged", 0.0)
-        if env.get("python") and marker.get("key") == key:
-            result.seconds = time.monotonic() - start
-            return result
         if not platform.venv_module:
             raise ProvisionError(f"[{self.host}] {self.base_python} ({platform.describe()}) has "
                                  "no venv module: install it there (Debian, Ubuntu: apt install "
                                  "python3-venv) and run setup again")
+        if env.get("exists") and not env.get("empty") and env.get("marker") is None and \
+                not (env.get("is_venv") and env.get("python")):
+            raise ProvisionError(f"[{self.host}] {self.venv} exists and is no virtual "
+                                 "environment that setup made or can use: point python_env "
+                                 "to a new folder (VENV/bin/python) or leave it out")
+
+    def _made_already(self, facts: dict[str, Any], start: float) -> ProvisionResult | None:
+        """The result ``unchanged`` when ``facts`` show the environment holds what is asked."""
+        platform = HostPlatform.from_facts(facts)
+        env = facts.get("env") or {}
+        marker = env.get("marker") or {}
+        if env.get("python") and marker.get("key") == environment_key(
+                platform, self.requirements, self.lock_text):
+            return ProvisionResult(self.host, platform.describe(), self.python_env,
+                                   "unchanged", time.monotonic() - start)
+        return None
+
+    def _make(self, facts: dict[str, Any], start: float) -> ProvisionResult:
+        """Make the environment (or install into the one there) as ``facts`` find it."""
+        platform = HostPlatform.from_facts(facts)
+        key = environment_key(platform, self.requirements, self.lock_text)
+        env = facts.get("env") or {}
+        result = ProvisionResult(self.host, platform.describe(), self.python_env, "unchanged", 0.0)
+        self._refuse_unmakeable(facts)
         online = self.wheels == "never" or bool(
             self.wheels == "auto" and self.facts(probe_index=True).get("index"))
         if env.get("exists") and not env.get("empty") and env.get("marker") is None:
-            if not (env.get("is_venv") and env.get("python")):
-                raise ProvisionError(f"[{self.host}] {self.venv} exists and is no virtual "
-                                     "environment that setup made or can use: point python_env "
-                                     "to a new folder (VENV/bin/python) or leave it out")
             result.notes.append(f"installing into the existing environment {self.venv}")
             fresh = False
         else:

@@ -20,13 +20,21 @@ hosts file's order sets the folder up for all of them (:attr:`SharedFolder.leade
 host where a probe cannot be written or read stands alone: what setup does there next
 reports why. Every step has a deadline: a host that does not answer within it is named
 in a :class:`ShareProbeError`.
+
+Probes tell the hosts of one setup apart; two setups at once (from two terminals, or
+two machines, into one home) are kept apart by a :class:`FolderLock`, a lock file in
+the folder that the second waits for, with a bound.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import posixpath
 import secrets
-from collections.abc import Mapping, Sequence
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -221,3 +229,154 @@ class _Probe:
                     pass  # gone already
         finally:
             self.sftp.close()
+
+
+class FolderBusyError(RuntimeError):
+    """Another setup held a :class:`FolderLock` for longer than this one may wait; the
+    message names the lock, its holder and what to do."""
+
+
+class FolderLock:
+    """A lock file in a host's folder, for work no two setups may do there at once (making
+    one environment), whichever machine they run from and through whichever host that
+    shares the folder they reach it.
+
+    It is created exclusively (SFTP's ``O_EXCL``, which NFS keeps), holding who took it,
+    when and a random token; a setup that finds it waits, up to ``wait`` seconds, until it
+    is gone. A lock older than ``stale_after`` seconds was left by a setup that died (its
+    connection lost, its process killed): it is renamed away (then read, so that a lock
+    another setup took over a moment before is put back) and this one takes its place.
+    The lock is removed on release only while it still holds this one's token.
+
+    Args:
+        sftp: an open SFTP client on the host.
+        path: the lock file (``~/`` is the home); its folder must exist.
+        what: what it guards, in words (``the environment ~/exogym/.venv``).
+        host: the host's name, for messages.
+        stale_after: seconds after which a lock is taken as left behind.
+        wait: seconds to wait at most for a lock another setup holds.
+        poll: seconds between looks.
+        say: told once, in words, when this setup starts to wait for another's lock.
+    """
+
+    def __init__(self, sftp: Any, path: str, *, what: str, host: str, stale_after: float,
+                 wait: float, poll: float = 1.0,
+                 say: Callable[[str], None] = lambda _: None) -> None:
+        if not stale_after > 0 or not wait >= 0 or not poll > 0:
+            raise ValueError(f"stale_after and poll must be > 0 and wait >= 0 seconds, got "
+                             f"{stale_after!r}, {poll!r} and {wait!r}")
+        self.sftp = sftp
+        self.path = sftp_path(path)
+        self.shown = path
+        self.what = what
+        self.host = host
+        self.stale_after = float(stale_after)
+        self.wait = float(wait)
+        self.poll = float(poll)
+        self.say = say
+        self.token = secrets.token_hex(8)
+        #: Whether another setup held the lock when this one came for it.
+        self.contended = False
+
+    def __enter__(self) -> FolderLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _holder(self, path: str | None = None) -> dict[str, Any] | None:
+        """What the lock says (``{}`` while it is being written), None when it is gone."""
+        try:
+            with self.sftp.open(path or self.path, "r") as handle:
+                text = bytes(handle.read()).decode(errors="replace")
+        except FileNotFoundError:
+            return None
+        try:
+            found = json.loads(text)
+        except ValueError:
+            return {}  # created, its content not written yet: as good as fresh
+        return found if isinstance(found, dict) else {}
+
+    def acquire(self) -> None:
+        """Take the lock, waiting for another setup's at most ``wait`` seconds.
+
+        Raises:
+            FolderBusyError: another setup held it all that time.
+            OSError: the lock could not be created for another reason (a folder this
+                login may not write).
+        """
+        start = time.monotonic()
+        deadline = start + self.wait
+        mine = json.dumps({"token": self.token, "by": socket.gethostname(),
+                           "pid": os.getpid(), "host": self.host, "started": time.time()})
+        gone = False
+        while True:
+            try:
+                handle = self.sftp.open(self.path, "wx")
+            except OSError:
+                holder = self._holder()
+                if holder is None:
+                    if gone:
+                        raise  # it cannot be made, and is not there: no lock is held
+                    gone = True
+                    continue  # released between the two looks: once more
+            else:
+                try:
+                    with handle:
+                        handle.write(mine.encode())
+                except BaseException:
+                    self._remove(self.path)  # no empty lock left to keep others waiting
+                    raise
+                return
+            gone = False
+            started = holder.get("started")
+            if not isinstance(started, (int, float)):  # being written, or never written
+                try:
+                    started = float(self.sftp.stat(self.path).st_mtime or time.time())
+                except FileNotFoundError:
+                    continue
+            if time.time() - started > self.stale_after:
+                self._take_over(holder)
+                continue
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+            who = (f"another setup (from {holder.get('by', 'another machine')}, through "
+                   f"{holder.get('host', 'a host')}, since {since})")
+            if not self.contended:
+                self.contended = True
+                self.say(f"[{self.host}] {who} is making {self.what}: waiting for it, "
+                         f"{self.wait:.0f} s at most")
+            if time.monotonic() >= deadline:
+                raise FolderBusyError(
+                    f"{who} is making {self.what}; waited {time.monotonic() - start:.0f} s "
+                    "for it: let it finish and run again, or, if no setup runs any more, "
+                    f"remove {self.shown} on {self.host}")
+            time.sleep(min(self.poll, max(0.0, deadline - time.monotonic())))
+
+    def _take_over(self, stale: dict[str, Any]) -> None:
+        """Rename a stale lock away; put it back if it was another's fresh one by then."""
+        aside = f"{self.path}.{self.token}.stale"
+        try:
+            self.sftp.posix_rename(self.path, aside)
+        except FileNotFoundError:
+            return  # another setup took it over first
+        moved = self._holder(aside)
+        if moved is not None and moved.get("token") != stale.get("token"):
+            try:
+                self.sftp.posix_rename(aside, self.path)  # a fresh lock: give it back
+            except OSError:
+                pass  # its holder's release finds it gone; its work is done by then
+            return
+        self._remove(aside)
+
+    def _remove(self, path: str) -> None:
+        try:
+            self.sftp.remove(path)
+        except FileNotFoundError:
+            pass  # gone already
+
+    def release(self) -> None:
+        """Remove the lock, while it is still this setup's."""
+        holder = self._holder()
+        if holder is not None and holder.get("token") == self.token:
+            self._remove(self.path)
