@@ -541,6 +541,10 @@ def test_two_hosts_sharing_a_home_are_set_up_once_and_then_train(sshd, tmp_path)
             f"set up once from {a}") in said
     assert (f"hosts {a} and {b} share one environment ({a}: {paths[a]}/.venv, "
             f"{b}: {paths[b]}/.venv): made once, on {a}") in said
+    assert f"made on {a}" in said and f"copied to {a}" in said  # b's row of the table
+    told = {h["host"]: h for h in outcome.to_dict()["hosts"]}
+    assert (told[b]["environment_from"], told[b]["project_from"]) == (a, a)
+    assert (told[a]["environment_from"], told[a]["project_from"]) == (None, None)
     written = json.loads(hosts.read_text())
     assert written["workers"][0]["python_env"] == f"{paths[b]}/.venv/bin/python"
     assert _leftovers(tmp_path / "home") == []
