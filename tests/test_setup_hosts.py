@@ -246,6 +246,7 @@ def _small_project(root: Path, files: int) -> list[str]:
     (root / "config.ini").write_text("[distributed:x]\n")
     for i in range(files):
         (root / "pkg" / f"m{i}.py").write_text(f"VALUE = {i}\n" + "# padding\n" * 400)
+    (root / "pkg" / "first.py").symlink_to("m0.py")  # travels as a link
     subprocess.run(["git", "init", "-q", str(root)], check=True)
     subprocess.run(["git", "-C", str(root), "add", "."], check=True)
     from distributed.hosts.sync import tracked_files
@@ -352,6 +353,7 @@ def test_two_copies_into_one_new_folder_at_once_neither_fails(sshd, tmp_path):
     assert sum(s.copied + s.unchanged for s in stats) == 2 * len(files)
     for rel in files:
         assert (remote / rel).read_bytes() == (project / rel).read_bytes()
+    assert os.readlink(remote / "pkg" / "first.py") == "m0.py"
     assert _leftovers(tmp_path) == []
 
 

@@ -305,14 +305,26 @@ def _link_remote(sftp: Any, source: Path, target: str, made: set[str]) -> bool:
     project), written relative to its folder; False when it already is that link."""
     named = os.path.relpath(os.path.realpath(source), os.path.realpath(source.parent))
     named = named.replace(os.sep, "/")
+    if _is_link_to(sftp, target, named):
+        return False
     try:
-        if stat.S_ISLNK(sftp.lstat(target).st_mode or 0) and sftp.readlink(target) == named:
-            return False
         sftp.remove(target)  # a file or another link: the link replaces it
     except FileNotFoundError:
         makedirs_remote(sftp, posixpath.dirname(target), made)
-    sftp.symlink(named, target)
+    try:
+        sftp.symlink(named, target)
+    except OSError:
+        if not _is_link_to(sftp, target, named):
+            raise
+        # else another writer into this folder made the same link a moment ago
     return True
+
+
+def _is_link_to(sftp: Any, target: str, named: str) -> bool:
+    try:
+        return stat.S_ISLNK(sftp.lstat(target).st_mode or 0) and sftp.readlink(target) == named
+    except FileNotFoundError:
+        return False
 
 
 def _same_content(sftp: Any, remote: str, local: Path) -> bool:
