@@ -325,6 +325,7 @@ def shared_environments(session: HostSession, remote: Sequence[Any]) -> list[Sha
         ShareProbeError: naming each host that did not answer in time.
     """
     venvs = {h.rank: venv_of(h.python_env) for h in remote}
+    hosts = {h.rank: h.host for h in remote}
     parents = session.shared_folders({r: posixpath.dirname(v) or "." for r, v in venvs.items()})
     groups = []
     for parent in parents:
@@ -333,7 +334,6 @@ def shared_environments(session: HostSession, remote: Sequence[Any]) -> list[Sha
             by_name.setdefault(posixpath.basename(venvs[k]), []).append(k)
         for keys in by_name.values():
             if len(keys) > 1:
-                hosts = {h.rank: h.host for h in remote}
                 groups.append(SharedFolder(tuple(keys), tuple(hosts[k] for k in keys),
                                            tuple(venvs[k] for k in keys)))
     return sorted(groups, key=lambda g: g.keys)
