@@ -12,11 +12,18 @@ then the hosts file gets the ``project_path`` and ``python_env`` it lacked (defa
 ``~/exogym`` and ``~/exogym/.venv/bin/python``; a copy of the old file is kept as
 ``.bak``), and pre-flight runs, which must pass. Run again with nothing changed, each
 host answers in a second or two.
+
+Hosts that share a folder (a home on NFS, one disk behind several addresses: found
+with probe files, :mod:`distributed.hosts.shared`) are set up once: the project is
+copied into a shared project folder from the first of them, and a shared environment
+is made by the first and then only checked by the others, so no environment is ever
+made twice at once.
 """
 
 from __future__ import annotations
 
 import json
+import posixpath
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +48,7 @@ from ..hosts.provision import (
 )
 from ..hosts.remote import SSHShell
 from ..hosts.session import HostSession, is_this_machine
+from ..hosts.shared import SharedFolder, ShareProbeError
 from ..hosts.ssh import SSHOptions
 from ..hosts.sync import PROJECT_ROOT, SyncStats, open_sftp
 from ..profiles.setup_files import write_with_backup
@@ -119,6 +127,8 @@ class SetupOutcome:
                           "environment": r.action, "seconds": round(r.seconds, 3),
                           "steps": {k: round(v, 3) for k, v in r.steps.items()},
                           "wheels_sent": r.wheels_sent, "bytes_sent": r.bytes_sent,
+                          "environment_from": r.shared_from,
+                          "project_from": s.shared_from if s else None,
                           "files_copied": s.copied if s else 0,
                           "files_unchanged": s.unchanged if s else 0,
                           "file_bytes_copied": s.bytes_copied if s else 0, "notes": r.notes})
@@ -254,7 +264,20 @@ def setup_hosts(request: SetupRequest, console: Console) -> SetupOutcome:
 def _provision_all(session: HostSession, config: HostsConfig, remote: Sequence[Any],
                    request: SetupRequest, requirements: Sequence[str], lock: Path,
                    console: Console) -> list[ProvisionResult]:
-    """Make every remote host's environment in parallel; raise naming every failure."""
+    """Make every remote host's environment in parallel, each environment once: of hosts
+    that share one (:func:`shared_environments`), the first makes it and the others check
+    it once it is made. Raise naming every failure."""
+
+    def say(line: str) -> None:
+        console.print(line, markup=False, highlight=False)
+
+    try:
+        shared = shared_environments(session, remote)
+    except ShareProbeError as exc:
+        raise SetupError("setting up failed:\n  " + "\n  ".join(exc.failures)) from None
+    made_by = {k: group for group in shared for k in group.keys[1:]}
+    for group in shared:
+        say(f"{group.describe('environment')}: made once, on {group.leader_host}")
 
     def one(host: Any) -> ProvisionResult | str:
         shell = session.shell(host.rank)
@@ -265,9 +288,15 @@ def _provision_all(session: HostSession, config: HostsConfig, remote: Sequence[A
             provisioner = HostProvisioner(
                 shell, sftp, host.host, python_env=host.python_env,
                 project_path=host.project_path, requirements=requirements, lock=lock,
-                base_python=request.base_python, wheels=request.wheels,
-                say=lambda line: console.print(line, markup=False, highlight=False))
-            return provisioner.ensure()
+                base_python=request.base_python, wheels=request.wheels, say=say)
+            group = made_by.get(host.rank)
+            if group is None:
+                return provisioner.ensure()
+            made = results.get(group.leader)
+            if not isinstance(made, ProvisionResult):
+                return (f"[{host.host}] shares its environment with {group.leader_host}, "
+                        "where making it failed (above)")
+            return provisioner.check_shared(made)
         except ProvisionError as exc:
             return str(exc) if str(exc).startswith("[") else f"[{host.host}] {exc}"
         except OSError as exc:
@@ -275,12 +304,39 @@ def _provision_all(session: HostSession, config: HostsConfig, remote: Sequence[A
         finally:
             sftp.close()
 
+    results: dict[int, ProvisionResult | str] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(remote)))) as pool:
-        results = list(pool.map(one, remote))
-    failures = [r for r in results if isinstance(r, str)]
+        for wave in ([h for h in remote if h.rank not in made_by],
+                     [h for h in remote if h.rank in made_by]):
+            results.update(zip((h.rank for h in wave), pool.map(one, wave)))
+    ordered = [results[h.rank] for h in remote]
+    failures = [r for r in ordered if isinstance(r, str)]
     if failures:
         raise SetupError("setting up failed:\n  " + "\n  ".join(failures))
-    return [r for r in results if isinstance(r, ProvisionResult)]
+    return [r for r in ordered if isinstance(r, ProvisionResult)]
+
+
+def shared_environments(session: HostSession, remote: Sequence[Any]) -> list[SharedFolder]:
+    """The groups of ``remote`` hosts whose ``python_env`` is one environment: their
+    environments' parent folders are one folder (:meth:`HostSession.shared_folders`; the
+    environment itself may not exist yet) and the environments have one name there.
+
+    Raises:
+        ShareProbeError: naming each host that did not answer in time.
+    """
+    venvs = {h.rank: venv_of(h.python_env) for h in remote}
+    hosts = {h.rank: h.host for h in remote}
+    parents = session.shared_folders({r: posixpath.dirname(v) or "." for r, v in venvs.items()})
+    groups = []
+    for parent in parents:
+        by_name: dict[str, list[int]] = {}
+        for k in parent.keys:
+            by_name.setdefault(posixpath.basename(venvs[k]), []).append(k)
+        for keys in by_name.values():
+            if len(keys) > 1:
+                groups.append(SharedFolder(tuple(keys), tuple(hosts[k] for k in keys),
+                                           tuple(venvs[k] for k in keys)))
+    return sorted(groups, key=lambda g: g.keys)
 
 
 def show_outcome(outcome: SetupOutcome, request: SetupRequest, console: Console) -> None:
@@ -291,12 +347,15 @@ def show_outcome(outcome: SetupOutcome, request: SetupRequest, console: Console)
         for column in ("host", "platform", "environment", "files copied", "seconds", "of which"):
             table.add_column(column, overflow="fold")
         actions = {"unchanged": "unchanged", "index": "installed from its index",
-                   "wheels": "installed from wheels sent"}
+                   "wheels": "installed from wheels sent", "shared": "made on {}"}
         for r in outcome.hosts:
             s = synced.get(r.host)
-            files = f"{s.copied} of {s.copied + s.unchanged}" if s else "-"
+            files = "-" if s is None else (f"{s.copied} of {s.copied + s.unchanged}"
+                                           if s.shared_from is None
+                                           else f"copied to {s.shared_from}")
             steps = ", ".join(f"{k} {v:.1f}" for k, v in r.steps.items()) or "-"
-            table.add_row(r.host, r.platform, actions.get(r.action, r.action), files,
+            table.add_row(r.host, r.platform,
+                          actions.get(r.action, r.action).format(r.shared_from), files,
                           f"{r.seconds:.1f}", steps)
         console.print(table)
         for r in outcome.hosts:

@@ -42,11 +42,13 @@ from typing import Any
 
 from .onhost import platform_facts
 from .remote import LOADER, Shell, interpreter_word, module_source, shell_path
+from .shared import FolderBusyError, FolderLock
 from .sync import (
     PACKAGE_DIR,
     PROJECT_ROOT,
     is_checkout,
     makedirs_remote,
+    remote_temp,
     replace_remote,
     sftp_path,
 )
@@ -65,6 +67,10 @@ FACTS_TIMEOUT_S = 60.0
 VENV_TIMEOUT_S = 180.0
 INSTALL_TIMEOUT_S = 1800.0
 DOWNLOAD_TIMEOUT_S = 1800.0
+#: After how long a setup's lock on an environment was left by a setup that died: longer
+#: than every step of one together (an install from the index that fails, then wheels
+#: downloaded, sent and installed). A setup waits for another's lock as long, at most.
+LOCK_STALE_S = 2 * 3600.0
 #: How the wheel installs choose: the host's index when it answers, else sent wheels.
 WHEEL_MODES = ("auto", "always", "never")
 #: The installer sent with the wheels (a static binary in a wheel; pip where it has none).
@@ -365,12 +371,15 @@ class ProvisionResult:
         host: the host, as the hosts file names it.
         platform: its platform, in words.
         python_env: the interpreter of the environment.
-        action: ``unchanged``, ``index`` (installed from the host's index) or ``wheels``
-            (installed from wheels sent from here).
+        action: ``unchanged``, ``index`` (installed from the host's index), ``wheels``
+            (installed from wheels sent from here) or ``shared`` (made by another host
+            that shares the environment, and checked here).
         seconds: how long it took.
         wheels_sent: wheels copied to the host (their bytes in ``bytes_sent``).
         notes: what else happened, in words.
         steps: seconds each step took (``venv``, ``download``, ``send``, ``install``).
+        shared_from: with ``action`` ``shared``, the host that made the environment this
+            host shares.
     """
 
     host: str
@@ -382,6 +391,7 @@ class ProvisionResult:
     bytes_sent: int = 0
     notes: list[str] = field(default_factory=list)
     steps: dict[str, float] = field(default_factory=dict)
+    shared_from: str | None = None
 
 
 def venv_of(python_env: str) -> str:
@@ -415,12 +425,14 @@ class HostProvisioner:
             ``always`` or ``never``.
         index: the index URL whose answer says the host is online.
         say: where progress lines go.
+        lock_wait: seconds to wait at most for another setup making the same environment.
     """
 
     def __init__(self, shell: Shell, sftp: Any, host: str, *, python_env: str,
                  project_path: str, requirements: Sequence[str], lock: Path,
                  base_python: str = "python3", wheels: str = "auto",
-                 index: str = DEFAULT_INDEX, say: Callable[[str], None] = lambda _: None) -> None:
+                 index: str = DEFAULT_INDEX, say: Callable[[str], None] = lambda _: None,
+                 lock_wait: float = LOCK_STALE_S) -> None:
         if wheels not in WHEEL_MODES:
             raise ValueError(f"wheels must be one of {', '.join(WHEEL_MODES)}, got {wheels!r}")
         self.shell = shell
@@ -436,6 +448,7 @@ class HostProvisioner:
         self.wheels = wheels
         self.index = index
         self.say = say
+        self.lock_wait = lock_wait
 
     def _run(self, command: str, step: str, timeout: float,
              message: dict[str, Any] | None = None) -> str:
@@ -466,30 +479,75 @@ class HostProvisioner:
     def ensure(self) -> ProvisionResult:
         """Make the environment unless its marker says it holds what is asked; what was done.
 
+        The making holds a lock file beside the environment (:class:`.shared.FolderLock`),
+        so that two setups (from two terminals or machines, or through two hosts sharing
+        the folder) never make one environment at once; a setup that waited for another
+        looks again, and finds it made.
+
         Raises:
-            ProvisionError: naming the host and the step that failed.
+            ProvisionError: naming the host and the step that failed, or the setup whose
+                lock it waited for longer than ``lock_wait``.
         """
         start = time.monotonic()
         facts = self.facts()
+        done = self._made_already(facts, start)
+        if done is not None:
+            return done
+        self._refuse_unmakeable(facts)  # before anything is written there
+        parent, name = posixpath.split(self.venv)
+        makedirs_remote(self.sftp, sftp_path(parent or "."), set())
+        hidden = name if name.startswith(".") else f".{name}"
+        lock = FolderLock(self.sftp, posixpath.join(parent, f"{hidden}.exogym-setup.lock"),
+                          what=f"the environment {self.venv}", host=self.host,
+                          stale_after=LOCK_STALE_S, wait=self.lock_wait, say=self.say)
+        try:
+            with lock:
+                if lock.contended:  # another setup held it: it may have made it meanwhile
+                    facts = self.facts()
+                    done = self._made_already(facts, start)
+                    if done is not None:
+                        done.notes.append("another setup made it while this one waited")
+                        return done
+                return self._make(facts, start)
+        except FolderBusyError as exc:
+            raise ProvisionError(f"[{self.host}] {exc}") from None
+
+    def _refuse_unmakeable(self, facts: dict[str, Any]) -> None:
+        """Raise ProvisionError when ``facts`` show an environment setup may not make: no
+        venv module, or a folder there that no virtual environment setup made or can use."""
         platform = HostPlatform.from_facts(facts)
-        key = environment_key(platform, self.requirements, self.lock_text)
         env = facts.get("env") or {}
-        marker = env.get("marker") or {}
-        result = ProvisionResult(self.host, platform.describe(), self.python_env, "unchanged", 0.0)
-        if env.get("python") and marker.get("key") == key:
-            result.seconds = time.monotonic() - start
-            return result
         if not platform.venv_module:
             raise ProvisionError(f"[{self.host}] {self.base_python} ({platform.describe()}) has "
                                  "no venv module: install it there (Debian, Ubuntu: apt install "
                                  "python3-venv) and run setup again")
+        if env.get("exists") and not env.get("empty") and env.get("marker") is None and \
+                not (env.get("is_venv") and env.get("python")):
+            raise ProvisionError(f"[{self.host}] {self.venv} exists and is no virtual "
+                                 "environment that setup made or can use: point python_env "
+                                 "to a new folder (VENV/bin/python) or leave it out")
+
+    def _made_already(self, facts: dict[str, Any], start: float) -> ProvisionResult | None:
+        """The result ``unchanged`` when ``facts`` show the environment holds what is asked."""
+        platform = HostPlatform.from_facts(facts)
+        env = facts.get("env") or {}
+        marker = env.get("marker") or {}
+        if env.get("python") and marker.get("key") == environment_key(
+                platform, self.requirements, self.lock_text):
+            return ProvisionResult(self.host, platform.describe(), self.python_env,
+                                   "unchanged", time.monotonic() - start)
+        return None
+
+    def _make(self, facts: dict[str, Any], start: float) -> ProvisionResult:
+        """Make the environment (or install into the one there) as ``facts`` find it."""
+        platform = HostPlatform.from_facts(facts)
+        key = environment_key(platform, self.requirements, self.lock_text)
+        env = facts.get("env") or {}
+        result = ProvisionResult(self.host, platform.describe(), self.python_env, "unchanged", 0.0)
+        self._refuse_unmakeable(facts)
         online = self.wheels == "never" or bool(
             self.wheels == "auto" and self.facts(probe_index=True).get("index"))
         if env.get("exists") and not env.get("empty") and env.get("marker") is None:
-            if not (env.get("is_venv") and env.get("python")):
-                raise ProvisionError(f"[{self.host}] {self.venv} exists and is no virtual "
-                                     "environment that setup made or can use: point python_env "
-                                     "to a new folder (VENV/bin/python) or leave it out")
             result.notes.append(f"installing into the existing environment {self.venv}")
             fresh = False
         else:
@@ -524,6 +582,33 @@ class HostProvisioner:
         result.seconds = time.monotonic() - start
         return result
 
+    def check_shared(self, made: ProvisionResult) -> ProvisionResult:
+        """Check the environment another host sharing it (``made``) has just made: this
+        host's interpreter sees it, and its marker is what this host's own setup would
+        write; nothing is made or written.
+
+        Raises:
+            ProvisionError: naming both hosts when the environment does not serve this one
+                (another platform or Python, or no environment seen there).
+        """
+        start = time.monotonic()
+        facts = self.facts()
+        platform = HostPlatform.from_facts(facts)
+        key = environment_key(platform, self.requirements, self.lock_text)
+        env = facts.get("env") or {}
+        marker = env.get("marker") or {}
+        if not env.get("python") or marker.get("key") != key:
+            seen = ("the environment was made for " + made.platform
+                    if env.get("python") else "this host sees no environment there")
+            raise ProvisionError(
+                f"[{self.host}] shares the environment {self.venv} with {made.host}, which made "
+                f"it, but it does not serve {self.host} ({platform.describe()}; {seen}): give "
+                f"{self.host} a python_env in a folder only it uses, or make both hosts one "
+                "platform and Python")
+        return ProvisionResult(self.host, platform.describe(), self.python_env, "shared",
+                               time.monotonic() - start, shared_from=made.host,
+                               notes=[f"its environment {self.venv} is the one {made.host} made"])
+
     @staticmethod
     def _timed(result: ProvisionResult, step: str, call: Callable[..., Any], *args: Any) -> Any:
         """``call(*args)``, its seconds added to ``result.steps[step]``."""
@@ -549,8 +634,9 @@ class HostProvisioner:
         code = ("import os,sys,zipfile\nz=zipfile.ZipFile(sys.argv[1])\n"
                 "name=[n for n in z.namelist() if n.endswith('/scripts/uv')][0]\n"
                 "os.makedirs(os.path.dirname(sys.argv[2]),exist_ok=True)\n"
-                "open(sys.argv[2]+'.tmp','wb').write(z.read(name))\n"
-                "os.chmod(sys.argv[2]+'.tmp',0o755);os.replace(sys.argv[2]+'.tmp',sys.argv[2])\n")
+                "t=sys.argv[2]+'.%d.tmp'%os.getpid()\n"
+                "open(t,'wb').write(z.read(name))\n"
+                "os.chmod(t,0o755);os.replace(t,sys.argv[2])\n")
         py = interpreter_word(self.base_python)
         done = self.shell.run(f"{py} -c {shlex.quote(code)} "
                               f"{shell_path(posixpath.join(remote, wheel))} {shell_path(target)} "
@@ -596,9 +682,10 @@ class HostProvisioner:
         for name, text in (("requirements.txt", "\n".join(self.requirements) + "\n"),
                            ("constraints.txt", self.lock_text)):
             target = posixpath.join(base, name)
-            with self.sftp.open(sftp_path(target) + ".tmp", "wb") as handle:
+            temp = remote_temp(sftp_path(target))
+            with self.sftp.open(temp, "wb") as handle:
                 handle.write(text.encode())
-            replace_remote(self.sftp, sftp_path(target) + ".tmp", sftp_path(target))
+            replace_remote(self.sftp, temp, sftp_path(target))
             paths.append(target)
         return paths[0], paths[1]
 
@@ -614,8 +701,9 @@ class HostProvisioner:
             if have.get(wheel.name) == size:
                 continue
             target = sftp_path(posixpath.join(remote, wheel.name))
-            self.sftp.put(str(wheel), target + ".tmp", confirm=True)
-            replace_remote(self.sftp, target + ".tmp", target)
+            temp = remote_temp(target)
+            self.sftp.put(str(wheel), temp, confirm=True)
+            replace_remote(self.sftp, temp, target)
             result.wheels_sent += 1
             result.bytes_sent += size
         return remote
@@ -638,8 +726,9 @@ class HostProvisioner:
 
     def _write_marker(self, key: str) -> None:
         target = sftp_path(posixpath.join(self.venv, MARKER))
-        with self.sftp.open(target + ".tmp", "wb") as handle:
+        temp = remote_temp(target)
+        with self.sftp.open(temp, "wb") as handle:
             handle.write(json.dumps({"key": key, "requirements": self.requirements,
                                      "written": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
-        replace_remote(self.sftp, target + ".tmp", target)
+        replace_remote(self.sftp, temp, target)
 

@@ -1,11 +1,11 @@
 """A host session: connections to every host of a hosts file, and what they allow alone.
 
 Connect to every host in parallel (noting host keys trusted on the way), copy
-the project's tracked files to them, pre-flight them, fetch a file one of
-them wrote, close. Nothing here knows what will run: no program, no
-environment, no secrets. ``check-hosts`` and the wizard use a session as it
-is; the job launcher (``distributed.launch.launcher``) starts its ranks on a
-session's connections::
+the project's tracked files to them (once to hosts that share the project folder,
+:mod:`.shared`), pre-flight them, fetch a file one of them wrote, close. Nothing
+here knows what will run: no program, no environment, no secrets. ``check-hosts``
+and the wizard use a session as it is; the job launcher
+(``distributed.launch.launcher``) starts its ranks on a session's connections::
 
     from .session import HostSession
 
@@ -36,6 +36,7 @@ from exogym.base.plural import plural
 from .hostsfile import HostsConfig, load_hosts
 from .preflight import PreflightError, PreflightReport, run_preflight
 from .remote import LocalShell, Shell, SSHShell
+from .shared import SharedFolder, ShareProbeError, find_shared
 from .ssh import (
     SSHConnectError,
     SSHOptions,
@@ -231,13 +232,27 @@ class HostSession:
                     self._shells[rank] = outcome
         return dict(self._connect_errors)
 
+    def shared_folders(self, folders: Mapping[int, str]) -> list[SharedFolder]:
+        """Which of the connected remote hosts' ``folders`` (per rank) are one folder: a
+        home shared over NFS, one disk behind several addresses (:mod:`.shared`).
+
+        Raises:
+            ShareProbeError: naming each host that did not answer in time.
+        """
+        clients = {r: shell.client for r, shell in self._shells.items()
+                   if r in folders and isinstance(shell, SSHShell)}
+        return find_shared(clients, {r: folders[r] for r in clients},
+                           {r: self.config.hosts[r].host for r in clients})
+
     def sync(self) -> list[SyncStats]:
         """Copy the project's tracked files, and its local profiles files beside them
-        (``config.local.ini``), to every remote host's ``project_path``.
+        (``config.local.ini``), to every remote host's ``project_path``; once to hosts
+        whose project folders are one folder (:meth:`shared_folders`), from the first.
 
         Returns:
             One ``SyncStats`` per host synced (hosts that cannot be reached
-            are left to pre-flight, which reports them).
+            are left to pre-flight, which reports them); a host whose folder another
+            host's sync filled has ``shared_from`` set and copied nothing itself.
 
         Raises:
             NoSFTPError: naming every host whose sshd offers no SFTP subsystem.
@@ -247,7 +262,17 @@ class HostSession:
         tracked = tracked_files(self.project_root)
         local = local_profile_files(self.project_root, tracked)
         files = sorted(tracked + local)
-        remote = [r for r in self.targets if r in self._shells]
+        connected = [r for r in self.targets if r in self._shells]
+        try:
+            shared = self.shared_folders({r: self.config.hosts[r].project_path
+                                          for r in connected})
+        except ShareProbeError as exc:
+            raise RuntimeError("sync failed:\n" + "\n".join(f"  {f}" for f in exc.failures)
+                               ) from None
+        filled_by = {k: group for group in shared for k in group.keys[1:]}
+        for group in shared:
+            self._say(f"{group.describe()}: set up once from {group.leader_host}")
+        remote = [r for r in connected if r not in filled_by]
 
         def one(rank: int) -> SyncStats | str | NoSFTPError:
             host = self.config.hosts[rank]
@@ -282,6 +307,12 @@ class HostSession:
                 self._say(f"not copied to {s.host}: {printable(link)} (a symbolic link out of the "
                           "project; copy what it names into the project to send it)",
                           style="yellow")
+        by_host = {s.host: s for s in stats}
+        for rank, group in filled_by.items():
+            stats.append(dataclasses.replace(by_host[group.leader_host], copied=0, unchanged=0,
+                                             bytes_copied=0, kept=(),
+                                             host=self.config.hosts[rank].host,
+                                             shared_from=group.leader_host))
         self.synced = True
         return stats
 

@@ -7,9 +7,11 @@ worker reads after ``config.ini``); the pre-flight code hash covers a subset
 of the same list. A host's own local profiles file, when it differs, is kept
 there as ``NAME.bak`` before it is replaced. A file whose size and
 modification time already match on the host is skipped; every other file is
-written to a temporary name and renamed into place, so a reader never sees
-half a file and a host that shares the checkout with this machine is never
-truncated. Directories are created as needed.
+written to a temporary name of its own (:func:`remote_temp`) and renamed into place,
+so a reader never sees half a file, a host that shares the checkout with this machine
+is never truncated, and two copies written into one folder at once (two hosts sharing
+it, two runs) never take each other's temporary file away. Directories are created as
+needed, and one another writer made a moment before is taken as made.
 
 A tracked symbolic link travels as a link, when what it names is inside the project
 (written relative, so that it names the same file on the host); one that leads out of
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import secrets
 import stat
 import subprocess
 from collections.abc import Collection, Sequence
@@ -179,6 +182,8 @@ class SyncStats:
         kept: files whose previous, different copy on the host was kept as ``NAME.bak``.
         skipped: symbolic links that lead out of the project, not copied, each as
             ``NAME -> where it leads``.
+        shared_from: the host whose sync filled this host's project folder, when the two
+            share it (this host copied nothing itself); None when it was synced itself.
     """
 
     host: str
@@ -187,6 +192,7 @@ class SyncStats:
     bytes_copied: int
     kept: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
+    shared_from: str | None = None
 
 
 class NoSFTPError(RuntimeError):
@@ -278,7 +284,7 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
             except FileNotFoundError:
                 exists = False  # not there yet
             makedirs_remote(sftp, posixpath.dirname(target), made)
-            temp = f"{target}.exogym-sync.tmp"
+            temp = remote_temp(target)
             sftp.put(str(source), temp)
             sftp.chmod(temp, stat.S_IMODE(info.st_mode))
             sftp.utime(temp, (info.st_atime, info.st_mtime))
@@ -299,14 +305,26 @@ def _link_remote(sftp: Any, source: Path, target: str, made: set[str]) -> bool:
     project), written relative to its folder; False when it already is that link."""
     named = os.path.relpath(os.path.realpath(source), os.path.realpath(source.parent))
     named = named.replace(os.sep, "/")
+    if _is_link_to(sftp, target, named):
+        return False
     try:
-        if stat.S_ISLNK(sftp.lstat(target).st_mode or 0) and sftp.readlink(target) == named:
-            return False
         sftp.remove(target)  # a file or another link: the link replaces it
     except FileNotFoundError:
         makedirs_remote(sftp, posixpath.dirname(target), made)
-    sftp.symlink(named, target)
+    try:
+        sftp.symlink(named, target)
+    except OSError:
+        if not _is_link_to(sftp, target, named):
+            raise
+        # else another writer into this folder made the same link a moment ago
     return True
+
+
+def _is_link_to(sftp: Any, target: str, named: str) -> bool:
+    try:
+        return stat.S_ISLNK(sftp.lstat(target).st_mode or 0) and sftp.readlink(target) == named
+    except FileNotFoundError:
+        return False
 
 
 def _same_content(sftp: Any, remote: str, local: Path) -> bool:
@@ -315,10 +333,19 @@ def _same_content(sftp: Any, remote: str, local: Path) -> bool:
         return bytes(handle.read()) == local.read_bytes()
 
 
+def remote_temp(target: str) -> str:
+    """A temporary name beside ``target`` that no other writer uses: one name shared by
+    two writers into one folder (two hosts with one home) let the first rename take the
+    second's file away, which failed with ``[Errno 2] No such file``."""
+    return f"{target}.{secrets.token_hex(6)}.exogym-sync.tmp"
+
+
 def replace_remote(sftp: Any, source: str, target: str) -> None:
     """Rename ``source`` to ``target`` on the host, replacing ``target``."""
     try:
         sftp.posix_rename(source, target)
+    except FileNotFoundError:
+        raise  # no source: removing the target would only lose it too
     except OSError:  # a server without the posix-rename extension
         try:
             sftp.remove(target)
@@ -339,5 +366,17 @@ def makedirs_remote(sftp: Any, path: str, made: set[str]) -> None:
     except FileNotFoundError:
         pass  # create it below, after its parent
     makedirs_remote(sftp, posixpath.dirname(path), made)
-    sftp.mkdir(path)
+    try:
+        sftp.mkdir(path)
+    except OSError:
+        if not _is_remote_dir(sftp, path):
+            raise
+        # else another writer (a host sharing this folder) made it a moment ago
     made.add(path)
+
+
+def _is_remote_dir(sftp: Any, path: str) -> bool:
+    try:
+        return stat.S_ISDIR(sftp.stat(path).st_mode or 0)
+    except FileNotFoundError:
+        return False
