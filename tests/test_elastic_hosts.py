@@ -238,6 +238,67 @@ def test_a_frozen_rank_is_dropped_within_the_deadline_and_rejoins_after_it_thaws
     assert log.count("# exogym launcher: rank 2 on") == 1
 
 
+@pytest.mark.slow(reason="a run started without a host that is down, which joins once it answers")
+def test_a_host_down_at_the_start_is_named_and_joins_once_it_answers(sshd, tmp_path):
+    out = tmp_path / "net"
+    watch = Watch()
+    told = Console(file=StringIO(), width=400)
+    throttle = Throttle(tmp_path)
+    # The run is held at a fiftieth of its speed until the late host has trained a round:
+    # whatever its start costs on this machine, the others are still training when it comes.
+    throttle.set(0.02)
+    late = HostSSHD(sshd, THIRD)  # nothing listens there yet: SSH is refused
+    try:
+        with launcher(sshd, program(out, 600), tmp_path, watch, console=told, min_nodes=2,
+                      env=throttle.env) as job:
+            runner = threading.Thread(target=lambda: setattr(job, "result", job.run()))
+            runner.start()
+            started = watch.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 0
+                                     and e["step"] >= 21, 120)
+            assert not any(e.get("event") == "step" and e["rank"] == 2 for e in watch.events)
+            late.start()
+            joined = watch.wait_for(lambda e: e.get("event") == "membership"
+                                    and e["ranks"] == [0, 1, 2], 120)
+            watch.wait_for(lambda e: e.get("event") == "step" and e["rank"] == 2
+                           and e["step"] >= joined["step"] + 19, 60)
+            throttle.set(1.0)
+            runner.join(timeout=300)
+            assert not runner.is_alive(), "the run did not end within 300 s"
+    finally:
+        throttle.set(1.0)
+        late.stop()
+    result = job.result
+    assert result.ok, result.describe()
+    assert all(r.ok for r in result.ranks), result.describe()
+    assert joined["step"] > started["step"]
+    assert [m["ranks"] for m in watch.membership()] == [[0, 1], [0, 1, 2]], watch.membership()
+    assert f"{THIRD} (rank 2) joined" in joined["reason"], joined
+    # Named once, before the start, with what failed; its tries are not told again.
+    story = told.file.getvalue()
+    missing = [line for line in story.splitlines() if "did not answer pre-flight" in line]
+    assert len(missing) == 1 and f"[{THIRD}:2]" in missing[0], story
+    assert "starts without it on 2 of 3 ranks (min_nodes=2)" in missing[0], story
+    assert "unreachable" not in story and "starting 2 of 3 ranks;" in story, story
+    assert story.count(f"[{THIRD}:2] answers now: starting 1 rank there") == 1, story
+    assert job.membership[-1]["ranks"] == [0, 1, 2]
+    assert (out / "model.safetensors").is_file()
+
+
+def test_a_host_down_at_the_start_stays_an_error_below_min_nodes(sshd, tmp_path):
+    from distributed.hosts.preflight import PreflightError
+
+    HostSSHD(sshd, THIRD)  # known, and not started: SSH to it is refused
+    with launcher(sshd, program(tmp_path / "net", 10), tmp_path, lambda e: None,
+                  min_nodes=3) as job:
+        with pytest.raises(PreflightError) as failed:
+            job.run()
+    text = str(failed.value)
+    assert "pre-flight failed on 1 of 3 hosts" in text and THIRD in text, text
+    assert "with min_nodes=3 a run starts without hosts that do not answer, but only 2 of " \
+           "3 ranks answered" in text, text
+    assert not (tmp_path / "launch" / "rank0.log").exists()
+
+
 @pytest.mark.slow(reason="a run across hosts that falls below min_nodes, then resumed to its end")
 def test_min_nodes_stops_cleanly_naming_the_host_and_resume_continues(sshd, third, tmp_path):
     out = tmp_path / "net"

@@ -1084,7 +1084,7 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
     with make_launcher(request, config, console=console, dashboard=dashboard) as launcher:
         if request.sync:
             launcher.session.sync()
-        launcher.session.preflight()  # shows the table; PreflightError when a host is not ready
+        launcher.preflight()  # shows the table; PreflightError when the run cannot start
         launcher.check_faults()  # a cut a host does not permit is refused before anything starts
         links = probe_links(launcher, console)  # for the trace: each host's rate and latency
         here = launcher.master_local

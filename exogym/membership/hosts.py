@@ -66,7 +66,7 @@ from exogym.comm.store import ControlStore
 from exogym.membership.simulated import MembershipStop
 
 __all__ = ["ElasticMembership", "MembershipStop", "NAMESPACE", "PeerLost", "RankDropped",
-           "declare_lost", "key", "loss_generation", "membership_log", "ready_generation"]
+           "declare_absent", "declare_lost", "key", "loss_generation", "membership_log", "ready_generation"]
 
 
 #: How often a returning rank tries to join a round under way while it waits.
@@ -201,6 +201,21 @@ def _keep_looking(ref: weakref.ref[Lookout], open_store: Callable[[float], Contr
             return
 
 
+def declare_absent(store: ControlStore, rank: int, why: str) -> None:
+    """Declare ``rank`` lost before the run starts (its host did not answer pre-flight; the
+    launcher does, before any rank starts): the start's members leave it out, and it
+    joins, as a lost rank rejoins, once its host answers."""
+    generation = declare_lost(store, rank, why)
+    store.set(key("absent", rank), str(generation))
+
+
+def _return_verb(store: ControlStore, rank: int, generation: int) -> str:
+    """``joined`` for a rank that comes in for the first time (absent at the start, not
+    lost since), ``rejoined`` for one that was a member before."""
+    raw = store.get_if_set(key("absent", rank))
+    return "joined" if raw is not None and int(raw) == generation else "rejoined"
+
+
 def _phrase(ranks: Sequence[int], hosts: dict[int, str], verb: str) -> str:
     named = ", ".join(f"{hosts[r]} (rank {r})" if r in hosts else f"rank {r}" for r in ranks)
     return f"{named} {verb}"
@@ -296,7 +311,9 @@ class ElasticMembership:
         earlier = [s for s in self.decisions if s < start]
         hosts = self._hosts()
         if not earlier:
-            members = list(range(self.num_nodes))
+            # A rank declared lost before the start (its host did not answer pre-flight) is
+            # no member: it joins, as a lost rank rejoins, once its host answers.
+            members = [r for r in range(self.num_nodes) if lost[r] == 0]
             return {"step": start, "epoch": start, "ranks": members, "gens": lost, "joined": [],
                     "left": [],
                     "reason": "start", "hosts": [hosts.get(r, f"rank {r}") for r in members],
@@ -321,8 +338,10 @@ class ElasticMembership:
                 k = key("why", r, lost[r])
                 whys.append(self.store.get(k).decode() if self.store.check([k]) else "lost")
             parts.append(_phrase(left, hosts, "lost") + f" ({'; '.join(whys)})")
-        if joined:
-            parts.append(_phrase(joined, hosts, "rejoined"))
+        for verb in ("joined", "rejoined"):
+            these = [r for r in joined if _return_verb(self.store, r, lost[r]) == verb]
+            if these:
+                parts.append(_phrase(these, hosts, verb))
         stop = None
         if len(members) < self.min_nodes:
             stop = (f"{'; '.join(parts) or 'ranks lost'}: {len(members)} of {self.num_nodes} "
@@ -626,7 +645,9 @@ class ElasticMembership:
         members = sorted({*found["ranks"], *map(int, record["ranks"]), self.rank})
         log_change(self.store, json.dumps({
             "step": step, "epoch": start, "ranks": members, "joined": [self.rank], "left": [],
-            "gens": {}, "reason": _phrase([self.rank], hosts, "rejoined during a round"),
+            "gens": {}, "reason": _phrase([self.rank], hosts,
+                                          f"{_return_verb(self.store, self.rank, generation)} "
+                                          "during a round"),
             "hosts": [hosts.get(r, f"rank {r}") for r in members], "stop": None}).encode())
         return True
 
