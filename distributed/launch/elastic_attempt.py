@@ -11,6 +11,10 @@ death takes it away. While the job runs, this watch:
   channel (a line on its stdout over SSH): either keeps it alive, so a stranger
   who deletes its key in the store cannot make it look silent (the deletions
   are counted and told at the end);
+- starts without the ranks of hosts that did not answer pre-flight (``missing``),
+  declared lost before any rank starts; their hosts are tried every
+  ``probe_interval`` seconds, pre-flighted when they answer, and their ranks
+  started then, to join as a lost rank rejoins;
 - probes a lost rank's host every ``probe_interval`` seconds over a fresh SSH
   connection; once it answers, starts the rank again, and the rank rejoins at
   the next round with the state a live peer hands it. A rank whose process

@@ -10,7 +10,10 @@ only; their tensors travel on gloo groups formed for each membership
   dropped the connection, or its heartbeat stopped for the deadline: frozen,
   asleep, cut off) by bumping the rank's *loss generation* in the store. The
   survivors of a collective that loses it complete the collective without it
-  (:mod:`exogym.comm.elastic_groups` says how they agree).
+  (:mod:`exogym.comm.elastic_groups` says how they agree). A rank whose host
+  did not answer pre-flight is declared lost before any rank starts
+  (:func:`declare_absent`): the start's members leave it out, and it joins as a
+  lost rank rejoins (told as ``joined``, not ``rejoined``).
 - **Membership.** At every round boundary (each step of a per-step strategy),
   the first rank to arrive decides the members of the round with a
   compare-and-set: the members of the last round that were not lost since,
