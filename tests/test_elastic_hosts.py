@@ -93,6 +93,17 @@ class Watch(Events):
                 if "val_global_loss" in e]
 
 
+def assert_each_change_told_once(watch: Watch, story: str) -> None:
+    """Each change of membership is one event and one launcher line, at one step: no two
+    events in a row with the same members, and the launcher's lines are the events'."""
+    changes = watch.membership()
+    assert all(a["ranks"] != b["ranks"] for a, b in zip(changes, changes[1:])), changes
+    lines = [line for line in story.splitlines() if line.startswith("[launcher] step ")]
+    assert lines == [f"[launcher] step {c['step']}: {c['reason']}; training on "
+                     f"{', '.join(c['hosts'])}" for c in changes[1:]], (lines, changes)
+    assert " at step " not in story, story  # a process's own step is no change's
+
+
 def program(out: Path, max_steps: int, *extra: str) -> RankProgram:
     # A test that acts while the run goes on holds the run with a throttle (its steps are
     # few); a cosine decay keeps the end of the run where its validation loss can be
@@ -118,8 +129,9 @@ def start_in_background(job: Launcher, watch: Watch, rank2_step: int) -> threadi
 def test_a_killed_host_is_dropped_and_rejoins_when_it_answers_again(sshd, third, tmp_path):
     out = tmp_path / "net"
     watch = Watch()
+    told = Console(file=StringIO(), width=400)
     throttle = Throttle(tmp_path)
-    with launcher(sshd, program(out, 1500), tmp_path, watch, min_nodes=2,
+    with launcher(sshd, program(out, 1500), tmp_path, watch, console=told, min_nodes=2,
                   env=throttle.env) as job:
         runner = start_in_background(job, watch, 600)
         # How long a rank takes to start here and now (SSH, Python, torch, the group).
@@ -170,6 +182,7 @@ def test_a_killed_host_is_dropped_and_rejoins_when_it_answers_again(sshd, third,
     assert [m["ranks"] for m in watch.membership()] == [[0, 1, 2], [0, 1], [0, 1, 2]], \
         watch.membership()
     assert job.membership[1]["hosts"] == ["127.0.0.1", "127.0.0.2"]
+    assert_each_change_told_once(watch, told.file.getvalue())
     # The rejoined rank trained again, from the step it was handed.
     assert any(e.get("event") == "step" and e["rank"] == 2 and e["step"] >= rejoined["step"]
                for e in watch.events)
@@ -279,6 +292,7 @@ def test_a_host_down_at_the_start_is_named_and_joins_once_it_answers(sshd, tmp_p
     assert len(missing) == 1 and f"[{THIRD}:2]" in missing[0], story
     assert "starts without it on 2 of 3 ranks (min_nodes=2)" in missing[0], story
     assert "unreachable" not in story and "starting 2 of 3 ranks;" in story, story
+    assert_each_change_told_once(watch, story)
     assert story.count(f"[{THIRD}:2] answers now: starting 1 rank there") == 1, story
     assert job.membership[-1]["ranks"] == [0, 1, 2]
     assert (out / "model.safetensors").is_file()

@@ -123,6 +123,7 @@ class ElasticAttempt:
 
         self.protocol = protocol
         self.comm = comm
+        self.told = protocol.ToldChanges()  # which logged changes are new
         master = self.plans[0]
         self.store = comm.open_store(master.master_addr, master.master_port, is_master=True,
                                      timeout_s=30,
@@ -144,6 +145,8 @@ class ElasticAttempt:
             self.logged += 1
             if decided.get("stop"):
                 continue  # not a membership anyone trains in: the stop itself is told once
+            if not self.told.is_new(decided):
+                continue  # a change told already (one loss logged at two steps, say)
             entry = {k: decided[k] for k in ("step", "ranks", "hosts", "reason")}
             self.membership.append(entry)
             self.context.on_event({"event": "membership", **entry})

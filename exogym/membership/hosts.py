@@ -69,7 +69,8 @@ from exogym.comm.store import ControlStore
 from exogym.membership.simulated import MembershipStop
 
 __all__ = ["ElasticMembership", "MembershipStop", "NAMESPACE", "PeerLost", "RankDropped",
-           "declare_absent", "declare_lost", "key", "loss_generation", "membership_log", "ready_generation"]
+           "ToldChanges", "declare_absent", "declare_lost", "key", "loss_generation",
+           "membership_log", "ready_generation"]
 
 
 #: How often a returning rank tries to join a round under way while it waits.
@@ -119,6 +120,35 @@ def membership_log(store: ControlStore, after: int = 0, whole: bool = False
             break
         out.append(json.loads(raw))
     return out
+
+
+class ToldChanges:
+    """Which entries of the membership log are told: each change of membership once, at
+    the step of its first entry.
+
+    An entry that changes nothing against those told before it (the same members, and
+    none of its joiners back at a loss generation not told yet) repeats a change already
+    told, as when one loss is logged at two steps, or one join twice: it is left out. The
+    launcher (its lines and events, and through them the dashboards, ``summary.json``,
+    the trace, ``replay`` and goodput) and :meth:`ElasticMembership.changes` (a rank's
+    own record) read the log through it, so each gives every change one line, one step.
+    """
+
+    def __init__(self) -> None:
+        self._ranks: frozenset[int] | None = None
+        self._gens: dict[int, int] = {}
+
+    def is_new(self, entry: dict[str, Any]) -> bool:
+        """Whether ``entry`` (read in the log's order) tells a change; noted if it does."""
+        ranks = frozenset(int(r) for r in entry.get("ranks", ()))
+        gens = {int(r): int(g) for r, g in (entry.get("gens") or {}).items()}
+        back = [int(r) for r in entry.get("joined", ())
+                if int(r) not in gens or gens[int(r)] != self._gens.get(int(r))]
+        if ranks == self._ranks and not back:
+            return False
+        self._ranks = ranks
+        self._gens.update({r: g for r, g in gens.items() if r in ranks})
+        return True
 
 
 @dataclass(frozen=True)
@@ -648,7 +678,7 @@ class ElasticMembership:
         members = sorted({*found["ranks"], *map(int, record["ranks"]), self.rank})
         log_change(self.store, json.dumps({
             "step": step, "epoch": start, "ranks": members, "joined": [self.rank], "left": [],
-            "gens": {}, "reason": _phrase([self.rank], hosts,
+            "gens": {self.rank: generation}, "reason": _phrase([self.rank], hosts,
                                           f"{_return_verb(self.store, self.rank, generation)} "
                                           "during a round"),
             "hosts": [hosts.get(r, f"rank {r}") for r in members], "stop": None}).encode())
@@ -699,8 +729,10 @@ class ElasticMembership:
         return sorted(int(r) for r in found["ranks"]), int(found["writer"])
 
     def changes(self, max_steps: int | None = None) -> list[dict[str, Any]]:
-        """Every decided change of membership: ``{"step", "ranks", "hosts", "reason"}``."""
+        """Every decided change of membership, each once (:class:`ToldChanges`):
+        ``{"step", "ranks", "hosts", "reason"}``."""
+        told = ToldChanges()
         out = [{k: entry[k] for k in ("step", "ranks", "hosts", "reason")}
                for entry in membership_log(self.store, whole=True)
-               if max_steps is None or entry["step"] <= max_steps]
+               if told.is_new(entry) and (max_steps is None or entry["step"] <= max_steps)]
         return sorted(out, key=lambda e: e["step"])
