@@ -313,6 +313,38 @@ def test_a_host_down_at_the_start_stays_an_error_below_min_nodes(sshd, tmp_path)
     assert not (tmp_path / "launch" / "rank0.log").exists()
 
 
+def test_a_host_down_at_the_start_is_pre_flighted_on_its_own_when_it_answers(sshd, tmp_path):
+    """With min_nodes the launcher accepts a pre-flight that a host failed by not
+    answering; when that host answers, it is checked on its own against the master's
+    findings, and a host whose code differs from the master's is not ready."""
+    import socket
+
+    told = Console(file=StringIO(), width=400)
+    late = HostSSHD(sshd, THIRD)
+    try:
+        with launcher(sshd, program(tmp_path / "net", 10), tmp_path, lambda e: None,
+                      console=told, min_nodes=2) as job:
+            report = job.preflight(show=False)
+            assert not report.ok and job.missing.keys() == {2}, job.missing
+            assert "connection refused" in job.missing[2]
+            assert told.file.getvalue().count("did not answer pre-flight") == 1
+            late.start()
+            shell = job.session.reconnect(2)
+            assert not isinstance(shell, Exception), shell
+            # The run's store, which listens on the master port while the run goes on.
+            with socket.create_server(("127.0.0.1", job.config.master_port)):
+                check = job.session.recheck(2, shell)
+                assert check.ok and check.port == "reachable", check
+                master = job.session.report.checks[0].probe
+                master["code_hash"] = "0" * 64
+                master["files"] = {path: "0" for path in master["files"]}
+                check = job.session.recheck(2, shell)
+            assert not check.down and any("code differs from the master's" in p
+                                          for p in check.problems), check.problems
+    finally:
+        late.stop()
+
+
 @pytest.mark.slow(reason="a run across hosts that falls below min_nodes, then resumed to its end")
 def test_min_nodes_stops_cleanly_naming_the_host_and_resume_continues(sshd, third, tmp_path):
     out = tmp_path / "net"

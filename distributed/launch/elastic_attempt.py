@@ -117,6 +117,8 @@ class ElasticAttempt:
         self.missing = dict(missing or {})
         #: Ranks never started: their host has not answered since the run's pre-flight.
         self.unstarted: set[int] = {p.rank for p in self.plans if p.host.rank in self.missing}
+        #: Ranks of such hosts that answered during the run, but failed their pre-flight.
+        self.not_ready: dict[int, str] = {}
         # Here, not at the top: the launcher's module stays free of torch until a run needs it.
         from exogym import comm
         from exogym.membership import hosts as protocol
@@ -291,9 +293,11 @@ class ElasticAttempt:
                 if check.down or self._ending.is_set():
                     continue
                 if check.problems:
-                    self.say(f"{check.label} answers now, but is not ready: "
-                             f"{'; '.join(check.problems)}; it is not started in this run",
-                             "red")
+                    problems = "; ".join(check.problems)
+                    self.say(f"{check.label} answers now, but is not ready: {problems}; it "
+                             "is not started in this run", "red")
+                    for rank in ranks:
+                        self.not_ready[rank] = problems
                     return
                 self.say(f"{check.label} answers now: starting "
                          f"{plural(len(ranks), 'rank')} there", "green")
@@ -456,9 +460,11 @@ class ElasticAttempt:
     def _never_started(self, rank: int) -> RankResult:
         """The result of a rank whose host did not answer from pre-flight to the end."""
         plan = self.plans[rank]
-        return RankResult(rank=rank, host=plan.host.host, exit_code=None,
-                          reason=f"never started: its host {self.lost[rank]}, nor later in "
-                                 "the run",
+        problems = self.not_ready.get(rank)
+        reason = (f"never started: its host {self.lost[rank]}, nor later in the run"
+                  if problems is None else f"never started: its host did not answer "
+                  f"pre-flight, and failed it when it answered during the run: {problems}")
+        return RankResult(rank=rank, host=plan.host.host, exit_code=None, reason=reason,
                           stopped=False, duration_s=0.0,
                           log_path=self.run_dir / f"rank{rank}.log", last_lines=())
 
