@@ -289,17 +289,23 @@ class ElasticAttempt:
                     outcome = self.session.reconnect(host)
                 if isinstance(outcome, Exception) or self._ending.is_set():
                     continue
-                check = self.session.recheck(host, outcome)
-                if check.down or self._ending.is_set():
-                    continue
-                if check.problems:
+                try:
+                    check = self.session.recheck(host, outcome)
+                except Exception as exc:  # noqa: BLE001 - a probe's odd answer: not ready
+                    problems = f"its pre-flight could not be read ({exc!r})"
+                else:
+                    if check.down or self._ending.is_set():
+                        continue
                     problems = "; ".join(check.problems)
-                    self.say(f"{check.label} answers now, but is not ready: {problems}; it "
+                span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"{ranks[0]}"
+                label = f"[{self.plans[ranks[0]].host.host}:{span}]"
+                if problems:
+                    self.say(f"{label} answers now, but is not ready: {problems}; it "
                              "is not started in this run", "red")
                     for rank in ranks:
                         self.not_ready[rank] = problems
                     return
-                self.say(f"{check.label} answers now: starting "
+                self.say(f"{label} answers now: starting "
                          f"{plural(len(ranks), 'rank')} there", "green")
                 for rank in ranks:
                     self.unstarted.discard(rank)
