@@ -257,9 +257,9 @@ def test_a_host_down_at_the_start_is_named_and_joins_once_it_answers(sshd, tmp_p
     watch = Watch()
     told = Console(file=StringIO(), width=400)
     throttle = Throttle(tmp_path)
-    # The run is held at a fiftieth of its speed until the late host has trained a round:
+    # The run is held at a hundredth of its speed until the late host has trained a round:
     # whatever its start costs on this machine, the others are still training when it comes.
-    throttle.set(0.02)
+    throttle.set(0.01)
     late = HostSSHD(sshd, THIRD)  # nothing listens there yet: SSH is refused
     try:
         with launcher(sshd, program(out, 600), tmp_path, watch, console=told, min_nodes=2,
