@@ -383,6 +383,7 @@ def test_a_host_lost_and_back_is_told_once_each_at_its_membership_change_s_step(
     vars(attempt).update(
         protocol=protocol, store=store, lost={}, first_lost=None, state={}, logged=0,
         membership=[], beats={}, min_nodes=2, _ending=threading.Event(),
+        told=protocol.ToldChanges(),
         plans=[SimpleNamespace(host=SimpleNamespace(host=h)) for h in "abc"],
         context=SimpleNamespace(on_event=board.on_event),
         say=lambda text, style: told.append(text))
@@ -421,6 +422,56 @@ def test_a_host_lost_and_back_is_told_once_each_at_its_membership_change_s_step(
     assert "at step 0" not in terminal and "at step 159" not in terminal, terminal
     assert "next round" not in terminal, terminal
     assert board.ranks[2].step == 300 and attempt.lost == {}
+
+
+def test_one_change_of_membership_logged_twice_is_told_once_at_one_step_everywhere(store):
+    """A loss logged at two steps (160, then 161) and a join logged twice are each one
+    change: one launcher line, one membership event (what the dashboards, the trace and
+    so replay take), one entry of the launcher's record (summary.json, goodput) and of a
+    rank's own record, all at the step of the first. A rank lost and back between two
+    rounds is a change of its own, though its members are the same."""
+    from types import SimpleNamespace
+
+    from distributed.launch.elastic_attempt import ElasticAttempt
+    from exogym.membership import hosts as protocol
+
+    told: list[str] = []
+    events: list[dict] = []
+    attempt = ElasticAttempt.__new__(ElasticAttempt)  # its reporting, on a real store
+    vars(attempt).update(
+        protocol=protocol, store=store, lost={}, first_lost=None, state={}, logged=0,
+        membership=[], beats={}, min_nodes=2, _ending=threading.Event(),
+        told=protocol.ToldChanges(),
+        plans=[SimpleNamespace(host=SimpleNamespace(host=h)) for h in "abc"],
+        context=SimpleNamespace(on_event=events.append),
+        say=lambda text, style: told.append(text))
+
+    def logged(step: int, ranks: list[int], reason: str, gens: dict, joined=(), left=()):
+        protocol.log_change(store, json.dumps({
+            "step": step, "ranks": ranks, "hosts": ["abc"[r] for r in ranks],
+            "reason": reason, "joined": list(joined), "left": list(left), "gens": gens,
+            "stop": None}).encode())
+        attempt._read_log()
+
+    logged(1, [0, 1, 2], "start", {0: 0, 1: 0, 2: 0})
+    attempt._lose(2, "killed")
+    logged(160, [0, 1], "c (rank 2) lost (killed)", {0: 0, 1: 0}, left=[2])
+    logged(161, [0, 1], "c (rank 2) lost (killed)", {0: 0, 1: 0}, left=[2])
+    logged(270, [0, 1, 2], "c (rank 2) rejoined during a round", {2: 1}, joined=[2])
+    logged(275, [0, 1, 2], "c (rank 2) rejoined during a round", {2: 1}, joined=[2])
+    declare_lost(store, 2, "frozen")  # and back before the next round: its generation moved
+    logged(301, [0, 1, 2], "c (rank 2) rejoined", {0: 0, 1: 0, 2: 2}, joined=[2])
+
+    assert told == ["step 160: c (rank 2) lost (killed); training on a, b",
+                    "step 270: c (rank 2) rejoined during a round; training on a, b, c",
+                    "step 301: c (rank 2) rejoined; training on a, b, c"], told
+    steps = [1, 160, 270, 301]
+    assert [e["step"] for e in events if e["event"] == "membership"] == steps, events
+    assert [m["step"] for m in attempt.membership] == steps
+    states = [e["state"] for e in events if e["event"] == "host" and e["rank"] == 2]
+    assert states == ["training", "lost", "training"], states
+    rank_0 = ElasticMembership(SimpleNamespace(store=store, generations={}), 0, 3, 20, 2)
+    assert [c["step"] for c in rank_0.changes()] == steps
 
 
 def _events(log_path):

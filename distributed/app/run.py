@@ -1084,7 +1084,7 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
     with make_launcher(request, config, console=console, dashboard=dashboard) as launcher:
         if request.sync:
             launcher.session.sync()
-        launcher.session.preflight()  # shows the table; PreflightError when a host is not ready
+        launcher.preflight()  # shows the table; PreflightError when the run cannot start
         launcher.check_faults()  # a cut a host does not permit is refused before anything starts
         links = probe_links(launcher, console)  # for the trace: each host's rate and latency
         here = launcher.master_local
@@ -1127,7 +1127,9 @@ def _train_hosts(request: TrainRequest, profile: Profile, console: Console,
     if trace_note:
         console.print(shown_note(trace_note), markup=False, highlight=False, soft_wrap=True)
     for rank in result.ranks:
-        dashboard.set_status(rank.rank, "done" if rank.ok else
+        # A rank away at the end of a run that finished without it (min_nodes) is lost, as
+        # its membership change told once: not a failure at a step of its own.
+        dashboard.set_status(rank.rank, "done" if rank.ok else "lost" if result.ok else
                              "stopped" if rank.stopped else "failed")
     if not result.ok:
         failed = dashboard.summary(time.monotonic() - started)

@@ -206,8 +206,9 @@ def distributed_train(
     min_nodes: Annotated[int | None, typer.Option(
         "--min-nodes", min=1,
         help="Keep training while at least N hosts remain: a lost host (killed, unreachable, "
-             "frozen) is dropped, probed, and rejoins at the next round when it answers "
-             "(hosts only; default: the profile's min_nodes, else every host is needed).")
+             "frozen) is dropped, probed, and rejoins once it answers; a host down at the "
+             "start is left out and joins the same way (hosts only; default: the profile's "
+             "min_nodes, else every host is needed).")
     ] = None,
     lost_after: Annotated[float | None, typer.Option(
         "--lost-after", min=0.1,

@@ -57,6 +57,8 @@ class HostCheck:
         probe: the raw probe result, when the probe ran.
         ranks: the ranks it runs, as shown (``"2"``, or ``"2-3"`` for two slots);
             empty: ``rank``.
+        down: the host did not answer: SSH could not reach it, or its probe gave no
+            answer in time (a host that answered with a problem is not down).
     """
 
     rank: int
@@ -73,6 +75,7 @@ class HostCheck:
     notes: list[str] = field(default_factory=list)
     probe: dict[str, Any] | None = None
     ranks: str = ""
+    down: bool = False
 
     @property
     def ok(self) -> bool:
@@ -156,14 +159,17 @@ class PreflightError(RuntimeError):
 
     Args:
         report: the full report; ``report.problems`` lists what to fix.
+        note: a last line saying why the run could not start without the failed hosts
+            (``min_nodes``), if it might have.
     """
 
-    def __init__(self, report: PreflightReport) -> None:
+    def __init__(self, report: PreflightReport, note: str | None = None) -> None:
         self.report = report
         lines = report.problems
         super().__init__(f"pre-flight failed on {sum(not c.ok for c in report.checks)} of "
                          f"{plural(len(report.checks), 'host')}; nothing was started:\n"
-                         + "\n".join(f"  {p}" for p in lines))
+                         + "\n".join(f"  {p}" for p in lines)
+                         + (f"\n  {note}" if note else ""))
 
 
 def _public_version(version: str | None) -> str | None:
@@ -270,6 +276,7 @@ def run_preflight(
                         ranks=_ranks_text(h)) for h in config.hosts]
     for rank, error in connect_errors.items():
         checks[rank].ssh = "FAILED"
+        checks[rank].down = True
         checks[rank].problems.append(str(error))
     for rank, shell in shells.items():
         checks[rank].ssh = "local" if shell.is_local else "ok"
@@ -336,6 +343,44 @@ def run_preflight(
     return PreflightReport(checks=checks, master_port=port)
 
 
+def check_host(config: HostsConfig, rank: int, shell: Shell, login: str, reference: HostCheck,
+               *, master_addr: str, master_port: int, files: Sequence[str],
+               connect_timeout: float = 5.0, probe_timeout: float = 60.0) -> HostCheck:
+    """Pre-flight for one host that was down when the run's pre-flight ran, now that it
+    answers (a run with ``min_nodes`` started without it): the same probe, its versions
+    and code held to what the master's probe found then (``reference``), and a TCP
+    connection to the master port, where the run's store listens by now.
+
+    Args:
+        config: the hosts.
+        rank: the host's index (``HostSpec.rank``; not 0: the master is never down).
+        shell: where to run the probe on it.
+        login: how to name its login (``user@host:port``).
+        reference: the master's check from the run's pre-flight.
+        master_addr: the address workers connect to (``MASTER_ADDR``).
+        master_port: the run's master port.
+        files: project files (relative paths) whose content every host must share.
+        connect_timeout: seconds for the TCP connection to the master port.
+        probe_timeout: seconds for the probe to finish.
+
+    Returns:
+        The host's check: ``down`` when its probe gave no answer, its problems otherwise.
+    """
+    host = config.hosts[rank]
+    check = HostCheck(rank=host.rank, host=host.host, where=login, ranks=_ranks_text(host),
+                      ssh="local" if shell.is_local else "ok")
+    message: dict[str, Any] = {"code": PROBE_SOURCE, "action": "probe", "files": list(files),
+                               "master": master_addr,
+                               "connect": [master_addr, master_port, connect_timeout]}
+    if _gpu_per_slot(host):
+        message["count_gpus"] = True
+    result = shell.run(probe_command(host.project_path, host.python_env), message,
+                       timeout=probe_timeout)
+    check.probe = _interpret(check, host, result, probe_timeout)
+    _compare(config, [reference, check], master_addr, master_port)
+    return check
+
+
 def _pick_master_port(held: _MasterPort, shell: Shell, master: HostSpec, master_addr: str,
                       first: int, timeout: float, check: HostCheck) -> str | None:
     """The hosts file names no master port and ``first`` is taken: hold a free port the
@@ -375,6 +420,7 @@ def _interpret(check: HostCheck, host: HostSpec, result: Completed,
         return None
     if result.returncode is None:
         check.python = "no answer"
+        check.down = True
         why = _last_line(result.stderr)
         check.problems.append(f"the pre-flight probe with {py} did not finish within "
                               f"{timeout:g} s{f' ({why})' if why else ''}: is the host "

@@ -34,7 +34,7 @@ from exogym.base.io import atomic_copy_stream
 from exogym.base.plural import plural
 
 from .hostsfile import HostsConfig, load_hosts
-from .preflight import PreflightError, PreflightReport, run_preflight
+from .preflight import HostCheck, PreflightError, PreflightReport, check_host, run_preflight
 from .remote import LocalShell, Shell, SSHShell
 from .shared import SharedFolder, ShareProbeError, find_shared
 from .ssh import (
@@ -349,6 +349,23 @@ class HostSession:
         if raise_on_failure and not report.ok:
             raise PreflightError(report)
         return report
+
+    def recheck(self, rank: int, shell: Shell) -> HostCheck:
+        """Pre-flight one host that was down when :meth:`preflight` ran, now that it
+        answers (``shell``, from :meth:`reconnect`), held to the master's findings of that
+        pre-flight (:func:`distributed.hosts.preflight.check_host`).
+
+        Raises:
+            RuntimeError: when no pre-flight with the master's findings has run.
+        """
+        if self.report is None or self.report.checks[0].probe is None:
+            raise RuntimeError("recheck needs the run's pre-flight, with the master's probe, "
+                               "first (HostSession.preflight)")
+        return check_host(self.config, rank, shell, self.login(rank), self.report.checks[0],
+                          master_addr=self.master_addr, master_port=self.config.master_port,
+                          files=code_files(self.project_root),
+                          connect_timeout=self.ssh.connect_timeout,
+                          probe_timeout=self.probe_timeout)
 
     def fetch(self, rank: int, path: str | os.PathLike[str],
               local_path: str | os.PathLike[str]) -> Path:

@@ -11,6 +11,10 @@ death takes it away. While the job runs, this watch:
   channel (a line on its stdout over SSH): either keeps it alive, so a stranger
   who deletes its key in the store cannot make it look silent (the deletions
   are counted and told at the end);
+- starts without the ranks of hosts that did not answer pre-flight (``missing``),
+  declared lost before any rank starts; their hosts are tried every
+  ``probe_interval`` seconds, pre-flighted when they answer, and their ranks
+  started then, to join as a lost rank rejoins;
 - probes a lost rank's host every ``probe_interval`` seconds over a fresh SSH
   connection; once it answers, starts the rank again, and the rank rejoins at
   the next round with the state a live peer hands it. A rank whose process
@@ -30,7 +34,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -70,6 +74,9 @@ class ElasticAttempt:
         interrupted: the signal that interrupted the launcher, if any.
         progress: the run's progress, which stops a run that makes none
             (:mod:`distributed.launch.progress`).
+        missing: hosts (by index) that did not answer pre-flight, with what failed: their
+            ranks start lost, and are started once the host answers and passes its own
+            pre-flight (:meth:`distributed.hosts.session.HostSession.recheck`).
     """
 
     def __init__(self, plans: Sequence[RankPlan], session: HostSession,
@@ -77,7 +84,8 @@ class ElasticAttempt:
                  lost_after: float, probe_interval: float,
                  say: Callable[[str, str | None], None],
                  interrupted: Callable[[], str | None],
-                 progress: ProgressWatch | None = None) -> None:
+                 progress: ProgressWatch | None = None,
+                 missing: Mapping[int, str] | None = None) -> None:
         self.plans = list(plans)
         self.session = session
         self.context = context
@@ -106,12 +114,18 @@ class ElasticAttempt:
         self._probing: set[int] = set()
         self._held: dict[int, float] = {}  # rank -> monotonic time before which it stays down
         self._results: dict[int, RankResult] = {}
+        self.missing = dict(missing or {})
+        #: Ranks never started: their host has not answered since the run's pre-flight.
+        self.unstarted: set[int] = {p.rank for p in self.plans if p.host.rank in self.missing}
+        #: Ranks of such hosts that answered during the run, but failed their pre-flight.
+        self.not_ready: dict[int, str] = {}
         # Here, not at the top: the launcher's module stays free of torch until a run needs it.
         from exogym import comm
         from exogym.membership import hosts as protocol
 
         self.protocol = protocol
         self.comm = comm
+        self.told = protocol.ToldChanges()  # which logged changes are new
         master = self.plans[0]
         self.store = comm.open_store(master.master_addr, master.master_port, is_master=True,
                                      timeout_s=30,
@@ -133,6 +147,8 @@ class ElasticAttempt:
             self.logged += 1
             if decided.get("stop"):
                 continue  # not a membership anyone trains in: the stop itself is told once
+            if not self.told.is_new(decided):
+                continue  # a change told already (one loss logged at two steps, say)
             entry = {k: decided[k] for k in ("step", "ranks", "hosts", "reason")}
             self.membership.append(entry)
             self.context.on_event({"event": "membership", **entry})
@@ -262,6 +278,42 @@ class ElasticAttempt:
             break
         self._probing.discard(rank)
 
+    def _probe_missing(self, host: int) -> None:
+        """Reach a host that did not answer the run's pre-flight until it answers, every
+        ``probe_interval`` seconds; pre-flight it then, and start its ranks. Its absence
+        was told once, before the start: a try that fails again is not told again."""
+        ranks = sorted(r for r in self.unstarted if self.plans[r].host.rank == host)
+        try:
+            while not self._ending.wait(self.probe_interval):
+                with self._session_lock:
+                    outcome = self.session.reconnect(host)
+                if isinstance(outcome, Exception) or self._ending.is_set():
+                    continue
+                try:
+                    check = self.session.recheck(host, outcome)
+                except Exception as exc:  # noqa: BLE001 - a probe's odd answer: not ready
+                    problems = f"its pre-flight could not be read ({exc!r})"
+                else:
+                    if check.down or self._ending.is_set():
+                        continue
+                    problems = "; ".join(check.problems)
+                span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"{ranks[0]}"
+                label = f"[{self.plans[ranks[0]].host.host}:{span}]"
+                if problems:
+                    self.say(f"{label} answers now, but is not ready: {problems}; it "
+                             "is not started in this run", "red")
+                    for rank in ranks:
+                        self.not_ready[rank] = problems
+                    return
+                self.say(f"{label} answers now: starting "
+                         f"{plural(len(ranks), 'rank')} there", "green")
+                for rank in ranks:
+                    self.unstarted.discard(rank)
+                    self._start(rank, outcome)
+                return
+        finally:
+            self._probing.difference_update(ranks)
+
     def hold(self, rank: int, until: float) -> None:
         """Keep ``rank`` down until ``until`` (``time.monotonic()``): once lost, it is not
         started again before then, as a host that reboots (an injected ``kill:...+Ds``)."""
@@ -321,9 +373,20 @@ class ElasticAttempt:
         """Start every rank and watch until the job ends; every rank's result."""
         for plan in self.plans:
             self.store.set(self.protocol.key("host", plan.rank), plan.host.host)
-        with ThreadPoolExecutor(max_workers=max(1, min(32, len(self.plans)))) as pool:
+        # Declared lost before any rank starts, so that the start's members leave them out.
+        for rank in sorted(self.unstarted):
+            why = f"did not answer pre-flight: {self.missing[self.plans[rank].host.rank]}"
+            self.protocol.declare_absent(self.store, rank, why)
+            self.lost[rank] = why
+            self._host(rank, "lost", why)
+        starting = [p for p in self.plans if p.rank not in self.unstarted]
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(starting)))) as pool:
             list(pool.map(lambda p: self._start(p.rank, self.session.shell(p.host.rank)),
-                          self.plans))
+                          starting))
+        for host in sorted({self.plans[r].host.rank for r in self.unstarted}):
+            self._probing.update(r for r in self.unstarted if self.plans[r].host.rank == host)
+            threading.Thread(target=self._probe_missing, args=(host,), daemon=True,
+                             name=f"probe-host{host}").start()
         stopping_since: float | None = None
         forced = False
         while True:
@@ -358,8 +421,8 @@ class ElasticAttempt:
                         # The run is over: ranks still away will not be needed.
                         self._ending.set()
                         for rank in list(self.lost):
-                            run = self.runs[rank]
-                            if run.running and not run.stop_requested:
+                            run = self.runs.get(rank)
+                            if run is not None and run.running and not run.stop_requested:
                                 run.stop_requested = True
                                 threading.Thread(target=run.stop, daemon=True).start()
             except Exception as exc:  # noqa: BLE001 - the store is ours; keep watching
@@ -378,6 +441,9 @@ class ElasticAttempt:
         self._read_log()
         results = []
         for rank in range(len(self.plans)):
+            if rank not in self.runs:  # its host never answered
+                results.append(self._never_started(rank))
+                continue
             result = self._finish(self.runs[rank])
             if rank in self.lost and result.exit_code != 0:
                 result = _lost_result(result, self.lost[rank])
@@ -396,6 +462,17 @@ class ElasticAttempt:
         return AttemptResult(restart=self.restart, ranks=tuple(results), first_failure=first,
                              interrupted=self.interrupted(), survived=survived,
                              stop_reason=self.stop_reason, checkpointed=self.checkpointed)
+
+    def _never_started(self, rank: int) -> RankResult:
+        """The result of a rank whose host did not answer from pre-flight to the end."""
+        plan = self.plans[rank]
+        problems = self.not_ready.get(rank)
+        reason = (f"never started: its host {self.lost[rank]}, nor later in the run"
+                  if problems is None else f"never started: its host did not answer "
+                  f"pre-flight, and failed it when it answered during the run: {problems}")
+        return RankResult(rank=rank, host=plan.host.host, exit_code=None, reason=reason,
+                          stopped=False, duration_s=0.0,
+                          log_path=self.run_dir / f"rank{rank}.log", last_lines=())
 
     def close(self) -> None:
         """Stop probing and close the store (the ranks are gone by now)."""

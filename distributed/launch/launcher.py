@@ -18,7 +18,9 @@ What ``run`` does:
 
 1. Optionally copies the project's tracked files to every remote host (``sync=True``).
 2. Pre-flight on all hosts in parallel (``distributed.hosts.preflight``); nothing
-   starts unless every check passes (``PreflightError`` otherwise).
+   starts unless every check passes (``PreflightError`` otherwise), except that a
+   run with ``min_nodes`` starts without hosts that are down, when enough others
+   pass, and takes each in once it answers (``Launcher.preflight``).
 3. Starts each host's ranks (one per slot, numbered host by host) as ``cd
    project_path && python_env ARGS``: the master's as local subprocesses when
    the master is this machine, every other over SSH (one connection per host,
@@ -190,6 +192,10 @@ class Launcher:
                     "that no rank's loss takes it away, and it listens on the master's "
                     "address, which is not one of this machine's; start the run from that "
                     "machine")
+        #: Hosts (by index) that did not answer pre-flight, with what failed, which a run
+        #: with ``min_nodes`` starts without and takes in once they answer (:meth:`preflight`).
+        self.missing: dict[int, str] = {}
+        self._accepted: PreflightReport | None = None  # a failed pre-flight the run starts on
         #: Every change of membership of the last attempt (``min_nodes``), as summary.json
         #: records it: ``{"step", "ranks", "hosts", "reason"}``.
         self.membership: list[dict[str, Any]] = []
@@ -279,6 +285,64 @@ class Launcher:
         """Close the session's connections, when the launcher opened the session."""
         if self._owns_session:
             self.session.close()
+
+    # ------------------------------------------------------------------ pre-flight
+
+    def preflight(self, *, show: bool = True) -> PreflightReport:
+        """Pre-flight every host (:meth:`HostSession.preflight`) and decide whether the run
+        can start.
+
+        Every host must pass, except with ``min_nodes``: hosts that are down (SSH cannot
+        reach them, or their probe gives no answer) are left out when the master and
+        hosts with at least ``min_nodes`` ranks pass. The run then starts without them,
+        each named once here with what failed, and takes each in once it answers
+        (:attr:`missing`; :mod:`distributed.launch.elastic_attempt`).
+
+        Args:
+            show: print the report as a table.
+
+        Returns:
+            The report.
+
+        Raises:
+            PreflightError: a host failed and the run cannot start without it (no
+                ``min_nodes``, a host that answered with a problem, the master, or too
+                few ranks left).
+        """
+        report = self.session.preflight(raise_on_failure=False, show=show)
+        self.missing = {}
+        self._accepted = None
+        if report.ok:
+            return report
+        min_nodes = self.options.min_nodes
+        failed = [c for c in report.checks if not c.ok]
+        if min_nodes is None or not any(c.down for c in failed):
+            raise PreflightError(report)
+        answering = [c for c in failed if not c.down]
+        if answering:
+            raise PreflightError(report, note=(
+                f"with min_nodes={min_nodes} a run starts without hosts that do not answer, "
+                f"but {', '.join(c.host for c in answering)} answered with a problem: fix it"))
+        if failed[0].rank == 0:
+            raise PreflightError(report, note=(
+                f"with min_nodes={min_nodes} a run starts without hosts that do not answer, "
+                f"but not without the master {failed[0].host}: it holds the run's store and "
+                "rank 0, which hands the other ranks their first weights"))
+        world = self.config.world_size
+        ready = sum(len(self.config.hosts[c.rank].ranks) for c in report.checks if c.ok)
+        if ready < min_nodes:
+            raise PreflightError(report, note=(
+                f"with min_nodes={min_nodes} a run starts without hosts that do not answer, "
+                f"but only {ready} of {plural(world, 'rank')} answered"))
+        for c in failed:
+            self.missing[c.rank] = "; ".join(c.problems)
+            self._say(f"{c.label} did not answer pre-flight ({self.missing[c.rank]}): the run "
+                      f"starts without it on {ready} of {plural(world, 'rank')} "
+                      f"(min_nodes={min_nodes}); it is tried every "
+                      f"{self.options.probe_interval:g} s and joins once it answers",
+                      style="yellow")
+        self._accepted = report
+        return report
 
     # ------------------------------------------------------------------ plan / dry run
 
@@ -388,12 +452,14 @@ class Launcher:
             into a ``LaunchError``.
 
         Raises:
-            PreflightError: when pre-flight fails (nothing was started).
+            PreflightError: when pre-flight fails and the run cannot start without the
+                failed hosts (nothing was started; see :meth:`preflight`).
         """
         if self.options.sync and not self.session.synced:
             self.session.sync()
-        if self.session.report is None or not self.session.report.ok:
-            self.session.preflight()
+        report = self.session.report
+        if report is None or not (report.ok or report is self._accepted):
+            self.preflight()
         if self.injector is not None and not self.injector.checked:
             self.injector.check()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -473,13 +539,16 @@ class Launcher:
             on_output=lambda line: self._deliver(self._on_output, line),
             on_event=on_event, exits=self._exits)
         if self.options.min_nodes is not None:
-            self._say(f"starting {plural(len(plans), 'rank')}; the run goes on while at least "
+            starting = sum(p.host.rank not in self.missing for p in plans)
+            self._say(f"starting {f'{starting} of ' if starting < len(plans) else ''}"
+                      f"{plural(len(plans), 'rank')}; the run goes on while at least "
                       f"{self.options.min_nodes} remain; logs in {self.run_dir}")
             elastic = ElasticAttempt(plans, self.session, context, self.run_dir, restart,
                                      self.options.min_nodes, self.options.lost_after,
                                      self.options.probe_interval,
                                      lambda text, style: self._say(text, style=style),
-                                     lambda: self._interrupted, progress)
+                                     lambda: self._interrupted, progress,
+                                     missing=self.missing)
             if injector is not None:
                 injector.begin_attempt(AttemptView(
                     run_of=elastic.runs.get,

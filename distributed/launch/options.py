@@ -73,8 +73,11 @@ class LaunchOptions:
         probe_timeout: seconds a host's pre-flight probe may take (default 60).
         min_nodes: keep training while at least this many ranks remain
             (:mod:`exogym.membership.hosts`): a lost rank is dropped, its host probed and
-            the rank started again when the host answers; it rejoins at the next
-            round. ``None`` (default): every rank is needed, a lost one stops the job.
+            the rank started again when the host answers; it rejoins as the strategy
+            allows (during a round, or at the next). A host down at pre-flight is left
+            out when enough others answer, and joins the same way
+            (:meth:`distributed.launch.launcher.Launcher.preflight`). ``None``
+            (default): every rank is needed, a lost one stops the job.
         lost_after: with ``min_nodes``, seconds without a heartbeat after which a
             rank is declared lost (frozen, asleep, cut off); default 10.
         probe_interval: with ``min_nodes``, seconds between attempts to reach the

@@ -10,7 +10,10 @@ only; their tensors travel on gloo groups formed for each membership
   dropped the connection, or its heartbeat stopped for the deadline: frozen,
   asleep, cut off) by bumping the rank's *loss generation* in the store. The
   survivors of a collective that loses it complete the collective without it
-  (:mod:`exogym.comm.elastic_groups` says how they agree).
+  (:mod:`exogym.comm.elastic_groups` says how they agree). A rank whose host
+  did not answer pre-flight is declared lost before any rank starts
+  (:func:`declare_absent`): the start's members leave it out, and it joins as a
+  lost rank rejoins (told as ``joined``, not ``rejoined``).
 - **Membership.** At every round boundary (each step of a per-step strategy),
   the first rank to arrive decides the members of the round with a
   compare-and-set: the members of the last round that were not lost since,
@@ -66,7 +69,8 @@ from exogym.comm.store import ControlStore
 from exogym.membership.simulated import MembershipStop
 
 __all__ = ["ElasticMembership", "MembershipStop", "NAMESPACE", "PeerLost", "RankDropped",
-           "declare_lost", "key", "loss_generation", "membership_log", "ready_generation"]
+           "ToldChanges", "declare_absent", "declare_lost", "key", "loss_generation",
+           "membership_log", "ready_generation"]
 
 
 #: How often a returning rank tries to join a round under way while it waits.
@@ -116,6 +120,35 @@ def membership_log(store: ControlStore, after: int = 0, whole: bool = False
             break
         out.append(json.loads(raw))
     return out
+
+
+class ToldChanges:
+    """Which entries of the membership log are told: each change of membership once, at
+    the step of its first entry.
+
+    An entry that changes nothing against those told before it (the same members, and
+    none of its joiners back at a loss generation not told yet) repeats a change already
+    told, as when one loss is logged at two steps, or one join twice: it is left out. The
+    launcher (its lines and events, and through them the dashboards, ``summary.json``,
+    the trace, ``replay`` and goodput) and :meth:`ElasticMembership.changes` (a rank's
+    own record) read the log through it, so each gives every change one line, one step.
+    """
+
+    def __init__(self) -> None:
+        self._ranks: frozenset[int] | None = None
+        self._gens: dict[int, int] = {}
+
+    def is_new(self, entry: dict[str, Any]) -> bool:
+        """Whether ``entry`` (read in the log's order) tells a change; noted if it does."""
+        ranks = frozenset(int(r) for r in entry.get("ranks", ()))
+        gens = {int(r): int(g) for r, g in (entry.get("gens") or {}).items()}
+        back = [int(r) for r in entry.get("joined", ())
+                if int(r) not in gens or gens[int(r)] != self._gens.get(int(r))]
+        if ranks == self._ranks and not back:
+            return False
+        self._ranks = ranks
+        self._gens.update({r: g for r, g in gens.items() if r in ranks})
+        return True
 
 
 @dataclass(frozen=True)
@@ -199,6 +232,21 @@ def _keep_looking(ref: weakref.ref[Lookout], open_store: Callable[[float], Contr
         del lookout
         if stop.wait(interval):
             return
+
+
+def declare_absent(store: ControlStore, rank: int, why: str) -> None:
+    """Declare ``rank`` lost before the run starts (its host did not answer pre-flight; the
+    launcher does, before any rank starts): the start's members leave it out, and it
+    joins, as a lost rank rejoins, once its host answers."""
+    generation = declare_lost(store, rank, why)
+    store.set(key("absent", rank), str(generation))
+
+
+def _return_verb(store: ControlStore, rank: int, generation: int) -> str:
+    """``joined`` for a rank that comes in for the first time (absent at the start, not
+    lost since), ``rejoined`` for one that was a member before."""
+    raw = store.get_if_set(key("absent", rank))
+    return "joined" if raw is not None and int(raw) == generation else "rejoined"
 
 
 def _phrase(ranks: Sequence[int], hosts: dict[int, str], verb: str) -> str:
@@ -296,7 +344,9 @@ class ElasticMembership:
         earlier = [s for s in self.decisions if s < start]
         hosts = self._hosts()
         if not earlier:
-            members = list(range(self.num_nodes))
+            # A rank declared lost before the start (its host did not answer pre-flight) is
+            # no member: it joins, as a lost rank rejoins, once its host answers.
+            members = [r for r in range(self.num_nodes) if lost[r] == 0]
             return {"step": start, "epoch": start, "ranks": members, "gens": lost, "joined": [],
                     "left": [],
                     "reason": "start", "hosts": [hosts.get(r, f"rank {r}") for r in members],
@@ -321,8 +371,10 @@ class ElasticMembership:
                 k = key("why", r, lost[r])
                 whys.append(self.store.get(k).decode() if self.store.check([k]) else "lost")
             parts.append(_phrase(left, hosts, "lost") + f" ({'; '.join(whys)})")
-        if joined:
-            parts.append(_phrase(joined, hosts, "rejoined"))
+        for verb in ("joined", "rejoined"):
+            these = [r for r in joined if _return_verb(self.store, r, lost[r]) == verb]
+            if these:
+                parts.append(_phrase(these, hosts, verb))
         stop = None
         if len(members) < self.min_nodes:
             stop = (f"{'; '.join(parts) or 'ranks lost'}: {len(members)} of {self.num_nodes} "
@@ -626,7 +678,9 @@ class ElasticMembership:
         members = sorted({*found["ranks"], *map(int, record["ranks"]), self.rank})
         log_change(self.store, json.dumps({
             "step": step, "epoch": start, "ranks": members, "joined": [self.rank], "left": [],
-            "gens": {}, "reason": _phrase([self.rank], hosts, "rejoined during a round"),
+            "gens": {self.rank: generation}, "reason": _phrase([self.rank], hosts,
+                                          f"{_return_verb(self.store, self.rank, generation)} "
+                                          "during a round"),
             "hosts": [hosts.get(r, f"rank {r}") for r in members], "stop": None}).encode())
         return True
 
@@ -675,8 +729,10 @@ class ElasticMembership:
         return sorted(int(r) for r in found["ranks"]), int(found["writer"])
 
     def changes(self, max_steps: int | None = None) -> list[dict[str, Any]]:
-        """Every decided change of membership: ``{"step", "ranks", "hosts", "reason"}``."""
+        """Every decided change of membership, each once (:class:`ToldChanges`):
+        ``{"step", "ranks", "hosts", "reason"}``."""
+        told = ToldChanges()
         out = [{k: entry[k] for k in ("step", "ranks", "hosts", "reason")}
                for entry in membership_log(self.store, whole=True)
-               if max_steps is None or entry["step"] <= max_steps]
+               if told.is_new(entry) and (max_steps is None or entry["step"] <= max_steps)]
         return sorted(out, key=lambda e: e["step"])
