@@ -9,6 +9,7 @@ starts; what ``--dry-run`` tells; warnings before a run that cannot go as meant;
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -65,7 +66,10 @@ class FakeServer:
                 self.held.append(conn)
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):  # wakes the accept() a close alone would not
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+        self.thread.join(10)
         for conn in self.held:
             conn.close()
 

@@ -182,6 +182,31 @@ def test_outputs_from_before_run_identities_are_never_resumed_nor_written_over(t
     assert (base / "model.safetensors").read_text() == "old"
 
 
+def test_runs_of_one_folder_started_within_a_second_are_told_apart(tmp_path, monkeypatch):
+    # recommend times its candidates one after the other in one scratch folder, each run
+    # replacing the last: a start time in whole seconds made the second of two runs
+    # within a second read as the first with different settings ("the settings on this
+    # host differ"), and a noisy machine's timing run failed.
+    import time as real_time
+    import types
+
+    from distributed.profiles import run_dir
+
+    clock = types.SimpleNamespace(**vars(real_time))  # one second, read at two moments
+    clock.now = 1_800_000_000.25
+    clock.time = lambda: clock.now
+    clock.gmtime = lambda secs=None: real_time.gmtime(clock.now if secs is None else secs)
+    monkeypatch.setattr(run_dir, "time", clock)
+    first = place_run(profile(tmp_path, output_dir="runs/probe"), overwrite=True)
+    replace_rank_folder(profile(tmp_path, output_dir=str(first.folder)), first.identity)
+    other = profile(tmp_path, output_dir=str(first.folder), lr=0.5)
+    clock.now += 0.5
+    second = place_run(other, overwrite=True)
+    assert second.identity.started != first.identity.started
+    replaced = rank_identity(other, 0, 2, overwrite=True, started=second.identity.started)
+    assert replaced.started == second.identity.started
+
+
 # --- a rank started with rank variables: the folder it is given --------------------------
 
 

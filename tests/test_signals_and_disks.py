@@ -397,3 +397,9 @@ def test_a_process_that_leaves_waits_for_a_whole_block_under_way_and_lets_none_b
     late.join(0.5)
     assert late.is_alive() and order == ["its event sent", "the process leaves"], order
     releaser.join()
+    whole = stop_signal._whole
+    with whole.changed:  # the held thread ends with the test, not with the test process
+        whole.closed = False
+        whole.changed.notify_all()
+    late.join(10)
+    assert not late.is_alive()

@@ -49,6 +49,9 @@ def wandb_offline(monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     for name in ("WANDB_API_KEY", "WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY"):
         monkeypatch.delenv(name, raising=False)
+    yield
+    if "wandb" in sys.modules:  # its service's threads would keep this test process's later
+        sys.modules["wandb"].teardown()  # fits from forking their ranks
 
 
 def invoke(*args: str):

@@ -75,12 +75,18 @@ class NothingToResumeError(RunFolderError):
 
 
 #: A start time as :func:`utc_now` writes it.
-STARTED = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
+STARTED = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,6})?Z")
 
 
 def utc_now() -> str:
-    """This moment as an identity's start time: ISO 8601, UTC, whole seconds."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    """This moment as an identity's start time: ISO 8601, UTC, to the microsecond.
+
+    The start tells two runs of one folder apart (:meth:`RunIdentity.same_run`): two
+    runs started within one second (``recommend`` times its candidates one after the
+    other in one scratch folder) must not read as one run whose hosts differ.
+    """
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"
 
 
 def _plain(value: Any) -> Any:
