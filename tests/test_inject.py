@@ -478,7 +478,13 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
             throttles = _throttle_files(tmp_path / "launch", ranks=3)
             for path in throttles:
                 _set_factor(path, 0.02)
-            run.wait_for(f"injected {last} on", 240, word="ended at")
+            run.wait_for(f"injected {last} on", 240)  # its start
+            started = run.last_index
+            run.wait_for(f"injected {last} on", 240, after=started + 1, word="ended at")
+            # Its host lost, then back: the launcher's line of the return may come before
+            # the injector's line of the end, which waits for the host to confirm it.
+            run.wait_for("lost", 120, after=started + 1,
+                         word=f"{third if can_cut else second} (rank")
             run.wait_for("training on", 120, after=run.last_index + 1,
                          word=f"{second}, {third}")
             for path in throttles:
