@@ -14,11 +14,11 @@ every peer to :class:`FrontLimits`:
 
 - **Connections.** At most ``per_address`` open connections from one address and
   ``total`` in all (fewer where the process may open too few descriptors: each relayed
-  connection takes two). A connection must complete torch's client handshake
-  (validate, then ping) within ``handshake_s`` of being accepted, or it is closed; only
-  then is a connection to the server opened for it. When every place is taken, the
-  connection waiting longest for its handshake is closed to make room; when none does,
-  the newcomer is refused.
+  connection takes two; a soft limit below 4,096 is first raised toward it). A
+  connection must complete torch's client handshake (validate, then ping) within
+  ``handshake_s`` of being accepted, or it is closed; only then is a connection to the
+  server opened for it. When every place is taken, the connection waiting longest for
+  its handshake is closed to make room; when none is waiting, the newcomer is refused.
 - **Time.** A request must arrive whole within ``request_s`` of its first byte; an
   answer the peer does not take within ``write_s`` is given up, and the connection
   closed. A connection past its handshake may stay idle: a rank's client waits
@@ -78,6 +78,8 @@ _OUT_HIGH = 256 * 1024
 _SWEEP_S = 0.25
 #: Descriptors kept for the rest of the process when the bound in all is derived.
 _SPARE_FDS = 256
+#: The soft descriptor limit a front raises a lower one toward (two per connection).
+_WANTED_FDS = 4096
 
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
@@ -715,11 +717,19 @@ _VALIDATE_BYTES = bytes([VALIDATE]) + _U32.pack(MAGIC)
 
 def descriptor_room() -> int:
     """Connections a front may relay with the descriptors this process may open (two each),
-    keeping :data:`_SPARE_FDS` for the rest of the process."""
+    keeping a quarter of them (at most :data:`_SPARE_FDS`) for the rest of the process.
+
+    A soft limit below :data:`_WANTED_FDS` (macOS gives a terminal 256) is first raised
+    toward it, as far as the hard limit allows."""
     try:
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < _WANTED_FDS:
+            wanted = _WANTED_FDS if hard == resource.RLIM_INFINITY else min(hard, _WANTED_FDS)
+            with contextlib.suppress(OSError, ValueError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+                soft = wanted
     except (OSError, ValueError):
         return 1 << 30
     if soft == resource.RLIM_INFINITY:
         return 1 << 30
-    return max(16, (soft - _SPARE_FDS) // 2)
+    return max(16, (soft - min(_SPARE_FDS, soft // 4)) // 2)
