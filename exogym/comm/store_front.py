@@ -42,7 +42,6 @@ stderr, naming the address and the bound, and later ones are counted
 from __future__ import annotations
 
 import contextlib
-import resource
 import selectors
 import socket
 import struct
@@ -721,6 +720,10 @@ def descriptor_room() -> int:
 
     A soft limit below :data:`_WANTED_FDS` (macOS gives a terminal 256) is first raised
     toward it, as far as the hard limit allows."""
+    try:
+        import resource  # not on every platform; imported here, where a front starts
+    except ImportError:
+        return 1 << 30
     try:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY and soft < _WANTED_FDS:
