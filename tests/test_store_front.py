@@ -257,3 +257,24 @@ def test_a_local_store_has_no_front_and_a_store_across_hosts_reports_its_public_
     across.close()
     with socket.socket() as late:
         assert late.connect_ex(("127.0.0.1", across.port)) != 0
+
+
+def test_a_request_trickled_in_is_cut_off_and_a_read_that_could_answer_too_much_is_refused(
+        capfd):
+    limits = FrontLimits(request_s=0.5, reply_bytes=MIB)
+    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=10, key=KEY, front=limits)
+    with stranger(master.port) as sock:
+        sock.sendall(b"\x01" + struct.pack("<Q", 4))  # a set whose key never comes
+        assert closed_by_peer(sock, 5)
+    with stranger(master.port) as sock:
+        assert send_value(sock, b"/wide", 100_000)
+        key = b"/wide"
+        many = b"".join(struct.pack("<Q", len(key)) + key for _ in range(20))
+        sock.sendall(b"\x0a" + struct.pack("<Q", 20) + many)  # 2 MB of answer, asked for
+        assert closed_by_peer(sock)
+    assert master.front.refusals["request_s"] == 1
+    assert master.front.refusals["reply_bytes"] == 1
+    err = capfd.readouterr().err
+    assert "its request did not arrive whole within 0.5 s" in err, err
+    assert "its read could answer 2,002,820 bytes; an answer may hold 1 MiB" in err, err
+    master.close()
