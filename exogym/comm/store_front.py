@@ -103,8 +103,10 @@ class FrontLimits:
         reply_bytes: bytes an answer may come to (a read of many keys).
     """
 
-    per_address: int = 64
-    total: int = 512
+    # A rank opens about five clients of the store, and one more for each group it forms
+    # (kept while the group lives): a host of eight ranks after a few membership changes.
+    per_address: int = 256
+    total: int = 1024
     handshake_s: float = 5.0
     request_s: float = 10.0
     write_s: float = 30.0
