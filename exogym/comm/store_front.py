@@ -103,8 +103,8 @@ class FrontLimits:
         reply_bytes: bytes an answer may come to (a read of many keys).
     """
 
-    # A rank opens about five clients of the store, and one more for each group it forms
-    # (kept while the group lives): a host of eight ranks after a few membership changes.
+    # A rank holds several clients of the store (22 for three ranks, a host lost and back),
+    # and one more for each group it forms, kept while the group lives.
     per_address: int = 256
     total: int = 1024
     handshake_s: float = 5.0
