@@ -278,3 +278,30 @@ def test_a_request_trickled_in_is_cut_off_and_a_read_that_could_answer_too_much_
     assert "its request did not arrive whole within 0.5 s" in err, err
     assert "its read could answer 2,002,820 bytes; an answer may hold 1 MiB" in err, err
     master.close()
+
+
+def test_one_address_holds_at_most_its_share_of_the_store_and_reading_its_keys_moves_none(
+        capfd):
+    limits = FrontLimits(stored_bytes_per_address=MIB // 4)
+    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=10, key=KEY, front=limits)
+    rank = open_store("127.0.0.1", master.port, timeout_s=10, key=KEY)
+    with stranger(master.port) as sock:
+        assert send_value(sock, b"/exogym/beat/1", 100_000)
+        assert send_value(sock, b"/exogym/beat/2", 100_000)
+        assert not send_value(sock, b"/exogym/beat/3", 100_000)
+    with stranger(master.port, "127.0.0.3") as sock:  # another address has a share of its own
+        assert send_value(sock, b"/exogym/beat/3", 100_000)
+    # The run looks at the stranger's keys (a compare-and-set that never matches): the
+    # bytes there stay the stranger's, so the run's own writes are not refused for them.
+    for _ in range(5):
+        assert rank.get_if_set("exogym/beat/1") is None
+        assert rank.get_if_set("exogym/beat/2") is None
+    rank.set("exogym/beat/1", "x" * 60_000)  # a set takes the key, and frees the stranger's
+    rank.set("exogym/beat/4", "x" * 60_000)
+    assert master.get("exogym/beat/4") == b"x" * 60_000
+    with stranger(master.port) as sock:
+        assert send_value(sock, b"/exogym/elsewhere", 100_000)
+    err = capfd.readouterr().err
+    assert err.count("store: refused a connection from 127.0.0.2: its writes would hold more "
+                     "than 0.25 MiB of the store, the most one address's may") == 1, err
+    master.close()

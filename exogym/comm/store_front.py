@@ -26,8 +26,9 @@ every peer to :class:`FrontLimits`:
 - **Bytes.** A key may hold ``key_bytes``, a value ``value_bytes``, a request
   ``keys_per_request`` keys and ``request_bytes`` in all; a request past one is refused
   at its length, before its payload arrives. Everything the store holds (keys, values,
-  and :data:`KEY_OVERHEAD` for each key) may come to ``stored_bytes``: a write past it
-  is refused. A read whose answer could pass ``reply_bytes`` is refused.
+  and :data:`KEY_OVERHEAD` for each key) may come to ``stored_bytes``, and what one
+  address wrote to ``stored_bytes_per_address``: a write past either is refused. A
+  read whose answer could pass ``reply_bytes`` is refused.
 - **One request at a time.** A connection's next request reaches the server only
   once the answer to the last has passed back (as torch's own client does: a wait
   that times out sends its cancel while it waits, which is let through), so the
@@ -100,6 +101,7 @@ class FrontLimits:
         request_bytes: bytes of one request.
         stored_bytes: bytes the store may hold in all (keys, values, and
             :data:`KEY_OVERHEAD` a key).
+        stored_bytes_per_address: of those, bytes one address's writes may hold.
         reply_bytes: bytes an answer may come to (a read of many keys).
     """
 
@@ -115,11 +117,13 @@ class FrontLimits:
     keys_per_request: int = 4096
     request_bytes: int = 320 * 1024
     stored_bytes: int = 64 * 1024 * 1024
+    stored_bytes_per_address: int = 16 * 1024 * 1024
     reply_bytes: int = 8 * 1024 * 1024
 
     def __post_init__(self) -> None:
         for name in ("per_address", "total", "key_bytes", "value_bytes", "keys_per_request",
-                     "request_bytes", "stored_bytes", "reply_bytes"):
+                     "request_bytes", "stored_bytes", "stored_bytes_per_address",
+                     "reply_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"FrontLimits.{name} must be at least 1, "
                                  f"got {getattr(self, name)}")
@@ -381,7 +385,10 @@ class StoreFront:
         self._lock = threading.Lock()
         self._connections: dict[int, _Connection] = {}  # by the peer socket's descriptor
         self._per_address: Counter[str] = Counter()
-        self._stored: dict[bytes, int] = {}
+        self._stored: dict[bytes, int] = {}  # what each key may hold, at most
+        self._holder: dict[bytes, str] = {}  # whose writes each key holds
+        self._held_by: Counter[str] = Counter()  # bytes of the store each address's writes hold
+        #: Bytes the store may hold now (:attr:`FrontLimits.stored_bytes`).
         self.stored_bytes = 0
         self._selector = selectors.DefaultSelector()
         self._selector.register(listener, selectors.EVENT_READ, None)
@@ -436,6 +443,9 @@ class StoreFront:
                              f"{limits.request_bytes:,} bytes",
             "stored_bytes": f"its write would take the store past "
                             f"{limits.stored_bytes / mib:g} MiB, the most it holds",
+            "stored_bytes_per_address": f"its writes would hold more than "
+                                        f"{limits.stored_bytes_per_address / mib:g} MiB of "
+                                        f"the store, the most one address's may",
             "reply_bytes": f"its read could answer {detail}; an answer may hold "
                            f"{limits.reply_bytes / mib:g} MiB",
             "command": f"it sent {detail}",
@@ -629,31 +639,58 @@ class StoreFront:
             raise Refused("command", "a second handshake")
 
     def _check_costs(self, conn: _Connection, request: Request) -> None:
+        """Refuse a request past the bounds on what the store holds and answers; else count
+        what the store may then hold, and whose writes it is."""
         if request.command in (GET, MULTI_GET):
             reply = sum(self._stored.get(k, 0) + 8 for k in request.keys)
             if reply > self.limits.reply_bytes:
                 raise Refused("reply_bytes", f"{reply:,} bytes")
         if request.command == DELETE_KEY:
-            self.stored_bytes -= self._stored.pop(request.keys[0], 0)
+            self._charge(request.keys[0], 0, None)
             return
         if not request.writes:
             return
-        after = dict.fromkeys(k for k, _, _ in request.writes)
+        # What each key may hold after the request, and whether the writer's bytes are
+        # then all of it (a set) or perhaps none (a compare-and-set or an add may fail,
+        # and then what was there stays, charged to whoever wrote it).
+        after: dict[bytes, tuple[int, bool]] = {}
         for key, size, append in request.writes:
-            before = after[key] if after[key] is not None else self._stored.get(key)
+            before = after[key][0] if key in after else self._stored.get(key, 0)
             if append:
-                held = (before or len(key) + KEY_OVERHEAD) + size
-            elif request.command == COMPARE_SET:
-                held = max(before or 0, len(key) + KEY_OVERHEAD + size)
+                after[key] = ((before or len(key) + KEY_OVERHEAD) + size, True)
+            elif request.command in (COMPARE_SET, ADD):
+                new = len(key) + KEY_OVERHEAD + size
+                after[key] = (max(before, new), new > before)
             else:
-                held = len(key) + KEY_OVERHEAD + size
-            after[key] = held
-        change = sum(held - self._stored.get(k, 0) for k, held in after.items())
+                after[key] = (len(key) + KEY_OVERHEAD + size, True)
+        address = conn.address
+        change = sum(held - self._stored.get(k, 0) for k, (held, _) in after.items())
         if change > 0 and self.stored_bytes + change > self.limits.stored_bytes:
             raise Refused("stored_bytes")
-        for key, held in after.items():
-            self._stored[key] = held
-        self.stored_bytes += change
+        share = self._held_by[address] + sum(
+            held - (self._stored.get(k, 0) if self._holder.get(k) == address else 0)
+            for k, (held, moves) in after.items() if moves)
+        if share > self._held_by[address] and share > self.limits.stored_bytes_per_address:
+            raise Refused("stored_bytes_per_address")
+        for key, (held, moves) in after.items():
+            self._charge(key, held, address if moves else self._holder.get(key))
+
+    def _charge(self, key: bytes, held: int, holder: str | None) -> None:
+        """Count ``held`` bytes at ``key``, as ``holder``'s writes (0: the key is gone)."""
+        old_holder = self._holder.pop(key, None)
+        old = self._stored.pop(key, 0)
+        self.stored_bytes -= old
+        if old_holder is not None:
+            self._held_by[old_holder] -= old
+            if self._held_by[old_holder] <= 0:
+                del self._held_by[old_holder]
+        if held <= 0:
+            return
+        self._stored[key] = held
+        self.stored_bytes += held
+        if holder is not None:
+            self._holder[key] = holder
+            self._held_by[holder] += held
 
     def _forward(self, conn: _Connection, request: Request) -> None:
         data = bytes(conn.incoming[:request.size])
