@@ -24,8 +24,11 @@ import pytest
 from exogym.comm.store import new_run_key, open_store
 from exogym.comm.store_front import (
     MAGIC,
+    WAIT,
     FrontLimits,
     Refused,
+    Request,
+    _answer_for,
     parse_request,
 )
 
@@ -305,3 +308,14 @@ def test_one_address_holds_at_most_its_share_of_the_store_and_reading_its_keys_m
     assert err.count("store: refused a connection from 127.0.0.2: its writes would hold more "
                      "than 0.25 MiB of the store, the most one address's may") == 1, err
     master.close()
+
+
+def test_a_cancelled_wait_ends_at_the_cancels_answer_whether_or_not_the_wait_ended_first():
+    for answers in (b"\x01", b"\x00\x01", b"\x00", b""):
+        answer = _answer_for(Request(WAIT, 0, [b"/k"], []))
+        answer.cancel = True
+        answer.feed(memoryview(answers))
+        assert answer.done == (answers.endswith(b"\x01")), answers
+    answer = _answer_for(Request(WAIT, 0, [b"/k"], []))
+    answer.feed(memoryview(b"\x00"))  # a wait that ended, not cancelled
+    assert answer.done

@@ -301,6 +301,7 @@ class _Answer:
             if kind == "bytes":
                 if self.cancel and left == 1 and data[at] == STOP_WAITING:
                     at += 1  # the wait's own answer: the cancel's follows
+                    self.cancel = False
                     continue
                 taken = min(left, len(data) - at)
                 at += taken
@@ -603,6 +604,7 @@ class StoreFront:
                 if request.command != CANCEL_WAIT:
                     break
                 conn.answer.cancel = True
+                conn.waiting = False  # one cancel; what follows waits for its answer
                 self._forward(conn, request)
                 continue
             self._check_handshake(conn, request)
