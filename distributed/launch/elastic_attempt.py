@@ -477,6 +477,7 @@ class ElasticAttempt:
     def close(self) -> None:
         """Stop probing and close the store (the ranks are gone by now)."""
         self._ending.set()
+        self.store.close()  # its public address at once, not when the object is collected
         del self.store
 
 

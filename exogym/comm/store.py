@@ -21,6 +21,12 @@ it cannot stop the run, change its membership or plant an address.
 :class:`ControlStore` is the only way the project writes to a store. A value
 over :data:`MAX_VALUE_BYTES` is refused in the writer, naming the key, instead
 of reaching the server.
+
+That binds only the project's own writes. A run across hosts hosts its store behind
+a bounded front (:mod:`exogym.comm.store_front`): torch's server listens on loopback
+alone, and the public address is served by a relay that holds every peer to bounds
+on connections, time and bytes, so that what a stranger sends costs the process that
+hosts the store a bounded amount of memory and descriptors.
 """
 
 from __future__ import annotations
@@ -32,11 +38,14 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from .store_front import FrontLimits, StoreFront
 
 #: The largest value the project puts in a store.
 MAX_VALUE_BYTES = 64 * 1024
@@ -253,7 +262,8 @@ class SignedStore(dist.Store):
         timeout_s: how long ``get`` waits for a signed value.
     """
 
-    def __init__(self, inner: dist.Store, key: bytes, timeout_s: float):
+    def __init__(self, inner: dist.Store, key: bytes, timeout_s: float,
+                 port: int | None = None):
         super().__init__()
         if len(key) < 16:
             raise ValueError(f"a run's store key must be at least 16 bytes, got {len(key)}")
@@ -262,6 +272,7 @@ class SignedStore(dist.Store):
         self._probe = _PROBE + os.urandom(16)
         self._key = bytes(key)
         self.timeout_s = timeout_s
+        self._port = port
         # counter -> (the highest value this process saw, the stored bytes it saw it as)
         self._counters: collections.OrderedDict[str, tuple[int, bytes]] = \
             collections.OrderedDict()
@@ -269,8 +280,8 @@ class SignedStore(dist.Store):
 
     @property
     def port(self) -> int:
-        """The inner store's port."""
-        return self.inner.port
+        """The store's port: its front's where it has one, else the inner store's."""
+        return self._port if self._port is not None else self.inner.port
 
     # -- signing ------------------------------------------------------------------------
     def _signature(self, key: str, value: bytes) -> bytes:
@@ -468,18 +479,28 @@ class ControlStore:
         key: the run's key: every value is then signed and checked
             (:class:`SignedStore`); None for a store only this machine reaches.
         timeout_s: with ``key``, how long a read waits for a signed value.
+        front: the bounded front that serves the store's public address, where this
+            process hosts it (:func:`open_store`); closed with this store.
     """
 
-    def __init__(self, store: dist.Store, key: bytes | None = None, timeout_s: float = 300.0):
+    def __init__(self, store: dist.Store, key: bytes | None = None, timeout_s: float = 300.0,
+                 front: StoreFront | None = None):
         self.signed = key is not None
-        self.raw: dist.Store = store if key is None else SignedStore(store, key, timeout_s)
+        self.front = front
+        port = None if front is None else front.port
+        self.raw: dist.Store = store if key is None else SignedStore(store, key, timeout_s, port)
         # The project's calls, each counted (a signed store counts its own).
         self._calls: Any = self.raw if key is not None else _Counted(store)
 
     @property
     def port(self) -> int:
-        """The store's port (a ``TCPStore``'s)."""
-        return self.raw.port
+        """The store's port: the one others reach it at."""
+        return self.front.port if self.front is not None else self.raw.port
+
+    def close(self) -> None:
+        """Stop serving others, where this process hosts the store behind a front."""
+        if self.front is not None:
+            self.front.close()
 
     def set(self, key: str, value: str | bytes) -> None:
         """Set ``key``; refuses a value over :data:`MAX_VALUE_BYTES`."""
@@ -582,7 +603,8 @@ def read_beat(store: ControlStore, key: str, seen: int = 0) -> int:
 
 
 def open_store(addr: str, port: int, *, is_master: bool = False, world_size: int | None = None,
-               timeout_s: float = 300.0, key: bytes | None = None) -> ControlStore:
+               timeout_s: float = 300.0, key: bytes | None = None,
+               front: FrontLimits | bool | None = None) -> ControlStore:
     """The TCP store ranks meet at: hosted here (``is_master``) or reached at ``addr:port``.
 
     Args:
@@ -592,23 +614,48 @@ def open_store(addr: str, port: int, *, is_master: bool = False, world_size: int
         world_size: processes that will join through it (None: not known yet).
         timeout_s: how long a call on the store waits.
         key: the run's key (a run across hosts): every value is signed and checked.
+        front: on the master, serve ``addr:port`` through a bounded front
+            (:class:`~exogym.comm.store_front.StoreFront`, with these limits, or its
+            defaults for True) and torch's server on loopback alone. None: a front
+            for a run across hosts (``key`` given), none for a local one.
     """
     if not is_master:
         return ControlStore(dist.TCPStore(addr, port, world_size, is_master=False,
                                           timeout=timedelta(seconds=timeout_s),
                                           wait_for_workers=False), key, timeout_s)
-    listener = listen_on(addr, port)
+    if front is None:
+        front = key is not None
+    public: socket.socket | None = None
+    if front:
+        public = listen_on(addr, port)
+        try:
+            listener = listen_on("127.0.0.1", 0)
+        except OSError:
+            public.close()
+            raise
+        serve_at = "127.0.0.1"
+    else:
+        listener = listen_on(addr, port)
+        serve_at = addr
     port = listener.getsockname()[1]
     fd = listener.detach()  # the store's server owns the socket from here, and closes it
     try:
-        store = dist.TCPStore(addr, port, world_size, is_master=True,
+        store = dist.TCPStore(serve_at, port, world_size, is_master=True,
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
                               master_listen_fd=fd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.close(fd)
+        if public is not None:
+            public.close()
         raise
-    return ControlStore(store, key, timeout_s)
+    if public is None:
+        return ControlStore(store, key, timeout_s)
+    limits = front if isinstance(front, FrontLimits) else None
+    served = StoreFront(public, (serve_at, port), limits)
+    control = ControlStore(store, key, timeout_s, front=served)
+    weakref.finalize(control, served.close)
+    return control
 
 
 def listen_on(addr: str, port: int) -> socket.socket:
