@@ -1055,7 +1055,9 @@ def test_a_member_lost_while_the_others_form_its_group_does_not_hold_them_the_fo
     for rank in (0, 1):
         assert not isinstance(out[rank], BaseException), out[rank]
         waited, t, members = out[rank]
-        assert waited < 8, waited  # 1.5 s before the loss; the form timeout is 30 s
+        # 1.5 s before the loss, then a few seconds; the form timeout is 30 s, and a
+        # starved machine (the flake hunt's busy processes) took 16 s to get here
+        assert waited < 20, waited
         assert torch.equal(t, torch.full((4,), 3.0)) and members == [0, 1]
 
 
@@ -1071,7 +1073,7 @@ def test_a_pair_link_whose_source_is_lost_while_it_forms_fails_without_the_form_
     declare_lost(store, 0, "killed")
     threads[0].join(40)
     assert isinstance(out[0], comm.PeerLost), out[0]
-    assert time.monotonic() - started < 6
+    assert time.monotonic() - started < 20  # the form timeout is 30 s
 
 
 def test_a_pair_link_fails_on_the_joiner_once_its_source_is_declared_lost(store):
