@@ -587,6 +587,8 @@ def test_a_signed_store_ignores_and_counts_every_value_a_stranger_writes():
     from exogym.comm import next_beat, read_beat
     beat = next_beat(0)
     rank.set("exogym/beat/1", str(beat))
+    # a set is not answered: the rank's next call on its connection is, once the set is in
+    assert rank.check(["exogym/beat/1"])
     assert read_beat(master, "exogym/beat/1") == beat > 10**12
     planted(stranger, "exogym/beat/1", b"99999999999999")
     assert read_beat(master, "exogym/beat/1") == 0
