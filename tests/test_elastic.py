@@ -366,27 +366,36 @@ def test_the_dashboards_show_lost_and_rejoining_hosts_and_record_the_membership(
     assert "lost" not in console.file.getvalue()
 
 
-def test_a_host_lost_and_back_is_told_once_each_at_its_membership_change_s_step(store):
-    """The terminal of a run across hosts is the launcher's lines and the dashboard's: a
-    host lost at step 160 and back during a round at step 270 is told in one line each, at
-    the step the ranks' membership log gives it, never at a step a process happened to be
-    at (a lost rank's last step seen, a restarted process's step 0)."""
+def _reporting_attempt(store, on_event, told: list[str]):
+    """An elastic attempt of three hosts a, b and c (min_nodes 2) with only its reporting
+    set up, on a real store: its events go to ``on_event``, its lines to ``told``."""
     from types import SimpleNamespace
 
     from distributed.launch.elastic_attempt import ElasticAttempt
     from exogym.membership import hosts as protocol
 
-    console = Console(file=StringIO(), width=300)
-    board = Dashboard(3, ["a", "b", "c"], console=console, live=False)
-    told: list[str] = []
-    attempt = ElasticAttempt.__new__(ElasticAttempt)  # its reporting, on a real store
+    attempt = ElasticAttempt.__new__(ElasticAttempt)
     vars(attempt).update(
         protocol=protocol, store=store, lost={}, first_lost=None, state={}, logged=0,
         membership=[], beats={}, min_nodes=2, _ending=threading.Event(),
         told=protocol.ToldChanges(),
         plans=[SimpleNamespace(host=SimpleNamespace(host=h)) for h in "abc"],
-        context=SimpleNamespace(on_event=board.on_event),
+        context=SimpleNamespace(on_event=on_event),
         say=lambda text, style: told.append(text))
+    return attempt
+
+
+def test_a_host_lost_and_back_is_told_once_each_at_its_membership_change_s_step(store):
+    """The terminal of a run across hosts is the launcher's lines and the dashboard's: a
+    host lost at step 160 and back during a round at step 270 is told in one line each, at
+    the step the ranks' membership log gives it, never at a step a process happened to be
+    at (a lost rank's last step seen, a restarted process's step 0)."""
+    from exogym.membership import hosts as protocol
+
+    console = Console(file=StringIO(), width=300)
+    board = Dashboard(3, ["a", "b", "c"], console=console, live=False)
+    told: list[str] = []
+    attempt = _reporting_attempt(store, board.on_event, told)
 
     def decided(step: int, ranks: list[int], reason: str, joined=()) -> None:
         protocol.log_change(store, json.dumps({
@@ -430,21 +439,11 @@ def test_one_change_of_membership_logged_twice_is_told_once_at_one_step_everywhe
     so replay take), one entry of the launcher's record (summary.json, goodput) and of a
     rank's own record, all at the step of the first. A rank lost and back between two
     rounds is a change of its own, though its members are the same."""
-    from types import SimpleNamespace
-
-    from distributed.launch.elastic_attempt import ElasticAttempt
     from exogym.membership import hosts as protocol
 
     told: list[str] = []
     events: list[dict] = []
-    attempt = ElasticAttempt.__new__(ElasticAttempt)  # its reporting, on a real store
-    vars(attempt).update(
-        protocol=protocol, store=store, lost={}, first_lost=None, state={}, logged=0,
-        membership=[], beats={}, min_nodes=2, _ending=threading.Event(),
-        told=protocol.ToldChanges(),
-        plans=[SimpleNamespace(host=SimpleNamespace(host=h)) for h in "abc"],
-        context=SimpleNamespace(on_event=events.append),
-        say=lambda text, style: told.append(text))
+    attempt = _reporting_attempt(store, events.append, told)
 
     def logged(step: int, ranks: list[int], reason: str, gens: dict, joined=(), left=()):
         protocol.log_change(store, json.dumps({
@@ -470,6 +469,8 @@ def test_one_change_of_membership_logged_twice_is_told_once_at_one_step_everywhe
     assert [m["step"] for m in attempt.membership] == steps
     states = [e["state"] for e in events if e["event"] == "host" and e["rank"] == 2]
     assert states == ["training", "lost", "training"], states
+    from types import SimpleNamespace
+
     rank_0 = ElasticMembership(SimpleNamespace(store=store, generations={}), 0, 3, 20, 2)
     assert [c["step"] for c in rank_0.changes()] == steps
 

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import wait_for
 
 pytest.importorskip("plotly")
 
@@ -74,14 +75,6 @@ def figures(pid: int) -> tuple[int, int]:
     status = Path(f"/proc/{pid}/status").read_text()
     threads = int(status.split("Threads:", 1)[1].split()[0])
     return threads, len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout} s")
-        time.sleep(0.05)
 
 
 @pytest.mark.slow(reason="opens 600 connections to a server in a process of its own, then "

@@ -20,6 +20,7 @@ import threading
 import time
 
 import pytest
+from ports import wait_for
 
 from exogym.comm.store import new_run_key, open_store
 from exogym.comm.store_front import (
@@ -75,14 +76,6 @@ def closed_by_peer(sock: socket.socket, timeout: float = 10) -> bool:
         return True
     except TimeoutError:
         return False
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout} s")
-        time.sleep(0.05)
 
 
 def descriptors() -> int:
