@@ -508,9 +508,11 @@ def test_the_master_s_rank_down_at_the_end_leaves_the_outputs_to_the_lowest_rank
     hosts_file.write_text(json.dumps(hosts(sshd)))
     command = [sys.executable, "cli_typer.py", "distributed-train", "digits-diloco",
                "--hosts", str(hosts_file), "--min-nodes", "2", "--lost-after", "3",
-               # rank 0 at a fiftieth of its speed from the last round's start, so that the
-               # kill lands inside that round however late a busy machine carries it out
-               "--inject", "slow:0@step=610x0.02+120s,kill:127.0.0.1@step=620+600s",
+               # every rank at a tenth of its speed from its first step, so that the kill
+               # lands inside the last round however late a busy machine's launcher reads
+               # the ranks' steps (it once saw step 620 only after the run had ended)
+               "--inject", ",".join([*(f"slow:{r}@step=1x0.1+120s" for r in range(3)),
+                                     "kill:127.0.0.1@step=620+600s"]),
                "--known-hosts",
                str(sshd.known_hosts), "--ssh-config", str(sshd.ssh_config),
                "--run-dir", str(tmp_path / "launch")]
