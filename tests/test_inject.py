@@ -651,6 +651,27 @@ def test_a_fault_that_would_leave_fewer_than_min_nodes_waits_for_ranks_to_come_b
     assert injector.throttle_path(2).endswith("-rank2.json")
 
 
+def test_a_killed_rank_counts_away_until_the_launcher_has_started_it_again(config):
+    """However late a busy launcher notices a killed process end (until then it still
+    counts it running), the guard counts the rank away: a freeze fired meanwhile would
+    leave fewer than min_nodes ranks."""
+    from distributed.launch.injector import AttemptView, FaultInjector
+
+    plan_ = plan(["kill:2@step=50", "freeze:1@step=60+5s"], config)
+    injector = FaultInjector(plan_, config, session=None, rank_run_dir="runs/x",
+                             emit=lambda event: None, say=lambda text, style: None)
+    runs = {rank: _Run() for rank in range(3)}
+    injector.view = AttemptView(run_of=runs.get, away=set)
+    injector._start_worker = lambda target, active: None  # no host to send the kill to
+    kill, freeze = plan_.faults
+    injector._fire(0, kill, now=0.0)
+    injector.active.clear()  # the kill's few seconds are over; its process still "runs"
+    assert "2 ranks would be away at once, fewer than min_nodes=2 left" in \
+        injector._blocked(freeze)
+    runs[2] = _Run()  # the launcher saw it end and started it again
+    assert injector._blocked(freeze) is None
+
+
 def test_failures_that_can_only_be_cuts_are_refused_where_no_host_may_be_cut(config):
     from types import SimpleNamespace
 

@@ -198,6 +198,7 @@ def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_trai
     out = tmp_path / "net"
     events = Events()
     steps = 3 * h if h > 2 else 40
+    speed = 1.0 if h == 2 else 0.5  # the members' speed while the state travels
     throttle = Throttle(tmp_path)
     program = RankProgram.from_profile("gpt-diloco", overrides=SMALL_STEPS + strategy + [
         "num_nodes=3", f"H={h}", f"max_steps={steps}", f"val_interval={max(h, 30)}",
@@ -211,7 +212,7 @@ def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_trai
         # With H=2 the state travels while the members train at full speed, so that rounds
         # end meanwhile; with H=10 at half speed, so that the run outlasts the hand-over.
         lost, rejoined = _lose_and_take_back_rank_2(events, third, out, max(3, 3 * h // 4),
-                                                    throttle, after_ready=1.0 if h == 2 else 0.5)
+                                                    throttle, after_ready=speed)
         runner.join(timeout=600)
     result = job.result
     assert result.ok, result.describe()
@@ -245,7 +246,7 @@ def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_trai
     # Neither member stopped for it (the source is held only while it copies its state).
     held = {0: (sent.get("timing") or {}).get("copy_s") or 0.0, 1: 0.0}
     for r in (0, 1):
-        assert during[r] or _no_stall(events, r, window, held[r]), (r, window, during)
+        assert during[r] or _no_stall(events, r, window, held[r], speed), (r, window, during)
     # It joined at the step after the member's latest when the transfer was over, not at a
     # later round's start (a round start only where the transfer ended with a round).
     member_at = max(e["step"] for t, e in events.of("step", 0) if t <= sent_at)
@@ -279,11 +280,12 @@ def _check_every_ranks_work_is_merged(events: Events, out, steps: int) -> None:
         assert trained <= merged, (rank, trained, merged, last)
 
 
-def _no_stall(events: Events, rank: int, window: tuple[float, float], held_s: float) -> bool:
+def _no_stall(events: Events, rank: int, window: tuple[float, float], held_s: float,
+              speed: float = 1.0) -> bool:
     """Whether ``rank``'s steps went on across ``window`` at its own pace: the gap between
     its last step before the window's end and its first after it is at most twice its
-    median step interval plus ``held_s`` (a window shorter than one step holds no step of
-    its own)."""
+    median step interval (most steps run at full speed) at the ``speed`` it was throttled
+    to there, plus ``held_s`` (a window shorter than one step holds no step of its own)."""
     times = sorted(t for t, e in events.of("step", rank) if not e.get("idle"))
     gaps = sorted(b - a for a, b in zip(times, times[1:]))
     if not gaps:
@@ -292,7 +294,7 @@ def _no_stall(events: Events, rank: int, window: tuple[float, float], held_s: fl
     after = [t for t in times if t > window[1]]
     if not before or not after:
         return False
-    return after[0] - before[-1] <= 2 * gaps[len(gaps) // 2] + held_s
+    return after[0] - before[-1] <= 2 * gaps[len(gaps) // 2] / speed + held_s
 
 
 def _check_the_joiner_merged(events: Events, joined_at: int, h: int) -> list[dict]:

@@ -125,6 +125,8 @@ class FaultInjector:
         self._next_random: tuple[float, FaultSpec] | None = None
         self._last_fired: float | None = None
         self._held: dict[int, float] = {}  # fault index -> when it first had to wait
+        # rank -> the RankRun a kill was sent to: away until the launcher has replaced it
+        self._killed: dict[int, Any] = {}
         self._workers: list[threading.Thread] = []
         self._slowing: dict[int, FaultSpec] = {}  # slow-downs under way, by fault id
 
@@ -247,6 +249,7 @@ class FaultInjector:
         if not self.checked:
             self.check()
         self.view = view
+        self._killed.clear()
         self._stop.clear()
         if self.plan.random is not None and self._random is None:
             self._random = iter(self.plan.random.draws())
@@ -278,10 +281,20 @@ class FaultInjector:
             return step is not None and step >= spec.at_step
         return self.t0 is not None and now - self.t0 >= (spec.at_s or 0.0)
 
+    def _still_killed(self) -> set[int]:
+        """The killed ranks whose process the launcher has not yet replaced: they are away
+        however late a busy launcher notices that the process ended (until then
+        ``view.away()`` does not count them)."""
+        assert self.view is not None
+        for rank, run in list(self._killed.items()):
+            if self.view.run_of(rank) is not run:
+                del self._killed[rank]  # started again: view.away() counts it until readmitted
+        return set(self._killed)
+
     def _blocked(self, spec: FaultSpec) -> str | None:
         """Why ``spec`` cannot fire now (None: it can)."""
         assert self.view is not None
-        away = set(self.view.away())
+        away = set(self.view.away()) | self._still_killed()
         if spec.takes_down or spec.kind == "slow":
             missing = [r for r in spec.ranks if r in away or self.view.run_of(r) is None
                        or not getattr(self.view.run_of(r), "running", False)]
@@ -363,6 +376,8 @@ class FaultInjector:
         if spec.duration_s is not None or spec.kind == "kill":
             self.active[index] = active
         if spec.kind == "kill":
+            assert self.view is not None
+            self._killed.update({r: self.view.run_of(r) for r in spec.ranks})
             # Counted away a few seconds, until the launcher has seen the process end (or
             # while its host is down); from then until it is readmitted, view.away() counts it.
             active.ends = now + max(5.0, spec.duration_s or 0.0)
