@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -347,11 +348,58 @@ def test_a_projects_files_leave_out_every_link_that_leads_out_of_it(tmp_path):
         "absolute.txt", "pkg/climbs.txt", "outside_dir"}
 
 
+@contextmanager
+def _ssh_client(sshd):
+    """A paramiko client connected to the test's sshd."""
+    import paramiko
+
+    client = paramiko.SSHClient()
+    client.load_host_keys(str(sshd.known_hosts))
+    client.connect(sshd.addresses[0], port=sshd.port, username=sshd.user,
+                   key_filename=str(sshd.key_path), look_for_keys=False, allow_agent=False)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.mark.slow(reason="copies a project to a real sshd over SFTP")
+def test_the_sync_copies_nothing_into_a_folder_of_someone_elses_files(tmp_path, sshd):
+    """A project_path naming a person's folder by mistake (``~/Documents``) gets nothing
+    copied into it; an empty folder is taken and marked, so that a sync cut short is
+    taken up again, and a checkout of the project is used as it is."""
+    from distributed.hosts.sync import PROJECT_MARK, ForeignFolderError, sync_files
+
+    project = tmp_path / "project"
+    (project / "exogym").mkdir(parents=True)
+    (project / "exogym" / "__init__.py").write_text("")
+    (project / "pyproject.toml").write_text("[project]\nname = 'exogym'\n")
+    files = ["exogym/__init__.py", "pyproject.toml"]
+    documents = tmp_path / "documents"
+    documents.mkdir()
+    (documents / "thesis.tex").write_text("years of work\n")
+    empty, checkout = tmp_path / "empty", tmp_path / "checkout"
+    empty.mkdir()
+    (checkout / "exogym").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("[project]\n")
+    with _ssh_client(sshd) as client:
+        with pytest.raises(ForeignFolderError) as refused:
+            sync_files(client, "h", project, str(documents), files)
+        assert sorted(os.listdir(documents)) == ["thesis.tex"]
+        assert f"{documents} holds files that no sync or checkout of this project put there " \
+               "(thesis.tex)" in str(refused.value)
+        assert "point project_path to a new or empty folder" in str(refused.value)
+        assert sync_files(client, "h", project, str(empty), files).copied == 2
+        assert (empty / PROJECT_MARK).is_file() and (empty / "pyproject.toml").is_file()
+        (empty / "pyproject.toml").unlink()  # as if the last sync was cut short
+        assert sync_files(client, "h", project, str(empty), files).copied == 1
+        assert sync_files(client, "h", project, str(checkout), files).copied == 2
+        assert not (checkout / PROJECT_MARK).exists()
+
+
 @pytest.mark.slow(reason="copies a project to a real sshd over SFTP")
 def test_the_sync_copies_links_inside_the_project_as_links_and_skips_those_leading_out(
         tmp_path, sshd):
-    import paramiko
-
     from distributed.hosts.sync import sync_files, tracked_files
 
     outside = tmp_path / "outside"
@@ -360,16 +408,10 @@ def test_the_sync_copies_links_inside_the_project_as_links_and_skips_those_leadi
     project = tmp_path / "project"
     a_project_with_links(project, outside)
     remote = tmp_path / "remote"
-    client = paramiko.SSHClient()
-    client.load_host_keys(str(sshd.known_hosts))
-    client.connect(sshd.addresses[0], port=sshd.port, username=sshd.user,
-                   key_filename=str(sshd.key_path), look_for_keys=False, allow_agent=False)
-    try:
+    with _ssh_client(sshd) as client:
         files = tracked_files(project)
         stats = sync_files(client, "h", project, str(remote), files)
         again = sync_files(client, "h", project, str(remote), files)
-    finally:
-        client.close()
     assert not any("stranger" in p.read_text() for p in remote.rglob("*") if p.is_file())
     for name in ("absolute.txt", "pkg/climbs.txt", "outside_dir"):
         assert not os.path.lexists(remote / name), name

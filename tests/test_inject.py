@@ -456,7 +456,11 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
         hosts = tmp_path / "hosts.json"
         hosts.write_text(json.dumps(config))
         second, third = (h.address for h in bed.hosts)  # ranks 1 and 2
-        inject = ["slow:1@step=300x0.25+4s", f"kill:{third}@step=500+4s",
+        # Every rank at a quarter of its speed from its first step (three slows that
+        # outlast the run): a busy launcher reads the ranks' steps a few seconds late, and
+        # at full speed the steps it has not yet read are many hundreds.
+        inject = [*(f"slow:{r}@step=1x0.25+600s" for r in range(3)),
+                  "slow:1@step=300x0.25+4s", f"kill:{third}@step=500+4s",
                   "freeze:1@step=501+5s"]
         if can_cut:
             inject.append(f"cut:{third}@step=502+5s")
@@ -498,7 +502,9 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
                 if host.sshd is None or pid != host.sshd.pid]
     assert not left, f"processes left in the hosts' namespaces: {left}"
     summary = json.loads((out / "summary.json").read_text())
-    faults = {f["what"]: f for f in summary["faults"]}
+    held_slow = [f for f in summary["faults"] if f["what"] == "slow" and f["at_step"] == 1]
+    assert [f["ranks"] for f in held_slow] == [[0], [1], [2]], summary["faults"]
+    faults = {f["what"]: f for f in summary["faults"] if f not in held_slow}
     assert set(faults) == {"slow", "kill", "freeze", *(("cut",) if can_cut else ())}
     for f in faults.values():
         assert f["outcome"] == "done", f

@@ -1077,3 +1077,59 @@ def test_a_stranger_deleting_heartbeats_changes_no_membership_across_hosts(tmp_p
     assert told and "exogym/beat/" in told[0], said[-3000:]
     assert "fewer than min_nodes" not in said and "no heartbeat" not in said
     print(found.group(0), "|", told[0].strip())
+
+
+# -- the wheel cache -----------------------------------------------------------------------
+
+FAKE_PIP = """import pathlib, sys
+args = sys.argv[1:]
+dest = pathlib.Path(args[args.index("--dest") + 1])
+count = dest.parent / "downloads"
+count.write_text(str(int(count.read_text()) + 1 if count.exists() else 1))
+if "--no-deps" not in args:
+    (dest / "pkg-1.0-py3-none-any.whl").write_bytes(b"the real wheel")
+else:
+    (dest / "uv-0.1-py3-none-manylinux_2_17_x86_64.whl").write_bytes(b"the uv wheel")
+"""
+
+
+def test_a_swapped_or_added_wheel_in_the_cache_is_refused_before_anything_is_sent(tmp_path):
+    """The wheels sent to hosts without an index are held to the hashes taken when the
+    cache was filled: a wheel swapped for one of the same name and size (whose ``.pth``
+    would run at every start of the host's Python), or one added beside them, stops the
+    setup naming it; a cache filled before hashes were kept is downloaded again."""
+    from distributed.hosts.provision import HostPlatform, ProvisionError, download_wheels
+
+    linux = HostPlatform(python="3.11.2", implementation="cpython", system="Linux",
+                         machine="x86_64", libc="glibc", libc_version="2.36")
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_PIP}")
+    fake.chmod(0o755)
+    cache = tmp_path / "cache"
+
+    def download():
+        return download_wheels(linux, ["pkg==1.0"], ROOT / "constraints.txt", cache=cache,
+                               python=str(fake))
+
+    folder = download()
+    wheel = folder / "pkg-1.0-py3-none-any.whl"
+    sealed = json.loads((folder / ".complete").read_text())["wheels"]
+    assert sealed[wheel.name] == hashlib.sha256(b"the real wheel").hexdigest()
+    assert len(sealed) == 2
+    downloads = cache / "downloads"
+    assert download() == folder and downloads.read_text() == "2"  # reused, not fetched
+    wheel.write_bytes(b"a bad wheel!!!")  # the same name and size
+    with pytest.raises(ProvisionError) as swapped:
+        download()
+    assert "pkg-1.0-py3-none-any.whl changed since it was downloaded" in str(swapped.value)
+    assert f"delete {folder}" in str(swapped.value)
+    wheel.write_bytes(b"the real wheel")
+    (folder / "evil-1.0-py3-none-any.whl").write_bytes(b"x")
+    with pytest.raises(ProvisionError, match="holds evil-1.0-py3-none-any.whl, which no "
+                                             "download put there"):
+        download()
+    # A folder from before the hashes: everything in it downloaded again, and sealed.
+    (folder / ".complete").write_text(json.dumps({"requirements": ["pkg==1.0"]}))
+    assert download() == folder and downloads.read_text() == "4"
+    assert not (folder / "evil-1.0-py3-none-any.whl").exists()
+    assert json.loads((folder / ".complete").read_text())["wheels"] == sealed

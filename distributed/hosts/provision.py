@@ -31,6 +31,7 @@ import os
 import posixpath
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -320,7 +321,13 @@ def download_wheels(platform: HostPlatform, requirements: Sequence[str], lock: P
     with guard:
         done = folder / ".complete"
         if done.is_file():
-            return folder
+            sealed = _read_seal(done)
+            if sealed is not None:
+                check_wheels(folder, sealed)
+                return folder
+            # filled by an older version, without its wheels' hashes: nothing there can
+            # be vouched for, so it is downloaded again
+            shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
         command = [python, "-m", "pip", "download", "--disable-pip-version-check",
                    "--progress-bar", "off", "--dest", str(folder), *platform.pip_download_args(),
@@ -336,8 +343,64 @@ def download_wheels(platform: HostPlatform, requirements: Sequence[str], lock: P
         # without a uv wheel installs with pip
         subprocess.run([*command[:command.index("-c")], "--no-deps", UV_REQUIREMENT],
                        capture_output=True, text=True, timeout=timeout)
-        done.write_text(json.dumps({"requirements": list(requirements)}))
+        temp = done.with_name(f".complete.{os.getpid()}.tmp")
+        temp.write_text(json.dumps({"requirements": list(requirements),
+                                    "wheels": seal_wheels(folder)}))
+        temp.replace(done)
         return folder
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def seal_wheels(folder: Path) -> dict[str, str]:
+    """The SHA-256 of every wheel in ``folder``, by name, taken as the download fills it:
+    what :func:`check_wheels` holds the folder to before any wheel leaves this machine."""
+    return {wheel.name: _file_sha256(wheel) for wheel in sorted(folder.glob("*.whl"))}
+
+
+def _read_seal(done: Path) -> dict[str, str] | None:
+    """The wheels' hashes a cache folder's ``.complete`` holds (None: a folder filled by an
+    older version, or a marker that is not ours)."""
+    try:
+        data = json.loads(done.read_text(encoding="utf-8")[:1 << 22])
+    except (OSError, ValueError):
+        return None
+    wheels = data.get("wheels") if isinstance(data, dict) else None
+    if not isinstance(wheels, dict) or not wheels or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in wheels.items()):
+        return None
+    return wheels
+
+
+def check_wheels(folder: Path, sealed: dict[str, str]) -> None:
+    """Hold the cached wheels of ``folder`` to the hashes taken when it was filled.
+
+    Raises:
+        ProvisionError: naming the wheel that changed, went missing or was added since,
+            and the folder to delete so that it is downloaded again.
+    """
+    now = {wheel.name for wheel in folder.glob("*.whl")}
+    again = f"delete {folder} to download its wheels again"
+    added = sorted(now - set(sealed))
+    if added:
+        raise ProvisionError(f"the wheel cache holds {added[0]}, which no download put there"
+                             f"{f' (and {len(added) - 1} more)' if len(added) > 1 else ''}: "
+                             f"nothing from it is sent to a host; {again}")
+    for name, expected in sorted(sealed.items()):
+        wheel = folder / name
+        if not wheel.is_file() or wheel.is_symlink():
+            raise ProvisionError(f"the cached wheel {name} is missing from {folder}; {again}")
+        got = _file_sha256(wheel)
+        if got != expected:
+            raise ProvisionError(f"the cached wheel {wheel} changed since it was downloaded "
+                                 f"(sha256 {got[:16]}..., {expected[:16]}... then): nothing "
+                                 f"from the cache is sent to a host; {again}")
 
 
 def wheel_error(output: str, platform: HostPlatform) -> ProvisionError:

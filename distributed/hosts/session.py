@@ -47,6 +47,7 @@ from .ssh import (
 )
 from .sync import (
     PROJECT_ROOT,
+    ForeignFolderError,
     NoSFTPError,
     SyncStats,
     code_files,
@@ -283,6 +284,8 @@ class HostSession:
                                   files, keep_previous=local)
             except NoSFTPError as exc:
                 return exc
+            except ForeignFolderError as exc:
+                return f"[{host.host}:{rank}] {exc}"
             except (OSError, EOFError) as exc:
                 return (f"[{host.host}:{rank}] copying the project to {host.project_path} "
                         f"failed: {exc}; check that {self.targets[rank].user} may write there")

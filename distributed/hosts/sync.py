@@ -260,6 +260,7 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
     sftp = open_sftp(client, host)
     try:
         makedirs_remote(sftp, base, made)
+        _claim_folder(sftp, base)
         for rel in files:
             source = local_root / rel
             leads = leaving_link(local_root, rel)
@@ -298,6 +299,47 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
         sftp.close()
     return SyncStats(host=host, copied=copied, unchanged=unchanged, bytes_copied=sent,
                      kept=tuple(kept), skipped=tuple(skipped))
+
+
+class ForeignFolderError(OSError):
+    """A host's ``project_path`` holds files that neither a sync nor a checkout of this
+    project put there: nothing is copied into it.
+
+    Args:
+        folder: the folder on the host.
+        names: some of what the folder holds.
+    """
+
+    def __init__(self, folder: str, names: Sequence[str]) -> None:
+        self.folder = folder
+        shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+        super().__init__(f"{folder} holds files that no sync or checkout of this project put "
+                         f"there ({shown}): nothing was copied; point project_path to a new "
+                         "or empty folder, or to a checkout of the project")
+
+
+#: What a sync leaves in a host's project folder that is not a checkout, before it copies
+#: anything: a later sync (after one that was cut short, too) knows the folder as its own.
+PROJECT_MARK = ".exogym-project"
+
+
+def _claim_folder(sftp: Any, base: str) -> None:
+    """Take ``base`` for the project's copy, or raise :class:`ForeignFolderError`: it must
+    be empty, a folder a sync or ``setup-hosts`` filled before (:data:`PROJECT_MARK`, or
+    setup's ``.exogym``), or a checkout of the project, so that a person's folder named
+    by mistake loses nothing."""
+    names = [n for n in sftp.listdir(base) if not n.startswith(".exogym-share.")]
+    if PROJECT_MARK in names or ".exogym" in names:
+        return
+    if {"pyproject.toml", "exogym"} <= set(names):
+        return  # a checkout of the project: nothing to mark
+    if names:
+        raise ForeignFolderError(base, names)
+    target = posixpath.join(base, PROJECT_MARK)
+    temp = remote_temp(target)
+    with sftp.open(temp, "wb") as handle:
+        handle.write(b"A copy of the exogym project, made and kept up to date by its sync.\n")
+    replace_remote(sftp, temp, target)
 
 
 def _link_remote(sftp: Any, source: Path, target: str, made: set[str]) -> bool:
