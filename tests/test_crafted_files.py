@@ -386,8 +386,8 @@ def test_the_sync_copies_nothing_into_a_folder_of_someone_elses_files(tmp_path, 
         with pytest.raises(ForeignFolderError) as refused:
             sync_files(client, "h", project, str(documents), files)
         assert sorted(os.listdir(documents)) == ["thesis.tex"]
-        assert f"{documents} holds files that no sync or checkout of this project put there " \
-               "(thesis.tex)" in str(refused.value)
+        assert f"{documents} holds files that are not the project's (thesis.tex)" in \
+            str(refused.value)
         assert "point project_path to a new or empty folder" in str(refused.value)
         assert sync_files(client, "h", project, str(empty), files).copied == 2
         assert (empty / PROJECT_MARK).is_file() and (empty / "pyproject.toml").is_file()

@@ -456,11 +456,7 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
         hosts = tmp_path / "hosts.json"
         hosts.write_text(json.dumps(config))
         second, third = (h.address for h in bed.hosts)  # ranks 1 and 2
-        # Every rank at a quarter of its speed from its first step (three slows that
-        # outlast the run): a busy launcher reads the ranks' steps a few seconds late, and
-        # at full speed the steps it has not yet read are many hundreds.
-        inject = [*(f"slow:{r}@step=1x0.25+600s" for r in range(3)),
-                  "slow:1@step=300x0.25+4s", f"kill:{third}@step=500+4s",
+        inject = ["slow:1@step=300x0.25+4s", f"kill:{third}@step=500+4s",
                   "freeze:1@step=501+5s"]
         if can_cut:
             inject.append(f"cut:{third}@step=502+5s")
@@ -502,9 +498,7 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
                 if host.sshd is None or pid != host.sshd.pid]
     assert not left, f"processes left in the hosts' namespaces: {left}"
     summary = json.loads((out / "summary.json").read_text())
-    held_slow = [f for f in summary["faults"] if f["what"] == "slow" and f["at_step"] == 1]
-    assert [f["ranks"] for f in held_slow] == [[0], [1], [2]], summary["faults"]
-    faults = {f["what"]: f for f in summary["faults"] if f not in held_slow}
+    faults = {f["what"]: f for f in summary["faults"]}
     assert set(faults) == {"slow", "kill", "freeze", *(("cut",) if can_cut else ())}
     for f in faults.values():
         assert f["outcome"] == "done", f
@@ -522,15 +516,15 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
     if can_cut:
         assert faults["cut"]["restored"] is True and faults["cut"]["cut_s"] >= 4.5
         assert any("no heartbeat" in r and third in r for r in lost), lost
-    # The slow-down showed in rank 1's compute while it lasted (the trace has a line for
-    # each of a rank's first 1000 steps).
-    steps = {(x["rank"], x["step"]): x["compute_s"] for x in trace if x["kind"] == "step"}
-    before = sorted(steps[(1, s)] for s in range(100, 290) if (1, s) in steps)
+    # The slow-down showed in rank 1's compute while it lasted. A busy launcher reads the
+    # ranks' steps seconds late, so it may fire past the trace's first 1000 steps of a
+    # line each: from there the trace has a line for each 50 steps, with their median.
     slowed, back = faults["slow"]["fired_step"], faults["slow"]["ended_step"]
-    assert slowed < 900 and back > slowed, (slowed, back)
+    assert back > slowed, (slowed, back)
+    before = _compute_times(trace, 1, 100, 290)
     # the steps while the slow-down held: from its first look at its throttle file (every
     # 0.1 s) until it ended; a busy machine trains fewer steps in those 4 s
-    during = sorted(steps[(1, s)] for s in range(slowed + 5, min(back, 1000)) if (1, s) in steps)
+    during = _compute_times(trace, 1, slowed + 5, back)
     assert len(during) >= 10, (slowed, back)
     assert during[len(during) // 2] > 1.5 * before[len(before) // 2], (before[::50],
                                                                          during[::50])
@@ -611,6 +605,21 @@ class _LiveRun:
             self.process.kill()
             self.process.wait(timeout=30)
         self._err.close()
+
+
+def _compute_times(trace: list[dict], rank: int, first: int, end: int) -> list[float]:
+    """``rank``'s compute seconds of each step from ``first`` up to ``end`` (not included),
+    sorted: a step line's own, and a block line's median for each step of a block that
+    lies whole in the span."""
+    times = []
+    for x in trace:
+        if x.get("rank") != rank:
+            continue
+        if x["kind"] == "step" and first <= x["step"] < end:
+            times.append(x["compute_s"])
+        elif x["kind"] == "steps" and first <= x["first"] and x["last"] < end:
+            times += [x["compute_s_median"]] * x["count"]
+    return sorted(times)
 
 
 def _throttle_files(run_dir: Path, ranks: int) -> list[Path]:

@@ -260,7 +260,7 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
     sftp = open_sftp(client, host)
     try:
         makedirs_remote(sftp, base, made)
-        _claim_folder(sftp, base)
+        _claim_folder(sftp, base, files)
         for rel in files:
             source = local_root / rel
             leads = leaving_link(local_root, rel)
@@ -302,8 +302,8 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
 
 
 class ForeignFolderError(OSError):
-    """A host's ``project_path`` holds files that neither a sync nor a checkout of this
-    project put there: nothing is copied into it.
+    """A host's ``project_path`` holds files that are not the project's (no sync or
+    checkout of it put them there): nothing is copied into it.
 
     Args:
         folder: the folder on the host.
@@ -313,9 +313,9 @@ class ForeignFolderError(OSError):
     def __init__(self, folder: str, names: Sequence[str]) -> None:
         self.folder = folder
         shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
-        super().__init__(f"{folder} holds files that no sync or checkout of this project put "
-                         f"there ({shown}): nothing was copied; point project_path to a new "
-                         "or empty folder, or to a checkout of the project")
+        super().__init__(f"{folder} holds files that are not the project's ({shown}): "
+                         "nothing was copied; point project_path to a new or empty folder, "
+                         "or to a checkout of the project")
 
 
 #: What a sync leaves in a host's project folder that is not a checkout, before it copies
@@ -323,18 +323,20 @@ class ForeignFolderError(OSError):
 PROJECT_MARK = ".exogym-project"
 
 
-def _claim_folder(sftp: Any, base: str) -> None:
+def _claim_folder(sftp: Any, base: str, files: Sequence[str]) -> None:
     """Take ``base`` for the project's copy, or raise :class:`ForeignFolderError`: it must
-    be empty, a folder a sync or ``setup-hosts`` filled before (:data:`PROJECT_MARK`, or
-    setup's ``.exogym``), or a checkout of the project, so that a person's folder named
-    by mistake loses nothing."""
+    hold nothing but what the sync brings (a host's own ``config.local.ini``, say), be a
+    folder a sync or ``setup-hosts`` filled before (:data:`PROJECT_MARK`, or setup's
+    ``.exogym``), or a checkout of the project, so that a person's folder named by
+    mistake loses nothing."""
     names = [n for n in sftp.listdir(base) if not n.startswith(".exogym-share.")]
     if PROJECT_MARK in names or ".exogym" in names:
         return
     if {"pyproject.toml", "exogym"} <= set(names):
         return  # a checkout of the project: nothing to mark
-    if names:
-        raise ForeignFolderError(base, names)
+    foreign = set(names) - {rel.split("/", 1)[0] for rel in files}
+    if foreign:
+        raise ForeignFolderError(base, sorted(foreign))
     target = posixpath.join(base, PROJECT_MARK)
     temp = remote_temp(target)
     with sftp.open(temp, "wb") as handle:
