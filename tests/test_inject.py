@@ -475,6 +475,9 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
         try:
             last = "cut" if can_cut else "freeze"
             run.wait_for("injected kill on", 240)
+            # the slow's file is written by the time its start is told (a busy launcher
+            # may fire the kill first: each waits for its own rank's step)
+            run.wait_for("injected slow on", 240)
             throttles = _throttle_files(tmp_path / "launch", ranks=3)
             for path in throttles:
                 _set_factor(path, 0.02)

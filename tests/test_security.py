@@ -991,31 +991,27 @@ DELETE_BEATS = r"""
 import sys, time, torch.distributed as dist
 from datetime import timedelta
 addr, port, bound = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-deletes = refused = 0
-started = time.monotonic()
-while time.monotonic() - started < bound:
-    try:  # each refusal closes the connection: connect again
-        s = dist.TCPStore(addr, port, None, is_master=False, timeout=timedelta(seconds=10),
-                          wait_for_workers=False)
-        while time.monotonic() - started < bound:
-            for rank in (1, 2):
-                deletes += 1
-                s.delete_key(f"exogym/beat/{rank}")
-            time.sleep(0.005)
-    except Exception:  # refused (or the run has ended and its store with it)
-        refused += 1
+deletes, started = 0, time.monotonic()
+try:
+    s = dist.TCPStore(addr, port, None, is_master=False, timeout=timedelta(seconds=10),
+                      wait_for_workers=False)
+    while time.monotonic() - started < bound:
+        for rank in (1, 2):
+            s.delete_key(f"exogym/beat/{rank}")
+            deletes += 1
         time.sleep(0.005)
-print(f"stranger deleted {deletes} times ({refused} refused) over "
-      f"{time.monotonic() - started:.1f} s", flush=True)
+except Exception:  # the run has ended and its store with it
+    pass
+print(f"stranger deleted {deletes} times over {time.monotonic() - started:.1f} s", flush=True)
 """
 
 
 @pytest.mark.slow(reason="three hosts in network namespaces train while a stranger on their "
                          "LAN deletes two ranks' heartbeats for four times the deadline")
-def test_a_stranger_deleting_heartbeats_changes_no_membership_across_hosts(tmp_path, capfd):
+def test_a_stranger_deleting_heartbeats_changes_no_membership_across_hosts(tmp_path):
     """Deleting two ranks' heartbeat keys again and again, for four times the silence that
-    loses a host, neither drops a host nor stops a ``min_nodes=2`` run: the store's front
-    refuses every delete of a key another address wrote, and says so once."""
+    loses a host, neither drops a host nor stops a ``min_nodes=2`` run; the launcher says
+    that deletions were seen."""
     from netbed import Testbed
     from netns import netns_available
     from ranks import Throttle
@@ -1065,14 +1061,10 @@ def test_a_stranger_deleting_heartbeats_changes_no_membership_across_hosts(tmp_p
             throttle.set(1.0)
             runner.join(timeout=300)
         result = job.result
-    found = re.search(r"stranger deleted (\d+) times \((\d+) refused\) over ([\d.]+) s",
-                      attack.stdout)
+    found = re.search(r"stranger deleted (\d+) times over ([\d.]+) s", attack.stdout)
     assert found, (attack.stdout, attack.stderr[-2000:])
-    # Deleting while the run went on, four times the silence that loses a host: every
-    # delete refused.
-    tried, refused = int(found.group(1)), int(found.group(2))
-    assert tried > 100 and float(found.group(3)) >= 4 * lost_after, found.group(0)
-    assert refused >= tried - 1, found.group(0)  # the last may meet the run's end
+    # Deleting while the run went on, four times the silence that loses a host.
+    assert int(found.group(1)) > 1000 and float(found.group(2)) >= 4 * lost_after, found.group(0)
     assert result.ok, result.describe()
     memberships = [e["ranks"] for e in events if e.get("event") == "membership"]
     assert memberships == [[0, 1, 2]], memberships
@@ -1080,11 +1072,9 @@ def test_a_stranger_deleting_heartbeats_changes_no_membership_across_hosts(tmp_p
     assert not [e for e in events if e.get("event") == "beat"]  # the launcher's alone
     trained = {e["rank"]: e["step"] for e in events if e.get("event") == "step"}
     assert trained == {0: steps, 1: steps, 2: steps}, trained
-    said = console.getvalue() + "\n".join(output) + capfd.readouterr().err
-    told = [line for line in said.splitlines() if "it asked to delete" in line]
-    assert len(told) == 1 and "'/exogym/beat/" in told[0], said[-3000:]
-    assert f"refused a connection from {stranger_host.address}" in told[0]
-    assert "deletion" not in said  # none reached the store
+    said = console.getvalue() + "\n".join(output)
+    told = [line for line in said.splitlines() if "deletion" in line]
+    assert told and "exogym/beat/" in told[0], said[-3000:]
     assert "fewer than min_nodes" not in said and "no heartbeat" not in said
     print(found.group(0), "|", told[0].strip())
 

@@ -128,8 +128,8 @@ def test_a_store_full_to_its_bound_refuses_further_writes_and_still_answers_read
     assert rank.get("exogym/elastic/host/1") == b"10.0.0.2"
     # Deleting makes room again.
     assert master.raw.inner.delete_key("fill/0")  # the server's own client: not counted
-    with stranger(master.port) as sock:  # its own key: the writer's address deletes it
-        assert delete_key(sock, b"/fill/1") == 1
+    assert rank.delete_key("fill/1")
+    with stranger(master.port) as sock:
         assert send_value(sock, b"/fill/again", 90_000)
     err = capfd.readouterr().err
     assert err.count("store: refused a connection from 127.0.0.2: its write would take the "
@@ -312,50 +312,3 @@ def test_a_cancelled_wait_ends_at_the_cancels_answer_whether_or_not_the_wait_end
     answer = _answer_for(Request(WAIT, 0, [b"/k"], []))
     answer.feed(memoryview(b"\x00"))  # a wait that ended, not cancelled
     assert answer.done
-
-
-def delete_key(sock: socket.socket, key: bytes) -> int | None:
-    """Send a ``delete_key`` of ``key``; the keys deleted (None: the store closed the
-    connection instead of answering)."""
-    try:
-        sock.sendall(b"\x08" + struct.pack("<Q", len(key)) + key)
-        answer = sock.recv(8)
-    except OSError:
-        return None
-    return struct.unpack("<q", answer)[0] if len(answer) == 8 else None
-
-
-def test_only_the_address_that_wrote_a_key_may_delete_it(capfd):
-    """A stranger deletes neither the run's keys (a rank's heartbeat, what the launcher
-    wrote) nor another address's; each refusal closes its connection and is counted, the
-    first said once; a writer deletes its own key."""
-    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=10, key=KEY)
-    rank = open_store("127.0.0.1", master.port, timeout_s=10, key=KEY)
-    master.set("exogym/plan", "the launcher's")  # written past the front, on loopback
-    rank.set("exogym/beat/1", "a rank's")
-    with stranger(master.port, "127.0.0.3") as sock:
-        assert send_value(sock, b"/exogym/mine", 10)
-        assert delete_key(sock, b"/exogym/mine") == 1  # its own
-    master.add("exogym/count", 5)
-    with stranger(master.port) as sock:
-        assert delete_key(sock, b"/exogym/never-written") == 0  # nothing there: no harm
-    for key in (b"/exogym/beat/1", b"/exogym/plan", b"/exogym/count"):
-        with stranger(master.port) as sock:
-            # a compare-and-set (which fails) takes no key that is someone's
-            sock.sendall(b"\x02" + struct.pack("<Q", len(key)) + key
-                         + struct.pack("<Q", 1) + b"?" + struct.pack("<Q", 1) + b"!")
-            size = struct.unpack("<Q", sock.recv(8))[0]
-            while size:
-                size -= len(sock.recv(size))
-            assert delete_key(sock, key) is None, key
-    assert master.get("exogym/plan") == b"the launcher's"
-    assert master.get("exogym/beat/1") == b"a rank's" and rank.get("exogym/beat/1") == b"a rank's"
-    assert rank.delete_key("exogym/beat/1")  # the rank's own, from its address
-    assert rank.get_if_set("exogym/beat/1") is None
-    assert master.front.refusals["delete"] == 3, master.front.refusals
-    assert master.add("exogym/count", 0) == 5
-    err = capfd.readouterr().err
-    assert err.count("store: refused a connection from 127.0.0.2: it asked to delete "
-                     "'/exogym/beat/1', which another address wrote") == 1, err
-    rank.close()
-    master.close()

@@ -502,14 +502,8 @@ class ControlStore:
         if self.front is not None:
             self.front.close()
 
-    def _claim(self, key: str, take: bool = True) -> None:
-        # written past the front (this process hosts the store): no peer may delete it
-        if self.front is not None:
-            self.front.claim(key, take)
-
     def set(self, key: str, value: str | bytes) -> None:
         """Set ``key``; refuses a value over :data:`MAX_VALUE_BYTES`."""
-        self._claim(key)
         self._calls.set(key, _encoded(key, value))
 
     def get(self, key: str) -> bytes:
@@ -518,13 +512,10 @@ class ControlStore:
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the counter ``key`` (0 reads it); its new value."""
-        if amount:
-            self._claim(key, take=False)
         return int(self._calls.add(key, amount))
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (``""``: absent); what it holds then."""
-        self._claim(key, take=False)
         return self._calls.compare_set(key, expected, _encoded(key, desired))
 
     def check(self, keys: Sequence[str]) -> bool:

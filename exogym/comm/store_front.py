@@ -34,10 +34,7 @@ every peer to :class:`FrontLimits`:
   that times out sends its cancel while it waits, which is let through), so the
   server never holds more than one request and one answer of a connection.
 
-Commands the project never sends (torch's queues, key listings, barriers) are refused,
-and so is a delete of a key another address wrote: a rank deletes only keys it wrote
-(its votes), and a stranger can delete none of the run's (heartbeats, votes, and what
-the process hosting the store wrote past the front, which it claims).
+Commands the project never sends (torch's queues, key listings, barriers) are refused.
 A refused peer's connection is closed; the first refusal of each kind is said once on
 stderr, naming the address and the bound, and later ones are counted
 (:attr:`StoreFront.refusals`).
@@ -390,7 +387,6 @@ class StoreFront:
         self._connections: dict[int, _Connection] = {}  # by the peer socket's descriptor
         self._per_address: Counter[str] = Counter()
         self._stored: dict[bytes, int] = {}  # what each key may hold, at most
-        self._owner: dict[bytes, str] = {}  # the address that may delete each key
         self._holder: dict[bytes, str] = {}  # whose writes each key holds
         self._held_by: Counter[str] = Counter()  # bytes of the store each address's writes hold
         #: Bytes the store may hold now (:attr:`FrontLimits.stored_bytes`).
@@ -410,16 +406,6 @@ class StoreFront:
         """Connections accepted and not yet closed."""
         with self._lock:
             return len(self._connections)
-
-    def claim(self, key: str, take: bool = True) -> None:
-        """``key`` was written by this process, past the front: no peer may delete it (a
-        peer's later set of it takes it, as any set does). Without ``take`` (a
-        compare-and-set or an add, which may have failed) a key someone owns stays theirs."""
-        wire = b"/" + key.encode()
-        if take:
-            self._owner[wire] = "this process"
-        else:
-            self._owner.setdefault(wire, "this process")
 
     def close(self) -> None:
         """Stop serving: the listening socket and every connection are closed."""
@@ -464,8 +450,6 @@ class StoreFront:
             "reply_bytes": f"its read could answer {detail}; an answer may hold "
                            f"{limits.reply_bytes / mib:g} MiB",
             "command": f"it sent {detail}",
-            "delete": f"it asked to delete {detail!r}, which another address wrote (only "
-                      f"the address that wrote a key may delete it)",
         }[kind]
         verb = "made room for" if kind == "made_room" else "refused"
         line = (f"{self.label}: {verb} a connection from {address}: {why} (further ones are "
@@ -664,12 +648,7 @@ class StoreFront:
             if reply > self.limits.reply_bytes:
                 raise Refused("reply_bytes", f"{reply:,} bytes")
         if request.command == DELETE_KEY:
-            key = request.keys[0]
-            owner = self._owner.get(key)
-            if owner is not None and owner != conn.address:
-                raise Refused("delete", key.decode("utf-8", "replace")[:200])
-            self._owner.pop(key, None)
-            self._charge(key, 0, None)
+            self._charge(request.keys[0], 0, None)
             return
         if not request.writes:
             return
@@ -697,11 +676,6 @@ class StoreFront:
             raise Refused("stored_bytes_per_address")
         for key, (held, moves) in after.items():
             self._charge(key, held, address if moves else self._holder.get(key))
-        # Who may delete a key: whoever set it last, or made it with a compare-and-set or
-        # an add (one on a key already there may fail, and then takes nothing).
-        for key, _, _ in request.writes:
-            if request.command not in (COMPARE_SET, ADD) or key not in self._owner:
-                self._owner[key] = address
 
     def _charge(self, key: bytes, held: int, holder: str | None) -> None:
         """Count ``held`` bytes at ``key``, as ``holder``'s writes (0: the key is gone)."""
