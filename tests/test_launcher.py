@@ -1147,6 +1147,30 @@ def test_profile_program_passes_overrides_device_and_resume_flag():
         RankProgram.from_profile("x", overrides=["lr"])
 
 
+def test_a_profiles_file_from_outside_the_project_is_sent_to_other_hosts_by_its_content(
+        tmp_path):
+    config = tmp_path / "mine.ini"
+    config.write_text("[distributed:x]\ntask = digits\n")
+    program = RankProgram.from_profile("x", config=str(config))
+    host = HostSpec(rank=1, host="h", python_env="python3", project_path="/p")
+    sent = dict(program.sent_files)
+    [(there, data)] = sent.items()
+    assert there.startswith(".exogym/profiles/") and there.endswith("/mine.ini")
+    assert data == config.read_bytes() and program.config_there == there
+    argv = program.argv(host, local=False)
+    assert argv[argv.index("--config") + 1] == there  # another host reads the copy sent
+    local = program.argv(host, local=True)
+    assert local[local.index("--config") + 1] == str(config)  # this machine, the file itself
+
+    (tmp_path / "mine.local.ini").write_text("[distributed:y]\ninherits = x\n")
+    both = RankProgram.from_profile("y", config=str(config))
+    assert sorted(p.rsplit("/", 1)[1] for p, _ in both.sent_files) == ["mine.ini",
+                                                                       "mine.local.ini"]
+    assert both.config_there != there  # other content, another folder: runs never meet
+    inside = RankProgram.from_profile("x", config="config.ini")  # every host's copy has it
+    assert inside.sent_files == () and inside.config_there is None
+
+
 def test_caller_may_not_set_rank_variables_or_bad_names(run):
     hosts = load_hosts({"master": "127.0.0.1", "workers": [], "python_env": sys.executable,
                         "project_path": "/tmp"})

@@ -1,10 +1,10 @@
 """`setup-hosts`: hosts that hold nothing but their system python3 made ready to train.
 
-The end-to-end test sets up namespace hosts (each its own network and sshd, no index
-reachable, so wheels are sent from here), checks that a second run changes nothing and
-a changed file travels alone, and trains across them with --min-nodes. The rest are the
-pieces: which paths a hosts file gets, which wheel platforms a host accepts, and the
-errors for a platform without a wheel or an environment setup may not touch.
+The whole journey, hosts apart (each its own network, home and /tmp) set up from nothing
+by the wizard, set up again, then trained with --min-nodes, is in test_journeys. Here are
+the pieces: which paths a hosts file gets, which wheel platforms a host accepts, the
+errors for a platform without a wheel or an environment setup may not touch, hosts that
+share a folder, and setup's lock.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -111,87 +110,6 @@ def test_the_requirements_are_the_declared_ones_of_the_extras_asked():
     assert not any(r.startswith("exogym") for r in found)
     with pytest.raises(ValueError, match="unknown extra 'gpu'"):
         declared_requirements(["gpu"])
-
-
-@pytest.mark.slow(
-    reason="fresh hosts in namespaces get the project and an environment installed, are "
-           "checked, then train")
-def test_fresh_namespace_hosts_are_set_up_checked_and_train_with_min_nodes(tmp_path):
-    """Two namespace hosts with empty project folders and only /usr/bin/python3: setup
-    copies the project and installs the lock from wheels sent from here (the namespaces
-    reach no index), writes the paths into the hosts file and pre-flights; a second run
-    changes nothing, a changed file travels alone; then a run with --min-nodes 2 trains."""
-    from netbed import Testbed, check_requirements
-    from netns import netns_available
-
-    missing = netns_available() or "; ".join(check_requirements(pin=False))
-    if missing:
-        pytest.skip(missing)
-    if not Path("/usr/bin/python3").exists():
-        pytest.skip("no system python3 at /usr/bin/python3 to make the hosts' environments with")
-    with Testbed(2, subnet="10.213.47", pin=False) as bed:
-        config = {"master": {"host": bed.uplink_address, "python_env": sys.executable,
-                             "project_path": str(ROOT)},
-                  "workers": [{"host": h.address, "project_path": str(tmp_path / f"host{i}")}
-                              for i, h in enumerate(bed.hosts)],
-                  "ssh_user": "root", "ssh_key_path": str(bed.key_path),
-                  "master_port": free_port()}
-        hosts = tmp_path / "hosts.json"
-        hosts.write_text(json.dumps(config))
-        ssh = ["--known-hosts", str(bed.known_hosts), "--ssh-config", str(bed.ssh_config)]
-        env = {**os.environ, "CI": "true"}
-
-        def setup() -> dict:
-            done = subprocess.run([sys.executable, "cli_typer.py", "setup-hosts", str(hosts),
-                                   "--python", "/usr/bin/python3", "--json", *ssh], cwd=ROOT,
-                                  env=env, capture_output=True, text=True, timeout=900)
-            assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
-            assert "ready to train" in done.stdout
-            return json.loads(done.stdout.strip().splitlines()[-1])
-
-        first = setup()
-        assert first["ready"] is True
-        assert {h["environment"] for h in first["hosts"]} == {"wheels"}
-        for i, h in enumerate(first["hosts"]):
-            venv = tmp_path / f"host{i}" / ".venv"
-            assert (venv / "exogym-setup.json").is_file() and h["wheels_sent"] > 10
-            assert h["files_copied"] > 100 and h["files_unchanged"] == 0
-            assert (tmp_path / f"host{i}" / "distributed" / "worker" / "__main__.py").is_file()
-            # the environment holds the lock's torch, made from the system's interpreter
-            version = subprocess.run([str(venv / "bin" / "python"), "-c",
-                                      "import sys, torch; print(sys.base_prefix, "
-                                      "torch.__version__)"], capture_output=True, text=True,
-                                     timeout=120)
-            assert version.stdout.split() == ["/usr", "2.13.0+cpu"], version.stderr
-        written = json.loads(hosts.read_text())
-        assert [w["python_env"] for w in written["workers"]] == [
-            str(tmp_path / f"host{i}" / ".venv" / "bin" / "python") for i in range(2)]
-        assert (tmp_path / "hosts.json.bak").is_file()
-
-        again = setup()
-        assert {h["environment"] for h in again["hosts"]} == {"unchanged"}
-        assert [h["files_copied"] for h in again["hosts"]] == [0, 0]
-
-        changed = ROOT / "distributed" / "hosts" / "provision.py"
-        os.utime(changed)
-        third = setup()
-        assert [h["files_copied"] for h in third["hosts"]] == [1, 1]
-
-        out = tmp_path / "run"
-        command = [sys.executable, "cli_typer.py", "distributed-train", "digits-diloco",
-                   "--hosts", str(hosts), "--min-nodes", "2", *ssh]
-        for pair in ("max_steps=40", "H=10", "val_interval=20", "val_size=128",
-                     "num_threads=1", "checkpoint_interval=None", "num_nodes=3",
-                     f"output_dir={out}"):
-            command += ["--set", pair]
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=600)
-        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 40, summary
-    assert (out / "model.safetensors").is_file()
-    for i in range(2):  # each host's environment holds a torch: gigabytes
-        shutil.rmtree(tmp_path / f"host{i}", ignore_errors=True)
 
 
 def test_an_installed_package_sends_its_own_files_laid_out_as_installed(tmp_path):

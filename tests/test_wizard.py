@@ -209,6 +209,12 @@ def test_wizard_in_a_terminal_builds_hosts_trusts_keys_writes_files_and_trains(s
     assert json.loads((out / "summary.json").read_text())["steps"] == 20
     assert (tmp_path / "launch" / "rank1.log").is_file()
     assert "all 3 ranks finished" in screen
+    # The profiles file lies outside the project, on a disk the hosts share with this
+    # machine: they read it where it is, and no copy is written into their project.
+    from distributed.launch.program import profiles_to_send
+
+    there = profiles_to_send(str(config))[1]
+    assert there is not None and not (ROOT / there).exists()
     for rank, host in enumerate(("127.0.0.1", "127.0.0.2", "127.0.0.3")):
         assert f"│    {rank} │ {host}" in screen  # the dashboard's row for the rank
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from .hostsfile import HostSpec
-from .remote import Shell, SSHShell, probe_command
+from .remote import Shell, SSHShell, probe_command, standalone_command
 from .ssh import (
     SSHConnectError,
     SSHOptions,
@@ -163,7 +163,9 @@ def measure_link(host: HostSpec, options: SSHOptions | None = None, seconds: flo
     shell = SSHShell(client, target.label)
     started = None
     try:
-        started = shell.start(probe_command(host.project_path, host.python_env),
+        # The receiver needs only the standard library: a host setup-hosts has not made
+        # ready yet (no project, no environment) is measured with its own python3.
+        started = shell.start(standalone_command(host.python_env),
                               {"code": RECEIVER_SOURCE, "timeout": timeout,
                                "ipv6": ":" in target.hostname})
         port = int(_read_json_line(started.stdout, timeout, "port")["port"])

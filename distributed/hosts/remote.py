@@ -116,6 +116,22 @@ def probe_command(project_path: str, python_env: str) -> str:
     return "sh -c " + shlex.quote(script)
 
 
+def standalone_command(python_env: str) -> str:
+    """The command that runs a standard-library-only probe (no project needed) with
+    ``python_env`` where it exists, else with the host's ``python3``, from the home folder.
+
+    For what is asked of a host before ``setup-hosts`` has made its project and
+    environment (the wizard's link measurement): a new host has only its system Python.
+    Exits ``NO_PYTHON`` when neither can be found.
+    """
+    py = interpreter_word(python_env)
+    script = (f"cd; if command -v {py} >/dev/null 2>&1; then p={py}; "
+              "elif command -v python3 >/dev/null 2>&1; then p=python3; "
+              f"else exit {NO_PYTHON}; fi; "
+              f'exec "$p" -c {shlex.quote(LOADER)}')
+    return "sh -c " + shlex.quote(script)
+
+
 def kill_group_command(pgid: int, grace: float) -> str:
     """A shell command that TERMs process group ``pgid`` and KILLs it after ``grace`` s."""
     ticks = max(1, int(grace / 0.1))

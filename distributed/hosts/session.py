@@ -24,7 +24,7 @@ import dataclasses
 import ipaddress
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +53,7 @@ from .sync import (
     code_files,
     local_profile_files,
     open_sftp,
+    put_files,
     sftp_path,
     sync_files,
     tracked_files,
@@ -162,6 +163,9 @@ class HostSession:
         self.report: PreflightReport | None = None
         self.synced = False
         self._shells: dict[int, Shell] = {}
+        #: Files each other host gets under its ``project_path`` before its ranks start
+        #: (:meth:`put_files`): a profiles file from outside the project.
+        self.rank_files: dict[str, bytes] = {}
         self._connect_errors: dict[int, SSHConnectError] = {}
         self._notes: dict[int, list[str]] = collections.defaultdict(list)
 
@@ -318,6 +322,41 @@ class HostSession:
                                              shared_from=group.leader_host))
         self.synced = True
         return stats
+
+    def put_files(self, files: dict[str, bytes], ranks: Collection[int] | None = None,
+                  in_place: dict[str, str] | None = None) -> set[int]:
+        """Write ``files`` (each a path relative to a host's ``project_path``, and its
+        bytes) on every connected host other than this machine, or on those of ``ranks``
+        (host indices), each file atomically; one already holding the bytes is left alone.
+
+        Args:
+            in_place: for each file, its absolute path here; a host that holds every one
+                at that path with the same bytes (it shares this machine's disk) gets
+                nothing written.
+
+        Returns:
+            The hosts (indices) that hold the files in place.
+
+        Raises:
+            RuntimeError: naming every host where writing failed, and why.
+        """
+        chosen = [r for r in (self.targets if ranks is None else ranks)
+                  if r in self._shells and not self.is_local(r)]
+        failures = []
+        found: set[int] = set()
+        for rank in chosen:
+            host = self.config.hosts[rank]
+            shell = self._shells[rank]
+            assert isinstance(shell, SSHShell)
+            try:
+                if put_files(shell.client, host.host, host.project_path, files, in_place):
+                    found.add(rank)
+            except (OSError, NoSFTPError) as exc:
+                failures.append(f"[{host.host}:{rank}] writing {', '.join(sorted(files))} "
+                                f"under {host.project_path} failed: {exc}")
+        if failures:
+            raise RuntimeError("\n".join(failures))
+        return found
 
     def preflight(self, *, raise_on_failure: bool = True, show: bool = True) -> PreflightReport:
         """Check every host in parallel (see ``distributed.hosts.preflight``).

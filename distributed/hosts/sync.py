@@ -301,6 +301,52 @@ def sync_files(client: Any, host: str, local_root: str | os.PathLike[str], remot
                      kept=tuple(kept), skipped=tuple(skipped))
 
 
+def put_files(client: Any, host: str, remote_root: str, files: dict[str, bytes],
+              in_place: dict[str, str] | None = None) -> bool:
+    """Write ``files`` (a relative path under ``remote_root`` each, and its bytes) on
+    ``client``'s host, each atomically (a temporary name of its own, then a rename); a
+    file already holding those bytes is left as it is.
+
+    Args:
+        in_place: for each of ``files``, the absolute path it has here: when the host
+            holds every one of them there with the same bytes (a disk it shares with this
+            machine), nothing is written.
+
+    Returns:
+        True when the files were found in place and nothing was written.
+    """
+    base = sftp_path(remote_root)
+    made: set[str] = set()
+    sftp = open_sftp(client, host)
+    try:
+        if in_place and all(_holds(sftp, sftp_path(in_place[rel]), data)
+                            for rel, data in files.items()):
+            return True
+        for rel, data in files.items():
+            target = posixpath.join(base, rel)
+            if _holds(sftp, target, data):
+                continue
+            makedirs_remote(sftp, posixpath.dirname(target), made)
+            temp = remote_temp(target)
+            with sftp.open(temp, "wb") as handle:
+                handle.write(data)
+            replace_remote(sftp, temp, target)
+    finally:
+        sftp.close()
+    return False
+
+
+def _holds(sftp: Any, path: str, data: bytes) -> bool:
+    """Whether the host's file ``path`` holds exactly ``data``."""
+    try:
+        if sftp.stat(path).st_size != len(data):
+            return False
+        with sftp.open(path, "rb") as handle:
+            return bytes(handle.read()) == data
+    except OSError:
+        return False
+
+
 class ForeignFolderError(OSError):
     """A host's ``project_path`` holds files that are not the project's (no sync or
     checkout of it put them there): nothing is copied into it.

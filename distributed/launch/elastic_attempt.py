@@ -297,6 +297,11 @@ class ElasticAttempt:
                     if check.down or self._ending.is_set():
                         continue
                     problems = "; ".join(check.problems)
+                    if not problems and self.session.rank_files:
+                        try:  # the run's profiles file from outside the project
+                            self.session.put_files(self.session.rank_files, ranks=[host])
+                        except RuntimeError as exc:
+                            problems = str(exc)
                 span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"{ranks[0]}"
                 label = f"[{self.plans[ranks[0]].host.host}:{span}]"
                 if problems:

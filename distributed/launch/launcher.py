@@ -195,6 +195,9 @@ class Launcher:
         #: Hosts (by index) that did not answer pre-flight, with what failed, which a run
         #: with ``min_nodes`` starts without and takes in once they answer (:meth:`preflight`).
         self.missing: dict[int, str] = {}
+        #: Hosts that read a profiles file from outside the project where it lies here
+        #: (they share this machine's disk), rather than the copy sent to them.
+        self._config_in_place: set[int] = set()
         self._accepted: PreflightReport | None = None  # a failed pre-flight the run starts on
         #: Every change of membership of the last attempt (``min_nodes``), as summary.json
         #: records it: ``{"step", "ranks", "hosts", "reason"}``.
@@ -376,13 +379,14 @@ class Launcher:
                                    else self.injector.throttle_path(rank)),
                     min_nodes=self.options.min_nodes, lost_after=self.options.lost_after,
                 ).variables(extra=self.env)
-                argv = self.program.argv(host, restart)
+                local = self.session.is_local(host.rank)
+                argv = self.program.argv(host, restart,
+                                         local=local or host.rank in self._config_in_place)
                 if self._started and self.program.profile_mode and \
                         "--run-started" not in argv:
                     # One identity for the run: a rank started again (min_nodes) joins the
                     # run its folder holds instead of taking it for an earlier one.
                     argv += ["--run-started", self._started]
-                local = self.session.is_local(host.rank)
                 by_hand = hand_command(host.project_path, host.python_env, env, argv)
                 if not local:
                     by_hand = ssh_command_line(self.session.targets[host.rank], by_hand,
@@ -462,6 +466,12 @@ class Launcher:
             self.preflight()
         if self.injector is not None and not self.injector.checked:
             self.injector.check()
+        self.session.rank_files = dict(self.program.sent_files)
+        if self.session.rank_files:  # a profiles file from outside the project
+            self._config_in_place = self.session.put_files(
+                self.session.rank_files,
+                ranks=[h for h in range(len(self.config.hosts)) if h not in self.missing],
+                in_place=dict(self.program.sent_from))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._started = utc_now()
         attempts: list[AttemptResult] = []

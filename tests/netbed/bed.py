@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .apart import enter_host, hidden_paths, host_folders
 from .lan import Member, build_lan, delete_namespaces
 from .links import Counters, LinkMeasurement, measure_ring, tbf_burst
 from .sshd import sshd_config, wait_for_greeting
@@ -77,12 +78,17 @@ class Testbed:
         pin: start host ``i``'s sshd (and so everything it starts) on core ``i``.
         queue: how long each link's tbf queue takes to drain (tc's ``latency``):
             a burst beyond it is dropped, as by a router with that much buffer.
+        apart: give every host a mount namespace of its own too: its own empty home and
+            ``/tmp``, no checkout of the project and no Python environment of this machine,
+            only the system's ``python3`` (see :mod:`netbed.apart`).
+        shared_home: with ``apart``, the hosts share one home folder (as an NFS home is
+            shared) and each keeps its own ``/tmp``.
     """
 
     __test__ = False  # a name pytest would otherwise try to collect as a test class
 
     def __init__(self, hosts: int, subnet: str = "10.213.77", pin: bool = True,
-                 queue: str = "100ms") -> None:
+                 queue: str = "100ms", apart: bool = False, shared_home: bool = False) -> None:
         if hosts < 1 or hosts > 250:
             raise ValueError(f"hosts must be within 1..250, got {hosts}")
         try:
@@ -112,6 +118,11 @@ class Testbed:
         self.ssh_config = self.workdir / "ssh_config"
         self.rate: str | None = None
         self._closed = False
+        if shared_home and not apart:
+            raise ValueError("shared_home is a layout of hosts that are apart: give apart=True")
+        self.apart = apart
+        self.shared_home = shared_home
+        self._hidden = hidden_paths(PROJECT_ROOT) if apart else []
 
     # ------------------------------------------------------------------ build
 
@@ -202,16 +213,32 @@ class Testbed:
                           name=f"sshd of host {host.index}")
 
     def in_host(self, host: Host, *command: str) -> list[str]:
-        """``command`` run inside ``host``'s namespace, on its core when pinned."""
+        """``command`` run inside ``host``'s namespace (and, apart, its mounts), on its core
+        when pinned."""
         pin = ["taskset", "-c", str(host.cpu)] if host.cpu is not None else []
-        return [*pin, "ip", "netns", "exec", host.namespace, *command]
+        inner = list(command)
+        if self.apart:
+            home, tmp = self.host_folders(host)
+            inner = enter_host(self.workdir, home, tmp, self._hidden, inner)
+        return [*pin, "ip", "netns", "exec", host.namespace, *inner]
+
+    def host_folders(self, host: Host) -> tuple[Path, Path]:
+        """Where ``host``'s home and ``/tmp`` lie on this machine (apart beds only)."""
+        if not self.apart:
+            raise TestbedError("the hosts of this bed are not apart: they share this "
+                               "machine's home and /tmp")
+        return host_folders(self.workdir, host.index, self.shared_home)
+
+    def home(self, host: Host) -> Path:
+        """``host``'s home folder as this machine sees it (``/root`` inside the host)."""
+        return self.host_folders(host)[0]
 
     # ------------------------------------------------------------------ use
 
     def hosts_config(self, port: int, *, launcher_is_master: bool = False,
                      count: int | None = None) -> dict[str, Any]:
         """A hosts file's content for a job on the bed: every rank over SSH as root, in
-        this checkout with this Python.
+        this checkout with this Python (apart: with neither, for ``setup-hosts`` to fill).
 
         Args:
             port: the master port.
@@ -222,10 +249,12 @@ class Testbed:
         chosen = self.hosts[:count]
         master = self.uplink_address if launcher_is_master else chosen[0].address
         workers = chosen if launcher_is_master else chosen[1:]
-        return {"master": master, "workers": [h.address for h in workers],
-                "ssh_user": "root", "ssh_key_path": str(self.key_path),
-                "python_env": sys.executable, "project_path": str(PROJECT_ROOT),
-                "master_port": port}
+        config: dict[str, Any] = {"master": master, "workers": [h.address for h in workers],
+                                  "ssh_user": "root", "ssh_key_path": str(self.key_path),
+                                  "master_port": port}
+        if not self.apart:  # apart hosts have neither until setup-hosts gives them theirs
+            config.update(python_env=sys.executable, project_path=str(PROJECT_ROOT))
+        return config
 
     def ssh_settings(self, **extra: Any) -> dict[str, Any]:
         """Keyword arguments for ``distributed.hosts.ssh.SSHOptions`` that reach the bed's
