@@ -117,7 +117,9 @@ def test_missing_python_env_names_the_hosts_lacking_it():
     del data["python_env"]
     assert problems_of(data) == [(
         'hosts file: missing "python_env" for "master", "workers[0]": add "python_env": '
-        '"/path/to/venv/bin/python" at the top level or on each of those hosts')]
+        '"/path/to/venv/bin/python" at the top level or on each of those hosts, or run '
+        'setup-hosts on this file: it sets the hosts up (the project and its Python) and '
+        'writes the paths in')]
 
 
 def test_missing_project_path_is_reported():

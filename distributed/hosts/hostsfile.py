@@ -499,7 +499,9 @@ class _Validator:
             if lacking:
                 example = "/path/to/venv/bin/python" if key == "python_env" else "/path/to/checkout"
                 self.problem((), f'missing "{key}" for {", ".join(lacking)}: add "{key}": '
-                             f'"{example}" at the top level or on each of those hosts')
+                             f'"{example}" at the top level or on each of those hosts, or '
+                             "run setup-hosts on this file: it sets the hosts up (the "
+                             "project and its Python) and writes the paths in")
 
         seen: dict[tuple[str, int], JsonPath] = {}
         for h in hosts:
