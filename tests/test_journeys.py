@@ -294,7 +294,8 @@ def test_ctrl_c_in_the_middle_of_the_wizard_says_the_answers_are_not_kept(tmp_pa
 
 def exogym_command() -> str:
     """The ``exogym`` command the quick start installs, or skip saying how to get it."""
-    found = shutil.which("exogym")
+    beside = Path(sys.executable).parent / "exogym"  # this interpreter's own, off PATH
+    found = shutil.which("exogym") or (str(beside) if beside.is_file() else None)
     if found is None:
         pytest.skip("no exogym command on PATH: install the project as the README's quick "
                     "start does (pip install -e '.[distributed,examples]' -c constraints.txt)")
