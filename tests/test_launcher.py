@@ -1133,6 +1133,33 @@ def test_home_relative_paths_expand_on_the_host():
     assert out.stdout.strip() == "/home/u/x y"
 
 
+def test_a_stdlib_probe_runs_with_the_hosts_python3_until_setup_made_its_environment(
+        tmp_path):
+    """The wizard's link measurement reaches a host before setup-hosts: neither its
+    python_env nor its project exists yet, and the receiver runs with its python3."""
+    import json as json_module
+
+    from distributed.hosts.remote import NO_PYTHON, standalone_command
+
+    code = "import sys\ndef main(m):\n    print(sys.executable, flush=True)\n"
+    fake_bin, no_python = tmp_path / "bin", tmp_path / "only-sh"
+    for folder in (fake_bin, no_python):
+        folder.mkdir()
+        (folder / "sh").symlink_to("/bin/sh")
+    (fake_bin / "python3").symlink_to(sys.executable)
+
+    def probe(python_env: str, path: str) -> subprocess.CompletedProcess:
+        message = json_module.dumps({"code": code}) + "\n"
+        return subprocess.run(["/bin/sh", "-c", standalone_command(python_env)], input=message,
+                              capture_output=True, text=True, timeout=60,
+                              env={"HOME": str(tmp_path), "PATH": path})
+
+    missing = "~/exogym/.venv/bin/python"  # what setup would make: not there yet
+    assert probe(missing, str(fake_bin)).stdout.strip() == str(fake_bin / "python3")
+    assert probe(sys.executable, str(no_python)).stdout.strip() == sys.executable  # its own
+    assert probe(missing, str(no_python)).returncode == NO_PYTHON
+
+
 def test_profile_program_passes_overrides_device_and_resume_flag():
     program = RankProgram.from_profile("digits-diloco", config="config.ini",
                                        overrides={"lr": 0.1, "compile": False})
