@@ -219,7 +219,8 @@ def test_the_wizard_from_nothing_to_a_trained_model_on_two_hosts_that_are_apart(
         # The profile the wizard wrote, on the same hosts, with --min-nodes.
         second = tmp_path / "second"
         command = [sys.executable, CLI, "distributed-train", "journey", "--config", str(config),
-                   "--hosts", str(hosts_file), "--min-nodes", "2", *ssh]
+                   "--hosts", str(hosts_file), "--min-nodes", "2", *ssh,
+                   "--run-dir", str(tmp_path / "launch-2")]
         for pair in ("max_steps=40", "H=10", f"output_dir={second}"):
             command += ["--set", pair]
         done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -264,7 +265,8 @@ def test_two_hosts_apart_sharing_one_home_are_set_up_once_and_train(tmp_path):
         out = tmp_path / "run"
         status, screen = shell(shlex.join([
             sys.executable, CLI, "distributed-train", "digits-diloco", "--hosts", str(hosts),
-            *ssh, "--set", "max_steps=20", "--set", "H=10", "--set", "num_threads=1",
+            *ssh, "--run-dir", str(tmp_path / "launch"), "--set", "max_steps=20",
+            "--set", "H=10", "--set", "num_threads=1",
             "--set", "val_size=64", "--set", "checkpoint_interval=None",
             "--set", f"output_dir={out}"]), tmp_path, timeout=300)
         assert status == 0, screen[-4000:]

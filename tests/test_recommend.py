@@ -382,7 +382,8 @@ def test_strategy_auto_trains_with_the_picked_strategy(sshd, tmp_path):
     hosts = two_hosts(sshd, tmp_path)
     out = tmp_path / "out"
     result = invoke("distributed-train", "digits-ddp", "--hosts", hosts, "--strategy", "auto",
-                    "--link-mbit", "1", *sets([*TINY, f"output_dir={out}"]), *ssh_files(sshd))
+                    "--link-mbit", "1", "--run-dir", str(tmp_path / "launch"),
+                    *sets([*TINY, f"output_dir={out}"]), *ssh_files(sshd))
     assert result.exit_code == 0, result.output
     picked = re.search(r"strategy auto: (\w+)(?: H=(\d+))?", result.output)
     assert picked, result.output

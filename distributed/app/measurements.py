@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
+import shlex
 import statistics
 import tempfile
 import warnings
@@ -68,8 +70,25 @@ TOO_NOISY = 1.0
 #: Transfers per link at most; two in a row within :data:`LINK_AGREE` of each other end it.
 LINK_TRIES = 4
 LINK_AGREE = 0.1
-#: Overrides under which the timing run sends nothing and leaves the profile's results alone.
+#: Overrides under which the timing run sends nothing and leaves the profile's results alone:
+#: each timing run writes into a scratch folder of its own under this name, removed after it.
 PROBE_OUTPUT = "runs/recommend-probe"
+
+
+def _remove_probe_folder(launcher: Any, config: HostsConfig, folder: str) -> None:
+    """Remove a timing run's scratch ``folder`` (and its ``.latest`` pointer) from the
+    master's project folder; one that cannot be removed is left (it holds no result)."""
+    from ..hosts.remote import shell_path
+
+    master = config.hosts[0]
+    command = (f"cd {shell_path(master.project_path)} && rm -rf -- {shlex.quote(folder)} "
+               f"{shlex.quote(folder + '.latest')}")
+    shell = launcher.session.shell(0)
+    if shell is not None:
+        try:
+            shell.run("sh -c " + shlex.quote(command), timeout=30.0)
+        except OSError:
+            pass  # the master is gone: a scratch folder left behind, no result lost
 
 
 class RecommendError(RuntimeError):
@@ -356,23 +375,29 @@ def _host_steps(request: TrainRequest, config: HostsConfig, console: Console,
     ``extra`` adds ``--set`` values (another strategy, the reference's batch).
     """
     total = warmup + steps
+    # A folder of its own: two timing runs at once (two recommends on one master, or one
+    # beside --strategy auto) never replace each other's run in one folder.
+    scratch = f"{PROBE_OUTPUT}-{secrets.token_hex(4)}"
     overrides = {**request.overrides, **(extra or {}), "max_steps": total, "val_interval": total + 1,
                  "val_size": 0, "checkpoint_interval": None, "logger": None,
-                 "output_dir": PROBE_OUTPUT}
+                 "output_dir": scratch}
     with tempfile.TemporaryDirectory(prefix="exogym-recommend-") as run_dir:
         timing = TrainRequest(
             profile=request.profile, config=request.config, overrides=overrides,
             hosts=config, accept_new_host_keys=request.accept_new_host_keys,
             known_hosts=request.known_hosts, ssh_config=request.ssh_config, run_dir=run_dir,
-            overwrite=True,  # the probe's scratch folder: each timing run replaces the last
+            overwrite=True,  # the scratch folder is this timing run's alone
             launcher_options={**request.launcher_options, "env": {
                 **dict(request.launcher_options.get("env") or {}),
                 "EXOGYM_COLLECTIVES": "mirror"}})
         recorder = _StepRecorder()
         with make_launcher(timing, config, console=console,
                            dashboard=recorder) as launcher:  # type: ignore[arg-type]
-            launcher.session.preflight()
-            result = launcher.run()
+            try:
+                launcher.session.preflight()
+                result = launcher.run()
+            finally:
+                _remove_probe_folder(launcher, config, scratch)
     if not result.ok:
         raise RecommendError(f"timing the profile on the hosts failed: {result.describe()}")
     timings = []
