@@ -410,3 +410,53 @@ def test_the_wizard_shows_the_recommendation_beside_its_estimates(tmp_path):
     line = next(x for x in done.stdout[estimates:].splitlines() if x.startswith("Recommended:"))
     assert "communication is" in line and "predicted on 2 hosts" in line
     assert "DDP would spend" in line  # at 1 Mbit/s DDP is not the pick
+
+
+def test_each_timing_run_on_the_hosts_has_a_scratch_folder_of_its_own_removed_after_it(
+        monkeypatch, tmp_path):
+    """Two timing runs at once (two recommends on one master) must not share a folder:
+    one replaced the other's run there and failed. Each writes into its own, removed from
+    the master's project folder after it, whether it trained or failed."""
+    from distributed.app import measurements
+    from distributed.hosts.hostsfile import load_hosts
+
+    config = load_hosts({"master": "127.0.0.1", "workers": ["127.0.0.2"],
+                         "python_env": sys.executable, "project_path": str(tmp_path)})
+    folders: list[str] = []
+
+    class Shell:
+        def run(self, command: str, message=None, timeout: float = 30.0):
+            subprocess.run(["sh", "-c", command], check=True, timeout=timeout)
+
+    class Launcher:
+        def __init__(self, request, config, console, dashboard):
+            self.output = request.overrides["output_dir"]
+            folders.append(self.output)
+            self.session = self
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def preflight(self):
+            return None
+
+        def shell(self, host: int):
+            return Shell()
+
+        def run(self):
+            (tmp_path / self.output).mkdir(parents=True)
+            (tmp_path / self.output / "run.json").write_text("{}")
+            (tmp_path / f"{self.output}.latest").symlink_to(Path(self.output).name)
+            raise RuntimeError("a rank failed")
+
+    monkeypatch.setattr(measurements, "make_launcher", Launcher)
+    request = measurements.TrainRequest(profile="digits-ddp", hosts=config)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="a rank failed"):
+            measurements._host_steps(request, config, Console(file=io.StringIO()), 1, 2)
+    assert len(set(folders)) == 2, folders
+    assert all(f.startswith("runs/recommend-probe-") for f in folders), folders
+    assert list((tmp_path / "runs").iterdir()) == []  # both removed, with their pointers
