@@ -690,6 +690,41 @@ def test_a_killed_rank_counts_away_until_the_launcher_has_started_it_again(confi
     assert injector._blocked(freeze) is None
 
 
+def test_a_kill_whose_start_is_answered_late_is_still_recorded_started_then_ended(config):
+    """A kill's end is due a few seconds after it fires; on a busy host the kill's own
+    start (the signal over SSH) may be answered later than that. The end waits for the
+    start, so the record says done, with its end after its start."""
+    import threading
+
+    from distributed.launch.injector import AttemptView, FaultInjector
+
+    plan_ = plan(["kill:2@step=50+4s"], config)
+    injector = FaultInjector(plan_, config, session=None, rank_run_dir="runs/x",
+                             emit=lambda event: None, say=lambda text, style: None)
+    injector.t0 = time.monotonic()
+    injector.view = AttemptView(run_of={r: _Run() for r in range(3)}.get, away=set,
+                                hold=lambda rank, until: None)
+    answered = threading.Event()
+    injector._pid = lambda rank: 4321
+
+    def slow_signal(rank, message):  # the host answers the kill late
+        assert answered.wait(10)
+        return {}
+
+    injector._rank_action = slow_signal
+    [kill] = plan_.faults
+    injector._fire(0, kill, now=time.monotonic())
+    active = injector.active.pop(0)
+    injector._start_worker(injector._end, active)  # its end is due before the answer
+    time.sleep(0.2)
+    answered.set()
+    for worker in injector._workers:
+        worker.join(timeout=30)
+    record = injector.records[0]
+    assert record["outcome"] == "done", record
+    assert record["ended_at_s"] >= record["fired_at_s"], record
+
+
 def test_failures_that_can_only_be_cuts_are_refused_where_no_host_may_be_cut(config):
     from types import SimpleNamespace
 

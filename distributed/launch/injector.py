@@ -85,6 +85,9 @@ class _Active:
     tag: str = ""
     ends: float | None = None
     record: dict[str, Any] = field(default_factory=dict)
+    #: Set once its start is done and recorded (or failed): its end waits for it, so that
+    #: a start slow to be answered on a busy host is never recorded after the end.
+    begun: threading.Event = field(default_factory=threading.Event)
 
 
 class FaultInjector:
@@ -393,6 +396,9 @@ class FaultInjector:
                 self._event("failed", active.index, active.spec, error=why)
                 self.say(f"injected fault {active.index} ({active.spec.describe()}) failed: "
                          f"{why}", "red")
+            finally:
+                if target == self._start:
+                    active.begun.set()
 
         worker = threading.Thread(target=work, daemon=True, name=f"fault-{active.index}")
         self._workers = [w for w in self._workers if w.is_alive()]
@@ -479,6 +485,13 @@ class FaultInjector:
         record = self.records[index]
         if spec.kind == "kill" and spec.duration_s is None:
             return
+        # A kill's end is timed from its firing: on a busy host its start (the process's
+        # group known, the signal answered) may still be under way. Its record comes first.
+        if not active.begun.wait(timeout=COMMAND_TIMEOUT_S + 10.0):
+            self.say(f"injected fault {index} ({spec.describe()}) had not started "
+                     f"{COMMAND_TIMEOUT_S + 10.0:g} s after it was due to end", "red")
+        if str(record.get("outcome", "")).startswith("failed"):
+            return  # its start failed, and said so
         fields: dict[str, Any] = {}
         if spec.kind == "freeze":
             for rank, pid in active.record.items():
