@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     from .bed import Testbed
-    from .system import TestbedError, check_requirements
+    from .system import TestbedError, check_requirements, free_port
 
     parser = argparse.ArgumentParser(
         prog="python -m tests.netbed",
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Testbed(args.hosts, subnet=args.subnet, pin=False, apart=True,
                      shared_home=args.shared_home) as bed:
-            hosts = bed.hosts_config(29500, launcher_is_master=True)
+            hosts = bed.hosts_config(free_port(), launcher_is_master=True)
             path = bed.workdir / "hosts.json"
             path.write_text(json.dumps(hosts, indent=2) + "\n")
             ssh = (f"ssh -i {bed.key_path} -o UserKnownHostsFile={bed.known_hosts} "
