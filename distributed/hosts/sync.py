@@ -419,8 +419,7 @@ def _is_link_to(sftp: Any, target: str, named: str) -> bool:
 
 def _same_content(sftp: Any, remote: str, local: Path) -> bool:
     """Whether the host's file ``remote`` holds the bytes of ``local`` (a small file)."""
-    with sftp.open(remote, "rb") as handle:
-        return bytes(handle.read()) == local.read_bytes()
+    return _holds(sftp, remote, local.read_bytes())
 
 
 def remote_temp(target: str) -> str:
