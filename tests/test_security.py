@@ -520,10 +520,12 @@ def test_a_real_error_in_a_dashboard_is_one_line_and_bounded(capfd, monkeypatch)
 
 # -- E: across hosts, the store acts only on what the run's own ranks signed ---------------
 # The launcher draws a key for each run and hands it to every rank through its
-# supervisor's pipe; every store value is signed with it (SignedStore). A stranger who
-# reaches the store's port writes values as torch's own client does: each is ignored and
-# counted, never acted on, and a run under attack finishes as it would have, or fails
-# naming the cause.
+# supervisor's pipe; every store value is signed with it (SignedStore). The store's front
+# refuses what the run did not sign (tests/test_store_front.py); behind it, the ranks check
+# every value again. The tests here reach torch's server directly (front=False), as a
+# local user on the master host can on loopback, and write values as torch's own client
+# does: each is ignored and counted, never acted on, and a run under attack finishes as it
+# would have, or fails naming the cause.
 
 KEY = bytes(range(32))
 
@@ -541,7 +543,7 @@ def planted(stranger: dist.TCPStore, key: str, value: bytes) -> None:
 
 @pytest.mark.slow
 def test_a_signed_store_ignores_and_counts_every_value_a_stranger_writes():
-    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=1.0, key=KEY)
+    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=1.0, key=KEY, front=False)
     rank = open_store("127.0.0.1", master.port, timeout_s=1.0, key=KEY)
     stranger = stranger_client(master.port)
     before, _ = ignored_messages()
@@ -631,7 +633,7 @@ def test_a_deleted_heartbeat_is_counted_and_never_taken_for_a_ranks_silence():
     from exogym import comm
     from exogym.comm.store import deleted_keys, describe_ignored
 
-    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=5, key=KEY)
+    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=5, key=KEY, front=False)
     rank_store = open_store("127.0.0.1", master.port, timeout_s=5, key=KEY)
     run = SimpleNamespace(running=True, beat_heard_at=0.0)
     lost: dict[int, float] = {}
@@ -688,7 +690,7 @@ def test_ranks_watching_each_other_do_not_lose_a_peer_whose_heartbeat_is_deleted
     from exogym.comm.store import deleted_keys
     from exogym.run.run_rank import PeerWatch, Rendezvous
 
-    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=5, key=KEY)
+    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=5, key=KEY, front=False)
     rendezvous = Rendezvous("127.0.0.1", master.port, store_on_rank0=False, watch_peers=True,
                             key=KEY)
     watchers = [PeerWatch(rendezvous, rank, 2, interval_s=0.1, silent_after_s=1.5)
@@ -777,7 +779,7 @@ def _form(store, rank: int, out: dict) -> None:
 def test_a_group_meets_only_at_addresses_its_ranks_signed():
     """gloo's rendezvous goes through the signed store: forged addresses planted first are
     passed over, and the group forms at the ranks' own."""
-    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=20, key=KEY)
+    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=20, key=KEY, front=False)
     stranger = stranger_client(master.port)
     forged = b"\x00" * 64
     for rank in (0, 1):
@@ -796,7 +798,7 @@ def test_a_group_meets_only_at_addresses_its_ranks_signed():
 
 @pytest.mark.slow
 def test_a_group_whose_peer_address_is_only_forged_fails_naming_the_key():
-    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=2, key=KEY)
+    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=2, key=KEY, front=False)
     stranger = stranger_client(master.port)
     planted(stranger, "exogym/elastic/pg/e2//0/0", b"\x00" * 64)
     store = open_store("127.0.0.1", master.port, timeout_s=2, key=KEY)
@@ -872,42 +874,52 @@ ns = "exogym/elastic"
 copied = {}
 
 
-def attack(s):
+def attack():
     # Stop the run, declare ranks lost, decide a membership, fake a heartbeat, point a
-    # group at this machine, and write back every signed value read earlier.
-    s.set(f"{ns}/stop", "stopped by a stranger on the LAN")
+    # group at this machine, delete what steers the run, and write back every signed value
+    # read earlier: each on its own, as the store's front closes a connection it refuses.
+    yield "write", lambda s: s.set(f"{ns}/stop", "stopped by a stranger on the LAN")
     for rank in (1, 2):
-        s.set(f"{ns}/why/{rank}/1", "lost to a stranger")
-        s.set(f"exogym/beat/{rank}", "1")
-    for start in range(0, 1600, 100):
-        s.compare_set(f"{ns}/members/{start}", "", '{"ranks": [0], "step": 0}')
-    s.set(f"{ns}/latest", "1500")
-    for name in ("e1-x", "e2-x"):
-        s.set(f"{ns}/pg/{name}//0/1", "\x00" * 64)
-    for key, value in copied.items():
-        s.set(key, value)
+        yield "write", lambda s: s.set(f"{ns}/why/{rank}/1", "lost to a stranger")
+        yield "write", lambda s: s.set(f"exogym/beat/{rank}", "1")
+        yield "write", lambda s: s.add(f"{ns}/lost/{rank}", 1)
+        yield "write", lambda s: s.delete_key(f"exogym/beat/{rank}")
+    for start in (0, 100):
+        yield "write", lambda s: s.compare_set(f"{ns}/members/{start}", "",
+                                               '{"ranks": [0], "step": 0}')
+        yield "write", lambda s: s.delete_key(f"{ns}/members/{start}")
+    yield "write", lambda s: s.set(f"{ns}/latest", "1500")
+    yield "write", lambda s: s.set(f"{ns}/pg/e1-x//0/1", "\x00" * 64)
+    for key in (f"{ns}/stop", f"{ns}/finished", f"{ns}/log/1", f"{ns}/log/n"):
+        yield "write", lambda s: s.delete_key(key)
+    for key, value in list(copied.items()):
+        yield "replay", lambda s: s.set(key, value)  # signed: the front lets it pass
     for key in (f"{ns}/log/1", f"{ns}/log/n", "exogym/beat/2"):
-        if s.check([key]):
-            copied[key] = s.get(key)
-    for rank in (1, 2):
-        s.add(f"{ns}/lost/{rank}", 1)  # the server may drop a client adding to a signed value
+        yield "read", lambda s: copied.__setitem__(key, s.get(key)) if s.check([key]) else None
 
 
-rounds = dropped = 0
+rounds = 0
+tried, refused = {"write": 0, "replay": 0, "read": 0}, {"write": 0, "replay": 0, "read": 0}
 end = time.monotonic() + float(sys.argv[3])
 s = connect()
 while time.monotonic() < end:
-    try:
-        attack(s)
-        rounds += 1
-    except Exception:
-        dropped += 1
+    for kind, step in attack():
+        tried[kind] += 1
         try:
-            s = connect()
-        except Exception:  # the run has ended and its store with it
-            break
+            step(s)
+            s.check([f"{ns}/nothing"])  # a set has no answer: a refused one shows here
+        except Exception:
+            refused[kind] += 1
+            try:
+                s = connect()
+            except Exception:  # the run has ended and its store with it
+                end = 0
+                break
+    rounds += 1
     time.sleep(0.1)
-print(f"stranger wrote {rounds} rounds ({dropped} dropped)", flush=True)
+print(f"stranger's {rounds} rounds: {tried['write']} writes, {refused['write']} refused; "
+      f"{tried['replay']} replays, {refused['replay']} refused; "
+      f"{tried['read']} reads, {refused['read']} refused", flush=True)
 """
 
 
@@ -964,8 +976,10 @@ def test_a_stranger_on_the_lan_neither_stops_nor_steers_a_run_across_hosts(tmp_p
                 capture_output=True, text=True, timeout=120,
                 env={**os.environ, "PYTHONPATH": str(ROOT)})
             throttle.set(1.0)
-            rounds = re.search(r"stranger wrote (\d+) rounds", attack.stdout)
-            assert rounds and int(rounds.group(1)) >= 20, (attack.stdout, attack.stderr[-2000:])
+            found = re.search(r"stranger's (\d+) rounds: (\d+) writes, (\d+) refused; (\d+) "
+                              r"replays, (\d+) refused; (\d+) reads, (\d+) refused",
+                              attack.stdout)
+            assert found and int(found.group(1)) >= 20, (attack.stdout, attack.stderr[-2000:])
             key = job.store_key.hex()
             runner.join(timeout=300)
         result = job.result
@@ -976,9 +990,18 @@ def test_a_stranger_on_the_lan_neither_stops_nor_steers_a_run_across_hosts(tmp_p
     assert trained == {0: steps, 1: steps, 2: steps}, trained
     assert (out / "model.safetensors").is_file()
     said = console.getvalue() + "\n".join(output)
-    assert "not signed by this run" in said, said[-3000:]
-    print(attack.stdout.strip(), "|", next(line for line in said.splitlines()
-                                           if "not signed by this run" in line).strip())
+    # Every write and delete refused at the store's front, and the launcher says so, with
+    # how many and from where.
+    rounds, writes, refused, replays, replays_refused, reads, reads_refused = map(
+        int, found.groups())
+    assert writes == refused > 0 and replays > 0 and reads_refused == replays_refused == 0, \
+        found.group(0)
+    told = re.search(r"refused (\d+) writes not signed by the run and (\d+) deletes of keys "
+                     r"the run had not marked deleted \(from ([\d.]+)\)", said)
+    assert told, said[-3000:]
+    assert int(told.group(1)) + int(told.group(2)) == refused, (told.group(0), found.group(0))
+    assert told.group(3) == stranger_host.address
+    print(found.group(0), "|", told.group(0))
     assert "stopped by a stranger" not in said
     # The key reached the ranks, and no log, command line or record holds it.
     for path in (tmp_path / "launch").rglob("*"):
@@ -987,31 +1010,48 @@ def test_a_stranger_on_the_lan_neither_stops_nor_steers_a_run_across_hosts(tmp_p
     assert key not in said
 
 
-DELETE_BEATS = r"""
+DELETE_KEYS = r"""
 import sys, time, torch.distributed as dist
 from datetime import timedelta
 addr, port, bound = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-deletes, started = 0, time.monotonic()
+ns = "exogym/elastic"
+keys = ["exogym/beat/1", "exogym/beat/2", f"{ns}/stop", f"{ns}/finished", f"{ns}/members/0",
+        f"{ns}/log/1", f"{ns}/log/n", f"{ns}/lost/1"]
+
+
+def connect():
+    return dist.TCPStore(addr, port, None, is_master=False, timeout=timedelta(seconds=10),
+                         wait_for_workers=False)
+
+
+deletes = refused = 0
+started = time.monotonic()
 try:
-    s = dist.TCPStore(addr, port, None, is_master=False, timeout=timedelta(seconds=10),
-                      wait_for_workers=False)
+    s = connect()
     while time.monotonic() - started < bound:
-        for rank in (1, 2):
-            s.delete_key(f"exogym/beat/{rank}")
+        for key in keys:
             deletes += 1
+            try:
+                s.delete_key(key)
+            except Exception:  # refused: the store's front closed the connection
+                refused += 1
+                s = connect()
         time.sleep(0.005)
 except Exception:  # the run has ended and its store with it
     pass
-print(f"stranger deleted {deletes} times over {time.monotonic() - started:.1f} s", flush=True)
+print(f"stranger deleted {deletes} times over {time.monotonic() - started:.1f} s, "
+      f"{refused} refused", flush=True)
 """
 
 
 @pytest.mark.slow(reason="three hosts in network namespaces train while a stranger on their "
-                         "LAN deletes two ranks' heartbeats for four times the deadline")
-def test_a_stranger_deleting_heartbeats_changes_no_membership_across_hosts(tmp_path):
-    """Deleting two ranks' heartbeat keys again and again, for four times the silence that
-    loses a host, neither drops a host nor stops a ``min_nodes=2`` run; the launcher says
-    that deletions were seen."""
+                         "LAN deletes the run's keys for four times the deadline")
+def test_a_stranger_deleting_the_run_s_keys_changes_no_membership_across_hosts(tmp_path):
+    """Deleting two ranks' heartbeats and the keys that stop the run or say who is in it
+    (stop, finished, a membership, the change log, a loss count) again and again, for four
+    times the silence that loses a host: every delete is refused, no host is dropped, a
+    ``min_nodes=2`` run goes on, and the launcher says how many deletes it refused and from
+    where."""
     from netbed import Testbed
     from netns import netns_available
     from ranks import Throttle
@@ -1054,17 +1094,20 @@ def test_a_stranger_deleting_heartbeats_changes_no_membership_across_hosts(tmp_p
                 assert time.monotonic() < deadline, "the run never trained"
                 time.sleep(0.2)
             attack = subprocess.run(
-                bed.in_host(stranger_host, sys.executable, "-c", DELETE_BEATS,
+                bed.in_host(stranger_host, sys.executable, "-c", DELETE_KEYS,
                             bed.uplink_address, str(port), str(4 * lost_after)),
                 capture_output=True, text=True, timeout=400,
                 env={**os.environ, "PYTHONPATH": str(ROOT)})
             throttle.set(1.0)
             runner.join(timeout=300)
         result = job.result
-    found = re.search(r"stranger deleted (\d+) times over ([\d.]+) s", attack.stdout)
+    found = re.search(r"stranger deleted (\d+) times over ([\d.]+) s, (\d+) refused",
+                      attack.stdout)
     assert found, (attack.stdout, attack.stderr[-2000:])
     # Deleting while the run went on, four times the silence that loses a host.
-    assert int(found.group(1)) > 1000 and float(found.group(2)) >= 4 * lost_after, found.group(0)
+    deletes, refused = int(found.group(1)), int(found.group(3))
+    assert deletes > 500 and float(found.group(2)) >= 4 * lost_after, found.group(0)
+    assert refused == deletes, found.group(0)
     assert result.ok, result.describe()
     memberships = [e["ranks"] for e in events if e.get("event") == "membership"]
     assert memberships == [[0, 1, 2]], memberships
@@ -1073,10 +1116,12 @@ def test_a_stranger_deleting_heartbeats_changes_no_membership_across_hosts(tmp_p
     trained = {e["rank"]: e["step"] for e in events if e.get("event") == "step"}
     assert trained == {0: steps, 1: steps, 2: steps}, trained
     said = console.getvalue() + "\n".join(output)
-    told = [line for line in said.splitlines() if "deletion" in line]
-    assert told and "exogym/beat/" in told[0], said[-3000:]
+    told = re.search(r"refused (\d+) deletes of keys the run had not marked deleted "
+                     r"\(from ([\d.]+)\)", said)
+    assert told and int(told.group(1)) == refused, (said[-3000:], found.group(0))
+    assert told.group(2) == stranger_host.address
     assert "fewer than min_nodes" not in said and "no heartbeat" not in said
-    print(found.group(0), "|", told[0].strip())
+    print(found.group(0), "|", told.group(0))
 
 
 # -- the wheel cache -----------------------------------------------------------------------

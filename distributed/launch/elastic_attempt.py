@@ -462,8 +462,12 @@ class ElasticAttempt:
             r.ok for r in results if r.rank not in self.lost)
         from exogym.comm.store import describe_ignored
 
-        if describe_ignored():
-            self.say(f"the launcher {describe_ignored()}", "yellow")
+        refused, ignored = self.store.describe_refused(), describe_ignored(fronts=False)
+        if refused:  # its store's front, which only this process serves
+            self.say(f"the launcher's store {refused}: something other than the run's ranks "
+                     f"writes to it", "yellow")
+        if ignored:
+            self.say(f"the launcher {ignored}", "yellow")
         return AttemptResult(restart=self.restart, ranks=tuple(results), first_failure=first,
                              interrupted=self.interrupted(), survived=survived,
                              stop_reason=self.stop_reason, checkpointed=self.checkpointed)

@@ -14,9 +14,10 @@ local run's store on loopback is out of reach of every other machine.
 A run across hosts also signs every value it writes (:class:`SignedStore`):
 the launcher draws a key for the run and hands it to each rank over SSH, and a
 value whose signature does not hold is ignored and counted
-(:func:`ignored_messages`), never acted on. A stranger who reaches the port can
-then at worst make the run fail, with an error naming the key it found forged;
-it cannot stop the run, change its membership or plant an address.
+(:func:`ignored_messages`), never acted on. The store's front checks the same
+signatures before the store sees a write, and lets a delete through only for a key
+the run marked deleted first (:meth:`SignedStore.delete_key`), so a stranger who
+reaches the port cannot stop the run, change its membership or plant an address.
 
 :class:`ControlStore` is the only way the project writes to a store. A value
 over :data:`MAX_VALUE_BYTES` is refused in the writer, naming the key, instead
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hmac
 import os
 import socket
 import threading
@@ -45,7 +45,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .store_front import FrontLimits, StoreFront
+from .signing import DELETION_MARK, opened, signature
+from .store_front import FrontLimits, StoreFront, describe_refused
 
 #: The largest value the project puts in a store.
 MAX_VALUE_BYTES = 64 * 1024
@@ -66,8 +67,6 @@ def _encoded(key: str, value: str | bytes) -> bytes:
 
 #: Bytes of a run's store key (:func:`new_run_key`).
 RUN_KEY_BYTES = 32
-#: Bytes of the signature appended to every value of a signed store.
-SIGNATURE_BYTES = 32
 #: Seconds between looks at a key that holds a forged value, waiting for a signed one.
 _FORGED_POLL_S = 0.05
 #: How a read of a signed store's probe begins (:meth:`SignedStore._read`); random bytes of
@@ -162,12 +161,16 @@ def deleted_keys() -> tuple[int, list[str]]:
         return _IGNORED.deleted, list(_IGNORED.deleted_keys)
 
 
-def describe_ignored() -> str:
-    """A sentence on the unsigned values and the deletions this process ignored; ``""``
-    when none."""
+def describe_ignored(fronts: bool = True) -> str:
+    """A sentence on the unsigned values and the deletions this process ignored, and with
+    ``fronts`` the writes and deletes the store fronts it serves refused; ``""`` when none.
+    A process that reports its own front's refusals passes ``fronts=False``."""
     count, keys = ignored_messages()
     deleted, gone = deleted_keys()
     said = []
+    refused = describe_refused() if fronts else ""
+    if refused:
+        said.append(refused)
     if count:
         said.append(f"ignored {count} store value{'s' if count != 1 else ''} not signed by "
                     f"this run (at {', '.join(keys[-3:])})")
@@ -285,8 +288,7 @@ class SignedStore(dist.Store):
 
     # -- signing ------------------------------------------------------------------------
     def _signature(self, key: str, value: bytes) -> bytes:
-        name = key.encode()
-        return hmac.digest(self._key, len(name).to_bytes(4, "big") + name + value, "sha256")
+        return signature(self._key, key.encode(), value)
 
     def _sign(self, key: str, value: str | bytes) -> bytes:
         data = _encoded(key, value)
@@ -295,8 +297,10 @@ class SignedStore(dist.Store):
     def _open(self, key: str, raw: bytes) -> bytes | None:
         """The value of a signed ``raw``; None (noted) when its signature does not hold."""
         raw = bytes(raw)
-        value, tag = raw[:-SIGNATURE_BYTES], raw[-SIGNATURE_BYTES:]
-        if len(raw) >= SIGNATURE_BYTES and hmac.compare_digest(tag, self._signature(key, value)):
+        value = opened(self._key, key.encode(), raw)
+        if value == DELETION_MARK:
+            return None  # the key is being deleted: as good as unset
+        if value is not None:
             return value
         _IGNORED.note(key, raw)
         return None
@@ -335,7 +339,12 @@ class SignedStore(dist.Store):
         raw = bytes(self._ops.compare_set(key, self._probe, self._probe))
         if raw == self._probe:
             return None, None
-        return raw, self._open(key, raw)
+        value = opened(self._key, key.encode(), raw)
+        if value == DELETION_MARK:
+            return None, None  # being deleted
+        if value is None:
+            _IGNORED.note(key, raw)
+        return raw, value
 
     def check(self, keys: list[str]) -> bool:  # noqa: D102
         if len(keys) == 1:
@@ -455,9 +464,13 @@ class SignedStore(dist.Store):
             while len(self._counters) > _COUNTER_MEMORY:
                 self._counters.popitem(last=False)
 
-    def delete_key(self, key: str) -> bool:  # noqa: D102
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``: its signed deletion mark first, so that the store's front, which
+        lets no delete through for a key whose last write was not that mark, lets this one
+        through (:mod:`exogym.comm.signing`)."""
         with self._lock:
             self._counters.pop(key, None)
+        self._ops.set(key, self._sign(key, DELETION_MARK))
         return self._ops.delete_key(key)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # noqa: D102
@@ -496,6 +509,12 @@ class ControlStore:
     def port(self) -> int:
         """The store's port: the one others reach it at."""
         return self.front.port if self.front is not None else self.raw.port
+
+    def describe_refused(self) -> str:
+        """A sentence on the writes and deletes this store's front refused for want of the
+        run's signature (:meth:`StoreFront.describe_refused`); ``""`` when none, or when
+        this process serves no front."""
+        return "" if self.front is None else self.front.describe_refused()
 
     def close(self) -> None:
         """Stop serving others, where this process hosts the store behind a front."""
@@ -652,7 +671,7 @@ def open_store(addr: str, port: int, *, is_master: bool = False, world_size: int
     if public is None:
         return ControlStore(store, key, timeout_s)
     limits = front if isinstance(front, FrontLimits) else None
-    served = StoreFront(public, (serve_at, port), limits)
+    served = StoreFront(public, (serve_at, port), limits, key=key)
     control = ControlStore(store, key, timeout_s, front=served)
     weakref.finalize(control, served.close)
     return control

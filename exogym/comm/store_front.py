@@ -35,6 +35,11 @@ every peer to :class:`FrontLimits`:
   server never holds more than one request and one answer of a connection.
 
 Commands the project never sends (torch's queues, key listings, barriers) are refused.
+Given the run's key (a signed store's front), it also refuses every write the run did not
+sign: a set or compare-and-set whose value lacks the run's signature for its key (a
+compare-and-set that expects what it would write, a signed store's read, changes nothing
+and passes), any add or append, and a delete of a key whose last write was not its
+signed deletion mark (:mod:`exogym.comm.signing`).
 A refused peer's connection is closed; the first refusal of each kind is said once on
 stderr, naming the address and the bound, and later ones are counted
 (:attr:`StoreFront.refusals`).
@@ -51,7 +56,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .signing import DELETION_MARK, opened
 
 __all__ = ["FrontLimits", "Refused", "StoreFront", "parse_request"]
 
@@ -80,6 +87,9 @@ _SWEEP_S = 0.25
 _SPARE_FDS = 256
 #: The soft descriptor limit a front raises a lower one toward (two per connection).
 _WANTED_FDS = 4096
+
+#: Addresses named in :meth:`StoreFront.describe_refused`, at most.
+_STRANGERS_NAMED = 5
 
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
@@ -151,12 +161,15 @@ class Request:
         size: its bytes on the wire.
         keys: the keys it names.
         writes: for each key it writes, ``(key, bytes the value may then hold, append)``.
+        values: for each value it writes, ``(key, expected, value)``: ``expected`` is what
+            a compare-and-set expects there, None for a set.
     """
 
     command: int
     size: int
     keys: list[bytes]
     writes: list[tuple[bytes, int, bool]]
+    values: list[tuple[bytes, bytes | None, bytes]] = field(default_factory=list)
 
 
 class _Reader:
@@ -197,13 +210,14 @@ class _Reader:
         self.at += size
         return key
 
-    def value(self) -> int | None:
-        """The length of a value, once all of it is here."""
+    def value(self) -> bytes | None:
+        """A value, once all of it is here."""
         size = self._length("a value", self.limits.value_bytes, "value_bytes")
         if size is None or len(self.data) < self.at + size:
             return None
+        value = bytes(self.data[self.at:self.at + size])
         self.at += size
-        return size
+        return value
 
     def check_size(self) -> None:
         if self.at > self.limits.request_bytes:
@@ -223,10 +237,11 @@ def parse_request(data: bytes | bytearray, limits: FrontLimits) -> Request | Non
     reader = _Reader(data, limits)
     keys: list[bytes] = []
     writes: list[tuple[bytes, int, bool]] = []
+    values: list[tuple[bytes, bytes | None, bytes]] = []
 
     def done() -> Request:
         reader.check_size()
-        return Request(command, reader.at, keys, writes)
+        return Request(command, reader.at, keys, writes, values)
 
     if command in (VALIDATE, PING):
         if len(data) < 5:
@@ -243,17 +258,20 @@ def parse_request(data: bytes | bytearray, limits: FrontLimits) -> Request | Non
             return None
         keys.append(key)
         if command in (SET, APPEND):
-            size = reader.value()
-            if size is None:
+            value = reader.value()
+            if value is None:
                 return None
-            writes.append((key, size, command == APPEND))
+            writes.append((key, len(value), command == APPEND))
+            values.append((key, None, value))
         elif command == COMPARE_SET:
-            if reader.value() is None:
+            expected = reader.value()
+            if expected is None:
                 return None
-            size = reader.value()
-            if size is None:
+            value = reader.value()
+            if value is None:
                 return None
-            writes.append((key, size, False))
+            writes.append((key, len(value), False))
+            values.append((key, expected, value))
         elif command == ADD:
             if reader.number() is None:
                 return None
@@ -271,11 +289,12 @@ def parse_request(data: bytes | bytearray, limits: FrontLimits) -> Request | Non
                 return None
             keys.append(key)
             if command == MULTI_SET:
-                size = reader.value()
-                if size is None:
+                value = reader.value()
+                if value is None:
                     reader.check_size()
                     return None
-                writes.append((key, size, False))
+                writes.append((key, len(value), False))
+                values.append((key, None, value))
             reader.check_size()
         return done()
     raise Refused("command", f"command {command}, which the project never sends")
@@ -368,12 +387,21 @@ class StoreFront:
         limits: the bounds.
         label: how the front names itself in what it says on stderr.
         say: where that is said (one line each); stderr when None.
+        key: the run's key, where the store is signed (:class:`~exogym.comm.store.SignedStore`):
+            a write is then let through only when it carries the run's signature, a delete
+            only for a key whose last write was its signed deletion mark
+            (:mod:`exogym.comm.signing`), and an add or append never (a signed store sends
+            neither). The rest is refused and counted (:meth:`describe_refused`).
     """
 
     def __init__(self, listener: socket.socket, backend: tuple[str, int],
                  limits: FrontLimits | None = None, label: str = "store",
-                 say: Callable[[str], None] | None = None):
+                 say: Callable[[str], None] | None = None, key: bytes | None = None):
         self.limits = limits or FrontLimits()
+        self._key = key
+        self._marked: set[bytes] = set()  # keys whose last write was their deletion mark
+        #: Addresses that sent what only someone without the run's key sends (the first few).
+        self.strangers: list[str] = []
         self.total = min(self.limits.total, descriptor_room())
         self.backend = backend
         self.label = label
@@ -450,6 +478,10 @@ class StoreFront:
             "reply_bytes": f"its read could answer {detail}; an answer may hold "
                            f"{limits.reply_bytes / mib:g} MiB",
             "command": f"it sent {detail}",
+            "unsigned": f"it sent {detail}, not signed by the run: its ranks sign every value "
+                        f"they write",
+            "delete": f"it asked to delete {detail}, which the run had not marked deleted: "
+                      f"its ranks mark a key before they delete it",
         }[kind]
         verb = "made room for" if kind == "made_room" else "refused"
         line = (f"{self.label}: {verb} a connection from {address}: {why} (further ones are "
@@ -550,6 +582,8 @@ class StoreFront:
             if not conn.closed:
                 self._advance(conn)
         except Refused as refused:
+            if refused.kind in ("unsigned", "delete"):
+                _note_stranger(refused.kind, conn.address, self.strangers)
             self.refuse(refused.kind, conn.address, refused.detail)
             self._close(conn)
         except OSError:
@@ -608,6 +642,8 @@ class StoreFront:
                 self._forward(conn, request)
                 continue
             self._check_handshake(conn, request)
+            if self._key is not None:
+                self._check_signed(request)
             self._check_costs(conn, request)
             self._forward(conn, request)
             conn.answer = _answer_for(request)
@@ -639,6 +675,40 @@ class StoreFront:
             conn.to_server += _VALIDATE_BYTES
         elif request.command == VALIDATE:
             raise Refused("command", "a second handshake")
+
+    def _check_signed(self, request: Request) -> None:
+        """Refuse what no client holding the run's key sends: a value without its
+        signature, an add or append, a delete of a key not marked deleted."""
+        command = request.command
+        if command in (ADD, APPEND):
+            raise Refused("unsigned", f"{COMMANDS[command]} on {_named(request.keys[0])}")
+        if command == DELETE_KEY:
+            key = request.keys[0]
+            if key not in self._marked:
+                raise Refused("delete", _named(key))
+            self._marked.discard(key)
+            return
+        assert self._key is not None
+        marks = []
+        for key, expected, value in request.values:
+            if expected is not None and expected and value == expected:
+                continue  # a compare-and-set that cannot change the key: a signed store's read
+            # torch's client puts "/" before every key it sends; the signature is the name's.
+            opened_value = opened(self._key, key[1:] if key.startswith(b"/") else key, value)
+            if opened_value is None:
+                raise Refused("unsigned", f"a value for {_named(key)}")
+            marks.append((key, opened_value == DELETION_MARK))
+        for key, mark in marks:
+            if mark:
+                self._marked.add(key)
+            else:
+                self._marked.discard(key)
+
+    def describe_refused(self) -> str:
+        """A sentence on the writes and deletes this front refused for want of the run's
+        signature; ``""`` when none."""
+        return _describe_refused(self.refusals["unsigned"], self.refusals["delete"],
+                                 self.strangers)
 
     def _check_costs(self, conn: _Connection, request: Request) -> None:
         """Refuse a request past the bounds on what the store holds and answers; else count
@@ -777,3 +847,49 @@ def descriptor_room() -> int:
     if soft == resource.RLIM_INFINITY:
         return 1 << 30
     return max(16, (soft - min(_SPARE_FDS, soft // 4)) // 2)
+
+
+def _named(key: bytes) -> str:
+    """A key a peer sent, as a refusal names it: quoted, escapes shown, at most 80 characters."""
+    text = key.decode("utf-8", errors="replace")
+    return repr(text if len(text) <= 80 else text[:77] + "...")
+
+
+class _Strangers:
+    """What every front of this process refused for want of the run's signature."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+        self.addresses: list[str] = []
+
+
+_STRANGERS = _Strangers()
+
+
+def _note_stranger(kind: str, address: str, named: list[str]) -> None:
+    for addresses in (named, _STRANGERS.addresses):
+        if address not in addresses and len(addresses) < _STRANGERS_NAMED:
+            addresses.append(address)
+    with _STRANGERS.lock:
+        _STRANGERS.counts[kind] += 1
+
+
+def _describe_refused(unsigned: int, deletes: int, addresses: list[str]) -> str:
+    said = []
+    if unsigned:
+        said.append(f"{unsigned} write{'s' if unsigned != 1 else ''} not signed by the run")
+    if deletes:
+        said.append(f"{deletes} delete{'s' if deletes != 1 else ''} of keys the run had not "
+                    f"marked deleted")
+    if not said:
+        return ""
+    return f"refused {' and '.join(said)} (from {', '.join(addresses)})"
+
+
+def describe_refused() -> str:
+    """A sentence on the writes and deletes the store fronts of this process refused for
+    want of the run's signature, with the first addresses they came from; ``""`` when none."""
+    with _STRANGERS.lock:
+        return _describe_refused(_STRANGERS.counts["unsigned"], _STRANGERS.counts["delete"],
+                                 list(_STRANGERS.addresses))
