@@ -136,10 +136,14 @@ def test_a_warm_command_gets_its_own_folder_environment_arguments_streams_and_se
 
 def test_a_warm_command_ends_as_the_command_ends_and_takes_the_signals_its_client_gets(
         tmp_path):
+    # Short sleeps: a signal that comes after Python last looked for one and before a sleep
+    # starts is taken only when that sleep ends (the test passes SIGTERM on right after
+    # "ready", which is when a sleep is about to start).
     waiting = ("import signal, sys, time\n"
                "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"
                "print('ready', flush=True)\n"
-               "time.sleep(60)\n")
+               "for _ in range(600):\n"
+               "    time.sleep(0.1)\n")
     proc = subprocess.Popen([*warm.python(), "-c", waiting], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "ready\n"
     proc.send_signal(signal.SIGTERM)  # passed on: the command's handler runs

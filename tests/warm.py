@@ -56,6 +56,8 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
              signal.SIGUSR2)
 #: Seconds a client waits for its server to answer before starting the command fresh.
 CONNECT_S = 120.0
+#: Seconds between a client's looks for a signal while it waits for its command's end.
+_SIGNAL_LOOK_S = 0.1
 
 _server: subprocess.Popen | None = None
 _socket_path: str | None = None
@@ -216,6 +218,12 @@ def client(socket_path: str, args: list[str]) -> None:
     for signum in pending:
         forward(signum, None)
     while True:
+        # A signal that comes after Python last looked for one and before a blocking read
+        # starts is taken by Python only when that read returns: here, when the command
+        # ends, which it may do only once the signal is passed on. So wait with a timeout,
+        # and such a signal is passed on within one.
+        if not select.select([sock], [], [], _SIGNAL_LOOK_S)[0]:
+            continue
         try:
             answer, _ = _receive(sock)
             break
