@@ -235,9 +235,10 @@ def test_a_host_back_during_a_round_joins_at_the_next_step_while_the_others_trai
     print(f"the joiner took {shares} bytes from ranks {sorted(shares)}")
     sent_at, sent = given[-1]
     # The state travelled from the joiner's asking to its last update: the members train on.
+    # In the ranks' own time (the events' "sent"): the launcher may read them late.
     taken_at, took = taken[-1]
-    window = (taken_at - took["seconds"], taken_at)
-    during = {r: [e["step"] for t, e in events.of("step", r) if window[0] <= t <= window[1]]
+    window = (took["sent"] - took["seconds"], took["sent"])
+    during = {r: [e["step"] for _, e in events.of("step", r) if window[0] <= e["sent"] <= window[1]]
               for r in (0, 1)}
     ready_at = [t for t, e in events.of("host", 2) if e["state"] == "rejoining"][-1]
     first_at = next(t for t, e in events.of("step", 2) if e["step"] == rejoined["step"])
@@ -290,7 +291,7 @@ def _waited_for_the_quorum(events: Events, rank: int, window: tuple[float, float
     other member, whose merge it waited for at its round's end, while the other trained
     through ``window`` (the hand-over held neither: the strategy's own quorum did)."""
     other = 1 - rank
-    reached = [e["step"] for t, e in events.of("step", rank) if t <= window[1]]
+    reached = [e["step"] for _, e in events.of("step", rank) if e["sent"] <= window[1]]
     return bool(during[other]) and bool(reached) and max(reached) >= max(during[other])
 
 
@@ -300,7 +301,7 @@ def _no_stall(events: Events, rank: int, window: tuple[float, float], held_s: fl
     its last step before the window's end and its first after it is at most twice its
     median step interval (most steps run at full speed) at the ``speed`` it was throttled
     to there, plus ``held_s`` (a window shorter than one step holds no step of its own)."""
-    times = sorted(t for t, e in events.of("step", rank) if not e.get("idle"))
+    times = sorted(e["sent"] for _, e in events.of("step", rank) if not e.get("idle"))
     gaps = sorted(b - a for a, b in zip(times, times[1:]))
     if not gaps:
         return False

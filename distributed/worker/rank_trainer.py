@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,9 @@ class RankTrainer(Trainer):
               f"interface {iface or 'chosen by gloo'}", file=sys.stderr, flush=True)
 
         def emit(event: dict[str, Any]) -> None:
-            print(encode_event(event), flush=True)
+            # "sent": this host's clock when the event left the rank (the launcher may read
+            # it seconds later on a busy machine).
+            print(encode_event({**event, "sent": round(time.time(), 4)}), flush=True)
             if event.get("event") == "beat":
                 return  # a sign of life for the launcher alone
             if event.get("event") == "final_membership":

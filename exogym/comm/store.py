@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import socket
 import threading
@@ -671,7 +672,8 @@ def open_store(addr: str, port: int, *, is_master: bool = False, world_size: int
     if public is None:
         return ControlStore(store, key, timeout_s)
     limits = front if isinstance(front, FrontLimits) else None
-    served = StoreFront(public, (serve_at, port), limits, key=key)
+    served = StoreFront(public, (serve_at, port), limits, deletion_mark=DELETION_MARK,
+                        opened=None if key is None else functools.partial(opened, key))
     control = ControlStore(store, key, timeout_s, front=served)
     weakref.finalize(control, served.close)
     return control

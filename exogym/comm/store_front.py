@@ -39,7 +39,7 @@ Given the run's key (a signed store's front), it also refuses every write the ru
 sign: a set or compare-and-set whose value lacks the run's signature for its key (a
 compare-and-set that expects what it would write, a signed store's read, changes nothing
 and passes), any add or append, and a delete of a key whose last write was not its
-signed deletion mark (:mod:`exogym.comm.signing`).
+signed deletion mark (:mod:`exogym.comm.signing`; the front is handed how to check them).
 A refused peer's connection is closed; the first refusal of each kind is said once on
 stderr, naming the address and the bound, and later ones are counted
 (:attr:`StoreFront.refusals`).
@@ -57,8 +57,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from .signing import DELETION_MARK, opened
 
 __all__ = ["FrontLimits", "Refused", "StoreFront", "parse_request"]
 
@@ -387,18 +385,25 @@ class StoreFront:
         limits: the bounds.
         label: how the front names itself in what it says on stderr.
         say: where that is said (one line each); stderr when None.
-        key: the run's key, where the store is signed (:class:`~exogym.comm.store.SignedStore`):
-            a write is then let through only when it carries the run's signature, a delete
-            only for a key whose last write was its signed deletion mark
-            (:mod:`exogym.comm.signing`), and an add or append never (a signed store sends
-            neither). The rest is refused and counted (:meth:`describe_refused`).
+        opened: where the store is signed (:class:`~exogym.comm.store.SignedStore`), what
+            opens a value written at a key under the run's key (the key's name, the value):
+            the value the run signed, None when it did not
+            (:func:`exogym.comm.signing.opened` with the run's key). A write is then let
+            through only when it carries the run's signature, a delete only for a key whose
+            last write was ``deletion_mark``, and an add or append never (a signed store
+            sends neither). The rest is refused and counted (:meth:`describe_refused`).
+        deletion_mark: with ``opened``, the value the run writes to a key right before it
+            deletes it (:data:`exogym.comm.signing.DELETION_MARK`).
     """
 
     def __init__(self, listener: socket.socket, backend: tuple[str, int],
                  limits: FrontLimits | None = None, label: str = "store",
-                 say: Callable[[str], None] | None = None, key: bytes | None = None):
+                 say: Callable[[str], None] | None = None,
+                 opened: Callable[[bytes, bytes], bytes | None] | None = None,
+                 deletion_mark: bytes = b""):
         self.limits = limits or FrontLimits()
-        self._key = key
+        self._opened = opened
+        self._deletion_mark = deletion_mark
         self._marked: set[bytes] = set()  # keys whose last write was their deletion mark
         #: Addresses that sent what only someone without the run's key sends (the first few).
         self.strangers: list[str] = []
@@ -642,7 +647,7 @@ class StoreFront:
                 self._forward(conn, request)
                 continue
             self._check_handshake(conn, request)
-            if self._key is not None:
+            if self._opened is not None:
                 self._check_signed(request)
             self._check_costs(conn, request)
             self._forward(conn, request)
@@ -688,16 +693,16 @@ class StoreFront:
                 raise Refused("delete", _named(key))
             self._marked.discard(key)
             return
-        assert self._key is not None
+        assert self._opened is not None
         marks = []
         for key, expected, value in request.values:
             if expected is not None and expected and value == expected:
                 continue  # a compare-and-set that cannot change the key: a signed store's read
             # torch's client puts "/" before every key it sends; the signature is the name's.
-            opened_value = opened(self._key, key[1:] if key.startswith(b"/") else key, value)
-            if opened_value is None:
+            opened = self._opened(key[1:] if key.startswith(b"/") else key, value)
+            if opened is None:
                 raise Refused("unsigned", f"a value for {_named(key)}")
-            marks.append((key, opened_value == DELETION_MARK))
+            marks.append((key, opened == self._deletion_mark))
         for key, mark in marks:
             if mark:
                 self._marked.add(key)
