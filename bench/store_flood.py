@@ -7,9 +7,11 @@ review did:
 
 1. **values**: ``--values`` values of 7 MiB, each on a connection of its own that
    completed torch's client handshake, as fast as the store takes them;
-2. **idle connections**: two processes (each under its own descriptor limit) that
-   open ``--idle`` connections each from an address of their own (``127.0.0.2``,
-   ``127.0.0.3``) and hold them, sending nothing.
+2. **idle connections**: ``--addresses`` processes (2; each under its own descriptor
+   limit) that open ``--idle`` connections each from an address of their own
+   (``127.0.0.2``, ``127.0.0.3``, ...) and hold them, sending nothing; with
+   ``--handshake``, nothing after torch's client handshake (the front then closes them
+   once its proof time has passed: they never write what the run signed).
 
 After each it prints the store process's resident memory, open descriptors and
 threads, and whether a client of the run (a new connection, with the run's key, as
@@ -32,6 +34,7 @@ Run from the project root::
     python -m bench.store_flood
     python -m bench.store_flood --values 300 --idle 10200 --only front
     python -m bench.store_flood --values 300 --idle 2000 --only none
+    python -m bench.store_flood --values 0 --idle 256 --addresses 8 --handshake --only front
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ sys.stdin.read()
 #: Holds idle connections from one address; prints how many it opened, holds them until
 #: stdin closes.
 HOLDER = """
-import socket, sys
-port, count, source = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+import socket, struct, sys
+port, count, source, handshake = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 held = []
 for _ in range(count):
     sock = socket.socket()
@@ -69,6 +72,10 @@ for _ in range(count):
     sock.bind((source, 0))
     try:
         sock.connect(("127.0.0.1", port))
+        if handshake == "yes":  # torch's client handshake: validate, then ping
+            sock.sendall(b"\\x00" + struct.pack("<I", 0x3C85F7CE) + b"\\x0d" + struct.pack("<I", 1))
+            if len(sock.recv(4)) != 4:
+                raise OSError("closed")
     except OSError:
         sock.close()
         break
@@ -137,7 +144,8 @@ def round_trip_us(port: int, key: bytes, calls: int = 3000) -> float:
     return best
 
 
-def measure(front: bool, values: int, idle: int, settle_s: float) -> tuple[list[list], float]:
+def measure(front: bool, values: int, idle: int, settle_s: float, addresses: int = 2,
+            handshake: bool = False) -> tuple[list[list], float]:
     key = os.urandom(32)
     host = subprocess.Popen([sys.executable, "-c", HOST, key.hex(),
                              "front" if front else "none"], cwd=ROOT, stdin=subprocess.PIPE,
@@ -157,14 +165,15 @@ def measure(front: bool, values: int, idle: int, settle_s: float) -> tuple[list[
         taken, seconds = send_values(port, values, 7 * MIB)
         row(f"{values} values of 7 MiB", f"{taken} stored, in {seconds:.1f} s")
         opened = []
-        for source in ("127.0.0.2", "127.0.0.3"):
+        for source in range(2, 2 + addresses):
             holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(port), str(idle),
-                                       source], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      text=True)
+                                       f"127.0.0.{source}", "yes" if handshake else "no"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             holders.append(holder)
             opened.append(holder.stdout.readline().strip())
         time.sleep(0.5)
-        row(f"2 x {idle} idle connections", f"{' + '.join(opened)} connected")
+        past = " past the handshake" if handshake else ""
+        row(f"{addresses} x {idle} idle connections{past}", f"{' + '.join(opened)} connected")
         time.sleep(settle_s)
         row(f"  ... {settle_s:g} s later, still held")
     finally:
@@ -181,17 +190,24 @@ def main() -> None:
     parser.add_argument("--values", type=int, default=300, help="values of 7 MiB sent")
     parser.add_argument("--idle", type=int, default=10200,
                         help="idle connections from each of two addresses")
+    parser.add_argument("--addresses", type=int, default=2,
+                        help="addresses the idle connections come from (127.0.0.2 and up)")
+    parser.add_argument("--handshake", action="store_true",
+                        help="the idle connections complete torch's client handshake first "
+                             "(they are then held until the front's proof time has passed)")
     parser.add_argument("--only", choices=["front", "none"],
                         help="measure the store with its front alone, or without it alone")
     args = parser.parse_args()
     from exogym.comm.store_front import FrontLimits
 
-    settle_s = FrontLimits().handshake_s + 1.0
+    limits = FrontLimits()
+    settle_s = (limits.proof_s if args.handshake else limits.handshake_s) + 1.0
     trips = []
     for title, front in (("with its front", True), ("without a front (as before)", False)):
         if args.only is not None and front != (args.only == "front"):
             continue
-        rows, trip = measure(front, args.values, args.idle, settle_s)
+        rows, trip = measure(front, args.values, args.idle, settle_s, args.addresses,
+                             args.handshake)
         trips.append([title, f"{trip:.0f}"])
         print_table(f"the store's process under a stranger's flood: {title}",
                     ["flood", "result", "RSS MiB", "descriptors", "threads",

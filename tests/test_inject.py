@@ -456,7 +456,9 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
         hosts = tmp_path / "hosts.json"
         hosts.write_text(json.dumps(config))
         second, third = (h.address for h in bed.hosts)  # ranks 1 and 2
-        inject = ["slow:1@step=300x0.25+4s", f"kill:{third}@step=500+4s",
+        # The slow lasts 8 s: some 110 steps at a quarter of the speed, so that its span
+        # holds a whole 50-step block of the trace wherever it fires.
+        inject = ["slow:1@step=300x0.25+8s", f"kill:{third}@step=500+4s",
                   "freeze:1@step=501+5s"]
         if can_cut:
             inject.append(f"cut:{third}@step=502+5s")
@@ -526,7 +528,7 @@ def test_a_run_on_namespace_hosts_survives_an_injected_kill_freeze_slow_and_cut(
     assert back > slowed, (slowed, back)
     before = _compute_times(trace, 1, 100, 290)
     # the steps while the slow-down held: from its first look at its throttle file (every
-    # 0.1 s) until it ended; a busy machine trains fewer steps in those 4 s
+    # 0.1 s) until it ended; a busy machine trains fewer steps in those 8 s
     during = _compute_times(trace, 1, slowed + 5, back)
     assert len(during) >= 10, (slowed, back)
     assert during[len(during) // 2] > 1.5 * before[len(before) // 2], (before[::50],

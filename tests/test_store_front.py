@@ -175,8 +175,13 @@ def test_idle_connections_from_one_address_are_capped_and_closed_and_a_rank_stil
     master.close()
 
 
-def test_when_every_place_is_taken_one_still_waiting_for_its_handshake_makes_room():
-    limits = FrontLimits(per_address=4, total=12, handshake_s=30.0)
+def test_when_every_place_is_taken_one_still_waiting_for_its_handshake_or_its_proof_makes_room(
+        capfd):
+    """Every place taken: the connection waiting longest for its handshake, or past it but
+    yet to write anything the run signed, is closed for a newcomer; connections of the
+    run's clients (each writes a signed value as it connects) keep theirs, and an idle
+    connection that never proves it holds the run's key is closed after ``proof_s``."""
+    limits = FrontLimits(per_address=16, total=12, handshake_s=30.0, proof_s=30.0)
     master = open_store("127.0.0.1", 0, is_master=True, timeout_s=10, key=KEY, front=limits)
     front = master.front
     held = [stranger(master.port, f"127.0.0.{3 + i % 6}", handshake=False) for i in range(24)]
@@ -186,17 +191,35 @@ def test_when_every_place_is_taken_one_still_waiting_for_its_handshake_makes_roo
         # A rank from another address takes the place of the one waiting longest.
         rank = open_store("127.0.0.1", master.port, timeout_s=10, key=KEY)
         assert rank.add("exogym/elastic/log/n", 1) == 1
-        # Strangers past the handshake hold their places: then newcomers are refused.
-        talkers = [stranger(master.port, f"127.0.0.{20 + i % 4}") for i in range(11)]
+        # Strangers past the handshake, who cannot sign, make room as well.
+        talkers = [stranger(master.port, f"127.0.0.{20 + i % 4}") for i in range(16)]
+        wait_for(lambda: front.refusals["made_room"] >= 12 + 1 + 16, 10, "room made again")
+        assert front.open_connections == 12
+        # Clients of the run hold their places: then a newcomer is refused.
+        ranks = [open_store("127.0.0.1", master.port, timeout_s=10, key=KEY) for _ in range(11)]
         with stranger(master.port, "127.0.0.30", handshake=False) as late:
             assert closed_by_peer(late)
         assert front.refusals["total"] >= 1
         assert rank.add("exogym/elastic/log/n", 1) == 2  # the rank keeps its place
+        for other in ranks:
+            assert other.add("exogym/elastic/log/n", 0) == 2
         for sock in talkers:
             sock.close()
     finally:
         for sock in held:
             sock.close()
+    master.close()
+    # Past its handshake and idle, a connection that never wrote what the run signed is
+    # closed after proof_s; the run's client, as idle, is not.
+    limits = FrontLimits(proof_s=1.0)
+    master = open_store("127.0.0.1", 0, is_master=True, timeout_s=10, key=KEY, front=limits)
+    rank = open_store("127.0.0.1", master.port, timeout_s=10, key=KEY)
+    with stranger(master.port, "127.0.0.31") as idle:
+        assert closed_by_peer(idle, 10)
+    assert rank.add("exogym/elastic/log/n", 1) == 1
+    err = capfd.readouterr().err
+    assert err.count("store: refused a connection from 127.0.0.31: it sent nothing the run "
+                     "signed within 1 s, as the run's own clients do when they connect") == 1, err
     master.close()
 
 

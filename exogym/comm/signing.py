@@ -9,17 +9,22 @@ through that does not carry such a signature.
 A signed store deletes a key in two steps: it first writes the key's
 :data:`DELETION_MARK`, signed, then deletes it. The front lets a delete through only for a
 key whose last write was that mark, so a delete from anyone without the run's key is
-refused.
+refused. Each client of a signed store also writes :data:`HELLO_KEY` as it connects,
+so that the front knows which connections hold the run's key; the others may not stay
+idle.
 """
 
 from __future__ import annotations
 
 import hmac
 
-__all__ = ["DELETION_MARK", "SIGNATURE_BYTES", "opened", "signature"]
+__all__ = ["DELETION_MARK", "HELLO_KEY", "SIGNATURE_BYTES", "opened", "signature"]
 
 #: Bytes of the signature appended to every value of a signed store.
 SIGNATURE_BYTES = 32
+#: The key every client of a signed store writes (signed, a random value) as it connects:
+#: the front then knows the connection holds the run's key and lets it stay idle.
+HELLO_KEY = "exogym/hello"
 #: The value a signed store writes to a key right before it deletes it; never a value the
 #: project stores otherwise (it begins with a zero byte).
 DELETION_MARK = b"\x00exogym-deleted"

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .signing import DELETION_MARK, opened, signature
+from .signing import DELETION_MARK, HELLO_KEY, opened, signature
 from .store_front import FrontLimits, StoreFront, describe_refused
 
 #: The largest value the project puts in a store.
@@ -640,9 +640,12 @@ def open_store(addr: str, port: int, *, is_master: bool = False, world_size: int
             for a run across hosts (``key`` given), none for a local one.
     """
     if not is_master:
-        return ControlStore(dist.TCPStore(addr, port, world_size, is_master=False,
-                                          timeout=timedelta(seconds=timeout_s),
-                                          wait_for_workers=False), key, timeout_s)
+        client = ControlStore(dist.TCPStore(addr, port, world_size, is_master=False,
+                                            timeout=timedelta(seconds=timeout_s),
+                                            wait_for_workers=False), key, timeout_s)
+        if key is not None:  # the front lets the connection idle once it has seen this
+            client.raw.set(HELLO_KEY, os.urandom(8).hex())
+        return client
     if front is None:
         front = key is not None
     public: socket.socket | None = None

@@ -22,7 +22,10 @@ every peer to :class:`FrontLimits`:
 - **Time.** A request must arrive whole within ``request_s`` of its first byte; an
   answer the peer does not take within ``write_s`` is given up, and the connection
   closed. A connection past its handshake may stay idle: a rank's client waits
-  between rounds for as long as the run needs.
+  between rounds for as long as the run needs. Where the store is signed, only once it
+  has sent a write the run signed (each client of the project sends one as it
+  connects): until then it has ``proof_s`` from being accepted, and it is the first to
+  make room when every place is taken.
 - **Bytes.** A key may hold ``key_bytes``, a value ``value_bytes``, a request
   ``keys_per_request`` keys and ``request_bytes`` in all; a request past one is refused
   at its length, before its payload arrives. Everything the store holds (keys, values,
@@ -101,6 +104,10 @@ class FrontLimits:
         per_address: open connections one address may hold.
         total: open connections in all.
         handshake_s: seconds a new connection has to complete torch's client handshake.
+        proof_s: where the store is signed, seconds a new connection has to send a write
+            the run signed (a client of the project sends one as it connects,
+            :data:`exogym.comm.signing.HELLO_KEY`); one that has not may hold its place no
+            longer.
         request_s: seconds a request may take to arrive whole, from its first byte.
         write_s: seconds an answer may wait for the peer to take it.
         key_bytes: bytes of one key.
@@ -118,6 +125,7 @@ class FrontLimits:
     per_address: int = 256
     total: int = 1024
     handshake_s: float = 5.0
+    proof_s: float = 15.0
     request_s: float = 10.0
     write_s: float = 30.0
     key_bytes: int = 4096
@@ -135,7 +143,7 @@ class FrontLimits:
             if getattr(self, name) < 1:
                 raise ValueError(f"FrontLimits.{name} must be at least 1, "
                                  f"got {getattr(self, name)}")
-        for name in ("handshake_s", "request_s", "write_s"):
+        for name in ("handshake_s", "proof_s", "request_s", "write_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"FrontLimits.{name} must be above 0 s, "
                                  f"got {getattr(self, name)}")
@@ -363,6 +371,7 @@ class _Connection:
         self.backend: socket.socket | None = None
         self.accepted = now
         self.handshake = 0  # commands of the handshake seen: validate, then ping
+        self.proven = False  # it sent a write the run signed (a signed store's front)
         self.incoming = bytearray()
         self.request_since: float | None = None  # when the request now arriving began
         self.to_server = bytearray()
@@ -464,9 +473,12 @@ class StoreFront:
             "total": f"{self.total} connections are open, the most this store takes, and none "
                      f"is waiting for its handshake to be closed to make room",
             "made_room": f"{self.total} connections are open, the most this store takes: the "
-                         f"one waiting longest for its handshake (from {detail}) was closed",
+                         f"one waiting longest for its handshake or for a write the run "
+                         f"signed (from {detail}) was closed",
             "handshake_s": f"it did not complete a store client's handshake within "
                            f"{limits.handshake_s:g} s",
+            "proof_s": f"it sent nothing the run signed within {limits.proof_s:g} s, as "
+                       f"the run's own clients do when they connect",
             "request_s": f"its request did not arrive whole within {limits.request_s:g} s",
             "write_s": f"it did not take its answer within {limits.write_s:g} s",
             "key_bytes": f"it sent {detail}; a key may hold {limits.key_bytes:,} bytes",
@@ -538,7 +550,7 @@ class StoreFront:
                 sock.close()
                 continue
             if len(self._connections) >= self.total:
-                waiting = [c for c in self._connections.values() if c.handshake < 2]
+                waiting = [c for c in self._connections.values() if not self._settled(c)]
                 if not waiting:
                     self.refuse("total", address)
                     sock.close()
@@ -561,6 +573,8 @@ class StoreFront:
             kind = None
             if conn.handshake < 2 and now - conn.accepted > limits.handshake_s:
                 kind = "handshake_s"
+            elif not self._settled(conn) and now - conn.accepted > limits.proof_s:
+                kind = "proof_s"
             elif conn.request_since is not None and now - conn.request_since > limits.request_s:
                 kind = "request_s"
             elif (conn.peer_waiting_since is not None
@@ -648,7 +662,8 @@ class StoreFront:
                 continue
             self._check_handshake(conn, request)
             if self._opened is not None:
-                self._check_signed(request)
+                if self._check_signed(request):
+                    conn.proven = True  # it wrote a value the run signed: it holds the key
             self._check_costs(conn, request)
             self._forward(conn, request)
             conn.answer = _answer_for(request)
@@ -681,9 +696,15 @@ class StoreFront:
         elif request.command == VALIDATE:
             raise Refused("command", "a second handshake")
 
-    def _check_signed(self, request: Request) -> None:
+    def _settled(self, conn: _Connection) -> bool:
+        """Whether ``conn`` may keep its place while idle: past its handshake, and where
+        the store is signed, proven to hold the run's key."""
+        return conn.handshake >= 2 and (conn.proven or self._opened is None)
+
+    def _check_signed(self, request: Request) -> bool:
         """Refuse what no client holding the run's key sends: a value without its
-        signature, an add or append, a delete of a key not marked deleted."""
+        signature, an add or append, a delete of a key not marked deleted. Whether the
+        request wrote a value the run signed."""
         command = request.command
         if command in (ADD, APPEND):
             raise Refused("unsigned", f"{COMMANDS[command]} on {_named(request.keys[0])}")
@@ -692,7 +713,7 @@ class StoreFront:
             if key not in self._marked:
                 raise Refused("delete", _named(key))
             self._marked.discard(key)
-            return
+            return False
         assert self._opened is not None
         marks = []
         for key, expected, value in request.values:
@@ -708,6 +729,7 @@ class StoreFront:
                 self._marked.add(key)
             else:
                 self._marked.discard(key)
+        return bool(marks)
 
     def describe_refused(self) -> str:
         """A sentence on the writes and deletes this front refused for want of the run's
