@@ -14,6 +14,7 @@ clients connect from ``127.0.0.1``.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 import threading
@@ -397,6 +398,14 @@ def test_a_signed_store_s_front_lets_through_only_what_the_run_signed_and_its_ow
     told = master.describe_refused()
     assert told == ("refused 5 writes not signed by the run and 2 deletes of keys the run had "
                     "not marked deleted (from 127.0.0.1)"), told
+    # A process that serves the store without a launcher (rank 0 of a run without
+    # --min-nodes) says so through its report of what it ignored.
+    from exogym.comm.store import describe_ignored
+
+    assert re.search(r"refused \d+ writes not signed by the run and \d+ deletes of keys the "
+                     r"run had not marked deleted \(from [\d., ]*127\.0\.0\.1",
+                     describe_ignored()), describe_ignored()
+    assert "refused" not in describe_ignored(fronts=False)
     err = capfd.readouterr().err
     assert err.count("not signed by the run: its ranks sign every value they write") == 1, err
     assert err.count("which the run had not marked deleted") == 1, err

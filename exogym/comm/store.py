@@ -295,16 +295,20 @@ class SignedStore(dist.Store):
         data = _encoded(key, value)
         return data + self._signature(key, data)
 
-    def _open(self, key: str, raw: bytes) -> bytes | None:
-        """The value of a signed ``raw``; None (noted) when its signature does not hold."""
+    def _verified(self, key: str, raw: bytes) -> bytes | None:
+        """The value of a signed ``raw`` (the deletion mark included); None (noted) when its
+        signature does not hold."""
         raw = bytes(raw)
         value = opened(self._key, key.encode(), raw)
-        if value == DELETION_MARK:
-            return None  # the key is being deleted: as good as unset
-        if value is not None:
-            return value
-        _IGNORED.note(key, raw)
-        return None
+        if value is None:
+            _IGNORED.note(key, raw)
+        return value
+
+    def _open(self, key: str, raw: bytes) -> bytes | None:
+        """The value of a signed ``raw``; None when its signature does not hold (noted) or
+        the key is being deleted (its deletion mark: as good as unset)."""
+        value = self._verified(key, raw)
+        return None if value == DELETION_MARK else value
 
     def _forged(self, key: str) -> UnsignedValueError:
         return UnsignedValueError(
@@ -340,11 +344,9 @@ class SignedStore(dist.Store):
         raw = bytes(self._ops.compare_set(key, self._probe, self._probe))
         if raw == self._probe:
             return None, None
-        value = opened(self._key, key.encode(), raw)
+        value = self._verified(key, raw)
         if value == DELETION_MARK:
             return None, None  # being deleted
-        if value is None:
-            _IGNORED.note(key, raw)
         return raw, value
 
     def check(self, keys: list[str]) -> bool:  # noqa: D102

@@ -661,10 +661,16 @@ class StoreFront:
                 self._forward(conn, request)
                 continue
             self._check_handshake(conn, request)
-            if self._opened is not None:
-                if self._check_signed(request):
-                    conn.proven = True  # it wrote a value the run signed: it holds the key
+            marks = self._check_signed(request) if self._opened is not None else []
             self._check_costs(conn, request)
+            # Passed: the keys it wrote now hold its values, marked deleted or not.
+            for key, mark in marks:
+                if mark:
+                    self._marked.add(key)
+                else:
+                    self._marked.discard(key)
+            if marks:
+                conn.proven = True  # it wrote a value the run signed: it holds the key
             self._forward(conn, request)
             conn.answer = _answer_for(request)
             conn.waiting = request.command == WAIT
@@ -701,10 +707,11 @@ class StoreFront:
         the store is signed, proven to hold the run's key."""
         return conn.handshake >= 2 and (conn.proven or self._opened is None)
 
-    def _check_signed(self, request: Request) -> bool:
+    def _check_signed(self, request: Request) -> list[tuple[bytes, bool]]:
         """Refuse what no client holding the run's key sends: a value without its
-        signature, an add or append, a delete of a key not marked deleted. Whether the
-        request wrote a value the run signed."""
+        signature, an add or append, a delete of a key not marked deleted. For each value
+        the run signed that the request writes, its key and whether it is the deletion
+        mark."""
         command = request.command
         if command in (ADD, APPEND):
             raise Refused("unsigned", f"{COMMANDS[command]} on {_named(request.keys[0])}")
@@ -713,9 +720,9 @@ class StoreFront:
             if key not in self._marked:
                 raise Refused("delete", _named(key))
             self._marked.discard(key)
-            return False
+            return []
         assert self._opened is not None
-        marks = []
+        marks: list[tuple[bytes, bool]] = []
         for key, expected, value in request.values:
             if expected is not None and expected and value == expected:
                 continue  # a compare-and-set that cannot change the key: a signed store's read
@@ -724,12 +731,7 @@ class StoreFront:
             if opened is None:
                 raise Refused("unsigned", f"a value for {_named(key)}")
             marks.append((key, opened == self._deletion_mark))
-        for key, mark in marks:
-            if mark:
-                self._marked.add(key)
-            else:
-                self._marked.discard(key)
-        return bool(marks)
+        return marks
 
     def describe_refused(self) -> str:
         """A sentence on the writes and deletes this front refused for want of the run's
